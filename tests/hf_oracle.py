@@ -1,0 +1,41 @@
+"""Tiny random transformers models (PyTorch CPU, fp32): the oracle for logits and generation."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+}
+
+
+def tiny_hf_model(family: str, *, tie: bool = False, seed: int = 0, vocab: int = 128,
+                  **overrides):
+    config_cls, model_cls = FAMILIES[family]
+    kw = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              rms_norm_eps=1e-6, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0)
+    if family == "qwen3":
+        kw["head_dim"] = 16
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**kw)).eval()
+    # Random init leaves norms at 1 and biases at 0; perturb them so the test sees them.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def hf_logits(model, tokens, mask):
+    """Logits for a left-padded batch, positions counted from each row's first real token."""
+    t = torch.as_tensor(tokens, dtype=torch.long)
+    m = torch.as_tensor(mask, dtype=torch.long)
+    pos = (m.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        return model(input_ids=t, attention_mask=m, position_ids=pos).logits.float().numpy()

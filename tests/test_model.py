@@ -1,0 +1,95 @@
+"""The decoder against transformers (PyTorch CPU, fp32): logits, export round trip, errors."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hf_oracle import hf_logits, tiny_hf_model
+
+from grpo_jax import hf
+from grpo_jax.models import positions_from_mask
+
+TOKENS = np.array([[0, 0, 0, 5, 17, 99, 3, 42], [7, 8, 9, 10, 11, 12, 13, 14],
+                   [0, 0, 0, 0, 0, 0, 120, 6]])
+MASK = (np.arange(8)[None] >= np.array([3, 0, 6])[:, None]).astype(np.int32)
+
+
+def jax_logits(model, tokens=TOKENS, mask=MASK):
+    hidden, _ = model(jnp.asarray(tokens), positions_from_mask(jnp.asarray(mask)),
+                      jnp.asarray(mask))
+    return np.asarray(model.logits(hidden))
+
+
+def _max_diff_real(a, b, mask=MASK):
+    return np.abs(a - b)[mask.astype(bool)].max()
+
+
+@pytest.mark.parametrize("family,tie", [("llama", False), ("llama", True), ("qwen2", False),
+                                        ("qwen2", True), ("qwen3", False)])
+def test_logits_match_transformers_left_padded(tmp_path, family, tie):
+    ref = tiny_hf_model(family, tie=tie)
+    ref.save_pretrained(tmp_path)
+    model, _ = hf.load_model(str(tmp_path), dtype=jnp.float32)
+    assert _max_diff_real(jax_logits(model), hf_logits(ref, TOKENS, MASK)) < 1e-4
+
+
+def test_llama3_rope_scaling(tmp_path):
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16}
+    ref = tiny_hf_model("llama", rope_parameters=rope)
+    ref.save_pretrained(tmp_path)
+    model, _ = hf.load_model(str(tmp_path), dtype=jnp.float32)
+    assert model.cfg.rope_llama3 is not None
+    assert _max_diff_real(jax_logits(model), hf_logits(ref, TOKENS, MASK)) < 1e-4
+
+
+@pytest.mark.parametrize("family,tie", [("qwen2", True), ("qwen3", False)])
+def test_export_round_trip(tmp_path, family, tie):
+    import transformers
+    src = tiny_hf_model(family, tie=tie, seed=3)
+    src.save_pretrained(tmp_path / "src")
+    model, _ = hf.load_model(str(tmp_path / "src"), dtype=jnp.float32)
+    hf.save_hf(model, tmp_path / "out", source_dir=tmp_path / "src")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert _max_diff_real(jax_logits(model), hf_logits(back, TOKENS, MASK)) < 1e-4
+
+
+def test_sharded_export_and_bf16(tmp_path):
+    import transformers
+    src = tiny_hf_model("llama", seed=4)
+    src.save_pretrained(tmp_path / "src")
+    model, _ = hf.load_model(str(tmp_path / "src"), dtype=jnp.float32)
+    hf.save_hf(model, tmp_path / "out", dtype="bfloat16", max_shard_bytes=20_000)
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
+                                                             dtype="float32").eval()
+    reloaded, _ = hf.load_model(str(tmp_path / "out"), dtype=jnp.float32)
+    assert _max_diff_real(jax_logits(reloaded), hf_logits(back, TOKENS, MASK)) < 1e-4
+
+
+def test_refuses_pickle_checkpoints(tmp_path):
+    import torch
+    src = tiny_hf_model("llama")
+    src.config.save_pretrained(tmp_path)
+    torch.save(src.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(hf.ModelLoadError, match="pickle.*safe_serialization=True"):
+        hf.load_model(str(tmp_path))
+
+
+def test_bad_model_inputs(tmp_path):
+    with pytest.raises(hf.ModelLoadError, match="not found"):
+        hf.load_model(str(tmp_path / "nope"))
+    with pytest.raises(hf.ModelLoadError, match="no config.json"):
+        hf.load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(hf.ModelLoadError, match="unsupported model_type 'gpt2'"):
+        hf.load_model(str(tmp_path))
+
+
+def test_hub_id_offline_fails_with_advice():
+    with pytest.raises(hf.ModelLoadError, match="hub.*--local-dir"):
+        hf.load_model("someorg/somemodel-that-is-not-cached")
