@@ -93,3 +93,29 @@ def test_bad_model_inputs(tmp_path):
 def test_hub_id_offline_fails_with_advice():
     with pytest.raises(hf.ModelLoadError, match="hub.*--local-dir"):
         hf.load_model("someorg/somemodel-that-is-not-cached")
+
+
+@pytest.mark.slow
+def test_real_smollm2_matches_transformers():
+    import transformers
+    model_dir = hf.resolve_model_dir(hf.SMOL_ALIAS)
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
+    model, _ = hf.load_model(hf.SMOL_ALIAS, dtype=jnp.float32)
+    assert (model.cfg.num_layers, model.cfg.num_kv_heads, model.cfg.tie_word_embeddings) == (
+        30, 3, True)
+    chats = [[{"role": "user", "content": "What is 2+3?"}],
+             [{"role": "user", "content": "Summarise: the cat sat on the mat all day."}]]
+    ids = [tok.apply_chat_template(c, add_generation_prompt=True) for c in chats]
+    ids = [list(x["input_ids"]) if hasattr(x, "keys") else list(x) for x in ids]
+    width = max(map(len, ids))
+    tokens = np.array([[tok.pad_token_id] * (width - len(x)) + x for x in ids])
+    mask = np.array([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    got = jax_logits(model, tokens, mask)
+    want = hf_logits(ref, tokens, mask)
+    # 30 fp32 layers, logits up to |38|: measured 1.0e-4 absolute, i.e. ~3e-6 relative.
+    assert _max_diff_real(got, want, mask) < 2e-4
+    assert np.abs(got - want)[mask.astype(bool)].mean() < 2e-5
+    # It is a real chat model: the next token after the prompt is the same in both.
+    last = mask.shape[1] - 1
+    assert (got[:, last].argmax(-1) == want[:, last].argmax(-1)).all()
