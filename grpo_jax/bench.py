@@ -1,0 +1,212 @@
+"""`python -m grpo_jax.bench {sampler,train-step,e2e}`: speed figures against hardware limits.
+
+Defaults are the issue's workload: the Qwen2-0.5B architecture with random weights, 8 prompts x
+8 completions, 256 prompt tokens, 256 completion tokens forced (no early stop), bf16. `--tiny`
+swaps in a small model so the benchmark runs (and stays working) on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from grpo_jax import mesh as mesh_lib
+from grpo_jax.grpo.loss import LossConfig
+from grpo_jax.grpo.train_step import StepConfig, Trainer
+from grpo_jax.models import Decoder, ModelConfig
+from grpo_jax.rollout.sampler import Sampler
+from grpo_jax.rollout.sampling import SamplingParams
+
+QWEN2_0_5B = ModelConfig(model_type="qwen2", vocab_size=151936, hidden_size=896,
+                         intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
+                         head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6,
+                         tie_word_embeddings=True, qkv_bias=True)
+TINY = ModelConfig(model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128,
+                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                   tie_word_embeddings=True, qkv_bias=True)
+
+# (peak dense bf16 FLOP/s, HBM bytes/s) by device kind; None where unknown (CPU).
+PEAKS = {"H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12), "A100": (312e12, 2.0e12),
+         "TPU v5e": (197e12, 0.82e12), "TPU v4": (275e12, 1.2e12), "TPU v5p": (459e12, 2.76e12)}
+
+
+def device_peaks():
+    kind = jax.devices()[0].device_kind
+    for name, peaks in PEAKS.items():
+        if name.lower() in kind.lower():
+            if name == "H100" and "PCIe" in kind:
+                return kind, (756e12, 2.0e12)
+            return kind, peaks
+    return kind, (None, None)
+
+
+def peak_memory() -> float | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def _timed(fn, repeats):
+    fn()  # compile + warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def train_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
+    """Model FLOPs of one fwd+bwd (6 N T for the matmuls + causal attention), remat excluded."""
+    dense = cfg.num_params() - cfg.vocab_size * cfg.hidden_size  # the embedding gather is free
+    dense += cfg.vocab_size * cfg.hidden_size  # ...but the LM head is a matmul
+    attn = 6 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq  # QK^T and PV, causal half
+    return float(batch * seq * (6 * dense + attn))
+
+
+def decode_bytes(cfg: ModelConfig, batch: int, cache_len: int, param_bytes: int) -> float:
+    """HBM bytes one decode step must read: every weight once plus the whole KV cache."""
+    kv = 2 * cfg.num_layers * batch * cache_len * cfg.num_kv_heads * cfg.head_dim * 2
+    return float(cfg.num_params() * param_bytes + kv)
+
+
+def make_workload(args):
+    cfg = (TINY if args.tiny else QWEN2_0_5B).replace(
+        dtype=jnp.dtype(args.dtype), remat=not args.no_remat)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(fsdp=-1))
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(3, cfg.vocab_size, args.prompt_len)) for _ in range(args.prompts)]
+    return cfg, model, mesh, prompts
+
+
+def bench_sampler(args, cfg, model, mesh, prompts, trainer=None):
+    sp = SamplingParams(max_completion_length=args.completion_len, temperature=1.0,
+                        stop_token_ids=())  # no stop token: every row runs the full length
+    sampler = Sampler(cfg, sp, pad_id=0, mesh=mesh)
+    params = nnx.split(model, nnx.Param)[1] if trainer is None else trainer.init_state.params
+    sec = _timed(lambda: sampler.generate(params, prompts, args.generations, 0), args.repeats)
+    n = len(prompts) * args.generations
+    _, (_, bw) = device_peaks()
+    floor = decode_bytes(cfg, n, args.prompt_len + args.completion_len,
+                         jnp.dtype(cfg.param_dtype).itemsize) / bw if bw else None
+    per_step = sec / args.completion_len
+    return {"generate_s": sec, "generated_tokens_per_s": n * args.completion_len / sec,
+            "decode_ms_per_step(upper bound, incl. prefill)": per_step * 1e3,
+            "decode_floor_ms": floor * 1e3 if floor else None,
+            "decode_fraction_of_hbm_limit": floor / per_step if floor else None,
+            "compiles": sampler.num_compiles}
+
+
+def train_batch(cfg, n, prompt_len, completion_len, seed=0):
+    rng = np.random.default_rng(seed)
+    c_mask = np.ones((n, completion_len), np.int32)
+    return {"prompt_ids": rng.integers(3, cfg.vocab_size, (n, prompt_len)).astype(np.int32),
+            "prompt_mask": np.ones((n, prompt_len), np.int32),
+            "completion_ids": rng.integers(3, cfg.vocab_size, (n, completion_len)).astype(np.int32),
+            "completion_mask": c_mask, "truncated": np.zeros(n, bool),
+            "advantages": rng.standard_normal(n).astype(np.float32)}
+
+
+def make_trainer(args, cfg, model, mesh):
+    from grpo_jax.config import OptimArgs
+    step_cfg = StepConfig(loss=LossConfig(loss_type="dapo",
+                                          max_completion_length=args.completion_len),
+                          gradient_accumulation_steps=args.grad_accum)
+    return Trainer(model, step_cfg, OptimArgs(learning_rate=1e-6), 1000, mesh)
+
+
+def bench_train_step(args, cfg, trainer):
+    n = args.prompts * args.generations
+    batch = train_batch(cfg, n, args.prompt_len, args.completion_len)
+    box = {"state": trainer.init_state}
+
+    def run():
+        box["state"], m = trainer.step(box["state"], batch)
+        jax.block_until_ready(m)
+    sec = _timed(run, args.repeats)
+    tokens = n * (args.prompt_len + args.completion_len)
+    flops = train_flops(cfg, n, args.prompt_len + args.completion_len)
+    peak, _ = device_peaks()[1]
+    return {"train_step_s": sec, "train_tokens_per_s": tokens / sec,
+            "model_tflops_per_s": flops / sec / 1e12,
+            "mfu": flops / sec / peak if peak else None}
+
+
+def bench_e2e(args, cfg, model, mesh, prompts):
+    """One GRPO step: generate, old log-probs, one optimizer update on the result."""
+    trainer = make_trainer(args, cfg, model, mesh)
+    sp = SamplingParams(max_completion_length=args.completion_len, stop_token_ids=())
+    sampler = Sampler(cfg, sp, pad_id=0, mesh=mesh)
+    box = {"state": trainer.init_state}
+    parts = {"generate": [], "logps": [], "update": []}
+
+    def run(record=True):
+        t0 = time.perf_counter()
+        r = sampler.generate(box["state"].params, prompts, args.generations, 0)
+        t1 = time.perf_counter()
+        batch = {k: getattr(r, k) for k in ("prompt_ids", "prompt_mask", "completion_ids",
+                                           "completion_mask", "truncated")}
+        batch["advantages"] = np.random.default_rng(0).standard_normal(
+            len(r.truncated)).astype(np.float32)
+        batch["old_logp"] = np.asarray(trainer.logps(box["state"].params, batch))
+        t2 = time.perf_counter()
+        box["state"], m = trainer.step(box["state"], batch)
+        jax.block_until_ready(m)
+        t3 = time.perf_counter()
+        if record:
+            for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
+                parts[k].append(v)
+    run(record=False)
+    sec = _timed(run, args.repeats)
+    out = {"grpo_step_s": sec}
+    out.update({f"{k}_s": float(np.median(v)) for k, v in parts.items()})
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m grpo_jax.bench", description=__doc__)
+    p.add_argument("what", choices=["sampler", "train-step", "e2e", "all"])
+    p.add_argument("--tiny", action="store_true", help="small model (CPU)")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--generations", type=int, default=8)
+    p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--completion-len", type=int, default=256)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--no-remat", action="store_true")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", help="also write the figures to this file")
+    args = p.parse_args(argv)
+    cfg, model, mesh, prompts = make_workload(args)
+    kind, _ = device_peaks()
+    result = {"device": kind, "devices": jax.device_count(), "jax": jax.__version__,
+              "workload": {k: v for k, v in vars(args).items() if k not in ("what", "json")},
+              "params_M": cfg.num_params() / 1e6}
+    trainer = None
+    if args.what in ("train-step", "all"):
+        trainer = make_trainer(args, cfg, model, mesh)
+        result.update(bench_train_step(args, cfg, trainer))
+    if args.what in ("sampler", "all"):
+        result.update(bench_sampler(args, cfg, model, mesh, prompts, trainer))
+    if args.what in ("e2e", "all"):
+        result.update(bench_e2e(args, cfg, model, mesh, prompts))
+    result["peak_device_memory_GiB"] = ((peak_memory() or 0) / 2**30) or None
+    width = max(map(len, result))
+    for k, v in result.items():
+        shown = f"{v:.4g}" if isinstance(v, float) else v
+        print(f"{k:<{width}}  {shown}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Where metrics go: a progress bar, metrics.jsonl, TensorBoard, W&B (when asked), a PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+
+class MetricsLogger:
+    def __init__(self, out_dir: Path, run_cfg, *, total_steps: int, start_step: int = 0,
+                 enabled: bool = True):
+        self.out = Path(out_dir)
+        self.enabled = enabled  # only process 0 writes in a multi-process run
+        self.run_cfg = run_cfg
+        self.history: list[dict] = []
+        self._tb = self._wandb = None
+        self._bar = None
+        self._last_logged = start_step
+        if not enabled:
+            return
+        self._jsonl = open(self.out / "metrics.jsonl", "a")
+        self._completions = (open(self.out / "completions.jsonl", "a")
+                             if run_cfg.log_completions else None)
+        report_to = tuple(run_cfg.report_to or ())
+        if "tensorboard" in report_to:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(str(self.out / "tensorboard"))
+        if "wandb" in report_to:
+            try:
+                import wandb
+                self._wandb = wandb.init(project="grpo-jax", dir=str(self.out), resume="allow")
+            except ImportError:
+                print("report_to has wandb but it is not installed (`pip install wandb`); "
+                      "skipping it", file=sys.stderr)
+        self._bar = tqdm(total=total_steps, initial=start_step, desc="GRPO", unit="step",
+                         dynamic_ncols=True, file=sys.stderr)
+
+    def log(self, step: int, metrics: dict) -> dict:
+        metrics = {k: float(v) for k, v in metrics.items()}
+        record = {"step": step, **metrics}
+        self.history.append(record)
+        if not self.enabled:
+            return metrics
+        self._bar.update(step - self._bar.n)
+        self._bar.set_postfix(reward=f"{metrics.get('reward', math.nan):.3f}",
+                              kl=f"{metrics.get('kl', 0.0):.4f}", refresh=False)
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in metrics.items():
+                self._tb.add_scalar(f"train/{k}", v, step)
+        if self._wandb is not None:
+            self._wandb.log({f"train/{k}": v for k, v in metrics.items()}, step=step)
+        every = max(int(self.run_cfg.logging_steps or 1), 1)
+        if step - self._last_logged >= every:
+            self._last_logged = step
+            keys = ("reward", "reward_std", "kl", "loss", "grad_norm", "clip_ratio/region_mean",
+                    "completions/mean_length", "step_time")
+            shown = "  ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
+            self._bar.write(f"step {step}: {shown}")
+        return metrics
+
+    def log_completions(self, step: int, prompts, completions, rewards, advantages) -> None:
+        if not (self.enabled and self._completions):
+            return
+        for p, c, r, a in zip(prompts, completions, rewards, advantages):
+            self._completions.write(json.dumps({"step": step, "prompt": p, "completion": c,
+                                                "reward": float(r), "advantage": float(a)}) + "\n")
+        self._completions.flush()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._bar.close()
+        self._jsonl.close()
+        if self._completions:
+            self._completions.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        history = read_history(self.out / "metrics.jsonl")
+        if history:
+            plot_curves(history, self.out / "reward_kl.png")
+
+
+def read_history(path: Path) -> list[dict]:
+    if not Path(path).exists():
+        return []
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_curves(history: list[dict], path: Path) -> None:
+    """Reward and KL against step (the run's whole metrics.jsonl, resumed parts included)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    axes[0].plot(steps, [h.get("reward", math.nan) for h in history], marker=".")
+    axes[0].set(xlabel="step", ylabel="reward", title="mean reward")
+    axes[1].plot(steps, [h.get("kl", math.nan) for h in history], marker=".", color="tab:red")
+    axes[1].set(xlabel="step", ylabel="kl", title="KL to reference")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

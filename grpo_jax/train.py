@@ -1,0 +1,217 @@
+"""`python -m grpo_jax.train --config NAME [--key value ...]`: the GRPO training program.
+
+One round: generate -> reward -> advantages -> num_iterations x optimizer steps -> new weights to
+the sampler. Everything with side effects (files, servers, the progress bar) lives here; the math
+is in grpo_jax.grpo.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_jax import config as config_lib
+from grpo_jax import data as data_lib
+from grpo_jax import hf
+from grpo_jax import mesh as mesh_lib
+from grpo_jax import rewards as rewards_lib
+from grpo_jax.checkpoint import Checkpointer, StopSignal
+from grpo_jax.grpo import advantages as adv_lib
+from grpo_jax.grpo.loss import LossConfig
+from grpo_jax.grpo.train_step import StepConfig, Trainer, TrainState
+from grpo_jax.logger import MetricsLogger
+from grpo_jax.rollout.engines import make_rollout
+
+
+class TrainError(RuntimeError):
+    """A failure the user can act on; main() prints it as one line."""
+
+
+def build_mesh(cfg: config_lib.TrainConfig):
+    data, fsdp, tensor = cfg.mesh.shape(jax.device_count())
+    return mesh_lib.make_mesh(mesh_lib.MeshConfig(data, fsdp, tensor))
+
+
+def loss_config(cfg: config_lib.TrainConfig) -> LossConfig:
+    names = {f.name for f in dataclasses.fields(LossConfig)}
+    kw = {k: v for k, v in dataclasses.asdict(cfg.grpo).items() if k in names}
+    kw["max_completion_length"] = cfg.generation.max_completion_length
+    # The JAX sampler runs the trainer's own weights: its log-probs only feed the metrics.
+    kw["vllm_importance_sampling_correction"] = (
+        cfg.rollout.backend == "vllm" and cfg.grpo.vllm_importance_sampling_correction)
+    return LossConfig(**kw)
+
+
+def rollout_to_batch(r) -> dict:
+    return {"prompt_ids": r.prompt_ids, "prompt_mask": r.prompt_mask,
+            "completion_ids": r.completion_ids, "completion_mask": r.completion_mask,
+            "truncated": r.truncated, "sampler_logp": r.sampler_logp}
+
+
+def completion_metrics(batch: dict) -> dict:
+    lengths = batch["completion_mask"].sum(1)
+    done = ~batch["truncated"]
+    term = lengths[done] if done.any() else np.zeros(1)
+    return {
+        "completions/mean_length": float(lengths.mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": float(batch["truncated"].mean()),
+        "completions/mean_terminated_length": float(term.mean()),
+        "num_tokens": float(batch["prompt_mask"].sum() + lengths.sum()),
+    }
+
+
+def train(cfg: config_lib.TrainConfig, *, resume: bool = False, max_rounds: int | None = None
+          ) -> dict:
+    """Run (or resume) training. Returns the last logged metrics."""
+    out = Path(cfg.run.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mesh = build_mesh(cfg)
+    model, model_dir = hf.load_model(cfg.model.name_or_path, dtype=jnp.dtype(cfg.model.dtype),
+                                     param_dtype=jnp.dtype(cfg.model.param_dtype),
+                                     remat=cfg.model.remat)
+    tokenizer = data_lib.load_tokenizer(model_dir)
+    dataset = data_lib.load_prompts(cfg.data, tokenizer)
+    funcs = rewards_lib.load_reward_funcs(cfg.grpo.reward_funcs)
+    weights = np.asarray(cfg.grpo.reward_weights or [1.0] * len(funcs), np.float32)
+    plan = cfg.batch_plan(mesh_lib.batch_divisor(mesh))
+    total_steps = plan.total_steps(len(dataset), cfg.batch.max_steps,
+                                   cfg.batch.num_train_epochs)
+    step_cfg = StepConfig(loss=loss_config(cfg), temperature=cfg.generation.temperature,
+                          gradient_accumulation_steps=plan.gradient_accumulation_steps)
+    trainer = Trainer(model, step_cfg, cfg.optim, total_steps, mesh)
+    state = trainer.init_state
+    # beta = 0: no reference model is kept at all.
+    ref_params = (jax.tree.map(lambda x: x.copy(), state.params) if cfg.grpo.beta else None)
+    del model
+    rollout = make_rollout(cfg, trainer.model_config, tokenizer, mesh, model_dir)
+
+    ckpt = Checkpointer(out / "checkpoints", save_total_limit=cfg.run.save_total_limit)
+    position, round_idx = dataset.start_position(), 0
+    if resume or cfg.run.resume:
+        latest = ckpt.latest_step()
+        if latest is not None:
+            state, meta = ckpt.restore(latest, jax.eval_shape(lambda: state))
+            state = jax.device_put(state, trainer.state_shardings)
+            position = data_lib.Position(**meta["data_position"])
+            round_idx = meta["round"]
+            print(f"resumed from step {latest} in {ckpt.directory}", file=sys.stderr)
+    (out / "config.yaml").write_text(cfg.to_yaml())
+    logger = MetricsLogger(out, cfg.run, total_steps=total_steps, start_step=int(state.step))
+    rollout.update_weights(state.params)
+    base_key = jax.random.key(cfg.data.seed)
+    last: dict = {}
+    saved_block = int(state.step) // max(cfg.run.save_steps, 1)
+    with StopSignal() as stop:
+        try:
+            while int(state.step) < total_steps and not stop.should_stop():
+                if max_rounds is not None and round_idx >= max_rounds:
+                    break
+                t0 = time.perf_counter()
+                prompts, position = dataset.next_batch(position, plan.prompts_per_generation)
+                metrics, state = _round(cfg, plan, trainer, rollout, state, ref_params, prompts,
+                                        funcs, weights, tokenizer,
+                                        jax.random.fold_in(base_key, round_idx), logger)
+                round_idx += 1
+                metrics["step_time"] = time.perf_counter() - t0
+                last = logger.log(int(state.step), metrics)
+                if cfg.run.save_steps and int(state.step) // cfg.run.save_steps > saved_block:
+                    saved_block = int(state.step) // cfg.run.save_steps
+                    _save(ckpt, state, position, round_idx, metrics)
+        finally:
+            # Ends with a checkpoint whether finished, interrupted or failed mid-round: the
+            # state saved is the last completed update, never a half-applied one.
+            if int(state.step) not in ckpt.all_steps() and int(state.step) > 0:
+                _save(ckpt, state, position, round_idx, last, force=True)
+            ckpt.wait()
+            ckpt.close()
+            logger.close()
+    return last
+
+
+def _save(ckpt, state, position, round_idx, metrics, force=False):
+    meta = {"data_position": dataclasses.asdict(position), "round": round_idx,
+            "metrics": {k: float(v) for k, v in metrics.items()}}
+    ckpt.save(int(state.step), state, meta, force=True)
+
+
+def _round(cfg, plan, trainer, rollout, state: TrainState, ref_params, prompts, funcs, weights,
+           tokenizer, key, logger):
+    """One generation round and its optimizer steps."""
+    g = cfg.grpo.num_generations
+    t0 = time.perf_counter()
+    r = rollout.generate(state.params, [p.token_ids for p in prompts], g, key)
+    gen_time = time.perf_counter() - t0
+    batch = rollout_to_batch(r)
+    texts = tokenizer.batch_decode(
+        [row[m.astype(bool)] for row, m in zip(r.completion_ids, r.completion_mask)],
+        skip_special_tokens=True)
+    prompt_texts = [p.text for p in prompts for _ in range(g)]
+    columns = {k: [v for p in prompts for v in [p.columns[k]] * g]
+               for k in (prompts[0].columns if prompts else {})}
+    ids = [list(row[m.astype(bool)]) for row, m in zip(r.completion_ids, r.completion_mask)]
+    per_func = rewards_lib.compute_rewards(funcs, prompt_texts, texts, ids, columns)
+    rewards = adv_lib.combine_rewards(per_func, weights)
+    advantages, stats = adv_lib.group_advantages(rewards, g, cfg.grpo.scale_rewards)
+    batch["advantages"] = np.asarray(advantages, np.float32)
+    if ref_params is not None:
+        batch["ref_logp"] = np.asarray(trainer.logps(ref_params, batch))
+    if plan.num_iterations > 1 or plan.steps_per_generation > plan.gradient_accumulation_steps:
+        batch["old_logp"] = np.asarray(trainer.logps(state.params, batch))
+
+    step_metrics = []
+    per_step = plan.micro_batch_size * plan.gradient_accumulation_steps
+    n_steps = plan.generation_batch_size // per_step
+    for _ in range(plan.num_iterations):
+        for s in range(n_steps):
+            sl = slice(s * per_step, (s + 1) * per_step)
+            sub = {k: v[sl] for k, v in batch.items()}
+            state, m = trainer.step(state, sub)
+            step_metrics.append(jax.device_get(m))
+    sync_time = rollout.update_weights(state.params)
+
+    metrics = {k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]}
+    metrics["skipped_updates"] = float(sum(m["skipped_updates"] for m in step_metrics))
+    metrics.update(stats)
+    for name, col in zip(rewards_lib.func_names(funcs), per_func.T):
+        metrics[f"rewards/{name}/mean"] = float(np.nanmean(col)) if np.isfinite(col).any() else 0.0
+        metrics[f"rewards/{name}/std"] = float(np.nanstd(col)) if np.isfinite(col).any() else 0.0
+    metrics.update(completion_metrics(batch))
+    metrics["timing/generate"] = gen_time
+    if sync_time is not None:
+        metrics["timing/weight_sync"] = sync_time
+    if cfg.run.log_completions:
+        logger.log_completions(int(state.step), prompt_texts, texts, rewards, advantages)
+    return metrics, state
+
+
+USER_ERRORS = (config_lib.ConfigError, hf.ModelLoadError, data_lib.DataError,
+               rewards_lib.RewardError, TrainError)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg, flags = config_lib.parse_cli(argv)
+        last = train(cfg)
+    except USER_ERRORS as e:
+        print(f"grpo_jax.train: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("grpo_jax.train: interrupted; the last completed step was checkpointed",
+              file=sys.stderr)
+        return 130
+    print(json.dumps({k: round(v, 6) for k, v in last.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

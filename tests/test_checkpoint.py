@@ -1,0 +1,263 @@
+"""Checkpointer: bit-exact save/restore (params, adamw state, typed keys, meta), retention,
+async saves, restore across meshes, clear errors, and surviving SIGKILL / SIGTERM."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+from grpo_jax.checkpoint import Checkpointer, StopSignal, pack_rng, unpack_rng
+
+CPU0 = SingleDeviceSharding(jax.devices()[0])
+
+
+def _params(seed=0):
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    return {
+        "embed": jax.random.normal(k1, (8, 16), jnp.float32),
+        "layers": {"w": jax.random.normal(k2, (2, 16, 8), jnp.float32).astype(jnp.bfloat16),
+                   "b": jax.random.normal(k3, (2, 8), jnp.float32)},
+    }
+
+
+def _loss(p):
+    return jnp.sum(p["embed"] ** 2) + jnp.sum(p["layers"]["w"].astype(jnp.float32) ** 3) \
+        + jnp.sum(jnp.sin(p["layers"]["b"]))
+
+
+def _train_state(seed=0, steps=2):
+    """params + adamw state after a few real updates (non-trivial mu, nu, count) + keys."""
+    tx = optax.adamw(1e-2, weight_decay=0.1)
+    params = _params(seed)
+    opt = tx.init(params)
+    for _ in range(steps):
+        updates, opt = tx.update(jax.grad(_loss)(params), opt, params)
+        params = optax.apply_updates(params, updates)
+    state = {"params": params, "opt": opt, "rng": jax.random.key(seed + 7),
+             "raw_rng": jax.random.PRNGKey(seed + 3), "step": jnp.int32(steps)}
+    return tx, state
+
+
+def _abstract(state, sharding_of=lambda x: x.sharding):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_of(x)),
+                        state)
+
+
+def _assert_bit_exact(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(pack_rng(a)), jax.tree.leaves(pack_rng(b))):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+META = {"data": {"epoch": 1, "position": 37}, "config": {"learning_rate": 1e-6, "beta": 0.04},
+        "metrics": {"reward": -0.125, "kl": [0.5, 1.5]}, "note": "é"}
+
+
+def test_roundtrip_bit_exact_and_resume_continues_identically(tmp_path):
+    tx, state = _train_state()
+    with Checkpointer(tmp_path / "ckpt", save_total_limit=None, async_save=False) as ckpt:
+        assert ckpt.save(2, state, META)
+        assert ckpt.latest_step() == 2
+    with Checkpointer(tmp_path / "ckpt", save_total_limit=None) as ckpt:  # a fresh process' view
+        restored, meta = ckpt.restore(None, _abstract(state))
+    _assert_bit_exact(restored, state)
+    assert meta == META
+    assert jax.dtypes.issubdtype(restored["rng"].dtype, jax.dtypes.prng_key)
+    assert type(restored["opt"][0]) is type(state["opt"][0])  # ScaleByAdamState, not a dict
+
+    def step(s):
+        updates, opt = tx.update(jax.grad(_loss)(s["params"]), s["opt"], s["params"])
+        noise = jax.random.normal(s["rng"], (4,))
+        return optax.apply_updates(s["params"], updates), opt, noise
+
+    _assert_bit_exact(step(restored), step(state))
+
+
+def test_typed_keys_of_every_impl_roundtrip(tmp_path):
+    keys = {impl: jax.random.split(jax.random.key(1, impl=impl), 3)
+            for impl in ("threefry2x32", "rbg", "unsafe_rbg")}
+    packed = pack_rng(keys)
+    assert all(x.dtype == jnp.uint32 for x in jax.tree.leaves(packed))
+    _assert_bit_exact(unpack_rng(packed, keys), keys)
+    with Checkpointer(tmp_path, save_total_limit=None) as ckpt:
+        ckpt.save(0, keys, {})
+        restored, _ = ckpt.restore(0, _abstract(keys))
+    for impl in keys:
+        assert restored[impl].dtype == keys[impl].dtype
+    _assert_bit_exact(restored, keys)
+
+
+def test_save_total_limit_keeps_last_n(tmp_path):
+    with Checkpointer(tmp_path, save_total_limit=2, async_save=False) as ckpt:
+        for s in range(1, 6):
+            assert ckpt.save(s, {"x": jnp.full((3,), s)}, {"step": s})
+        assert ckpt.all_steps() == [4, 5]
+    assert sorted(p for p in os.listdir(tmp_path) if p.isdigit()) == ["4", "5"]
+    with Checkpointer(tmp_path, save_total_limit=2) as ckpt:
+        x, meta = ckpt.restore(4, {"x": jax.ShapeDtypeStruct((3,), jnp.int32, sharding=CPU0)})
+    assert meta == {"step": 4} and np.array_equal(x["x"], [4, 4, 4])
+
+
+def test_save_steps_force_and_repeats(tmp_path):
+    s = {"x": jnp.zeros(2)}
+    with Checkpointer(tmp_path, save_total_limit=None, save_steps=3) as ckpt:
+        assert not ckpt.save(1, s, {})
+        assert ckpt.save(3, s, {})
+        assert not ckpt.save(3, s, {}, force=True)  # already saved: a final save is harmless
+        assert ckpt.save(4, s, {}, force=True)
+        with pytest.raises(ValueError, match="later step 4"):
+            ckpt.save(2, s, {}, force=True)
+        with pytest.raises(TypeError, match="JSON"):
+            ckpt.save(9, s, {"reward": np.float32(1.0)})
+        ckpt.wait()
+        assert ckpt.all_steps() == [3, 4]
+
+
+def test_async_save_then_wait_and_buffers_may_be_deleted(tmp_path):
+    _, state = _train_state(seed=1)
+    expected = jax.tree.map(np.asarray, pack_rng(state))
+    target = _abstract(state)
+    with Checkpointer(tmp_path, save_total_limit=None, async_save=True) as ckpt:
+        assert ckpt.save(5, state, {"a": 1})
+        # A train step may donate the state right after save returns.
+        for x in jax.tree.leaves(state):
+            x.delete()
+        ckpt.wait()
+        assert os.path.isdir(tmp_path / "5") and ckpt.all_steps() == [5]
+        restored, _ = ckpt.restore(5, target)
+    for x, y in zip(jax.tree.leaves(pack_rng(restored)), jax.tree.leaves(expected)):
+        assert np.asarray(x).tobytes() == y.tobytes()
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS in conftest)")
+def test_restore_onto_other_mesh_and_single_device(tmp_path):
+    devices = np.array(jax.devices()[:8])
+    mesh24 = Mesh(devices.reshape(2, 4), ("data", "model"))
+    mesh42 = Mesh(devices[::-1].reshape(4, 2), ("x", "y"))
+
+    def shard_24(x):
+        spec = {1: P("data"), 2: P("data", "model"), 3: P(None, "model", "data")}.get(x.ndim, P())
+        return NamedSharding(mesh24, spec)
+
+    def shard_42(x):
+        spec = {1: P("y"), 2: P("y", "x"), 3: P("y", "x", None)}.get(x.ndim, P())
+        return NamedSharding(mesh42, spec)
+
+    _, state = _train_state(seed=2)
+    state["rng"] = jax.random.split(state["rng"], 4)  # per-data-shard keys, sharded too
+    state = jax.tree.map(lambda x: jax.device_put(x, shard_24(x)), state)
+    assert not state["params"]["embed"].sharding.is_fully_replicated
+    with Checkpointer(tmp_path, save_total_limit=None) as ckpt:
+        ckpt.save(1, state, {})
+        for sharding_of in (lambda x: CPU0, shard_42):
+            restored, _ = ckpt.restore(1, _abstract(state, sharding_of))
+            _assert_bit_exact(restored, state)
+            for x, t in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+                assert x.sharding.is_equivalent_to(sharding_of(t), x.ndim)
+
+
+def test_missing_directory_or_step_is_a_clear_error(tmp_path):
+    target = {"x": jax.ShapeDtypeStruct((2,), jnp.float32, sharding=CPU0)}
+    missing = tmp_path / "never_written"
+    with Checkpointer(missing, save_total_limit=None) as ckpt:
+        with pytest.raises(FileNotFoundError, match=f"no checkpoint in {re.escape(str(missing))}.*none"):
+            ckpt.restore(None, target)
+    with Checkpointer(tmp_path / "c", save_total_limit=None) as ckpt:
+        ckpt.save(1, {"x": jnp.ones(2)}, {})
+        ckpt.save(2, {"x": jnp.ones(2)}, {})
+        with pytest.raises(FileNotFoundError, match=r"step 7 in .*/c; .*\[1, 2\]"):
+            ckpt.restore(7, target)
+        with pytest.raises(ValueError, match=r"\['x'\] has no sharding"):
+            ckpt.restore(2, {"x": np.zeros(2, np.float32)})
+
+
+CHILD = textwrap.dedent("""
+    import os, signal, sys, time
+    import jax, jax.numpy as jnp
+    from grpo_jax.checkpoint import Checkpointer, StopSignal
+
+    mode, directory = sys.argv[1], sys.argv[2]
+    if mode == "kill":
+        ckpt = Checkpointer(directory, save_total_limit=1, async_save=True)
+        ckpt.save(1, {"x": jnp.arange(1000.0)}, {"step": 1})
+        ckpt.wait()
+        # Big enough that the background write is still running when we die.
+        ckpt.save(2, {"x": jnp.ones((48, 1024, 1024))}, {"step": 2})
+        print(sorted(os.listdir(directory)), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    else:
+        ckpt = Checkpointer(directory, save_total_limit=2, save_steps=5)
+        x, step = jnp.zeros(3), 0
+        with StopSignal() as stop:
+            while not stop.should_stop():
+                step += 1
+                x = x + 1
+                ckpt.save(step, {"x": x}, {"step": step})
+                if step == 2:
+                    print("ready", flush=True)
+                time.sleep(0.02)
+            ckpt.save(step, {"x": x}, {"step": step}, force=True)
+        ckpt.close()
+        print("stopped", step, flush=True)
+""")
+
+
+def _child(tmp_path, mode):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+    return subprocess.Popen([sys.executable, str(script), mode, str(tmp_path / "ckpt")],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def test_sigkill_mid_async_save_leaves_last_complete_checkpoint(tmp_path):
+    proc = _child(tmp_path, "kill")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    assert "2.orbax-checkpoint-tmp" in out  # the kill landed while step 2 was being written
+    with Checkpointer(tmp_path / "ckpt", save_total_limit=1) as ckpt:
+        assert ckpt.all_steps() == [1]
+        target = {"x": jax.ShapeDtypeStruct((1000,), jnp.float32, sharding=CPU0)}
+        state, meta = ckpt.restore(None, target)
+        assert meta == {"step": 1} and np.array_equal(state["x"], np.arange(1000.0))
+        assert ckpt.save(2, {"x": jnp.ones(1000)}, {"step": 2})  # the partial step is gone
+        ckpt.wait()
+        assert ckpt.all_steps() == [2]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["2"]
+
+
+def test_sigterm_makes_the_loop_save_and_exit_cleanly(tmp_path):
+    proc = _child(tmp_path, "term")
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    stopped = int(out.split()[-1])
+    with Checkpointer(tmp_path / "ckpt", save_total_limit=2) as ckpt:
+        assert ckpt.latest_step() == stopped
+        state, meta = ckpt.restore(None, {"x": jax.ShapeDtypeStruct((3,), jnp.float32,
+                                                                    sharding=CPU0)})
+    assert meta == {"step": stopped} and np.array_equal(state["x"], np.full(3, float(stopped)))
+
+
+def test_stop_signal_flags_then_restores_handlers():
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    with StopSignal() as stop:
+        assert not stop.should_stop()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.should_stop() and stop.received == signal.SIGTERM
+        os.kill(os.getpid(), signal.SIGINT)  # first SIGINT: just the flag
+        assert stop.received == signal.SIGINT
+        if before[signal.SIGINT] is signal.default_int_handler:
+            with pytest.raises(KeyboardInterrupt):  # second one: the original behaviour
+                os.kill(os.getpid(), signal.SIGINT)
+    assert {s: signal.getsignal(s) for s in before} == before
