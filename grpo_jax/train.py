@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from transformers import AutoTokenizer
 
 from grpo_jax import config as config_lib
 from grpo_jax import data as data_lib
@@ -78,10 +79,13 @@ def train(cfg: config_lib.TrainConfig, *, resume: bool = False, max_rounds: int 
     model, model_dir = hf.load_model(cfg.model.name_or_path, dtype=jnp.dtype(cfg.model.dtype),
                                      param_dtype=jnp.dtype(cfg.model.param_dtype),
                                      remat=cfg.model.remat)
-    tokenizer = data_lib.load_tokenizer(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dataset = data_lib.load_prompts(cfg.data, tokenizer)
+    if dataset.num_truncated:
+        print(f"{dataset.num_truncated} of {len(dataset)} prompts were longer than "
+              f"max_prompt_length={cfg.data.max_prompt_length} and lost their left end",
+              file=sys.stderr)
     funcs = rewards_lib.load_reward_funcs(cfg.grpo.reward_funcs)
-    weights = np.asarray(cfg.grpo.reward_weights or [1.0] * len(funcs), np.float32)
     plan = cfg.batch_plan(mesh_lib.batch_divisor(mesh))
     total_steps = plan.total_steps(len(dataset), cfg.batch.max_steps,
                                    cfg.batch.num_train_epochs)
@@ -95,13 +99,13 @@ def train(cfg: config_lib.TrainConfig, *, resume: bool = False, max_rounds: int 
     rollout = make_rollout(cfg, trainer.model_config, tokenizer, mesh, model_dir)
 
     ckpt = Checkpointer(out / "checkpoints", save_total_limit=cfg.run.save_total_limit)
-    position, round_idx = dataset.start_position(), 0
+    position, round_idx = data_lib.DataPosition(), 0
     if resume or cfg.run.resume:
         latest = ckpt.latest_step()
         if latest is not None:
             state, meta = ckpt.restore(latest, jax.eval_shape(lambda: state))
             state = jax.device_put(state, trainer.state_shardings)
-            position = data_lib.Position(**meta["data_position"])
+            position = data_lib.DataPosition(*meta["data_position"])
             round_idx = meta["round"]
             print(f"resumed from step {latest} in {ckpt.directory}", file=sys.stderr)
     (out / "config.yaml").write_text(cfg.to_yaml())
@@ -116,9 +120,9 @@ def train(cfg: config_lib.TrainConfig, *, resume: bool = False, max_rounds: int 
                 if max_rounds is not None and round_idx >= max_rounds:
                     break
                 t0 = time.perf_counter()
-                prompts, position = dataset.next_batch(position, plan.prompts_per_generation)
-                metrics, state = _round(cfg, plan, trainer, rollout, state, ref_params, prompts,
-                                        funcs, weights, tokenizer,
+                records, position = dataset.batch_prompts(position, plan.prompts_per_generation)
+                metrics, state = _round(cfg, plan, trainer, rollout, state, ref_params, records,
+                                        funcs, tokenizer,
                                         jax.random.fold_in(base_key, round_idx), logger)
                 round_idx += 1
                 metrics["step_time"] = time.perf_counter() - t0
@@ -138,28 +142,25 @@ def train(cfg: config_lib.TrainConfig, *, resume: bool = False, max_rounds: int 
 
 
 def _save(ckpt, state, position, round_idx, metrics, force=False):
-    meta = {"data_position": dataclasses.asdict(position), "round": round_idx,
+    meta = {"data_position": list(position), "round": round_idx,
             "metrics": {k: float(v) for k, v in metrics.items()}}
     ckpt.save(int(state.step), state, meta, force=True)
 
 
-def _round(cfg, plan, trainer, rollout, state: TrainState, ref_params, prompts, funcs, weights,
+def _round(cfg, plan, trainer, rollout, state: TrainState, ref_params, records, funcs,
            tokenizer, key, logger):
     """One generation round and its optimizer steps."""
     g = cfg.grpo.num_generations
     t0 = time.perf_counter()
-    r = rollout.generate(state.params, [p.token_ids for p in prompts], g, key)
+    r = rollout.generate(state.params, [rec["prompt_ids"] for rec in records], g, key)
     gen_time = time.perf_counter() - t0
     batch = rollout_to_batch(r)
-    texts = tokenizer.batch_decode(
-        [row[m.astype(bool)] for row, m in zip(r.completion_ids, r.completion_mask)],
-        skip_special_tokens=True)
-    prompt_texts = [p.text for p in prompts for _ in range(g)]
-    columns = {k: [v for p in prompts for v in [p.columns[k]] * g]
-               for k in (prompts[0].columns if prompts else {})}
-    ids = [list(row[m.astype(bool)]) for row, m in zip(r.completion_ids, r.completion_mask)]
-    per_func = rewards_lib.compute_rewards(funcs, prompt_texts, texts, ids, columns)
-    rewards = adv_lib.combine_rewards(per_func, weights)
+    ids = [row[m.astype(bool)].tolist() for row, m in zip(r.completion_ids, r.completion_mask)]
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    prompts, columns = data_lib.reward_inputs(records, g)
+    completions = rewards_lib.completions_for_rewards(prompts, texts)
+    per_func = rewards_lib.compute_rewards(funcs, prompts, completions, ids, columns)
+    rewards = adv_lib.combine_rewards(per_func, cfg.grpo.reward_weights)
     advantages, stats = adv_lib.group_advantages(rewards, g, cfg.grpo.scale_rewards)
     batch["advantages"] = np.asarray(advantages, np.float32)
     if ref_params is not None:
@@ -181,7 +182,7 @@ def _round(cfg, plan, trainer, rollout, state: TrainState, ref_params, prompts, 
     metrics = {k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]}
     metrics["skipped_updates"] = float(sum(m["skipped_updates"] for m in step_metrics))
     metrics.update(stats)
-    for name, col in zip(rewards_lib.func_names(funcs), per_func.T):
+    for name, col in zip([f.name for f in funcs], per_func.T):
         metrics[f"rewards/{name}/mean"] = float(np.nanmean(col)) if np.isfinite(col).any() else 0.0
         metrics[f"rewards/{name}/std"] = float(np.nanstd(col)) if np.isfinite(col).any() else 0.0
     metrics.update(completion_metrics(batch))
@@ -189,8 +190,50 @@ def _round(cfg, plan, trainer, rollout, state: TrainState, ref_params, prompts, 
     if sync_time is not None:
         metrics["timing/weight_sync"] = sync_time
     if cfg.run.log_completions:
-        logger.log_completions(int(state.step), prompt_texts, texts, rewards, advantages)
+        logger.log_completions(int(state.step), prompts, texts, rewards, advantages)
     return metrics, state
+
+
+def abstract_state(cfg: config_lib.TrainConfig, device=None):
+    """The TrainState's shapes on one device: a restore target that needs no training setup."""
+    from flax import nnx
+
+    from grpo_jax.grpo.train_step import make_optimizer
+    from grpo_jax.models import Decoder, ModelConfig
+    model_dir = hf.resolve_model_dir(cfg.model.name_or_path)
+    model_cfg = ModelConfig.from_hf(hf.read_config(model_dir),
+                                    param_dtype=jnp.dtype(cfg.model.param_dtype))
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0))),
+                                 nnx.Param)
+    tx, _ = make_optimizer(cfg.optim, 1)
+    state = jax.eval_shape(lambda p: TrainState(p, tx.init(p), jnp.zeros((), jnp.int32)),
+                           params)
+    sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                         state)
+    return state, graphdef, model_cfg, model_dir
+
+
+def load_checkpoint(output_dir, step: int | None = None):
+    """(model with the checkpoint's params, source model dir, step) from a run's output_dir."""
+    from flax import nnx
+    cfg_path = Path(output_dir) / "config.yaml"
+    if not cfg_path.exists():
+        raise TrainError(f"{output_dir} has no config.yaml: not a grpo_jax output_dir")
+    cfg = config_lib.load_config(str(cfg_path))
+    target, graphdef, model_cfg, model_dir = abstract_state(cfg)
+    ckpt = Checkpointer(Path(output_dir) / "checkpoints", save_total_limit=None)
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise TrainError(f"no checkpoint in {ckpt.directory}: train first, or pass the "
+                             "output_dir of a run that saved one")
+        state, _ = ckpt.restore(step, target)
+    except FileNotFoundError as e:
+        raise TrainError(str(e)) from None
+    finally:
+        ckpt.close()
+    return nnx.merge(graphdef, state.params), model_dir, step
 
 
 USER_ERRORS = (config_lib.ConfigError, hf.ModelLoadError, data_lib.DataError,

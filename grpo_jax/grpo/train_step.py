@@ -87,8 +87,10 @@ def _micro_loss(params, graphdef, cfg: StepConfig, mb: dict):
     return numerator, sums
 
 
-def train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: dict, mesh: Mesh | None):
-    """One optimizer update over `batch` ([N, ...] arrays, N = micro-batches x micro size)."""
+def loss_and_grads(graphdef, cfg: StepConfig, params, batch: dict, mesh: Mesh | None):
+    """Exact (loss, grads, metric sums) over `batch`, split into gradient_accumulation_steps
+    micro-batches: numerators and gradients are summed, then divided once by the summed
+    denominator (which depends on the masks only, never on the params)."""
     k = cfg.gradient_accumulation_steps
 
     def split(x):
@@ -98,26 +100,29 @@ def train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: dict, me
                 x, NamedSharding(mesh, P(None, mesh_lib.BATCH, *[None] * (x.ndim - 2))))
         return x
     micro = jax.tree.map(split, batch)
+    value_and_grad = jax.value_and_grad(_micro_loss, has_aux=True)
 
     def accumulate(carry, mb):
         grads, numerator, sums, denom = carry
-        (n, s), g = jax.value_and_grad(_micro_loss, has_aux=True)(state.params, graphdef, cfg, mb)
+        (n, s), g = value_and_grad(params, graphdef, cfg, mb)
         d = loss_lib.loss_denominator(mb["completion_mask"], mb["truncated"], cfg.loss)
-        grads = jax.tree.map(jnp.add, grads, g)
-        sums = jax.tree.map(jnp.add, sums, s)
-        return (grads, numerator + n, sums, denom + d), None
+        return (jax.tree.map(jnp.add, grads, g), numerator + n,
+                loss_lib.merge_metric_sums(sums, s), denom + d), None
 
     first = jax.tree.map(lambda x: x[0], micro)
-    zero_sums = jax.tree.map(jnp.zeros_like,
-                             jax.eval_shape(lambda: _micro_loss(state.params, graphdef, cfg,
-                                                                first)[1]))
-    zero_grads = jax.tree.map(jnp.zeros_like, state.params)
-    init = (zero_grads, jnp.zeros((), jnp.float32), zero_sums, jnp.zeros((), jnp.float32))
+    zero_sums = loss_lib.empty_metric_sums(jax.eval_shape(
+        lambda: _micro_loss(params, graphdef, cfg, first)[1]))
+    init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), zero_sums,
+            jnp.zeros((), jnp.float32))
     (grads, numerator, sums, denom), _ = jax.lax.scan(accumulate, init, micro)
     denom = jnp.maximum(denom, 1e-8)
-    grads = jax.tree.map(lambda g: g / denom, grads)  # the denominator does not depend on params
+    return numerator / denom, jax.tree.map(lambda g: g / denom, grads), sums
 
-    grad_norm = optax.global_norm(grads)
+
+def train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: dict, mesh: Mesh | None):
+    """One optimizer update over `batch` ([N, ...] arrays, N = micro-batches x micro size)."""
+    loss, grads, sums = loss_and_grads(graphdef, cfg, state.params, batch, mesh)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm)
     updates, new_opt = tx.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
@@ -126,8 +131,7 @@ def train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: dict, me
     new_state = TrainState(keep(new_params, state.params), keep(new_opt, state.opt_state),
                            state.step + finite.astype(jnp.int32))
     metrics = dict(loss_lib.finalize_metrics(sums))
-    metrics.update(loss=numerator / denom, grad_norm=grad_norm,
-                   skipped_updates=1 - finite.astype(jnp.int32))
+    metrics.update(loss=loss, grad_norm=grad_norm, skipped_updates=1 - finite.astype(jnp.int32))
     return new_state, metrics
 
 

@@ -1,0 +1,236 @@
+"""Prompt datasets: hub ids, local files and built-ins, tokenized once at load, served in
+generation batches from a position (epoch, index) that a checkpoint stores to resume exactly."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+
+from grpo_jax.config import DataArgs
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_DATASETS = ("smol_prompts", "arithmetic")
+FILE_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+# Columns that are never passed to reward functions (TRL drops the same ones).
+NOT_REWARD_COLUMNS = ("prompt", "prompt_ids", "completion", "completion_ids")
+ARITHMETIC_SIZE = 2000
+
+
+class DataError(ValueError):
+    """A dataset that can't be loaded or used; the message says what to do."""
+
+
+class DataPosition(NamedTuple):
+    """Where the next generation batch starts: index into epoch `epoch`'s order."""
+    epoch: int = 0
+    index: int = 0
+
+
+@dataclass
+class PromptDataset:
+    prompts: list[Any]  # as in the dataset: strings or chat-message lists
+    columns: dict[str, list]  # the other columns, handed to reward functions
+    token_ids: np.ndarray  # all prompts' token ids, concatenated (int32)
+    offsets: np.ndarray  # prompt i is token_ids[offsets[i]:offsets[i + 1]]
+    num_truncated: int = 0
+    shuffle: bool = True
+    seed: int = 42
+    _order: tuple[int, np.ndarray] | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def prompt_ids(self, i: int) -> list[int]:
+        return self.token_ids[self.offsets[i]:self.offsets[i + 1]].tolist()
+
+    def record(self, i: int) -> dict:
+        return {"prompt": self.prompts[i], "prompt_ids": self.prompt_ids(i),
+                **{k: v[i] for k, v in self.columns.items()}}
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The row order of an epoch: a permutation seeded by (seed, epoch), or 0..N-1."""
+        if self._order is None or self._order[0] != epoch:
+            n = len(self)
+            perm = (np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle
+                    else np.arange(n))
+            self._order = (epoch, perm)
+        return self._order[1]
+
+    def batches_per_epoch(self, num_prompts: int) -> int:
+        return len(self) // num_prompts
+
+    def batch_prompts(self, position: DataPosition, num_prompts: int
+                      ) -> tuple[list[dict], DataPosition]:
+        """`num_prompts` unique prompt records from `position`, and the position after them.
+
+        An epoch's tail too short for a whole batch is skipped, as TRL's sampler does.
+        """
+        n = len(self)
+        if num_prompts > n:
+            raise DataError(f"the dataset has {n} prompts but one generation batch needs "
+                            f"{num_prompts} unique ones; lower generation_batch_size or add data")
+        epoch, index = DataPosition(*position)
+        if index + num_prompts > n:
+            epoch, index = epoch + 1, 0
+        rows = self.order(epoch)[index:index + num_prompts]
+        return [self.record(int(i)) for i in rows], DataPosition(epoch, index + num_prompts)
+
+
+def reward_inputs(records: Sequence[dict], num_generations: int) -> tuple[list, dict[str, list]]:
+    """Prompts and extra columns repeated per completion (prompt i's group is consecutive)."""
+    prompts = [r["prompt"] for r in records for _ in range(num_generations)]
+    keys = [k for k in records[0] if k not in NOT_REWARD_COLUMNS] if records else []
+    return prompts, {k: [r[k] for r in records for _ in range(num_generations)] for k in keys}
+
+
+# ---------------------------------------------------------------- loading
+
+def load_prompts(cfg: DataArgs, tokenizer) -> PromptDataset:
+    """Load, template and tokenize the prompts of `cfg`; truncation is from the left."""
+    columns = _load_columns(cfg)
+    if cfg.prompt_column not in columns:
+        raise DataError(f"dataset {cfg.dataset_name!r} has no column {cfg.prompt_column!r}; its "
+                        f"columns are {sorted(columns)}. Set prompt_column to one of them.")
+    prompts = columns.pop(cfg.prompt_column)
+    columns = {k: v for k, v in columns.items() if k not in NOT_REWARD_COLUMNS}
+    if not prompts:
+        raise DataError(f"dataset {cfg.dataset_name!r} split {cfg.dataset_train_split!r} is empty")
+    texts = render_prompts(prompts, tokenizer)
+    ids: list[list[int]] = []
+    for start in range(0, len(texts), 1024):
+        # Templates already hold their special tokens; TRL tokenizes prompts the same way.
+        ids += tokenizer(texts[start:start + 1024], add_special_tokens=False)["input_ids"]
+    limit = cfg.max_prompt_length
+    truncated = 0
+    if limit is not None:
+        truncated = sum(len(x) > limit for x in ids)
+        ids = [x[-limit:] for x in ids]
+    empty = [i for i, x in enumerate(ids) if not x]
+    if empty:
+        raise DataError(f"prompt {empty[0]} (and {len(empty) - 1} others) tokenizes to nothing; "
+                        "remove empty prompts from the dataset")
+    if truncated:
+        logger.warning("%d of %d prompts (%.1f%%) were longer than max_prompt_length=%d tokens "
+                       "and lost their beginning; raise max_prompt_length or filter the dataset",
+                       truncated, len(ids), 100 * truncated / len(ids), limit)
+    lengths = np.array([len(x) for x in ids], np.int64)
+    return PromptDataset(
+        prompts=list(prompts), columns=columns,
+        token_ids=np.fromiter((t for x in ids for t in x), np.int32, int(lengths.sum())),
+        offsets=np.concatenate([[0], np.cumsum(lengths)]), num_truncated=truncated,
+        shuffle=cfg.shuffle_dataset, seed=cfg.seed)
+
+
+def render_prompts(prompts: Sequence[Any], tokenizer) -> list[str]:
+    """Strings as they are; chat messages through the tokenizer's chat template."""
+    texts = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            texts.append(p)
+        elif isinstance(p, list) and p and all(isinstance(m, dict) and "role" in m and
+                                                "content" in m for m in p):
+            if not getattr(tokenizer, "chat_template", None):
+                raise DataError("the prompts are chat messages but the tokenizer has no chat "
+                                "template; use an instruct/chat model or plain-string prompts")
+            texts.append(tokenizer.apply_chat_template(p, tokenize=False,
+                                                       add_generation_prompt=True))
+        else:
+            raise DataError(f"prompt {i} is {type(p).__name__} {str(p)[:80]!r}; a prompt must "
+                            "be a string or a list of {'role', 'content'} messages")
+    return texts
+
+
+def _load_columns(cfg: DataArgs) -> dict[str, list]:
+    name, split = cfg.dataset_name, cfg.dataset_train_split
+    if name in BUILTIN_DATASETS:
+        if split != "train":
+            raise DataError(f"built-in dataset {name!r} has only the split 'train', not {split!r}")
+        if name == "arithmetic":
+            return arithmetic_columns(cfg.seed)
+        text = (resources.files("grpo_jax") / "assets" / "smol_prompts.jsonl").read_text()
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        return {"prompt": [r["prompt"] for r in rows]}
+    path = Path(name).expanduser()
+    if path.exists():
+        if path.is_dir():
+            return _datasets_load(str(path), cfg.dataset_config, split=split)
+        loader = FILE_LOADERS.get(path.suffix.lower())
+        if loader is None:
+            raise DataError(f"can't read {path}: supported files are "
+                            f"{', '.join(FILE_LOADERS)} (by extension)")
+        if not split.startswith("train"):
+            raise DataError(f"a single file holds one split, 'train' (slices like "
+                            f"'train[:100]' work); dataset_train_split is {split!r}")
+        return _datasets_load(loader, data_files=str(path), split=split)
+    if name.startswith((".", "/", "~")) or path.suffix.lower() in FILE_LOADERS:
+        raise DataError(f"dataset file {name!r} not found")
+    return _load_hub(name, cfg.dataset_config, split)
+
+
+def _datasets_load(*args, **kwargs) -> dict[str, list]:
+    import datasets
+    return datasets.load_dataset(*args, **kwargs).to_dict()
+
+
+def _offline() -> bool:
+    return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE")
+               for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def _hub_unreachable(timeout: float = 3.0) -> str | None:
+    """Why the hub can't be reached, or None. datasets itself retries for ~25 s."""
+    url = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout)
+    except urllib.error.HTTPError:
+        return None  # it answered
+    except (urllib.error.URLError, OSError) as e:
+        return f"{url} unreachable: {getattr(e, 'reason', e)}"
+    return None
+
+
+def _load_hub(name: str, config: str | None, split: str) -> dict[str, list]:
+    offline = _offline()
+    fix = ("HF_HUB_OFFLINE is set, so only your Hugging Face cache is read and this dataset is "
+           "not in it" if offline else "Without hub access: set HF_HUB_OFFLINE=1 if the dataset "
+           "is in your Hugging Face cache") + (
+        f"; or save it where you have access (`datasets.load_dataset({name!r}, split={split!r})"
+        ".to_json('data.jsonl')`) and pass the file's path as dataset_name.")
+    reason = None if offline else _hub_unreachable()
+    if reason:
+        raise DataError(f"can't load dataset {name!r}: {reason}. {fix}")
+    try:
+        return _datasets_load(name, config, split=split)
+    except (ConnectionError, OSError) as e:
+        raise DataError(f"can't load dataset {name!r} from the Hugging Face hub "
+                        f"({type(e).__name__}: {e}). {fix}") from None
+    except ValueError as e:  # unknown split or config
+        raise DataError(f"can't load dataset {name!r} (config {config!r}, split {split!r}): "
+                        f"{e}") from None
+
+
+def arithmetic_columns(seed: int, size: int = ARITHMETIC_SIZE) -> dict[str, list]:
+    """Two-number questions (+, -, x) as chat prompts, with the answer as a string column."""
+    rng = np.random.default_rng(seed)
+    prompts, answers = [], []
+    for _ in range(size):
+        op = rng.choice(["+", "-", "*"])
+        if op == "*":
+            a, b = int(rng.integers(2, 13)), int(rng.integers(10, 100))
+        else:
+            a, b = sorted(int(x) for x in rng.integers(10, 100, size=2))[::-1]
+        value = {"+": a + b, "-": a - b, "*": a * b}[op]
+        question = f"What is {a} {'x' if op == '*' else op} {b}? Answer with just the number."
+        prompts.append([{"role": "user", "content": question}])
+        answers.append(str(value))
+    return {"prompt": prompts, "answer": answers}

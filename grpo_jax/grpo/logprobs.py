@@ -1,0 +1,56 @@
+"""Per-token log-probs and entropies of target tokens, without materialising [B, T, V] logits.
+
+With a 150k vocabulary the full logits of one micro-batch take GBs, and autodiff would keep them
+for the backward pass. The sequence is instead cut into chunks that run under lax.map with
+jax.checkpoint, so forward and backward each hold one chunk's logits [B, chunk, V] at a time.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def token_logprobs(hidden: jax.Array, head_w: jax.Array, targets: jax.Array, temperature: float,
+                   chunk_size: int = 128) -> tuple[jax.Array, jax.Array]:
+    """log softmax(hidden @ head_w / temperature)[target] and the entropy of that distribution.
+
+    hidden: [B, T, D] (any float dtype), head_w: [D, V], targets: [B, T] int.
+    The head is cast to hidden's dtype and the matmul accumulates in fp32, as Decoder.logits
+    does, so these match the sampler's log-probs. Returns (logp, entropy), both [B, T] fp32.
+    Differentiable w.r.t. hidden and head_w.
+    """
+    if hidden.ndim != 3 or targets.shape != hidden.shape[:2]:
+        raise ValueError(f"need hidden [B, T, D] and targets [B, T], got {hidden.shape} and "
+                         f"{targets.shape}")
+    if head_w.ndim != 2 or head_w.shape[0] != hidden.shape[2]:
+        raise ValueError(f"head_w must be [D={hidden.shape[2]}, V], got {head_w.shape}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    B, T, D = hidden.shape
+    chunk = min(chunk_size, T)
+    n = -(-T // chunk)
+    pad = n * chunk - T
+    if pad:  # padded positions compute throwaway values and are cut off below
+        hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+        targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    w = head_w.astype(hidden.dtype)
+    hs = hidden.reshape(B, n, chunk, D).swapaxes(0, 1)
+    ts = targets.astype(jnp.int32).reshape(B, n, chunk).swapaxes(0, 1)
+
+    @jax.checkpoint  # the backward pass recomputes this chunk's logits instead of storing them
+    def one_chunk(xs):
+        h, t = xs
+        logits = jnp.einsum("bcd,dv->bcv", h, w, preferred_element_type=jnp.float32)
+        logits = logits / temperature
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        picked = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
+        probs = jnp.exp(logits - lse[..., None])
+        entropy = lse - jnp.sum(probs * logits, axis=-1)
+        return picked - lse, entropy
+
+    logp, entropy = jax.lax.map(one_chunk, (hs, ts))
+    unchunk = lambda x: x.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]  # noqa: E731
+    return unchunk(logp), unchunk(entropy)

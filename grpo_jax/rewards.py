@@ -1,0 +1,233 @@
+"""Reward functions: the built-ins, user functions named in the config, and their evaluation.
+
+A reward function has TRL's signature, `f(prompts, completions, completion_ids, **columns) ->
+list[float | None]`, sync or async; `columns` are the dataset's extra columns, one value per
+completion. None means "no opinion" and becomes NaN, which the weighted sum skips.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import logging
+import math
+import numbers
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+
+class RewardError(RuntimeError):
+    """A reward function that can't be loaded or returned something unusable."""
+
+
+def _text(completion: Any) -> str:
+    # Conversational datasets get completions as [{"role": "assistant", "content": ...}] (TRL).
+    if isinstance(completion, list):
+        return completion[0]["content"] if completion else ""
+    return completion
+
+
+def reward_len(completions, **kwargs) -> list[float]:
+    """TRL's quick-start toy reward: completions close to 20 characters score highest."""
+    return [-abs(20 - len(_text(c))) for c in completions]
+
+
+_THINK = re.compile(r"^<think>(?!.*<think>)(.*?)</think>.*$", re.DOTALL)
+
+
+def think_format_reward(completions, **kwargs) -> list[float]:
+    """1.0 when the completion opens with one <think>...</think> block (TRL's format reward)."""
+    return [1.0 if _THINK.match(_text(c)) else 0.0 for c in completions]
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def last_number(text: str) -> float | None:
+    found = _NUMBER.findall(text)
+    return float(found[-1].replace(",", "")) if found else None
+
+
+def accuracy(completions, answer, **kwargs) -> list[float]:
+    """1.0 when the last number in the completion equals the `answer` column."""
+    return [1.0 if last_number(_text(c)) == float(a) else 0.0 for c, a in zip(completions, answer)]
+
+
+BUILTIN_REWARDS: dict[str, Callable] = {
+    "reward_len": reward_len, "think_format_reward": think_format_reward, "accuracy": accuracy,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardFunc:
+    name: str  # the config's spelling, used in logs and errors
+    fn: Callable
+
+
+def load_reward_func(spec: str) -> RewardFunc:
+    """A built-in name, 'package.module:function' or 'path/to/file.py:function'."""
+    if spec in BUILTIN_REWARDS:
+        return RewardFunc(spec, BUILTIN_REWARDS[spec])
+    where, sep, attr = spec.rpartition(":")
+    if not sep or not where or not attr:
+        raise RewardError(
+            f"unknown reward function {spec!r}: built-ins are {', '.join(BUILTIN_REWARDS)}; "
+            "name your own as 'package.module:function' or 'path/to/file.py:function'"
+            + (" (reward models from the hub are not supported)" if "/" in spec else ""))
+    if where.endswith(".py") or "/" in where:
+        path = Path(where).expanduser()
+        if not path.is_file():
+            raise RewardError(f"reward function {spec!r}: no such file {str(path)!r}")
+        digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
+        mod_name = f"grpo_jax_user_rewards_{path.stem}_{digest}"
+        module = sys.modules.get(mod_name)
+        if module is None:
+            module_spec = importlib.util.spec_from_file_location(mod_name, path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[mod_name] = module
+            try:
+                module_spec.loader.exec_module(module)
+            except Exception as e:
+                del sys.modules[mod_name]
+                raise RewardError(f"reward function {spec!r}: importing {path} raised "
+                                  f"{type(e).__name__}: {e}") from e
+    else:
+        try:
+            module = importlib.import_module(where)
+        except Exception as e:
+            raise RewardError(f"reward function {spec!r}: can't import module {where!r} "
+                              f"({type(e).__name__}: {e}); is it on PYTHONPATH?") from e
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
+        raise RewardError(f"reward function {spec!r}: {where} has no function {attr!r} "
+                          f"(it has: {', '.join(sorted(names)) or 'none'})")
+    _check_signature(spec, fn)
+    return RewardFunc(spec, fn)
+
+
+def _check_signature(name: str, fn: Callable) -> None:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return  # some builtins have no signature; the call will tell
+    if not any(p.kind is p.VAR_KEYWORD or p.name == "completions" for p in params):
+        raise RewardError(f"reward function {name!r} must accept the keyword `completions` "
+                          "(signature: f(prompts, completions, completion_ids, **columns))")
+
+
+def load_reward_funcs(specs: Sequence[str]) -> list[RewardFunc]:
+    return [load_reward_func(s) for s in specs]
+
+
+def completions_for_rewards(prompts: Sequence[Any], texts: Sequence[str]) -> list[Any]:
+    """Completions in TRL's form: assistant messages for chat prompts, else plain strings."""
+    return [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
+            for p, t in zip(prompts, texts)]
+
+
+def compute_rewards(funcs: Sequence[RewardFunc | Callable], prompts: Sequence[Any],
+                    completions: Sequence[Any], completion_ids: Sequence[Sequence[int]],
+                    columns: dict[str, Sequence[Any]] | None = None) -> np.ndarray:
+    """Every function on every completion: float32 [N, F], NaN where a function said None.
+
+    Async functions run concurrently on one event loop; sync ones run in order.
+    """
+    funcs = [f if isinstance(f, RewardFunc) else RewardFunc(getattr(f, "__name__", repr(f)), f)
+             for f in funcs]
+    columns = dict(columns or {})
+    n = len(completions)
+    if len(prompts) != n or len(completion_ids) != n:
+        raise ValueError(f"compute_rewards: {len(prompts)} prompts, {n} completions and "
+                         f"{len(completion_ids)} completion_ids must be aligned")
+    for key, values in columns.items():
+        if key in ("prompts", "completions", "completion_ids"):
+            raise ValueError(f"dataset column {key!r} clashes with a reward-function argument; "
+                             "rename the column")
+        if len(values) != n:
+            raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
+    kwargs = dict(prompts=list(prompts), completions=list(completions),
+                  completion_ids=[list(c) for c in completion_ids], **{k: list(v) for k, v in
+                                                                        columns.items()})
+    out = np.full((n, len(funcs)), np.nan, np.float32)
+    pending = {}
+    for j, f in enumerate(funcs):
+        try:
+            result = f.fn(**kwargs)
+        except Exception as e:
+            for c in pending.values():  # don't leave started coroutines un-awaited
+                getattr(c, "close", lambda: None)()
+            raise _call_error(f.name, e, columns) from e
+        if inspect.isawaitable(result):
+            pending[j] = result
+        else:
+            out[:, j] = _as_rewards(f.name, result, n)
+    if pending:
+        for j, result in zip(pending, _run_async(list(pending.values()))):
+            if isinstance(result, BaseException):
+                raise _call_error(funcs[j].name, result, columns) from result
+            out[:, j] = _as_rewards(funcs[j].name, result, n)
+    return out
+
+
+def _call_error(name: str, e: BaseException, columns: dict) -> RewardError:
+    return RewardError(
+        f"reward function {name!r} raised {type(e).__name__}: {e}. It is called as "
+        f"f(prompts=..., completions=..., completion_ids=..., **columns) with dataset columns "
+        f"{sorted(columns) or 'none'}; fix the function, or give it **kwargs to accept "
+        "columns it doesn't use")
+
+
+def _run_async(awaitables: list) -> list:
+    async def gather():
+        return await asyncio.gather(*awaitables, return_exceptions=True)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    # Called from inside a running loop (a notebook): asyncio.run needs a thread of its own.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, gather()).result()
+
+
+def _as_rewards(name: str, result: Any, n: int) -> np.ndarray:
+    if isinstance(result, np.ndarray):
+        result = result.tolist()
+    if not isinstance(result, (list, tuple)) or len(result) != n:
+        got = f"{len(result)} values" if isinstance(result, (list, tuple)) else repr(type(result))
+        raise RewardError(f"reward function {name!r} returned {got} for {n} completions; "
+                          "return a list with one float (or None) per completion")
+    values = np.empty(n, np.float32)
+    for i, r in enumerate(result):
+        if r is None:
+            values[i] = np.nan
+        elif isinstance(r, numbers.Real) and not math.isinf(r):
+            values[i] = float(r)
+        else:
+            raise RewardError(f"reward function {name!r} returned {r!r} for completion {i}; "
+                              "each reward must be a finite number or None")
+    return values
+
+
+def combine_rewards(rewards: np.ndarray, weights: Sequence[float] | None = None) -> np.ndarray:
+    """Weighted sum over functions [N, F] -> [N], skipping NaN (TRL's nansum)."""
+    w = np.asarray(np.ones(rewards.shape[1]) if weights is None else weights, np.float32)
+    if w.shape != (rewards.shape[1],):
+        raise ValueError(f"{len(w)} reward_weights for {rewards.shape[1]} reward functions")
+    empty = np.isnan(rewards).all(axis=1)
+    if empty.any():
+        logger.warning("all reward functions returned None for %d of %d completions (first: "
+                       "row %d); they count as reward 0", empty.sum(), len(rewards),
+                       int(np.argmax(empty)))
+    return np.nansum(rewards * w, axis=1).astype(np.float32)

@@ -1,0 +1,245 @@
+"""Native JAX generation: one compiled program per (batch, prompt-length) bucket.
+
+Prompts are left-padded to the smallest length bucket that fits and the batch is padded to a
+power of two, so a run compiles a bounded number of programs. The weights are an argument of the
+program (never a closed-over constant), so loading new weights never recompiles.
+
+The program is a prefill over the prompt that writes the KV cache [L, B, P + C, K, Dh] and samples
+the first token, then one `lax.while_loop` that feeds the last token, samples the next, and stops
+as soon as every row has emitted a stop token or C = max_completion_length tokens exist.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from grpo_jax import mesh as mesh_lib
+from grpo_jax.models import Decoder, KVCache, ModelConfig, positions_from_mask
+from grpo_jax.rollout import sampling
+from grpo_jax.rollout.sampling import SamplingParams
+
+DEFAULT_BUCKETS = tuple(2 ** i for i in range(5, 15))  # 32 ... 16384 prompt tokens
+
+
+class RolloutBatch(NamedTuple):
+    """N = len(prompts) * num_generations rows; generations of one prompt are consecutive."""
+
+    prompt_ids: np.ndarray       # [N, P] int32, left-padded with pad_id (P = the length bucket)
+    prompt_mask: np.ndarray      # [N, P] int32
+    completion_ids: np.ndarray   # [N, C] int32; the stop token is kept, then pad_id
+    completion_mask: np.ndarray  # [N, C] int32; 1 up to and including the stop token
+    truncated: np.ndarray        # [N] bool: no stop token within C tokens
+    sampler_logp: np.ndarray     # [N, C] fp32 log_softmax(logits / T) of each token; 0 if masked
+
+
+class _State(NamedTuple):
+    step: jax.Array          # [] int32: tokens sampled so far
+    tokens: jax.Array        # [B, C] int32
+    mask: jax.Array          # [B, C] int32
+    logp: jax.Array          # [B, C] fp32
+    done: jax.Array          # [B] bool
+    cache: KVCache
+    seen: jax.Array | None   # [B, V] bool, only with a repetition penalty
+
+
+class Sampler:
+    """Compiled KV-cache sampler for one model architecture and one set of sampling params.
+
+    `mesh`: optional ('data', 'fsdp', 'tensor') mesh; the batch is split over data x fsdp, the
+    cache's KV heads over tensor, and the params are placed by `grpo_jax.mesh`'s rule table (a
+    no-op when they already are, as the trainer's are).
+    """
+
+    def __init__(self, model_cfg: ModelConfig, sampling_params: SamplingParams, *, pad_id: int,
+                 mesh: Mesh | None = None, buckets: Sequence[int] = DEFAULT_BUCKETS,
+                 cache_dtype: Any = None):
+        if not 0 <= pad_id < model_cfg.vocab_size:
+            raise ValueError(f"pad_id={pad_id} is outside the vocabulary [0, "
+                             f"{model_cfg.vocab_size}); pass the tokenizer's pad_token_id")
+        bad_stop = [t for t in sampling_params.stop_token_ids
+                    if not 0 <= t < model_cfg.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids {bad_stop} are outside the vocabulary [0, "
+                             f"{model_cfg.vocab_size})")
+        if not buckets or any(int(b) < 1 for b in buckets):
+            raise ValueError(f"buckets={tuple(buckets)} must be positive prompt lengths")
+        self.cfg, self.sampling_params = model_cfg, sampling_params
+        self.pad_id, self.mesh = pad_id, mesh
+        self.buckets = tuple(sorted(int(b) for b in buckets))
+        self.cache_dtype = model_cfg.dtype if cache_dtype is None else cache_dtype
+        abstract = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
+        self.graphdef, abstract_params = nnx.split(abstract, nnx.Param)
+        self._param_shapes = _shapes(abstract_params)
+        self.num_compiles = 0  # programs traced so far: one per new bucket or param layout
+        self._program = jax.jit(self._generate)
+
+    # ------------------------------------------------------------------ host side
+
+    def generate(self, params, prompt_token_ids: Sequence[Sequence[int]],
+                 num_generations: int = 1, rng: int | jax.Array = 0) -> RolloutBatch:
+        """Sample `num_generations` completions per prompt.
+
+        params: the model's nnx.State of nnx.Param (`nnx.split(model, nnx.Param)[1]`) or the
+        Decoder itself. rng: an int seed or a jax PRNG key; the same rng gives the same output.
+        """
+        params = self._check_params(params)
+        prompts = self._check_prompts(prompt_token_ids)
+        g = int(num_generations)
+        if g < 1:
+            raise ValueError(f"num_generations={num_generations} must be >= 1")
+        n = len(prompts) * g
+        width = self._bucket(max(map(len, prompts)))
+        ids = np.full((self._batch_size(n), width), self.pad_id, np.int32)
+        mask = np.zeros_like(ids)
+        for i, p in enumerate(prompts):  # each prompt's generations in one consecutive block
+            ids[i * g:(i + 1) * g, width - len(p):] = p
+            mask[i * g:(i + 1) * g, width - len(p):] = 1
+        key = jax.random.key(rng) if isinstance(rng, (int, np.integer)) else rng
+        if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+            key = jax.random.wrap_key_data(key)  # a raw uint32 jax.random.PRNGKey
+        args = (ids, mask)
+        if self.mesh is not None:
+            args = tuple(jax.device_put(x, mesh_lib.batch_sharding(self.mesh, 2)) for x in args)
+            params = jax.device_put(params, mesh_lib.param_shardings(params, self.mesh))
+        tokens, cmask, logp, done = jax.device_get(self._program(params, *args, key))
+        return RolloutBatch(ids[:n], mask[:n], tokens[:n], cmask[:n], ~done[:n], logp[:n])
+
+    def _check_params(self, params):
+        if isinstance(params, nnx.Module):
+            params = nnx.state(params, nnx.Param)
+        if _shapes(params) != self._param_shapes:
+            raise ValueError("params do not match the sampler's model config; pass "
+                             "nnx.split(model, nnx.Param)[1] (or the Decoder) of a model built "
+                             "from the same ModelConfig")
+        return params
+
+    def _check_prompts(self, prompt_token_ids) -> list[np.ndarray]:
+        if isinstance(prompt_token_ids, (str, bytes)) or not len(prompt_token_ids):
+            raise ValueError("prompt_token_ids must be a non-empty list of token-id lists")
+        prompts = []
+        for i, p in enumerate(prompt_token_ids):
+            if isinstance(p, (str, bytes)) or np.ndim(p) != 1:
+                raise ValueError(f"prompt {i} is not a list of token ids; tokenize it first")
+            a = np.asarray(p, np.int64)
+            if a.size == 0:
+                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+            if a.min() < 0 or a.max() >= self.cfg.vocab_size:
+                raise ValueError(f"prompt {i} has token ids outside [0, {self.cfg.vocab_size})")
+            prompts.append(a.astype(np.int32))
+        return prompts
+
+    def _bucket(self, length: int) -> int:
+        for b in self.buckets:
+            if b >= length:
+                return b
+        raise ValueError(f"a prompt of {length} tokens exceeds the largest bucket "
+                         f"{self.buckets[-1]}; pass buckets=(..., {_pow2(length)}) or shorten "
+                         "prompts (max_prompt_length)")
+
+    def _batch_size(self, n: int) -> int:
+        div = 1 if self.mesh is None else mesh_lib.batch_divisor(self.mesh)
+        return -(-_pow2(n) // div) * div
+
+    # ------------------------------------------------------------------ compiled program
+
+    def _constrain(self, x, spec: P):
+        if self.mesh is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+    def _constrain_cache(self, cache: KVCache) -> KVCache:
+        heads = None
+        if self.mesh is not None and self.cfg.num_kv_heads % self.mesh.shape["tensor"] == 0:
+            heads = "tensor"
+        spec = P(None, mesh_lib.BATCH, None, heads, None)
+        return KVCache(self._constrain(cache.k, spec), self._constrain(cache.v, spec))
+
+    def _generate(self, params, prompt_ids, prompt_mask, key):
+        self.num_compiles += 1  # runs only while tracing
+        sp, cfg = self.sampling_params, self.cfg
+        model = nnx.merge(self.graphdef, _cast_matrices(params, cfg.dtype))
+        batch, width = prompt_ids.shape
+        C = sp.max_completion_length
+        rows = P(mesh_lib.BATCH)
+        prompt_ids = self._constrain(prompt_ids, P(mesh_lib.BATCH, None))
+        prompt_mask = self._constrain(prompt_mask, P(mesh_lib.BATCH, None))
+        # Generated slots are all valid keys; the causal mask hides the ones not yet written.
+        key_mask = jnp.concatenate([prompt_mask, jnp.ones((batch, C), jnp.int32)], axis=1)
+        prompt_len = jnp.sum(prompt_mask, axis=1)
+
+        shape = (cfg.num_layers, batch, width + C, cfg.num_kv_heads, cfg.head_dim)
+        cache = self._constrain_cache(KVCache(jnp.zeros(shape, self.cache_dtype),
+                                              jnp.zeros(shape, self.cache_dtype)))
+        hidden, cache = model(prompt_ids, positions_from_mask(prompt_mask), key_mask,
+                              cache=cache, cache_index=0)
+        logits = model.logits(hidden[:, -1:])[:, 0]  # left padding: the last slot is real
+        seen = None
+        if sp.repetition_penalty != 1.0:
+            seen = jnp.zeros((batch, cfg.vocab_size), bool)
+            seen = seen.at[jnp.arange(batch)[:, None], prompt_ids].max(prompt_mask.astype(bool))
+        state = _State(
+            step=jnp.zeros((), jnp.int32),
+            tokens=self._constrain(jnp.full((batch, C), self.pad_id, jnp.int32), rows),
+            mask=self._constrain(jnp.zeros((batch, C), jnp.int32), rows),
+            logp=self._constrain(jnp.zeros((batch, C), jnp.float32), rows),
+            done=~jnp.any(prompt_mask.astype(bool), axis=1),  # batch-padding rows
+            cache=cache, seen=seen)
+        state = self._emit(state, logits, key)
+
+        def cond(s: _State):
+            return (s.step < C) & ~jnp.all(s.done)
+
+        def body(s: _State):
+            last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
+            hidden, cache = model(last, (prompt_len + s.step - 1)[:, None], key_mask,
+                                  cache=s.cache, cache_index=width + s.step - 1)
+            s = s._replace(cache=self._constrain_cache(cache))
+            return self._emit(s, model.logits(hidden)[:, 0], key)
+
+        state = jax.lax.while_loop(cond, body, state)
+        return state.tokens, state.mask, state.logp, state.done
+
+    def _emit(self, s: _State, logits, key) -> _State:
+        """Sample the token at completion index `s.step` for every row not yet done."""
+        sp = self.sampling_params
+        batch = logits.shape[0]
+        step_key = jax.random.fold_in(key, s.step)
+        keys = jax.vmap(jax.random.fold_in, (None, 0))(step_key, jnp.arange(batch))
+        token, logp = sampling.sample(keys, logits, sp, s.seen)
+        live = ~s.done
+        token = jnp.where(live, token, self.pad_id)
+        logp = jnp.where(live, logp, 0.0)
+        put = lambda buf, col: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+            buf, col[:, None].astype(buf.dtype), s.step, axis=1)
+        done = s.done
+        if sp.stop_token_ids:
+            done = done | (live & jnp.isin(token, jnp.asarray(sp.stop_token_ids)))
+        seen = s.seen
+        if seen is not None:
+            seen = seen.at[jnp.arange(batch), token].max(live)
+        return s._replace(step=s.step + 1, tokens=put(s.tokens, token),
+                          mask=put(s.mask, live), logp=put(s.logp, logp), done=done, seen=seen)
+
+
+def _cast_matrices(params, dtype):
+    """Cast weights to the compute dtype once, before the loop, instead of on every decode step
+    (the decoder casts them the same way; norm scales stay as they are, it reads them in fp32)."""
+    def cast(path, x):
+        names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        return x if str(names[-1]).endswith("norm") else x.astype(dtype)
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def _shapes(tree) -> list:
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return [(jax.tree_util.keystr(path), tuple(getattr(x, "shape", ()))) for path, x in leaves]

