@@ -22,7 +22,10 @@ class MetricsLogger:
         self._last_logged = start_step
         if not enabled:
             return
-        self._jsonl = open(self.out / "metrics.jsonl", "a")
+        # A resumed run replays the steps after its checkpoint: drop their old records.
+        kept = [h for h in read_history(self.out / "metrics.jsonl") if h["step"] <= start_step]
+        self._jsonl = open(self.out / "metrics.jsonl", "w")
+        self._jsonl.writelines(json.dumps(h) + "\n" for h in kept)
         self._completions = (open(self.out / "completions.jsonl", "a")
                              if run_cfg.log_completions else None)
         report_to = tuple(run_cfg.report_to or ())

@@ -35,9 +35,10 @@ class TrainError(RuntimeError):
     """A failure the user can act on; main() prints it as one line."""
 
 
-def build_mesh(cfg: config_lib.TrainConfig):
-    data, fsdp, tensor = cfg.mesh.shape(jax.device_count())
-    return mesh_lib.make_mesh(mesh_lib.MeshConfig(data, fsdp, tensor))
+def build_mesh(cfg: config_lib.TrainConfig, devices=None):
+    devices = jax.devices() if devices is None else devices
+    data, fsdp, tensor = cfg.mesh.shape(len(devices))
+    return mesh_lib.make_mesh(mesh_lib.MeshConfig(data, fsdp, tensor), devices)
 
 
 def loss_config(cfg: config_lib.TrainConfig) -> LossConfig:
@@ -70,12 +71,12 @@ def completion_metrics(batch: dict) -> dict:
     }
 
 
-def train(cfg: config_lib.TrainConfig, *, resume: bool = False, max_rounds: int | None = None
-          ) -> dict:
-    """Run (or resume) training. Returns the last logged metrics."""
+def train(cfg: config_lib.TrainConfig, *, resume: bool = False, max_rounds: int | None = None,
+          devices=None) -> dict:
+    """Run (or resume) training on `devices` (default: all). Returns the last metrics."""
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    mesh = build_mesh(cfg)
+    mesh = build_mesh(cfg, devices)
     model, model_dir = hf.load_model(cfg.model.name_or_path, dtype=jnp.dtype(cfg.model.dtype),
                                      param_dtype=jnp.dtype(cfg.model.param_dtype),
                                      remat=cfg.model.remat)
@@ -100,11 +101,13 @@ def train(cfg: config_lib.TrainConfig, *, resume: bool = False, max_rounds: int 
 
     ckpt = Checkpointer(out / "checkpoints", save_total_limit=cfg.run.save_total_limit)
     position, round_idx = data_lib.DataPosition(), 0
+    latest = ckpt.latest_step()
+    if latest is not None and not (resume or cfg.run.resume):
+        raise TrainError(f"{ckpt.directory} already holds checkpoints (latest step {latest}): "
+                         "pass --resume to continue that run, or choose another output_dir")
     if resume or cfg.run.resume:
-        latest = ckpt.latest_step()
         if latest is not None:
-            state, meta = ckpt.restore(latest, jax.eval_shape(lambda: state))
-            state = jax.device_put(state, trainer.state_shardings)
+            state, meta = ckpt.restore(latest, state)  # onto the live state's shardings
             position = data_lib.DataPosition(*meta["data_position"])
             round_idx = meta["round"]
             print(f"resumed from step {latest} in {ckpt.directory}", file=sys.stderr)

@@ -39,3 +39,19 @@ def hf_logits(model, tokens, mask):
     pos = (m.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         return model(input_ids=t, attention_mask=m, position_ids=pos).logits.float().numpy()
+
+
+def char_tokenizer():
+    """A character-level tokenizer (pad 0, bos 1, eos 2, then printable ASCII): a small vocab
+    that a tiny random model can learn over in a few RL steps."""
+    import string
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>",
+                                        *string.printable[:95]])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
+    tok.decoder = decoders.Fuse()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+        unk_token="<unk>")

@@ -20,10 +20,12 @@ def make_inputs(seed=0, b=B):
     mask = (np.arange(T)[None] < lengths[:, None]).astype(np.int32)
     logp = (-3.0 * rng.random((b, T))).astype(np.float32)
     f = lambda s: (s * rng.standard_normal((b, T))).astype(np.float32)  # noqa: E731
-    return dict(logp=logp, old_logp=logp + f(0.5), ref_logp=logp + f(0.2),
-                advantages=rng.standard_normal(b).astype(np.float32), completion_mask=mask,
-                truncated=lengths == T, entropy=(3.0 * rng.random((b, T))).astype(np.float32),
-                sampler_logp=logp + f(0.4))
+    x = dict(logp=logp, old_logp=logp + f(0.5), ref_logp=logp + f(0.2),
+             advantages=rng.standard_normal(b).astype(np.float32), completion_mask=mask,
+             truncated=lengths == T, entropy=(3.0 * rng.random((b, T))).astype(np.float32),
+             sampler_logp=logp + f(0.4))
+    x["advantages"][3] = 0.0  # a zero-std group's advantage: neither low- nor high-clipped
+    return x
 
 
 def oracle(x, cfg):
@@ -95,7 +97,8 @@ IS = dict(vllm_importance_sampling_correction=True, vllm_importance_sampling_cli
 CASES = [
     dict(loss_type="grpo"), dict(loss_type="bnpo"), dict(loss_type="dr_grpo"), dict(),
     dict(loss_type="cispo", epsilon_high=1.1), dict(beta=0.04), dict(epsilon_high=0.28),
-    dict(delta=1.15, epsilon=0.1), dict(importance_sampling_level="sequence", loss_type="grpo", epsilon=0.1),
+    dict(delta=1.15, epsilon=0.1),
+    dict(importance_sampling_level="sequence", loss_type="grpo", epsilon=0.1),
     dict(importance_sampling_level="sequence", epsilon=0.05, beta=0.1),
     dict(mask_truncated_completions=True, loss_type="grpo"), dict(top_entropy_quantile=0.3),
     dict(top_entropy_quantile=0.0, mask_truncated_completions=True),
@@ -158,6 +161,15 @@ def test_gradient_matches_finite_differences(case):
                             oracle({**x, "logp": lp - e}, cfg)[0]) / 2e-6
         np.testing.assert_allclose(np.asarray(grad), fd, atol=1e-5)
         assert np.abs(fd).max() > 1e-2
+
+
+def test_clip_extremes_skip_empty_completions():
+    x = make_inputs(7)
+    x["advantages"][:] = -1.0
+    x["old_logp"] = x["logp"] + 1.0  # every token's ratio is 1/e: all low-clipped
+    _, metrics = run(x, L.LossConfig())
+    assert metrics["clip_ratio/low_min"] == 1.0  # the empty completion does not count as 0
+    assert metrics["clip_ratio/low_mean"] == 1.0 and metrics["clip_ratio/high_max"] == 0.0
 
 
 def test_cispo_gradient_flows_through_logp_only():

@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from hf_oracle import tiny_hf_model
+from hf_oracle import char_tokenizer, tiny_hf_model
 
 from grpo_jax import hf
 from grpo_jax.checkpoint import Checkpointer
@@ -26,15 +26,12 @@ REWARD = f"{HERE / 'reward_fixtures.py'}:even_tokens"
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    """A tiny random Llama with SmolLM2's real tokenizer (vocab 49152)."""
+    """A tiny random Llama with a character-level tokenizer."""
     out = tmp_path_factory.mktemp("tiny")
-    model = tiny_hf_model("llama", tie=True, vocab=49152, seed=0, hidden_size=64,
-                          bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    tok = char_tokenizer()
+    model = tiny_hf_model("llama", tie=True, vocab=len(tok), seed=0)
     model.save_pretrained(out)
-    smol = hf.resolve_model_dir(hf.SMOL_ALIAS)
-    for f in hf.TOKENIZER_FILES:
-        if (smol / f).exists() and f != "generation_config.json":
-            shutil.copy(smol / f, out / f)
+    tok.save_pretrained(out)
     prompts = out / "prompts.jsonl"
     with open(prompts, "w") as f:
         for i in range(64):
@@ -61,12 +58,12 @@ def rewards_of(out):
 
 
 def test_tiny_model_learns_synthetic_reward(tiny_dir, tmp_path):
-    os.environ["JAX_PLATFORMS"] = "cpu"
     cfg = config(tiny_dir, tmp_path / "run")
-    train(cfg)
+    train(cfg, devices=jax.devices()[:1])
     r = rewards_of(tmp_path / "run")
     first, last = np.mean(r[:3]), np.mean(r[-3:])
     assert len(r) == 14
+    print(f"reward first 3 steps {first:.3f}, last 3 steps {last:.3f}")
     assert first < 0.65 and last > first + 0.15, (first, last, r)
     # beta = 0: the checkpoint holds params and optimizer state, no reference copy.
     ckpt = Checkpointer(tmp_path / "run" / "checkpoints", save_total_limit=None)
@@ -79,3 +76,94 @@ def _params_at(out, step, target_cfg, tiny_dir):
     ckpt = Checkpointer(Path(out) / "checkpoints", save_total_limit=None)
     state, meta = ckpt.restore(step, abstract_state(target_cfg))
     return jax.tree.map(np.asarray, jax.tree.leaves(state.params)), meta
+
+
+def _run_cli(args, **kw):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # one device, as a user's run
+    return subprocess.Popen([sys.executable, "-m", "grpo_jax.train", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _cli_args(tiny_dir, out, max_steps=10, save_steps=2, **extra):
+    cfg = config(tiny_dir, out, max_steps=max_steps, save_steps=save_steps, **extra)
+    path = Path(out).parent / f"{Path(out).name}.yaml"
+    path.write_text(cfg.to_yaml())
+    return ["--config", str(path)]
+
+
+def test_sigkill_then_resume_equals_uninterrupted(tiny_dir, tmp_path):
+    from grpo_jax.train import load_checkpoint
+    full = _run_cli(_cli_args(tiny_dir, tmp_path / "full"))
+    assert full.wait(timeout=600) == 0, full.stderr.read()[-3000:]
+
+    killed = _run_cli(_cli_args(tiny_dir, tmp_path / "killed"))
+    ckpts = tmp_path / "killed" / "checkpoints"
+    deadline = time.time() + 600
+    while not (ckpts / "4").is_dir() and killed.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert killed.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    done = Checkpointer(ckpts, save_total_limit=None).all_steps()
+    assert done and max(done) < 10, done
+
+    resumed = _run_cli(_cli_args(tiny_dir, tmp_path / "killed") + ["--resume"])
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    assert f"resumed from step {max(done)}" in err
+    a, _, step_a = load_checkpoint(tmp_path / "full")
+    b, _, step_b = load_checkpoint(tmp_path / "killed")
+    assert step_a == step_b == 10
+    for name in ("embed", "layers/wq", "layers/w_down", "final_norm"):
+        pa, pb = hf.params_numpy(a)[name], hf.params_numpy(b)[name]
+        assert np.abs(pa - pb).max() < 1e-6, name
+    steps = [json.loads(line)["step"] for line in (tmp_path / "killed" / "metrics.jsonl").open()]
+    assert steps == sorted(set(steps)) and steps[-1] == 10
+
+
+def test_export_loads_in_transformers(tiny_dir, tmp_path):
+    import jax.numpy as jnp
+    import torch
+    import transformers
+
+    from grpo_jax.export import main as export_main
+    from grpo_jax.models import positions_from_mask
+    from grpo_jax.train import load_checkpoint
+    train(config(tiny_dir, tmp_path / "run", max_steps=2), devices=jax.devices()[:1])
+    assert export_main(["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf"),
+                        "--dtype", "float32"]) == 0
+    model, _, _ = load_checkpoint(tmp_path / "run")
+    model.cfg = model.cfg.replace(dtype=jnp.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = np.array([tok("TL;DR: hello there")["input_ids"]])
+    mask = np.ones_like(ids)
+    hidden, _ = model(jnp.asarray(ids), positions_from_mask(jnp.asarray(mask)), jnp.asarray(mask))
+    with torch.no_grad():
+        want = ref(input_ids=torch.as_tensor(ids)).logits.numpy()
+    assert np.abs(np.asarray(model.logits(hidden)) - want).max() < 1e-4
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--learning_rat", "1e-5"], "learning_rate"),
+    (["--set", "model.name_or_path=/nonexistent/model"], "not found"),
+    (["--set", "data.prompt_column=text"], "text"),
+    (["--set", f"reward_funcs=[{HERE / 'reward_fixtures.py'}:raises]"], "raises"),
+    (["--set", f"reward_funcs=[{HERE / 'reward_fixtures.py'}:wrong_length]"], "wrong_length"),
+])
+def test_bad_input_one_clear_error_and_checkpoints_intact(tiny_dir, tmp_path, capsys, args,
+                                                          message):
+    from grpo_jax.train import main
+    # In-process: the suite's 8 CPU devices, so this also runs the loop on a sharded mesh.
+    cfg_args = _cli_args(tiny_dir, tmp_path / "run", max_steps=2, dp=-1,
+                         per_device_train_batch_size=2)
+    assert main(cfg_args) == 0
+    before = Checkpointer(tmp_path / "run" / "checkpoints", save_total_limit=None).all_steps()
+    capsys.readouterr()
+    assert main(cfg_args + ["--resume", "--max_steps", "4"] + args) == 2
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("grpo_jax.train: error:")]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in err, err[-2000:]
+    assert Checkpointer(tmp_path / "run" / "checkpoints", save_total_limit=None).all_steps()[
+        :len(before)] == before

@@ -118,7 +118,7 @@ def sampler_is_weight(old_logp, sampler_logp, m, cfg: LossConfig) -> jax.Array:
     or zeroed outside [clip_min, clip_max] (*_mask). A constant: no gradient."""
     diff = (jax.lax.stop_gradient(old_logp) - sampler_logp.astype(f32)) * m
     if cfg.vllm_importance_sampling_mode.startswith("sequence"):
-        diff = diff.mean(-1, keepdims=True)
+        diff = diff.sum(-1, keepdims=True)
     w = jnp.exp(diff)
     lo, hi = cfg.vllm_importance_sampling_clip_min, cfg.vllm_importance_sampling_clip_max
     lo, hi = -jnp.inf if lo is None else lo, jnp.inf if hi is None else hi
