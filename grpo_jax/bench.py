@@ -86,11 +86,11 @@ def make_workload(args):
     return cfg, model, mesh, prompts
 
 
-def bench_sampler(args, cfg, model, mesh, prompts, trainer=None):
+def bench_sampler(args, cfg, model, mesh, prompts):
     sp = SamplingParams(max_completion_length=args.completion_len, temperature=1.0,
                         stop_token_ids=())  # no stop token: every row runs the full length
     sampler = Sampler(cfg, sp, pad_id=0, mesh=mesh)
-    params = nnx.split(model, nnx.Param)[1] if trainer is None else trainer.init_state.params
+    params = nnx.split(model, nnx.Param)[1]
     sec = _timed(lambda: sampler.generate(params, prompts, args.generations, 0), args.repeats)
     n = len(prompts) * args.generations
     _, (_, bw) = device_peaks()
@@ -189,12 +189,10 @@ def main(argv=None):
     result = {"device": kind, "devices": jax.device_count(), "jax": jax.__version__,
               "workload": {k: v for k, v in vars(args).items() if k not in ("what", "json")},
               "params_M": cfg.num_params() / 1e6}
-    trainer = None
     if args.what in ("train-step", "all"):
-        trainer = make_trainer(args, cfg, model, mesh)
-        result.update(bench_train_step(args, cfg, trainer))
+        result.update(bench_train_step(args, cfg, make_trainer(args, cfg, model, mesh)))
     if args.what in ("sampler", "all"):
-        result.update(bench_sampler(args, cfg, model, mesh, prompts, trainer))
+        result.update(bench_sampler(args, cfg, model, mesh, prompts))
     if args.what in ("e2e", "all"):
         result.update(bench_e2e(args, cfg, model, mesh, prompts))
     result["peak_device_memory_GiB"] = ((peak_memory() or 0) / 2**30) or None

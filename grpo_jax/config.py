@@ -190,9 +190,11 @@ class BatchArgs:
 class RolloutArgs:
     backend: Literal["jax", "vllm"] = "jax"  # TRL: use_vllm (server mode)
     vllm_server_base_url: str | None = None  # overrides host and port
-    vllm_server_host: str = "0.0.0.0"
+    vllm_server_host: str = "127.0.0.1"  # TRL: 0.0.0.0; `grpo_jax.serve` binds loopback
     vllm_server_port: int = 8000
     vllm_server_timeout: float = 240.0  # seconds to wait for the server to come up
+    # Needed when the server binds a non-loopback address; default: $VLLM_API_KEY.
+    vllm_server_api_key: str | None = None
 
     def __post_init__(self):
         _check(0 < self.vllm_server_port < 65536, f"vllm_server_port {self.vllm_server_port} "

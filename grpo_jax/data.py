@@ -159,7 +159,10 @@ def _load_columns(cfg: DataArgs) -> dict[str, list]:
             return arithmetic_columns(cfg.seed)
         text = (resources.files("grpo_jax") / "assets" / "smol_prompts.jsonl").read_text()
         rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-        return {"prompt": [r["prompt"] for r in rows]}
+        # As chat messages: the embedded model is an instruct model, and answering in a chat
+        # turn lets it end (EOS) on its own, so reward_len has lengths to choose between.
+        return {"prompt": [[{"role": "user", "content": _post_body(r["prompt"])
+                             + "\n\nTL;DR in a few words:"}] for r in rows]}
     path = Path(name).expanduser()
     if path.exists():
         if path.is_dir():
@@ -175,6 +178,12 @@ def _load_columns(cfg: DataArgs) -> dict[str, list]:
     if name.startswith((".", "/", "~")) or path.suffix.lower() in FILE_LOADERS:
         raise DataError(f"dataset file {name!r} not found")
     return _load_hub(name, cfg.dataset_config, split)
+
+
+def _post_body(prompt: str) -> str:
+    """The POST part of a TL;DR-style prompt ("SUBREDDIT: ..., TITLE: ..., POST: ..., TL;DR:")."""
+    body = prompt.split("POST:", 1)[-1]
+    return body.removesuffix("TL;DR:").strip()
 
 
 def _datasets_load(*args, **kwargs) -> dict[str, list]:

@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -218,10 +219,18 @@ def load_model(name_or_path: str, **config_overrides) -> tuple[Decoder, Path]:
 
 def params_numpy(model: Decoder) -> dict[str, np.ndarray]:
     """The model's parameters as {table name: host array} (gathers sharded arrays)."""
+    return params_from_state(model.cfg, nnx.state(model, nnx.Param))
+
+
+def params_from_state(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
+    """The decoder's params as an nnx.State (as the trainer holds them) -> {table name: host
+    array}."""
     out = {}
-    for name in param_table(model.cfg):
-        owner, leaf = (model.layers, name[7:]) if name.startswith("layers/") else (model, name)
-        out[name] = np.asarray(getattr(owner, leaf)[...])
+    for name in param_table(cfg):
+        node = params
+        for part in name.split("/"):
+            node = node[part]
+        out[name] = np.asarray(jax.device_get(node[...]))
     return out
 
 

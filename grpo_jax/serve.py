@@ -94,7 +94,7 @@ def build_command(model_dir, *, host: str = "127.0.0.1", port: int = 8000,
                   python: str | None = None, extra_args=(),
                   env: dict | None = None) -> tuple[list[str], dict]:
     """argv and environment of the vLLM server process."""
-    api_key = api_key or (env or os.environ).get("VLLM_API_KEY")
+    api_key = api_key or (os.environ if env is None else env).get("VLLM_API_KEY")
     check_bind(host, api_key)
     python = vllm_python(python)
     extra = list(extra_args)

@@ -29,6 +29,7 @@ from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.grpo.train_step import StepConfig, Trainer, TrainState
 from grpo_jax.logger import MetricsLogger
 from grpo_jax.rollout.engines import make_rollout
+from grpo_jax.rollout.vllm_client import VLLMServerError
 
 
 class TrainError(RuntimeError):
@@ -240,7 +241,7 @@ def load_checkpoint(output_dir, step: int | None = None):
 
 
 USER_ERRORS = (config_lib.ConfigError, hf.ModelLoadError, data_lib.DataError,
-               rewards_lib.RewardError, TrainError)
+               rewards_lib.RewardError, VLLMServerError, TrainError)
 
 
 def main(argv=None) -> int:

@@ -22,7 +22,8 @@ TRL_DEFAULTS = {
     "adam_epsilon": 1e-8, "max_grad_norm": 1.0, "per_device_train_batch_size": 8,
     "gradient_accumulation_steps": 1, "generation_batch_size": None,
     "steps_per_generation": None, "max_steps": -1, "num_train_epochs": 3.0,
-    "vllm_server_base_url": None, "vllm_server_host": "0.0.0.0", "vllm_server_port": 8000,
+    "vllm_server_base_url": None, "vllm_server_host": "127.0.0.1", "vllm_server_port": 8000,
+    "vllm_server_api_key": None,
     "vllm_server_timeout": 240.0, "logging_steps": 10, "save_steps": 500,
     "save_total_limit": None, "log_completions": False, "shuffle_dataset": True,
     "dataset_train_split": "train", "seed": 42,
@@ -175,7 +176,7 @@ def test_warmup_and_mesh_helpers():
         mesh.shape(3)
     with pytest.raises(ConfigError, match="needs 4 devices"):
         config_from_dict({}, ["dp=2", "fsdp=2"]).mesh.shape(8)
-    assert config_from_dict({}, ["vllm_server_port=9000"]).rollout.base_url == "http://0.0.0.0:9000"
+    assert config_from_dict({}, ["vllm_server_port=9000"]).rollout.base_url == "http://127.0.0.1:9000"
 
 
 def test_to_dict_round_trips(tmp_path):

@@ -145,7 +145,8 @@ class Trainer:
         self.graphdef, params = nnx.split(model, nnx.Param)
         self.tx, self.schedule = make_optimizer(optim, total_steps)
         self.param_shardings = mesh_lib.param_shardings(params, mesh)
-        params = jax.device_put(params, self.param_shardings)
+        # A copy: the step donates its state, which must not free the caller's model arrays.
+        params = jax.device_put(params, self.param_shardings, may_alias=False)
         abstract = jax.eval_shape(self._init, params)
         self.state_shardings = TrainState(
             self.param_shardings,

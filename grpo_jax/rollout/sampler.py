@@ -24,7 +24,9 @@ from grpo_jax.models import Decoder, KVCache, ModelConfig, positions_from_mask
 from grpo_jax.rollout import sampling
 from grpo_jax.rollout.sampling import SamplingParams
 
-DEFAULT_BUCKETS = tuple(2 ** i for i in range(5, 15))  # 32 ... 16384 prompt tokens
+# 32, 48, 64, 96, ... 16384 prompt tokens: powers of two and their midpoints, so padding wastes
+# at most a third of a prompt while a run still compiles only a handful of programs.
+DEFAULT_BUCKETS = tuple(sorted({2 ** i for i in range(5, 15)} | {3 * 2 ** i for i in range(4, 13)}))
 
 
 class RolloutBatch(NamedTuple):

