@@ -254,6 +254,102 @@ def test_different_model_is_refused(client, trainer):
         client.check_model(trainer.cfg, max_len=1000)
 
 
+# ------------------------------------------------------------------ the training program
+
+def _train_config(model_dir, out, base_url, **extra):
+    import json as _json
+    from pathlib import Path
+
+    from grpo_jax.config import load_config
+    prompts = Path(out).parent / "prompts.jsonl"
+    rng = np.random.default_rng(0)
+    with open(prompts, "w") as f:
+        for _ in range(32):
+            words = " ".join(f"w{t}" for t in rng.integers(4, VOCAB, rng.integers(3, 9)))
+            f.write(_json.dumps({"prompt": words}) + "\n")
+    fixtures = Path(__file__).parent / "reward_fixtures.py"
+    sets = {"name_or_path": str(model_dir), "dtype": "float32", "dataset_name": str(prompts),
+            "reward_funcs": f"[{fixtures}:even_tokens]", "num_generations": 4,
+            "max_completion_length": 8, "per_device_train_batch_size": 8, "dp": 1,
+            "learning_rate": 1e-3, "lr_scheduler_type": "constant", "max_steps": 3,
+            "output_dir": str(out), "report_to": "[]", "backend": "vllm",
+            "vllm_server_base_url": base_url, "vllm_server_api_key": API_KEY,
+            "max_prompt_length": 64, "save_steps": 1, "vllm_server_timeout": 30}
+    sets.update(extra)
+    return load_config(None, [f"{k}={v}" for k, v in sets.items()])
+
+
+@needs_vllm
+def test_grpo_run_with_vllm_rollouts(server, client, model_dir, tmp_path):
+    import json as _json
+
+    from grpo_jax.train import load_checkpoint, train
+    train(_train_config(model_dir, tmp_path / "run", server.base_url), devices=jax.devices()[:1])
+    hist = [_json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [h["step"] for h in hist] == [1, 2, 3]
+    for h in hist:
+        # vLLM sampled with the trainer's current weights: sampler and trainer agree.
+        assert h["sampling/sampling_logp_difference/mean"] < 1e-4, h
+        assert abs(h["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3, h
+        assert h["timing/weight_sync"] > 0
+    # After the last update and sync, the server serves the trained weights.
+    model, _, step = load_checkpoint(tmp_path / "run")
+    model.cfg = model.cfg.replace(dtype=jnp.float32)
+    got = client.logprobs_for(PROMPTS, COMPLETIONS)
+    for p, c, g in zip(PROMPTS, COMPLETIONS, got):
+        assert np.abs(g - trainer_logp(model, p, c)).max() < 1e-4
+
+
+@needs_vllm
+def test_server_killed_mid_run_checkpoints_and_exits_clearly(model_dir, tmp_path):
+    """A second server (the module's one stays up for the test after this): killed during a
+    run, the run saves its last completed step and exits with one clear error."""
+    import subprocess
+    import sys
+
+    from grpo_jax.checkpoint import Checkpointer
+    tmp = tmp_path / "srv"
+    tmp.mkdir()
+    srv = serve.start_server(model_dir, free_port(), python=VLLM_PYTHON, max_model_len=256,
+                             api_key=API_KEY, log_path=tmp / "server.log",
+                             env=dict(os.environ, VLLM_CACHE_ROOT=str(tmp / "cache")))
+    try:
+        from grpo_jax.rollout.vllm_client import VLLMClient
+        VLLMClient(srv.base_url).wait_healthy(timeout=400, server=srv)
+        cfg = _train_config(model_dir, tmp_path / "run", srv.base_url, max_steps=200)
+        (tmp_path / "run.yaml").write_text(cfg.to_yaml())
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        run = subprocess.Popen([sys.executable, "-m", "grpo_jax.train", "--config",
+                                str(tmp_path / "run.yaml")], env=dict(env, JAX_PLATFORMS="cpu"),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        ckpts = tmp_path / "run" / "checkpoints"
+        deadline = time.monotonic() + 300
+        while not (ckpts / "2").is_dir() and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert run.poll() is None, run.communicate()[1][-3000:]
+        srv.kill()
+        killed_at = time.monotonic()
+        _, err = run.communicate(timeout=120)
+    finally:
+        srv.stop()
+    assert time.monotonic() - killed_at < 60, "the run hung after the server died"
+    assert run.returncode == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("grpo_jax.train: error:")]
+    assert len(errors) == 1 and "grpo_jax.serve" in errors[0] and "Traceback" not in err, err[-2000:]
+    steps = Checkpointer(ckpts, save_total_limit=None).all_steps()
+    assert steps and max(steps) >= 2
+
+    # The server is gone: resuming fails fast, after the configured wait, with the same advice.
+    start = time.monotonic()
+    again = subprocess.run([sys.executable, "-m", "grpo_jax.train", "--config",
+                            str(tmp_path / "run.yaml"), "--resume", "--vllm_server_timeout", "3"],
+                           env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 2 and "grpo_jax.serve" in again.stderr, again.stderr[-2000:]
+    assert time.monotonic() - start < 120
+    assert Checkpointer(ckpts, save_total_limit=None).all_steps() == steps
+
+
 def running_requests(server) -> float:
     r = requests.get(server.base_url + "/metrics", timeout=10,
                      headers={"Authorization": f"Bearer {API_KEY}"})
