@@ -74,8 +74,9 @@ def _step_once(mesh, batch, k=2):
     return trainer, state, jax.device_get(metrics)
 
 
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py sets "
+                    "XLA_FLAGS for 8 host CPU devices)")
 def test_sharded_step_equals_single_device():
-    assert jax.device_count() == 8, "conftest sets 8 host devices"
     batch = make_batch(1)
     one = mesh_lib.make_mesh(mesh_lib.MeshConfig(1, 1, 1), jax.devices()[:1])
     eight = mesh_lib.make_mesh(mesh_lib.MeshConfig(2, 2, 2))

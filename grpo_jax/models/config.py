@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -37,6 +38,23 @@ class ModelConfig:
     dtype: Any = jnp.bfloat16
     # Rematerialise each layer in the backward pass (saves activation memory).
     remat: bool = True
+    # Unroll the layer loop when decoding with a KV cache: no per-layer loop overhead inside
+    # the decode loop, at the price of a longer compile. None: on GPU/TPU, not on CPU.
+    unroll_decode: bool | None = None
+    # Attention without a cache (training, log-probs): "xla" (portable), "cudnn" (fused flash
+    # attention on NVIDIA GPUs, bf16/fp16 only) or "auto" (cudnn where it applies).
+    attention_impl: str = "auto"
+
+    def use_unrolled_decode(self) -> bool:
+        if self.unroll_decode is None:
+            return jax.default_backend() != "cpu"
+        return self.unroll_decode
+
+    def use_cudnn_attention(self) -> bool:
+        if self.attention_impl == "auto":
+            return (jax.default_backend() == "gpu"
+                    and jnp.dtype(self.dtype) in (jnp.bfloat16, jnp.float16))
+        return self.attention_impl == "cudnn"
 
     @property
     def q_size(self) -> int:

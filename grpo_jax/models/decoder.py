@@ -104,28 +104,37 @@ class Decoder(nnx.Module):
         cfg = self.cfg
         x = self.embed[...].astype(cfg.dtype)[tokens]
         cos, sin = rope_tables(cfg, positions)
-        T = tokens.shape[1]
+        B, T = tokens.shape
         key_ok = attention_mask.astype(bool)
+        causal = jnp.tril(jnp.ones((T, T), bool))
         if cache is None:
-            causal = jnp.tril(jnp.ones((T, T), bool))
+            masks = (causal[None] & key_ok[:, None, :], None)
         else:
+            # Two key blocks: the cache's earlier slots (read, never copied) and the T new
+            # tokens; they are written into the cache once, after all layers.
             S = cache.k.shape[2]
-            causal = jnp.arange(S)[None, :] <= (cache_index + jnp.arange(T))[:, None]
-        mask = causal[None] & key_ok[:, None, :]  # [B, T, S]
+            old = key_ok & (jnp.arange(S) < cache_index)[None]
+            new = jax.lax.dynamic_slice_in_dim(key_ok, cache_index, T, axis=1)
+            masks = (causal[None] & new[:, None, :], jnp.broadcast_to(old[:, None], (B, T, S)))
         layer_params = {name[7:]: getattr(self.layers, name[7:])[...]
                         for name in param_table(cfg) if name.startswith("layers/")}
 
         def body(x, xs):
             p, ck, cv = xs
-            x, ck, cv = _block(cfg, p, x, cos, sin, mask, ck, cv, cache_index)
-            return x, (ck, cv)
+            x, k, v = _block(cfg, p, x, cos, sin, masks, ck, cv)
+            return x, (None, None) if cache is None else (k, v)
 
         if cfg.remat and cache is None:
             body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
         xs = (layer_params, None, None) if cache is None else (layer_params, cache.k, cache.v)
-        x, (ck, cv) = jax.lax.scan(body, x, xs)
+        unroll = cfg.num_layers if (cache is not None and cfg.use_unrolled_decode()) else 1
+        x, (k_new, v_new) = jax.lax.scan(body, x, xs, unroll=unroll)
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.dtype)
-        return x, (None if cache is None else KVCache(ck, cv))
+        if cache is None:
+            return x, None
+        put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+            buf, new.astype(buf.dtype), cache_index, axis=2)
+        return x, KVCache(put(cache.k, k_new), put(cache.v, v_new))
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:
@@ -168,7 +177,8 @@ def _rope(x, cos, sin):
     return (x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
 
 
-def _block(cfg: ModelConfig, p, x, cos, sin, mask, ck, cv, cache_index):
+def _block(cfg: ModelConfig, p, x, cos, sin, masks, ck, cv):
+    """One layer. Returns the new x and this layer's keys/values for the T input tokens."""
     dt = cfg.dtype
     w = lambda name: p[name].astype(dt)  # noqa: E731
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, dt)
@@ -181,28 +191,41 @@ def _block(cfg: ModelConfig, p, x, cos, sin, mask, ck, cv, cache_index):
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, dt)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, dt)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    if ck is not None:
-        ck = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), cache_index, axis=1)
-        cv = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), cache_index, axis=1)
-        k, v = ck, cv
-    attn = attention(q, k, v, mask)
+    new_mask, cache_mask = masks
+    if ck is None and cfg.use_cudnn_attention():
+        # Each query also sees itself, so padding rows are never fully masked (NaN in cuDNN).
+        diag = jnp.eye(q.shape[1], dtype=bool)[None]
+        attn = jax.nn.dot_product_attention(q, k, v, mask=(new_mask | diag)[:, None],
+                                            implementation="cudnn")
+    else:
+        attn = attention(q, k, v, new_mask, None if ck is None else (ck, cv, cache_mask))
     x = x + jnp.einsum("bthk,hkd->btd", attn, w("wo"))
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, dt)
     gate = jnp.einsum("btd,df->btf", h, w("w_gate"))
     up = jnp.einsum("btd,df->btf", h, w("w_up"))
     x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w("w_down"))
-    return x, ck, cv
+    return x, k, v
 
 
-def attention(q, k, v, mask):
-    """Grouped-query attention. q [B,T,H,Dh], k/v [B,S,K,Dh], mask [B,T,S] -> [B,T,H,Dh]."""
+def attention(q, k, v, mask, cached=None):
+    """Grouped-query attention of q [B,T,H,Dh] over k/v [B,T,K,Dh] (mask [B,T,T]) and, when
+    given, a cache block (ck, cv [B,S,K,Dh], cache_mask [B,T,S]), with one softmax over both."""
     B, T, H, Dh = q.shape
     K = k.shape[2]
     qg = q.reshape(B, T, K, H // K, Dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (Dh ** -0.5)
-    # A finite floor (not -inf) keeps fully masked rows (padding queries) free of NaN.
-    scores = jnp.where(mask[:, None, None], scores, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+
+    def scores(keys, m):
+        s = jnp.einsum("btkgd,bskd->bkgts", qg, keys.astype(q.dtype),
+                       preferred_element_type=jnp.float32) * (Dh ** -0.5)
+        # A finite floor (not -inf) keeps fully masked rows (padding queries) free of NaN.
+        return jnp.where(m[:, None, None], s, -1e30)
+
+    blocks = [scores(k, mask)]
+    if cached is not None:
+        blocks.insert(0, scores(cached[0], cached[2]))
+    probs = jax.nn.softmax(jnp.concatenate(blocks, axis=-1), axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs[..., -T:], v)
+    if cached is not None:
+        out = out + jnp.einsum("bkgts,bskd->btkgd", probs[..., :-T],
+                               cached[1].astype(v.dtype))
     return out.reshape(B, T, H, Dh)
