@@ -167,7 +167,7 @@ def bench_e2e(args, cfg, model, mesh, prompts):
     run(record=False)
     sec = _timed(run, args.repeats)
     out = {"grpo_step_s": sec}
-    out.update({f"{k}_s": float(np.median(v)) for k, v in parts.items()})
+    out.update({f"grpo_step/{k}_s": float(np.median(v)) for k, v in parts.items()})
     return out
 
 

@@ -218,16 +218,3 @@ def _as_rewards(name: str, result: Any, n: int) -> np.ndarray:
             raise RewardError(f"reward function {name!r} returned {r!r} for completion {i}; "
                               "each reward must be a finite number or None")
     return values
-
-
-def combine_rewards(rewards: np.ndarray, weights: Sequence[float] | None = None) -> np.ndarray:
-    """Weighted sum over functions [N, F] -> [N], skipping NaN (TRL's nansum)."""
-    w = np.asarray(np.ones(rewards.shape[1]) if weights is None else weights, np.float32)
-    if w.shape != (rewards.shape[1],):
-        raise ValueError(f"{len(w)} reward_weights for {rewards.shape[1]} reward functions")
-    empty = np.isnan(rewards).all(axis=1)
-    if empty.any():
-        logger.warning("all reward functions returned None for %d of %d completions (first: "
-                       "row %d); they count as reward 0", empty.sum(), len(rewards),
-                       int(np.argmax(empty)))
-    return np.nansum(rewards * w, axis=1).astype(np.float32)

@@ -6,7 +6,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from grpo_jax.rewards import (RewardError, RewardFunc, accuracy, combine_rewards,
+from grpo_jax.grpo.advantages import combine_rewards
+from grpo_jax.rewards import (RewardError, RewardFunc, accuracy,
                               completions_for_rewards, compute_rewards, load_reward_func,
                               load_reward_funcs, reward_len, think_format_reward)
 
@@ -90,8 +91,8 @@ def test_compute_rewards_sync_async_none_and_columns(tmp_path):
     total = combine_rewards(out, [1.0, 0.5, 2.0])
     np.testing.assert_allclose(total, [-17 + 1.5 + 2, -18 + 1.0, 0 + 10.0])
     all_none = RewardFunc("none", lambda completions, **kw: [None] * len(completions))
-    np.testing.assert_array_equal(combine_rewards(compute_rewards([all_none], ["p"], ["c"],
-                                                                  [[1]])), [0.0])
+    # A completion no function could score stays NaN: group_advantages gives it advantage 0.
+    assert np.isnan(combine_rewards(compute_rewards([all_none], ["p"], ["c"], [[1]]))).all()
     with pytest.raises(ValueError, match="2 reward_weights for 3"):
         combine_rewards(out, [1.0, 2.0])
 
