@@ -107,8 +107,11 @@ def plot_curves(history: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     axes[0].plot(steps, [h.get("reward", math.nan) for h in history], marker=".")
     axes[0].set(xlabel="step", ylabel="reward", title="mean reward")
-    axes[1].plot(steps, [h.get("kl", math.nan) for h in history], marker=".", color="tab:red")
-    axes[1].set(xlabel="step", ylabel="kl", title="KL to reference")
+    # With beta = 0 there is no KL to show (TRL logs none); completion length stands in.
+    key = "kl" if any("kl" in h for h in history) else "completions/mean_length"
+    axes[1].plot(steps, [h.get(key, math.nan) for h in history], marker=".", color="tab:red")
+    axes[1].set(xlabel="step", ylabel=key, title="KL to reference" if key == "kl"
+                else "mean completion length (beta = 0: no KL)")
     for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -14,7 +14,6 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
-import logging
 import math
 import numbers
 import re
@@ -24,7 +23,6 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-logger = logging.getLogger(__name__)
 
 
 class RewardError(RuntimeError):

@@ -167,3 +167,12 @@ def test_bad_input_one_clear_error_and_checkpoints_intact(tiny_dir, tmp_path, ca
     assert len(errors) == 1 and message in errors[0] and "Traceback" not in err, err[-2000:]
     assert Checkpointer(tmp_path / "run" / "checkpoints", save_total_limit=None).all_steps()[
         :len(before)] == before
+
+
+def test_tldr_without_hub_fails_fast_with_advice(tmp_path, capsys):
+    from grpo_jax.train import main
+    start = time.time()
+    assert main(["--config", "tldr", "--output_dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "Qwen/Qwen2-0.5B-Instruct" in err and "--local-dir" in err and "Traceback" not in err
+    assert time.time() - start < 60
