@@ -252,6 +252,25 @@ class RunArgs:
 
 
 @dataclass(frozen=True)
+class DistributedArgs:
+    # One of several processes (grpo_jax.distributed; docs/multihost.md). Unset: from
+    # $GRPO_JAX_COORDINATOR / $JAX_COORDINATOR_ADDRESS, $GRPO_JAX_NUM_PROCESSES and
+    # $GRPO_JAX_PROCESS_ID, else detected under srun and on Cloud TPU pods, else one process.
+    coordinator_address: str | None = None  # host:port of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+    heartbeat_timeout: int = 100  # seconds without a peer's heartbeat before all processes end
+
+    def __post_init__(self):
+        _check(self.num_processes is None or self.num_processes >= 1,
+               f"num_processes must be >= 1, got {self.num_processes}")
+        _check(self.process_id is None or self.process_id >= 0,
+               f"process_id must be >= 0, got {self.process_id}")
+        _check(self.heartbeat_timeout >= 1,
+               f"heartbeat_timeout must be >= 1 second, got {self.heartbeat_timeout}")
+
+
+@dataclass(frozen=True)
 class BatchPlan:
     """How one generation round splits into micro-steps, resolved for a data-parallel size."""
     data_parallel_size: int
@@ -278,7 +297,7 @@ class BatchPlan:
 SECTIONS: dict[str, type] = {
     "model": ModelArgs, "data": DataArgs, "grpo": GRPOArgs, "generation": GenerationArgs,
     "optim": OptimArgs, "batch": BatchArgs, "rollout": RolloutArgs, "mesh": MeshArgs,
-    "run": RunArgs,
+    "run": RunArgs, "distributed": DistributedArgs,
 }
 
 
@@ -293,6 +312,7 @@ class TrainConfig:
     rollout: RolloutArgs = field(default_factory=RolloutArgs)
     mesh: MeshArgs = field(default_factory=MeshArgs)
     run: RunArgs = field(default_factory=RunArgs)
+    distributed: DistributedArgs = field(default_factory=DistributedArgs)
 
     def __post_init__(self):
         gbs, g = self.batch.generation_batch_size, self.grpo.num_generations

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import jax
@@ -20,6 +21,7 @@ from transformers import AutoTokenizer
 
 from grpo_jax import config as config_lib
 from grpo_jax import data as data_lib
+from grpo_jax import distributed as dist
 from grpo_jax import hf
 from grpo_jax import mesh as mesh_lib
 from grpo_jax import rewards as rewards_lib
@@ -83,7 +85,7 @@ def train(cfg: config_lib.TrainConfig, *, resume: bool = False, max_rounds: int 
                                      remat=cfg.model.remat)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dataset = data_lib.load_prompts(cfg.data, tokenizer)
-    if dataset.num_truncated:
+    if dataset.num_truncated and dist.is_main():
         print(f"{dataset.num_truncated} of {len(dataset)} prompts were longer than "
               f"max_prompt_length={cfg.data.max_prompt_length} and lost their left end",
               file=sys.stderr)
@@ -111,41 +113,63 @@ def train(cfg: config_lib.TrainConfig, *, resume: bool = False, max_rounds: int 
             state, meta = ckpt.restore(latest, state)  # onto the live state's shardings
             position = data_lib.DataPosition(*meta["data_position"])
             round_idx = meta["round"]
-            print(f"resumed from step {latest} in {ckpt.directory}", file=sys.stderr)
-    (out / "config.yaml").write_text(cfg.to_yaml())
-    logger = MetricsLogger(out, cfg.run, total_steps=total_steps, start_step=int(state.step))
+            if dist.is_main():
+                print(f"resumed from step {latest} in {ckpt.directory}", file=sys.stderr)
+    if dist.is_main():  # without this process's id: the file serves every process of a resume
+        (out / "config.yaml").write_text(dataclasses.replace(
+            cfg, distributed=dataclasses.replace(cfg.distributed, process_id=None)).to_yaml())
+    logger = MetricsLogger(out, cfg.run, total_steps=total_steps, start_step=int(state.step),
+                           enabled=dist.is_main())
     rollout.update_weights(state.params)
     base_key = jax.random.key(cfg.data.seed)
     last: dict = {}
     saved_block = int(state.step) // max(cfg.run.save_steps, 1)
+    failure = None
     with StopSignal() as stop:
         try:
-            while int(state.step) < total_steps and not stop.should_stop():
+            # Every process stops at the same round, also when only one got the signal.
+            while int(state.step) < total_steps and not dist.any_process(stop.should_stop()):
                 if max_rounds is not None and round_idx >= max_rounds:
                     break
                 t0 = time.perf_counter()
-                records, position = dataset.batch_prompts(position, plan.prompts_per_generation)
+                records, next_position = dataset.batch_prompts(position,
+                                                               plan.prompts_per_generation)
                 metrics, state = _round(cfg, plan, trainer, rollout, state, ref_params, records,
                                         funcs, tokenizer,
                                         jax.random.fold_in(base_key, round_idx), logger)
-                round_idx += 1
+                position, round_idx = next_position, round_idx + 1  # the round is complete
                 metrics["step_time"] = time.perf_counter() - t0
                 last = logger.log(int(state.step), metrics)
                 if cfg.run.save_steps and int(state.step) // cfg.run.save_steps > saved_block:
                     saved_block = int(state.step) // cfg.run.save_steps
                     _save(ckpt, state, position, round_idx, metrics)
+        except BaseException as e:
+            failure = e
+            raise
         finally:
-            # Ends with a checkpoint whether finished, interrupted or failed mid-round: the
-            # state saved is the last completed update, never a half-applied one.
-            if int(state.step) not in ckpt.all_steps() and int(state.step) > 0:
-                _save(ckpt, state, position, round_idx, last, force=True)
-            ckpt.wait()
-            ckpt.close()
+            if dist.failed_alone(failure):
+                # A checkpoint is written by all processes together; the others are not here.
+                print("this process failed alone: no final checkpoint, the last periodic one "
+                      "stands", file=sys.stderr)
+            else:
+                # Ends with a checkpoint whether finished, interrupted or failed mid-round: the
+                # state saved is the last completed update, never a half-applied one.
+                try:
+                    if int(state.step) not in ckpt.all_steps() and int(state.step) > 0:
+                        _save(ckpt, state, position, round_idx, last)
+                except Exception as e:  # e.g. buffers donated to a step that failed
+                    print(f"no final checkpoint ({type(e).__name__}: {e}); the last periodic "
+                          "one stands", file=sys.stderr)
+                ckpt.wait()
+                ckpt.close()
             logger.close()
+        if stop.should_stop():
+            print(f"stopped by signal {stop.received}; checkpoint at step {int(state.step)}",
+                  file=sys.stderr)
     return last
 
 
-def _save(ckpt, state, position, round_idx, metrics, force=False):
+def _save(ckpt, state, position, round_idx, metrics):
     meta = {"data_position": list(position), "round": round_idx,
             "metrics": {k: float(v) for k, v in metrics.items()}}
     ckpt.save(int(state.step), state, meta, force=True)
@@ -163,7 +187,7 @@ def _round(cfg, plan, trainer, rollout, state: TrainState, ref_params, records, 
     texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
     prompts, columns = data_lib.reward_inputs(records, g)
     completions = rewards_lib.completions_for_rewards(prompts, texts)
-    per_func = rewards_lib.compute_rewards(funcs, prompts, completions, ids, columns)
+    per_func = _rewards(funcs, prompts, completions, ids, columns, trainer.mesh)
     rewards = adv_lib.combine_rewards(per_func, cfg.grpo.reward_weights)
     advantages, stats = adv_lib.group_advantages(rewards, g, cfg.grpo.scale_rewards)
     batch["advantages"] = np.asarray(advantages, np.float32)
@@ -196,6 +220,21 @@ def _round(cfg, plan, trainer, rollout, state: TrainState, ref_params, records, 
     if cfg.run.log_completions:
         logger.log_completions(int(state.step), prompts, texts, rewards, advantages)
     return metrics, state
+
+
+def _rewards(funcs, prompts, completions, ids, columns, mesh) -> np.ndarray:
+    """[N, F] rewards. Each process scores the rows its devices hold in the train batch; the
+    scores are then gathered, since advantages compare a prompt's whole group. A reward function
+    that fails on one process fails the round on all."""
+    rows = dist.owned_rows(mesh_lib.batch_sharding(mesh, 1), len(ids))
+
+    def score():
+        if not rows.size:
+            return np.zeros((0, len(funcs)), np.float32)
+        pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
+        return rewards_lib.compute_rewards(funcs, pick(prompts), pick(completions), pick(ids),
+                                           {k: pick(v) for k, v in columns.items()})
+    return dist.gather_rows(dist.together(score, rewards_lib.RewardError), rows, len(ids))
 
 
 def abstract_state(cfg: config_lib.TrainConfig, device=None):
@@ -241,22 +280,29 @@ def load_checkpoint(output_dir, step: int | None = None):
 
 
 USER_ERRORS = (config_lib.ConfigError, hf.ModelLoadError, data_lib.DataError,
-               rewards_lib.RewardError, VLLMServerError, TrainError)
+               rewards_lib.RewardError, VLLMServerError, TrainError, dist.DistributedError)
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         cfg, flags = config_lib.parse_cli(argv)
+        dist.initialize(cfg.distributed)
         last = train(cfg)
     except USER_ERRORS as e:
         print(f"grpo_jax.train: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
+        return dist.exit_code(2, e)
+    except KeyboardInterrupt as e:
         print("grpo_jax.train: interrupted; the last completed step was checkpointed",
               file=sys.stderr)
-        return 130
-    print(json.dumps({k: round(v, 6) for k, v in last.items()}))
+        return dist.exit_code(130, e)
+    except Exception as e:
+        if not dist.failed_alone(e):
+            raise
+        traceback.print_exc()
+        return dist.exit_code(1, e)
+    if dist.is_main():
+        print(json.dumps({k: round(v, 6) for k, v in last.items()}))
     return 0
 
 

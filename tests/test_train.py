@@ -65,10 +65,30 @@ def test_tiny_model_learns_synthetic_reward(tiny_dir, tmp_path):
     assert len(r) == 14
     print(f"reward first 3 steps {first:.3f}, last 3 steps {last:.3f}")
     assert first < 0.65 and last > first + 0.15, (first, last, r)
-    # beta = 0: the checkpoint holds params and optimizer state, no reference copy.
     ckpt = Checkpointer(tmp_path / "run" / "checkpoints", save_total_limit=None)
     assert ckpt.latest_step() == 14
     assert (tmp_path / "run" / "reward_kl.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_reference_model_only_when_beta_positive(tiny_dir, tmp_path, monkeypatch, beta):
+    """beta = 0: no reference params are kept, stored or run (TRL's behaviour)."""
+    from grpo_jax.grpo.train_step import Trainer
+    from grpo_jax.train import abstract_state
+    calls = []
+    original = Trainer.logps
+    monkeypatch.setattr(Trainer, "logps", lambda self, p, b: calls.append(1) or original(
+        self, p, b))
+    cfg = config(tiny_dir, tmp_path / "run", max_steps=2, beta=beta)
+    last = train(cfg, devices=jax.devices()[:1])
+    assert (len(calls) > 0) == (beta > 0) and ("kl" in last) == (beta > 0)
+    # What a checkpoint holds: params, optimizer state and the step; nothing else.
+    target, *_ = abstract_state(cfg)
+    state, _ = Checkpointer(tmp_path / "run" / "checkpoints", save_total_limit=None).restore(
+        None, target)
+    n_params = len(jax.tree.leaves(state.params))
+    assert state._fields == ("params", "opt_state", "step")
+    assert len(jax.tree.leaves(state.opt_state)) <= 2 * n_params + 4  # Adam moments + counters
 
 
 def _params_at(out, step, target_cfg, tiny_dir):

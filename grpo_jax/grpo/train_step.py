@@ -11,10 +11,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.config import OptimArgs
 from grpo_jax.grpo import loss as loss_lib
@@ -37,7 +39,7 @@ class StepConfig:
 class TrainState(NamedTuple):
     params: Any  # nnx.State of fp32 master params
     opt_state: Any
-    step: jax.Array  # int32 scalar: optimizer updates applied (skipped ones excluded)
+    step: jax.Array  # int32 scalar: optimizer steps taken (a skipped update counts too)
 
 
 def make_schedule(cfg: OptimArgs, total_steps: int):
@@ -126,10 +128,11 @@ def train_step(graphdef, tx, cfg: StepConfig, state: TrainState, batch: dict, me
     finite = jnp.isfinite(grad_norm)
     updates, new_opt = tx.update(grads, state.opt_state, state.params)
     new_params = optax.apply_updates(state.params, updates)
-    # A non-finite gradient leaves params and optimizer state untouched (and is counted).
+    # A non-finite gradient leaves params and optimizer state untouched; the step still counts
+    # (as TRL's global_step does) and the skip is reported.
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa
     new_state = TrainState(keep(new_params, state.params), keep(new_opt, state.opt_state),
-                           state.step + finite.astype(jnp.int32))
+                           state.step + 1)
     metrics = dict(loss_lib.finalize_metrics(sums))
     metrics.update(loss=loss, grad_norm=grad_norm, skipped_updates=1 - finite.astype(jnp.int32))
     return new_state, metrics
@@ -168,7 +171,9 @@ class Trainer:
         return logp
 
     def shard_batch(self, batch: dict) -> dict:
-        return {k: jax.device_put(jnp.asarray(v), mesh_lib.batch_sharding(self.mesh, v.ndim))
+        # Host arrays that every process holds whole; each process places its devices' rows.
+        return {k: dist.shard_host_array(np.asarray(v), mesh_lib.batch_sharding(self.mesh,
+                                                                                np.ndim(v)))
                 for k, v in batch.items()}
 
     def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from grpo_jax import distributed as dist
 from grpo_jax.rollout.sampler import RolloutBatch, Sampler
 from grpo_jax.rollout.sampling import SamplingParams
 
@@ -33,8 +34,33 @@ class JaxRollout:
         return None
 
 
+class MainProcessRollout:
+    """A server's rollouts in a multi-process run: process 0 alone talks to the server and every
+    process gets the same results; a server error there is raised on every process."""
+
+    def __init__(self, make):
+        from grpo_jax.rollout.vllm_client import VLLMServerError
+        self.error = VLLMServerError
+        self.inner = None
+
+        def build():
+            self.inner = make()
+        dist.from_main(build, self.error)
+
+    def generate(self, params, prompt_ids, num_generations, key) -> RolloutBatch:
+        return dist.from_main(
+            lambda: self.inner.generate(params, prompt_ids, num_generations, key), self.error)
+
+    def update_weights(self, params) -> float:
+        host = dist.to_host(params)  # the params are spread over every process's devices
+        return dist.from_main(lambda: self.inner.update_weights(host), self.error)
+
+
 def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir):
     if cfg.rollout.backend == "jax":
-        return JaxRollout(cfg, model_cfg, tokenizer, mesh)
+        return JaxRollout(cfg, model_cfg, tokenizer, mesh)  # SPMD over every process's devices
     from grpo_jax.rollout.vllm_rollout import VLLMRollout
-    return VLLMRollout(cfg, model_cfg, tokenizer, model_dir)
+
+    def make():
+        return VLLMRollout(cfg, model_cfg, tokenizer, model_dir)
+    return MainProcessRollout(make) if dist.multi_process() else make()

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import Decoder, KVCache, ModelConfig, positions_from_mask
 from grpo_jax.rollout import sampling
@@ -107,9 +108,12 @@ class Sampler:
             key = jax.random.wrap_key_data(key)  # a raw uint32 jax.random.PRNGKey
         args = (ids, mask)
         if self.mesh is not None:
-            args = tuple(jax.device_put(x, mesh_lib.batch_sharding(self.mesh, 2)) for x in args)
+            # With several processes each places only its own devices' rows, and gets every
+            # row back (the train batch is built on every host alike).
+            args = tuple(dist.shard_host_array(x, mesh_lib.batch_sharding(self.mesh, 2))
+                         for x in args)
             params = jax.device_put(params, mesh_lib.param_shardings(params, self.mesh))
-        tokens, cmask, logp, done = jax.device_get(self._program(params, *args, key))
+        tokens, cmask, logp, done = dist.to_host(self._program(params, *args, key))
         return RolloutBatch(ids[:n], mask[:n], tokens[:n], cmask[:n], ~done[:n], logp[:n])
 
     def _check_params(self, params):
