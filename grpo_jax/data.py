@@ -229,15 +229,16 @@ def _load_hub(name: str, config: str | None, split: str) -> dict[str, list]:
 
 
 def arithmetic_columns(seed: int, size: int = ARITHMETIC_SIZE) -> dict[str, list]:
-    """Two-number questions (+, -, x) as chat prompts, with the answer as a string column."""
+    """Two-number questions (+, -, x) as chat prompts, with the answer as a string column.
+
+    Single-digit operands: a 135M model gets some of these right, so a group of completions has
+    reward variance to learn from (on two-digit sums it scores 0 and GRPO has no signal).
+    """
     rng = np.random.default_rng(seed)
     prompts, answers = [], []
     for _ in range(size):
         op = rng.choice(["+", "-", "*"])
-        if op == "*":
-            a, b = int(rng.integers(2, 13)), int(rng.integers(10, 100))
-        else:
-            a, b = sorted(int(x) for x in rng.integers(10, 100, size=2))[::-1]
+        a, b = sorted(int(x) for x in rng.integers(1 if op != "*" else 2, 10, size=2))[::-1]
         value = {"+": a + b, "-": a - b, "*": a * b}[op]
         question = f"What is {a} {'x' if op == '*' else op} {b}? Answer with just the number."
         prompts.append([{"role": "user", "content": question}])

@@ -138,16 +138,26 @@ def test_reward_inputs_repeat_groups_consecutively(tmp_path, tok):
 
 
 def test_smol_prompts_builtin(tok):
-    ds = load_prompts(DataArgs(dataset_name="smol_prompts"), tok)
-    assert 200 <= len(ds) <= 300 and len(set(ds.prompts)) == len(ds)
+    """The shipped posts (TL;DR-formatted, varied subreddits) reach the model as one chat turn:
+    the post's body and the TL;DR request."""
+    import json
+    from importlib import resources
+    text = (resources.files("grpo_jax") / "assets" / "smol_prompts.jsonl").read_text()
+    raw = [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+    assert 200 <= len(raw) <= 300 and len(set(raw)) == len(raw)
     pattern = re.compile(r"SUBREDDIT: r/\w+\n\nTITLE: [^\n]+\n\nPOST: (.+)\n\nTL;DR:", re.DOTALL)
-    subs = set()
-    for p in ds.prompts:
+    bodies = []
+    for p in raw:
         m = pattern.fullmatch(p)
         assert m, p
         assert 40 <= len(m.group(1).split()) <= 120
-        subs.add(p.split("\n")[0])
-    assert len(subs) >= 10
+        bodies.append(m.group(1).strip())
+    assert len({p.split("\n")[0] for p in raw}) >= 10
+    ds = load_prompts(DataArgs(dataset_name="smol_prompts"), tok)
+    assert len(ds) == len(raw)
+    for msgs, body in zip(ds.prompts, bodies):
+        assert [m["role"] for m in msgs] == ["user"]
+        assert msgs[0]["content"] == body + "\n\nTL;DR in a few words:"
 
 
 def test_arithmetic_builtin(tok):

@@ -1,0 +1,265 @@
+"""Training as several processes on JAX's multi-controller runtime, on 127.0.0.1.
+
+Two processes with 4 CPU devices each must train exactly as one process with 8 (same mesh, same
+global batch, same data order and keys), their checkpoints must restore in 2 processes and in 1,
+and a process that dies must end the other within the heartbeat timeout instead of hanging it.
+The oracle is the one-process run of the same program (the suite's 8 devices).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from test_train import config, tiny_dir  # noqa: F401 - tiny_dir is a fixture
+
+from grpo_jax import hf
+from grpo_jax.train import load_checkpoint, main, train
+
+HEARTBEAT = 10  # seconds: how long a dead peer may go unnoticed
+# dp over processes, fsdp within each; a low learning rate keeps Adam's step on the few weights
+# whose gradients nearly cancel (where the all-reduce order shows) far under the tolerance.
+RUN = dict(dp=2, fsdp=-1, per_device_train_batch_size=2, learning_rate=0.002, save_steps=2)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(devices: int) -> dict:
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            "JAX_DEFAULT_MATMUL_PRECISION": "highest", "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+def launch(argv: list[str], n: int = 2, devices: int = 4, *, log_dir: Path) -> list:
+    """n processes of `python ARGV... --coordinator_address ... --process_id i`, logs in files."""
+    port = free_port()
+    procs = []
+    for i in range(n):
+        flags = ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", str(n),
+                 "--process_id", str(i)]
+        out = open(log_dir / f"p{i}.out", "w")
+        err = open(log_dir / f"p{i}.err", "w")
+        procs.append(subprocess.Popen([sys.executable, *argv, *flags], env=env(devices),
+                                      stdout=out, stderr=err, text=True))
+    return procs
+
+
+def wait_all(procs, timeout: float) -> list[int]:
+    deadline = time.time() + timeout
+    try:
+        return [p.wait(timeout=max(deadline - time.time(), 1)) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def log(path: Path, name: str) -> str:
+    return (path / name).read_text()
+
+
+def params(out, step) -> dict[str, np.ndarray]:
+    model, _, got = load_checkpoint(out, step)
+    assert got == step
+    return hf.params_numpy(model)
+
+
+def assert_same_params(a, b, tol=1e-5):
+    assert a.keys() == b.keys()
+    worst = {k: float(np.abs(a[k] - b[k]).max()) for k in a}
+    assert max(worst.values()) < tol, worst
+
+
+def metrics(out) -> list[dict]:
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").open()]
+
+
+def assert_same_metrics(a: list[dict], b: list[dict]):
+    assert [m["step"] for m in a] == [m["step"] for m in b]
+    for ma, mb in zip(a, b):
+        for k in ("reward", "reward_std", "loss", "grad_norm", "entropy",
+                  "completions/mean_length", "num_tokens"):
+            assert abs(ma[k] - mb[k]) < 1e-4 * max(1.0, abs(ma[k])), (ma["step"], k, ma[k], mb[k])
+
+
+def cli_config(tiny_dir, out, **extra) -> list[str]:  # noqa: F811
+    cfg = config(tiny_dir, out, **{**RUN, **extra})
+    path = Path(out).parent / f"{Path(out).name}.yaml"
+    path.write_text(cfg.to_yaml())
+    return ["-m", "grpo_jax.train", "--config", str(path)]
+
+
+# ---------------------------------------------------------------- runs shared by the tests
+
+@pytest.fixture(scope="module")
+def one_process(tiny_dir, tmp_path_factory):  # noqa: F811
+    """The oracle: one process, the suite's 8 devices, 4 steps (checkpoints at 2 and 4)."""
+    assert jax.device_count() == 8
+    out = tmp_path_factory.mktemp("one") / "run"
+    train(config(tiny_dir, out, max_steps=4, **RUN))
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_processes(tiny_dir, tmp_path_factory):  # noqa: F811
+    """Two processes with 4 devices each, 2 steps: a checkpoint at step 2 written by both."""
+    root = tmp_path_factory.mktemp("two")
+    out = root / "run"
+    procs = launch(cli_config(tiny_dir, out, max_steps=2), log_dir=root)
+    codes = wait_all(procs, timeout=300)
+    assert codes == [0, 0], log(root, "p0.err")[-3000:] + log(root, "p1.err")[-3000:]
+    return out
+
+
+# ---------------------------------------------------------------- tests
+
+def test_two_processes_train_like_one(one_process, two_processes):
+    assert_same_params(params(one_process, 2), params(two_processes, 2))
+    assert_same_metrics(metrics(one_process)[:2], metrics(two_processes))
+    # Process 0 alone writes the run's files and prints the result.
+    root = two_processes.parent
+    printed = [[line for line in log(root, f"p{i}.out").splitlines() if line.startswith("{")]
+               for i in range(2)]  # gloo writes its own lines to stdout too
+    assert json.loads(printed[0][-1])["reward"] == pytest.approx(
+        metrics(two_processes)[-1]["reward"], abs=1e-5)
+    assert printed[1] == [] and "GRPO" not in log(root, "p1.err")
+    saved = (two_processes / "config.yaml").read_text()
+    assert "num_processes: 2" in saved and "process_id: null" in saved
+
+
+def test_checkpoint_of_two_processes_resumes_in_one(tiny_dir, one_process, two_processes,  # noqa
+                                                    tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(two_processes, out)
+    train(config(tiny_dir, out, max_steps=4, **RUN), resume=True)  # 1 process, 8 devices
+    assert_same_params(params(one_process, 4), params(out, 4))
+    assert_same_metrics(metrics(one_process), metrics(out))
+
+
+def test_two_processes_resume_and_a_dead_peer_ends_the_run(tiny_dir, one_process, two_processes,  # noqa
+                                                            tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(two_processes, out)
+    procs = launch(cli_config(tiny_dir, out, max_steps=10, heartbeat_timeout=HEARTBEAT)
+                   + ["--resume"], log_dir=tmp_path)
+    deadline = time.time() + 300
+    while not (out / "checkpoints" / "4").is_dir() and time.time() < deadline and all(
+            p.poll() is None for p in procs):
+        time.sleep(0.05)
+    alive = [p.poll() is None for p in procs]
+    procs[1].send_signal(signal.SIGKILL)
+    killed = time.time()
+    code = wait_all(procs[:1], timeout=HEARTBEAT + 60)[0]
+    waited = time.time() - killed
+    err = log(tmp_path, "p0.err")
+    assert alive == [True, True], err[-3000:]
+    assert code != 0 and waited < HEARTBEAT + 60, (code, waited)
+    assert "another task died" in err, err[-3000:]
+    # Restored by 2 processes, the run went on exactly as the one-process run did.
+    assert_same_params(params(one_process, 4), params(out, 4))
+    assert_same_metrics(metrics(one_process), metrics(out)[:4])
+
+
+def test_incomplete_settings_one_clear_error(tmp_path, capsys):
+    code = main(["--config", "smol", "--output_dir", str(tmp_path),
+                 "--coordinator_address", "127.0.0.1:1", "--num_processes", "2"])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("grpo_jax.train: error:")]
+    assert code == 2 and len(errors) == 1 and "--process_id" in errors[0], err
+
+
+# ---------------------------------------------------------------- the helpers, two processes
+
+HELPERS = textwrap.dedent("""
+    import json, sys
+    import jax, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from grpo_jax import distributed as dist, mesh as mesh_lib
+    from grpo_jax.config import DistributedArgs
+
+    flags = dict(zip(sys.argv[1::2], sys.argv[2::2]))  # launch()'s flags, as train reads them
+    assert dist.initialize(DistributedArgs(flags["--coordinator_address"], 2,
+                                           int(flags["--process_id"]), heartbeat_timeout=10))
+    me, out = jax.process_index(), {}
+    devices = jax.devices()
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(2, 4, 1), devices)
+    rows = mesh_lib.batch_sharding(mesh, 2)
+    full = np.arange(48, dtype=np.float32).reshape(16, 3)
+    local = dist.local_rows(rows, 16)
+    x = dist.put_rows(full[local], rows, 16)
+    total = jax.jit(lambda a: a.sum(0), out_shardings=NamedSharding(mesh, P()))(x)
+    out["local"] = local.tolist()
+    out["sum_ok"] = bool(np.allclose(np.asarray(total), full.sum(0)))
+    out["to_host_ok"] = bool(np.array_equal(dist.to_host(x), full))
+    out["shard_ok"] = bool(np.array_equal(dist.to_host(dist.shard_host_array(full, rows)), full))
+    # tensor pairs spanning the processes: both hold every row, and each row has one owner
+    pairs = [d for pair in zip(devices[:4], devices[4:]) for d in pair]
+    mesh_t = mesh_lib.make_mesh(mesh_lib.MeshConfig(1, 4, 2), pairs)
+    rows_t = mesh_lib.batch_sharding(mesh_t, 1)
+    out["local_t"] = dist.local_rows(rows_t, 8).tolist()
+    owned = dist.owned_rows(rows_t, 8)
+    out["owned_t"] = owned.tolist()
+    out["gather_t"] = dist.gather_rows(owned * 10.0, owned, 8).tolist()
+    owned = dist.owned_rows(rows, 16)
+    out["gather"] = dist.gather_rows(owned[:, None] * [1.0, -1.0], owned, 16)[:, 1].tolist()
+    out["any"] = [dist.any_process(me == 1), dist.any_process(False)]
+    out["from_main"] = dist.from_main(lambda: {"by": jax.process_index()})
+
+    def boom():
+        raise ValueError("boom on 0")
+    def bad_on_1():
+        if me == 1:
+            raise KeyError("bad row on 1")
+        return me
+    for name, call in (("main_error", lambda: dist.from_main(boom)),
+                       ("together_error", lambda: dist.together(bad_on_1))):
+        try:
+            call()
+            out[name] = None
+        except Exception as e:
+            out[name] = [type(e).__name__, str(e), dist.failed_alone(e)]
+    out["alone"] = dist.failed_alone(ValueError("only here"))
+    print("RESULT " + json.dumps(out), flush=True)
+""")
+
+
+def test_helpers_across_two_processes(tmp_path):
+    procs = launch(["-c", HELPERS], log_dir=tmp_path)
+    codes = wait_all(procs, timeout=180)
+    errs = [log(tmp_path, f"p{i}.err") for i in range(2)]
+    assert codes == [0, 0], errs[0][-2000:] + errs[1][-2000:]
+    res = [json.loads(next(line[7:] for line in log(tmp_path, f"p{i}.out").splitlines()
+                           if line.startswith("RESULT "))) for i in range(2)]
+    assert res[0]["local"] == list(range(8)) and res[1]["local"] == list(range(8, 16))
+    assert res[0]["local_t"] == res[1]["local_t"] == list(range(8))
+    assert res[0]["owned_t"] == list(range(8)) and res[1]["owned_t"] == []
+    for i, r in enumerate(res):
+        assert r["sum_ok"] and r["to_host_ok"] and r["shard_ok"], (i, r)
+        assert r["gather_t"] == [10.0 * k for k in range(8)]
+        assert r["gather"] == [-float(k) for k in range(16)]
+        assert r["any"] == [True, False]
+        assert r["from_main"] == {"by": 0}
+        assert r["alone"] is True
+    assert res[0]["main_error"] == ["ValueError", "boom on 0", False]
+    assert res[1]["main_error"] == ["DistributedError", "on process 0: ValueError: boom on 0",
+                                    False]
+    assert res[1]["together_error"] == ["KeyError", "'bad row on 1'", False]
+    assert res[0]["together_error"] == ["DistributedError",
+                                        "on process 1: KeyError: 'bad row on 1'", False]
