@@ -100,6 +100,9 @@ def initialize(args) -> bool:
                 "$GRPO_JAX_NUM_PROCESSES, $GRPO_JAX_PROCESS_ID)")
         if n is not None and n < 1 or pid is not None and n is not None and not 0 <= pid < n:
             raise DistributedError(f"process_id {pid} is not in [0, num_processes={n})")
+        if coordinator is not None and not coordinator.rpartition(":")[2].isdigit():
+            raise DistributedError(f"coordinator_address {coordinator!r} must be HOST:PORT "
+                                   "(process 0's address and a free port)")
     if "jax_cpu_collectives_implementation" in jax.config.values:
         # Cross-process collectives on CPU (tests, CPU clusters) go through gloo over TCP.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -30,7 +30,8 @@ from grpo_jax.train import load_checkpoint, main, train
 HEARTBEAT = 10  # seconds: how long a dead peer may go unnoticed
 # dp over processes, fsdp within each; a low learning rate keeps Adam's step on the few weights
 # whose gradients nearly cancel (where the all-reduce order shows) far under the tolerance.
-RUN = dict(dp=2, fsdp=-1, per_device_train_batch_size=2, learning_rate=0.002, save_steps=2)
+RUN = dict(dp=2, fsdp=-1, per_device_train_batch_size=2, learning_rate=0.002, save_steps=2,
+           beta=0.04)  # a reference model too
 
 
 def free_port() -> int:
@@ -53,10 +54,9 @@ def launch(argv: list[str], n: int = 2, devices: int = 4, *, log_dir: Path) -> l
     for i in range(n):
         flags = ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", str(n),
                  "--process_id", str(i)]
-        out = open(log_dir / f"p{i}.out", "w")
-        err = open(log_dir / f"p{i}.err", "w")
-        procs.append(subprocess.Popen([sys.executable, *argv, *flags], env=env(devices),
-                                      stdout=out, stderr=err, text=True))
+        with open(log_dir / f"p{i}.out", "w") as out, open(log_dir / f"p{i}.err", "w") as err:
+            procs.append(subprocess.Popen([sys.executable, *argv, *flags], env=env(devices),
+                                          stdout=out, stderr=err, text=True))
     return procs
 
 
@@ -94,7 +94,7 @@ def metrics(out) -> list[dict]:
 def assert_same_metrics(a: list[dict], b: list[dict]):
     assert [m["step"] for m in a] == [m["step"] for m in b]
     for ma, mb in zip(a, b):
-        for k in ("reward", "reward_std", "loss", "grad_norm", "entropy",
+        for k in ("reward", "reward_std", "loss", "grad_norm", "entropy", "kl",
                   "completions/mean_length", "num_tokens"):
             assert abs(ma[k] - mb[k]) < 1e-4 * max(1.0, abs(ma[k])), (ma["step"], k, ma[k], mb[k])
 
@@ -144,8 +144,8 @@ def test_two_processes_train_like_one(one_process, two_processes):
     assert "num_processes: 2" in saved and "process_id: null" in saved
 
 
-def test_checkpoint_of_two_processes_resumes_in_one(tiny_dir, one_process, two_processes,  # noqa
-                                                    tmp_path):
+def test_checkpoint_of_two_processes_resumes_in_one(tiny_dir, one_process,  # noqa: F811
+                                                    two_processes, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(two_processes, out)
     train(config(tiny_dir, out, max_steps=4, **RUN), resume=True)  # 1 process, 8 devices
@@ -153,8 +153,8 @@ def test_checkpoint_of_two_processes_resumes_in_one(tiny_dir, one_process, two_p
     assert_same_metrics(metrics(one_process), metrics(out))
 
 
-def test_two_processes_resume_and_a_dead_peer_ends_the_run(tiny_dir, one_process, two_processes,  # noqa
-                                                            tmp_path):
+def test_two_processes_resume_and_a_dead_peer_ends_the_run(tiny_dir, one_process,  # noqa: F811
+                                                            two_processes, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(two_processes, out)
     procs = launch(cli_config(tiny_dir, out, max_steps=10, heartbeat_timeout=HEARTBEAT)
@@ -196,7 +196,7 @@ HELPERS = textwrap.dedent("""
 
     flags = dict(zip(sys.argv[1::2], sys.argv[2::2]))  # launch()'s flags, as train reads them
     assert dist.initialize(DistributedArgs(flags["--coordinator_address"], 2,
-                                           int(flags["--process_id"]), heartbeat_timeout=10))
+                                           int(flags["--process_id"]), heartbeat_timeout=5))
     me, out = jax.process_index(), {}
     devices = jax.devices()
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(2, 4, 1), devices)
@@ -237,6 +237,12 @@ HELPERS = textwrap.dedent("""
             out[name] = [type(e).__name__, str(e), dist.failed_alone(e)]
     out["alone"] = dist.failed_alone(ValueError("only here"))
     print("RESULT " + json.dumps(out), flush=True)
+    # An error on process 1 alone: it exits at once (no shutdown barrier), and process 0, left
+    # waiting in a collective, is ended by the heartbeat.
+    if me == 1:
+        dist.exit_code(3, ValueError("only on 1"))
+    dist.any_process(False)
+    print("NOT REACHED", flush=True)
 """)
 
 
@@ -244,7 +250,8 @@ def test_helpers_across_two_processes(tmp_path):
     procs = launch(["-c", HELPERS], log_dir=tmp_path)
     codes = wait_all(procs, timeout=180)
     errs = [log(tmp_path, f"p{i}.err") for i in range(2)]
-    assert codes == [0, 0], errs[0][-2000:] + errs[1][-2000:]
+    assert codes[1] == 3 and codes[0] not in (0, None), (codes, errs[0][-2000:] + errs[1][-2000:])
+    assert "another task died" in errs[0] and "NOT REACHED" not in log(tmp_path, "p0.out")
     res = [json.loads(next(line[7:] for line in log(tmp_path, f"p{i}.out").splitlines()
                            if line.startswith("RESULT "))) for i in range(2)]
     assert res[0]["local"] == list(range(8)) and res[1]["local"] == list(range(8, 16))

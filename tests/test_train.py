@@ -91,13 +91,6 @@ def test_reference_model_only_when_beta_positive(tiny_dir, tmp_path, monkeypatch
     assert len(jax.tree.leaves(state.opt_state)) <= 2 * n_params + 4  # Adam moments + counters
 
 
-def _params_at(out, step, target_cfg, tiny_dir):
-    from grpo_jax.train import abstract_state
-    ckpt = Checkpointer(Path(out) / "checkpoints", save_total_limit=None)
-    state, meta = ckpt.restore(step, abstract_state(target_cfg))
-    return jax.tree.map(np.asarray, jax.tree.leaves(state.params)), meta
-
-
 def _run_cli(args, **kw):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)  # one device, as a user's run
