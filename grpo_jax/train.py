@@ -74,8 +74,7 @@ def completion_metrics(batch: dict) -> dict:
     }
 
 
-def train(cfg: config_lib.TrainConfig, *, resume: bool = False, max_rounds: int | None = None,
-          devices=None) -> dict:
+def train(cfg: config_lib.TrainConfig, *, resume: bool = False, devices=None) -> dict:
     """Run (or resume) training on `devices` (default: all). Returns the last metrics."""
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -129,8 +128,6 @@ def train(cfg: config_lib.TrainConfig, *, resume: bool = False, max_rounds: int 
         try:
             # Every process stops at the same round, also when only one got the signal.
             while int(state.step) < total_steps and not dist.any_process(stop.should_stop()):
-                if max_rounds is not None and round_idx >= max_rounds:
-                    break
                 t0 = time.perf_counter()
                 records, next_position = dataset.batch_prompts(position,
                                                                plan.prompts_per_generation)

@@ -3,7 +3,6 @@ fails cleanly on bad input."""
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys

@@ -186,6 +186,3 @@ class Trainer:
         """Completion log-probs without gradients: old (num_iterations > 1) or reference."""
         keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
         return self._logps(params, self.shard_batch({k: batch[k] for k in keys}))
-
-    def model(self, params):
-        return nnx.merge(self.graphdef, params)
