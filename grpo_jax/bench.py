@@ -77,8 +77,7 @@ def decode_bytes(cfg: ModelConfig, batch: int, cache_len: int, param_bytes: int)
 
 def make_workload(args):
     cfg = (TINY if args.tiny else QWEN2_0_5B).replace(
-        dtype=jnp.dtype(args.dtype), remat=not args.no_remat, unroll_decode=args.unroll_decode,
-        attention_impl=args.attention)
+        dtype=jnp.dtype(args.dtype), remat=not args.no_remat, attention_impl=args.attention)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(fsdp=-1))
     rng = np.random.default_rng(0)
@@ -184,9 +183,6 @@ def main(argv=None):
     p.add_argument("--no-remat", action="store_true")
     p.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"],
                    help="attention kernel for training and log-probs")
-    p.add_argument("--unroll-decode", default=None, type=lambda v: v.lower() == "true",
-                   help="true/false: unroll the layer loop inside the decode loop "
-                        "(default: on GPU/TPU)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args(argv)

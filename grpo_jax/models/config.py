@@ -36,19 +36,20 @@ class ModelConfig:
     # Numerics: master params vs. the dtype matmuls run in.
     param_dtype: Any = jnp.float32
     dtype: Any = jnp.bfloat16
-    # Rematerialise each layer in the backward pass (saves activation memory).
+    # Rematerialise each layer in the backward pass (saves activation memory); remat_policy
+    # says what is kept: "full" (only the layer input) or "dots" (also the matmul outputs).
     remat: bool = True
-    # Unroll the layer loop when decoding with a KV cache: no per-layer loop overhead inside
-    # the decode loop, at the price of a longer compile. None: on GPU/TPU, not on CPU.
-    unroll_decode: bool | None = None
+    remat_policy: str = "full"
     # Attention without a cache (training, log-probs): "xla" (portable), "cudnn" (fused flash
     # attention on NVIDIA GPUs, bf16/fp16 only) or "auto" (cudnn where it applies).
     attention_impl: str = "auto"
 
-    def use_unrolled_decode(self) -> bool:
-        if self.unroll_decode is None:
-            return jax.default_backend() != "cpu"
-        return self.unroll_decode
+    def __post_init__(self):
+        if self.remat_policy not in ("full", "dots"):
+            raise ValueError(f"remat_policy={self.remat_policy!r}: use 'full' or 'dots'")
+        if self.attention_impl not in ("auto", "xla", "cudnn"):
+            raise ValueError(f"attention_impl={self.attention_impl!r}: use 'auto', 'xla' or "
+                             "'cudnn'")
 
     def use_cudnn_attention(self) -> bool:
         if self.attention_impl == "auto":

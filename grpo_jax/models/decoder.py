@@ -54,13 +54,24 @@ def _init_value(name: str, shape, dtype, key):
 
 
 class KVCache(NamedTuple):
-    k: jax.Array  # [L, B, S, K, Dh] in the compute dtype
-    v: jax.Array  # [L, B, S, K, Dh]
+    """One key and one value buffer per layer, each [B, K, S, Dh] in the compute dtype.
+
+    Separate buffers (not one stacked [L, ...] array) let each layer write its new keys in place
+    and then read the written buffer: a read of the old value after the write was scheduled
+    would make XLA copy the whole cache every decode step. KV heads come before slots so that
+    attention's batch dims (b, k) lead, as a batched matmul wants them; slot-major buffers were
+    transposed (copied) twice per layer per step.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
 
     @classmethod
-    def zeros(cls, cfg: ModelConfig, batch: int, length: int) -> "KVCache":
-        shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
-        return cls(jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype))
+    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype=None) -> "KVCache":
+        shape = (batch, cfg.num_kv_heads, length, cfg.head_dim)
+        dtype = cfg.dtype if dtype is None else dtype
+        zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # noqa
+        return cls(zeros(), zeros())
 
 
 class _Layers(nnx.Module):
@@ -88,53 +99,87 @@ class Decoder(nnx.Module):
             return self.embed[...].T
         return self.lm_head[...]
 
+    def layer_params(self) -> dict[str, jax.Array]:
+        """The stacked per-layer weights, by table name without the 'layers/' prefix."""
+        return {name[7:]: getattr(self.layers, name[7:])[...]
+                for name in param_table(self.cfg) if name.startswith("layers/")}
+
     def logits(self, hidden: jax.Array) -> jax.Array:
         w = self.head_weight().astype(self.cfg.dtype)
         return jnp.einsum("btd,dv->btv", hidden, w, preferred_element_type=jnp.float32)
 
+    def decode_layers(self, fuse: bool = True) -> list[dict[str, jax.Array]]:
+        """Per-layer weights for `__call__(..., layers=)`, unstacked and cast to the compute
+        dtype (norm scales stay fp32); with `fuse`, see `fuse_projections`. A decode loop calls
+        this once, outside the loop, so no step casts, slices or concatenates weights."""
+        stacked = self.layer_params()
+        if fuse:
+            stacked = fuse_projections(stacked)
+        stacked = {k: v if k.endswith("norm") else v.astype(self.cfg.dtype)
+                   for k, v in stacked.items()}
+        return [{k: v[i] for k, v in stacked.items()} for i in range(self.cfg.num_layers)]
+
     def __call__(self, tokens, positions, attention_mask, cache: KVCache | None = None,
-                 cache_index=None):
+                 cache_index=None, layers: list[dict] | None = None):
         """Run the decoder and return (hidden [B, T, D] after the final norm, new cache).
 
-        tokens, positions: [B, T] int. Without a cache, attention_mask is [B, T] (1 = real token)
-        and attention is causal over the T tokens. With a cache of S slots, the T new tokens are
-        written at slots [cache_index, cache_index + T) and attention_mask is [B, S]: which slots
-        hold real tokens.
+        tokens, positions: [B, T] int. Without a cache, attention_mask is [B, T] (1 = real token),
+        attention is causal over the T tokens and the layers run under `lax.scan`. With a cache
+        of S slots, attention_mask is [B, S] (which slots hold real tokens), the T new tokens are
+        written at slots [cache_index, cache_index + T) and attend to every real slot up to
+        their own; the layers are unrolled. `layers`: `decode_layers()`, prepared once outside a
+        decode loop (default: computed here).
         """
         cfg = self.cfg
         x = self.embed[...].astype(cfg.dtype)[tokens]
         cos, sin = rope_tables(cfg, positions)
         B, T = tokens.shape
         key_ok = attention_mask.astype(bool)
-        causal = jnp.tril(jnp.ones((T, T), bool))
         if cache is None:
-            masks = (causal[None] & key_ok[:, None, :], None)
-        else:
-            # Two key blocks: the cache's earlier slots (read, never copied) and the T new
-            # tokens; they are written into the cache once, after all layers.
-            S = cache.k.shape[2]
-            old = key_ok & (jnp.arange(S) < cache_index)[None]
-            new = jax.lax.dynamic_slice_in_dim(key_ok, cache_index, T, axis=1)
-            masks = (causal[None] & new[:, None, :], jnp.broadcast_to(old[:, None], (B, T, S)))
-        layer_params = {name[7:]: getattr(self.layers, name[7:])[...]
-                        for name in param_table(cfg) if name.startswith("layers/")}
+            mask = jnp.tril(jnp.ones((T, T), bool))[None] & key_ok[:, None, :]
 
-        def body(x, xs):
-            p, ck, cv = xs
-            x, k, v = _block(cfg, p, x, cos, sin, masks, ck, cv)
-            return x, (None, None) if cache is None else (k, v)
+            def body(x, p):
+                return _block(cfg, p, x, cos, sin, mask)[0], None
 
-        if cfg.remat and cache is None:
-            body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-        xs = (layer_params, None, None) if cache is None else (layer_params, cache.k, cache.v)
-        unroll = cfg.num_layers if (cache is not None and cfg.use_unrolled_decode()) else 1
-        x, (k_new, v_new) = jax.lax.scan(body, x, xs, unroll=unroll)
+            if cfg.remat:
+                body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat_policy])
+            x, _ = jax.lax.scan(body, x, self.layer_params())
+            return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.dtype), None
+
+        S = cache.k[0].shape[2]
+        # Query t sits at slot cache_index + t and sees the real slots up to its own.
+        upto = cache_index + jnp.arange(T)[:, None] >= jnp.arange(S)[None, :]  # [T, S]
+        mask = upto[None] & key_ok[:, None, :]
+        ks, vs = [], []
+        for p, ck, cv in zip(self.decode_layers() if layers is None else layers, *cache):
+            x, ck, cv = _block(cfg, p, x, cos, sin, mask, (ck, cv, cache_index))
+            ks.append(ck)
+            vs.append(cv)
         x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.dtype)
-        if cache is None:
-            return x, None
-        put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
-            buf, new.astype(buf.dtype), cache_index, axis=2)
-        return x, KVCache(put(cache.k, k_new), put(cache.v, v_new))
+        return x, KVCache(tuple(ks), tuple(vs))
+
+
+# What the backward pass keeps of each layer's forward: "full" keeps only the layer input and
+# recomputes the rest; "dots" also keeps the outputs of weight matmuls (more memory, no matmul
+# recomputed: about 6 instead of 8 matmul FLOPs per parameter and token).
+REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def fuse_projections(layers: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Per-layer weights with q/k/v and gate/up each concatenated along the output axis.
+
+    The same math in 2 matmuls instead of 5 per layer. In a decode step at small batch each
+    matmul is a kernel launch that moves little data, so fewer, wider ones are faster. With
+    tensor parallelism the concatenation would mix differently sharded arrays: fuse without it.
+    """
+    out = {k: v for k, v in layers.items()
+           if k not in ("wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up")}
+    out["wqkv"] = jnp.concatenate([layers["wq"], layers["wk"], layers["wv"]], axis=2)
+    if "bq" in layers:
+        out["bqkv"] = jnp.concatenate([layers["bq"], layers["bk"], layers["bv"]], axis=1)
+    out["w_gate_up"] = jnp.concatenate([layers["w_gate"], layers["w_up"]], axis=2)
+    return out
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:
@@ -177,55 +222,62 @@ def _rope(x, cos, sin):
     return (x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
 
 
-def _block(cfg: ModelConfig, p, x, cos, sin, masks, ck, cv):
-    """One layer. Returns the new x and this layer's keys/values for the T input tokens."""
+def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None):
+    """One layer. Without a cache, mask is [B, T, T]; with cache = (ck, cv, index) the new keys
+    and values are written into ck/cv [B, K, S, Dh] at slot `index` and mask is [B, T, S].
+    Returns (x, ck, cv) (None, None without a cache)."""
     dt = cfg.dtype
     w = lambda name: p[name].astype(dt)  # noqa: E731
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, dt)
-    q = jnp.einsum("btd,dhk->bthk", h, w("wq"))
-    k = jnp.einsum("btd,dhk->bthk", h, w("wk"))
-    v = jnp.einsum("btd,dhk->bthk", h, w("wv"))
-    if cfg.qkv_bias:
-        q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
+    if "wqkv" in p:  # fuse_projections
+        qkv = jnp.einsum("btd,dhk->bthk", h, w("wqkv"))
+        if cfg.qkv_bias:
+            qkv = qkv + w("bqkv")
+        q, k, v = jnp.split(qkv, [cfg.num_heads, cfg.num_heads + cfg.num_kv_heads], axis=2)
+    else:
+        q = jnp.einsum("btd,dhk->bthk", h, w("wq"))
+        k = jnp.einsum("btd,dhk->bthk", h, w("wk"))
+        v = jnp.einsum("btd,dhk->bthk", h, w("wv"))
+        if cfg.qkv_bias:
+            q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, dt)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, dt)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    new_mask, cache_mask = masks
-    if ck is None and cfg.use_cudnn_attention():
+    ck = cv = None
+    if cache is not None:
+        ck, cv, index = cache
+        put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+            buf, jnp.swapaxes(new, 1, 2).astype(buf.dtype), index, axis=2)
+        ck, cv = put(ck, k), put(cv, v)
+        attn = attention(q, ck, cv, mask)
+    elif cfg.use_cudnn_attention():
         # Each query also sees itself, so padding rows are never fully masked (NaN in cuDNN).
         diag = jnp.eye(q.shape[1], dtype=bool)[None]
-        attn = jax.nn.dot_product_attention(q, k, v, mask=(new_mask | diag)[:, None],
+        attn = jax.nn.dot_product_attention(q, k, v, mask=(mask | diag)[:, None],
                                             implementation="cudnn")
     else:
-        attn = attention(q, k, v, new_mask, None if ck is None else (ck, cv, cache_mask))
+        attn = attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask)
     x = x + jnp.einsum("bthk,hkd->btd", attn, w("wo"))
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, dt)
-    gate = jnp.einsum("btd,df->btf", h, w("w_gate"))
-    up = jnp.einsum("btd,df->btf", h, w("w_up"))
+    if "w_gate_up" in p:
+        gate, up = jnp.split(jnp.einsum("btd,df->btf", h, w("w_gate_up")), 2, axis=2)
+    else:
+        gate = jnp.einsum("btd,df->btf", h, w("w_gate"))
+        up = jnp.einsum("btd,df->btf", h, w("w_up"))
     x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w("w_down"))
-    return x, k, v
+    return x, ck, cv
 
 
-def attention(q, k, v, mask, cached=None):
-    """Grouped-query attention of q [B,T,H,Dh] over k/v [B,T,K,Dh] (mask [B,T,T]) and, when
-    given, a cache block (ck, cv [B,S,K,Dh], cache_mask [B,T,S]), with one softmax over both."""
+def attention(q, k, v, mask):
+    """Grouped-query attention of q [B, T, H, Dh] over keys/values k, v [B, K, S, Dh];
+    mask [B, T, S] says which keys each query sees. Returns [B, T, H, Dh]."""
     B, T, H, Dh = q.shape
-    K = k.shape[2]
+    K = k.shape[1]
     qg = q.reshape(B, T, K, H // K, Dh)
-
-    def scores(keys, m):
-        s = jnp.einsum("btkgd,bskd->bkgts", qg, keys.astype(q.dtype),
-                       preferred_element_type=jnp.float32) * (Dh ** -0.5)
-        # A finite floor (not -inf) keeps fully masked rows (padding queries) free of NaN.
-        return jnp.where(m[:, None, None], s, -1e30)
-
-    blocks = [scores(k, mask)]
-    if cached is not None:
-        blocks.insert(0, scores(cached[0], cached[2]))
-    probs = jax.nn.softmax(jnp.concatenate(blocks, axis=-1), axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs[..., -T:], v)
-    if cached is not None:
-        out = out + jnp.einsum("bkgts,bskd->btkgd", probs[..., :-T],
-                               cached[1].astype(v.dtype))
-    return out.reshape(B, T, H, Dh)
+    s = jnp.einsum("btkgd,bksd->bkgts", qg, k.astype(q.dtype),
+                   preferred_element_type=jnp.float32) * (Dh ** -0.5)
+    # A finite floor (not -inf) keeps fully masked rows (padding queries) free of NaN.
+    s = jnp.where(mask[:, None, None], s, -1e30)
+    probs = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgts,bksd->btkgd", probs, v).reshape(B, T, H, Dh)

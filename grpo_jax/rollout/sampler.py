@@ -4,7 +4,7 @@ Prompts are left-padded to the smallest length bucket that fits and the batch is
 power of two, so a run compiles a bounded number of programs. The weights are an argument of the
 program (never a closed-over constant), so loading new weights never recompiles.
 
-The program is a prefill over the prompt that writes the KV cache [L, B, P + C, K, Dh] and samples
+The program is a prefill over the prompt that writes the KV cache (L x [B, K, P + C, Dh]) and samples
 the first token, then one `lax.while_loop` that feeds the last token, samples the next, and stops
 as soon as every row has emitted a stop token or C = max_completion_length tokens exist.
 """
@@ -159,17 +159,22 @@ class Sampler:
             return x
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
+    def _tensor_parallel(self) -> int:
+        return 1 if self.mesh is None else self.mesh.shape["tensor"]
+
     def _constrain_cache(self, cache: KVCache) -> KVCache:
         heads = None
-        if self.mesh is not None and self.cfg.num_kv_heads % self.mesh.shape["tensor"] == 0:
+        if self._tensor_parallel() > 1 and self.cfg.num_kv_heads % self._tensor_parallel() == 0:
             heads = "tensor"
-        spec = P(None, mesh_lib.BATCH, None, heads, None)
-        return KVCache(self._constrain(cache.k, spec), self._constrain(cache.v, spec))
+        spec = P(mesh_lib.BATCH, heads, None, None)
+        return jax.tree.map(lambda x: self._constrain(x, spec), cache)
 
     def _generate(self, params, prompt_ids, prompt_mask, key):
         self.num_compiles += 1  # runs only while tracing
         sp, cfg = self.sampling_params, self.cfg
         model = nnx.merge(self.graphdef, _cast_matrices(params, cfg.dtype))
+        # Fused q/k/v and gate/up weights would mix differently sharded arrays under TP.
+        layers = model.decode_layers(fuse=self._tensor_parallel() == 1)
         batch, width = prompt_ids.shape
         C = sp.max_completion_length
         rows = P(mesh_lib.BATCH)
@@ -179,11 +184,9 @@ class Sampler:
         key_mask = jnp.concatenate([prompt_mask, jnp.ones((batch, C), jnp.int32)], axis=1)
         prompt_len = jnp.sum(prompt_mask, axis=1)
 
-        shape = (cfg.num_layers, batch, width + C, cfg.num_kv_heads, cfg.head_dim)
-        cache = self._constrain_cache(KVCache(jnp.zeros(shape, self.cache_dtype),
-                                              jnp.zeros(shape, self.cache_dtype)))
+        cache = self._constrain_cache(KVCache.zeros(cfg, batch, width + C, self.cache_dtype))
         hidden, cache = model(prompt_ids, positions_from_mask(prompt_mask), key_mask,
-                              cache=cache, cache_index=0)
+                              cache=cache, cache_index=0, layers=layers)
         logits = model.logits(hidden[:, -1:])[:, 0]  # left padding: the last slot is real
         seen = None
         if sp.repetition_penalty != 1.0:
@@ -204,7 +207,7 @@ class Sampler:
         def body(s: _State):
             last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
             hidden, cache = model(last, (prompt_len + s.step - 1)[:, None], key_mask,
-                                  cache=s.cache, cache_index=width + s.step - 1)
+                                  cache=s.cache, cache_index=width + s.step - 1, layers=layers)
             s = s._replace(cache=self._constrain_cache(cache))
             return self._emit(s, model.logits(hidden)[:, 0], key)
 
