@@ -77,7 +77,8 @@ def decode_bytes(cfg: ModelConfig, batch: int, cache_len: int, param_bytes: int)
 
 def make_workload(args):
     cfg = (TINY if args.tiny else QWEN2_0_5B).replace(
-        dtype=jnp.dtype(args.dtype), remat=not args.no_remat, attention_impl=args.attention)
+        dtype=jnp.dtype(args.dtype), remat=not args.no_remat,
+        remat_policy=args.remat_policy, attention_impl=args.attention)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(fsdp=-1))
     rng = np.random.default_rng(0)
@@ -181,6 +182,8 @@ def main(argv=None):
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--no-remat", action="store_true")
+    p.add_argument("--remat-policy", default="full", choices=["full", "dots"],
+                   help="what remat keeps per layer: its input only, or also matmul outputs")
     p.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"],
                    help="attention kernel for training and log-probs")
     p.add_argument("--repeats", type=int, default=3)

@@ -38,6 +38,9 @@ class ModelArgs:
     dtype: Dtype = "bfloat16"  # compute dtype of matmuls
     param_dtype: Dtype = "float32"  # master weights and optimizer state
     remat: bool = True  # TRL: gradient_checkpointing (default True)
+    # With remat, what each layer keeps for the backward pass: "full" only its input (least
+    # memory); "dots" also its matmul outputs (no matmul recomputed; more activation memory).
+    remat_policy: Literal["full", "dots"] = "full"
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,8 @@ def train(cfg: config_lib.TrainConfig, *, resume: bool = False, devices=None) ->
     mesh = build_mesh(cfg, devices)
     model, model_dir = hf.load_model(cfg.model.name_or_path, dtype=jnp.dtype(cfg.model.dtype),
                                      param_dtype=jnp.dtype(cfg.model.param_dtype),
-                                     remat=cfg.model.remat)
+                                     remat=cfg.model.remat,
+                                     remat_policy=cfg.model.remat_policy)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dataset = data_lib.load_prompts(cfg.data, tokenizer)
     if dataset.num_truncated and dist.is_main():
