@@ -141,7 +141,9 @@ def bench_train_step(args, cfg, trainer):
 
 
 def bench_e2e(args, cfg, model, mesh, prompts):
-    """One GRPO step: generate, old log-probs, one optimizer update on the result."""
+    """One GRPO step as the train loop runs it: generate, then `num_iterations` optimizer
+    updates on the result. Old log-probs are computed only when num_iterations > 1; with one
+    update the step is on-policy and the loss uses the current log-probs (as TRL does)."""
     trainer = make_trainer(args, cfg, model, mesh)
     sp = SamplingParams(max_completion_length=args.completion_len, stop_token_ids=())
     sampler = Sampler(cfg, sp, pad_id=0, mesh=mesh)
@@ -156,9 +158,11 @@ def bench_e2e(args, cfg, model, mesh, prompts):
                                            "completion_mask", "truncated")}
         batch["advantages"] = np.random.default_rng(0).standard_normal(
             len(r.truncated)).astype(np.float32)
-        batch["old_logp"] = np.asarray(trainer.logps(box["state"].params, batch))
+        if args.num_iterations > 1:
+            batch["old_logp"] = np.asarray(trainer.logps(box["state"].params, batch))
         t2 = time.perf_counter()
-        box["state"], m = trainer.step(box["state"], batch)
+        for _ in range(args.num_iterations):
+            box["state"], m = trainer.step(box["state"], batch)
         jax.block_until_ready(m)
         t3 = time.perf_counter()
         if record:
@@ -180,6 +184,8 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--completion-len", type=int, default=256)
     p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--num-iterations", type=int, default=1,
+                   help="optimizer updates per generation batch (TRL's num_iterations)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--no-remat", action="store_true")
     p.add_argument("--remat-policy", default="full", choices=["full", "dots"],

@@ -274,10 +274,15 @@ def attention(q, k, v, mask):
     mask [B, T, S] says which keys each query sees. Returns [B, T, H, Dh]."""
     B, T, H, Dh = q.shape
     K = k.shape[1]
-    qg = q.reshape(B, T, K, H // K, Dh)
-    s = jnp.einsum("btkgd,bksd->bkgts", qg, k.astype(q.dtype),
+    # Queries grouped by their KV head, with (b, k) leading like the keys. For one token
+    # (decode) the [B, 1, H, Dh] -> [B, K, G, Dh] reshape moves no data.
+    qg = q.reshape(B, K, H // K, Dh) if T == 1 else (
+        q.reshape(B, T, K, H // K, Dh).transpose(0, 2, 3, 1, 4).reshape(B, K, -1, Dh))
+    s = jnp.einsum("bkqd,bksd->bkqs", qg, k.astype(q.dtype),
                    preferred_element_type=jnp.float32) * (Dh ** -0.5)
+    s = s.reshape(B, K, H // K, T, -1)
     # A finite floor (not -inf) keeps fully masked rows (padding queries) free of NaN.
     s = jnp.where(mask[:, None, None], s, -1e30)
-    probs = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgts,bksd->btkgd", probs, v).reshape(B, T, H, Dh)
+    probs = jax.nn.softmax(s, axis=-1).astype(v.dtype).reshape(B, K, (H // K) * T, -1)
+    out = jnp.einsum("bkqs,bksd->bkqd", probs, v).reshape(B, K, H // K, T, Dh)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
