@@ -137,6 +137,10 @@ def train(cfg: config_lib.TrainConfig, *, resume: bool = False, devices=None) ->
                                         jax.random.fold_in(base_key, round_idx), logger)
                 position, round_idx = next_position, round_idx + 1  # the round is complete
                 metrics["step_time"] = time.perf_counter() - t0
+                # What the accelerator does not do: prompts, decoding text, rewards, metrics.
+                metrics["timing/host"] = metrics["step_time"] - sum(
+                    metrics.get(f"timing/{k}", 0.0)
+                    for k in ("generate", "logprobs", "update", "weight_sync"))
                 last = logger.log(int(state.step), metrics)
                 if cfg.run.save_steps and int(state.step) // cfg.run.save_steps > saved_block:
                     saved_block = int(state.step) // cfg.run.save_steps
@@ -189,10 +193,12 @@ def _round(cfg, plan, trainer, rollout, state: TrainState, ref_params, records, 
     rewards = adv_lib.combine_rewards(per_func, cfg.grpo.reward_weights)
     advantages, stats = adv_lib.group_advantages(rewards, g, cfg.grpo.scale_rewards)
     batch["advantages"] = np.asarray(advantages, np.float32)
+    t1 = time.perf_counter()
     if ref_params is not None:
         batch["ref_logp"] = np.asarray(trainer.logps(ref_params, batch))
     if plan.num_iterations > 1 or plan.steps_per_generation > plan.gradient_accumulation_steps:
         batch["old_logp"] = np.asarray(trainer.logps(state.params, batch))
+    t2 = time.perf_counter()
 
     step_metrics = []
     per_step = plan.micro_batch_size * plan.gradient_accumulation_steps
@@ -203,6 +209,7 @@ def _round(cfg, plan, trainer, rollout, state: TrainState, ref_params, records, 
             sub = {k: v[sl] for k, v in batch.items()}
             state, m = trainer.step(state, sub)
             step_metrics.append(jax.device_get(m))
+    t3 = time.perf_counter()
     sync_time = rollout.update_weights(state.params)
 
     metrics = {k: float(np.mean([m[k] for m in step_metrics])) for k in step_metrics[0]}
@@ -213,6 +220,8 @@ def _round(cfg, plan, trainer, rollout, state: TrainState, ref_params, records, 
         metrics[f"rewards/{name}/std"] = float(np.nanstd(col)) if np.isfinite(col).any() else 0.0
     metrics.update(completion_metrics(batch))
     metrics["timing/generate"] = gen_time
+    metrics["timing/logprobs"] = t2 - t1  # reference and old log-probs (0 when neither runs)
+    metrics["timing/update"] = t3 - t2
     if sync_time is not None:
         metrics["timing/weight_sync"] = sync_time
     if cfg.run.log_completions:

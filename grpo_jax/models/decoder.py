@@ -136,7 +136,7 @@ class Decoder(nnx.Module):
         B, T = tokens.shape
         key_ok = attention_mask.astype(bool)
         if cache is None:
-            mask = jnp.tril(jnp.ones((T, T), bool))[None] & key_ok[:, None, :]
+            mask = _causal(T, key_ok)
 
             def body(x, p):
                 return _block(cfg, p, x, cos, sin, mask)[0], None
@@ -147,9 +147,14 @@ class Decoder(nnx.Module):
             return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.dtype), None
 
         S = cache.k[0].shape[2]
-        # Query t sits at slot cache_index + t and sees the real slots up to its own.
-        upto = cache_index + jnp.arange(T)[:, None] >= jnp.arange(S)[None, :]  # [T, S]
-        mask = upto[None] & key_ok[:, None, :]
+        if isinstance(cache_index, int) and cache_index == 0:
+            # A prefill into an empty cache: the tokens attend among themselves only, as
+            # without a cache (and with the same kernel), instead of over all S slots.
+            mask, cache_index = _causal(T, key_ok[:, :T]), None
+        else:
+            # Query t sits at slot cache_index + t and sees the real slots up to its own.
+            upto = cache_index + jnp.arange(T)[:, None] >= jnp.arange(S)[None, :]  # [T, S]
+            mask = upto[None] & key_ok[:, None, :]
         ks, vs = [], []
         for p, ck, cv in zip(self.decode_layers() if layers is None else layers, *cache):
             x, ck, cv = _block(cfg, p, x, cos, sin, mask, (ck, cv, cache_index))
@@ -180,6 +185,11 @@ def fuse_projections(layers: dict[str, jax.Array]) -> dict[str, jax.Array]:
         out["bqkv"] = jnp.concatenate([layers["bq"], layers["bk"], layers["bv"]], axis=1)
     out["w_gate_up"] = jnp.concatenate([layers["w_gate"], layers["w_up"]], axis=2)
     return out
+
+
+def _causal(T: int, key_ok: jax.Array) -> jax.Array:
+    """[B, T, T]: query t sees the real keys at positions <= t."""
+    return jnp.tril(jnp.ones((T, T), bool))[None] & key_ok[:, None, :]
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:
@@ -223,9 +233,10 @@ def _rope(x, cos, sin):
 
 
 def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None):
-    """One layer. Without a cache, mask is [B, T, T]; with cache = (ck, cv, index) the new keys
-    and values are written into ck/cv [B, K, S, Dh] at slot `index` and mask is [B, T, S].
-    Returns (x, ck, cv) (None, None without a cache)."""
+    """One layer. With cache = (ck, cv, index) the new keys and values are written into ck/cv
+    [B, K, S, Dh] at slot `index` and the queries attend over the cache (mask [B, T, S]); index
+    None writes at slot 0 and attends among the new tokens only, as without a cache (mask
+    [B, T, T]). Returns (x, ck, cv) (None, None without a cache)."""
     dt = cfg.dtype
     w = lambda name: p[name].astype(dt)  # noqa: E731
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, dt)
@@ -248,8 +259,10 @@ def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None):
     if cache is not None:
         ck, cv, index = cache
         put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
-            buf, jnp.swapaxes(new, 1, 2).astype(buf.dtype), index, axis=2)
+            buf, jnp.swapaxes(new, 1, 2).astype(buf.dtype), 0 if index is None else index,
+            axis=2)
         ck, cv = put(ck, k), put(cv, v)
+    if cache is not None and index is not None:
         attn = attention(q, ck, cv, mask)
     elif cfg.use_cudnn_attention():
         # Each query also sees itself, so padding rows are never fully masked (NaN in cuDNN).
