@@ -69,6 +69,29 @@ def test_tiny_model_learns_synthetic_reward(tiny_dir, tmp_path):
     assert (tmp_path / "run" / "reward_kl.png").stat().st_size > 1000
 
 
+def test_later_rounds_compile_nothing(tiny_dir, tmp_path, monkeypatch):
+    """Every program (sampler, train step, log-probs, host-side helpers) compiles during the
+    first two rounds; later rounds only run them (a recompile costs seconds on a GPU)."""
+    from grpo_jax.grpo.train_step import Trainer
+    log = []
+    original = Trainer.step
+    monkeypatch.setattr(Trainer, "step", lambda self, s, b: log.append("step") or original(
+        self, s, b))
+
+    def on_event(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            log.append("compile")
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:  # beta > 0 and two updates per round: reference and old log-probs run too
+        train(config(tiny_dir, tmp_path / "run", max_steps=8, beta=0.04, num_iterations=2),
+              devices=jax.devices()[:1])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    steps = [i for i, e in enumerate(log) if e == "step"]
+    assert len(steps) == 8 and "compile" in log[:steps[0]]
+    assert "compile" not in log[steps[3]:], log  # from the second update of round 2 on
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_reference_model_only_when_beta_positive(tiny_dir, tmp_path, monkeypatch, beta):
     """beta = 0: no reference params are kept, stored or run (TRL's behaviour)."""
