@@ -121,18 +121,17 @@ def test_real_smollm2_matches_transformers():
     assert (got[:, last].argmax(-1) == want[:, last].argmax(-1)).all()
 
 
-@pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_kv_cache_path_matches_full_forward(tmp_path, family, fuse):
-    """Prefill 5 tokens into a cache, then feed the other 3 one at a time (fused or separate
-    projections): the hidden states equal one causal pass over all 8."""
+def test_kv_cache_path_matches_full_forward(tmp_path, family):
+    """Prefill 5 tokens into a cache, then feed the other 3 one at a time: the hidden states
+    equal one causal pass over all 8."""
     from grpo_jax.models import KVCache
     tiny_hf_model(family, seed=1).save_pretrained(tmp_path)
     model, _ = hf.load_model(str(tmp_path), dtype=jnp.float32)
     tokens, mask = jnp.asarray(TOKENS), jnp.asarray(MASK)
     positions = positions_from_mask(mask)
     full, _ = model(tokens, positions, mask)
-    layers = model.decode_layers(fuse=fuse)
+    layers = model.decode_layers()
     cache = KVCache.zeros(model.cfg, 3, 10, jnp.float32)
     slots = jnp.pad(mask, ((0, 0), (0, 2)))  # two slots never written nor attended
     out, cache = model(tokens[:, :5], positions[:, :5], slots, cache=cache, cache_index=0,

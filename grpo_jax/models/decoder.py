@@ -108,15 +108,13 @@ class Decoder(nnx.Module):
         w = self.head_weight().astype(self.cfg.dtype)
         return jnp.einsum("btd,dv->btv", hidden, w, preferred_element_type=jnp.float32)
 
-    def decode_layers(self, fuse: bool = True) -> list[dict[str, jax.Array]]:
+    def decode_layers(self) -> list[dict[str, jax.Array]]:
         """Per-layer weights for `__call__(..., layers=)`, unstacked and cast to the compute
-        dtype (norm scales stay fp32); with `fuse`, see `fuse_projections`. A decode loop calls
-        this once, outside the loop, so no step casts, slices or concatenates weights."""
-        stacked = self.layer_params()
-        if fuse:
-            stacked = fuse_projections(stacked)
+        dtype (norm scales stay fp32). A decode loop calls this once, outside the loop, so no
+        step casts or slices weights. (q/k/v and gate/up need no manual fusion: XLA's dot
+        merger already runs each group as one matmul.)"""
         stacked = {k: v if k.endswith("norm") else v.astype(self.cfg.dtype)
-                   for k, v in stacked.items()}
+                   for k, v in self.layer_params().items()}
         return [{k: v[i] for k, v in stacked.items()} for i in range(self.cfg.num_layers)]
 
     def __call__(self, tokens, positions, attention_mask, cache: KVCache | None = None,
@@ -169,22 +167,6 @@ class Decoder(nnx.Module):
 # recomputed: about 6 instead of 8 matmul FLOPs per parameter and token).
 REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
-
-
-def fuse_projections(layers: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Per-layer weights with q/k/v and gate/up each concatenated along the output axis.
-
-    The same math in 2 matmuls instead of 5 per layer. In a decode step at small batch each
-    matmul is a kernel launch that moves little data, so fewer, wider ones are faster. With
-    tensor parallelism the concatenation would mix differently sharded arrays: fuse without it.
-    """
-    out = {k: v for k, v in layers.items()
-           if k not in ("wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up")}
-    out["wqkv"] = jnp.concatenate([layers["wq"], layers["wk"], layers["wv"]], axis=2)
-    if "bq" in layers:
-        out["bqkv"] = jnp.concatenate([layers["bq"], layers["bk"], layers["bv"]], axis=1)
-    out["w_gate_up"] = jnp.concatenate([layers["w_gate"], layers["w_up"]], axis=2)
-    return out
 
 
 def _causal(T: int, key_ok: jax.Array) -> jax.Array:
@@ -240,17 +222,11 @@ def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None):
     dt = cfg.dtype
     w = lambda name: p[name].astype(dt)  # noqa: E731
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, dt)
-    if "wqkv" in p:  # fuse_projections
-        qkv = jnp.einsum("btd,dhk->bthk", h, w("wqkv"))
-        if cfg.qkv_bias:
-            qkv = qkv + w("bqkv")
-        q, k, v = jnp.split(qkv, [cfg.num_heads, cfg.num_heads + cfg.num_kv_heads], axis=2)
-    else:
-        q = jnp.einsum("btd,dhk->bthk", h, w("wq"))
-        k = jnp.einsum("btd,dhk->bthk", h, w("wk"))
-        v = jnp.einsum("btd,dhk->bthk", h, w("wv"))
-        if cfg.qkv_bias:
-            q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
+    q = jnp.einsum("btd,dhk->bthk", h, w("wq"))
+    k = jnp.einsum("btd,dhk->bthk", h, w("wk"))
+    v = jnp.einsum("btd,dhk->bthk", h, w("wv"))
+    if cfg.qkv_bias:
+        q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, dt)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, dt)
@@ -273,11 +249,8 @@ def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None):
         attn = attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask)
     x = x + jnp.einsum("bthk,hkd->btd", attn, w("wo"))
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, dt)
-    if "w_gate_up" in p:
-        gate, up = jnp.split(jnp.einsum("btd,df->btf", h, w("w_gate_up")), 2, axis=2)
-    else:
-        gate = jnp.einsum("btd,df->btf", h, w("w_gate"))
-        up = jnp.einsum("btd,df->btf", h, w("w_up"))
+    gate = jnp.einsum("btd,df->btf", h, w("w_gate"))
+    up = jnp.einsum("btd,df->btf", h, w("w_up"))
     x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w("w_down"))
     return x, ck, cv
 

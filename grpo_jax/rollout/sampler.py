@@ -159,12 +159,9 @@ class Sampler:
             return x
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
-    def _tensor_parallel(self) -> int:
-        return 1 if self.mesh is None else self.mesh.shape["tensor"]
-
     def _constrain_cache(self, cache: KVCache) -> KVCache:
         heads = None
-        if self._tensor_parallel() > 1 and self.cfg.num_kv_heads % self._tensor_parallel() == 0:
+        if self.mesh is not None and self.cfg.num_kv_heads % self.mesh.shape["tensor"] == 0:
             heads = "tensor"
         spec = P(mesh_lib.BATCH, heads, None, None)
         return jax.tree.map(lambda x: self._constrain(x, spec), cache)
@@ -173,8 +170,7 @@ class Sampler:
         self.num_compiles += 1  # runs only while tracing
         sp, cfg = self.sampling_params, self.cfg
         model = nnx.merge(self.graphdef, _cast_matrices(params, cfg.dtype))
-        # Fused q/k/v and gate/up weights would mix differently sharded arrays under TP.
-        layers = model.decode_layers(fuse=self._tensor_parallel() == 1)
+        layers = model.decode_layers()
         batch, width = prompt_ids.shape
         C = sp.max_completion_length
         rows = P(mesh_lib.BATCH)
