@@ -148,7 +148,7 @@ def bench_e2e(args, cfg, model, mesh, prompts):
     sp = SamplingParams(max_completion_length=args.completion_len, stop_token_ids=())
     sampler = Sampler(cfg, sp, pad_id=0, mesh=mesh)
     box = {"state": trainer.init_state}
-    parts = {"generate": [], "logps": [], "update": []}
+    parts = {"generate": [], "old_logps": [], "update": []}
 
     def run(record=True):
         t0 = time.perf_counter()
