@@ -191,7 +191,8 @@ def main(argv=None):
     p.add_argument("--remat-policy", default="full", choices=["full", "dots"],
                    help="what remat keeps per layer: its input only, or also matmul outputs")
     p.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"],
-                   help="attention kernel for training and log-probs")
+                   help="attention kernel; 'cudnn' also for the decode step, which 'auto' "
+                        "leaves to XLA")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args(argv)

@@ -27,6 +27,7 @@ import os
 import re
 import sys
 import tempfile
+import types
 
 import jax
 
@@ -42,6 +43,7 @@ from grpo_jax.config import OptimArgs  # noqa: E402
 from grpo_jax.grpo.loss import LossConfig  # noqa: E402
 from grpo_jax.grpo import train_step as ts  # noqa: E402
 from grpo_jax.models import Decoder  # noqa: E402
+from grpo_jax.models import config as model_config  # noqa: E402
 from grpo_jax.rollout.sampler import Sampler  # noqa: E402
 from grpo_jax.rollout.sampling import SamplingParams  # noqa: E402
 
@@ -136,13 +138,14 @@ def main(argv=None):
     p.add_argument("--completion-len", type=int, default=256)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--remat-policy", default="full", choices=["full", "dots"])
-    p.add_argument("--attention", default="cudnn", choices=["xla", "cudnn"],
-                   help="training attention (the compile-only backend reads as CPU, so 'auto' "
-                        "would pick xla)")
+    p.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"],
+                   help="as `bench --attention`; 'auto' picks what it picks on a GPU")
     p.add_argument("--xla", action="append", default=[], metavar="FLAG=VALUE",
                    help="an XLA debug option for this compile, e.g. "
                         "xla_gpu_enable_triton_gemm=false")
     args = p.parse_args(argv)
+    if args.attention == "auto":  # the compile-only process runs on the CPU backend
+        model_config.jax = types.SimpleNamespace(default_backend=lambda: "gpu")
     cfg = bench.QWEN2_0_5B.replace(remat_policy=args.remat_policy, attention_impl=args.attention)
     options = {}
     for kv in args.xla:

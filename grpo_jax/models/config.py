@@ -40,8 +40,8 @@ class ModelConfig:
     # says what is kept: "full" (only the layer input) or "dots" (also the matmul outputs).
     remat: bool = True
     remat_policy: str = "full"
-    # Attention without a cache (training, log-probs): "xla" (portable), "cudnn" (fused flash
-    # attention on NVIDIA GPUs, bf16/fp16 only) or "auto" (cudnn where it applies).
+    # "xla" (portable), "cudnn" (fused flash attention on NVIDIA GPUs, bf16/fp16 only) or
+    # "auto": cudnn on a GPU for training, log-probs and prefill (see use_cudnn_attention).
     attention_impl: str = "auto"
 
     def __post_init__(self):
@@ -51,9 +51,12 @@ class ModelConfig:
             raise ValueError(f"attention_impl={self.attention_impl!r}: use 'auto', 'xla' or "
                              "'cudnn'")
 
-    def use_cudnn_attention(self) -> bool:
+    def use_cudnn_attention(self, decode: bool = False) -> bool:
+        """decode: the step that attends from new tokens over a KV cache. "auto" keeps XLA's
+        attention there: cuDNN's compiles for it (one kernel instead of four) but has not been
+        timed on a GPU yet; "cudnn" uses it."""
         if self.attention_impl == "auto":
-            return (jax.default_backend() == "gpu"
+            return (not decode and jax.default_backend() == "gpu"
                     and jnp.dtype(self.dtype) in (jnp.bfloat16, jnp.float16))
         return self.attention_impl == "cudnn"
 

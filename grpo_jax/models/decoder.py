@@ -239,7 +239,14 @@ def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None):
             axis=2)
         ck, cv = put(ck, k), put(cv, v)
     if cache is not None and index is not None:
-        attn = attention(q, ck, cv, mask)
+        if cfg.use_cudnn_attention(decode=True):
+            # The cache's [B, K, S, Dh] viewed as cuDNN's [B, S, K, Dh]: a layout, not a copy.
+            # A query always sees its own slot, so no row is fully masked.
+            attn = jax.nn.dot_product_attention(q, jnp.swapaxes(ck, 1, 2),
+                                                jnp.swapaxes(cv, 1, 2), mask=mask[:, None],
+                                                implementation="cudnn")
+        else:
+            attn = attention(q, ck, cv, mask)
     elif cfg.use_cudnn_attention():
         # Each query also sees itself, so padding rows are never fully masked (NaN in cuDNN).
         diag = jnp.eye(q.shape[1], dtype=bool)[None]
