@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Every measurement docs/benchmarks.md asks of a GPU session, in one call (a device start costs
+# minutes): the bench in each variant, JSON figures, the device's target config and autotune
+# results (so tools/gpu_aot.py on a CPU machine compiles what the device compiles).
+#   device tool:  bash tools/gpu_session.sh            (writes under $OUT)
+#   CPU smoke:    OUT=/tmp/s bash tools/gpu_session.sh --tiny --repeats 1
+# Extra arguments go to every bench run.
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/gpu_session}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+python - > "$OUT/target_config.txtpb" 2> "$OUT/target_config.err" <<'EOF'
+import jax
+from jax._src.lib import xla_client as xc
+if jax.default_backend() == "gpu":
+    print(xc.get_topology_for_devices(jax.devices()).target_config)
+EOF
+
+CMD_BUFFERS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+run() {  # name, XLA_FLAGS, bench args...
+  local name=$1 flags=$2
+  shift 2
+  echo "== $name ${flags:+(XLA_FLAGS=$flags)} $*"
+  XLA_FLAGS="$flags" timeout 400 python -m grpo_jax.bench all "$@" --json "$OUT/$name.json" \
+    > "$OUT/$name.log" 2>&1
+  echo "   exit $?"
+  grep -E "^(train_step_s|mfu|generate_s|decode_ms|decode_fraction|grpo_step|peak)" \
+    "$OUT/$name.log"
+}
+run auto "--xla_gpu_dump_autotune_results_to=$OUT/autotune.pbtxt" "$@"
+run dots "" --remat-policy dots "$@"
+run cudnn "" --attention cudnn "$@"
+run dots_cudnn_cmdbuf "$CMD_BUFFERS" --remat-policy dots --attention cudnn "$@"
