@@ -26,7 +26,7 @@ run() {  # name, XLA_FLAGS, bench args...
   XLA_FLAGS="$flags" timeout 400 python -m grpo_jax.bench all "$@" --json "$OUT/$name.json" \
     > "$OUT/$name.log" 2>&1
   echo "   exit $?"
-  grep -E "^(train_step_s|mfu|generate_s|decode_ms|decode_fraction|grpo_step|peak)" \
+  grep -E "^(train_step_s|mfu|generate_s|prefill|decode_ms|decode_fraction|grpo_step|peak)" \
     "$OUT/$name.log"
 }
 run auto "--xla_gpu_dump_autotune_results_to=$OUT/autotune.pbtxt" "$@"
