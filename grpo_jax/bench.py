@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax import mesh as mesh_lib
+from grpo_jax.config import OptimArgs
 from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.grpo.train_step import StepConfig, Trainer
 from grpo_jax.models import Decoder, ModelConfig
@@ -121,12 +122,16 @@ def train_batch(cfg, n, prompt_len, completion_len, seed=0):
             "advantages": rng.standard_normal(n).astype(np.float32)}
 
 
+OPTIM = OptimArgs(learning_rate=1e-6)
+
+
+def step_config(args) -> StepConfig:
+    return StepConfig(loss=LossConfig(loss_type="dapo", max_completion_length=args.completion_len),
+                      gradient_accumulation_steps=args.grad_accum)
+
+
 def make_trainer(args, cfg, model, mesh):
-    from grpo_jax.config import OptimArgs
-    step_cfg = StepConfig(loss=LossConfig(loss_type="dapo",
-                                          max_completion_length=args.completion_len),
-                          gradient_accumulation_steps=args.grad_accum)
-    return Trainer(model, step_cfg, OptimArgs(learning_rate=1e-6), 1000, mesh)
+    return Trainer(model, step_config(args), OPTIM, 1000, mesh)
 
 
 def bench_train_step(args, cfg, trainer):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
+import math
 import os
 import re
 import sys
@@ -39,8 +40,6 @@ from jax.experimental import topologies  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from grpo_jax import bench  # noqa: E402
-from grpo_jax.config import OptimArgs  # noqa: E402
-from grpo_jax.grpo.loss import LossConfig  # noqa: E402
 from grpo_jax.grpo import train_step as ts  # noqa: E402
 from grpo_jax.models import Decoder  # noqa: E402
 from grpo_jax.models import config as model_config  # noqa: E402
@@ -96,7 +95,7 @@ def big_copies(hlo: str, min_elements: int = 1 << 20) -> list[str]:
     found = []
     for line in hlo.splitlines():
         m = re.search(r"= \w+\[([\d,]+)\]\{[^}]*\} copy\(", line)
-        if m and eval("*".join(m.group(1).split(","))) >= min_elements:
+        if m and math.prod(int(d) for d in m.group(1).split(",")) >= min_elements:
             found.append(line.strip()[:140])
     return found
 
@@ -114,10 +113,8 @@ def sampler_program(args, cfg):
 def train_step_program(args, cfg):
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))),
                                  nnx.Param)
-    step_cfg = ts.StepConfig(loss=LossConfig(loss_type="dapo",
-                                             max_completion_length=args.completion_len),
-                             gradient_accumulation_steps=args.grad_accum)
-    tx, _ = ts.make_optimizer(OptimArgs(learning_rate=1e-6), 1000)
+    step_cfg = bench.step_config(args)
+    tx, _ = ts.make_optimizer(bench.OPTIM, 1000)
     state = jax.eval_shape(lambda p: ts.TrainState(p, tx.init(p), jnp.zeros((), jnp.int32)),
                            params)
     n = args.prompts * args.generations
