@@ -109,12 +109,11 @@ class Decoder(nnx.Module):
         return jnp.einsum("btd,dv->btv", hidden, w, preferred_element_type=jnp.float32)
 
     def decode_layers(self) -> list[dict[str, jax.Array]]:
-        """Per-layer weights for `__call__(..., layers=)`, unstacked and cast to the compute
-        dtype (norm scales stay fp32). A decode loop calls this once, outside the loop, so no
-        step casts or slices weights. (q/k/v and gate/up need no manual fusion: XLA's dot
-        merger already runs each group as one matmul.)"""
-        stacked = {k: v if k.endswith("norm") else v.astype(self.cfg.dtype)
-                   for k, v in self.layer_params().items()}
+        """Per-layer weights for `__call__(..., layers=)`, unstacked. A decode loop calls this
+        once, outside the loop, so no step slices weights out of the stacked arrays (the sampler
+        also casts them to the compute dtype first, so no step casts either). q/k/v and gate/up
+        need no manual fusion: XLA's dot merger already runs each group as one matmul."""
+        stacked = self.layer_params()
         return [{k: v[i] for k, v in stacked.items()} for i in range(self.cfg.num_layers)]
 
     def __call__(self, tokens, positions, attention_mask, cache: KVCache | None = None,
