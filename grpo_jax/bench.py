@@ -18,12 +18,16 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax import mesh as mesh_lib
-from grpo_jax.config import OptimArgs
+from grpo_jax.config import BatchPlan
+from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.loss import LossConfig
-from grpo_jax.grpo.train_step import StepConfig, Trainer
+from grpo_jax.grpo.optimizer import OptimizerConfig
+from grpo_jax.grpo.train_step import StepConfig
 from grpo_jax.models import Decoder, ModelConfig
+from grpo_jax.rollout.engines import JaxRollout
 from grpo_jax.rollout.sampler import Sampler
 from grpo_jax.rollout.sampling import SamplingParams
+from grpo_jax.trainer import GRPORound, Scores, Trainer
 
 QWEN2_0_5B = ModelConfig(model_type="qwen2", vocab_size=151936, hidden_size=896,
                          intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
@@ -82,7 +86,7 @@ def make_workload(args):
         dtype=jnp.dtype(args.dtype), remat=not args.no_remat,
         remat_policy=args.remat_policy, attention_impl=args.attention)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
-    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(fsdp=-1))
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=1, fsdp=-1))
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(3, cfg.vocab_size, args.prompt_len)) for _ in range(args.prompts)]
     return cfg, model, mesh, prompts
@@ -108,29 +112,30 @@ def bench_sampler(args, cfg, model, mesh, prompts):
             "prefill_and_first_token_s": prefill,
             "decode_ms_per_step": per_step * 1e3,
             "decode_floor_ms": floor * 1e3 if floor else None,
-            "decode_fraction_of_hbm_limit": floor / per_step if floor and per_step else None,
-            "compiles": sampler.num_compiles}
+            "decode_fraction_of_hbm_limit": floor / per_step if floor and per_step else None}
 
 
-def train_batch(cfg, n, prompt_len, completion_len, seed=0):
+def train_batch(cfg, n, prompt_len, completion_len, seed=0) -> Batch:
     rng = np.random.default_rng(seed)
-    c_mask = np.ones((n, completion_len), np.int32)
-    return {"prompt_ids": rng.integers(3, cfg.vocab_size, (n, prompt_len)).astype(np.int32),
-            "prompt_mask": np.ones((n, prompt_len), np.int32),
-            "completion_ids": rng.integers(3, cfg.vocab_size, (n, completion_len)).astype(np.int32),
-            "completion_mask": c_mask, "truncated": np.zeros(n, bool),
-            "advantages": rng.standard_normal(n).astype(np.float32)}
+    return Batch(prompt_ids=rng.integers(3, cfg.vocab_size, (n, prompt_len)).astype(np.int32),
+                 prompt_mask=np.ones((n, prompt_len), np.int32),
+                 completion_ids=rng.integers(3, cfg.vocab_size,
+                                             (n, completion_len)).astype(np.int32),
+                 completion_mask=np.ones((n, completion_len), np.int32),
+                 truncated=np.zeros(n, bool),
+                 advantages=rng.standard_normal(n).astype(np.float32))
 
 
-OPTIM = OptimArgs(learning_rate=1e-6)
+OPTIM = OptimizerConfig(learning_rate=1e-6)
 
 
 def step_config(args) -> StepConfig:
-    return StepConfig(loss=LossConfig(loss_type="dapo", max_completion_length=args.completion_len),
-                      gradient_accumulation_steps=args.grad_accum)
+    # The JAX sampler runs the trainer's weights: no importance-sampling correction (as train).
+    return StepConfig(loss=LossConfig(loss_type="dapo", vllm_importance_sampling_correction=False),
+                      temperature=1.0, gradient_accumulation_steps=args.grad_accum)
 
 
-def make_trainer(args, cfg, model, mesh):
+def make_trainer(args, model, mesh):
     return Trainer(model, step_config(args), OPTIM, 1000, mesh)
 
 
@@ -152,33 +157,31 @@ def bench_train_step(args, cfg, trainer):
 
 
 def bench_e2e(args, cfg, model, mesh, prompts):
-    """One GRPO step as the train loop runs it: generate, then `num_iterations` optimizer
-    updates on the result. Old log-probs are computed only when num_iterations > 1; with one
-    update the step is on-policy and the loss uses the current log-probs (as TRL does)."""
-    trainer = make_trainer(args, cfg, model, mesh)
-    sp = SamplingParams(max_completion_length=args.completion_len, stop_token_ids=())
-    sampler = Sampler(cfg, sp, pad_id=0, mesh=mesh)
+    """One GRPO round as the train loop runs it (grpo_jax.trainer.GRPORound), with random
+    rewards in place of reward functions: generate, old log-probs under the loop's rule, then
+    `num_iterations` passes of updates over the generation batch."""
+    trainer = make_trainer(args, model, mesh)
+    n = len(prompts) * args.generations
+    plan = BatchPlan(data_parallel_size=1, micro_batch_size=n // args.grad_accum,
+                     gradient_accumulation_steps=args.grad_accum,
+                     steps_per_generation=args.grad_accum, generation_batch_size=n,
+                     num_generations=args.generations, num_iterations=args.num_iterations)
+    rollout = JaxRollout(cfg, SamplingParams(max_completion_length=args.completion_len),
+                         pad_id=0, mesh=mesh)  # no stop token: every row runs the full length
+    rng = np.random.default_rng(0)
+    round_ = GRPORound(trainer, rollout, plan,
+                       lambda records, r: Scores(rng.standard_normal((n, 1)).astype(np.float32)),
+                       reward_names=["random"], scale_rewards="group", reward_weights=None)
+    records = [{"prompt_ids": p} for p in prompts]
     box = {"state": trainer.init_state}
-    parts = {"generate": [], "old_logps": [], "update": []}
+    parts = {"generate": [], "logprobs": [], "update": []}
 
     def run(record=True):
-        t0 = time.perf_counter()
-        r = sampler.generate(box["state"].params, prompts, args.generations, 0)
-        t1 = time.perf_counter()
-        batch = {k: getattr(r, k) for k in ("prompt_ids", "prompt_mask", "completion_ids",
-                                           "completion_mask", "truncated")}
-        batch["advantages"] = np.random.default_rng(0).standard_normal(
-            len(r.truncated)).astype(np.float32)
-        if args.num_iterations > 1:
-            batch["old_logp"] = np.asarray(trainer.logps(box["state"].params, batch))
-        t2 = time.perf_counter()
-        for _ in range(args.num_iterations):
-            box["state"], m = trainer.step(box["state"], batch)
-        jax.block_until_ready(m)
-        t3 = time.perf_counter()
+        r = round_(box["state"], records, jax.random.key(0))
+        box["state"] = r.state
         if record:
-            for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
-                parts[k].append(v)
+            for k in parts:
+                parts[k].append(r.metrics[f"timing/{k}"])
     run(record=False)
     sec = _timed(run, args.repeats)
     out = {"grpo_step_s": sec}
@@ -213,7 +216,7 @@ def main(argv=None):
               "workload": {k: v for k, v in vars(args).items() if k not in ("what", "json")},
               "params_M": cfg.num_params() / 1e6}
     if args.what in ("train-step", "all"):
-        result.update(bench_train_step(args, cfg, make_trainer(args, cfg, model, mesh)))
+        result.update(bench_train_step(args, cfg, make_trainer(args, model, mesh)))
     if args.what in ("sampler", "all"):
         result.update(bench_sampler(args, cfg, model, mesh, prompts))
     if args.what in ("e2e", "all"):

@@ -1,8 +1,8 @@
 """Checkpoints of the training state with exact resume, on Orbax's CheckpointManager.
 
 One checkpoint is a step directory `<directory>/<step>/` with two items: `state` (a pytree of
-arrays: params, optimizer state, RNG keys, counters; written per shard with tensorstore) and
-`meta` (a JSON dict: data position, config snapshot, metrics).
+arrays: params, optimizer state, counters; written per shard with tensorstore) and `meta` (a JSON
+dict: data position, round, metrics).
 
 Safety comes from Orbax: a step is written into `<step>.orbax-checkpoint-tmp` and renamed only
 when complete, so a process killed mid-save leaves the previous steps intact and the partial
@@ -12,9 +12,7 @@ directory). Old steps beyond `save_total_limit` are deleted only after the new o
 Restore writes straight into the target's shardings, so a checkpoint written on one mesh loads
 onto another (or onto one device) without gathering the full state on a host.
 
-Typed PRNG keys (`jax.random.key`) are stored as their raw `jax.random.key_data` (plain uint32
-arrays) and rewrapped with the target's key implementation on restore, so the format does not
-depend on Orbax's typed-key handling, which is recent and has changed between versions.
+`load_checkpoint` restores a run's params from its output_dir alone (for export).
 """
 
 from __future__ import annotations
@@ -27,29 +25,11 @@ import threading
 import jax
 import orbax.checkpoint as ocp
 
-
-def _is_key(x) -> bool:
-    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+from grpo_jax.errors import GrpoJaxError
 
 
-def pack_rng(tree):
-    """Typed PRNG keys in `tree` replaced by their uint32 key data (other leaves unchanged)."""
-    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
-
-
-def _key_impl(abstract_key):
-    # jax.random.key_impl rejects ShapeDtypeStruct but accepts a tracer of the same type.
-    found = []
-    jax.eval_shape(lambda k: found.append(jax.random.key_impl(k)), abstract_key)
-    return found[0]
-
-
-def unpack_rng(tree, like):
-    """Inverse of `pack_rng`: leaves where `like` (same structure) holds a typed key are rewrapped
-    with that key's implementation."""
-    return jax.tree.map(
-        lambda x, t: jax.random.wrap_key_data(x, impl=_key_impl(t)) if _is_key(t) else x,
-        tree, like)
+class CheckpointError(GrpoJaxError):
+    """No usable checkpoint where one was asked for."""
 
 
 def _abstract_leaf(path, leaf):
@@ -59,11 +39,6 @@ def _abstract_leaf(path, leaf):
             f"restore target leaf {jax.tree_util.keystr(path)} has no sharding; build the target "
             "from jax.ShapeDtypeStruct(shape, dtype, sharding=...) leaves (e.g. jax.eval_shape "
             "of the init function plus the shardings the state should live on)")
-    if _is_key(leaf):
-        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
-        # Shardings name leading axes only, so the key's sharding also fits its key data
-        # (the trailing key-data axis stays replicated).
-        return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
 
@@ -71,21 +46,16 @@ class Checkpointer:
     """Numbered checkpoints of (state, meta) in `directory`.
 
     save_total_limit: keep only the newest N steps (None keeps all), as in TRL.
-    save_steps: `save` writes only on multiples of this (force=True writes anyway).
     async_save: `save` returns once the arrays are copied off the accelerator; files are written
       in the background. The state's buffers may then be donated or deleted. Call `wait()` to
       block until the write is committed; the next `save`, `restore` and `close` wait too.
     """
 
-    def __init__(self, directory, *, save_total_limit: int | None, save_steps: int = 1,
-                 async_save: bool = True):
+    def __init__(self, directory, *, save_total_limit: int | None, async_save: bool = True):
         if save_total_limit is not None and save_total_limit < 1:
             raise ValueError(f"save_total_limit must be None (keep all) or >= 1, "
                              f"got {save_total_limit}")
-        if save_steps < 1:
-            raise ValueError(f"save_steps must be >= 1, got {save_steps}")
         self.directory = os.path.abspath(os.fspath(directory))
-        self.save_steps = save_steps
         options = ocp.CheckpointManagerOptions(
             max_to_keep=save_total_limit,
             enable_async_checkpointing=async_save,
@@ -100,13 +70,11 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def save(self, step: int, state, meta: dict, *, force: bool = False) -> bool:
+    def save(self, step: int, state, meta: dict) -> bool:
         """Write `state` and `meta` as checkpoint `step`. Returns whether a save was started:
-        False when `step` is not a multiple of save_steps (and not forced) or is already saved,
-        so a final forced save right after a periodic one is harmless."""
+        False when `step` is already saved, so a final save right after a periodic one is
+        harmless."""
         step = int(step)
-        if not force and step % self.save_steps:
-            return False
         steps = self.all_steps()
         if step in steps:
             return False
@@ -119,7 +87,7 @@ class Checkpointer:
         except (TypeError, ValueError) as e:
             raise TypeError(f"checkpoint meta must be JSON-serializable (convert numpy/jax "
                             f"scalars with float()/int()): {e}") from None
-        args = ocp.args.Composite(state=ocp.args.StandardSave(pack_rng(state)),
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   meta=ocp.args.JsonSave(meta))
         return self._manager.save(step, args=args, force=True)
 
@@ -138,7 +106,7 @@ class Checkpointer:
         abstract = jax.tree_util.tree_map_with_path(_abstract_leaf, target)
         restored = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-        return unpack_rng(restored.state, target), restored.meta
+        return restored.state, restored.meta
 
     def wait(self) -> None:
         """Block until pending async saves are committed; raises if one failed."""
@@ -188,3 +156,52 @@ class StopSignal:
         for s in self._previous:
             signal.signal(s, self._original(s))
         self._previous = {}
+
+
+def abstract_state(cfg, device=None):
+    """The TrainState's shapes on one device for `cfg` (a TrainConfig): a restore target that
+    needs no training setup. Returns (state, graphdef, model config, model dir)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from grpo_jax import hf
+    from grpo_jax.grpo.optimizer import make_optimizer
+    from grpo_jax.grpo.train_step import TrainState
+    from grpo_jax.models import Decoder, ModelConfig
+    model_dir = hf.resolve_model_dir(cfg.model.name_or_path)
+    model_cfg = ModelConfig.from_hf(hf.read_config(model_dir),
+                                    param_dtype=jnp.dtype(cfg.model.param_dtype))
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0))),
+                                 nnx.Param)
+    tx, _ = make_optimizer(cfg.optim, 1)
+    state = jax.eval_shape(lambda p: TrainState(p, tx.init(p), jnp.zeros((), jnp.int32)),
+                           params)
+    sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                         state)
+    return state, graphdef, model_cfg, model_dir
+
+
+def load_checkpoint(output_dir, step: int | None = None):
+    """(model with the checkpoint's params, source model dir, step) from a run's output_dir."""
+    from pathlib import Path
+
+    from flax import nnx
+
+    from grpo_jax.cli import load_config
+    cfg_path = Path(output_dir) / "config.yaml"
+    if not cfg_path.exists():
+        raise CheckpointError(f"{output_dir} has no config.yaml: not a grpo_jax output_dir")
+    target, graphdef, _, model_dir = abstract_state(load_config(str(cfg_path)))
+    ckpt = Checkpointer(Path(output_dir) / "checkpoints", save_total_limit=None)
+    try:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no checkpoint in {ckpt.directory}: train first, or pass the "
+                                  "output_dir of a run that saved one")
+        state, _ = ckpt.restore(step, target)
+    except FileNotFoundError as e:
+        raise CheckpointError(str(e)) from None
+    finally:
+        ckpt.close()
+    return nnx.merge(graphdef, state.params), model_dir, step

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from grpo_jax.config import DataArgs
+from grpo_jax.errors import GrpoJaxError
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,7 @@ NOT_REWARD_COLUMNS = ("prompt", "prompt_ids", "completion", "completion_ids")
 ARITHMETIC_SIZE = 2000
 
 
-class DataError(ValueError):
+class DataError(GrpoJaxError, ValueError):
     """A dataset that can't be loaded or used; the message says what to do."""
 
 
@@ -42,9 +43,9 @@ class PromptDataset:
     columns: dict[str, list]  # the other columns, handed to reward functions
     token_ids: np.ndarray  # all prompts' token ids, concatenated (int32)
     offsets: np.ndarray  # prompt i is token_ids[offsets[i]:offsets[i + 1]]
+    shuffle: bool  # the data section's shuffle_dataset
+    seed: int  # the data section's seed
     num_truncated: int = 0
-    shuffle: bool = True
-    seed: int = 42
     _order: tuple[int, np.ndarray] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:

@@ -10,7 +10,8 @@ import argparse
 import sys
 
 from grpo_jax import hf
-from grpo_jax.train import USER_ERRORS, load_checkpoint
+from grpo_jax.checkpoint import load_checkpoint
+from grpo_jax.errors import GrpoJaxError
 
 
 def main(argv=None) -> int:
@@ -23,7 +24,7 @@ def main(argv=None) -> int:
     try:
         model, source_dir, step = load_checkpoint(args.checkpoint, args.step)
         out = hf.save_hf(model, args.out, source_dir=source_dir, dtype=args.dtype)
-    except USER_ERRORS as e:
+    except GrpoJaxError as e:
         print(f"grpo_jax.export: error: {e}", file=sys.stderr)
         return 2
     print(f"exported step {step} of {args.checkpoint} to {out}")

@@ -16,6 +16,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax import safetensors_io
+from grpo_jax.errors import GrpoJaxError
 from grpo_jax.models import Decoder, ModelConfig, ModelConfigError, param_table
 
 SMOL_ALIAS = "smollm2-135m-instruct"
@@ -26,7 +27,7 @@ TOKENIZER_FILES = (
 )
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(GrpoJaxError, RuntimeError):
     """A model that can't be found or read; the message says what to do."""
 
 

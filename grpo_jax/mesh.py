@@ -8,18 +8,20 @@ split). The batch is split over (`data`, `fsdp`).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-AXES = ("data", "fsdp", "tensor")
-BATCH = ("data", "fsdp")
+from grpo_jax.errors import check
 
-# logical axis -> mesh axis (None: replicated). A dimension that the mesh axis does not divide
-# stays replicated, so one table serves every model size.
-RULES: dict[str, str | None] = {
+AXES = ("data", "fsdp", "tensor")
+
+# logical axis -> mesh axis or axes (None: replicated). A dimension that the mesh axes do not
+# divide stays replicated, so one table serves every model size.
+RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": ("data", "fsdp"),  # rows of a batch: completions, sampler rows, KV-cache rows
     "vocab": "tensor",     # embedding rows / LM-head columns
     "embed": "fsdp",       # the model dimension of every matrix: FSDP
     "heads": "tensor",     # query heads
@@ -33,40 +35,63 @@ RULES: dict[str, str | None] = {
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    data: int = 1
-    fsdp: int = -1  # -1: every device not used by the other axes
-    tensor: int = 1
+    """Sizes of the mesh axes (data, fsdp, tensor), the config's `mesh` section; one may be -1
+    (= all remaining devices)."""
+
+    dp: int = -1
+    fsdp: int = 1
+    tp: int = 1
+
+    def __post_init__(self):
+        sizes = dataclasses.astuple(self)
+        check(all(s == -1 or s >= 1 for s in sizes) and sizes.count(-1) <= 1,
+              f"mesh sizes (dp, fsdp, tp) = {sizes}: each must be >= 1, and at most one -1")
+
+    def shape(self, num_devices: int) -> tuple[int, int, int]:
+        """Axis sizes for `num_devices` devices, the -1 axis taking what is left."""
+        sizes = list(dataclasses.astuple(self))
+        known = math.prod(s for s in sizes if s != -1)
+        if -1 in sizes:
+            check(num_devices % known == 0, f"mesh {dict(zip(AXES, sizes))}: {num_devices} "
+                  f"devices are not divisible by the fixed axes' product {known}")
+            sizes[sizes.index(-1)] = num_devices // known
+        check(math.prod(sizes) == num_devices, f"mesh {dict(zip(AXES, sizes))} needs "
+              f"{math.prod(sizes)} devices but {num_devices} are in use; set one size to -1")
+        return tuple(sizes)
 
 
 def make_mesh(cfg: MeshConfig = MeshConfig(), devices=None) -> Mesh:
+    """jax.make_mesh orders the devices by the physical topology (ICI neighbours on TPU).
+    Auto axis types: its default, Explicit, rejects sharded contractions in the model."""
     devices = list(jax.devices() if devices is None else devices)
-    sizes = [cfg.data, cfg.fsdp, cfg.tensor]
-    if sizes.count(-1) > 1:
-        raise ValueError(f"mesh {sizes}: at most one axis may be -1")
-    known = int(np.prod([s for s in sizes if s != -1]))
-    if -1 in sizes:
-        if len(devices) % known:
-            raise ValueError(f"mesh {dict(zip(AXES, sizes))}: {len(devices)} devices are not "
-                             f"divisible by {known}")
-        sizes[sizes.index(-1)] = len(devices) // known
-    if int(np.prod(sizes)) != len(devices):
-        raise ValueError(f"mesh {dict(zip(AXES, sizes))} needs {int(np.prod(sizes))} devices, "
-                         f"found {len(devices)}; set mesh sizes whose product is {len(devices)}")
-    # Auto axis types: jax.make_mesh defaults to Explicit, which rejects sharded contractions.
-    return Mesh(np.asarray(devices).reshape(sizes), AXES)
+    return jax.make_mesh(cfg.shape(len(devices)), AXES,
+                         axis_types=(jax.sharding.AxisType.Auto,) * len(AXES), devices=devices)
 
 
-def spec_for(axes: tuple[str, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
+def _size(mesh: Mesh, axes) -> int:
+    return math.prod(mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+def spec_for(names: tuple[str | None, ...], shape: tuple[int, ...] | None, mesh: Mesh) -> P:
+    """The PartitionSpec of logical axis `names` (None: replicated) by the rule table; a mesh
+    axis is used once, and only where it divides the dimension (when `shape` is given)."""
     used: set[str] = set()
     out = []
-    for name, dim in zip(axes, shape):
-        mesh_axis = RULES.get(name)
-        if mesh_axis is None or mesh_axis in used or dim % mesh.shape[mesh_axis]:
+    for i, name in enumerate(names):
+        axes = RULES.get(name) if name else None
+        flat = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        if (not flat or used & set(flat)
+                or (shape is not None and shape[i] % _size(mesh, flat))):
             out.append(None)
         else:
-            used.add(mesh_axis)
-            out.append(mesh_axis)
+            used.update(flat)
+            out.append(axes)
     return P(*out)
+
+
+def logical_sharding(mesh: Mesh, *names: str | None, shape=None) -> NamedSharding:
+    """e.g. logical_sharding(mesh, "batch", None): rows split over the data axes."""
+    return NamedSharding(mesh, spec_for(names, shape, mesh))
 
 
 def param_shardings(params: nnx.State, mesh: Mesh) -> nnx.State:
@@ -76,30 +101,10 @@ def param_shardings(params: nnx.State, mesh: Mesh) -> nnx.State:
     return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def like_params(tree, params: nnx.State, shardings: nnx.State, mesh: Mesh):
-    """Shardings for a tree that mirrors the params (optimizer moments): leaves whose path ends
-    with a parameter's path and whose shape matches get that parameter's sharding; the rest
-    (counters, scalars) are replicated."""
-    by_path = {}
-    for (path, leaf), s in zip(jax.tree_util.tree_flatten_with_path(params)[0],
-                               jax.tree.leaves(shardings)):
-        by_path[path] = (leaf.shape, s)
-    replicated = NamedSharding(mesh, P())
-
-    def one(path, leaf):
-        for start in range(len(path)):
-            hit = by_path.get(tuple(path[start:]))
-            if hit and hit[0] == getattr(leaf, "shape", None):
-                return hit[1]
-        return replicated
-    return jax.tree_util.tree_map_with_path(one, tree)
-
-
-def batch_sharding(mesh: Mesh, ndim: int, batch_axis: int = 0) -> NamedSharding:
-    spec = [None] * ndim
-    spec[batch_axis] = BATCH
-    return NamedSharding(mesh, P(*spec))
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """Leading axis over the batch axes, the rest replicated."""
+    return logical_sharding(mesh, "batch", *[None] * (ndim - 1))
 
 
 def batch_divisor(mesh: Mesh) -> int:
-    return mesh.shape["data"] * mesh.shape["fsdp"]
+    return _size(mesh, RULES["batch"])

@@ -23,9 +23,11 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from grpo_jax.errors import GrpoJaxError
 
 
-class RewardError(RuntimeError):
+
+class RewardError(GrpoJaxError, RuntimeError):
     """A reward function that can't be loaded or returned something unusable."""
 
 

@@ -22,12 +22,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from grpo_jax.errors import GrpoJaxError
+
 WORKER_EXTENSION = "grpo_jax.rollout.vllm_worker.WeightReloadExtension"
 AUTH_MIDDLEWARE = "grpo_jax.rollout.vllm_worker.DevRouteAuth"
 VLLM_PYTHON_ENV = "GRPO_JAX_VLLM_PYTHON"
 
 
-class ServeError(ValueError):
+class ServeError(GrpoJaxError, ValueError):
     """A server configuration that is refused; the message says how to fix it."""
 
 

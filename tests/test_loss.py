@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from grpo_jax.grpo import loss as L
+from grpo_jax.grpo.batch import Batch
 
 B, T = 8, 7
 
@@ -26,6 +27,20 @@ def make_inputs(seed=0, b=B):
              sampler_logp=logp + f(0.4))
     x["advantages"][3] = 0.0  # a zero-std group's advantage: neither low- nor high-clipped
     return x
+
+
+def loss_config(**kw):
+    """The loss settings, with the sampler correction off unless a case turns it on (TRL's
+    default is on; these cases test the loss without it)."""
+    return L.LossConfig(**{"vllm_importance_sampling_correction": False, **kw})
+
+
+def batch(x) -> Batch:
+    """The typed batch of the arrays in `x` (missing or None log-probs stay None)."""
+    return Batch(prompt_ids=None, prompt_mask=None, completion_ids=None,
+                 completion_mask=x["completion_mask"], truncated=x["truncated"],
+                 advantages=x["advantages"], old_logp=x.get("old_logp"),
+                 ref_logp=x.get("ref_logp"), sampler_logp=x.get("sampler_logp"))
 
 
 def oracle(x, cfg):
@@ -74,7 +89,7 @@ def oracle(x, cfg):
     per = np.broadcast_to(per, m.shape) * m
     value = {"grpo": lambda: np.mean(per.sum(1) / np.maximum(m.sum(1), 1)),
              "bnpo": lambda: per.sum() / max(m.sum(), 1),
-             "dr_grpo": lambda: per.sum() / (len(m) * cfg.max_completion_length),
+             "dr_grpo": lambda: per.sum() / (len(m) * m.shape[1]),
              "dapo": lambda: per.sum() / max(m.sum(), 1),
              "cispo": lambda: per.sum() / max(m.sum(), 1)}[cfg.loss_type]()
     out["entropy"] = (g["entropy"] * m).sum() / m.sum()
@@ -114,9 +129,7 @@ def run(x, cfg, old=True):
     args = {k: (None if v is None else jnp.asarray(v)) for k, v in x.items()}
     if not old:
         args["old_logp"] = None
-    num, sums = L.grpo_loss_terms(
-        args["logp"], args["old_logp"], args["ref_logp"], args["advantages"],
-        args["completion_mask"], args["truncated"], args["entropy"], args["sampler_logp"], cfg)
+    num, sums = L.grpo_loss_terms(args["logp"], args["entropy"], batch(args), cfg)
     den = L.loss_denominator(args["completion_mask"], args["truncated"], cfg)
     return num / den, {k: float(v) for k, v in L.finalize_metrics(sums).items()}
 
@@ -124,7 +137,7 @@ def run(x, cfg, old=True):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()
                                                              if "clip_m" not in k) or "default")
 def test_matches_numpy(case):
-    cfg = L.LossConfig(max_completion_length=T, **case)
+    cfg = loss_config(**case)
     x = make_inputs(1)
     if cfg.top_entropy_quantile == 1.0 and cfg.beta == 0:
         x["ref_logp"] = None  # the reference is optional when beta == 0
@@ -145,7 +158,7 @@ def test_matches_numpy(case):
 def test_gradient_matches_finite_differences(case):
     """d loss / d logp vs central differences of the oracle, old_logp held fixed (the on-policy
     case passes old_logp=None, which must act as stop_gradient(logp))."""
-    cfg = L.LossConfig(max_completion_length=T, **case)
+    cfg = loss_config(**case)
     for old in (True, False):
         x = make_inputs(2)
         if not old:
@@ -167,13 +180,13 @@ def test_clip_extremes_skip_empty_completions():
     x = make_inputs(7)
     x["advantages"][:] = -1.0
     x["old_logp"] = x["logp"] + 1.0  # every token's ratio is 1/e: all low-clipped
-    _, metrics = run(x, L.LossConfig())
+    _, metrics = run(x, loss_config())
     assert metrics["clip_ratio/low_min"] == 1.0  # the empty completion does not count as 0
     assert metrics["clip_ratio/low_mean"] == 1.0 and metrics["clip_ratio/high_max"] == 0.0
 
 
 def test_cispo_gradient_flows_through_logp_only():
-    cfg = L.LossConfig(loss_type="cispo", epsilon_high=1.1)
+    cfg = loss_config(loss_type="cispo", epsilon_high=1.1)
     x = make_inputs(3)
     grad = jax.grad(lambda lp: run({**x, "logp": lp}, cfg)[0])(jnp.asarray(x["logp"]))
     r = np.minimum(np.exp(x["logp"] - x["old_logp"]), 1.1)
@@ -187,15 +200,15 @@ def _policy_loss(W, feats, x, cfg, sl):
     logq = jax.nn.log_softmax(feats[sl] @ W, -1)
     logp = jnp.take_along_axis(logq, jnp.asarray(x["targets"][sl])[..., None], -1)[..., 0]
     get = lambda k: jnp.asarray(x[k][sl])  # noqa: E731
-    return L.grpo_loss_terms(logp, None, get("ref_logp"), get("advantages"),
-                             get("completion_mask"), get("truncated"), get("entropy"),
-                             get("sampler_logp"), cfg)
+    return L.grpo_loss_terms(logp, get("entropy"), batch(
+        {k: get(k) for k in ("ref_logp", "advantages", "completion_mask", "truncated",
+                             "sampler_logp")}), cfg)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "cispo"])
 def test_gradient_accumulation_is_exact(loss_type):
     n, d, v = 8, 5, 11
-    cfg = L.LossConfig(loss_type=loss_type, beta=0.04, max_completion_length=T,
+    cfg = loss_config(loss_type=loss_type, beta=0.04,
                        epsilon_high=1.5 if loss_type == "cispo" else None,
                        mask_truncated_completions=True,
                        **{**IS, "vllm_importance_sampling_mode": "sequence_truncate"})
@@ -225,12 +238,9 @@ def test_gradient_accumulation_is_exact(loss_type):
 
 
 def test_merge_identity_and_jit():
-    cfg = L.LossConfig(beta=0.04)
+    cfg = loss_config(beta=0.04)
     x = make_inputs(6)
-    f = jax.jit(lambda a: L.grpo_loss_terms(a["logp"], a["old_logp"], a["ref_logp"],
-                                            a["advantages"], a["completion_mask"],
-                                            a["truncated"], a["entropy"], a["sampler_logp"],
-                                            cfg)[1])
+    f = jax.jit(lambda a: L.grpo_loss_terms(a["logp"], a["entropy"], batch(a), cfg)[1])
     sums = f({k: jnp.asarray(v) for k, v in x.items()})
     merged = L.merge_metric_sums(L.empty_metric_sums(jax.eval_shape(lambda: sums)), sums)
     a, b = L.finalize_metrics(sums), jax.jit(L.finalize_metrics)(merged)
@@ -240,7 +250,6 @@ def test_merge_identity_and_jit():
 def test_validation_errors():
     bad = [(dict(loss_type="ppo"), "loss_type"), (dict(epsilon=0), "epsilon"),
            (dict(delta=0.9), "delta"), (dict(top_entropy_quantile=1.5), "top_entropy_quantile"),
-           (dict(loss_type="dr_grpo"), "max_completion_length"),
            (dict(importance_sampling_level="seq"), "importance_sampling_level"),
            (dict(vllm_importance_sampling_mode="truncate"), "vllm_importance_sampling_mode"),
            (dict(vllm_importance_sampling_correction=True, vllm_importance_sampling_clip_max=None,
@@ -251,13 +260,10 @@ def test_validation_errors():
         with pytest.raises(ValueError, match=msg):
             L.LossConfig(**kw)
     x = {k: jnp.asarray(v) for k, v in make_inputs().items()}
+    x.update(old_logp=None, ref_logp=None, sampler_logp=None)
     with pytest.raises(ValueError, match="ref_logp"):
-        L.grpo_loss_terms(x["logp"], None, None, x["advantages"], x["completion_mask"],
-                          x["truncated"], None, None, L.LossConfig(beta=0.1))
+        L.grpo_loss_terms(x["logp"], None, batch(x), loss_config(beta=0.1))
     with pytest.raises(ValueError, match="sampler_logp"):
-        L.grpo_loss_terms(x["logp"], None, None, x["advantages"], x["completion_mask"],
-                          x["truncated"], None, None,
-                          L.LossConfig(vllm_importance_sampling_correction=True))
+        L.grpo_loss_terms(x["logp"], None, batch(x), L.LossConfig())
     with pytest.raises(ValueError, match="entropy"):
-        L.grpo_loss_terms(x["logp"], None, None, x["advantages"], x["completion_mask"],
-                          x["truncated"], None, None, L.LossConfig(top_entropy_quantile=0.5))
+        L.grpo_loss_terms(x["logp"], None, batch(x), loss_config(top_entropy_quantile=0.5))

@@ -7,9 +7,11 @@ import pytest
 from flax import nnx
 
 from grpo_jax import mesh as mesh_lib
-from grpo_jax.config import OptimArgs
+from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.loss import LossConfig
-from grpo_jax.grpo.train_step import StepConfig, Trainer, loss_and_grads
+from grpo_jax.grpo.optimizer import OptimizerConfig
+from grpo_jax.grpo.train_step import StepConfig, loss_and_grads
+from grpo_jax.trainer import Trainer
 from grpo_jax.models import Decoder, ModelConfig
 
 CFG = ModelConfig(model_type="qwen2", vocab_size=96, hidden_size=32, intermediate_size=48,
@@ -38,20 +40,24 @@ def make_batch(seed=0, with_old=True, with_ref=True):
         batch["old_logp"] = base + noise()
     if with_ref:
         batch["ref_logp"] = base + noise()
-    return batch
+    return Batch(**batch)
 
 
 def model():
     return Decoder(CFG, rngs=nnx.Rngs(0))
 
 
-def grads_for(loss_type, k, batch, mesh=None, **loss_kw):
+def loss_config(**kw):
+    # No sampler log-probs in these batches: TRL's correction (on by default) has nothing to do.
+    return LossConfig(vllm_importance_sampling_correction=False, **kw)
+
+
+def grads_for(loss_type, k, batch, **loss_kw):
     graphdef, params = nnx.split(model(), nnx.Param)
-    cfg = StepConfig(loss=LossConfig(loss_type=loss_type, max_completion_length=C_LEN,
-                                     **loss_kw), temperature=0.9, gradient_accumulation_steps=k,
-                     logprob_chunk=4)
-    fn = jax.jit(lambda p, b: loss_and_grads(graphdef, cfg, p, b, mesh))
-    loss, grads, _ = fn(params, {k_: jnp.asarray(v) for k_, v in batch.items()})
+    cfg = StepConfig(loss=loss_config(loss_type=loss_type, **loss_kw), temperature=0.9,
+                     gradient_accumulation_steps=k, logprob_chunk=4)
+    fn = jax.jit(lambda p, b: loss_and_grads(graphdef, cfg, p, b))
+    loss, grads, _ = fn(params, jax.tree.map(jnp.asarray, batch))
     return float(loss), jax.tree.map(np.asarray, jax.tree.leaves(grads))
 
 
@@ -66,10 +72,10 @@ def test_gradient_accumulation_is_exact(loss_type):
 
 
 def _step_once(mesh, batch, k=2):
-    cfg = StepConfig(loss=LossConfig(loss_type="dapo", beta=0.04, max_completion_length=C_LEN),
-                     temperature=1.0, gradient_accumulation_steps=k, logprob_chunk=4)
-    trainer = Trainer(model(), cfg, OptimArgs(learning_rate=1e-2, lr_scheduler_type="constant"),
-                      10, mesh)
+    cfg = StepConfig(loss=loss_config(loss_type="dapo", beta=0.04), temperature=1.0,
+                     gradient_accumulation_steps=k, logprob_chunk=4)
+    trainer = Trainer(model(), cfg, OptimizerConfig(learning_rate=1e-2,
+                                                    lr_scheduler_type="constant"), 10, mesh)
     state, metrics = trainer.step(trainer.init_state, batch)
     return trainer, state, jax.device_get(metrics)
 
@@ -94,9 +100,10 @@ def test_sharded_step_equals_single_device():
 def test_nonfinite_gradient_skips_update():
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(1, 1, 1), jax.devices()[:1])
     batch = make_batch(2)
-    batch["advantages"][0] = np.nan
-    trainer = Trainer(model(), StepConfig(loss=LossConfig(max_completion_length=C_LEN)),
-                      OptimArgs(learning_rate=1e-2, lr_scheduler_type="constant"), 10, mesh)
+    batch.advantages[0] = np.nan
+    trainer = Trainer(model(), StepConfig(loss=loss_config(), temperature=1.0,
+                                          gradient_accumulation_steps=1),
+                      OptimizerConfig(learning_rate=1e-2, lr_scheduler_type="constant"), 10, mesh)
     before = jax.tree.map(np.asarray, trainer.init_state.params)
     state, metrics = trainer.step(trainer.init_state, batch)
     assert int(metrics["skipped_updates"]) == 1 and int(state.step) == 1

@@ -41,6 +41,7 @@ from jax.experimental import topologies  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from grpo_jax import bench  # noqa: E402
 from grpo_jax.grpo import train_step as ts  # noqa: E402
+from grpo_jax.grpo.optimizer import make_optimizer  # noqa: E402
 from grpo_jax.models import Decoder  # noqa: E402
 from grpo_jax.models import config as model_config  # noqa: E402
 from grpo_jax.rollout.sampler import Sampler  # noqa: E402
@@ -114,13 +115,13 @@ def train_step_program(args, cfg):
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))),
                                  nnx.Param)
     step_cfg = bench.step_config(args)
-    tx, _ = ts.make_optimizer(bench.OPTIM, 1000)
+    tx, schedule = make_optimizer(bench.OPTIM, 1000)
     state = jax.eval_shape(lambda p: ts.TrainState(p, tx.init(p), jnp.zeros((), jnp.int32)),
                            params)
     n = args.prompts * args.generations
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                          bench.train_batch(cfg, n, args.prompt_len, args.completion_len))
-    fn = lambda s, b: ts.train_step(graphdef, tx, step_cfg, s, b, None)  # noqa: E731
+    fn = lambda s, b: ts.train_step(graphdef, tx, schedule, step_cfg, s, b)  # noqa: E731
     return fn, (state, batch)
 
 

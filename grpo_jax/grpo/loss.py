@@ -6,7 +6,9 @@ Per loss_type (m = loss mask, L = per-token loss, B = sequences in the micro-bat
   grpo     sum_i sum_t(m L) / max(sum_t m, 1)  /  B          (mean over sequences)
   bnpo     sum(m L) / max(sum(m), 1)           /  1          (normalised per micro-batch, as TRL:
                                                               k micro-batches give their mean)
-  dr_grpo  sum(m L)                            /  B * max_completion_length
+  dr_grpo  sum(m L)                            /  B * max_completion_length (the completions'
+                                                              padded width: both rollout
+                                                              back-ends pad to it)
   dapo     sum(m L)                            /  sum(m)     (active tokens of the whole step)
   cispo    as dapo.
 With one micro-batch each equals TRL's loss. Two things stay per micro-batch like in TRL: bnpo's
@@ -20,55 +22,55 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
+import typing
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
-IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+from grpo_jax.errors import check
+from grpo_jax.grpo.batch import Batch
+
 f32 = jnp.float32
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"]
+ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
+    """The objective's settings, with TRL GRPOConfig's names and defaults."""
+
     beta: float = 0.0  # KL coefficient; 0 needs no reference model
     epsilon: float = 0.2
     epsilon_high: float | None = None  # None: epsilon. For cispo: the cap on the ratio itself
-    delta: float | None = None  # upper bound on the unclipped ratio (two-sided clipping)
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"] = "dapo"
+    delta: float | None = None  # upper bound on the unclipped ratio (INTELLECT-2); None: off
+    loss_type: LossType = "dapo"
     importance_sampling_level: Literal["token", "sequence"] = "token"
     mask_truncated_completions: bool = False
     top_entropy_quantile: float = 1.0
-    max_completion_length: int | None = None  # needed by dr_grpo
-    # Sampler/trainer mismatch: weight tokens by exp(old_logp - sampler_logp). TRL turns this
-    # on by default for vLLM; here the caller opts in (train.py does for the vLLM backend).
-    vllm_importance_sampling_correction: bool = False
-    vllm_importance_sampling_mode: Literal[
-        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] = "sequence_mask"
+    # Sampler/trainer mismatch: weight tokens by exp(old_logp - sampler_logp). The trainer
+    # applies it to vLLM rollouts only: the JAX sampler runs the trainer's own weights.
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: ISMode = "sequence_mask"
     vllm_importance_sampling_clip_min: float | None = None
     vllm_importance_sampling_clip_max: float | None = 3.0
 
     def __post_init__(self):
-        def check(ok, msg):
-            if not ok:
-                raise ValueError(msg)
-        check(self.loss_type in LOSS_TYPES,
-              f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        check(self.loss_type in typing.get_args(LossType),
+              f"loss_type must be one of {typing.get_args(LossType)}, got {self.loss_type!r}")
         check(self.importance_sampling_level in ("token", "sequence"), "importance_sampling_level"
               f" must be 'token' or 'sequence', got {self.importance_sampling_level!r}")
         check(self.beta >= 0, f"beta must be >= 0, got {self.beta}")
         check(self.epsilon > 0, f"epsilon must be > 0, got {self.epsilon}")
         check(self.epsilon_high is None or self.epsilon_high > 0,
-              f"epsilon_high must be > 0 or None, got {self.epsilon_high}")
+              f"epsilon_high must be > 0 or null, got {self.epsilon_high}")
         check(self.delta is None or self.delta > 1, f"delta caps the ratio from above and must "
-              f"be > 1 (TRL recommends > 1 + epsilon) or None, got {self.delta}")
+              f"be > 1 (TRL recommends > 1 + epsilon) or null, got {self.delta}")
         check(0.0 <= self.top_entropy_quantile <= 1.0,
               f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
-        check(self.loss_type != "dr_grpo" or (self.max_completion_length or 0) >= 1,
-              "loss_type='dr_grpo' divides by max_completion_length: set it (>= 1)")
-        check(self.vllm_importance_sampling_mode in IS_MODES, f"vllm_importance_sampling_mode "
-              f"must be one of {IS_MODES}, got {self.vllm_importance_sampling_mode!r}")
+        check(self.vllm_importance_sampling_mode in typing.get_args(ISMode),
+              f"vllm_importance_sampling_mode must be one of {typing.get_args(ISMode)}, "
+              f"got {self.vllm_importance_sampling_mode!r}")
         lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         check(lo is None or hi is None or lo < hi, f"vllm_importance_sampling_clip_min ({lo}) "
               f"must be < vllm_importance_sampling_clip_max ({hi})")
@@ -95,7 +97,7 @@ def loss_denominator(completion_mask, truncated, cfg: LossConfig) -> jax.Array:
     m = loss_mask(completion_mask, truncated, cfg)
     B = m.shape[0]
     return {"grpo": lambda: jnp.asarray(B, f32), "bnpo": lambda: jnp.asarray(1.0, f32),
-            "dr_grpo": lambda: jnp.asarray(B * (cfg.max_completion_length or 0), f32),
+            "dr_grpo": lambda: jnp.asarray(B * m.shape[1], f32),
             "dapo": m.sum, "cispo": m.sum}[cfg.loss_type]()
 
 
@@ -127,36 +129,44 @@ def sampler_is_weight(old_logp, sampler_logp, m, cfg: LossConfig) -> jax.Array:
     return jnp.where((w < lo) | (w > hi), 0.0, w)
 
 
-def grpo_loss_terms(logp, old_logp, ref_logp, advantages, completion_mask, truncated, entropy,
-                    sampler_logp, cfg: LossConfig):
+class _Terms(NamedTuple):
+    """What the loss computed on the way, for its metrics (all without gradient)."""
+    m: jax.Array  # [B, T] loss mask
+    A: jax.Array  # [B, 1] advantages
+    old: jax.Array  # [B, T] old log-probs
+    ratio: jax.Array  # [B, T] or [B, 1] (sequence level)
+    kl: jax.Array | None  # [B, T] when beta > 0
+    is_weight: jax.Array | None  # sampler importance weight when sampler_logp is given
+
+
+def grpo_loss_terms(logp, entropy, batch: Batch, cfg: LossConfig):
     """One micro-batch's loss numerator (scalar) and metric sums.
 
-    logp [B, T]: the policy's log-probs (differentiated). old_logp [B, T] or None: the policy at
-    generation time; None means on-policy (num_iterations 1), i.e. stop_gradient(logp).
-    ref_logp [B, T]: needed iff beta > 0. advantages [B]. completion_mask [B, T], truncated [B].
-    entropy [B, T] or None (needed for top_entropy_quantile < 1; also logged). sampler_logp
-    [B, T] or None: the sampler's log-probs; logged when given, applied as an importance weight
-    when vllm_importance_sampling_correction.
+    logp [B, T]: the policy's log-probs of batch.completion_ids (differentiated). entropy [B, T]
+    or None (needed for top_entropy_quantile < 1; also logged). From the batch: old_logp None
+    means on-policy (num_iterations 1), i.e. stop_gradient(logp); ref_logp is needed iff
+    beta > 0; sampler_logp is logged when given and applied as an importance weight when
+    vllm_importance_sampling_correction.
     """
-    if logp.ndim != 2 or completion_mask.shape != logp.shape or advantages.shape != logp.shape[:1]:
+    if (logp.ndim != 2 or batch.completion_mask.shape != logp.shape
+            or batch.advantages.shape != logp.shape[:1]):
         raise ValueError(f"need logp and completion_mask [B, T] and advantages [B], got "
-                         f"{logp.shape}, {completion_mask.shape}, {advantages.shape}")
+                         f"{logp.shape}, {batch.completion_mask.shape}, {batch.advantages.shape}")
     logp = logp.astype(f32)
-    m = loss_mask(completion_mask, truncated, cfg)
-    A = advantages.astype(f32)[:, None]
-    old = jax.lax.stop_gradient(logp) if old_logp is None else old_logp.astype(f32)
-    seq_level = cfg.importance_sampling_level == "sequence"
+    m = loss_mask(batch.completion_mask, batch.truncated, cfg)
+    A = batch.advantages.astype(f32)[:, None]
+    sg = jax.lax.stop_gradient
+    old = sg(logp) if batch.old_logp is None else batch.old_logp.astype(f32)
     log_ratio = logp - old
-    if seq_level:  # GSPO: one ratio per sequence, from the mean log-ratio of its tokens
+    if cfg.importance_sampling_level == "sequence":  # GSPO: one ratio per sequence
         log_ratio = (log_ratio * m).sum(-1, keepdims=True) / jnp.maximum(
             m.sum(-1, keepdims=True), 1.0)
     ratio = jnp.exp(log_ratio)
-    eps_lo, eps_hi = cfg.epsilon, cfg.eps_high
 
     if cfg.loss_type == "cispo":  # clip the (detached) ratio, keep the log-prob's gradient
-        per_token = -jax.lax.stop_gradient(jnp.minimum(ratio, eps_hi)) * A * logp
+        per_token = -sg(jnp.minimum(ratio, cfg.eps_high)) * A * logp
     else:
-        clipped = jnp.clip(ratio, 1.0 - eps_lo, 1.0 + eps_hi)
+        clipped = jnp.clip(ratio, 1.0 - cfg.epsilon, 1.0 + cfg.eps_high)
         if cfg.delta is not None:
             ratio = jnp.minimum(ratio, cfg.delta)
         per_token = -jnp.minimum(ratio * A, clipped * A)
@@ -166,17 +176,18 @@ def grpo_loss_terms(logp, old_logp, ref_logp, advantages, completion_mask, trunc
             raise ValueError("top_entropy_quantile < 1 needs the per-token entropy: pass entropy")
         per_token = per_token * high_entropy_mask(entropy, m, cfg.top_entropy_quantile)
     is_weight = None
-    if sampler_logp is not None:
-        is_weight = sampler_is_weight(old, sampler_logp, m, cfg)
+    if batch.sampler_logp is not None:
+        is_weight = sampler_is_weight(old, batch.sampler_logp, m, cfg)
     if cfg.vllm_importance_sampling_correction:
         if is_weight is None:
             raise ValueError("vllm_importance_sampling_correction needs sampler_logp (the "
                              "sampler's per-token log-probs)")
         per_token = per_token * is_weight
+    kl = None
     if cfg.beta > 0:
-        if ref_logp is None:
+        if batch.ref_logp is None:
             raise ValueError(f"beta={cfg.beta} needs ref_logp (the reference model's log-probs)")
-        d = ref_logp.astype(f32) - logp
+        d = batch.ref_logp.astype(f32) - logp
         kl = jnp.exp(d) - d - 1.0
         per_token = per_token + cfg.beta * kl
 
@@ -187,24 +198,30 @@ def grpo_loss_terms(logp, old_logp, ref_logp, advantages, completion_mask, trunc
         numerator = masked.sum() / jnp.maximum(m.sum(), 1.0)
     else:
         numerator = masked.sum()
+    terms = _Terms(m, A, sg(old), sg(ratio), None if kl is None else sg(kl), is_weight)
+    return numerator, loss_metrics(terms, entropy, batch.sampler_logp, cfg)
 
+
+def loss_metrics(t: _Terms, entropy, sampler_logp, cfg: LossConfig) -> dict:
+    """TRL's loss metrics as mergeable sums (see the module docstring)."""
     means, mins, maxs = {}, {}, {}
+    m, A, ratio = t.m, t.A, t.ratio
     tokens = m.sum()
-    sg = jax.lax.stop_gradient
-    if cfg.beta > 0:
-        means["kl"] = jnp.stack([sg(kl * m).sum(), tokens])
+    if t.kl is not None:
+        means["kl"] = jnp.stack([(t.kl * m).sum(), tokens])
     if entropy is not None:
-        means["entropy"] = jnp.stack([sg(entropy.astype(f32) * m).sum(), tokens])
-    ratio = sg(ratio)
+        means["entropy"] = jnp.stack([(jax.lax.stop_gradient(entropy).astype(f32) * m).sum(),
+                                      tokens])
+    seq_level = cfg.importance_sampling_level == "sequence"
     # A per-sequence ratio counts each sequence once; a per-token ratio each masked token.
     w_mean, count = (jnp.ones_like(m[:, :1]), jnp.asarray(m.shape[0], f32)) if seq_level else (
         m, tokens)
     if cfg.loss_type == "cispo":
-        means["cispo_clip_ratio"] = jnp.stack([(((ratio > eps_hi) & (A > 0)) * w_mean).sum(),
+        means["cispo_clip_ratio"] = jnp.stack([(((ratio > cfg.eps_high) & (A > 0)) * w_mean).sum(),
                                                count])
     else:
-        low = ((ratio < 1.0 - eps_lo) & (A < 0)).astype(f32)
-        high = ((ratio > 1.0 + eps_hi) & (A > 0)).astype(f32)
+        low = ((ratio < 1.0 - cfg.epsilon) & (A < 0)).astype(f32)
+        high = ((ratio > 1.0 + cfg.eps_high) & (A > 0)).astype(f32)
         for name, x in (("low", low), ("high", high), ("region", jnp.maximum(low, high))):
             means[f"clip_ratio/{name}_mean"] = jnp.stack([(x * w_mean).sum(), count])
         # Extremes over sequences of each sequence's clipped fraction (empty sequences skipped).
@@ -217,17 +234,18 @@ def grpo_loss_terms(logp, old_logp, ref_logp, advantages, completion_mask, trunc
             high_seq = (high * m).sum(-1) / jnp.maximum(n_seq, 1.0)
         mins["clip_ratio/low_min"] = jnp.where(has, low_seq, jnp.inf).min()
         maxs["clip_ratio/high_max"] = jnp.where(has, high_seq, -jnp.inf).max()
-    if is_weight is not None:
-        diff = jnp.abs(sg(old) - sampler_logp.astype(f32))
+    if t.is_weight is not None:
+        w = t.is_weight
+        diff = jnp.abs(t.old - sampler_logp.astype(f32))
         means["sampling/sampling_logp_difference/mean"] = jnp.stack([(diff * m).sum(), tokens])
         maxs["sampling/sampling_logp_difference/max"] = jnp.where(m > 0, diff, -jnp.inf).max()
-        w_valid = jnp.ones(is_weight.shape, bool) if is_weight.shape[1] == 1 else m > 0
+        w_valid = jnp.ones(w.shape, bool) if w.shape[1] == 1 else m > 0
         name = "sampling/importance_sampling_ratio/"
-        means[name + "mean"] = jnp.stack([jnp.where(w_valid, is_weight, 0.0).sum(),
+        means[name + "mean"] = jnp.stack([jnp.where(w_valid, w, 0.0).sum(),
                                           w_valid.sum().astype(f32)])
-        mins[name + "min"] = jnp.where(w_valid, is_weight, jnp.inf).min()
-        maxs[name + "max"] = jnp.where(w_valid, is_weight, -jnp.inf).max()
-    return numerator, {"mean": means, "min": mins, "max": maxs}
+        mins[name + "min"] = jnp.where(w_valid, w, jnp.inf).min()
+        maxs[name + "max"] = jnp.where(w_valid, w, -jnp.inf).max()
+    return {"mean": means, "min": mins, "max": maxs}
 
 
 def empty_metric_sums(like):

@@ -8,10 +8,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.errors import GrpoJaxError
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(GrpoJaxError, ValueError):
     """A model directory or config the decoder can't represent."""
 
 

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from grpo_jax import distributed as dist
 from grpo_jax.rollout.sampler import RolloutBatch, Sampler
 from grpo_jax.rollout.sampling import SamplingParams
 
 
 def sampling_params(cfg, tokenizer) -> SamplingParams:
-    g = cfg.generation
-    stops = tuple(dict.fromkeys([tokenizer.eos_token_id, *g.stop_token_ids]))
-    return SamplingParams(max_completion_length=g.max_completion_length,
-                          temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                          min_p=g.min_p, repetition_penalty=g.repetition_penalty,
-                          stop_token_ids=tuple(t for t in stops if t is not None))
+    """The config's generation settings with the tokenizer's EOS added to the stop tokens."""
+    stops = dict.fromkeys([tokenizer.eos_token_id, *cfg.generation.stop_token_ids])
+    return dataclasses.replace(cfg.generation,
+                               stop_token_ids=tuple(t for t in stops if t is not None))
 
 
 def pad_id(tokenizer) -> int:
@@ -23,9 +23,8 @@ def pad_id(tokenizer) -> int:
 class JaxRollout:
     """The native sampler: it reads the trainer's params directly, so there is nothing to sync."""
 
-    def __init__(self, cfg, model_cfg, tokenizer, mesh):
-        self.sampler = Sampler(model_cfg, sampling_params(cfg, tokenizer), pad_id=pad_id(tokenizer),
-                               mesh=mesh)
+    def __init__(self, model_cfg, params: SamplingParams, *, pad_id: int, mesh):
+        self.sampler = Sampler(model_cfg, params, pad_id=pad_id, mesh=mesh)
 
     def generate(self, params, prompt_ids, num_generations, key) -> RolloutBatch:
         return self.sampler.generate(params, prompt_ids, num_generations, key)
@@ -58,7 +57,9 @@ class MainProcessRollout:
 
 def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir):
     if cfg.rollout.backend == "jax":
-        return JaxRollout(cfg, model_cfg, tokenizer, mesh)  # SPMD over every process's devices
+        # SPMD over every process's devices
+        return JaxRollout(model_cfg, sampling_params(cfg, tokenizer), pad_id=pad_id(tokenizer),
+                          mesh=mesh)
     from grpo_jax.rollout.vllm_rollout import VLLMRollout
 
     def make():

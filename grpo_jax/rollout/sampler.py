@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
@@ -154,17 +154,15 @@ class Sampler:
 
     # ------------------------------------------------------------------ compiled program
 
-    def _constrain(self, x, spec: P):
+    def _constrain(self, x, *names):
+        """x laid out by logical axis names (see grpo_jax.mesh.RULES)."""
         if self.mesh is None:
             return x
-        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+        return jax.lax.with_sharding_constraint(
+            x, mesh_lib.logical_sharding(self.mesh, *names, shape=x.shape))
 
     def _constrain_cache(self, cache: KVCache) -> KVCache:
-        heads = None
-        if self.mesh is not None and self.cfg.num_kv_heads % self.mesh.shape["tensor"] == 0:
-            heads = "tensor"
-        spec = P(mesh_lib.BATCH, heads, None, None)
-        return jax.tree.map(lambda x: self._constrain(x, spec), cache)
+        return jax.tree.map(lambda x: self._constrain(x, "batch", "kv_heads", None, None), cache)
 
     def _generate(self, params, prompt_ids, prompt_mask, key):
         self.num_compiles += 1  # runs only while tracing
@@ -173,9 +171,9 @@ class Sampler:
         layers = model.decode_layers()
         batch, width = prompt_ids.shape
         C = sp.max_completion_length
-        rows = P(mesh_lib.BATCH)
-        prompt_ids = self._constrain(prompt_ids, P(mesh_lib.BATCH, None))
-        prompt_mask = self._constrain(prompt_mask, P(mesh_lib.BATCH, None))
+        rows = ("batch", None)
+        prompt_ids = self._constrain(prompt_ids, *rows)
+        prompt_mask = self._constrain(prompt_mask, *rows)
         # Generated slots are all valid keys; the causal mask hides the ones not yet written.
         key_mask = jnp.concatenate([prompt_mask, jnp.ones((batch, C), jnp.int32)], axis=1)
         prompt_len = jnp.sum(prompt_mask, axis=1)
@@ -190,9 +188,9 @@ class Sampler:
             seen = seen.at[jnp.arange(batch)[:, None], prompt_ids].max(prompt_mask.astype(bool))
         state = _State(
             step=jnp.zeros((), jnp.int32),
-            tokens=self._constrain(jnp.full((batch, C), self.pad_id, jnp.int32), rows),
-            mask=self._constrain(jnp.zeros((batch, C), jnp.int32), rows),
-            logp=self._constrain(jnp.zeros((batch, C), jnp.float32), rows),
+            tokens=self._constrain(jnp.full((batch, C), self.pad_id, jnp.int32), *rows),
+            mask=self._constrain(jnp.zeros((batch, C), jnp.int32), *rows),
+            logp=self._constrain(jnp.zeros((batch, C), jnp.float32), *rows),
             done=~jnp.any(prompt_mask.astype(bool), axis=1),  # batch-padding rows
             cache=cache, seen=seen)
         state = self._emit(state, logits, key)

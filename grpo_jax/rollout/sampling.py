@@ -17,10 +17,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.errors import ConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Generation settings with TRL GRPOConfig names. 0/None/1.0 switch a filter off."""
+    """Generation settings with TRL GRPOConfig names (the config's `generation` section).
+    0/None/1.0 switch a filter off."""
 
     max_completion_length: int = 256
     temperature: float = 1.0  # 0: greedy
@@ -28,7 +31,8 @@ class SamplingParams:
     top_k: int | None = 0
     min_p: float | None = None
     repetition_penalty: float = 1.0
-    stop_token_ids: tuple[int, ...] = ()  # EOS and any extra stop tokens; kept in the output
+    # Tokens that end a completion (kept in it). The trainer adds the tokenizer's EOS.
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "top_k", int(self.top_k or 0))
@@ -49,7 +53,7 @@ class SamplingParams:
             problems.append(f"repetition_penalty={self.repetition_penalty} must be > 0 "
                             "(1.0 = off)")
         if problems:
-            raise ValueError("SamplingParams: " + "; ".join(problems))
+            raise ConfigError("; ".join(problems))
 
     @property
     def greedy(self) -> bool:

@@ -23,12 +23,13 @@ import numpy as np
 import requests
 from requests.adapters import HTTPAdapter
 
+from grpo_jax.errors import GrpoJaxError
 from grpo_jax.rollout import weight_sync
 
 START_HINT = "start one with `python -m grpo_jax.serve --model MODEL --port PORT`"
 
 
-class VLLMServerError(RuntimeError):
+class VLLMServerError(GrpoJaxError, RuntimeError):
     """The server is unreachable, refused a request, or failed it; the message says which."""
 
 

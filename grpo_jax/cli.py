@@ -1,0 +1,279 @@
+"""Reading a TrainConfig from YAML and the command line, with TRL's names.
+
+A YAML file may be sectioned (`loss: {beta: 0.04}`) or flat with TRL's names (`beta: 0.04`):
+every field name is unique across sections, so a flat key finds its section. TRL spellings and
+the few values TRL writes differently go through one alias table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Literal, NamedTuple
+
+import yaml
+
+from grpo_jax.config import SECTIONS, TrainConfig
+from grpo_jax.errors import ConfigError, check as _check
+
+
+FIELD_SECTION: dict[str, str] = {}
+for _sec, _cls in SECTIONS.items():
+    for _f in dataclasses.fields(_cls):
+        assert _f.name not in FIELD_SECTION and _f.name not in SECTIONS, _f.name
+        FIELD_SECTION[_f.name] = _sec
+_TYPES = {sec: typing.get_type_hints(cls) for sec, cls in SECTIONS.items()}
+
+class Alias(NamedTuple):
+    field: str  # our field
+    transform: Callable[[Any], Any] | None = None  # the value as TRL writes it -> ours
+    boolean: bool = False  # a bare --key means true
+
+
+def _use_vllm(v):
+    return "vllm" if v is True else "jax" if v is False else v
+
+
+def _scale_rewards(v):  # TRL also takes a bool
+    return ("group" if v else "none") if isinstance(v, bool) else v
+
+
+def _warmup_ratio(v):
+    _check(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 1,
+           f"warmup_ratio must be in [0, 1), got {v!r}")
+    return v
+
+
+# Keys as TRL (or an older grpo-jax) writes them: name -> our field and value transform. A field's
+# own name appears here when TRL accepts values for it that ours does not.
+ALIASES: dict[str, Alias] = {
+    "model_name_or_path": Alias("name_or_path"),  # trl.ModelConfig
+    "torch_dtype": Alias("dtype"),
+    "gradient_checkpointing": Alias("remat"),
+    "use_vllm": Alias("backend", _use_vllm, boolean=True),
+    "vllm_importance_sampling_cap": Alias("vllm_importance_sampling_clip_max"),  # deprecated
+    "warmup_ratio": Alias("warmup_steps", _warmup_ratio),
+    "scale_rewards": Alias("scale_rewards", _scale_rewards),
+    "report_to": Alias("report_to", lambda v: [] if _is_none(v) else v),
+}
+# TRL options that have no counterpart here, and what to do instead.
+UNSUPPORTED = {
+    "bf16": "set dtype: bfloat16 (or float32)",
+    "fp16": "set dtype: float16",
+    "vllm_mode": "grpo-jax talks to a vLLM server only: set use_vllm: true and drop vllm_mode",
+    "use_peft": "grpo-jax trains all parameters (no LoRA); drop the peft options",
+    "optim": "grpo-jax always uses AdamW (optax.adamw); drop optim",
+}
+_NONE_WORDS = ("none", "null", "~")
+
+
+def _is_none(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and value.lower() in _NONE_WORDS)
+
+
+def _err_unknown(key: str, names, where: str = "") -> ConfigError:
+    close = difflib.get_close_matches(key, list(names), n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return ConfigError(f"unknown config key {key!r}{where}{hint}")
+
+
+def resolve_key(key: str) -> tuple[str, str, Alias | None]:
+    """'beta', 'loss.beta' or a TRL alias -> (section, field, alias or None)."""
+    sec, _, name = key.rpartition(".")
+    if sec and sec not in SECTIONS:
+        raise _err_unknown(key, [f"{s}.{f}" for f, s in FIELD_SECTION.items()])
+    alias = ALIASES.get(name)
+    field = alias.field if alias else name
+    if field not in FIELD_SECTION:
+        if name in UNSUPPORTED:
+            raise ConfigError(f"config key {name!r} is a TRL option grpo-jax doesn't have: "
+                              f"{UNSUPPORTED[name]}")
+        if sec:
+            fields = [f.name for f in dataclasses.fields(SECTIONS[sec])]
+            raise _err_unknown(key, [f"{sec}.{f}" for f in fields], f" (section {sec!r})")
+        raise _err_unknown(key, [*FIELD_SECTION, *ALIASES])
+    if sec and FIELD_SECTION[field] != sec:
+        raise ConfigError(f"{field!r} is in section {FIELD_SECTION[field]!r}, not {sec!r}: "
+                          f"write {FIELD_SECTION[field]}.{field} (or just {field})")
+    return FIELD_SECTION[field], field, alias
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    bad = ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if origin in (typing.Union, types.UnionType):
+        if _is_none(value) and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                pass
+        raise bad
+    if origin is Literal:
+        if value in args:
+            return value
+        close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, args))}"
+                          + (f"; did you mean {close[0]!r}?" if close else ""))
+    if origin is tuple:
+        items = value if isinstance(value, (list, tuple)) else [value]
+        return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(items))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise bad
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise bad
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise bad
+    raise TypeError(f"unhandled config type {tp}")  # a new field type needs a case here
+
+
+def _type_name(tp: Any) -> str:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, args))
+    if origin is tuple:
+        return f"a list of {_type_name(args[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _set(tree: dict, key: str, value: Any, raw: str | None = None) -> None:
+    sec, name, alias = resolve_key(key)
+    tp = _TYPES[sec][name]
+    if raw is not None and isinstance(value, (int, float)) and str in (tp, *typing.get_args(tp)):
+        value = raw  # keep '007' a string rather than the number YAML reads
+    if alias and alias.transform:
+        value = alias.transform(value)
+    tree.setdefault(sec, {})[name] = _coerce(value, tp, key)
+
+
+# ---------------------------------------------------------------- building and loading
+
+def config_from_dict(mapping: dict | None, overrides: typing.Sequence[str] = (),
+                     source: str = "") -> TrainConfig:
+    """A TrainConfig from a flat or sectioned mapping plus `key=value` overrides."""
+    tree: dict[str, dict] = {}
+    try:
+        for key, value in (mapping or {}).items():
+            if key in SECTIONS:
+                _check(isinstance(value, dict) or value is None,
+                       f"section {key!r} must be a mapping, got {value!r}")
+                for sub, v in (value or {}).items():
+                    _set(tree, f"{key}.{sub}", v)
+            else:
+                _set(tree, str(key), value)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (in {source})" if source else str(e)) from None
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        _check(bool(sep) and bool(key.strip()), f"override {item!r} must look like key=value")
+        _set(tree, key.strip(), _parse_scalar(text), raw=text)
+    return TrainConfig(**{sec: cls(**tree.get(sec, {})) for sec, cls in SECTIONS.items()})
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return text
+
+
+def builtin_configs() -> list[str]:
+    root = resources.files("grpo_jax") / "configs"
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def load_config(name_or_path: str | None = None,
+                overrides: typing.Sequence[str] = ()) -> TrainConfig:
+    """NAME (grpo_jax/configs/NAME.yaml) or a YAML path, then `key=value` overrides."""
+    mapping: dict = {}
+    if name_or_path:
+        packaged = resources.files("grpo_jax") / "configs" / f"{name_or_path}.yaml"
+        path = Path(name_or_path).expanduser()
+        if "/" not in name_or_path and packaged.is_file():
+            text = packaged.read_text()
+        elif path.is_file():
+            text = path.read_text()
+        else:
+            raise ConfigError(f"config {name_or_path!r} not found: not a built-in "
+                              f"({', '.join(builtin_configs())}) and no such file")
+        try:
+            mapping = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config {name_or_path!r} is not valid YAML: {e}") from None
+        _check(isinstance(mapping, dict), f"config {name_or_path!r} must be a YAML mapping")
+    return config_from_dict(mapping, overrides, source=name_or_path or "")
+
+
+# ---------------------------------------------------------------- command line
+
+def parse_cli(argv: typing.Sequence[str]) -> TrainConfig:
+    """`--config NAME`, `--set key=value` (repeatable), `--key value` / `--key=value` for any
+    field or TRL alias, bare `--flag` for booleans (`--resume`)."""
+    name, overrides, args = None, [], list(argv)
+    i = 0
+    while i < len(args):
+        arg, i = args[i], i + 1
+        if arg in ("-h", "--help"):
+            print(cli_help())
+            raise SystemExit(0)
+        _check(arg.startswith("--"), f"unexpected argument {arg!r}: options look like --key value")
+        key, eq, val = arg[2:].partition("=")
+        if not eq:
+            bare = i >= len(args) or args[i].lower() not in _BOOL_WORDS
+            if key not in ("config", "set") and _is_bool(key) and bare:
+                val = "true"
+            else:
+                _check(i < len(args), f"--{key} needs a value")
+                val, i = args[i], i + 1
+        if key == "config":
+            name = val
+        elif key == "set":
+            overrides.append(val)
+        else:
+            overrides.append(f"{key}={val}")
+    return load_config(name, overrides)
+
+
+_BOOL_WORDS = ("true", "false", "yes", "no", "on", "off", "1", "0")
+
+
+def _is_bool(key: str) -> bool:
+    sec, name, alias = resolve_key(key)
+    return _TYPES[sec][name] is bool or bool(alias and alias.boolean)
+
+
+def cli_help() -> str:
+    lines = ["usage: grpo-jax-train [--config NAME|PATH] [--set key=value ...] [--key value ...]",
+             f"built-in configs: {', '.join(builtin_configs())}", ""]
+    for sec, cls in SECTIONS.items():
+        lines.append(f"{sec}:")
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  --{f.name} ({_type_name(_TYPES[sec][f.name])}) default {default!r}")
+    return "\n".join(lines)

@@ -1,0 +1,37 @@
+"""The training batch: one typed pytree from the rollout to the loss."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import struct
+
+Array = Any  # np.ndarray on the host, jax.Array on the mesh
+
+
+@struct.dataclass
+class Batch:
+    """N rows (completions; a prompt's generations are consecutive). A log-prob left None is
+    not needed by the update: None is part of the pytree's structure, so jit compiles one
+    program per combination and a forgotten field is a structure error, never a silent
+    on-policy update."""
+
+    prompt_ids: Array       # [N, P] int32, left-padded
+    prompt_mask: Array      # [N, P] int32
+    completion_ids: Array   # [N, C] int32, padded to max_completion_length
+    completion_mask: Array  # [N, C] int32, 1 up to and including the stop token
+    truncated: Array        # [N] bool: no stop token within C tokens
+    advantages: Array       # [N] fp32
+    old_logp: Array | None = None      # [N, C] the policy at generation time (num_iterations > 1)
+    ref_logp: Array | None = None      # [N, C] the reference model (beta > 0)
+    sampler_logp: Array | None = None  # [N, C] the sampler's own log-probs
+
+    @property
+    def size(self) -> int:
+        return self.truncated.shape[0]
+
+    def rows(self, index) -> Batch:
+        """The rows `index` (a slice or an index array) of every field."""
+        return jax.tree.map(lambda x: x[index], self)
+

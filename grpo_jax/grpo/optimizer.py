@@ -1,0 +1,75 @@
+"""AdamW with transformers' learning-rate schedules, built from the `optim` settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import optax
+
+from grpo_jax.errors import check
+
+# A skipped update never makes the next one apply regardless: TRL skips every non-finite one.
+_NEVER = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """transformers' TrainingArguments names and defaults (the config's `optim` section)."""
+
+    learning_rate: float = 1e-6
+    lr_scheduler_type: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "linear"
+    # transformers 5: a value < 1 is a fraction of the total steps (TRL's old warmup_ratio).
+    warmup_steps: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0  # 0: no clipping
+
+    def __post_init__(self):
+        check(self.learning_rate >= 0, f"learning_rate must be >= 0, got {self.learning_rate}")
+        w = self.warmup_steps
+        check(w >= 0 and (w < 1 or float(w).is_integer()),
+              f"warmup_steps must be a whole number of steps or a fraction in [0, 1), got {w}")
+        check(not (self.lr_scheduler_type == "constant" and w > 0),
+              "lr_scheduler_type 'constant' has no warmup: use 'constant_with_warmup'")
+        check(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
+              f"adam_beta1/adam_beta2 must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
+        check(self.weight_decay >= 0 and self.adam_epsilon > 0 and self.max_grad_norm >= 0,
+              "weight_decay and max_grad_norm must be >= 0 and adam_epsilon > 0")
+
+    def num_warmup_steps(self, total_steps: int) -> int:
+        """Warmup length in optimizer steps (transformers 5's rule)."""
+        if self.warmup_steps >= 1:
+            return int(self.warmup_steps)
+        return math.ceil(total_steps * self.warmup_steps)
+
+
+def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    """transformers' schedules: linear warmup, then constant, linear decay or cosine decay."""
+    warm = cfg.num_warmup_steps(total_steps)
+    rest = max(total_steps - warm, 1)
+    lr = cfg.learning_rate
+    after = {
+        "constant": lambda: optax.constant_schedule(lr),
+        "constant_with_warmup": lambda: optax.constant_schedule(lr),
+        "linear": lambda: optax.linear_schedule(lr, 0.0, rest),
+        "cosine": lambda: optax.cosine_decay_schedule(lr, rest),
+    }[cfg.lr_scheduler_type]()
+    if not warm:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, lr, warm), after], [warm])
+
+
+def make_optimizer(cfg: OptimizerConfig, total_steps: int):
+    """(transformation, schedule). A non-finite gradient leaves params and optimizer state
+    untouched (optax.apply_if_finite; its state counts the skips)."""
+    schedule = make_schedule(cfg, total_steps)
+    tx = optax.chain(
+        optax.clip_by_global_norm(cfg.max_grad_norm) if cfg.max_grad_norm else optax.identity(),
+        optax.adamw(schedule, b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon,
+                    weight_decay=cfg.weight_decay),
+    )
+    return optax.apply_if_finite(tx, _NEVER), schedule
