@@ -25,7 +25,8 @@ import pytest
 from test_train import config, tiny_dir  # noqa: F401 - tiny_dir is a fixture
 
 from grpo_jax import hf
-from grpo_jax.train import load_checkpoint, main, train
+from grpo_jax.checkpoint import load_checkpoint
+from grpo_jax.train import main, train
 
 HEARTBEAT = 10  # seconds: how long a dead peer may go unnoticed
 # dp over processes, fsdp within each; a low learning rate keeps Adam's step on the few weights
@@ -148,7 +149,7 @@ def test_checkpoint_of_two_processes_resumes_in_one(tiny_dir, one_process,  # no
                                                     two_processes, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(two_processes, out)
-    train(config(tiny_dir, out, max_steps=4, **RUN), resume=True)  # 1 process, 8 devices
+    train(config(tiny_dir, out, max_steps=4, resume=True, **RUN))  # 1 process, 8 devices
     assert_same_params(params(one_process, 4), params(out, 4))
     assert_same_metrics(metrics(one_process), metrics(out))
 
@@ -199,7 +200,7 @@ HELPERS = textwrap.dedent("""
                                            int(flags["--process_id"]), heartbeat_timeout=5))
     me, out = jax.process_index(), {}
     devices = jax.devices()
-    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(2, 4, 1), devices)
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=2, fsdp=4, tp=1), devices)
     rows = mesh_lib.batch_sharding(mesh, 2)
     full = np.arange(48, dtype=np.float32).reshape(16, 3)
     local = dist.local_rows(rows, 16)
@@ -211,7 +212,7 @@ HELPERS = textwrap.dedent("""
     out["shard_ok"] = bool(np.array_equal(dist.to_host(dist.shard_host_array(full, rows)), full))
     # tensor pairs spanning the processes: both hold every row, and each row has one owner
     pairs = [d for pair in zip(devices[:4], devices[4:]) for d in pair]
-    mesh_t = mesh_lib.make_mesh(mesh_lib.MeshConfig(1, 4, 2), pairs)
+    mesh_t = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=1, fsdp=4, tp=2), pairs)
     rows_t = mesh_lib.batch_sharding(mesh_t, 1)
     out["local_t"] = dist.local_rows(rows_t, 8).tolist()
     owned = dist.owned_rows(rows_t, 8)

@@ -133,7 +133,7 @@ def test_mesh_matches_single_device(tmp_path):
     devices = jax.devices()
     if len(devices) < 8:
         pytest.skip("needs 8 devices (tests/conftest.py sets XLA_FLAGS)")
-    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=2, fsdp=2, tensor=2), devices[:8])
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=2, fsdp=2, tp=2), devices[:8])
     _, model = _load(tmp_path, "llama")
     for sp in (SamplingParams(max_completion_length=C, temperature=0, stop_token_ids=(2,)),
                SamplingParams(max_completion_length=C, temperature=0.7, top_k=50, top_p=0.95,

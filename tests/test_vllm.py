@@ -260,7 +260,7 @@ def _train_config(model_dir, out, base_url, **extra):
     import json as _json
     from pathlib import Path
 
-    from grpo_jax.config import load_config
+    from grpo_jax.cli import load_config
     prompts = Path(out).parent / "prompts.jsonl"
     rng = np.random.default_rng(0)
     with open(prompts, "w") as f:
@@ -283,7 +283,8 @@ def _train_config(model_dir, out, base_url, **extra):
 def test_grpo_run_with_vllm_rollouts(server, client, model_dir, tmp_path):
     import json as _json
 
-    from grpo_jax.train import load_checkpoint, train
+    from grpo_jax.checkpoint import load_checkpoint
+    from grpo_jax.train import train
     train(_train_config(model_dir, tmp_path / "run", server.base_url), devices=jax.devices()[:1])
     hist = [_json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert [h["step"] for h in hist] == [1, 2, 3]
