@@ -172,8 +172,10 @@ def test_gradient_matches_finite_differences(case):
                 lp = x["logp"].astype(np.float64)
                 fd[i, t] = (oracle({**x, "logp": lp + e}, cfg)[0] -
                             oracle({**x, "logp": lp - e}, cfg)[0]) / 2e-6
-        np.testing.assert_allclose(np.asarray(grad), fd, atol=1e-5)
-        assert np.abs(fd).max() > 1e-2
+        np.testing.assert_allclose(np.asarray(grad), fd, atol=1e-5)  # measured <= 1.3e-8
+        # The gradient is not ~0, so the atol above means something: smallest case measured
+        # 1.9e-2 (the bound was 1e-2); 5e-3 is still 500x the atol.
+        assert np.abs(fd).max() > 5e-3
 
 
 def test_clip_extremes_skip_empty_completions():

@@ -25,6 +25,12 @@ def _max_diff_real(a, b, mask=MASK):
     return np.abs(a - b)[mask.astype(bool)].max()
 
 
+def _log_softmax(x):
+    """float64 log-probs over the last axis."""
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
 @pytest.mark.parametrize("family,tie", [("llama", False), ("llama", True), ("qwen2", False),
                                         ("qwen2", True), ("qwen3", False)])
 def test_logits_match_transformers_left_padded(tmp_path, family, tie):
@@ -111,14 +117,27 @@ def test_real_smollm2_matches_transformers():
     width = max(map(len, ids))
     tokens = np.array([[tok.pad_token_id] * (width - len(x)) + x for x in ids])
     mask = np.array([[0] * (width - len(x)) + [1] * len(x) for x in ids])
-    got = jax_logits(model, tokens, mask)
-    want = hf_logits(ref, tokens, mask)
-    # 30 fp32 layers, logits up to |38|: measured 1.0e-4 absolute, i.e. ~3e-6 relative.
-    assert _max_diff_real(got, want, mask) < 2e-4
-    assert np.abs(got - want)[mask.astype(bool)].mean() < 2e-5
-    # It is a real chat model: the next token after the prompt is the same in both.
-    last = mask.shape[1] - 1
-    assert (got[:, last].argmax(-1) == want[:, last].argmax(-1)).all()
+    real = mask.astype(bool)
+    got = jax_logits(model, tokens, mask)[real].astype(np.float64)  # [real positions, vocab]
+    want = hf_logits(ref, tokens, mask)[real].astype(np.float64)
+    # 30 fp32 layers summed in different orders by XLA and PyTorch (a new release of either
+    # reorders them again: a mean |logit diff| bound of 2e-5 broke at 2.3e-5), so every bound
+    # here sits well clear of what was measured. Measured with jax 0.10.2, transformers 5.23.0,
+    # torch 2.13.0+cpu (2-core AVX2 CPU): logits up to |38.2|, max |logit diff| 1.2e-4, max
+    # |log-prob diff| 1.3e-4 = 3.3e-6 of max |logit|, mean |logit diff| 1.6e-5 to 2.3e-5.
+    scale = np.abs(want).max()
+    assert np.abs(_log_softmax(got) - _log_softmax(want)).max() / scale < 1.5e-5  # 4.5x
+    # Absolute, 4.3x the measured 1.2e-4 (the tiny 2-layer models above hold 1e-4; 30 layers
+    # of a real model need more).
+    assert np.abs(got - want).max() < 5e-4
+    # The same ranking. Top-1 at every real position: the smallest top-1/top-2 gap measured is
+    # 0.048, 400x the logit error.
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    # Top-5: JAX's 5 best tokens are the reference's 5 best, up to near-ties within the
+    # absolute bound (measured: identical sets; smallest 5th/6th gap 1.2e-3).
+    top5 = np.argsort(-got, axis=-1)[:, :5]
+    fifth = np.sort(want, axis=-1)[:, -5]
+    assert (np.take_along_axis(want, top5, -1) >= fifth[:, None] - 5e-4).all()
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
@@ -165,5 +184,6 @@ def test_remat_policies_give_the_same_gradient(tmp_path):
         grads[name] = jax.tree.leaves(jax.grad(loss)(params))
     for name in ("full", "dots"):
         for a, b in zip(grads["none"], grads[name]):
+            # Measured 1.7e-6 at most (rtol part included: 36% of this bound).
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 

@@ -18,6 +18,7 @@ CFG = ModelConfig(model_type="qwen2", vocab_size=96, hidden_size=32, intermediat
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True,
                   tie_word_embeddings=True, dtype=jnp.float32)
 P_LEN, C_LEN, N = 6, 10, 16
+LR = 1e-2
 
 
 def make_batch(seed=0, with_old=True, with_ref=True):
@@ -74,7 +75,7 @@ def test_gradient_accumulation_is_exact(loss_type):
 def _step_once(mesh, batch, k=2):
     cfg = StepConfig(loss=loss_config(loss_type="dapo", beta=0.04), temperature=1.0,
                      gradient_accumulation_steps=k, logprob_chunk=4)
-    trainer = Trainer(model(), cfg, OptimizerConfig(learning_rate=1e-2,
+    trainer = Trainer(model(), cfg, OptimizerConfig(learning_rate=LR,
                                                     lr_scheduler_type="constant"), 10, mesh)
     state, metrics = trainer.step(trainer.init_state, batch)
     return trainer, state, jax.device_get(metrics)
@@ -90,8 +91,12 @@ def test_sharded_step_equals_single_device():
     trainer8, s8, m8 = _step_once(eight, batch)
     wq = s8.params["layers"]["wq"][...]
     assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor", None)
+    # Adam's first step moves a weight by LR * g / (|g| + eps): where g is near eps (1e-8) the
+    # float32 summation-order noise of the two meshes is a visible part of that step. Measured
+    # 7.1e-6 = 7e-4 LR (one w_down entry; was under atol=1e-5); the bound is 7x that, and a wrong
+    # sharding moves whole steps (~LR). grad_norm below checks the gradients' scale at 1e-5.
     for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s8.params)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-3 * LR, rtol=0)
     for key in ("loss", "kl", "grad_norm", "clip_ratio/region_mean"):
         np.testing.assert_allclose(m1[key], m8[key], rtol=1e-5, atol=1e-6)
     assert int(s8.step) == 1 and int(m8["skipped_updates"]) == 0
@@ -103,7 +108,7 @@ def test_nonfinite_gradient_skips_update():
     batch.advantages[0] = np.nan
     trainer = Trainer(model(), StepConfig(loss=loss_config(), temperature=1.0,
                                           gradient_accumulation_steps=1),
-                      OptimizerConfig(learning_rate=1e-2, lr_scheduler_type="constant"), 10, mesh)
+                      OptimizerConfig(learning_rate=LR, lr_scheduler_type="constant"), 10, mesh)
     before = jax.tree.map(np.asarray, trainer.init_state.params)
     state, metrics = trainer.step(trainer.init_state, batch)
     assert int(metrics["skipped_updates"]) == 1 and int(state.step) == 1
@@ -118,4 +123,4 @@ def test_metrics_have_trl_names():
                 "clip_ratio/high_mean", "clip_ratio/high_max", "clip_ratio/region_mean",
                 "grad_norm", "learning_rate", "skipped_updates"):
         assert key in m, key
-    assert np.isfinite(m["loss"]) and m["learning_rate"] == pytest.approx(1e-2)
+    assert np.isfinite(m["loss"]) and m["learning_rate"] == pytest.approx(LR)
