@@ -287,12 +287,8 @@ def test_bad_input_errors(compiled):
 # ---------------------------------------------------------------- the real model
 
 @pytest.mark.slow
-def test_real_smollm2_greedy_matches_transformers():
-    import transformers
-    model_dir = hf.resolve_model_dir(hf.SMOL_ALIAS)
-    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
-    model, _ = hf.load_model(hf.SMOL_ALIAS, dtype=jnp.float32)
+def test_real_smollm2_greedy_matches_transformers(smol_tok, smol_ref, smol_model):
+    tok, ref, model = smol_tok, smol_ref, smol_model
     chats = ["What is 2+3?", "Name a colour of the sky.",
              "Write one short sentence about cats."]
     prompts = []
