@@ -145,6 +145,7 @@ def test_sampled_logp_equals_trainer_and_seeds(tmp_path, compiled):
     assert compiled.count(SAMPLER_PROGRAM) == 1, compiled
 
 
+@pytest.mark.slow
 def test_mesh_matches_single_device(tmp_path):
     devices = jax.devices()
     if len(devices) < 8:
