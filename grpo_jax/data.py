@@ -67,9 +67,6 @@ class PromptDataset:
             self._order = (epoch, perm)
         return self._order[1]
 
-    def batches_per_epoch(self, num_prompts: int) -> int:
-        return len(self) // num_prompts
-
     def batch_prompts(self, position: DataPosition, num_prompts: int
                       ) -> tuple[list[dict], DataPosition]:
         """`num_prompts` unique prompt records from `position`, and the position after them.

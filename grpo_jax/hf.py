@@ -138,10 +138,8 @@ def _hf_names(cfg: ModelConfig) -> dict[str, str]:
 def _from_hf(name: str, w: np.ndarray, shape) -> np.ndarray:
     """One HF tensor (torch Linear layout [out, in]) -> our per-layer layout."""
     leaf = name.split("/")[-1]
-    if leaf in ("wq", "wk", "wv", "w_gate", "w_up", "w_down", "lm_head"):
-        return w.T.reshape(shape)
-    if leaf == "wo":  # [D, H*Dh] -> [H, Dh, D]
-        return w.T.reshape(shape)
+    if leaf in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"):
+        return w.T.reshape(shape)  # e.g. wo: [D, H*Dh] -> [H, Dh, D]
     return w.reshape(shape)
 
 

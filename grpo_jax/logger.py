@@ -16,7 +16,6 @@ class MetricsLogger:
         self.out = Path(out_dir)
         self.enabled = enabled  # only process 0 writes in a multi-process run
         self.run_cfg = run_cfg
-        self.history: list[dict] = []
         self._tb = self._wandb = None
         self._bar = None
         self._last_logged = start_step
@@ -45,7 +44,6 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict) -> dict:
         metrics = {k: float(v) for k, v in metrics.items()}
         record = {"step": step, **metrics}
-        self.history.append(record)
         if not self.enabled:
             return metrics
         self._bar.update(step - self._bar.n)

@@ -1,9 +1,12 @@
 """The benchmark entry point keeps working on CPU (tiny model, the suite's 8 host devices);
 its figures are not asserted."""
 
+import pytest
+
 from grpo_jax.bench import main
 
 
+@pytest.mark.slow
 def test_bench_all_runs_on_cpu_tiny(tmp_path):
     out = main(["all", "--tiny", "--prompts", "4", "--generations", "2", "--prompt-len", "16",
                 "--completion-len", "8", "--repeats", "1", "--json", str(tmp_path / "b.json")])

@@ -102,12 +102,8 @@ def test_hub_id_offline_fails_with_advice():
 
 
 @pytest.mark.slow
-def test_real_smollm2_matches_transformers():
-    import transformers
-    model_dir = hf.resolve_model_dir(hf.SMOL_ALIAS)
-    tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32").eval()
-    model, _ = hf.load_model(hf.SMOL_ALIAS, dtype=jnp.float32)
+def test_real_smollm2_matches_transformers(smol_tok, smol_ref, smol_model):
+    tok, ref, model = smol_tok, smol_ref, smol_model
     assert (model.cfg.num_layers, model.cfg.num_kv_heads, model.cfg.tie_word_embeddings) == (
         30, 3, True)
     chats = [[{"role": "user", "content": "What is 2+3?"}],

@@ -131,6 +131,7 @@ def two_processes(tiny_dir, tmp_path_factory):  # noqa: F811
 
 # ---------------------------------------------------------------- tests
 
+@pytest.mark.slow
 def test_two_processes_train_like_one(one_process, two_processes):
     assert_same_params(params(one_process, 2), params(two_processes, 2))
     assert_same_metrics(metrics(one_process)[:2], metrics(two_processes))
@@ -145,6 +146,7 @@ def test_two_processes_train_like_one(one_process, two_processes):
     assert "num_processes: 2" in saved and "process_id: null" in saved
 
 
+@pytest.mark.slow
 def test_checkpoint_of_two_processes_resumes_in_one(tiny_dir, one_process,  # noqa: F811
                                                     two_processes, tmp_path):
     out = tmp_path / "run"
@@ -154,6 +156,7 @@ def test_checkpoint_of_two_processes_resumes_in_one(tiny_dir, one_process,  # no
     assert_same_metrics(metrics(one_process), metrics(out))
 
 
+@pytest.mark.slow
 def test_two_processes_resume_and_a_dead_peer_ends_the_run(tiny_dir, one_process,  # noqa: F811
                                                             two_processes, tmp_path):
     out = tmp_path / "run"
@@ -247,6 +250,7 @@ HELPERS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_helpers_across_two_processes(tmp_path):
     procs = launch(["-c", HELPERS], log_dir=tmp_path)
     codes = wait_all(procs, timeout=180)

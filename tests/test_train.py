@@ -130,6 +130,7 @@ def _cli_args(tiny_dir, out, max_steps=10, save_steps=2, **extra):
     return ["--config", str(path)]
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_equals_uninterrupted(tiny_dir, tmp_path):
     from grpo_jax.checkpoint import load_checkpoint
     full = _run_cli(_cli_args(tiny_dir, tmp_path / "full"))
@@ -160,6 +161,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tiny_dir, tmp_path):
     assert steps == sorted(set(steps)) and steps[-1] == 10
 
 
+@pytest.mark.slow
 def test_export_loads_in_transformers(tiny_dir, tmp_path):
     import jax.numpy as jnp
     import torch

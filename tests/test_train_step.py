@@ -62,6 +62,7 @@ def grads_for(loss_type, k, batch, **loss_kw):
     return float(loss), jax.tree.map(np.asarray, jax.tree.leaves(grads))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
 def test_gradient_accumulation_is_exact(loss_type):
     batch = make_batch()
@@ -83,6 +84,7 @@ def _step_once(mesh, batch, k=2):
 
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py sets "
                     "XLA_FLAGS for 8 host CPU devices)")
+@pytest.mark.slow
 def test_sharded_step_equals_single_device():
     batch = make_batch(1)
     one = mesh_lib.make_mesh(mesh_lib.MeshConfig(1, 1, 1), jax.devices()[:1])

@@ -33,7 +33,7 @@ _SKIP = pytest.mark.skipif(
 
 
 def needs_vllm(test):
-    return pytest.mark.vllm(_SKIP(test))
+    return pytest.mark.slow(pytest.mark.vllm(_SKIP(test)))
 
 
 VOCAB, PAD, EOS = 512, 0, 2

@@ -79,7 +79,6 @@ class Sampler:
         abstract = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
         self.graphdef, abstract_params = nnx.split(abstract, nnx.Param)
         self._param_shapes = _shapes(abstract_params)
-        self.num_compiles = 0  # programs traced so far: one per new bucket or param layout
         self._program = jax.jit(self._generate)
 
     # ------------------------------------------------------------------ host side
@@ -165,7 +164,6 @@ class Sampler:
         return jax.tree.map(lambda x: self._constrain(x, "batch", "kv_heads", None, None), cache)
 
     def _generate(self, params, prompt_ids, prompt_mask, key):
-        self.num_compiles += 1  # runs only while tracing
         sp, cfg = self.sampling_params, self.cfg
         model = nnx.merge(self.graphdef, _cast_matrices(params, cfg.dtype))
         layers = model.decode_layers()
