@@ -10,9 +10,9 @@ from grpo_jax.bench import main
 def test_bench_all_runs_on_cpu_tiny(tmp_path):
     out = main(["all", "--tiny", "--prompts", "4", "--generations", "2", "--prompt-len", "16",
                 "--completion-len", "8", "--repeats", "1", "--json", str(tmp_path / "b.json")])
-    for key in ("train_tokens_per_s", "generated_tokens_per_s", "grpo_step_s", "compiles"):
+    for key in ("train_tokens_per_s", "generated_tokens_per_s", "grpo_step_s",
+                "grpo_step/generate_s", "grpo_step/update_s"):
         assert out[key] and out[key] > 0, key
-    assert out["compiles"] == 1  # repeated calls reuse one program
     assert (tmp_path / "b.json").stat().st_size > 100
 
 
