@@ -11,11 +11,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import huggingface_hub
 import jax
+import jax.numpy as jnp
 import numpy as np
+import safetensors.numpy
 from flax import nnx
 
-from grpo_jax import safetensors_io
 from grpo_jax.errors import GrpoJaxError
 from grpo_jax.models import Decoder, ModelConfig, ModelConfigError, param_table
 
@@ -186,7 +188,8 @@ def load_params(model_dir: Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
     """Read the weights into the parameter table's layout (stacked over layers)."""
     tensors: dict[str, np.ndarray] = {}
     for f in _weight_files(Path(model_dir)):
-        tensors.update(safetensors_io.load(f))
+        for k, v in safetensors.numpy.load_file(f).items():  # floats (bf16 too) as fp32
+            tensors[k] = v.astype(np.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v
     table = param_table(cfg)
     out = {}
     for name, pattern in _hf_names(cfg).items():
@@ -233,13 +236,14 @@ def params_from_state(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
     return out
 
 
-def hf_state_dict(cfg: ModelConfig, params: dict[str, np.ndarray], *,
+def hf_state_dict(cfg: ModelConfig, params: dict[str, np.ndarray], *, dtype: str = "float32",
                   include_tied_head: bool = False) -> dict[str, np.ndarray]:
-    """Table-layout params -> HF tensor names. `include_tied_head` adds lm_head.weight even when
-    tied (vLLM's reload keeps a separate head tensor that must be refreshed too)."""
+    """Table-layout params -> HF tensor names, in `dtype`. `include_tied_head` adds
+    lm_head.weight even when tied (vLLM's reload keeps a separate head tensor that must be
+    refreshed too)."""
     out = {}
     for name, pattern in _hf_names(cfg).items():
-        w = np.asarray(params[name])
+        w = np.asarray(params[name]).astype(jnp.dtype(dtype), copy=False)  # all are floats
         if name.startswith("layers/"):
             for i in range(cfg.num_layers):
                 out[pattern.format(i=i)] = np.ascontiguousarray(_to_hf(name, w[i]))
@@ -256,8 +260,16 @@ def save_hf(model: Decoder, out_dir, *, source_dir=None, dtype: str = "float32",
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
-    tensors = hf_state_dict(cfg, params_numpy(model))
-    safetensors_io.save_sharded(tensors, out, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    tensors = hf_state_dict(cfg, params_numpy(model), dtype=dtype)
+    split = huggingface_hub.split_state_dict_into_shards_factory(
+        tensors, get_storage_size=lambda a: a.nbytes, max_shard_size=max_shard_bytes,
+        filename_pattern="model{suffix}.safetensors")
+    for name, keys in split.filename_to_tensors.items():
+        safetensors.numpy.save_file({k: tensors[k] for k in keys}, out / name,
+                                    metadata={"format": "pt"})
+    if split.is_sharded:
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": split.metadata, "weight_map": split.tensor_to_filename}, indent=2))
     hf_cfg = cfg.to_hf()
     if source_dir is not None and (Path(source_dir) / "config.json").exists():
         # Keep the source's extra fields (token ids, names); the architecture comes from ours.

@@ -14,10 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
+import safetensors.numpy
 
-from grpo_jax import safetensors_io
 from grpo_jax.hf import hf_state_dict
 
 FILE_NAME = "weights.safetensors"
@@ -43,15 +42,12 @@ def write_weights(cfg, params: dict[str, np.ndarray], directory: Path,
     """HF-named safetensors of `params` (table layout) in `directory`, replaced atomically."""
     # Tied models need lm_head.weight too: vLLM keeps a separate (repacked) head tensor that
     # the embedding alone would leave stale.
-    tensors = hf_state_dict(cfg, params, include_tied_head=True)
-    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16,
-                "float16": np.float16}[dtype]
-    tensors = {k: v.astype(np_dtype, copy=False) for k, v in tensors.items()}  # all floats
+    tensors = hf_state_dict(cfg, params, dtype=dtype, include_tied_head=True)
     final = Path(directory) / FILE_NAME
     tmp = final.with_name(f".{FILE_NAME}.{os.getpid()}.tmp")
     old_umask = os.umask(0o077)
     try:
-        safetensors_io.save(tensors, tmp)
+        safetensors.numpy.save_file(tensors, tmp, metadata={"format": "pt"})
     finally:
         os.umask(old_umask)
     os.replace(tmp, final)  # the server never sees a half-written file
