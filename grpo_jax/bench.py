@@ -135,10 +135,6 @@ def step_config(args) -> StepConfig:
                       temperature=1.0, gradient_accumulation_steps=args.grad_accum)
 
 
-def make_trainer(args, model, mesh):
-    return Trainer(model, step_config(args), OPTIM, 1000, mesh)
-
-
 def bench_train_step(args, cfg, trainer):
     n = args.prompts * args.generations
     batch = train_batch(cfg, n, args.prompt_len, args.completion_len)
@@ -160,7 +156,7 @@ def bench_e2e(args, cfg, model, mesh, prompts):
     """One GRPO round as the train loop runs it (grpo_jax.trainer.GRPORound), with random
     rewards in place of reward functions: generate, old log-probs under the loop's rule, then
     `num_iterations` passes of updates over the generation batch."""
-    trainer = make_trainer(args, model, mesh)
+    trainer = Trainer(model, step_config(args), OPTIM, 1000, mesh)
     n = len(prompts) * args.generations
     plan = BatchPlan(data_parallel_size=1, micro_batch_size=n // args.grad_accum,
                      gradient_accumulation_steps=args.grad_accum,
@@ -216,7 +212,8 @@ def main(argv=None):
               "workload": {k: v for k, v in vars(args).items() if k not in ("what", "json")},
               "params_M": cfg.num_params() / 1e6}
     if args.what in ("train-step", "all"):
-        result.update(bench_train_step(args, cfg, make_trainer(args, model, mesh)))
+        trainer = Trainer(model, step_config(args), OPTIM, 1000, mesh)
+        result.update(bench_train_step(args, cfg, trainer))
     if args.what in ("sampler", "all"):
         result.update(bench_sampler(args, cfg, model, mesh, prompts))
     if args.what in ("e2e", "all"):

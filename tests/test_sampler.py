@@ -119,9 +119,12 @@ def test_repetition_penalty_matches_transformers(tmp_path):
 def trainer_logp(model, out: RolloutBatch, temperature):
     """The trainer's own computation: one forward over prompt + completion, then
     log_softmax(logits / T) of each completion token."""
+    from grpo_jax.grpo.batch import Batch
     from grpo_jax.grpo.train_step import completion_logps
-    batch = {k: jnp.asarray(getattr(out, k)) for k in
-             ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
+    batch = Batch(*(jnp.asarray(getattr(out, k)) for k in ("prompt_ids", "prompt_mask",
+                                                           "completion_ids", "completion_mask",
+                                                           "truncated")),
+                  advantages=jnp.zeros(len(out.truncated)))
     return np.asarray(completion_logps(model, batch, temperature, chunk=128)[0])
 
 

@@ -96,12 +96,8 @@ class Sampler:
         if g < 1:
             raise ValueError(f"num_generations={num_generations} must be >= 1")
         n = len(prompts) * g
-        width = self._bucket(max(map(len, prompts)))
-        ids = np.full((self._batch_size(n), width), self.pad_id, np.int32)
-        mask = np.zeros_like(ids)
-        for i, p in enumerate(prompts):  # each prompt's generations in one consecutive block
-            ids[i * g:(i + 1) * g, width - len(p):] = p
-            mask[i * g:(i + 1) * g, width - len(p):] = 1
+        ids, mask = left_pad(prompts, g, self._bucket(max(map(len, prompts))), self.pad_id,
+                             rows=self._batch_size(n))
         key = jax.random.key(rng) if isinstance(rng, (int, np.integer)) else rng
         if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.wrap_key_data(key)  # a raw uint32 jax.random.PRNGKey
@@ -235,6 +231,19 @@ def _cast_matrices(params, dtype):
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
         return x if str(names[-1]).endswith("norm") else x.astype(dtype)
     return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], num_generations: int, width: int, pad_id: int,
+             rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """[rows, width] int32 ids and mask: each prompt left-padded, repeated num_generations
+    times in one consecutive block (extra rows are all padding)."""
+    g = num_generations
+    ids = np.full((rows or len(prompts) * g, width), pad_id, np.int32)
+    mask = np.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i * g:(i + 1) * g, width - len(p):] = p
+        mask[i * g:(i + 1) * g, width - len(p):] = 1
+    return ids, mask
 
 
 def _pow2(n: int) -> int:

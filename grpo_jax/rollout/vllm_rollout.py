@@ -6,11 +6,10 @@ import os
 import sys
 
 import jax
-import numpy as np
 
 from grpo_jax import hf
 from grpo_jax.rollout.engines import pad_id, sampling_params
-from grpo_jax.rollout.sampler import DEFAULT_BUCKETS, RolloutBatch
+from grpo_jax.rollout.sampler import DEFAULT_BUCKETS, RolloutBatch, left_pad
 from grpo_jax.rollout.vllm_client import VLLMClient, rollout_arrays
 
 
@@ -39,13 +38,7 @@ class VLLMRollout:
         # a bounded set of shapes.
         longest = max(map(len, prompt_ids))
         width = next((b for b in DEFAULT_BUCKETS if b >= longest), longest)
-        n = len(prompt_ids) * num_generations
-        ids = np.full((n, width), self.pad, np.int32)
-        mask = np.zeros((n, width), np.int32)
-        for i, p in enumerate(prompt_ids):
-            rows = slice(i * num_generations, (i + 1) * num_generations)
-            ids[rows, width - len(p):] = p
-            mask[rows, width - len(p):] = 1
+        ids, mask = left_pad(prompt_ids, num_generations, width, self.pad)
         return RolloutBatch(ids, mask, arrays["completion_ids"], arrays["completion_mask"],
                             arrays["truncated"], arrays["sampler_logp"])
 
