@@ -16,13 +16,11 @@ from typing import Literal
 
 import yaml
 
-from grpo_jax.errors import ConfigError, check as _check
+from grpo_jax.errors import check as _check
 from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.grpo.optimizer import OptimizerConfig
 from grpo_jax.mesh import MeshConfig
 from grpo_jax.rollout.sampling import SamplingParams
-
-__all__ = ["ConfigError", "TrainConfig", "SECTIONS"]
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 

@@ -13,7 +13,8 @@ import pkgutil
 import grpo_jax
 from grpo_jax import config as config_lib
 from grpo_jax.cli import builtin_configs, config_from_dict, load_config, parse_cli
-from grpo_jax.config import ConfigError, TrainConfig
+from grpo_jax.config import TrainConfig
+from grpo_jax.errors import ConfigError
 
 # TRL 1.9 GRPOConfig / TrainingArguments defaults, written out by hand from TRL's source.
 TRL_DEFAULTS = {

@@ -33,6 +33,7 @@ from grpo_jax.grpo.batch import Batch
 
 f32 = jnp.float32
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"]
+ISLevel = Literal["token", "sequence"]
 ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
 
 
@@ -45,7 +46,7 @@ class LossConfig:
     epsilon_high: float | None = None  # None: epsilon. For cispo: the cap on the ratio itself
     delta: float | None = None  # upper bound on the unclipped ratio (INTELLECT-2); None: off
     loss_type: LossType = "dapo"
-    importance_sampling_level: Literal["token", "sequence"] = "token"
+    importance_sampling_level: ISLevel = "token"
     mask_truncated_completions: bool = False
     top_entropy_quantile: float = 1.0
     # Sampler/trainer mismatch: weight tokens by exp(old_logp - sampler_logp). The trainer
@@ -56,10 +57,10 @@ class LossConfig:
     vllm_importance_sampling_clip_max: float | None = 3.0
 
     def __post_init__(self):
-        check(self.loss_type in typing.get_args(LossType),
-              f"loss_type must be one of {typing.get_args(LossType)}, got {self.loss_type!r}")
-        check(self.importance_sampling_level in ("token", "sequence"), "importance_sampling_level"
-              f" must be 'token' or 'sequence', got {self.importance_sampling_level!r}")
+        for name, choices in (("loss_type", LossType), ("importance_sampling_level", ISLevel),
+                              ("vllm_importance_sampling_mode", ISMode)):
+            value, choices = getattr(self, name), typing.get_args(choices)
+            check(value in choices, f"{name} must be one of {choices}, got {value!r}")
         check(self.beta >= 0, f"beta must be >= 0, got {self.beta}")
         check(self.epsilon > 0, f"epsilon must be > 0, got {self.epsilon}")
         check(self.epsilon_high is None or self.epsilon_high > 0,
@@ -68,9 +69,6 @@ class LossConfig:
               f"be > 1 (TRL recommends > 1 + epsilon) or null, got {self.delta}")
         check(0.0 <= self.top_entropy_quantile <= 1.0,
               f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
-        check(self.vllm_importance_sampling_mode in typing.get_args(ISMode),
-              f"vllm_importance_sampling_mode must be one of {typing.get_args(ISMode)}, "
-              f"got {self.vllm_importance_sampling_mode!r}")
         lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         check(lo is None or hi is None or lo < hi, f"vllm_importance_sampling_clip_min ({lo}) "
               f"must be < vllm_importance_sampling_clip_max ({hi})")
