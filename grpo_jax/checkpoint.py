@@ -169,8 +169,7 @@ def abstract_state(cfg, device=None):
     from grpo_jax.grpo.train_step import TrainState
     from grpo_jax.models import Decoder, ModelConfig
     model_dir = hf.resolve_model_dir(cfg.model.name_or_path)
-    model_cfg = ModelConfig.from_hf(hf.read_config(model_dir),
-                                    param_dtype=jnp.dtype(cfg.model.param_dtype))
+    model_cfg = ModelConfig.from_hf(hf.read_config(model_dir), numerics=cfg.numerics)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0))),
                                  nnx.Param)
     tx, _ = make_optimizer(cfg.optim, 1)

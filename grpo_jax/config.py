@@ -20,20 +20,12 @@ from grpo_jax.errors import check as _check
 from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.grpo.optimizer import OptimizerConfig
 from grpo_jax.mesh import MeshConfig
+from grpo_jax.models.config import Numerics
 from grpo_jax.rollout.sampling import SamplingParams
-
-Dtype = Literal["bfloat16", "float16", "float32"]
-
 
 @dataclass(frozen=True)
 class ModelArgs:
     name_or_path: str = "smollm2-135m-instruct"
-    dtype: Dtype = "bfloat16"  # compute dtype of matmuls
-    param_dtype: Dtype = "float32"  # master weights and optimizer state
-    remat: bool = True  # TRL: gradient_checkpointing (default True)
-    # With remat, what each layer keeps for the backward pass: "full" only its input (least
-    # memory); "dots" also its matmul outputs (no matmul recomputed; more activation memory).
-    remat_policy: Literal["full", "dots"] = "full"
 
 
 @dataclass(frozen=True)
@@ -183,7 +175,7 @@ class BatchPlan:
 
 
 SECTIONS: dict[str, type] = {
-    "model": ModelArgs, "data": DataArgs, "grpo": GRPOArgs, "loss": LossConfig,
+    "model": ModelArgs, "numerics": Numerics, "data": DataArgs, "grpo": GRPOArgs, "loss": LossConfig,
     "generation": SamplingParams, "optim": OptimizerConfig, "batch": BatchArgs,
     "rollout": RolloutArgs, "mesh": MeshConfig, "run": RunArgs, "distributed": DistributedArgs,
 }
@@ -192,6 +184,7 @@ SECTIONS: dict[str, type] = {
 @dataclass(frozen=True)
 class TrainConfig:
     model: ModelArgs = field(default_factory=ModelArgs)
+    numerics: Numerics = field(default_factory=Numerics)
     data: DataArgs = field(default_factory=DataArgs)
     grpo: GRPOArgs = field(default_factory=GRPOArgs)
     loss: LossConfig = field(default_factory=LossConfig)

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from transformers import AutoTokenizer
 
@@ -84,10 +83,7 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
-    model, model_dir = hf.load_model(cfg.model.name_or_path, dtype=jnp.dtype(cfg.model.dtype),
-                                     param_dtype=jnp.dtype(cfg.model.param_dtype),
-                                     remat=cfg.model.remat,
-                                     remat_policy=cfg.model.remat_policy)
+    model, model_dir = hf.load_model(cfg.model.name_or_path, numerics=cfg.numerics)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dataset = data_lib.load_prompts(cfg.data, tokenizer)
     if dataset.num_truncated and dist.is_main():

@@ -16,7 +16,7 @@ from grpo_jax.models import Decoder, ModelConfig
 
 CFG = ModelConfig(model_type="qwen2", vocab_size=96, hidden_size=32, intermediate_size=48,
                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True,
-                  tie_word_embeddings=True, dtype=jnp.float32)
+                  tie_word_embeddings=True).replace(dtype=jnp.float32)
 P_LEN, C_LEN, N = 6, 10, 16
 LR = 1e-2
 

@@ -3,18 +3,40 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.errors import GrpoJaxError
+from grpo_jax.errors import GrpoJaxError, check
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
 class ModelConfigError(GrpoJaxError, ValueError):
     """A model directory or config the decoder can't represent."""
+
+
+Dtype = Literal["bfloat16", "float16", "float32"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    """How the model runs, the config's `numerics` section: dtypes and rematerialisation."""
+
+    dtype: Dtype = "bfloat16"  # compute dtype of matmuls
+    param_dtype: Dtype = "float32"  # master weights and optimizer state
+    remat: bool = True  # TRL: gradient_checkpointing (default True)
+    # With remat, what each layer keeps for the backward pass: "full" only its input (least
+    # memory); "dots" also its matmul outputs (no matmul recomputed; more activation memory).
+    remat_policy: Literal["full", "dots"] = "full"
+
+    def __post_init__(self):
+        check(self.remat_policy in ("full", "dots"),
+              f"remat_policy={self.remat_policy!r}: use 'full' or 'dots'")
+
+
+_NUMERICS = tuple(f.name for f in dataclasses.fields(Numerics))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,20 +57,12 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
     max_position_embeddings: int = 4096
-    # Numerics: master params vs. the dtype matmuls run in.
-    param_dtype: Any = jnp.float32
-    dtype: Any = jnp.bfloat16
-    # Rematerialise each layer in the backward pass (saves activation memory); remat_policy
-    # says what is kept: "full" (only the layer input) or "dots" (also the matmul outputs).
-    remat: bool = True
-    remat_policy: str = "full"
+    numerics: Numerics = Numerics()
     # "xla" (portable), "cudnn" (fused flash attention on NVIDIA GPUs, bf16/fp16 only) or
     # "auto": cudnn on a GPU for training, log-probs and prefill (see use_cudnn_attention).
     attention_impl: str = "auto"
 
     def __post_init__(self):
-        if self.remat_policy not in ("full", "dots"):
-            raise ValueError(f"remat_policy={self.remat_policy!r}: use 'full' or 'dots'")
         if self.attention_impl not in ("auto", "xla", "cudnn"):
             raise ValueError(f"attention_impl={self.attention_impl!r}: use 'auto', 'xla' or "
                              "'cudnn'")
@@ -70,7 +84,30 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.numerics.dtype)
+
+    @property
+    def param_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.numerics.param_dtype)
+
+    @property
+    def remat(self) -> bool:
+        return self.numerics.remat
+
+    @property
+    def remat_policy(self) -> str:
+        return self.numerics.remat_policy
+
     def replace(self, **kw) -> "ModelConfig":
+        """Also takes the numerics' fields (dtypes as names or jnp dtypes)."""
+        knobs = {k: kw.pop(k) for k in _NUMERICS if k in kw}
+        for k in ("dtype", "param_dtype"):
+            if k in knobs:
+                knobs[k] = jnp.dtype(knobs[k]).name
+        if knobs:
+            kw["numerics"] = dataclasses.replace(kw.get("numerics", self.numerics), **knobs)
         return dataclasses.replace(self, **kw)
 
     def num_params(self) -> int:
@@ -132,8 +169,7 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
         )
-        kw.update(overrides)
-        return cls(**kw)
+        return cls(**kw).replace(**overrides)
 
     def to_hf(self) -> dict:
         """A `config.json` dict that transformers reads back to the same architecture."""
