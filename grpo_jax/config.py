@@ -174,27 +174,8 @@ class BatchPlan:
         return max(1, math.ceil(num_train_epochs * micro / self.gradient_accumulation_steps))
 
 
-SECTIONS: dict[str, type] = {
-    "model": ModelArgs, "numerics": Numerics, "data": DataArgs, "grpo": GRPOArgs, "loss": LossConfig,
-    "generation": SamplingParams, "optim": OptimizerConfig, "batch": BatchArgs,
-    "rollout": RolloutArgs, "mesh": MeshConfig, "run": RunArgs, "distributed": DistributedArgs,
-}
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    model: ModelArgs = field(default_factory=ModelArgs)
-    numerics: Numerics = field(default_factory=Numerics)
-    data: DataArgs = field(default_factory=DataArgs)
-    grpo: GRPOArgs = field(default_factory=GRPOArgs)
-    loss: LossConfig = field(default_factory=LossConfig)
-    generation: SamplingParams = field(default_factory=SamplingParams)
-    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
-    batch: BatchArgs = field(default_factory=BatchArgs)
-    rollout: RolloutArgs = field(default_factory=RolloutArgs)
-    mesh: MeshConfig = field(default_factory=MeshConfig)
-    run: RunArgs = field(default_factory=RunArgs)
-    distributed: DistributedArgs = field(default_factory=DistributedArgs)
+class _TrainConfig:
+    """TrainConfig's checks and helpers; its fields are the SECTIONS below."""
 
     def __post_init__(self):
         _check(self.generation.temperature > 0, "temperature must be > 0 (GRPO needs varied "
@@ -230,3 +211,16 @@ class TrainConfig:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# Section name -> its settings dataclass. TrainConfig is a frozen dataclass with one field per
+# section, in this order, each defaulting to its dataclass's defaults.
+SECTIONS: dict[str, type] = {
+    "model": ModelArgs, "numerics": Numerics, "data": DataArgs, "grpo": GRPOArgs,
+    "loss": LossConfig, "generation": SamplingParams, "optim": OptimizerConfig,
+    "batch": BatchArgs, "rollout": RolloutArgs, "mesh": MeshConfig, "run": RunArgs,
+    "distributed": DistributedArgs,
+}
+TrainConfig = dataclasses.make_dataclass(
+    "TrainConfig", [(name, cls, field(default_factory=cls)) for name, cls in SECTIONS.items()],
+    bases=(_TrainConfig,), frozen=True, namespace={"__module__": __name__})

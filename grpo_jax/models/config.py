@@ -84,21 +84,11 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    @property
-    def dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.numerics.dtype)
-
-    @property
-    def param_dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.numerics.param_dtype)
-
-    @property
-    def remat(self) -> bool:
-        return self.numerics.remat
-
-    @property
-    def remat_policy(self) -> str:
-        return self.numerics.remat_policy
+    # The numerics' fields read as before (dtypes as jnp dtypes).
+    dtype = property(lambda self: jnp.dtype(self.numerics.dtype))
+    param_dtype = property(lambda self: jnp.dtype(self.numerics.param_dtype))
+    remat = property(lambda self: self.numerics.remat)
+    remat_policy = property(lambda self: self.numerics.remat_policy)
 
     def replace(self, **kw) -> "ModelConfig":
         """Also takes the numerics' fields (dtypes as names or jnp dtypes)."""

@@ -17,7 +17,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.errors import ConfigError
+from grpo_jax.errors import check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,22 +38,15 @@ class SamplingParams:
         object.__setattr__(self, "top_k", int(self.top_k or 0))
         object.__setattr__(self, "min_p", float(self.min_p) if self.min_p else None)
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        problems = []
-        if int(self.max_completion_length) < 1:
-            problems.append(f"max_completion_length={self.max_completion_length} must be >= 1")
-        if not self.temperature >= 0:
-            problems.append(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p={self.top_p} must be in (0, 1] (1.0 = off)")
-        if self.top_k < 0:
-            problems.append(f"top_k={self.top_k} must be >= 0 (0 or None = off)")
-        if self.min_p is not None and not 0 <= self.min_p <= 1:
-            problems.append(f"min_p={self.min_p} must be in [0, 1] (None = off)")
-        if not self.repetition_penalty > 0:
-            problems.append(f"repetition_penalty={self.repetition_penalty} must be > 0 "
-                            "(1.0 = off)")
-        if problems:
-            raise ConfigError("; ".join(problems))
+        check(self.max_completion_length >= 1,
+              f"max_completion_length={self.max_completion_length} must be >= 1")
+        check(self.temperature >= 0, f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        check(0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1] (1.0 = off)")
+        check(self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0 or None = off)")
+        check(self.min_p is None or 0 <= self.min_p <= 1,
+              f"min_p={self.min_p} must be in [0, 1] (None = off)")
+        check(self.repetition_penalty > 0,
+              f"repetition_penalty={self.repetition_penalty} must be > 0 (1.0 = off)")
 
     @property
     def greedy(self) -> bool:
