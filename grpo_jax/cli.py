@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 import types
 import typing
 from importlib import resources
@@ -29,9 +30,32 @@ for _sec, _cls in SECTIONS.items():
 _TYPES = {sec: typing.get_type_hints(cls) for sec, cls in SECTIONS.items()}
 
 class Alias(NamedTuple):
-    field: str  # our field
+    field: str | None  # our field; None: none here (the value is checked, then dropped)
     transform: Callable[[Any], Any] | None = None  # the value as TRL writes it -> ours
     boolean: bool = False  # a bare --key means true
+
+
+_SKIP = object()  # a transform's answer for "this value sets nothing" (e.g. bf16: false)
+
+
+def _flag_dtype(dtype: str):  # bf16 / fp16: true selects the compute dtype
+    def transform(v):
+        _check(isinstance(v, bool), f"expected true or false, got {v!r}")
+        return dtype if v else _SKIP
+    return transform
+
+
+def _one_config(v):  # open-r1's dataset_configs: a list of dataset configs
+    items = v if isinstance(v, list) else [v]
+    _check(len(items) == 1, f"dataset_configs {items}: grpo-jax loads one dataset config; "
+           "pick one (dataset_config: NAME)")
+    return items[0]
+
+
+def _main_revision(v):
+    _check(v in (None, "main"), f"model_revision {v!r}: download that revision to a directory "
+           "(`hf download MODEL --revision REV --local-dir DIR`) and pass model_name_or_path DIR")
+    return _SKIP
 
 
 def _use_vllm(v):
@@ -59,11 +83,53 @@ ALIASES: dict[str, Alias] = {
     "warmup_ratio": Alias("warmup_steps", _warmup_ratio),
     "scale_rewards": Alias("scale_rewards", _scale_rewards),
     "report_to": Alias("report_to", lambda v: [] if _is_none(v) else v),
+    "bf16": Alias("dtype", _flag_dtype("bfloat16"), boolean=True),  # mixed precision
+    "fp16": Alias("dtype", _flag_dtype("float16"), boolean=True),
+    "dataset_configs": Alias("dataset_config", _one_config),  # open-r1
+    "model_revision": Alias(None, _main_revision),
 }
+# Keys of TRL, transformers' TrainingArguments and open-r1 recipes that change nothing here:
+# accepted, and each one met is named once on stderr with the reason.
+NO_EFFECT = {
+    "model_revision": "the model directory is used as it is",
+    "attn_implementation": "attention runs in XLA (cuDNN on GPUs), whatever the torch backend",
+    "gradient_checkpointing_kwargs": "JAX's remat has no reentrant variant to choose",
+    "overwrite_output_dir": "nothing is deleted: an output_dir with checkpoints needs --resume "
+                            "or another output_dir",
+    "push_to_hub": "not supported: nothing is uploaded (python -m grpo_jax.export writes an HF "
+                   "directory to upload yourself)",
+    "hub_model_id": "not supported: nothing is uploaded", "hub_strategy": "not supported: "
+    "nothing is uploaded", "hub_private_repo": "not supported: nothing is uploaded",
+    "log_level": "grpo-jax logs metrics at every logging_steps", "logging_first_step": "the first "
+    "step is always logged", "logging_strategy": "metrics are logged every logging_steps",
+    "num_processes": "JAX uses every device of every process (see mesh)",
+    "vllm_device": "set on the vLLM server (python -m grpo_jax.serve)",
+    "vllm_gpu_memory_utilization": "set on the vLLM server (python -m grpo_jax.serve)",
+    "vllm_tensor_parallel_size": "set on the vLLM server (python -m grpo_jax.serve)",
+    "vllm_model_impl": "set on the vLLM server (python -m grpo_jax.serve)",
+    "vllm_max_model_length": "set on the vLLM server (python -m grpo_jax.serve)",
+    "vllm_enable_sleep_mode": "grpo-jax uses a vLLM server, not colocated vLLM",
+    "use_liger_kernel": "a PyTorch kernel library; the JAX step compiles its own",
+    "torch_compile": "the JAX step is always compiled", "dataloader_num_workers": "prompts are "
+    "tokenized once up front", "dataloader_pin_memory": "no PyTorch data loader here",
+    "ddp_find_unused_parameters": "JAX's SPMD replaces DDP", "ddp_timeout": "JAX's SPMD "
+    "replaces DDP (see heartbeat_timeout)", "ddp_backend": "JAX's SPMD replaces DDP",
+    "trust_remote_code": "only the built-in architectures load; no remote code runs",
+    "disable_dropout": "the decoder has no dropout", "remove_unused_columns": "every column "
+    "goes to the reward functions, as in TRL",
+    "use_transformers_paged": "generation runs in the JAX sampler or a vLLM server",
+    "cache_implementation": "generation runs in the JAX sampler or a vLLM server",
+    "wandb_project": "set $WANDB_PROJECT (report_to: [wandb] reads it)",
+    "wandb_entity": "set $WANDB_ENTITY (report_to: [wandb] reads it)",
+    "do_eval": "evaluation is not run yet; training goes on without it",
+    "eval_strategy": "evaluation is not run yet; training goes on without it",
+    "eval_steps": "evaluation is not run yet; training goes on without it",
+    "per_device_eval_batch_size": "evaluation is not run yet; training goes on without it",
+    "save_strategy": "checkpoints are written every save_steps, on a stop signal and at the end",
+}
+_NOTED: set[str] = set()
 # TRL options that have no counterpart here, and what to do instead.
 UNSUPPORTED = {
-    "bf16": "set dtype: bfloat16 (or float32)",
-    "fp16": "set dtype: float16",
     "vllm_mode": "grpo-jax talks to a vLLM server only: set use_vllm: true and drop vllm_mode",
     "use_peft": "grpo-jax trains all parameters (no LoRA); drop the peft options",
     "optim": "grpo-jax always uses AdamW (optax.adamw); drop optim",
@@ -81,13 +147,16 @@ def _err_unknown(key: str, names, where: str = "") -> ConfigError:
     return ConfigError(f"unknown config key {key!r}{where}{hint}")
 
 
-def resolve_key(key: str) -> tuple[str, str, Alias | None]:
-    """'beta', 'loss.beta' or a TRL alias -> (section, field, alias or None)."""
+def resolve_key(key: str) -> tuple[str | None, str | None, Alias | None]:
+    """'beta', 'loss.beta' or a TRL alias -> (section, field, alias or None); (None, None,
+    alias) for a key that has no field here."""
     sec, _, name = key.rpartition(".")
     if sec and sec not in SECTIONS:
         raise _err_unknown(key, [f"{s}.{f}" for f, s in FIELD_SECTION.items()])
-    alias = ALIASES.get(name)
+    alias = ALIASES.get(name, Alias(None) if name in NO_EFFECT else None)
     field = alias.field if alias else name
+    if alias and field is None:
+        return None, None, alias
     if field not in FIELD_SECTION:
         if name in UNSUPPORTED:
             raise ConfigError(f"config key {name!r} is a TRL option grpo-jax doesn't have: "
@@ -164,11 +233,21 @@ def _type_name(tp: Any) -> str:
 
 def _set(tree: dict, key: str, value: Any, raw: str | None = None) -> None:
     sec, name, alias = resolve_key(key)
+    if sec is None:  # no field here: check the value, say why it changes nothing
+        if alias.transform:
+            alias.transform(value)
+        bare = key.rpartition(".")[2]
+        if bare not in _NOTED:
+            _NOTED.add(bare)
+            print(f"grpo_jax: {bare} has no effect: {NO_EFFECT[bare]}", file=sys.stderr)
+        return
     tp = _TYPES[sec][name]
     if raw is not None and isinstance(value, (int, float)) and str in (tp, *typing.get_args(tp)):
         value = raw  # keep '007' a string rather than the number YAML reads
     if alias and alias.transform:
         value = alias.transform(value)
+        if value is _SKIP:
+            return
     tree.setdefault(sec, {})[name] = _coerce(value, tp, key)
 
 
@@ -265,7 +344,7 @@ _BOOL_WORDS = ("true", "false", "yes", "no", "on", "off", "1", "0")
 
 def _is_bool(key: str) -> bool:
     sec, name, alias = resolve_key(key)
-    return _TYPES[sec][name] is bool or bool(alias and alias.boolean)
+    return (sec is not None and _TYPES[sec][name] is bool) or bool(alias and alias.boolean)
 
 
 def cli_help() -> str:

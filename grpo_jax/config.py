@@ -4,7 +4,7 @@ Each section is the settings dataclass of the module that uses it (the loss, sam
 optimizer settings live beside their code; the rest are here), so each field, its default and
 its check exist once. Field names are TRL's GRPOConfig / TrainingArguments names and are unique
 across sections, so a flat TRL-style YAML finds every key's section (grpo_jax.cli reads YAML and
-the command line). Defaults follow TRL 1.9 unless a comment says otherwise.
+the command line). Defaults follow TRL 1.16 unless a comment says otherwise.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ class DataArgs:
     dataset_config: str | None = None
     dataset_train_split: str = "train"
     prompt_column: str = "prompt"
-    # TRL removed this in 0.28 ("filter your dataset"); we keep it: longer prompts lose their
-    # left end, and load_prompts reports how many did.
-    max_prompt_length: int | None = 512
+    # TRL removed this in 0.28 ("filter your dataset") and no longer truncates (the default
+    # here too); set it to cut longer prompts' left end (load_prompts reports how many).
+    max_prompt_length: int | None = None
     shuffle_dataset: bool = True
     seed: int = 42  # data order and synthetic data; the trainer derives its sampling key from it
 

@@ -25,7 +25,7 @@ class SamplingParams:
     """Generation settings with TRL GRPOConfig names (the config's `generation` section).
     0/None/1.0 switch a filter off."""
 
-    max_completion_length: int = 256
+    max_completion_length: int = 512
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
     top_k: int | None = 0
