@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from grpo_jax import math_rewards
 from grpo_jax.errors import GrpoJaxError
 
 
@@ -59,13 +60,21 @@ def last_number(text: str) -> float | None:
     return float(found[-1].replace(",", "")) if found else None
 
 
-def accuracy(completions, answer, **kwargs) -> list[float]:
-    """1.0 when the last number in the completion equals the `answer` column."""
-    return [1.0 if last_number(_text(c)) == float(a) else 0.0 for c, a in zip(completions, answer)]
+def accuracy(completions, answer=None, solution=None, **kwargs) -> list[float | None]:
+    """1.0 for a right answer. With an `answer` column (a number): the completion's last number
+    equals it. With a `solution` column (LaTeX, as open-r1's datasets): math-verify says the
+    completion's final answer equals the solution's."""
+    if answer is not None:
+        return [1.0 if last_number(_text(c)) == float(a) else 0.0
+                for c, a in zip(completions, answer)]
+    if solution is not None:
+        return math_rewards.math_accuracy(completions, solution)
+    raise RewardError("accuracy needs an `answer` (a number) or `solution` (LaTeX) column")
 
 
 BUILTIN_REWARDS: dict[str, Callable] = {
     "reward_len": reward_len, "think_format_reward": think_format_reward, "accuracy": accuracy,
+    "format": math_rewards.format_reward, "tag_count": math_rewards.tag_count_reward,
 }
 
 

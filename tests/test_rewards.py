@@ -162,3 +162,20 @@ def test_numpy_results_and_input_checks():
         compute_rewards([arr], ["p"], ["a"], [[1]], {"completions": ["x"]})
     with pytest.raises(ValueError, match="column 'answer' has 1 values for 2"):
         compute_rewards([arr], ["p"] * 2, ["a"] * 2, [[1]] * 2, {"answer": ["x"]})
+
+
+def test_open_r1_math_rewards():
+    """open-r1's recipes name accuracy (math-verify against a LaTeX `solution`), format and
+    tag_count; the numeric `answer` form of accuracy stays as it was."""
+    from grpo_jax.rewards import BUILTIN_REWARDS as R
+    good = "<think>\nhalf of one\n</think>\n<answer>\n$\\frac{1}{2}$\n</answer>"
+    wrong = "<think>\nguess\n</think>\n<answer>\n$\\frac{1}{3}$\n</answer>"
+    sloppy = "<think>half</think> so \\boxed{0.5}"
+    sols = ["$\\frac{1}{2}$"] * 3
+    assert R["accuracy"]([good, wrong, sloppy], solution=sols) == [1.0, 0.0, 1.0]
+    assert R["accuracy"](["x"], solution=["no math here"]) == [None]  # unparsable gold: skipped
+    assert R["accuracy"](["so 12", "13"], answer=[12, 12]) == [1.0, 0.0]
+    assert R["format"]([good, sloppy]) == [1.0, 0.0]
+    assert R["tag_count"]([good, sloppy, "<think>\n"]) == [1.0, 0.0, 0.25]
+    chat = [[{"role": "assistant", "content": good}]]
+    assert R["format"](chat) == [1.0] and R["accuracy"](chat, solution=sols[:1]) == [1.0]
