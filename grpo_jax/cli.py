@@ -52,6 +52,13 @@ def _one_config(v):  # open-r1's dataset_configs: a list of dataset configs
     return items[0]
 
 
+def _mesh_fsdp(v):  # transformers' fsdp is a string of options; here it is a mesh axis size
+    _check(not isinstance(v, str) or v.lstrip("-").isdigit(), f"fsdp {v!r}: here fsdp is the "
+           "size of the mesh's FSDP axis (e.g. fsdp: -1 shards over every device); drop "
+           "transformers' fsdp options")
+    return int(v) if isinstance(v, str) else v
+
+
 def _main_revision(v):
     _check(v in (None, "main"), f"model_revision {v!r}: download that revision to a directory "
            "(`hf download MODEL --revision REV --local-dir DIR`) and pass model_name_or_path DIR")
@@ -87,6 +94,7 @@ ALIASES: dict[str, Alias] = {
     "fp16": Alias("dtype", _flag_dtype("float16"), boolean=True),
     "dataset_configs": Alias("dataset_config", _one_config),  # open-r1
     "model_revision": Alias(None, _main_revision),
+    "fsdp": Alias("fsdp", _mesh_fsdp),
 }
 # Keys of TRL, transformers' TrainingArguments and open-r1 recipes that change nothing here:
 # accepted, and each one met is named once on stderr with the reason.
@@ -126,6 +134,15 @@ NO_EFFECT = {
     "eval_steps": "evaluation is not run yet; training goes on without it",
     "per_device_eval_batch_size": "evaluation is not run yet; training goes on without it",
     "save_strategy": "checkpoints are written every save_steps, on a stop signal and at the end",
+    "deepspeed": "JAX shards params, gradients and optimizer state with the mesh (dp, fsdp, tp)",
+    "fsdp_config": "JAX shards params, gradients and optimizer state with the mesh (fsdp)",
+    "use_transformers_continuous_batching": "generation runs in the JAX sampler or a vLLM "
+                                            "server", "transformers_continuous_batching_config":
+    "generation runs in the JAX sampler or a vLLM server",
+    "vllm_group_port": "weights reach the server over HTTP / shared memory (see README)",
+    "log_multimodal": "text models only", "log_completions_hub_repo": "not supported: nothing "
+    "is uploaded (completions.jsonl holds them)", "pad_to_multiple_of": "prompts are padded to "
+    "the sampler's length buckets", "router_aux_loss_coef": "no mixture-of-experts models here",
 }
 _NOTED: set[str] = set()
 # TRL options that have no counterpart here, and what to do instead.

@@ -301,6 +301,7 @@ def test_recipe_keys_mapped_noted_or_refused(capsys):
     for bad, needle in [({"dataset_configs": ["a", "b"]}, "loads one dataset config"),
                         ({"model_revision": "v2"}, "hf download MODEL --revision"),
                         ({"bf16": "yes"}, "expected true or false"),
+                        ({"fsdp": "full_shard auto_wrap"}, "size of the mesh's FSDP axis"),
                         ({"vllm_mode": "colocate"}, "vLLM server only")]:
         with pytest.raises(ConfigError, match=needle):
             config_from_dict(bad)
