@@ -209,6 +209,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin is tuple:
         items = value if isinstance(value, (list, tuple)) else [value]
         return tuple(_coerce(v, args[0], f"{key}[{i}]") for i, v in enumerate(items))
+    if tp is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        raise bad
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -19,7 +19,10 @@ class OptimizerConfig:
     """transformers' TrainingArguments names and defaults (the config's `optim` section)."""
 
     learning_rate: float = 1e-6
-    lr_scheduler_type: Literal["constant", "constant_with_warmup", "linear", "cosine"] = "linear"
+    lr_scheduler_type: Literal["constant", "constant_with_warmup", "linear", "cosine",
+                               "cosine_with_min_lr"] = "linear"
+    # cosine_with_min_lr's floor, as transformers: {min_lr_rate: 0.1} or {min_lr: 1e-7}.
+    lr_scheduler_kwargs: dict | None = None
     # transformers 5: a value < 1 is a fraction of the total steps (TRL's old warmup_ratio).
     warmup_steps: float = 0.0
     weight_decay: float = 0.0
@@ -39,6 +42,19 @@ class OptimizerConfig:
               f"adam_beta1/adam_beta2 must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
         check(self.weight_decay >= 0 and self.adam_epsilon > 0 and self.max_grad_norm >= 0,
               "weight_decay and max_grad_norm must be >= 0 and adam_epsilon > 0")
+        kw = self.lr_scheduler_kwargs or {}
+        check(self.lr_scheduler_type == "cosine_with_min_lr" or not kw, f"lr_scheduler_kwargs "
+              f"{kw} are read by lr_scheduler_type cosine_with_min_lr only")
+        check(self.lr_scheduler_type != "cosine_with_min_lr" or len(kw) == 1
+              and set(kw) <= {"min_lr", "min_lr_rate"}, "cosine_with_min_lr needs "
+              "lr_scheduler_kwargs: {min_lr_rate: R} or {min_lr: LR}")
+
+    def min_lr_rate(self) -> float:
+        """cosine_with_min_lr's floor as a fraction of learning_rate."""
+        kw = self.lr_scheduler_kwargs or {}
+        if "min_lr" in kw:
+            return float(kw["min_lr"]) / self.learning_rate if self.learning_rate else 0.0
+        return float(kw.get("min_lr_rate", 0.0))
 
     def num_warmup_steps(self, total_steps: int) -> int:
         """Warmup length in optimizer steps (transformers 5's rule)."""
@@ -57,6 +73,8 @@ def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
         "constant_with_warmup": lambda: optax.constant_schedule(lr),
         "linear": lambda: optax.linear_schedule(lr, 0.0, rest),
         "cosine": lambda: optax.cosine_decay_schedule(lr, rest),
+        "cosine_with_min_lr": lambda: optax.cosine_decay_schedule(lr, rest,
+                                                                  alpha=cfg.min_lr_rate()),
     }[cfg.lr_scheduler_type]()
     if not warm:
         return after
