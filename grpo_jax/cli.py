@@ -59,6 +59,16 @@ def _mesh_fsdp(v):  # transformers' fsdp is a string of options; here it is a me
     return int(v) if isinstance(v, str) else v
 
 
+def _model_init_kwargs(v):  # TRL: kwargs of from_pretrained; only the dtype means something
+    _check(isinstance(v, dict), f"model_init_kwargs must be a mapping, got {v!r}")
+    ignored = {"attn_implementation", "use_cache", "device_map", "low_cpu_mem_usage"}
+    other = set(v) - {"dtype", "torch_dtype"} - ignored
+    _check(not other, f"model_init_kwargs {sorted(other)}: only dtype (torch_dtype) applies "
+           f"here; {', '.join(sorted(ignored))} are accepted and change nothing")
+    dtype = v.get("dtype", v.get("torch_dtype"))
+    return _SKIP if dtype in (None, "auto") else dtype
+
+
 def _main_revision(v):
     _check(v in (None, "main"), f"model_revision {v!r}: download that revision to a directory "
            "(`hf download MODEL --revision REV --local-dir DIR`) and pass model_name_or_path DIR")
@@ -95,6 +105,7 @@ ALIASES: dict[str, Alias] = {
     "dataset_configs": Alias("dataset_config", _one_config),  # open-r1
     "model_revision": Alias(None, _main_revision),
     "fsdp": Alias("fsdp", _mesh_fsdp),
+    "model_init_kwargs": Alias("dtype", _model_init_kwargs),
 }
 # Keys of TRL, transformers' TrainingArguments and open-r1 recipes that change nothing here:
 # accepted, and each one met is named once on stderr with the reason.

@@ -297,11 +297,14 @@ def test_recipe_keys_mapped_noted_or_refused(capsys):
                 "model_revision has no effect", "eval_strategy has no effect"):
         assert key in err, err
     assert config_from_dict({"fp16": True}).numerics.dtype == "float16"
+    assert config_from_dict({"model_init_kwargs": {"torch_dtype": "float32", "use_cache": False}}
+                            ).numerics.dtype == "float32"
     assert config_from_dict({"bf16": False}).numerics.dtype == TrainConfig().numerics.dtype
     for bad, needle in [({"dataset_configs": ["a", "b"]}, "loads one dataset config"),
                         ({"model_revision": "v2"}, "hf download MODEL --revision"),
                         ({"bf16": "yes"}, "expected true or false"),
                         ({"fsdp": "full_shard auto_wrap"}, "size of the mesh's FSDP axis"),
+                        ({"model_init_kwargs": {"revision": "x"}}, "only dtype"),
                         ({"vllm_mode": "colocate"}, "vLLM server only")]:
         with pytest.raises(ConfigError, match=needle):
             config_from_dict(bad)
