@@ -103,11 +103,7 @@ def load_prompts(cfg: DataArgs, tokenizer) -> PromptDataset:
     columns = {k: v for k, v in columns.items() if k not in NOT_REWARD_COLUMNS}
     if not prompts:
         raise DataError(f"dataset {cfg.dataset_name!r} split {cfg.dataset_train_split!r} is empty")
-    texts = render_prompts(prompts, tokenizer)
-    ids: list[list[int]] = []
-    for start in range(0, len(texts), 1024):
-        # Templates already hold their special tokens; TRL tokenizes prompts the same way.
-        ids += tokenizer(texts[start:start + 1024], add_special_tokens=False)["input_ids"]
+    ids = tokenize_prompts(prompts, tokenizer)
     limit = cfg.max_prompt_length
     truncated = 0
     if limit is not None:
@@ -127,6 +123,23 @@ def load_prompts(cfg: DataArgs, tokenizer) -> PromptDataset:
         token_ids=np.fromiter((t for x in ids for t in x), np.int32, int(lengths.sum())),
         offsets=np.concatenate([[0], np.cumsum(lengths)]), num_truncated=truncated,
         shuffle=cfg.shuffle_dataset, seed=cfg.seed)
+
+
+def tokenize_prompts(prompts: Sequence[Any], tokenizer, chunk: int = 1024) -> list[list[int]]:
+    """Token ids of each prompt, as TRL 1.16 makes them: a plain string with the tokenizer's
+    special tokens (`tokenizer(text=...)`, e.g. a BOS), chat messages as their rendered template
+    without any (`apply_chat_template(tokenize=True)` adds none: the template holds them)."""
+    texts = render_prompts(prompts, tokenizer)
+    plain = [isinstance(p, str) for p in prompts]
+    ids: list[list[int] | None] = [None] * len(texts)
+    for kind in (True, False):
+        rows = [i for i, is_plain in enumerate(plain) if is_plain is kind]
+        for start in range(0, len(rows), chunk):
+            part = rows[start:start + chunk]
+            out = tokenizer([texts[i] for i in part], add_special_tokens=kind)["input_ids"]
+            for i, x in zip(part, out):
+                ids[i] = list(x)
+    return ids
 
 
 def render_prompts(prompts: Sequence[Any], tokenizer) -> list[str]:

@@ -167,6 +167,24 @@ def read_config(model_dir: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def generation_eos_ids(model_dir) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (an int, a list or null) as a tuple; () when the
+    directory has no such file. TRL stops generation on these as well as the tokenizer's EOS."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.exists():
+        return ()
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ModelLoadError(f"{path} is not a JSON object ({e}); fix or remove it") from None
+    if eos is None:
+        return ()
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ModelLoadError(f"{path}: eos_token_id {eos!r} must be a token id or a list of them")
+    return tuple(ids)
+
+
 def _weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():

@@ -1,8 +1,12 @@
 """Reward functions: the built-ins, user functions named in the config, and their evaluation.
 
-A reward function has TRL's signature, `f(prompts, completions, completion_ids, **columns) ->
-list[float | None]`, sync or async; `columns` are the dataset's extra columns, one value per
-completion. None means "no opinion" and becomes NaN, which the weighted sum skips.
+A reward function has TRL 1.16's signature, `f(prompts, completions, completion_ids,
+trainer_state, log_extra, log_metric, **columns) -> list[float | None]`, sync or async:
+`columns` are the dataset's extra columns, one value per completion; `trainer_state` has
+transformers' TrainerState progress fields (`TrainerState`); `log_extra(column, values)` adds a
+column (one value per completion) to the completions table and `log_metric(name, value)` a
+scalar metric, averaged over the round (both collected by a `RewardLogs`). None means "no
+opinion" and becomes NaN, which the weighted sum skips.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -25,8 +30,6 @@ import numpy as np
 
 from grpo_jax import math_rewards
 from grpo_jax.errors import GrpoJaxError
-
-
 
 class RewardError(GrpoJaxError, RuntimeError):
     """A reward function that can't be loaded or returned something unusable."""
@@ -80,8 +83,66 @@ BUILTIN_REWARDS: dict[str, Callable] = {
 
 @dataclasses.dataclass(frozen=True)
 class RewardFunc:
-    name: str  # the config's spelling, used in logs and errors
+    name: str  # the config's spelling, used in errors
     fn: Callable
+
+    @property
+    def log_name(self) -> str:
+        """TRL's name for the function in metrics and the completions table: its __name__
+        (functools.partial unwrapped; a callable object: its class name)."""
+        return callable_name(self.fn)
+
+
+def callable_name(fn: Callable) -> str:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def reward_names(funcs: Sequence[RewardFunc | Callable]) -> list[str]:
+    """The functions' log names (`RewardFunc.log_name`), made unique: a repeated name gets _2,
+    _3, ... (TRL would merge two functions' metrics under one name)."""
+    out: list[str] = []
+    for f in funcs:
+        base = f.log_name if isinstance(f, RewardFunc) else callable_name(f)
+        name, k = base, 1
+        while name in out:
+            k += 1
+            name = f"{base}_{k}"
+        out.append(name)
+    return out
+
+
+@dataclasses.dataclass
+class TrainerState:
+    """What a reward function reads from TRL's `trainer_state` (transformers.TrainerState's
+    names) to shape rewards by training progress. `global_step`: optimizer steps done before
+    this round's updates; `epoch`: epochs done, a float; `max_steps`: the run's total steps."""
+    global_step: int = 0
+    epoch: float = 0.0
+    max_steps: int = 0
+    num_train_epochs: float = 0.0
+
+
+@dataclasses.dataclass
+class RewardLogs:
+    """Collects what reward functions log through TRL's `log_extra` and `log_metric`.
+
+    `extra`: column -> values, one per scored completion in scoring order (TRL adds these
+    columns to its completions table). `metrics`: name -> every value logged; TRL logs their
+    mean (`metric_means`) with the round's metrics. Use one per round (or per scoring call).
+    """
+    extra: dict[str, list] = dataclasses.field(default_factory=dict)
+    metrics: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+    def log_extra(self, column: str, values: Sequence[Any]) -> None:
+        self.extra.setdefault(str(column), []).extend(values)
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics.setdefault(str(name), []).append(float(value))
+
+    def metric_means(self) -> dict[str, float]:
+        return {k: sum(v) / len(v) for k, v in self.metrics.items() if v}
 
 
 def load_reward_func(spec: str) -> RewardFunc:
@@ -131,9 +192,19 @@ def _check_signature(name: str, fn: Callable) -> None:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError):
         return  # some builtins have no signature; the call will tell
-    if not any(p.kind is p.VAR_KEYWORD or p.name == "completions" for p in params):
+    params = list(params)
+    signature = "f(prompts, completions, completion_ids, **kwargs)"
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    if not any(p.name == "completions" for p in params):
         raise RewardError(f"reward function {name!r} must accept the keyword `completions` "
-                          "(signature: f(prompts, completions, completion_ids, **columns))")
+                          f"(signature: {signature})")
+    names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    missing = [a for a in REWARD_ARGS if a not in names]
+    if missing:
+        raise RewardError(f"reward function {name!r} has no **kwargs, but it is also called "
+                          f"with {', '.join(missing)} and the dataset's columns (as TRL does); "
+                          f"give it **kwargs (signature: {signature})")
 
 
 def load_reward_funcs(specs: Sequence[str]) -> list[RewardFunc]:
@@ -146,29 +217,41 @@ def completions_for_rewards(prompts: Sequence[Any], texts: Sequence[str]) -> lis
             for p, t in zip(prompts, texts)]
 
 
+# Arguments every reward function gets besides the dataset's columns (TRL 1.16).
+REWARD_ARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_extra",
+               "log_metric")
+
+
 def compute_rewards(funcs: Sequence[RewardFunc | Callable], prompts: Sequence[Any],
                     completions: Sequence[Any], completion_ids: Sequence[Sequence[int]],
-                    columns: dict[str, Sequence[Any]] | None = None) -> np.ndarray:
+                    columns: dict[str, Sequence[Any]] | None = None, *,
+                    trainer_state: Any = None, logs: RewardLogs | None = None) -> np.ndarray:
     """Every function on every completion: float32 [N, F], NaN where a function said None.
 
-    Async functions run concurrently on one event loop; sync ones run in order.
+    Async functions run concurrently on one event loop; sync ones run in order. Each gets
+    `trainer_state` (default: `TrainerState()`) and `logs`' log_extra / log_metric (default: a
+    collector nobody reads); a column given to log_extra in this call must end up with one
+    value per completion.
     """
-    funcs = [f if isinstance(f, RewardFunc) else RewardFunc(getattr(f, "__name__", repr(f)), f)
-             for f in funcs]
+    funcs = [f if isinstance(f, RewardFunc) else RewardFunc(callable_name(f), f) for f in funcs]
     columns = dict(columns or {})
+    logs = RewardLogs() if logs is None else logs
+    before = {k: len(v) for k, v in logs.extra.items()}
     n = len(completions)
     if len(prompts) != n or len(completion_ids) != n:
         raise ValueError(f"compute_rewards: {len(prompts)} prompts, {n} completions and "
                          f"{len(completion_ids)} completion_ids must be aligned")
     for key, values in columns.items():
-        if key in ("prompts", "completions", "completion_ids"):
+        if key in REWARD_ARGS:
             raise ValueError(f"dataset column {key!r} clashes with a reward-function argument; "
                              "rename the column")
         if len(values) != n:
             raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
     kwargs = dict(prompts=list(prompts), completions=list(completions),
-                  completion_ids=[list(c) for c in completion_ids], **{k: list(v) for k, v in
-                                                                        columns.items()})
+                  completion_ids=[list(c) for c in completion_ids],
+                  trainer_state=TrainerState() if trainer_state is None else trainer_state,
+                  log_extra=logs.log_extra, log_metric=logs.log_metric,
+                  **{k: list(v) for k, v in columns.items()})
     out = np.full((n, len(funcs)), np.nan, np.float32)
     pending = {}
     for j, f in enumerate(funcs):
@@ -187,13 +270,19 @@ def compute_rewards(funcs: Sequence[RewardFunc | Callable], prompts: Sequence[An
             if isinstance(result, BaseException):
                 raise _call_error(funcs[j].name, result, columns) from result
             out[:, j] = _as_rewards(funcs[j].name, result, n)
+    for column, values in logs.extra.items():
+        got = len(values) - before.get(column, 0)
+        if got not in (0, n):
+            raise RewardError(f"log_extra column {column!r} got {got} values for {n} "
+                              "completions; log one value per completion (once per column)")
     return out
 
 
 def _call_error(name: str, e: BaseException, columns: dict) -> RewardError:
     return RewardError(
         f"reward function {name!r} raised {type(e).__name__}: {e}. It is called as "
-        f"f(prompts=..., completions=..., completion_ids=..., **columns) with dataset columns "
+        f"f(prompts=..., completions=..., completion_ids=..., trainer_state=..., "
+        f"log_extra=..., log_metric=..., **columns) with dataset columns "
         f"{sorted(columns) or 'none'}; fix the function, or give it **kwargs to accept "
         "columns it doesn't use")
 

@@ -6,7 +6,7 @@ import re
 import time
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from grpo_jax.config import DataArgs
@@ -69,6 +69,46 @@ def test_chat_prompts_use_the_template(tmp_path, tok):
     with pytest.raises(DataError, match="no chat template"):
         load_prompts(DataArgs(dataset_name=_jsonl(tmp_path / "d.jsonl", [{"prompt": msgs[1]}])),
                      tok_plain)
+
+
+@pytest.fixture(scope="module")
+def bos_tok():
+    """A tokenizer that adds a BOS with its special tokens (as Llama's does), whose chat template
+    writes the BOS itself."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    inner = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    inner.decoder = decoders.ByteLevel()
+    inner.add_special_tokens(["<s>", "<|im_end|>", "<|im_start|>"])
+    bos = inner.token_to_id("<s>")
+    inner.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+        ("<s>", bos)])
+    t = PreTrainedTokenizerFast(tokenizer_object=inner, bos_token="<s>", eos_token="<|im_end|>",
+                                additional_special_tokens=["<|im_start|>"])
+    t.chat_template = "{{ bos_token }}" + CHATML
+    return t
+
+
+def test_plain_prompts_get_special_tokens_chat_prompts_only_the_template(tmp_path, bos_tok):
+    """TRL 1.16: plain strings go through processing_class(text=prompts) (special tokens added:
+    a BOS here); chat prompts through apply_chat_template(tokenize=True), which adds none."""
+    tok = bos_tok
+    texts = ["hello there", "2+2?"]
+    ds = load_prompts(DataArgs(dataset_name=_jsonl(tmp_path / "s.jsonl", [{"prompt": t}
+                                                                          for t in texts]),
+                               shuffle_dataset=False), tok)
+    for i, t in enumerate(texts):
+        assert ds.prompt_ids(i) == tok(text=t)["input_ids"]
+        assert ds.prompt_ids(i)[0] == tok.bos_token_id and ds.prompt_ids(i)[1:] == _ids(tok, t)
+    msgs = [[{"role": "user", "content": t}] for t in texts]
+    ds = load_prompts(DataArgs(dataset_name=_jsonl(tmp_path / "c.jsonl", [{"prompt": m}
+                                                                          for m in msgs]),
+                               shuffle_dataset=False), tok)
+    for i, m in enumerate(msgs):
+        want = tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
+                                       return_dict=True)["input_ids"]
+        assert ds.prompt_ids(i) == list(want)
+        assert ds.prompt_ids(i).count(tok.bos_token_id) == 1  # the template's, not a second
 
 
 def test_csv_parquet_and_file_errors(tmp_path, tok):

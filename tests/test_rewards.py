@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from grpo_jax.grpo.advantages import combine_rewards
+from grpo_jax import rewards as rewards_lib
 from grpo_jax.rewards import (RewardError, RewardFunc, accuracy,
                               completions_for_rewards, compute_rewards, load_reward_func,
                               load_reward_funcs, reward_len, think_format_reward)
@@ -68,12 +69,15 @@ def test_load_by_path_and_by_module(tmp_path, monkeypatch):
     ("{dir}/my_rewards.py:not_a_function", "has no function 'not_a_function'"),
     ("{dir}/broken.py:f", "importing .* raised ZeroDivisionError"),
     ("{dir}/badsig.py:f", "must accept the keyword `completions`"),
+    ("{dir}/badsig.py:g", "has no \\*\\*kwargs, but it is also called with trainer_state, "
+                          "log_extra, log_metric and the dataset's columns"),
     ("no_such_module_xyz:f", "can't import module 'no_such_module_xyz'"),
 ])
 def test_load_errors(tmp_path, spec, needle):
     _write(tmp_path / "my_rewards.py", USER_REWARDS)
     _write(tmp_path / "broken.py", "x = 1 / 0\n")
-    _write(tmp_path / "badsig.py", "def f(texts):\n    return texts\n")
+    _write(tmp_path / "badsig.py", "def f(texts):\n    return texts\n\n\n"
+                                   "def g(prompts, completions, completion_ids):\n    return []\n")
     with pytest.raises(RewardError, match=needle):
         load_reward_func(spec.format(dir=tmp_path))
 
@@ -179,3 +183,66 @@ def test_open_r1_math_rewards():
     assert R["tag_count"]([good, sloppy, "<think>\n"]) == [1.0, 0.0, 0.25]
     chat = [[{"role": "assistant", "content": good}]]
     assert R["format"](chat) == [1.0] and R["accuracy"](chat, solution=sols[:1]) == [1.0]
+
+
+TRL_KWARGS_REWARDS = """
+    import asyncio
+
+    def shaped(completions, trainer_state, log_extra, log_metric, **kwargs):
+        progress = trainer_state.global_step / trainer_state.max_steps
+        log_extra("judge", [f"len {len(c)}" for c in completions])
+        log_metric("shaped/progress", progress)
+        log_metric("shaped/progress", progress + 1.0)  # averaged with the first
+        return [progress * len(c) + trainer_state.epoch for c in completions]
+
+    async def judged(completions, log_metric, log_extra, **kwargs):
+        await asyncio.sleep(0)
+        log_metric("judge/calls", len(completions))
+        log_extra("verdict", ["ok"] * len(completions))
+        return [1.0] * len(completions)
+"""
+
+
+def test_reward_functions_get_trainer_state_log_extra_and_log_metric(tmp_path):
+    """TRL 1.16 passes trainer_state, log_extra(column, values) and log_metric(name, value) to
+    every reward function; extra columns join the completions table, metrics are averaged."""
+    path = _write(tmp_path / "shaping.py", TRL_KWARGS_REWARDS)
+    funcs = load_reward_funcs([f"{path}:shaped", f"{path}:judged"])
+    state = rewards_lib.TrainerState(global_step=3, max_steps=12, epoch=0.5)
+    logs = rewards_lib.RewardLogs()
+    out = compute_rewards(funcs, ["p", "q"], ["ab", "abcd"], [[1], [2]], trainer_state=state,
+                          logs=logs)
+    np.testing.assert_allclose(out, [[0.25 * 2 + 0.5, 1.0], [0.25 * 4 + 0.5, 1.0]])
+    assert logs.extra == {"judge": ["len 2", "len 4"], "verdict": ["ok", "ok"]}
+    assert logs.metric_means() == {"shaped/progress": 0.75, "judge/calls": 2.0}
+    # without a state or a collector: TrainerState's defaults and a collector nobody reads
+    assert compute_rewards([RewardFunc("s", lambda completions, trainer_state, **kw: [
+        float(trainer_state.global_step)] * len(completions))], ["p"], ["c"], [[1]]) == 0.0
+
+
+def test_log_extra_needs_one_value_per_completion():
+    def bad(completions, log_extra, **kwargs):
+        log_extra("note", ["only one"])
+        return [0.0] * len(completions)
+    with pytest.raises(RewardError, match="'note' got 1 values for 2 completions"):
+        compute_rewards([bad], ["p", "q"], ["a", "b"], [[1], [2]],
+                        logs=rewards_lib.RewardLogs())
+    with pytest.raises(ValueError, match="clashes"):
+        compute_rewards([bad], ["p"], ["a"], [[1]], {"trainer_state": [1]})
+
+
+def test_user_functions_are_named_by_their_function_name(tmp_path, monkeypatch):
+    """TRL names a reward function by its __name__ (partials unwrapped, callable objects by
+    their class) in metrics and the completions table; the config's spelling stays `name`."""
+    import functools
+    path = _write(tmp_path / "my_rewards.py", USER_REWARDS)
+    f = load_reward_func(f"{path}:count_a")
+    assert f.name == f"{path}:count_a" and f.log_name == "count_a"
+
+    class Judge:
+        def __call__(self, completions, **kwargs):
+            return [0.0] * len(completions)
+    funcs = [f, load_reward_func("reward_len"), RewardFunc("x", functools.partial(reward_len)),
+             RewardFunc("y", Judge()), load_reward_func(f"{path}:count_a")]
+    assert rewards_lib.reward_names(funcs) == ["count_a", "reward_len", "reward_len_2", "Judge",
+                                               "count_a_2"]

@@ -1,6 +1,10 @@
 """The native JAX sampler against transformers (generate, logits warpers; PyTorch CPU, fp32), a
 full-sequence forward pass (the trainer's log-probs) and numpy re-derivations of the filters."""
 
+import dataclasses
+import json
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,9 +15,11 @@ from hf_oracle import tiny_hf_model
 from transformers.generation import logits_process as lp
 
 from grpo_jax import hf
+from grpo_jax.config import TrainConfig
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import Decoder, ModelConfig
 from grpo_jax.rollout import RolloutBatch, Sampler, SamplingParams, sampling
+from grpo_jax.rollout.engines import make_rollout
 
 PROMPTS = [[5, 17, 99, 3, 42], [7, 8, 9, 10, 11, 12, 13, 14, 15], [120, 6, 3]]
 C = 12
@@ -286,6 +292,22 @@ def test_bad_input_errors(compiled):
     with pytest.raises(ValueError, match="num_generations=0"):
         sampler.generate(params, [[1]], num_generations=0)
     assert SAMPLER_PROGRAM not in compiled, compiled
+
+
+@pytest.mark.parametrize("gen_eos,want", [([7, 9], (2, 7, 9, 5)), (9, (2, 9, 5)),
+                                          ([2, 5], (2, 5)), (None, (2, 5)), ("absent", (2, 5))])
+def test_stop_tokens_add_generation_config_eos(tmp_path, gen_eos, want):
+    """TRL stops on the tokenizer's EOS plus every generation_config.eos_token_id (an int or a
+    list), then the config's own stop_token_ids."""
+    if gen_eos != "absent":
+        (tmp_path / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": 1, "eos_token_id": gen_eos}))
+    cfg = dataclasses.replace(TrainConfig(), generation=SamplingParams(stop_token_ids=(5,)))
+    model_cfg = ModelConfig("llama", vocab_size=64, hidden_size=32, intermediate_size=48,
+                            num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16)
+    tok = SimpleNamespace(eos_token_id=2, pad_token_id=0)
+    rollout = make_rollout(cfg, model_cfg, tok, None, tmp_path)
+    assert rollout.sampler.sampling_params.stop_token_ids == want
 
 
 # ---------------------------------------------------------------- the real model

@@ -11,9 +11,13 @@ Needs the vLLM venv: `.ci/install_vllm.sh DIR`, then GRPO_JAX_VLLM_PYTHON=DIR/bi
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
+import json
+import math
 import os
 import socket
 import time
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -138,6 +142,85 @@ def test_refuses_public_bind_without_api_key(monkeypatch, capsys):
     serve.check_bind("127.0.0.1", None)
     serve.check_bind("::1", None)
     serve.check_bind("0.0.0.0", "key")  # allowed once a key guards it
+
+
+def _choice(index, ids, logprobs, reason="stop"):
+    """One choice of a /v1/completions response (return_token_ids, logprobs=0)."""
+    return {"index": index, "text": "", "token_ids": ids, "finish_reason": reason,
+            "logprobs": {"tokens": [f"w{t}" for t in ids], "token_logprobs": logprobs,
+                         "top_logprobs": None, "text_offset": [0] * len(ids)}}
+
+
+def _offline_client(monkeypatch, responses, sent=None):
+    """A VLLMClient whose HTTP requests are answered from `responses` (JSON text, parsed as
+    requests' r.json() does: NaN literals and nulls included)."""
+    from grpo_jax.rollout.vllm_client import VLLMClient
+    c = VLLMClient("http://127.0.0.1:1", max_workers=1)
+    answers = iter(responses)
+
+    def request(method, path, json_body=None, timeout=None):
+        if sent is not None:
+            sent.append(json_body)
+        return json.loads(next(answers))
+    monkeypatch.setattr(c, "_request", request)
+    return c
+
+
+def test_unscorable_vllm_logprobs_are_nan_not_a_crash(monkeypatch):
+    """vLLM's server writes a NaN log-prob as null (or NaN): TRL maps both to NaN and gives such
+    a token an importance ratio of exactly 1 (nan_to_num of the log-ratio). The client must
+    parse them, never crash or turn them into a number."""
+    from grpo_jax.rollout.vllm_client import rollout_arrays
+    body = {"choices": [_choice(1, [5, 6, 2], [-0.5, None, -1.0]),
+                        _choice(0, [7, 8], [float("nan"), -2.0], "length")]}
+    c = _offline_client(monkeypatch, [json.dumps(body)])  # json writes NaN as the NaN literal
+    [group] = c.generate([[1, 2]], n=2, max_tokens=4)
+    assert [g.token_ids for g in group] == [[7, 8], [5, 6, 2]]
+    assert math.isnan(group[0].logprobs[0]) and group[0].logprobs[1] == -2.0
+    assert group[1].logprobs[0] == -0.5 and math.isnan(group[1].logprobs[1])
+    arrays = rollout_arrays(group, pad_id=0, length=4)
+    bad = np.isnan(arrays["sampler_logp"])
+    np.testing.assert_array_equal(bad, [[1, 0, 0, 0], [0, 1, 0, 0]])
+    np.testing.assert_array_equal(arrays["completion_mask"], [[1, 1, 0, 0], [1, 1, 1, 0]])
+    np.testing.assert_array_equal(arrays["sampler_logp"][~bad],
+                                  np.float32([-2.0, 0, 0, -0.5, -1.0, 0]))
+    # logprobs_for: an unscorable prompt token is NaN as well
+    plp = {"choices": [{"prompt_logprobs": [None, {"3": {"logprob": -1.5}},
+                                            {"4": {"logprob": None}}]}]}
+    c = _offline_client(monkeypatch, [json.dumps(plp)])
+    [lp] = c.logprobs_for([[1]], [[3, 4]])
+    assert lp[0] == -1.5 and math.isnan(lp[1])
+
+
+def test_vllm_rollout_stops_on_generation_config_eos(monkeypatch, tmp_path):
+    """The server gets TRL's stop set: the tokenizer's EOS plus generation_config's."""
+    from grpo_jax.config import TrainConfig
+    from grpo_jax.rollout import SamplingParams, vllm_rollout
+    from grpo_jax.rollout.vllm_client import Completion
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    calls = []
+
+    class FakeClient:
+        def __init__(self, *a, **kw):
+            pass
+
+        def wait_healthy(self, timeout):
+            pass
+
+        def check_model(self, cfg, max_len=None):
+            pass
+
+        def generate(self, prompts, n, **kw):
+            calls.append(kw)
+            return [[Completion([4, 9], [-1.0, -2.0], "stop")] * n for _ in prompts]
+    monkeypatch.setattr(vllm_rollout, "VLLMClient", FakeClient)
+    cfg = dataclasses.replace(TrainConfig(), generation=SamplingParams(
+        max_completion_length=4, stop_token_ids=(5,)))
+    tok = SimpleNamespace(eos_token_id=2, pad_token_id=0)
+    r = vllm_rollout.VLLMRollout(cfg, None, tok, tmp_path)
+    out = r.generate(None, [[1, 3]], 2, jax.random.key(0))
+    assert tuple(calls[0]["stop_token_ids"]) == (2, 7, 9, 5)
+    np.testing.assert_array_equal(out.completion_mask, [[1, 1, 0, 0]] * 2)
 
 
 # ------------------------------------------------------------------ real server

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Literal
 
+import jax
 import optax
 
 from grpo_jax.errors import check
@@ -81,13 +83,31 @@ def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
     return optax.join_schedules([optax.linear_schedule(0.0, lr, warm), after], [warm])
 
 
+# transformers' Trainer decays every parameter except biases and norm weights
+# (`Trainer.get_decay_parameter_names`: LayerNorm modules and names matching bias, layernorm,
+# rmsnorm, norm, *_norm). In the decoder's parameter table (grpo_jax.models.param_table) those
+# are the *norm scales and the q/k/v biases bq, bk, bv; the embedding and lm_head decay.
+_NO_DECAY = re.compile(r"bias|norm$|^b[qkv]$")
+
+
+def decay_mask(params):
+    """True for the leaves weight decay applies to, False for biases and norm weights (by the
+    leaf's name: the last string key on its path, e.g. layers/attn_norm -> attn_norm)."""
+    def decays(path, _):
+        keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)
+                and isinstance(k.key, str)]
+        return not (keys and _NO_DECAY.search(keys[-1].lower()))
+    return jax.tree_util.tree_map_with_path(decays, params)
+
+
 def make_optimizer(cfg: OptimizerConfig, total_steps: int):
     """(transformation, schedule). A non-finite gradient leaves params and optimizer state
-    untouched (optax.apply_if_finite; its state counts the skips)."""
+    untouched (optax.apply_if_finite; its state counts the skips). Weight decay skips biases
+    and norm weights (`decay_mask`), as transformers does."""
     schedule = make_schedule(cfg, total_steps)
     tx = optax.chain(
         optax.clip_by_global_norm(cfg.max_grad_norm) if cfg.max_grad_norm else optax.identity(),
         optax.adamw(schedule, b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon,
-                    weight_decay=cfg.weight_decay),
+                    weight_decay=cfg.weight_decay, mask=decay_mask),
     )
     return optax.apply_if_finite(tx, _NEVER), schedule

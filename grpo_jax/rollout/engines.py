@@ -5,13 +5,17 @@ from __future__ import annotations
 import dataclasses
 
 from grpo_jax import distributed as dist
+from grpo_jax import hf
 from grpo_jax.rollout.sampler import RolloutBatch, Sampler
 from grpo_jax.rollout.sampling import SamplingParams
 
 
-def sampling_params(cfg, tokenizer) -> SamplingParams:
-    """The config's generation settings with the tokenizer's EOS added to the stop tokens."""
-    stops = dict.fromkeys([tokenizer.eos_token_id, *cfg.generation.stop_token_ids])
+def sampling_params(cfg, tokenizer, model_dir=None) -> SamplingParams:
+    """The config's generation settings with TRL's EOS set added to the stop tokens: the
+    tokenizer's EOS, then every `eos_token_id` of the model's generation_config.json (when
+    `model_dir` is given), then the config's own stop_token_ids."""
+    gen_eos = hf.generation_eos_ids(model_dir) if model_dir is not None else ()
+    stops = dict.fromkeys([tokenizer.eos_token_id, *gen_eos, *cfg.generation.stop_token_ids])
     return dataclasses.replace(cfg.generation,
                                stop_token_ids=tuple(t for t in stops if t is not None))
 
@@ -58,8 +62,8 @@ class MainProcessRollout:
 def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir):
     if cfg.rollout.backend == "jax":
         # SPMD over every process's devices
-        return JaxRollout(model_cfg, sampling_params(cfg, tokenizer), pad_id=pad_id(tokenizer),
-                          mesh=mesh)
+        return JaxRollout(model_cfg, sampling_params(cfg, tokenizer, model_dir),
+                          pad_id=pad_id(tokenizer), mesh=mesh)
     from grpo_jax.rollout.vllm_rollout import VLLMRollout
 
     def make():

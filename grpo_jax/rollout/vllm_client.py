@@ -8,13 +8,15 @@ Log-prob semantics: the server runs with `--logprobs-mode processed_logprobs`, i
 under the distribution actually sampled from (after repetition penalty, temperature, top-k, top-p
 and min-p, renormalised over the kept tokens). With those filters off (TRL's defaults) this is
 log_softmax(logits / T), the JAX sampler's `sampler_logp`. `logprobs_for` scores given tokens
-with plain log_softmax(logits) (temperature 1, no filters).
+with plain log_softmax(logits) (temperature 1, no filters). A log-prob the server could not
+compute (it sends NaN as null) is NaN here, as in TRL.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import math
 import shutil
 import time
 from pathlib import Path
@@ -40,7 +42,7 @@ class ModelMismatchError(VLLMServerError):
 @dataclasses.dataclass(frozen=True)
 class Completion:
     token_ids: list[int]
-    logprobs: list[float]  # sampler log-prob of each token (see the module docstring)
+    logprobs: list[float]  # sampler log-prob of each token (module docstring); NaN: unscored
     finish_reason: str     # "stop" (stop/EOS token, kept in token_ids) or "length"
 
     @property
@@ -201,7 +203,8 @@ class VLLMClient:
             out = self._request("POST", "/v1/completions", {
                 "prompt": p + c, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0})
             plp = out["choices"][0]["prompt_logprobs"][len(p):]
-            return np.array([d[str(t)]["logprob"] for d, t in zip(plp, c)], np.float32)
+            return np.array([_logprob(d[str(t)]["logprob"]) for d, t in zip(plp, c)],
+                            np.float32)
         return self._map(one, list(range(len(prompt_ids))))
 
     # ------------------------------------------------------------ weights
@@ -258,7 +261,14 @@ def _completion(choice: dict, url: str) -> Completion:
     if ids is None or lp is None or len(ids) != len(lp):
         raise VLLMServerError(f"{url}: completion without token ids/log-probs; the server "
                               "must support return_token_ids (vLLM >= 0.10)")
-    return Completion([int(t) for t in ids], [float(x) for x in lp], reason)
+    return Completion([int(t) for t in ids], [_logprob(x) for x in lp], reason)
+
+
+def _logprob(x) -> float:
+    """A log-prob from the server's JSON. vLLM sends a NaN log-prob as null (or NaN): both are
+    NaN here, TRL's mark for a token the server could not score. The loss must give such a
+    token an importance ratio of 1 (TRL: nan_to_num(old - sampler, nan=0) before exp)."""
+    return math.nan if x is None else float(x)
 
 
 def rollout_arrays(completions: list[Completion], pad_id: int, length: int | None = None
@@ -267,6 +277,8 @@ def rollout_arrays(completions: list[Completion], pad_id: int, length: int | Non
     flat list of completions (prompt-major, as `generate` returns them once flattened).
 
     `length`: padded width, normally max_completion_length so shapes (and compiles) stay fixed.
+    `sampler_logp` is NaN where the server gave no log-prob (TRL's convention): the loss gives
+    those tokens an importance ratio of 1.
     """
     width = max([len(c.token_ids) for c in completions] + [1]) if length is None else length
     n = len(completions)

@@ -22,8 +22,8 @@ class VLLMRollout:
         max_len = (cfg.data.max_prompt_length or 0) + cfg.generation.max_completion_length
         self.client.check_model(model_cfg, max_len=max_len or None)
         print(f"rollouts from the vLLM server at {r.base_url}", file=sys.stderr)
-        self.model_cfg, self.sp, self.pad = model_cfg, sampling_params(cfg, tokenizer), pad_id(
-            tokenizer)
+        self.model_cfg, self.pad = model_cfg, pad_id(tokenizer)
+        self.sp = sampling_params(cfg, tokenizer, model_dir)
 
     def generate(self, params, prompt_ids, num_generations, key) -> RolloutBatch:
         seed = int(jax.random.randint(key, (), 0, 2**30))
