@@ -117,11 +117,15 @@ def reward_names(funcs: Sequence[RewardFunc | Callable]) -> list[str]:
 class TrainerState:
     """What a reward function reads from TRL's `trainer_state` (transformers.TrainerState's
     names) to shape rewards by training progress. `global_step`: optimizer steps done before
-    this round's updates; `epoch`: epochs done, a float; `max_steps`: the run's total steps."""
-    global_step: int = 0
-    epoch: float = 0.0
-    max_steps: int = 0
-    num_train_epochs: float = 0.0
+    this round's updates; `epoch`: epochs done, a float; `max_steps`: the run's total steps.
+    Values of the run, not settings: no defaults (NOT_STARTED stands for no run)."""
+    global_step: int
+    epoch: float
+    max_steps: int
+    num_train_epochs: float
+
+
+NOT_STARTED = TrainerState(global_step=0, epoch=0.0, max_steps=0, num_train_epochs=0.0)
 
 
 @dataclasses.dataclass
@@ -229,7 +233,7 @@ def compute_rewards(funcs: Sequence[RewardFunc | Callable], prompts: Sequence[An
     """Every function on every completion: float32 [N, F], NaN where a function said None.
 
     Async functions run concurrently on one event loop; sync ones run in order. Each gets
-    `trainer_state` (default: `TrainerState()`) and `logs`' log_extra / log_metric (default: a
+    `trainer_state` (default: NOT_STARTED) and `logs`' log_extra / log_metric (default: a
     collector nobody reads); a column given to log_extra in this call must end up with one
     value per completion.
     """
@@ -249,7 +253,7 @@ def compute_rewards(funcs: Sequence[RewardFunc | Callable], prompts: Sequence[An
             raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
     kwargs = dict(prompts=list(prompts), completions=list(completions),
                   completion_ids=[list(c) for c in completion_ids],
-                  trainer_state=TrainerState() if trainer_state is None else trainer_state,
+                  trainer_state=NOT_STARTED if trainer_state is None else trainer_state,
                   log_extra=logs.log_extra, log_metric=logs.log_metric,
                   **{k: list(v) for k, v in columns.items()})
     out = np.full((n, len(funcs)), np.nan, np.float32)

@@ -240,7 +240,7 @@ def _grpo_jax_dataclasses():
             continue  # the vLLM side: no settings of the trainer
         module = importlib.import_module(info.name)
         for _, cls in inspect.getmembers(module, dataclasses.is_dataclass):
-            if cls.__module__ == info.name:
+            if isinstance(cls, type) and cls.__module__ == info.name:
                 yield cls
 
 

@@ -208,7 +208,7 @@ def test_reward_functions_get_trainer_state_log_extra_and_log_metric(tmp_path):
     every reward function; extra columns join the completions table, metrics are averaged."""
     path = _write(tmp_path / "shaping.py", TRL_KWARGS_REWARDS)
     funcs = load_reward_funcs([f"{path}:shaped", f"{path}:judged"])
-    state = rewards_lib.TrainerState(global_step=3, max_steps=12, epoch=0.5)
+    state = rewards_lib.TrainerState(global_step=3, max_steps=12, epoch=0.5, num_train_epochs=1.0)
     logs = rewards_lib.RewardLogs()
     out = compute_rewards(funcs, ["p", "q"], ["ab", "abcd"], [[1], [2]], trainer_state=state,
                           logs=logs)
