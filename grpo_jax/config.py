@@ -41,6 +41,10 @@ class DataArgs:
     max_prompt_length: int | None = None
     shuffle_dataset: bool = True
     seed: int = 42  # data order and synthetic data; the trainer derives its sampling key from it
+    # open-r1: every prompt becomes a chat led by this system message.
+    system_prompt: str | None = None
+    chat_template: str | None = None  # replaces the tokenizer's (a Jinja string)
+    chat_template_kwargs: dict | None = None  # to apply_chat_template, e.g. {enable_thinking: false}
 
     def __post_init__(self):
         _check(self.max_prompt_length is None or self.max_prompt_length >= 1,

@@ -99,11 +99,13 @@ def load_prompts(cfg: DataArgs, tokenizer) -> PromptDataset:
     if cfg.prompt_column not in columns:
         raise DataError(f"dataset {cfg.dataset_name!r} has no column {cfg.prompt_column!r}; its "
                         f"columns are {sorted(columns)}. Set prompt_column to one of them.")
-    prompts = columns.pop(cfg.prompt_column)
+    prompts = with_system_prompt(columns.pop(cfg.prompt_column), cfg.system_prompt)
     columns = {k: v for k, v in columns.items() if k not in NOT_REWARD_COLUMNS}
     if not prompts:
         raise DataError(f"dataset {cfg.dataset_name!r} split {cfg.dataset_train_split!r} is empty")
-    ids = tokenize_prompts(prompts, tokenizer)
+    if cfg.chat_template:
+        tokenizer.chat_template = cfg.chat_template  # the run's tokenizer, decoding included
+    ids = tokenize_prompts(prompts, tokenizer, cfg.chat_template_kwargs)
     limit = cfg.max_prompt_length
     truncated = 0
     if limit is not None:
@@ -125,11 +127,28 @@ def load_prompts(cfg: DataArgs, tokenizer) -> PromptDataset:
         shuffle=cfg.shuffle_dataset, seed=cfg.seed)
 
 
-def tokenize_prompts(prompts: Sequence[Any], tokenizer, chunk: int = 1024) -> list[list[int]]:
+def with_system_prompt(prompts: Sequence[Any], system_prompt: str | None) -> list[Any]:
+    """open-r1's conversation form: [system, user] for a plain prompt, the system message
+    first for chat messages (None: the prompts as they are)."""
+    if system_prompt is None:
+        return list(prompts)
+    system = {"role": "system", "content": system_prompt}
+    out = []
+    for i, p in enumerate(prompts):
+        messages = [{"role": "user", "content": p}] if isinstance(p, str) else list(p)
+        if messages and isinstance(messages[0], dict) and messages[0].get("role") == "system":
+            raise DataError(f"prompt {i} already starts with a system message; drop "
+                            "system_prompt or the dataset's system messages")
+        out.append([system, *messages])
+    return out
+
+
+def tokenize_prompts(prompts: Sequence[Any], tokenizer, chat_template_kwargs=None,
+                     chunk: int = 1024) -> list[list[int]]:
     """Token ids of each prompt, as TRL 1.16 makes them: a plain string with the tokenizer's
     special tokens (`tokenizer(text=...)`, e.g. a BOS), chat messages as their rendered template
     without any (`apply_chat_template(tokenize=True)` adds none: the template holds them)."""
-    texts = render_prompts(prompts, tokenizer)
+    texts = render_prompts(prompts, tokenizer, chat_template_kwargs)
     plain = [isinstance(p, str) for p in prompts]
     ids: list[list[int] | None] = [None] * len(texts)
     for kind in (True, False):
@@ -142,8 +161,9 @@ def tokenize_prompts(prompts: Sequence[Any], tokenizer, chunk: int = 1024) -> li
     return ids
 
 
-def render_prompts(prompts: Sequence[Any], tokenizer) -> list[str]:
-    """Strings as they are; chat messages through the tokenizer's chat template."""
+def render_prompts(prompts: Sequence[Any], tokenizer, chat_template_kwargs=None) -> list[str]:
+    """Strings as they are; chat messages through the tokenizer's chat template (with TRL's
+    chat_template_kwargs, e.g. Qwen3's enable_thinking)."""
     texts = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
@@ -154,7 +174,8 @@ def render_prompts(prompts: Sequence[Any], tokenizer) -> list[str]:
                 raise DataError("the prompts are chat messages but the tokenizer has no chat "
                                 "template; use an instruct/chat model or plain-string prompts")
             texts.append(tokenizer.apply_chat_template(p, tokenize=False,
-                                                       add_generation_prompt=True))
+                                                       add_generation_prompt=True,
+                                                       **(chat_template_kwargs or {})))
         else:
             raise DataError(f"prompt {i} is {type(p).__name__} {str(p)[:80]!r}; a prompt must "
                             "be a string or a list of {'role', 'content'} messages")

@@ -233,3 +233,38 @@ def test_hub_unreachable_fails_fast_without_offline_flag(tok, monkeypatch):
     with pytest.raises(DataError, match="unreachable.*HF_HUB_OFFLINE=1"):
         load_prompts(DataArgs(dataset_name="trl-lib/tldr"), tok)
     assert time.time() - t0 < 10
+
+
+def test_system_prompt_chat_template_and_kwargs(tmp_path):
+    """open-r1's system_prompt turns every prompt into [system, user]; chat_template replaces the
+    tokenizer's; chat_template_kwargs reach apply_chat_template (Qwen3's enable_thinking)."""
+    import copy
+
+    from grpo_jax.cli import config_from_dict
+    path = _jsonl(tmp_path / "p.jsonl", [{"prompt": "2+2?"},
+                                        {"prompt": [{"role": "user", "content": "3+3?"}]}])
+    own = copy.deepcopy(_tok_plain())
+    think = ("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+             "{% if add_generation_prompt %}[assistant]{% if enable_thinking is defined and "
+             "not enable_thinking %}<no-think>{% endif %}{% endif %}")
+    cfg = config_from_dict({"dataset_name": path, "system_prompt": "Be brief.",
+                            "chat_template": think,
+                            "chat_template_kwargs": {"enable_thinking": False}}).data
+    ds = load_prompts(cfg, own)
+    assert own.chat_template == think
+    assert ds.prompts[0] == [{"role": "system", "content": "Be brief."},
+                             {"role": "user", "content": "2+2?"}]
+    text = own.decode(ds.prompt_ids(1))
+    assert text == "[system]Be brief.[user]3+3?[assistant]<no-think>", text
+    with pytest.raises(DataError, match="already starts with a system message"):
+        load_prompts(DataArgs(dataset_name=_jsonl(tmp_path / "s.jsonl", [{"prompt": [
+            {"role": "system", "content": "x"}, {"role": "user", "content": "y"}]}]),
+            system_prompt="Be brief."), own)
+
+
+def _tok_plain():
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    inner = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    inner.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="<|im_end|>")
