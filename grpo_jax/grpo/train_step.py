@@ -79,12 +79,23 @@ def _micro_loss(params, graphdef, cfg: StepConfig, mb: Batch) -> loss_lib.MicroL
 def loss_and_grads(graphdef, cfg: StepConfig, params, batch: Batch,
                    constrain: Callable[[jax.Array], jax.Array] = lambda x: x,
                    entropy_coef=None):
-    """Exact (loss, grads, metric sums) over `batch`, split into gradient_accumulation_steps
-    micro-batches. The policy loss's denominator depends on the masks only, never on the params,
-    so it is summed over all micro-batches first; each micro-batch then adds
+    """Exact (loss, grads, metric sums) of the model's params over `batch`, split into
+    gradient_accumulation_steps micro-batches (accumulate). `entropy_coef`: the entropy bonus's
+    coefficient to apply (None: the config's). `constrain` lays out each [k, rows, ...] split
+    (the trainer keeps rows on the batch axes)."""
+    return accumulate(lambda p, mb, _: _micro_loss(p, graphdef, cfg, mb), cfg, params, batch,
+                      constrain, entropy_coef)
+
+
+def accumulate(micro_loss: Callable[[Any, Batch, jax.Array], loss_lib.MicroLoss],
+               cfg: StepConfig, params, batch: Batch,
+               constrain: Callable[[jax.Array], jax.Array] = lambda x: x, entropy_coef=None):
+    """(loss, grads w.r.t. params, metric sums) over `batch` split into k =
+    gradient_accumulation_steps micro-batches; micro_loss(params, micro_batch, j) gives the j-th
+    micro-batch's MicroLoss. The policy loss's denominator depends on the masks only, never on
+    the params, so it is summed over all micro-batches first; each micro-batch then adds
     numerator / denominator - entropy_coef * entropy_mean / k (see loss.py) to the loss and its
-    gradient to the sum. `entropy_coef`: the coefficient to apply (None: the config's).
-    `constrain` lays out each [k, rows, ...] split (the trainer keeps rows on the batch axes)."""
+    gradient to the sum: k micro-batches give one big batch's loss and gradient."""
     k = cfg.gradient_accumulation_steps
     micro = jax.tree.map(lambda x: constrain(x.reshape(k, x.shape[0] // k, *x.shape[1:])), batch)
     dens = jax.vmap(lambda mask, trunc, items: loss_lib.loss_denominator(
@@ -92,8 +103,8 @@ def loss_and_grads(graphdef, cfg: StepConfig, params, batch: Batch,
     denom = jnp.maximum(dens.sum(), 1e-8)
     coef = cfg.loss.entropy_coef if entropy_coef is None else entropy_coef
 
-    def objective(p, mb):
-        out = _micro_loss(p, graphdef, cfg, mb)
+    def objective(p, mb, j):
+        out = micro_loss(p, mb, j)
         value = out.numerator / denom
         if out.entropy_mean is not None:
             value = value - coef * out.entropy_mean / k
@@ -101,17 +112,35 @@ def loss_and_grads(graphdef, cfg: StepConfig, params, batch: Batch,
 
     value_and_grad = jax.value_and_grad(objective, has_aux=True)
 
-    def accumulate(carry, mb):
+    def step(carry, xs):
         grads, loss, sums = carry
-        (v, s), g = value_and_grad(params, mb)
+        (v, s), g = value_and_grad(params, *xs)
         return (jax.tree.map(jnp.add, grads, g), loss + v,
                 loss_lib.merge_metric_sums(sums, s)), None
 
     first = jax.tree.map(lambda x: x[0], micro)
-    zero_sums = loss_lib.empty_metric_sums(jax.eval_shape(lambda: objective(params, first)[1]))
+    zero_sums = loss_lib.empty_metric_sums(jax.eval_shape(
+        lambda: objective(params, first, jnp.zeros((), jnp.int32))[1]))
     init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), zero_sums)
-    (grads, loss, sums), _ = jax.lax.scan(accumulate, init, micro)
+    (grads, loss, sums), _ = jax.lax.scan(step, init, (micro, jnp.arange(k)))
     return loss, grads, sums
+
+
+def finish_entropy_control(state: TrainState, metrics: dict, loss: loss_lib.LossConfig):
+    """After a step's update: with use_adaptive_entropy, move the carried coefficient by the
+    step's token-mean entropy (taken out of `metrics`) and remember that entropy; with any entropy
+    bonus, log the coefficient ("entropy_coef", after the move, as TRL). Returns (state,
+    metrics)."""
+    metrics = dict(metrics)
+    if loss.use_adaptive_entropy:
+        step_entropy = metrics.pop(loss_lib.ADAPTIVE_ENTROPY).astype(jnp.float32)
+        state = state._replace(
+            entropy_coef=loss_lib.update_entropy_coef(state.entropy_coef, step_entropy, loss),
+            last_entropy=step_entropy)
+    if loss.entropy_bonus:
+        metrics["entropy_coef"] = (state.entropy_coef if loss.use_adaptive_entropy
+                                   else jnp.asarray(loss.entropy_coef, jnp.float32))
+    return state, metrics
 
 
 def train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule,
@@ -129,17 +158,9 @@ def train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Sched
     coef = loss_lib.applied_entropy_coef(state.entropy_coef, state.last_entropy, lc)
     loss, grads, sums = loss_and_grads(graphdef, cfg, state.params, batch, constrain, coef)
     updates, new_opt = tx.update(grads, state.opt_state, state.params)
-    metrics = dict(loss_lib.finalize_metrics(sums))
     new_state = TrainState(optax.apply_updates(state.params, updates), new_opt, state.step + 1,
                            state.entropy_coef, state.last_entropy)
-    if lc.use_adaptive_entropy:
-        step_entropy = metrics.pop(loss_lib.ADAPTIVE_ENTROPY)
-        new_state = new_state._replace(
-            entropy_coef=loss_lib.update_entropy_coef(state.entropy_coef, step_entropy, lc),
-            last_entropy=step_entropy.astype(jnp.float32))
-    if lc.entropy_bonus:
-        metrics["entropy_coef"] = (new_state.entropy_coef if lc.use_adaptive_entropy
-                                   else jnp.asarray(lc.entropy_coef, jnp.float32))
+    new_state, metrics = finish_entropy_control(new_state, loss_lib.finalize_metrics(sums), lc)
     metrics.update(loss=loss, grad_norm=optax.tree.norm(grads),
                    skipped_updates=(new_opt.notfinite_count > 0).astype(jnp.int32),
                    learning_rate=schedule(state.step))
