@@ -8,7 +8,8 @@ scaled for accumulation, with the gradients accumulated in the leaves) and throu
 grpo_jax.grpo.train_step.accumulate in float32 with the same log-probs and entropies as the
 parameters. Compared: the loss, its gradient w.r.t. every log-prob and entropy, and (one
 micro-batch) every metric both log. The contract is 1e-5, relative to max(1, |TRL's value|)
-(gradients: to max(1, max |TRL's gradient|)); measured differences are in the comments.
+(gradients: to max(1, max |TRL's gradient|)). Measured over all cases (relative to that scale):
+loss 1.4e-7, d/d logp 2e-8, d/d entropy 2e-10, metrics <= 1.1e-7 (clip fractions exactly equal).
 
 The vLLM importance-sampling ratio is an input of _compute_loss that TRL computes in
 _generate_and_score_completions (inline, not a function we can call): `trl_is_ratio` re-derives it

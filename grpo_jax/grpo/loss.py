@@ -41,11 +41,14 @@ tokens on short-completion devices differently from TRL. TRL's top_entropy_quant
 entropies of all devices, as here. grpo, sapo, luspo, dr_grpo, dapo, cispo and vespo are exact on
 any mesh.
 
-Two inputs follow TRL's choice of log-probs: off_policy_mask_threshold measures the KL of the
-sampler's log-probs (Batch.sampler_logp; TRL: vLLM's) against the current policy, falling back to
-the old log-probs when sampler_logp is None; with the JAX sampler, sampler_logp are the old
-policy's own log-probs up to the sampler's numerics (tests/test_sampler.py: < 1e-4), where TRL
-(no vLLM) uses the recomputed ones.
+off_policy_mask_threshold measures the KL of the sampler's log-probs (Batch.sampler_logp; TRL:
+vLLM's) against the current policy, falling back to the old log-probs when sampler_logp is None,
+as TRL does without vLLM. With the JAX sampler, sampler_logp are the old policy's own log-probs up
+to the sampler's numerics (tests/test_sampler.py: < 1e-4), where TRL (no vLLM) uses recomputed
+ones: a sequence whose mean KL is within that of the threshold can be kept in one and dropped in
+the other. The KL term's ratio (use_bias_correction_kl) is taken before delta's cap, as in TRL.
+Clip metrics are logged for grpo, bnpo, dr_grpo, dapo and luspo, cispo_clip_ratio for cispo,
+vespo/phi_seq_mean for vespo and none for sapo, as TRL.
 
 Metrics come back as mergeable sums: {"mean": {name: [sum, count]}, "min": {name: v},
 "max": {name: v}}; combine micro-batches with merge_metric_sums, read with finalize_metrics.
