@@ -231,7 +231,7 @@ CASES = [
     (dict(entropy_coef=0.02, top_entropy_quantile=0.4), dict(k=1)),
     (dict(entropy_coef=-0.03, loss_type="bnpo", mask_truncated_completions=True), {}),
     # num_items_in_batch over a generation batch of several steps.
-    (dict(loss_type="dapo", **KL), dict(spg=4)), (dict(loss_type="cispo"), dict(spg=4)),
+    (dict(loss_type="dapo", **KL), dict(spg=6)), (dict(loss_type="cispo"), dict(spg=4)),
     (dict(loss_type="vespo"), dict(spg=8, k=4)),
     (dict(loss_type="dapo", entropy_coef=0.01), dict(spg=4, old=False)),
 ]
