@@ -54,7 +54,7 @@ def oracle(x, cfg):
     lr = logp - old
     if seq:
         lr = np.array([[(lr[i] * m[i]).sum() / max(m[i].sum(), 1.0)] for i in range(len(m))])
-    r = np.exp(lr)
+    r = r0 = np.exp(lr)
     if cfg.loss_type == "cispo":
         per = -np.minimum(r, hi_eps) * A * logp
     else:
@@ -84,8 +84,10 @@ def oracle(x, cfg):
                     "sampling/importance_sampling_ratio/max": flat.max()})
     if cfg.beta > 0:
         kl = np.exp(g["ref_logp"] - logp) - (g["ref_logp"] - logp) - 1
+        if cfg.use_bias_correction_kl:  # times the ratio before delta's cap
+            kl = kl * r0
         per = per + cfg.beta * kl
-        out["kl"] = (kl * m).sum() / m.sum()
+        out["kl"] = (np.broadcast_to(kl, m.shape) * m).sum() / m.sum()
     per = np.broadcast_to(per, m.shape) * m
     value = {"grpo": lambda: np.mean(per.sum(1) / np.maximum(m.sum(1), 1)),
              "bnpo": lambda: per.sum() / max(m.sum(), 1),

@@ -26,6 +26,10 @@ class Batch:
     old_logp: Array | None = None      # [N, C] the policy at generation time (num_iterations > 1)
     ref_logp: Array | None = None      # [N, C] the reference model (beta > 0)
     sampler_logp: Array | None = None  # [N, C] the sampler's own log-probs
+    # [N] fp32: TRL's num_items_in_batch (the generation batch's loss tokens) / its rows, on
+    # every row (grpo.loss.num_items_per_row): the dapo / cispo / vespo denominator. None: a
+    # step divides by its own loss tokens (the same when a step is a whole generation batch).
+    num_items: Array | None = None
 
     @property
     def size(self) -> int:

@@ -1,60 +1,127 @@
-"""The GRPO objective of TRL's GRPOTrainer, as sums that make gradient accumulation exact.
+"""The GRPO objective of TRL's GRPOTrainer (TRL 1.16), as sums that make gradient accumulation
+exact.
 
-A step's loss is sum(numerators) / sum(denominators) over its micro-batches; the denominator
-depends on the masks only, so the summed gradients divided once equal one big batch's gradient.
-Per loss_type (m = loss mask, L = per-token loss, B = sequences in the micro-batch):
-  grpo     sum_i sum_t(m L) / max(sum_t m, 1)  /  B          (mean over sequences)
-  bnpo     sum(m L) / max(sum(m), 1)           /  1          (normalised per micro-batch, as TRL:
-                                                              k micro-batches give their mean)
-  dr_grpo  sum(m L)                            /  B * max_completion_length (the completions'
-                                                              padded width: both rollout
-                                                              back-ends pad to it)
-  dapo     sum(m L)                            /  sum(m)     (active tokens of the whole step)
-  cispo    as dapo.
-With one micro-batch each equals TRL's loss. Two things stay per micro-batch like in TRL: bnpo's
-normaliser and top_entropy_quantile's threshold.
+A step's policy loss is sum(numerators) / sum(denominators) over its k micro-batches; the
+denominator depends on the masks only, so the summed gradients divided once equal one big batch's
+gradient. Per loss_type (m = loss mask, L = per-token loss, B = sequences in the micro-batch):
+  grpo, sapo  sum_i sum_t(m L) / max(sum_t m, 1)  /  B     (mean over sequences)
+  luspo       sum(m L)                            /  B     (each sequence's sum, mean over them)
+  bnpo        sum(m L) / max(sum(m), 1)           /  1     (normalised per micro-batch, as TRL:
+                                                             k micro-batches give their mean)
+  dr_grpo     sum(m L)                            /  B * max_completion_length (the completions'
+                                                             padded width: both rollout
+                                                             back-ends pad to it)
+  dapo        sum(m L)                            /  the step's share of num_items_in_batch
+  cispo, vespo  as dapo.
+num_items_in_batch is TRL's normaliser: the loss tokens of the whole generation batch, and a step
+divides by num_items_in_batch * gradient_accumulation_steps / steps_per_generation, i.e. the
+generation batch's mean loss tokens per optimizer step. Batch.num_items carries it spread evenly
+over the generation batch's rows (num_items_per_row), so a step's rows sum to exactly that; when
+Batch.num_items is None the denominator is the step's own loss tokens, which is the same number
+when an optimizer step is one whole generation batch (steps_per_generation ==
+gradient_accumulation_steps, TRL's default) and differs otherwise.
+
+The entropy bonus (entropy_coef) is TRL's: the loss minus coef * the mean entropy of the loss
+tokens (after top_entropy_quantile's mask) of each micro-batch, averaged over the k micro-batches.
+TRL takes that mean per micro-batch, so it is a second (numerator, denominator) pair with
+numerator = the micro-batch's mean entropy and denominator 1 per micro-batch (like bnpo); a step
+is then sum(numerators) / sum(denominators) - coef * sum(entropy means) / k (MicroLoss,
+grpo_jax.grpo.train_step). With use_adaptive_entropy the coefficient is carried across steps
+(adaptive_entropy_coef, update_entropy_coef: TRL's controller, fed the step's token-mean entropy).
+
+With one micro-batch on one device each equals TRL's loss exactly; with k micro-batches too (tests
+compare against TRL's own _compute_loss). What stays per micro-batch, as in TRL: bnpo's normaliser,
+the entropy bonus's mean and top_entropy_quantile's threshold. One difference remains with several
+data-parallel devices: TRL normalises bnpo (and the entropy bonus's mean) per device, each device
+dividing its own rows' sum by its own rows' token count, and then averages the devices' losses
+(DDP's gradient mean): sum_d (S_d / N_d) / D. Here a micro-batch is the global one (all devices'
+rows), so bnpo gives S / N = sum_d S_d / sum_d N_d. The two agree on one device, or when every
+device's rows hold the same number of loss tokens; otherwise bnpo (and the entropy bonus) weigh
+tokens on short-completion devices differently from TRL. TRL's top_entropy_quantile gathers the
+entropies of all devices, as here. grpo, sapo, luspo, dr_grpo, dapo, cispo and vespo are exact on
+any mesh.
+
+off_policy_mask_threshold measures the KL of the sampler's log-probs (Batch.sampler_logp; TRL:
+vLLM's) against the current policy, falling back to the old log-probs when sampler_logp is None,
+as TRL does without vLLM. With the JAX sampler, sampler_logp are the old policy's own log-probs up
+to the sampler's numerics (tests/test_sampler.py: < 1e-4), where TRL (no vLLM) uses recomputed
+ones: a sequence whose mean KL is within that of the threshold can be kept in one and dropped in
+the other. The KL term's ratio (use_bias_correction_kl) is taken before delta's cap, as in TRL.
+Clip metrics are logged for grpo, bnpo, dr_grpo, dapo and luspo, cispo_clip_ratio for cispo,
+vespo/phi_seq_mean for vespo and none for sapo, as TRL.
 
 Metrics come back as mergeable sums: {"mean": {name: [sum, count]}, "min": {name: v},
 "max": {name: v}}; combine micro-batches with merge_metric_sums, read with finalize_metrics.
+With the entropy bonus on, "policy_loss" is the step's policy loss (TRL logs the mean of each
+micro-batch's loss, which for dapo, cispo and vespo is that divided by k).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import typing
 from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from grpo_jax.errors import check
 from grpo_jax.grpo.batch import Batch
 
 f32 = jnp.float32
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo"]
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 ISLevel = Literal["token", "sequence"]
 ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+# Loss types whose denominator is num_items_in_batch (loss tokens), and those with clip metrics.
+_TOKEN_NORMALISED = ("dapo", "cispo", "vespo")
+_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+# The metric-sums entry that feeds the adaptive entropy controller (not a logged metric).
+ADAPTIVE_ENTROPY = "_adaptive_entropy"
 
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """The objective's settings, with TRL GRPOConfig's names and defaults."""
+    """The objective's settings, with TRL GRPOConfig's (1.16) names and defaults."""
 
     beta: float = 0.0  # KL coefficient; 0 needs no reference model
+    # Multiply the KL term by the (differentiable) importance ratio (DeepSeek-V3.2's unbiased
+    # reverse-KL gradient). Changes the KL gradient even on-policy, where the ratio's value is 1.
+    use_bias_correction_kl: bool = True
     epsilon: float = 0.2
     epsilon_high: float | None = None  # None: epsilon. For cispo: the cap on the ratio itself
     delta: float | None = None  # upper bound on the unclipped ratio (INTELLECT-2); None: off
     loss_type: LossType = "dapo"
+    sapo_temperature_neg: float = 1.05  # sapo's gate temperature for advantages <= 0
+    sapo_temperature_pos: float = 1.0  # ... and > 0
+    vespo_k_pos: float = 2.0  # vespo's Gamma weight exp(lambda) w^k exp(-lambda w), advantage >= 0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0  # ... advantage < 0
+    vespo_lambda_neg: float = 2.0
     importance_sampling_level: ISLevel = "token"
     mask_truncated_completions: bool = False
     top_entropy_quantile: float = 1.0
+    # Entropy bonus: loss - entropy_coef * mean token entropy (per micro-batch, as TRL). With
+    # use_adaptive_entropy, entropy_coef is the initial value of a coefficient that each step
+    # moves by entropy_coef_delta within [entropy_coef_min, entropy_coef_max] (up when the step's
+    # entropy is <= entropy_target) and that applies only while entropy <= entropy_target.
+    entropy_coef: float = 0.0
+    use_adaptive_entropy: bool = False
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+    entropy_target: float = 0.2
     # Sampler/trainer mismatch: weight tokens by exp(old_logp - sampler_logp). The trainer
     # applies it to vLLM rollouts only: the JAX sampler runs the trainer's own weights.
     vllm_importance_sampling_correction: bool = True
     vllm_importance_sampling_mode: ISMode = "sequence_mask"
     vllm_importance_sampling_clip_min: float | None = None
     vllm_importance_sampling_clip_max: float | None = 3.0
+    # Drop sequences with a negative advantage whose mean KL(sampler || policy) exceeds this
+    # (DeepSeek-V3.2's off-policy sequence mask); None: off.
+    off_policy_mask_threshold: float | None = None
 
     def __post_init__(self):
         for name, choices in (("loss_type", LossType), ("importance_sampling_level", ISLevel),
@@ -67,8 +134,21 @@ class LossConfig:
               f"epsilon_high must be > 0 or null, got {self.epsilon_high}")
         check(self.delta is None or self.delta > 1, f"delta caps the ratio from above and must "
               f"be > 1 (TRL recommends > 1 + epsilon) or null, got {self.delta}")
+        check(self.sapo_temperature_neg > 0 and self.sapo_temperature_pos > 0,
+              f"sapo_temperature_neg and sapo_temperature_pos must be > 0, got "
+              f"{self.sapo_temperature_neg} and {self.sapo_temperature_pos}")
+        check(self.vespo_k_pos >= 0 and self.vespo_k_neg >= 0,
+              f"vespo_k_pos and vespo_k_neg must be >= 0, got {self.vespo_k_pos} and "
+              f"{self.vespo_k_neg}")
+        check(self.vespo_lambda_pos > 0 and self.vespo_lambda_neg > 0,
+              f"vespo_lambda_pos and vespo_lambda_neg must be > 0 (TRL raises smaller values to "
+              f"1e-4), got {self.vespo_lambda_pos} and {self.vespo_lambda_neg}")
         check(0.0 <= self.top_entropy_quantile <= 1.0,
               f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
+        check(self.entropy_coef_min <= self.entropy_coef_max, f"entropy_coef_min "
+              f"({self.entropy_coef_min}) must be <= entropy_coef_max ({self.entropy_coef_max})")
+        check(self.entropy_coef_delta >= 0,
+              f"entropy_coef_delta must be >= 0, got {self.entropy_coef_delta}")
         lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
         check(lo is None or hi is None or lo < hi, f"vllm_importance_sampling_clip_min ({lo}) "
               f"must be < vllm_importance_sampling_clip_max ({hi})")
@@ -76,10 +156,18 @@ class LossConfig:
                    and self.vllm_importance_sampling_mode.endswith("_truncate")),
               "a *_truncate vllm_importance_sampling_mode needs vllm_importance_sampling_clip_min"
               " or vllm_importance_sampling_clip_max")
+        check(self.off_policy_mask_threshold is None or self.off_policy_mask_threshold >= 0,
+              f"off_policy_mask_threshold must be >= 0 or null (TRL expects a positive value, "
+              f"e.g. 0.5), got {self.off_policy_mask_threshold}")
 
     @property
     def eps_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def entropy_bonus(self) -> bool:
+        """Whether the loss has the entropy term (TRL: a nonzero coefficient, or adaptive)."""
+        return self.entropy_coef != 0.0 or self.use_adaptive_entropy
 
 
 def loss_mask(completion_mask, truncated, cfg: LossConfig) -> jax.Array:
@@ -90,13 +178,26 @@ def loss_mask(completion_mask, truncated, cfg: LossConfig) -> jax.Array:
     return m
 
 
-def loss_denominator(completion_mask, truncated, cfg: LossConfig) -> jax.Array:
-    """The micro-batch's share of the step's loss denominator (see the module docstring)."""
+def num_items_per_row(completion_mask, truncated, cfg: LossConfig) -> np.ndarray:
+    """Batch.num_items for a whole generation batch (host arrays): TRL's num_items_in_batch (its
+    loss tokens) / its rows, on every row [N] fp32, so that any step's rows sum to that step's
+    share of it (see the module docstring)."""
+    m = np.asarray(completion_mask, np.float64)
+    if cfg.mask_truncated_completions:
+        m = m * (1.0 - np.asarray(truncated, np.float64))[:, None]
+    return np.full(m.shape[0], m.sum() / m.shape[0], np.float32)
+
+
+def loss_denominator(completion_mask, truncated, cfg: LossConfig, num_items=None) -> jax.Array:
+    """The micro-batch's share of the step's loss denominator (see the module docstring).
+    num_items: the micro-batch's Batch.num_items, or None (the micro-batch's own loss tokens)."""
     m = loss_mask(completion_mask, truncated, cfg)
     B = m.shape[0]
-    return {"grpo": lambda: jnp.asarray(B, f32), "bnpo": lambda: jnp.asarray(1.0, f32),
-            "dr_grpo": lambda: jnp.asarray(B * m.shape[1], f32),
-            "dapo": m.sum, "cispo": m.sum}[cfg.loss_type]()
+    if cfg.loss_type in _TOKEN_NORMALISED:
+        return m.sum() if num_items is None else jnp.asarray(num_items, f32).sum()
+    return {"grpo": lambda: jnp.asarray(B, f32), "sapo": lambda: jnp.asarray(B, f32),
+            "luspo": lambda: jnp.asarray(B, f32), "bnpo": lambda: jnp.asarray(1.0, f32),
+            "dr_grpo": lambda: jnp.asarray(B * m.shape[1], f32)}[cfg.loss_type]()
 
 
 def high_entropy_mask(entropy, m, quantile: float) -> jax.Array:
@@ -115,8 +216,10 @@ def high_entropy_mask(entropy, m, quantile: float) -> jax.Array:
 
 def sampler_is_weight(old_logp, sampler_logp, m, cfg: LossConfig) -> jax.Array:
     """exp(old - sampler) per token [B, T] or summed per sequence [B, 1], then clipped (*_truncate)
-    or zeroed outside [clip_min, clip_max] (*_mask). A constant: no gradient."""
-    diff = (jax.lax.stop_gradient(old_logp) - sampler_logp.astype(f32)) * m
+    or zeroed outside [clip_min, clip_max] (*_mask). A constant: no gradient. A NaN sampler
+    log-prob (a token the sampler could not score) counts as no difference, as in TRL."""
+    diff = jnp.nan_to_num((jax.lax.stop_gradient(old_logp) - sampler_logp.astype(f32)) * m,
+                          nan=0.0)
     if cfg.vllm_importance_sampling_mode.startswith("sequence"):
         diff = diff.sum(-1, keepdims=True)
     w = jnp.exp(diff)
@@ -127,77 +230,175 @@ def sampler_is_weight(old_logp, sampler_logp, m, cfg: LossConfig) -> jax.Array:
     return jnp.where((w < lo) | (w > hi), 0.0, w)
 
 
+def off_policy_mask(A, logp, sampler_logp, m, threshold: float) -> jax.Array:
+    """[B, 1] 1 = keep: advantage >= 0, or the sequence's mean KL estimate sampler_logp - logp
+    (NaN tokens count 0) is <= threshold (DeepSeek-V3.2's off-policy sequence mask)."""
+    kl = jnp.nan_to_num(sampler_logp.astype(f32) - jax.lax.stop_gradient(logp), nan=0.0)
+    mean_kl = (kl * m).sum(-1, keepdims=True) / jnp.maximum(m.sum(-1, keepdims=True), 1.0)
+    return ((A >= 0) | (mean_kl <= threshold)).astype(f32)
+
+
+def vespo_weight(A, log_ratio, m, is_weight, cfg: LossConfig) -> jax.Array:
+    """[B, 1] VESPO's Gamma weight phi(w) = exp(lambda + k log w - lambda w) of the sequence's
+    ratio w = exp(sum_t clip(log_ratio, -20, 20) + sum_t log(is_weight)), computed in log space
+    with TRL's clamps (log w in [log 1e-8, 20]); non-finite weights become 0. No gradient."""
+    sg = jax.lax.stop_gradient
+    lower = math.log(1e-8)
+    log_w = (jnp.clip(sg(log_ratio), -20.0, 20.0) * m).sum(-1, keepdims=True)
+    if is_weight is not None:  # token-level sampler correction, summed over every position
+        log_w = log_w + jnp.clip(jnp.log(is_weight), lower, 20.0).sum(-1, keepdims=True)
+    log_w = jnp.clip(log_w, lower, 20.0)
+    nonneg = A >= 0
+    k = jnp.where(nonneg, cfg.vespo_k_pos, cfg.vespo_k_neg)
+    lam = jnp.maximum(jnp.where(nonneg, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg), 1e-4)
+    phi = jnp.exp(lam + k * log_w - lam * jnp.exp(log_w))
+    return sg(jnp.where(jnp.isfinite(phi), phi, 0.0))
+
+
 class _Terms(NamedTuple):
     """What the loss computed on the way, for its metrics (all without gradient)."""
     m: jax.Array  # [B, T] loss mask
     A: jax.Array  # [B, 1] advantages
     old: jax.Array  # [B, T] old log-probs
     ratio: jax.Array  # [B, T] or [B, 1] (sequence level)
-    kl: jax.Array | None  # [B, T] when beta > 0
+    kl: jax.Array | None  # [B, T] when beta > 0 (times the ratio with use_bias_correction_kl)
     is_weight: jax.Array | None  # sampler importance weight when sampler_logp is given
+    phi: jax.Array | None  # [B, 1] vespo's weights
 
 
-def grpo_loss_terms(logp, entropy, batch: Batch, cfg: LossConfig):
-    """One micro-batch's loss numerator (scalar) and metric sums.
+class MicroLoss(NamedTuple):
+    """One micro-batch's share of a step's loss (see the module docstring):
+    loss = sum(numerator) / sum(loss_denominator) - coef * sum(entropy_mean) / k."""
+    numerator: jax.Array  # scalar, differentiable
+    entropy_mean: jax.Array | None  # scalar, differentiable; None without the entropy bonus
+    sums: dict  # metric sums
+
+
+def micro_loss_terms(logp, entropy, batch: Batch, cfg: LossConfig) -> MicroLoss:
+    """One micro-batch's policy-loss numerator, entropy-bonus mean and metric sums.
 
     logp [B, T]: the policy's log-probs of batch.completion_ids (differentiated). entropy [B, T]
-    or None (needed for top_entropy_quantile < 1; also logged). From the batch: old_logp None
-    means on-policy (num_iterations 1), i.e. stop_gradient(logp); ref_logp is needed iff
-    beta > 0; sampler_logp is logged when given and applied as an importance weight when
-    vllm_importance_sampling_correction.
+    or None (needed for top_entropy_quantile < 1 and for the entropy bonus, where it is
+    differentiated; also logged). From the batch: old_logp None means on-policy (num_iterations
+    1), i.e. stop_gradient(logp); ref_logp is needed iff beta > 0; sampler_logp is logged when
+    given, applied as an importance weight when vllm_importance_sampling_correction, and used by
+    off_policy_mask_threshold.
     """
     if (logp.ndim != 2 or batch.completion_mask.shape != logp.shape
             or batch.advantages.shape != logp.shape[:1]):
         raise ValueError(f"need logp and completion_mask [B, T] and advantages [B], got "
                          f"{logp.shape}, {batch.completion_mask.shape}, {batch.advantages.shape}")
+    if entropy is None and (cfg.top_entropy_quantile < 1.0 or cfg.entropy_bonus):
+        raise ValueError("top_entropy_quantile < 1 and the entropy bonus (entropy_coef, "
+                         "use_adaptive_entropy) need the per-token entropy: pass entropy")
     logp = logp.astype(f32)
     m = loss_mask(batch.completion_mask, batch.truncated, cfg)
     A = batch.advantages.astype(f32)[:, None]
     sg = jax.lax.stop_gradient
     old = sg(logp) if batch.old_logp is None else batch.old_logp.astype(f32)
-    log_ratio = logp - old
+    token_log_ratio = logp - old
+    log_ratio = token_log_ratio
     if cfg.importance_sampling_level == "sequence":  # GSPO: one ratio per sequence
         log_ratio = (log_ratio * m).sum(-1, keepdims=True) / jnp.maximum(
             m.sum(-1, keepdims=True), 1.0)
     ratio = jnp.exp(log_ratio)
 
-    if cfg.loss_type == "cispo":  # clip the (detached) ratio, keep the log-prob's gradient
-        per_token = -sg(jnp.minimum(ratio, cfg.eps_high)) * A * logp
-    else:
-        clipped = jnp.clip(ratio, 1.0 - cfg.epsilon, 1.0 + cfg.eps_high)
-        if cfg.delta is not None:
-            ratio = jnp.minimum(ratio, cfg.delta)
-        per_token = -jnp.minimum(ratio * A, clipped * A)
-
-    if cfg.top_entropy_quantile < 1.0:
-        if entropy is None:
-            raise ValueError("top_entropy_quantile < 1 needs the per-token entropy: pass entropy")
-        per_token = per_token * high_entropy_mask(entropy, m, cfg.top_entropy_quantile)
     is_weight = None
     if batch.sampler_logp is not None:
         is_weight = sampler_is_weight(old, batch.sampler_logp, m, cfg)
-    if cfg.vllm_importance_sampling_correction:
-        if is_weight is None:
-            raise ValueError("vllm_importance_sampling_correction needs sampler_logp (the "
-                             "sampler's per-token log-probs)")
-        per_token = per_token * is_weight
+    if cfg.vllm_importance_sampling_correction and is_weight is None:
+        raise ValueError("vllm_importance_sampling_correction needs sampler_logp (the "
+                         "sampler's per-token log-probs)")
+    correction = is_weight if cfg.vllm_importance_sampling_correction else None
+    if (cfg.loss_type == "vespo" and correction is not None
+            and cfg.vllm_importance_sampling_mode.startswith("sequence")):
+        raise ValueError("vespo with vllm_importance_sampling_correction needs a token-level "
+                         "vllm_importance_sampling_mode (token_truncate or token_mask), got "
+                         f"{cfg.vllm_importance_sampling_mode!r}")
+
     kl = None
     if cfg.beta > 0:
         if batch.ref_logp is None:
             raise ValueError(f"beta={cfg.beta} needs ref_logp (the reference model's log-probs)")
         d = batch.ref_logp.astype(f32) - logp
         kl = jnp.exp(d) - d - 1.0
+        if cfg.use_bias_correction_kl:
+            kl = kl * ratio
+
+    phi = None
+    if cfg.loss_type == "cispo":  # clip the (detached) ratio, keep the log-prob's gradient
+        per_token = -sg(jnp.minimum(ratio, cfg.eps_high)) * A * logp
+    elif cfg.loss_type == "sapo":  # a soft, temperature-controlled gate instead of the clip
+        tau = jnp.where(A > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
+        per_token = -jax.nn.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * A
+    elif cfg.loss_type == "vespo":  # a sequence weight (no gradient) on the log-prob's gradient
+        phi = vespo_weight(A, token_log_ratio, m, correction, cfg)
+        per_token = -phi * A * logp
+    else:
+        clipped = jnp.clip(ratio, 1.0 - cfg.epsilon, 1.0 + cfg.eps_high)
+        if cfg.delta is not None:  # after the KL's ratio, before the metrics' (as TRL)
+            ratio = jnp.minimum(ratio, cfg.delta)
+        per_token = -jnp.minimum(ratio * A, clipped * A)
+
+    if cfg.off_policy_mask_threshold is not None:
+        reference = old if batch.sampler_logp is None else batch.sampler_logp
+        per_token = per_token * off_policy_mask(A, logp, reference, m,
+                                                cfg.off_policy_mask_threshold)
+    ent_mask = None
+    if cfg.top_entropy_quantile < 1.0:
+        ent_mask = high_entropy_mask(entropy, m, cfg.top_entropy_quantile)
+        per_token = per_token * ent_mask
+    if correction is not None and cfg.loss_type != "vespo":  # vespo has it inside phi
+        per_token = per_token * correction
+    if kl is not None:
         per_token = per_token + cfg.beta * kl
 
     masked = jnp.broadcast_to(per_token, m.shape) * m
-    if cfg.loss_type == "grpo":
+    if cfg.loss_type in ("grpo", "sapo"):
         numerator = (masked.sum(-1) / jnp.maximum(m.sum(-1), 1.0)).sum()
     elif cfg.loss_type == "bnpo":
         numerator = masked.sum() / jnp.maximum(m.sum(), 1.0)
     else:
         numerator = masked.sum()
-    terms = _Terms(m, A, sg(old), sg(ratio), None if kl is None else sg(kl), is_weight)
-    return numerator, loss_metrics(terms, entropy, batch.sampler_logp, cfg)
+
+    entropy_mean = None
+    if cfg.entropy_bonus:
+        eff = m if ent_mask is None else m * ent_mask
+        entropy_mean = (entropy.astype(f32) * eff).sum() / jnp.maximum(eff.sum(), 1.0)
+    terms = _Terms(m, A, sg(old), sg(ratio), None if kl is None else sg(kl), is_weight, phi)
+    sums = loss_metrics(terms, entropy, batch.sampler_logp, cfg)
+    if cfg.entropy_bonus:
+        den = loss_denominator(batch.completion_mask, batch.truncated, cfg, batch.num_items)
+        sums["mean"]["policy_loss"] = jnp.stack([sg(numerator), den])
+        if cfg.use_adaptive_entropy:  # the controller's input: the step's token-mean entropy
+            eff = m if ent_mask is None else m * ent_mask
+            sums["mean"][ADAPTIVE_ENTROPY] = jnp.stack(
+                [(sg(entropy).astype(f32) * eff).sum(), eff.sum()])
+    return MicroLoss(numerator, entropy_mean, sums)
+
+
+def grpo_loss_terms(logp, entropy, batch: Batch, cfg: LossConfig):
+    """One micro-batch's policy-loss numerator (scalar) and metric sums: micro_loss_terms
+    without the entropy bonus's term (which a step adds from MicroLoss.entropy_mean)."""
+    out = micro_loss_terms(logp, entropy, batch, cfg)
+    return out.numerator, out.sums
+
+
+def applied_entropy_coef(coef, last_entropy, cfg: LossConfig):
+    """The coefficient a step applies: the carried one, gated (adaptive) by the previous step's
+    entropy <= entropy_target (TRL starts with last_entropy = inf: no bonus in the first step)."""
+    if not cfg.use_adaptive_entropy:
+        return jnp.asarray(cfg.entropy_coef, f32)
+    return jnp.where(last_entropy <= cfg.entropy_target, coef, 0.0).astype(f32)
+
+
+def update_entropy_coef(coef, step_entropy, cfg: LossConfig):
+    """TRL's adaptive controller after a step whose token-mean entropy was step_entropy: up by
+    entropy_coef_delta (at most entropy_coef_max) when step_entropy <= entropy_target, else
+    down (at least entropy_coef_min)."""
+    up = jnp.minimum(coef + cfg.entropy_coef_delta, cfg.entropy_coef_max)
+    down = jnp.maximum(coef - cfg.entropy_coef_delta, cfg.entropy_coef_min)
+    return jnp.where(step_entropy <= cfg.entropy_target, up, down).astype(f32)
 
 
 def loss_metrics(t: _Terms, entropy, sampler_logp, cfg: LossConfig) -> dict:
@@ -206,7 +407,8 @@ def loss_metrics(t: _Terms, entropy, sampler_logp, cfg: LossConfig) -> dict:
     m, A, ratio = t.m, t.A, t.ratio
     tokens = m.sum()
     if t.kl is not None:
-        means["kl"] = jnp.stack([(t.kl * m).sum(), tokens])
+        kl = jnp.broadcast_to(t.kl, m.shape)
+        means["kl"] = jnp.stack([(kl * m).sum(), tokens])
     if entropy is not None:
         means["entropy"] = jnp.stack([(jax.lax.stop_gradient(entropy).astype(f32) * m).sum(),
                                       tokens])
@@ -217,7 +419,9 @@ def loss_metrics(t: _Terms, entropy, sampler_logp, cfg: LossConfig) -> dict:
     if cfg.loss_type == "cispo":
         means["cispo_clip_ratio"] = jnp.stack([(((ratio > cfg.eps_high) & (A > 0)) * w_mean).sum(),
                                                count])
-    else:
+    elif cfg.loss_type == "vespo":  # one weight per sequence, each sequence counted once
+        means["vespo/phi_seq_mean"] = jnp.stack([t.phi.sum(), jnp.asarray(m.shape[0], f32)])
+    elif cfg.loss_type in _CLIPPED:
         low = ((ratio < 1.0 - cfg.epsilon) & (A < 0)).astype(f32)
         high = ((ratio > 1.0 + cfg.eps_high) & (A > 0)).astype(f32)
         for name, x in (("low", low), ("high", high), ("region", jnp.maximum(low, high))):
@@ -235,8 +439,10 @@ def loss_metrics(t: _Terms, entropy, sampler_logp, cfg: LossConfig) -> dict:
     if t.is_weight is not None:
         w = t.is_weight
         diff = jnp.abs(t.old - sampler_logp.astype(f32))
-        means["sampling/sampling_logp_difference/mean"] = jnp.stack([(diff * m).sum(), tokens])
-        maxs["sampling/sampling_logp_difference/max"] = jnp.where(m > 0, diff, -jnp.inf).max()
+        valid = (m > 0) & ~jnp.isnan(diff)  # as TRL: unscorable tokens left out
+        means["sampling/sampling_logp_difference/mean"] = jnp.stack(
+            [jnp.where(valid, diff, 0.0).sum(), valid.sum().astype(f32)])
+        maxs["sampling/sampling_logp_difference/max"] = jnp.where(valid, diff, -jnp.inf).max()
         w_valid = jnp.ones(w.shape, bool) if w.shape[1] == 1 else m > 0
         name = "sampling/importance_sampling_ratio/"
         means[name + "mean"] = jnp.stack([jnp.where(w_valid, w, 0.0).sum(),

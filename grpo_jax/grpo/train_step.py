@@ -1,8 +1,9 @@
 """The GRPO train step: a pure function from (state, batch) to (state, metrics), jitted and
 sharded by grpo_jax.trainer.
 
-Micro-batches run under `lax.scan`; the loss is accumulated as (numerator, denominator) and divided
-once, so k micro-batches give the gradient of one big batch (see loss.py for each loss_type).
+Micro-batches run under `lax.scan`; the policy loss is (numerator, denominator) sums whose
+denominator depends on the masks only, so k micro-batches give the gradient of one big batch (see
+loss.py for each loss_type, and for the entropy bonus's per-micro-batch mean).
 """
 
 from __future__ import annotations
@@ -34,6 +35,27 @@ class TrainState(NamedTuple):
     params: Any  # nnx.State of fp32 master params
     opt_state: Any
     step: jax.Array  # int32 scalar: optimizer steps taken (a skipped update counts too)
+    # use_adaptive_entropy only (else None, no leaves): TRL's controller state, checkpointed
+    # with the rest. fp32 scalars: the coefficient, and the last step's token-mean entropy.
+    entropy_coef: Any = None
+    last_entropy: Any = None
+
+
+def init_train_state(params, opt_state, loss: loss_lib.LossConfig) -> TrainState:
+    """A first step's state: step 0 and, with use_adaptive_entropy, the coefficient at
+    entropy_coef and last_entropy at inf (TRL: no bonus until a step has measured entropy)."""
+    state = TrainState(params, opt_state, jnp.zeros((), jnp.int32))
+    if loss.use_adaptive_entropy:
+        state = state._replace(entropy_coef=jnp.asarray(loss.entropy_coef, jnp.float32),
+                               last_entropy=jnp.asarray(jnp.inf, jnp.float32))
+    return state
+
+
+def state_shardings(loss: loss_lib.LossConfig, params, opt_state, scalar) -> TrainState:
+    """TrainState-shaped shardings: `params` and `opt_state` as given, `scalar` (replicated)
+    for the step and, with use_adaptive_entropy, the controller's scalars."""
+    extra = (scalar, scalar) if loss.use_adaptive_entropy else ()
+    return TrainState(params, opt_state, scalar, *extra)
 
 
 def completion_logps(model, batch: Batch, temperature: float, chunk: int):
@@ -48,37 +70,77 @@ def completion_logps(model, batch: Batch, temperature: float, chunk: int):
                           chunk_size=chunk)
 
 
-def _micro_loss(params, graphdef, cfg: StepConfig, mb: Batch):
+def _micro_loss(params, graphdef, cfg: StepConfig, mb: Batch) -> loss_lib.MicroLoss:
     model = nnx.merge(graphdef, params)
     logp, entropy = completion_logps(model, mb, cfg.temperature, cfg.logprob_chunk)
-    return loss_lib.grpo_loss_terms(logp, entropy, mb, cfg.loss)
+    return loss_lib.micro_loss_terms(logp, entropy, mb, cfg.loss)
 
 
 def loss_and_grads(graphdef, cfg: StepConfig, params, batch: Batch,
-                   constrain: Callable[[jax.Array], jax.Array] = lambda x: x):
-    """Exact (loss, grads, metric sums) over `batch`, split into gradient_accumulation_steps
-    micro-batches: numerators and gradients are summed, then divided once by the summed
-    denominator (which depends on the masks only, never on the params). `constrain` lays out
-    each [k, rows, ...] split (the trainer keeps rows on the batch axes)."""
+                   constrain: Callable[[jax.Array], jax.Array] = lambda x: x,
+                   entropy_coef=None):
+    """Exact (loss, grads, metric sums) of the model's params over `batch`, split into
+    gradient_accumulation_steps micro-batches (accumulate). `entropy_coef`: the entropy bonus's
+    coefficient to apply (None: the config's). `constrain` lays out each [k, rows, ...] split
+    (the trainer keeps rows on the batch axes)."""
+    return accumulate(lambda p, mb, _: _micro_loss(p, graphdef, cfg, mb), cfg, params, batch,
+                      constrain, entropy_coef)
+
+
+def accumulate(micro_loss: Callable[[Any, Batch, jax.Array], loss_lib.MicroLoss],
+               cfg: StepConfig, params, batch: Batch,
+               constrain: Callable[[jax.Array], jax.Array] = lambda x: x, entropy_coef=None):
+    """(loss, grads w.r.t. params, metric sums) over `batch` split into k =
+    gradient_accumulation_steps micro-batches; micro_loss(params, micro_batch, j) gives the j-th
+    micro-batch's MicroLoss. The policy loss's denominator depends on the masks only, never on
+    the params, so it is summed over all micro-batches first; each micro-batch then adds
+    numerator / denominator - entropy_coef * entropy_mean / k (see loss.py) to the loss and its
+    gradient to the sum: k micro-batches give one big batch's loss and gradient."""
     k = cfg.gradient_accumulation_steps
     micro = jax.tree.map(lambda x: constrain(x.reshape(k, x.shape[0] // k, *x.shape[1:])), batch)
-    value_and_grad = jax.value_and_grad(_micro_loss, has_aux=True)
+    dens = jax.vmap(lambda mask, trunc, items: loss_lib.loss_denominator(
+        mask, trunc, cfg.loss, items))(micro.completion_mask, micro.truncated, micro.num_items)
+    denom = jnp.maximum(dens.sum(), 1e-8)
+    coef = cfg.loss.entropy_coef if entropy_coef is None else entropy_coef
 
-    def accumulate(carry, mb):
-        grads, numerator, sums, denom = carry
-        (n, s), g = value_and_grad(params, graphdef, cfg, mb)
-        d = loss_lib.loss_denominator(mb.completion_mask, mb.truncated, cfg.loss)
-        return (jax.tree.map(jnp.add, grads, g), numerator + n,
-                loss_lib.merge_metric_sums(sums, s), denom + d), None
+    def objective(p, mb, j):
+        out = micro_loss(p, mb, j)
+        value = out.numerator / denom
+        if out.entropy_mean is not None:
+            value = value - coef * out.entropy_mean / k
+        return value, out.sums
+
+    value_and_grad = jax.value_and_grad(objective, has_aux=True)
+
+    def step(carry, xs):
+        grads, loss, sums = carry
+        (v, s), g = value_and_grad(params, *xs)
+        return (jax.tree.map(jnp.add, grads, g), loss + v,
+                loss_lib.merge_metric_sums(sums, s)), None
 
     first = jax.tree.map(lambda x: x[0], micro)
     zero_sums = loss_lib.empty_metric_sums(jax.eval_shape(
-        lambda: _micro_loss(params, graphdef, cfg, first)[1]))
-    init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), zero_sums,
-            jnp.zeros((), jnp.float32))
-    (grads, numerator, sums, denom), _ = jax.lax.scan(accumulate, init, micro)
-    denom = jnp.maximum(denom, 1e-8)
-    return numerator / denom, jax.tree.map(lambda g: g / denom, grads), sums
+        lambda: objective(params, first, jnp.zeros((), jnp.int32))[1]))
+    init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), zero_sums)
+    (grads, loss, sums), _ = jax.lax.scan(step, init, (micro, jnp.arange(k)))
+    return loss, grads, sums
+
+
+def finish_entropy_control(state: TrainState, metrics: dict, loss: loss_lib.LossConfig):
+    """After a step's update: with use_adaptive_entropy, move the carried coefficient by the
+    step's token-mean entropy (taken out of `metrics`) and remember that entropy; with any entropy
+    bonus, log the coefficient ("entropy_coef", after the move, as TRL). Returns (state,
+    metrics)."""
+    metrics = dict(metrics)
+    if loss.use_adaptive_entropy:
+        step_entropy = metrics.pop(loss_lib.ADAPTIVE_ENTROPY).astype(jnp.float32)
+        state = state._replace(
+            entropy_coef=loss_lib.update_entropy_coef(state.entropy_coef, step_entropy, loss),
+            last_entropy=step_entropy)
+    if loss.entropy_bonus:
+        metrics["entropy_coef"] = (state.entropy_coef if loss.use_adaptive_entropy
+                                   else jnp.asarray(loss.entropy_coef, jnp.float32))
+    return state, metrics
 
 
 def train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule,
@@ -86,11 +148,19 @@ def train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Sched
                constrain: Callable[[jax.Array], jax.Array] = lambda x: x):
     """One optimizer update over `batch` ([N, ...] arrays, N = micro-batches x micro size).
     `tx` skips non-finite updates (grpo.optimizer); the step counts them all the same, as
-    TRL's global_step does, and reports the skip."""
-    loss, grads, sums = loss_and_grads(graphdef, cfg, state.params, batch, constrain)
+    TRL's global_step does, and reports the skip. With use_adaptive_entropy the entropy
+    coefficient moves once per step (a skipped update too, as in TRL), from the step's
+    token-mean entropy."""
+    lc = cfg.loss
+    if lc.use_adaptive_entropy and state.entropy_coef is None:
+        raise ValueError("use_adaptive_entropy carries its coefficient in TrainState: build the "
+                         "state with init_train_state (and its shardings with state_shardings)")
+    coef = loss_lib.applied_entropy_coef(state.entropy_coef, state.last_entropy, lc)
+    loss, grads, sums = loss_and_grads(graphdef, cfg, state.params, batch, constrain, coef)
     updates, new_opt = tx.update(grads, state.opt_state, state.params)
-    new_state = TrainState(optax.apply_updates(state.params, updates), new_opt, state.step + 1)
-    metrics = dict(loss_lib.finalize_metrics(sums))
+    new_state = TrainState(optax.apply_updates(state.params, updates), new_opt, state.step + 1,
+                           state.entropy_coef, state.last_entropy)
+    new_state, metrics = finish_entropy_control(new_state, loss_lib.finalize_metrics(sums), lc)
     metrics.update(loss=loss, grad_norm=optax.tree.norm(grads),
                    skipped_updates=(new_opt.notfinite_count > 0).astype(jnp.int32),
                    learning_rate=schedule(state.step))
