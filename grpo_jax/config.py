@@ -169,13 +169,34 @@ class BatchPlan:
     def prompts_per_generation(self) -> int:
         return self.generation_batch_size // self.num_generations
 
+    @property
+    def needs_old_logps(self) -> bool:
+        """TRL's rule: a generation batch is trained on by more than one optimizer update (or
+        not from the start of one) unless gradient_accumulation_steps is a multiple of the
+        micro-steps it feeds (steps_per_generation * num_iterations); only then can params
+        change between generating and training, and the old log-probs differ."""
+        return self.gradient_accumulation_steps % (self.steps_per_generation
+                                                    * self.num_iterations) != 0
+
+    def micro_steps_per_epoch(self, num_prompts: int) -> int:
+        """transformers' steps_in_epoch: micro-steps (batches of TRL's dataloader) per epoch;
+        an epoch's tail too short for a generation batch is skipped."""
+        rounds = num_prompts // self.prompts_per_generation
+        return rounds * self.steps_per_generation * self.num_iterations
+
     def total_steps(self, num_prompts: int, max_steps: int, num_train_epochs: float) -> int:
         """Optimizer steps in the run (TRL's rule: max_steps wins when > 0)."""
         if max_steps > 0:
             return max_steps
-        rounds = num_prompts // self.prompts_per_generation
-        micro = rounds * self.steps_per_generation * self.num_iterations
+        micro = self.micro_steps_per_epoch(num_prompts)
         return max(1, math.ceil(num_train_epochs * micro / self.gradient_accumulation_steps))
+
+    def epoch(self, step: int, num_prompts: int) -> float:
+        """The fractional epoch transformers logs after optimizer step `step`: micro-steps
+        done / micro-steps per epoch (every update takes gradient_accumulation_steps of them;
+        windows run on across generation and epoch boundaries)."""
+        return step * self.gradient_accumulation_steps / max(
+            self.micro_steps_per_epoch(num_prompts), 1)
 
 
 class _TrainConfig:

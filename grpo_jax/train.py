@@ -31,7 +31,8 @@ from grpo_jax.errors import GrpoJaxError
 from grpo_jax.grpo.train_step import StepConfig
 from grpo_jax.logger import MetricsLogger
 from grpo_jax.rollout.engines import make_rollout
-from grpo_jax.trainer import GRPORound, Scores, Trainer
+from grpo_jax.grpo.batch import Batch
+from grpo_jax.trainer import GRPORound, Scores, Trainer, aggregate
 
 
 class TrainError(GrpoJaxError):
@@ -106,7 +107,8 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
         ref_params=jax.tree.map(lambda x: x.copy(), state.params) if cfg.loss.beta else None)
 
     ckpt = Checkpointer(out / "checkpoints", save_total_limit=cfg.run.save_total_limit)
-    position, round_idx = data_lib.DataPosition(), 0
+    position, round_idx, tokens_seen = data_lib.DataPosition(), 0, 0
+    buffers = BufferFiles(out / "generation_buffer")
     latest = ckpt.latest_step()
     if latest is not None and not cfg.run.resume:
         raise TrainError(f"{ckpt.directory} already holds checkpoints (latest step {latest}): "
@@ -116,6 +118,8 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
             state, meta = ckpt.restore(latest, state)  # onto the live state's shardings
             position = data_lib.DataPosition(*meta["data_position"])
             round_idx = meta["round"]
+            tokens_seen = int(meta.get("num_tokens", 0))
+            run_round.buffer = buffers.load(latest, meta.get("buffered_micro_batches", 0))
             if dist.is_main():
                 print(f"resumed from step {latest} in {ckpt.directory}", file=sys.stderr)
     if dist.is_main():  # without this process's id: the file serves every process of a resume
@@ -126,6 +130,7 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     rollout.update_weights(state.params)
     base_key = jax.random.key(cfg.data.seed)
     last: dict = {}
+    unlogged: list[dict] = []  # rounds without an update (steps_per_generation < accumulation)
     saved_block = int(state.step) // max(cfg.run.save_steps, 1)
     failure = None
     with StopSignal() as stop:
@@ -133,12 +138,18 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
             # Every process stops at the same round, also when only one got the signal.
             while int(state.step) < total_steps and not dist.any_process(stop.should_stop()):
                 t0 = time.perf_counter()
-                records, next_position = dataset.batch_prompts(position,
-                                                               plan.prompts_per_generation)
-                result = run_round(state, records, jax.random.fold_in(base_key, round_idx))
+                records = None  # whole windows still buffered: train on them first, as TRL
+                if not run_round.windows_buffered:
+                    records, next_position = dataset.batch_prompts(position,
+                                                                   plan.prompts_per_generation)
+                # Stops at max_steps exactly, also mid-round (the rest stays buffered).
+                result = run_round(state, records, jax.random.fold_in(base_key, round_idx),
+                                   max_updates=total_steps - int(state.step))
                 state, metrics = result.state, result.metrics
-                position, round_idx = next_position, round_idx + 1  # the round is complete
-                if cfg.run.log_completions:
+                if records is not None:  # the round is complete
+                    position, round_idx = next_position, round_idx + 1
+                tokens_seen += result.num_tokens
+                if cfg.run.log_completions and result.scores is not None:
                     logger.log_completions(int(state.step), result.scores.prompts,
                                            result.scores.texts, result.rewards, result.advantages)
                 metrics["step_time"] = time.perf_counter() - t0
@@ -146,10 +157,17 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
                 metrics["timing/host"] = metrics["step_time"] - sum(
                     metrics.get(f"timing/{k}", 0.0)
                     for k in ("generate", "logprobs", "update", "weight_sync"))
+                unlogged.append(metrics)
+                if not result.updates:
+                    continue  # logged with the next update, as TRL logs per optimizer step
+                metrics, unlogged = aggregate(unlogged), []
+                metrics["num_tokens"] = float(tokens_seen)
+                metrics["epoch"] = plan.epoch(int(state.step), len(dataset))
                 last = logger.log(int(state.step), metrics)
                 if cfg.run.save_steps and int(state.step) // cfg.run.save_steps > saved_block:
                     saved_block = int(state.step) // cfg.run.save_steps
-                    _save(ckpt, state, position, round_idx, metrics)
+                    _save(ckpt, buffers, state, position, round_idx, tokens_seen,
+                          run_round.buffer, metrics)
         except BaseException as e:
             failure = e
             raise
@@ -163,7 +181,8 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
                 # state saved is the last completed update, never a half-applied one.
                 try:
                     if int(state.step) not in ckpt.all_steps() and int(state.step) > 0:
-                        _save(ckpt, state, position, round_idx, last)
+                        _save(ckpt, buffers, state, position, round_idx, tokens_seen,
+                              run_round.buffer, last)
                 except Exception as e:  # e.g. buffers donated to a step that failed
                     print(f"no final checkpoint ({type(e).__name__}: {e}); the last periodic "
                           "one stands", file=sys.stderr)
@@ -176,10 +195,66 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     return last
 
 
-def _save(ckpt, state, position, round_idx, metrics):
-    meta = {"data_position": list(position), "round": round_idx,
+def _save(ckpt, buffers, state, position, round_idx, tokens_seen, buffer, metrics):
+    """A checkpoint of the state and what resumes the run exactly: the data position, the
+    round, the tokens seen and the generated micro-batches not yet trained on."""
+    step = int(state.step)
+    if step in ckpt.all_steps():
+        return
+    buffers.save(step, buffer)  # first: a committed checkpoint always finds its buffer
+    meta = {"data_position": list(position), "round": round_idx, "num_tokens": tokens_seen,
+            "buffered_micro_batches": len(buffer),
             "metrics": {k: float(v) for k, v in metrics.items()}}
-    ckpt.save(int(state.step), state, meta)
+    ckpt.save(step, state, meta)
+    buffers.prune(ckpt.all_steps())
+
+
+class BufferFiles:
+    """The generation buffer of a checkpoint (micro-batches generated but not yet trained on,
+    when steps_per_generation is not a multiple of gradient_accumulation_steps or max_steps
+    ended a round early): `<directory>/<step>.npz`, written by process 0 beside Orbax's step
+    directories; every process holds the whole host batch, so every process reads it back."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+
+    def save(self, step: int, buffer) -> None:
+        if not buffer or not dist.is_main():
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        arrays = {f"{i}/{name}": np.asarray(value) for i, mb in enumerate(buffer)
+                  for name, value in _fields(mb).items()}
+        tmp = self.directory / f"{step}.tmp.npz"
+        np.savez(tmp, **arrays)
+        tmp.replace(self.directory / f"{step}.npz")
+
+    def load(self, step: int, count: int) -> list:
+        if not count:
+            return []
+        path = self.directory / f"{step}.npz"
+        if not path.exists():
+            raise TrainError(f"checkpoint {step} was saved with {count} generated micro-batches "
+                             f"not yet trained on, but {path} is missing: restore that file or "
+                             "resume from another checkpoint")
+        with np.load(path) as f:
+            fields: list[dict] = [{} for _ in range(count)]
+            for key in f.files:
+                i, name = key.split("/", 1)
+                fields[int(i)][name] = f[key]
+        return [Batch(**mb) for mb in fields]
+
+    def prune(self, kept_steps) -> None:
+        if not dist.is_main() or not self.directory.is_dir():
+            return
+        kept = {str(s) for s in kept_steps}
+        for path in self.directory.glob("*.npz"):
+            if path.name.split(".")[0] not in kept:
+                path.unlink(missing_ok=True)
+
+
+def _fields(batch: Batch) -> dict:
+    return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)
+            if getattr(batch, f.name) is not None}
 
 
 def main(argv=None) -> int:

@@ -50,10 +50,16 @@ class Trainer:
         def constrain(x):  # [k, rows, ...] micro-batch splits: rows on the batch axes
             return jax.lax.with_sharding_constraint(
                 x, mesh_lib.logical_sharding(mesh, None, "batch", *[None] * (x.ndim - 2)))
-        self._step = jax.jit(
-            lambda state, batch: train_step(self.graphdef, self.tx, schedule, step_cfg, state,
-                                            batch, constrain),
-            out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
+        def step(state, batch):
+            new_state, metrics = train_step(self.graphdef, self.tx, schedule, step_cfg, state,
+                                            batch, constrain)
+            # The rate this update applies: the schedule inside adamw counts applied updates
+            # only (a skipped one leaves apply_if_finite's inner state as it was, as transformers
+            # skips lr_scheduler.step()), while state.step counts skips too.
+            applied = state.step - state.opt_state.total_notfinite
+            return new_state, {**metrics, "learning_rate": schedule(applied)}
+        self._step = jax.jit(step, out_shardings=(self.state_shardings, replicated),
+                             donate_argnums=(0,))
         self._logps = jax.jit(self._logps_fn, out_shardings=replicated)
 
     def _init(self, params) -> TrainState:
@@ -89,16 +95,48 @@ class Scores(NamedTuple):
 
 class RoundResult(NamedTuple):
     state: TrainState
-    metrics: dict
-    scores: Scores
-    rewards: np.ndarray
-    advantages: np.ndarray
+    metrics: dict  # the generation's, and the updates' when it made any
+    scores: Scores | None  # None (and rewards, advantages): the call generated nothing
+    rewards: np.ndarray | None
+    advantages: np.ndarray | None
+    updates: int = 0  # optimizer steps this call took
+    num_tokens: int = 0  # prompt + completion tokens generated this round (TRL's count)
+
+
+def generation_order(key, n: int) -> np.ndarray:
+    """The row order a generation batch is split into micro-batches in (TRL shuffles the batch
+    before splitting it into steps_per_generation parts): a permutation seeded by the round's
+    key, so a resumed run draws the same one."""
+    words = np.asarray(jax.random.key_data(key), np.uint32).ravel().tolist()
+    return np.random.default_rng([*words, 0x5348554646]).permutation(n)  # tag: "SHUFF"
+
+
+def concat_rows(parts: Sequence[Batch]) -> Batch:
+    """One batch of `parts`' rows in order. Parts from different generations may have prompts
+    padded to different widths: the narrower are left-padded (masked) to the widest."""
+    width = max(p.prompt_ids.shape[1] for p in parts)
+
+    def widen(p: Batch) -> Batch:
+        extra = width - p.prompt_ids.shape[1]
+        if not extra:
+            return p
+        pad = lambda x: np.pad(x, ((0, 0), (extra, 0)))  # noqa: E731
+        return p.replace(prompt_ids=pad(p.prompt_ids), prompt_mask=pad(p.prompt_mask))
+    if len(parts) == 1:
+        return parts[0]
+    return jax.tree.map(lambda *xs: np.concatenate(xs), *map(widen, parts))
 
 
 @dataclasses.dataclass
 class GRPORound:
     """One round's wiring. `score(records, rollout_batch) -> Scores`; `reward_names` name its
-    columns in the metrics; `plan` is the config's BatchPlan; `ref_params` None means beta 0."""
+    columns in the metrics; `plan` is the config's BatchPlan; `ref_params` None means beta 0.
+
+    TRL's generation buffer: a round generates one generation batch, shuffles its rows and
+    splits them into steps_per_generation micro-batches (num_iterations times over), appended to
+    `buffer`; then every whole window of gradient_accumulation_steps micro-batches in the buffer
+    is one optimizer update. A window may span two generations: the micro-batches left over wait
+    in `buffer` for the next round (train.py checkpoints them)."""
     trainer: Trainer
     rollout: Any  # grpo_jax.rollout.engines: generate(...), update_weights(params)
     plan: Any
@@ -107,60 +145,94 @@ class GRPORound:
     scale_rewards: str
     reward_weights: Sequence[float] | None
     ref_params: Any = None
+    buffer: list = dataclasses.field(default_factory=list)  # host micro-batches not trained on
 
-    def __call__(self, state: TrainState, records: Sequence[dict], key) -> RoundResult:
+    @property
+    def windows_buffered(self) -> int:
+        """Whole update windows already in the buffer: when > 0 (a run that stopped at max_steps
+        mid-round), TRL trains on them before it generates again (pass records=None)."""
+        return len(self.buffer) // self.plan.gradient_accumulation_steps
+
+    def __call__(self, state: TrainState, records: Sequence[dict] | None, key,
+                 max_updates: int | None = None) -> RoundResult:
+        """Generate one batch from `records` (None: no generation), then update on every whole
+        window in the buffer, at most `max_updates` times (None: no limit)."""
         plan, trainer, g = self.plan, self.trainer, self.plan.num_generations
-        t0 = time.perf_counter()
-        r = self.rollout.generate(state.params, [rec["prompt_ids"] for rec in records], g, key)
-        t1 = time.perf_counter()
-        scores = self.score(records, r)
-        rewards = adv_lib.combine_rewards(scores.per_func, self.reward_weights)
-        advantages, stats = adv_lib.group_advantages(rewards, g, self.scale_rewards)
-        batch = Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
-                      r.truncated, np.asarray(advantages, np.float32),
-                      sampler_logp=r.sampler_logp)
-        t2 = time.perf_counter()
-        if self.ref_params is not None:
-            batch = batch.replace(ref_logp=np.asarray(trainer.logps(self.ref_params, batch)))
-        # Old log-probs only when an update can see changed params (TRL's rule).
-        if plan.num_iterations > 1 or plan.steps_per_generation > plan.gradient_accumulation_steps:
-            batch = batch.replace(old_logp=np.asarray(trainer.logps(state.params, batch)))
-        t3 = time.perf_counter()
-        per_step = plan.micro_batch_size * plan.gradient_accumulation_steps
-        step_metrics = []
-        for _ in range(plan.num_iterations):
-            for s in range(plan.generation_batch_size // per_step):
-                state, m = trainer.step(state, batch.rows(slice(s * per_step, (s + 1) * per_step)))
-                step_metrics.append(m)
-        metrics = aggregate(jax.device_get(step_metrics))
-        t4 = time.perf_counter()
-        sync_time = self.rollout.update_weights(state.params)
+        metrics: dict = {}
+        buffer, scores, rewards, advantages, num_tokens = self.buffer, None, None, None, 0
+        t0 = t1 = t2 = t3 = time.perf_counter()
+        if records is not None:
+            r = self.rollout.generate(state.params, [rec["prompt_ids"] for rec in records], g,
+                                      key)
+            t1 = time.perf_counter()
+            scores = self.score(records, r)
+            rewards = adv_lib.combine_rewards(scores.per_func, self.reward_weights)
+            advantages, stats = adv_lib.group_advantages(rewards, g, self.scale_rewards)
+            batch = Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                          r.truncated, np.asarray(advantages, np.float32),
+                          sampler_logp=r.sampler_logp)
+            t2 = time.perf_counter()
+            if self.ref_params is not None:
+                batch = batch.replace(ref_logp=np.asarray(trainer.logps(self.ref_params, batch)))
+            if plan.needs_old_logps:
+                batch = batch.replace(old_logp=np.asarray(trainer.logps(state.params, batch)))
+            t3 = time.perf_counter()
+            buffer = buffer + self.split(batch, key) * plan.num_iterations
+            metrics.update(stats)
+            for name, col in zip(self.reward_names, scores.per_func.T):
+                ok = np.isfinite(col).any()
+                metrics[f"rewards/{name}/mean"] = float(np.nanmean(col)) if ok else 0.0
+                metrics[f"rewards/{name}/std"] = float(np.nanstd(col)) if ok else 0.0
+            metrics.update(completion_metrics(batch))
+            num_tokens = int(batch.prompt_mask.sum() + batch.completion_mask.sum())
 
-        metrics.update(stats)
-        for name, col in zip(self.reward_names, scores.per_func.T):
-            ok = np.isfinite(col).any()
-            metrics[f"rewards/{name}/mean"] = float(np.nanmean(col)) if ok else 0.0
-            metrics[f"rewards/{name}/std"] = float(np.nanstd(col)) if ok else 0.0
-        metrics.update(completion_metrics(batch))
+        gas = plan.gradient_accumulation_steps
+        n = len(buffer) // gas
+        if max_updates is not None:
+            n = max(min(n, max_updates), 0)
+        # Windows are assembled before the first dispatch: the loop below only enqueues work.
+        windows = [concat_rows(buffer[i * gas:(i + 1) * gas]) for i in range(n)]
+        step_metrics = []
+        for window in windows:
+            state, m = trainer.step(state, window)
+            step_metrics.append(m)
+        if step_metrics:
+            metrics.update(aggregate(jax.device_get(step_metrics)))
+        self.buffer = buffer[n * gas:]  # only now: a round that fails leaves the buffer as it was
+        t4 = time.perf_counter()
+        sync_time = self.rollout.update_weights(state.params) if n else None
+
         metrics["timing/generate"] = t1 - t0
         metrics["timing/logprobs"] = t3 - t2  # reference and old log-probs (0 when neither)
         metrics["timing/update"] = t4 - t3
         if sync_time is not None:
             metrics["timing/weight_sync"] = sync_time
-        return RoundResult(state, metrics, scores, rewards, advantages)
+        return RoundResult(state, metrics, scores, rewards, advantages, n, num_tokens)
+
+    def split(self, batch: Batch, key) -> list[Batch]:
+        """The generation batch as steps_per_generation micro-batches of shuffled rows. With one
+        micro-batch per generation the order can't matter (a window sums over its rows), so it
+        is kept."""
+        spg, size = self.plan.steps_per_generation, self.plan.micro_batch_size
+        if spg == 1:
+            return [batch]
+        order = generation_order(key, batch.size)
+        return [batch.rows(order[i * size:(i + 1) * size]) for i in range(spg)]
 
 
-def aggregate(step_metrics: Sequence[dict]) -> dict:
-    """A round's per-update metrics -> one value each: extremes by min / max, skips summed,
-    the rest averaged."""
+def aggregate(metrics: Sequence[dict]) -> dict:
+    """Several updates' (or rounds') metrics -> one value each: extremes by min / max, skips
+    and times summed, the rest averaged. A key missing from some is taken over those that have
+    it."""
     out = {}
-    for k in step_metrics[0]:
-        values = np.asarray([m[k] for m in step_metrics], np.float64)
-        if k.endswith(("_min", "/min")):
+    for k in dict.fromkeys(k for m in metrics for k in m):
+        values = np.asarray([m[k] for m in metrics if k in m], np.float64)
+        name = k.rsplit("/", 1)[-1]
+        if name.endswith("_min") or name.startswith("min_") or name == "min":
             out[k] = float(values.min())
-        elif k.endswith(("_max", "/max")):
+        elif name.endswith("_max") or name.startswith("max_") or name == "max":
             out[k] = float(values.max())
-        elif k == "skipped_updates":
+        elif k in ("skipped_updates", "step_time") or k.startswith("timing/"):
             out[k] = float(values.sum())
         else:
             out[k] = float(values.mean())
@@ -170,12 +242,13 @@ def aggregate(step_metrics: Sequence[dict]) -> dict:
 def completion_metrics(batch: Batch) -> dict:
     lengths = batch.completion_mask.sum(1)
     done = ~batch.truncated
-    term = lengths[done] if done.any() else np.zeros(1)
+    term = lengths[done] if done.any() else np.zeros(1)  # TRL: 0 when none terminated
     return {
         "completions/mean_length": float(lengths.mean()),
         "completions/min_length": float(lengths.min()),
         "completions/max_length": float(lengths.max()),
         "completions/clipped_ratio": float(batch.truncated.mean()),
         "completions/mean_terminated_length": float(term.mean()),
-        "num_tokens": float(batch.prompt_mask.sum() + lengths.sum()),
+        "completions/min_terminated_length": float(term.min()),
+        "completions/max_terminated_length": float(term.max()),
     }

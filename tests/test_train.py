@@ -116,6 +116,81 @@ def test_reference_model_only_when_beta_positive(tiny_dir, tmp_path, monkeypatch
     assert len(jax.tree.leaves(state.opt_state)) <= 2 * n_params + 5
 
 
+def _record_rounds(monkeypatch):
+    """Rows generated (by the JAX sampler) and windows fed to Trainer.step, as host arrays."""
+    from grpo_jax.rollout.engines import JaxRollout
+    from grpo_jax.trainer import Trainer
+    generated, fed = [], []
+    generate, step = JaxRollout.generate, Trainer.step
+    monkeypatch.setattr(JaxRollout, "generate", lambda self, *a: generated.append(
+        generate(self, *a)) or generated[-1])
+    monkeypatch.setattr(Trainer, "step", lambda self, s, b: fed.append(b) or step(self, s, b))
+    return generated, fed
+
+
+def _rows(prompt_ids, prompt_mask, completion_ids, completion_mask):
+    return [(tuple(p[m > 0]), tuple(c[k > 0])) for p, m, c, k in
+            zip(prompt_ids, prompt_mask, completion_ids, completion_mask)]
+
+
+@pytest.mark.parametrize("per_device,gbs,gas,max_steps,rounds", [
+    (4, 12, 2, 3, 2),  # steps_per_generation 3: two generations make three updates
+    (4, 4, 2, 2, 4),   # steps_per_generation 1 < 2: an update every second generation
+])
+def test_every_completion_trained_on_when_spg_is_not_a_multiple_of_gas(
+        tiny_dir, tmp_path, monkeypatch, per_device, gbs, gas, max_steps, rounds):
+    """TRL trains on every micro-batch; an accumulation window may span two generations."""
+    from collections import Counter
+    generated, fed = _record_rounds(monkeypatch)
+    train(config(tiny_dir, tmp_path / "run", max_steps=max_steps, save_steps=1,
+                 per_device_train_batch_size=per_device, generation_batch_size=gbs,
+                 gradient_accumulation_steps=gas), devices=jax.devices()[:1])
+    assert len(generated) == rounds and len(fed) == max_steps
+    assert all(b.size == per_device * gas for b in fed)
+    made = Counter(r for g in generated for r in _rows(g.prompt_ids, g.prompt_mask,
+                                                         g.completion_ids, g.completion_mask))
+    used = Counter(r for b in fed for r in _rows(b.prompt_ids, b.prompt_mask, b.completion_ids,
+                                                   b.completion_mask))
+    assert made == used and sum(used.values()) == rounds * gbs
+    history = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    steps = [h["step"] for h in history]  # logged once per round that made an update
+    assert steps == sorted(set(steps)) and steps[-1] == max_steps
+    tokens = sum(int(g.prompt_mask.sum() + g.completion_mask.sum()) for g in generated)
+    assert history[-1]["num_tokens"] == tokens
+    # transformers' epoch: micro-steps done / micro-steps per epoch (64 prompts, gbs / 4 each)
+    per_epoch = 64 // (gbs // 4) * (gbs // per_device)
+    assert history[-1]["epoch"] == pytest.approx(max_steps * gas / per_epoch)
+    for key in ("completions/min_terminated_length", "completions/max_terminated_length"):
+        assert key in history[-1]
+
+
+def test_max_steps_is_exact_mid_round_and_resume_trains_the_rest(tiny_dir, tmp_path,
+                                                                  monkeypatch):
+    """Four updates per generation, max_steps 3: exactly 3 updates and a checkpoint at 3; the
+    fourth micro-batch is checkpointed with it, so resuming to 5 equals a run to 5 (also the
+    cumulative num_tokens)."""
+    generated, fed = _record_rounds(monkeypatch)
+    four = dict(per_device_train_batch_size=4, generation_batch_size=16)
+    train(config(tiny_dir, tmp_path / "cut", max_steps=3, **four), devices=jax.devices()[:1])
+    assert len(fed) == 3 and len(generated) == 1
+    assert Checkpointer(tmp_path / "cut" / "checkpoints", save_total_limit=None
+                        ).all_steps() == [3]
+    assert rewards_of(tmp_path / "cut") and len(rewards_of(tmp_path / "cut")) == 1
+    train(config(tiny_dir, tmp_path / "cut", max_steps=5, resume=True, **four),
+          devices=jax.devices()[:1])
+    assert len(fed) == 5 and len(generated) == 2  # the buffered micro-batch first, then one more
+    train(config(tiny_dir, tmp_path / "full", max_steps=5, **four), devices=jax.devices()[:1])
+    from grpo_jax.checkpoint import load_checkpoint
+    a, _, step_a = load_checkpoint(tmp_path / "full")
+    b, _, step_b = load_checkpoint(tmp_path / "cut")
+    assert step_a == step_b == 5
+    for name, pa in hf.params_numpy(a).items():
+        assert np.abs(pa - hf.params_numpy(b)[name]).max() < 1e-6, name
+    last = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").open()][-1]
+    full = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").open()][-1]
+    assert last["step"] == full["step"] == 5 and last["num_tokens"] == full["num_tokens"] > 0
+
+
 def _run_cli(args, **kw):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)  # one device, as a user's run

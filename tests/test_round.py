@@ -1,0 +1,237 @@
+"""One round (grpo_jax.trainer.GRPORound) as TRL's generation buffer: every completion is
+trained on, windows of gradient_accumulation_steps micro-batches span generations, the
+generation batch is shuffled before it is split, and the logged learning rate is the applied one.
+The round runs here with a stub sampler and a stub trainer (no model) unless a test needs one."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from grpo_jax.config import BatchPlan
+from grpo_jax.grpo.batch import Batch
+from grpo_jax.rollout.sampler import RolloutBatch
+from grpo_jax.trainer import GRPORound, Scores, aggregate, completion_metrics, generation_order
+
+G, MICRO, C = 4, 4, 3
+
+
+class State(NamedTuple):
+    params: int
+    step: int
+
+
+class StubRollout:
+    """Row r of the run (counted over all rounds) has completion token r; round k's prompts are
+    padded to width 2 + 2 * (k % 2), so windows across generations mix widths."""
+
+    def __init__(self):
+        self.rows = 0
+        self.rounds = 0
+        self.generated: list[RolloutBatch] = []
+
+    def generate(self, params, prompts, g, key):
+        n = len(prompts) * g
+        width = 2 + 2 * (self.rounds % 2)
+        ids = np.arange(self.rows, self.rows + n, dtype=np.int32)
+        p_ids = np.zeros((n, width), np.int32)
+        p_ids[:, -1] = ids  # the last prompt token: the row id too
+        p_mask = np.zeros((n, width), np.int32)
+        p_mask[:, -1] = 1
+        c_ids = np.repeat(ids[:, None], C, 1)
+        r = RolloutBatch(p_ids, p_mask, c_ids, np.ones((n, C), np.int32), np.zeros(n, bool),
+                         np.zeros((n, C), np.float32))
+        self.rows, self.rounds = self.rows + n, self.rounds + 1
+        self.generated.append(r)
+        return r
+
+    def update_weights(self, params):
+        return None
+
+
+class StubTrainer:
+    def __init__(self):
+        self.windows: list[Batch] = []
+        self.logps_calls = 0
+
+    def step(self, state, batch):
+        self.windows.append(batch)
+        return State(state.params + 1, state.step + 1), {"loss": float(batch.size)}
+
+    def logps(self, params, batch):
+        self.logps_calls += 1
+        return np.full(batch.completion_ids.shape, -float(params), np.float32)
+
+
+def plan(spg, gas, ni=1):
+    return BatchPlan(data_parallel_size=1, micro_batch_size=MICRO, gradient_accumulation_steps=gas,
+                     steps_per_generation=spg, generation_batch_size=MICRO * spg,
+                     num_generations=G, num_iterations=ni)
+
+
+def make_round(p):
+    scorer = lambda records, r: Scores(  # noqa: E731
+        np.arange(r.truncated.size, dtype=np.float32)[:, None] % 3)
+    return GRPORound(StubTrainer(), StubRollout(), p, scorer, ["r"], "group", None)
+
+
+def run_rounds(rnd, n, max_updates=None):
+    state, results = State(0, 0), []
+    for k in range(n):
+        records = [{"prompt_ids": [1, 2]}] * (rnd.plan.prompts_per_generation)
+        limit = {} if max_updates is None else {"max_updates": max_updates}
+        result = rnd(state, records, jax.random.key(k), **limit)
+        state = result.state
+        results.append(result)
+    return state, results
+
+
+def row_ids(batch):
+    return batch.completion_ids[:, 0].tolist()
+
+
+@pytest.mark.parametrize("spg,gas,ni", [(3, 2, 1), (1, 2, 1), (2, 3, 1), (2, 4, 1), (1, 2, 2),
+                                        (2, 1, 2), (4, 1, 1)])
+def test_every_completion_is_trained_on_in_windows_of_gas(spg, gas, ni):
+    """TRL trains on every micro-batch: generation every spg * ni micro-steps, an update every
+    gas micro-steps, so a window may span two generations (spg=3, gas=2: 2 generations make 3
+    updates; spg=1, gas=2: an update every second generation)."""
+    p = plan(spg, gas, ni)
+    rnd = make_round(p)
+    rounds = int(np.lcm(spg * ni, gas)) // (spg * ni) * 2  # ends with an empty buffer
+    state, results = run_rounds(rnd, rounds)
+    fed = rnd.trainer.windows
+    assert all(w.size == gas * MICRO for w in fed)
+    assert state.step == len(fed) == rounds * spg * ni // gas
+    # The micro-step sequence: each generation's shuffled micro-batches, ni times, in order.
+    want = []
+    for k, r in enumerate(rnd.rollout.generated):
+        n = r.truncated.size
+        order = generation_order(jax.random.key(k), n) if spg > 1 else np.arange(n)
+        want += (order + k * n).reshape(spg, MICRO).tolist() * ni
+    got = [row_ids(w)[i * MICRO:(i + 1) * MICRO] for w in fed for i in range(gas)]
+    assert got == want
+    # Every completion exactly ni times; its prompt comes along (left-padded to the window).
+    ids = sorted(sum((row_ids(w) for w in fed), []))
+    assert ids == sorted(list(range(rounds * spg * MICRO)) * ni)
+    for w in fed:
+        assert (w.prompt_ids[:, -1] == w.completion_ids[:, 0]).all()
+        assert (w.prompt_mask.sum(1) == 1).all()
+
+
+def test_windows_span_generations_with_the_expected_rows():
+    """spg=3, gas=2: update 2 = the last micro-batch of generation 0 + the first of 1."""
+    rnd = make_round(plan(3, 2))
+    _, results = run_rounds(rnd, 2)
+    assert [r.updates for r in results] == [1, 2]
+    w = rnd.trainer.windows
+    gen0 = generation_order(jax.random.key(0), 12)
+    gen1 = generation_order(jax.random.key(1), 12) + 12
+    assert row_ids(w[0]) == gen0[:8].tolist()
+    assert row_ids(w[1]) == gen0[8:].tolist() + gen1[:4].tolist()
+    assert row_ids(w[2]) == gen1[4:].tolist()
+    assert w[1].prompt_ids.shape[1] == 4  # generation 0's width 2 padded to generation 1's 4
+
+
+def test_max_updates_stops_mid_round_and_buffers_the_rest():
+    rnd = make_round(plan(4, 1))
+    state, results = run_rounds(rnd, 1, max_updates=1)
+    assert state.step == 1 and results[0].updates == 1 and len(rnd.buffer) == 3
+    assert rnd.windows_buffered == 3
+    # No generation: what is buffered is trained on first.
+    result = rnd(state, None, jax.random.key(9), max_updates=2)
+    assert result.updates == 2 and result.scores is None and len(rnd.buffer) == 1
+    assert len(rnd.rollout.generated) == 1 and result.num_tokens == 0
+
+
+def test_generation_batch_is_shuffled_before_it_is_split():
+    """TRL shuffles the generation batch, then splits it into steps_per_generation parts: a step
+    does not see whole prompt groups in order. Seeded by the round's key (exact resume)."""
+    rnd = make_round(plan(2, 1))
+    run_rounds(rnd, 1)
+    first, second = (row_ids(w) for w in rnd.trainer.windows)
+    assert first != list(range(MICRO)) and sorted(first + second) == list(range(2 * MICRO))
+    groups = [first[i:i + G] for i in range(0, MICRO, G)]
+    assert not all(gr == list(range(gr[0], gr[0] + G)) for gr in groups)
+    np.testing.assert_array_equal(generation_order(jax.random.key(0), 64),
+                                  generation_order(jax.random.key(0), 64))
+    assert (generation_order(jax.random.key(0), 64) != generation_order(jax.random.key(1), 64)
+            ).any()
+
+
+@pytest.mark.parametrize("spg,gas,ni,want", [
+    (1, 1, 1, False), (2, 1, 1, True), (3, 2, 1, True), (1, 2, 1, False), (2, 4, 1, False),
+    (2, 3, 1, True), (1, 2, 2, False), (1, 1, 2, True)])
+def test_old_logps_follow_trl_rule(spg, gas, ni, want):
+    """TRL: old log-probs when gradient_accumulation_steps % (spg * num_iterations) != 0."""
+    p = plan(spg, gas, ni)
+    rnd = make_round(p)
+    run_rounds(rnd, 1)
+    assert (rnd.trainer.logps_calls > 0) == want
+    assert p.needs_old_logps == want
+
+
+def test_completion_metrics_and_aggregate():
+    batch = Batch(np.ones((4, 2), np.int32), np.ones((4, 2), np.int32),
+                  np.ones((4, 5), np.int32),
+                  (np.arange(5)[None] < np.array([[2], [5], [3], [4]])).astype(np.int32),
+                  np.array([False, True, False, False]), np.zeros(4, np.float32))
+    m = completion_metrics(batch)
+    assert m["completions/min_terminated_length"] == 2
+    assert m["completions/max_terminated_length"] == 4
+    assert m["completions/mean_terminated_length"] == 3
+    assert m["completions/max_length"] == 5
+    none_done = batch.replace(truncated=np.ones(4, bool))
+    assert completion_metrics(none_done)["completions/min_terminated_length"] == 0
+    merged = aggregate([{"reward": 1.0, "timing/generate": 1.0, "completions/min_length": 2.0},
+                        {"reward": 3.0, "timing/generate": 2.0, "completions/min_length": 1.0,
+                         "loss": 5.0, "skipped_updates": 1.0, "clip_ratio/high_max": 0.5}])
+    assert merged == {"reward": 2.0, "timing/generate": 3.0, "completions/min_length": 1.0,
+                      "loss": 5.0, "skipped_updates": 1.0, "clip_ratio/high_max": 0.5}
+
+
+def test_epoch_is_fractional_micro_steps_over_an_epoch():
+    # 100 prompts, 4 per generation: 25 generations x 3 micro-steps x 1 = 75 micro-steps / epoch
+    p = BatchPlan(1, 4, 2, 3, 12, 3, 1)
+    assert p.micro_steps_per_epoch(100) == 75
+    assert p.epoch(3, 100) == pytest.approx(6 / 75)
+    assert p.epoch(75, 100) == pytest.approx(2.0)
+
+
+def test_logged_learning_rate_is_the_applied_one_after_a_skipped_update():
+    """apply_if_finite leaves adamw's schedule count alone on a skipped update (transformers
+    does not step its scheduler either): the logged rate must follow that count, not the step."""
+    from grpo_jax import mesh as mesh_lib
+    from grpo_jax.grpo.loss import LossConfig
+    from grpo_jax.grpo.optimizer import OptimizerConfig, make_schedule
+    from grpo_jax.grpo.train_step import StepConfig
+    from grpo_jax.models import Decoder, ModelConfig
+    from grpo_jax.trainer import Trainer
+
+    cfg = ModelConfig(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=24,
+                      num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+                      tie_word_embeddings=True).replace(dtype=jnp.float32)
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(1, 1, 1), jax.devices()[:1])
+    optim = OptimizerConfig(learning_rate=1e-2, lr_scheduler_type="linear")
+    step_cfg = StepConfig(loss=LossConfig(vllm_importance_sampling_correction=False),
+                          temperature=1.0, gradient_accumulation_steps=1)
+    rng = np.random.default_rng(0)
+    good = Batch(rng.integers(0, 32, (4, 3)).astype(np.int32), np.ones((4, 3), np.int32),
+                 rng.integers(0, 32, (4, 5)).astype(np.int32), np.ones((4, 5), np.int32),
+                 np.zeros(4, bool), np.array([1.0, -1.0, 0.5, -0.5], np.float32))
+    bad = good.replace(advantages=np.array([np.nan, 1, 1, 1], np.float32))
+    schedule = make_schedule(optim, 10)
+
+    skipped = Trainer(Decoder(cfg, rngs=nnx.Rngs(0)), step_cfg, optim, 10, mesh)
+    s, m0 = skipped.step(skipped.init_state, bad)
+    s, m1 = skipped.step(s, good)
+    fresh = Trainer(Decoder(cfg, rngs=nnx.Rngs(0)), step_cfg, optim, 10, mesh)
+    f, n0 = fresh.step(fresh.init_state, good)
+    assert int(m0["skipped_updates"]) == 1 and int(s.step) == 2
+    assert float(m1["learning_rate"]) == pytest.approx(float(schedule(0)))
+    assert float(m1["learning_rate"]) == float(n0["learning_rate"])
+    for a, b in zip(jax.tree.leaves(s.params), jax.tree.leaves(f.params)):  # applied the same
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
