@@ -161,20 +161,18 @@ class StopSignal:
 def abstract_state(cfg, device=None):
     """The TrainState's shapes on one device for `cfg` (a TrainConfig): a restore target that
     needs no training setup. Returns (state, graphdef, model config, model dir)."""
-    import jax.numpy as jnp
     from flax import nnx
 
     from grpo_jax import hf
     from grpo_jax.grpo.optimizer import make_optimizer
-    from grpo_jax.grpo.train_step import TrainState
+    from grpo_jax.grpo.train_step import init_train_state
     from grpo_jax.models import Decoder, ModelConfig
     model_dir = hf.resolve_model_dir(cfg.model.name_or_path)
     model_cfg = ModelConfig.from_hf(hf.read_config(model_dir), numerics=cfg.numerics)
     graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0))),
                                  nnx.Param)
     tx, _ = make_optimizer(cfg.optim, 1)
-    state = jax.eval_shape(lambda p: TrainState(p, tx.init(p), jnp.zeros((), jnp.int32)),
-                           params)
+    state = jax.eval_shape(lambda p: init_train_state(p, tx.init(p), cfg.loss), params)
     sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                          state)

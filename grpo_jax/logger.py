@@ -65,12 +65,16 @@ class MetricsLogger:
             self._bar.write(f"step {step}: {shown}")
         return metrics
 
-    def log_completions(self, step: int, prompts, completions, rewards, advantages) -> None:
+    def log_completions(self, step: int, prompts, completions, rewards, advantages,
+                        extra: dict | None = None) -> None:
+        """One JSON row per completion; `extra`: reward functions' log_extra columns."""
         if not (self.enabled and self._completions):
             return
-        for p, c, r, a in zip(prompts, completions, rewards, advantages):
-            self._completions.write(json.dumps({"step": step, "prompt": p, "completion": c,
-                                                "reward": float(r), "advantage": float(a)}) + "\n")
+        extra = extra or {}
+        for i, (p, c, r, a) in enumerate(zip(prompts, completions, rewards, advantages)):
+            row = {"step": step, "prompt": p, "completion": c, "reward": float(r),
+                   "advantage": float(a), **{k: v[i] for k, v in extra.items()}}
+            self._completions.write(json.dumps(row, default=str) + "\n")
         self._completions.flush()
 
     def close(self) -> None:

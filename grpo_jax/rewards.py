@@ -113,7 +113,7 @@ def reward_names(funcs: Sequence[RewardFunc | Callable]) -> list[str]:
     return out
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class TrainerState:
     """What a reward function reads from TRL's `trainer_state` (transformers.TrainerState's
     names) to shape rewards by training progress. `global_step`: optimizer steps done before

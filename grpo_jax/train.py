@@ -58,9 +58,11 @@ class RewardScorer:
     mesh: Any
     num_generations: int
 
+    trainer_state: Any = rewards_lib.NOT_STARTED  # set before each round (TRL's trainer_state)
+
     @property
     def names(self) -> list[str]:
-        return [f.name for f in self.funcs]
+        return rewards_lib.reward_names(self.funcs)
 
     def __call__(self, records, r) -> Scores:
         ids = [row[m.astype(bool)].tolist() for row, m in zip(r.completion_ids, r.completion_mask)]
@@ -68,15 +70,25 @@ class RewardScorer:
         prompts, columns = data_lib.reward_inputs(records, self.num_generations)
         completions = rewards_lib.completions_for_rewards(prompts, texts)
         rows = dist.owned_rows(mesh_lib.batch_sharding(self.mesh, 1), len(ids))
+        logs = rewards_lib.RewardLogs()
 
         def score():
             if not rows.size:
                 return np.zeros((0, len(self.funcs)), np.float32)
             pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
             return rewards_lib.compute_rewards(self.funcs, pick(prompts), pick(completions),
-                                               pick(ids), {k: pick(v) for k, v in columns.items()})
+                                               pick(ids), {k: pick(v) for k, v in columns.items()},
+                                               trainer_state=self.trainer_state, logs=logs)
         per_func = dist.gather_rows(dist.together(score, rewards_lib.RewardError), rows, len(ids))
-        return Scores(per_func, prompts, texts)
+        # This process's rows of each log_extra column (others: None); with several processes
+        # the metrics are this process's means (TRL gathers both first: not done yet).
+        extra = {}
+        for column, values in logs.extra.items():
+            full = [None] * len(ids)
+            for i, v in zip(rows, values):
+                full[i] = v
+            extra[column] = full
+        return Scores(per_func, prompts, texts, extra, logs.metric_means())
 
 
 def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
@@ -142,6 +154,10 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
                 if not run_round.windows_buffered:
                     records, next_position = dataset.batch_prompts(position,
                                                                    plan.prompts_per_generation)
+                scorer.trainer_state = rewards_lib.TrainerState(
+                    global_step=int(state.step), max_steps=total_steps,
+                    epoch=position.epoch + position.index / len(dataset),
+                    num_train_epochs=cfg.batch.num_train_epochs)
                 # Stops at max_steps exactly, also mid-round (the rest stays buffered).
                 result = run_round(state, records, jax.random.fold_in(base_key, round_idx),
                                    max_updates=total_steps - int(state.step))
@@ -151,7 +167,8 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
                 tokens_seen += result.num_tokens
                 if cfg.run.log_completions and result.scores is not None:
                     logger.log_completions(int(state.step), result.scores.prompts,
-                                           result.scores.texts, result.rewards, result.advantages)
+                                           result.scores.texts, result.rewards, result.advantages,
+                                           extra=result.scores.extra)
                 metrics["step_time"] = time.perf_counter() - t0
                 # What the accelerator does not do: prompts, decoding text, rewards, metrics.
                 metrics["timing/host"] = metrics["step_time"] - sum(

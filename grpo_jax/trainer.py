@@ -13,7 +13,6 @@ import time
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -22,9 +21,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.grpo import advantages as adv_lib
+from grpo_jax.grpo import loss as loss_lib
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.optimizer import OptimizerConfig, make_optimizer
-from grpo_jax.grpo.train_step import StepConfig, TrainState, completion_logps, train_step
+from grpo_jax.grpo.train_step import (StepConfig, TrainState, completion_logps, init_train_state,
+                                      state_shardings, train_step)
 
 
 class Trainer:
@@ -44,26 +45,21 @@ class Trainer:
         opt_shardings = optax.tree_map_params(
             self.tx, lambda _, sharding: sharding, abstract.opt_state, self.param_shardings,
             transform_non_params=lambda _: replicated)
-        self.state_shardings = TrainState(self.param_shardings, opt_shardings, replicated)
+        self.state_shardings = state_shardings(step_cfg.loss, self.param_shardings, opt_shardings,
+                                               replicated)
         self.init_state = jax.jit(self._init, out_shardings=self.state_shardings)(params)
 
         def constrain(x):  # [k, rows, ...] micro-batch splits: rows on the batch axes
             return jax.lax.with_sharding_constraint(
                 x, mesh_lib.logical_sharding(mesh, None, "batch", *[None] * (x.ndim - 2)))
-        def step(state, batch):
-            new_state, metrics = train_step(self.graphdef, self.tx, schedule, step_cfg, state,
-                                            batch, constrain)
-            # The rate this update applies: the schedule inside adamw counts applied updates
-            # only (a skipped one leaves apply_if_finite's inner state as it was, as transformers
-            # skips lr_scheduler.step()), while state.step counts skips too.
-            applied = state.step - state.opt_state.total_notfinite
-            return new_state, {**metrics, "learning_rate": schedule(applied)}
-        self._step = jax.jit(step, out_shardings=(self.state_shardings, replicated),
-                             donate_argnums=(0,))
+        self._step = jax.jit(
+            lambda state, batch: train_step(self.graphdef, self.tx, schedule, step_cfg, state,
+                                            batch, constrain),
+            out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
         self._logps = jax.jit(self._logps_fn, out_shardings=replicated)
 
     def _init(self, params) -> TrainState:
-        return TrainState(params, self.tx.init(params), jnp.zeros((), jnp.int32))
+        return init_train_state(params, self.tx.init(params), self.cfg.loss)
 
     def _logps_fn(self, params, batch: Batch):
         model = nnx.merge(self.graphdef, params)
@@ -91,6 +87,8 @@ class Scores(NamedTuple):
     per_func: np.ndarray
     prompts: Sequence[Any] = ()
     texts: Sequence[str] = ()
+    extra: dict = {}    # reward functions' log_extra columns, one value per completion
+    metrics: dict = {}  # their log_metric values, averaged
 
 
 class RoundResult(NamedTuple):
@@ -168,9 +166,12 @@ class GRPORound:
             scores = self.score(records, r)
             rewards = adv_lib.combine_rewards(scores.per_func, self.reward_weights)
             advantages, stats = adv_lib.group_advantages(rewards, g, self.scale_rewards)
+            # num_items: TRL's loss normaliser for dapo-style losses is the generation batch's
+            # tokens, shared out over its rows, whatever step a row lands in.
             batch = Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
                           r.truncated, np.asarray(advantages, np.float32),
-                          sampler_logp=r.sampler_logp)
+                          sampler_logp=r.sampler_logp, num_items=loss_lib.num_items_per_row(
+                              r.completion_mask, r.truncated, trainer.cfg.loss))
             t2 = time.perf_counter()
             if self.ref_params is not None:
                 batch = batch.replace(ref_logp=np.asarray(trainer.logps(self.ref_params, batch)))
@@ -182,7 +183,9 @@ class GRPORound:
             for name, col in zip(self.reward_names, scores.per_func.T):
                 ok = np.isfinite(col).any()
                 metrics[f"rewards/{name}/mean"] = float(np.nanmean(col)) if ok else 0.0
-                metrics[f"rewards/{name}/std"] = float(np.nanstd(col)) if ok else 0.0
+                metrics[f"rewards/{name}/std"] = (float(np.nanstd(col, ddof=1))  # TRL: unbiased
+                                                  if np.isfinite(col).sum() > 1 else 0.0)
+            metrics.update(scores.metrics)
             metrics.update(completion_metrics(batch))
             num_tokens = int(batch.prompt_mask.sum() + batch.completion_mask.sum())
 

@@ -3,6 +3,7 @@ trained on, windows of gradient_accumulation_steps micro-batches span generation
 generation batch is shuffled before it is split, and the logged learning rate is the applied one.
 The round runs here with a stub sampler and a stub trainer (no model) unless a test needs one."""
 
+import types
 from typing import NamedTuple
 
 import jax
@@ -13,6 +14,7 @@ from flax import nnx
 
 from grpo_jax.config import BatchPlan
 from grpo_jax.grpo.batch import Batch
+from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.rollout.sampler import RolloutBatch
 from grpo_jax.trainer import GRPORound, Scores, aggregate, completion_metrics, generation_order
 
@@ -53,6 +55,9 @@ class StubRollout:
 
 
 class StubTrainer:
+    # The round reads the loss settings (dapo's normaliser) from the trainer's step config.
+    cfg = types.SimpleNamespace(loss=LossConfig(vllm_importance_sampling_correction=False))
+
     def __init__(self):
         self.windows: list[Batch] = []
         self.logps_calls = 0
@@ -205,7 +210,6 @@ def test_logged_learning_rate_is_the_applied_one_after_a_skipped_update():
     """apply_if_finite leaves adamw's schedule count alone on a skipped update (transformers
     does not step its scheduler either): the logged rate must follow that count, not the step."""
     from grpo_jax import mesh as mesh_lib
-    from grpo_jax.grpo.loss import LossConfig
     from grpo_jax.grpo.optimizer import OptimizerConfig, make_schedule
     from grpo_jax.grpo.train_step import StepConfig
     from grpo_jax.models import Decoder, ModelConfig

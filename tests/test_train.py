@@ -111,7 +111,8 @@ def test_reference_model_only_when_beta_positive(tiny_dir, tmp_path, monkeypatch
     state, _ = Checkpointer(tmp_path / "run" / "checkpoints", save_total_limit=None).restore(
         None, target)
     n_params = len(jax.tree.leaves(state.params))
-    assert state._fields == ("params", "opt_state", "step")
+    assert state._fields[:3] == ("params", "opt_state", "step")
+    assert state.entropy_coef is None and state.last_entropy is None  # no adaptive entropy
     # Adam moments + scalar counters (apply_if_finite 3, Adam 1, the schedule 1)
     assert len(jax.tree.leaves(state.opt_state)) <= 2 * n_params + 5
 

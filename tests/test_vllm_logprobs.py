@@ -3,8 +3,7 @@ must get an importance ratio of exactly 1, as in TRL 1.16 (`nan_to_num(old - sam
 before the exp; the sampling_logp_difference metrics leave them out).
 
 The ratio needs the trainer's old log-probs, which only grpo/loss.py sees (on-policy they are
-stop_gradient(logp) inside the loss), so the rule lives there. Until loss.py applies it these
-tests xfail (strict: remove the marker once loss.py has the change).
+stop_gradient(logp) inside the loss), so the rule lives there.
 """
 
 import jax.numpy as jnp
@@ -14,15 +13,11 @@ import pytest
 from grpo_jax.grpo import loss as loss_lib
 from grpo_jax.grpo.batch import Batch
 
-NEEDS_LOSS_CHANGE = pytest.mark.xfail(
-    strict=True, reason="grpo/loss.py must nan_to_num the sampler log-ratio (see the module doc)")
-
 OLD = np.float32([[-1.0, -2.0, -0.5, 0.0], [-0.3, -0.7, 0.0, 0.0]])
 SAMPLER = np.float32([[-1.1, np.nan, -0.4, 0.0], [np.nan, -0.9, 0.0, 0.0]])
 MASK = np.int32([[1, 1, 1, 0], [1, 1, 0, 0]])
 
 
-@NEEDS_LOSS_CHANGE
 @pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate",
                                   "sequence_mask"])
 def test_nan_sampler_logp_gives_ratio_one(mode):
@@ -37,7 +32,6 @@ def test_nan_sampler_logp_gives_ratio_one(mode):
         assert w[0, 1] == 1.0 and w[1, 0] == 1.0
 
 
-@NEEDS_LOSS_CHANGE
 def test_nan_sampler_logp_keeps_the_step_finite():
     batch = Batch(np.ones((2, 2), np.int32), np.ones((2, 2), np.int32),
                   np.ones((2, 4), np.int32), MASK, np.zeros(2, bool), np.float32([1.0, -1.0]),

@@ -163,5 +163,8 @@ def train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Sched
     new_state, metrics = finish_entropy_control(new_state, loss_lib.finalize_metrics(sums), lc)
     metrics.update(loss=loss, grad_norm=optax.tree.norm(grads),
                    skipped_updates=(new_opt.notfinite_count > 0).astype(jnp.int32),
-                   learning_rate=schedule(state.step))
+                   # The rate applied: the schedule inside adamw counts applied updates only (a
+                   # skipped one leaves apply_if_finite's inner state as it was, as transformers
+                   # skips lr_scheduler.step()), while state.step counts skips too.
+                   learning_rate=schedule(state.step - state.opt_state.total_notfinite))
     return new_state, metrics
