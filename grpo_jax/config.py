@@ -123,7 +123,9 @@ class RunArgs:
     logging_steps: int = 10
     save_steps: int = 500
     save_total_limit: int | None = None  # None: keep all checkpoints
-    log_completions: bool = False
+    log_completions: bool = False  # completions.jsonl (and a W&B table), a sample printed
+    num_completions_to_print: int | None = None  # of each round's; None: all (TRL)
+    log_unique_prompts: bool = False  # the W&B table keeps one row per prompt (TRL)
     # TRL's default is 'none'; tensorboardX is a dependency here, so its log is on by default.
     report_to: tuple[Literal["tensorboard", "wandb"], ...] = ("tensorboard",)
     resume: bool = False  # continue from the newest checkpoint in output_dir
@@ -133,6 +135,9 @@ class RunArgs:
                "logging_steps and save_steps must be >= 1")
         _check(self.save_total_limit is None or self.save_total_limit >= 1,
                f"save_total_limit must be >= 1 or null, got {self.save_total_limit}")
+        _check(self.num_completions_to_print is None or self.num_completions_to_print >= 0,
+               f"num_completions_to_print must be >= 0 or null, got "
+               f"{self.num_completions_to_print}")
 
 
 @dataclass(frozen=True)

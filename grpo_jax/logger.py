@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -34,7 +35,8 @@ class MetricsLogger:
         if "wandb" in report_to:
             try:
                 import wandb
-                self._wandb = wandb.init(project="grpo-jax", dir=str(self.out), resume="allow")
+                self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "grpo-jax"),
+                                         dir=str(self.out), resume="allow")
             except ImportError:
                 print("report_to has wandb but it is not installed (`pip install wandb`); "
                       "skipping it", file=sys.stderr)
@@ -71,11 +73,26 @@ class MetricsLogger:
         if not (self.enabled and self._completions):
             return
         extra = extra or {}
-        for i, (p, c, r, a) in enumerate(zip(prompts, completions, rewards, advantages)):
-            row = {"step": step, "prompt": p, "completion": c, "reward": float(r),
-                   "advantage": float(a), **{k: v[i] for k, v in extra.items()}}
-            self._completions.write(json.dumps(row, default=str) + "\n")
+        rows = [{"step": step, "prompt": p, "completion": c, "reward": float(r),
+                 "advantage": float(a), **{k: v[i] for k, v in extra.items()}}
+                for i, (p, c, r, a) in enumerate(zip(prompts, completions, rewards, advantages))]
+        self._completions.writelines(json.dumps(row, default=str) + "\n" for row in rows)
         self._completions.flush()
+        shown = self.run_cfg.num_completions_to_print
+        for row in rows[:len(rows) if shown is None else shown]:
+            self._bar.write(f"  [{row['reward']:+.3g} adv {row['advantage']:+.3g}] "
+                            f"{_short(row['prompt'])} -> {_short(row['completion'])}")
+        if self._wandb is not None:
+            if self.run_cfg.log_unique_prompts:  # one row per prompt (compared as text)
+                unique: dict[str, dict] = {}
+                for row in rows:
+                    unique.setdefault(str(row["prompt"]), row)
+                rows = list(unique.values())
+            import wandb
+            columns = list(rows[0]) if rows else []
+            self._wandb.log({"completions": wandb.Table(
+                columns=columns, data=[[str(row[k]) if k in ("prompt", "completion") else row[k]
+                                        for k in columns] for row in rows])}, step=step)
 
     def close(self) -> None:
         if not self.enabled:
@@ -91,6 +108,14 @@ class MetricsLogger:
         history = read_history(self.out / "metrics.jsonl")
         if history:
             plot_curves(history, self.out / "reward_kl.png")
+
+
+def _short(x, n: int = 60) -> str:
+    """A prompt or completion on one console line (chat messages: the last one's text)."""
+    if isinstance(x, list) and x and isinstance(x[-1], dict):
+        x = x[-1].get("content", "")
+    text = " ".join(str(x).split())
+    return text if len(text) <= n else text[:n - 3] + "..."
 
 
 def read_history(path: Path) -> list[dict]:
