@@ -104,11 +104,30 @@ class RolloutArgs:
     vllm_server_timeout: float = 240.0  # seconds to wait for the server to come up
     # Needed when the server binds a non-loopback address; default: $VLLM_API_KEY.
     vllm_server_api_key: str | None = None
+    # vLLM backend: more sampling options for the server's requests (vLLM's names), and
+    # structured outputs constrained to a regex. The JAX sampler has neither.
+    generation_kwargs: dict | None = None
+    vllm_structured_outputs_regex: str | None = None
 
     def __post_init__(self):
         _check(0 < self.vllm_server_port < 65536, f"vllm_server_port {self.vllm_server_port} "
                "is not a TCP port")
         _check(self.vllm_server_timeout > 0, "vllm_server_timeout must be > 0")
+        for name in ("generation_kwargs", "vllm_structured_outputs_regex"):
+            _check(self.backend == "vllm" or not getattr(self, name), f"{name} applies to vLLM "
+                   "rollouts (use_vllm: true); the JAX sampler's options are the generation "
+                   "settings (temperature, top_p, top_k, min_p, repetition_penalty)")
+        own = set(dataclasses.asdict(SamplingParams())) | {"max_tokens", "n", "seed", "logprobs"}
+        clash = sorted(own & set(self.generation_kwargs or {}))
+        _check(not clash, f"generation_kwargs {clash}: these are settings of their own (the "
+               "trainer reads them too); set them directly, e.g. temperature: 0.7")
+
+    def request_extras(self) -> dict:
+        """Fields added to every vLLM completion request."""
+        extras = dict(self.generation_kwargs or {})
+        if self.vllm_structured_outputs_regex:
+            extras["structured_outputs"] = {"regex": self.vllm_structured_outputs_regex}
+        return extras
 
     @property
     def base_url(self) -> str:

@@ -308,3 +308,14 @@ def test_recipe_keys_mapped_noted_or_refused(capsys):
                         ({"vllm_mode": "colocate"}, "vLLM server only")]:
         with pytest.raises(ConfigError, match=needle):
             config_from_dict(bad)
+
+
+def test_vllm_request_options():
+    with pytest.raises(ConfigError, match="applies to vLLM rollouts"):
+        config_from_dict({"vllm_structured_outputs_regex": "[0-9]+"})
+    with pytest.raises(ConfigError, match=r"\['temperature'\]: these are settings of their own"):
+        config_from_dict({"use_vllm": True, "generation_kwargs": {"temperature": 0.5}})
+    cfg = config_from_dict({"use_vllm": True, "generation_kwargs": {"ignore_eos": True},
+                            "vllm_structured_outputs_regex": "[0-9]+"})
+    assert cfg.rollout.request_extras() == {"ignore_eos": True,
+                                            "structured_outputs": {"regex": "[0-9]+"}}

@@ -171,10 +171,11 @@ class VLLMClient:
     def generate(self, prompt_token_ids: list[list[int]], *, n: int = 1,
                  temperature: float = 1.0, top_p: float = 1.0, top_k: int | None = 0,
                  min_p: float | None = None, repetition_penalty: float = 1.0,
-                 max_tokens: int = 256, stop_token_ids=(), seed: int | None = None
-                 ) -> list[list[Completion]]:
+                 max_tokens: int = 256, stop_token_ids=(), seed: int | None = None,
+                 extras: dict | None = None) -> list[list[Completion]]:
         """`n` completions per prompt (TRL names; 0/None/1.0 switch a filter off). With a seed,
-        prompt i uses seeds seed + i*n ... (vLLM gives the n children consecutive seeds)."""
+        prompt i uses seeds seed + i*n ... (vLLM gives the n children consecutive seeds).
+        `extras`: more request fields (vLLM's sampling options, structured_outputs)."""
         def one(i):
             body = {"prompt": [int(t) for t in prompt_token_ids[i]], "n": n,
                     "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
@@ -184,6 +185,7 @@ class VLLMClient:
                     "logprobs": 0, "return_token_ids": True}
             if seed is not None:
                 body["seed"] = seed + i * n
+            body.update(extras or {})
             out = self._request("POST", "/v1/completions", body)
             choices = sorted(out["choices"], key=lambda c: c["index"])
             return [_completion(c, self.base_url) for c in choices]

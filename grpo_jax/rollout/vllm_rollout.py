@@ -24,6 +24,7 @@ class VLLMRollout:
         print(f"rollouts from the vLLM server at {r.base_url}", file=sys.stderr)
         self.model_cfg, self.pad = model_cfg, pad_id(tokenizer)
         self.sp = sampling_params(cfg, tokenizer, model_dir)
+        self.extras = r.request_extras()
 
     def generate(self, params, prompt_ids, num_generations, key) -> RolloutBatch:
         seed = int(jax.random.randint(key, (), 0, 2**30))
@@ -31,7 +32,8 @@ class VLLMRollout:
         groups = self.client.generate(
             prompt_ids, n=num_generations, temperature=sp.temperature, top_p=sp.top_p,
             top_k=sp.top_k, min_p=sp.min_p, repetition_penalty=sp.repetition_penalty,
-            max_tokens=sp.max_completion_length, stop_token_ids=sp.stop_token_ids, seed=seed)
+            max_tokens=sp.max_completion_length, stop_token_ids=sp.stop_token_ids, seed=seed,
+            extras=self.extras)
         arrays = rollout_arrays([c for g in groups for c in g], self.pad,
                                 length=sp.max_completion_length)
         # Left-pad prompts to a length bucket, as the JAX sampler does, so the train step sees
