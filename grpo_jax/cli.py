@@ -121,7 +121,6 @@ NO_EFFECT = {
     "nothing is uploaded", "hub_private_repo": "not supported: nothing is uploaded",
     "log_level": "grpo-jax logs metrics at every logging_steps", "logging_first_step": "the first "
     "step is always logged", "logging_strategy": "metrics are logged every logging_steps",
-    "num_processes": "JAX uses every device of every process (see mesh)",
     "vllm_device": "set on the vLLM server (python -m grpo_jax.serve)",
     "vllm_gpu_memory_utilization": "set on the vLLM server (python -m grpo_jax.serve)",
     "vllm_tensor_parallel_size": "set on the vLLM server (python -m grpo_jax.serve)",
@@ -156,6 +155,8 @@ NO_EFFECT = {
     "the sampler's length buckets", "router_aux_loss_coef": "no mixture-of-experts models here",
 }
 _NOTED: set[str] = set()
+# A field of ours is never shadowed (accelerate's num_processes, say, is our process count).
+assert not set(NO_EFFECT) & set(FIELD_SECTION), set(NO_EFFECT) & set(FIELD_SECTION)
 # TRL options that have no counterpart here, and what to do instead.
 UNSUPPORTED = {
     "vllm_mode": "grpo-jax talks to a vLLM server only: set use_vllm: true and drop vllm_mode",
