@@ -331,3 +331,23 @@ def test_mix_ref_is_trls_rule_on_the_params_shardings(dtype):
         tol = 1e-6 if dtype == "float32" else 2 ** -8
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
     assert old.is_deleted()
+
+
+@pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
+def test_round_uses_multi_objective_aggregation(aggregation):
+    """The round's advantages (trained on and returned) and logged reward stats come from
+    compute_advantages with its aggregation; `rewards` are the raw weighted sums either way."""
+    from grpo_jax.grpo.advantages import combine_rewards, compute_advantages
+    p = plan(2, 2)
+    per_func = np.random.default_rng(0).standard_normal((MICRO * 2, 2)).astype(np.float32)
+    per_func[3, 1] = np.nan
+    rnd = GRPORound(StubTrainer(), StubRollout(), p, lambda records, r: Scores(per_func),
+                    ["a", "b"], "batch", [1.0, 2.0], aggregation=aggregation)
+    _, (result,) = run_rounds(rnd, 1)
+    _, want, stats = compute_advantages(per_func, G, "batch", [1.0, 2.0], aggregation)
+    np.testing.assert_array_equal(result.advantages, want)
+    np.testing.assert_array_equal(result.rewards, combine_rewards(per_func, [1.0, 2.0]))
+    fed = np.concatenate([w.advantages for w in rnd.trainer.windows])
+    assert sorted(fed.tolist()) == sorted(want.tolist())
+    for k, v in stats.items():
+        assert result.metrics[k] == v
