@@ -59,6 +59,14 @@ class GRPOArgs:
     num_iterations: int = 1
     reward_funcs: tuple[str, ...] = ("reward_len",)
     reward_weights: tuple[float, ...] | None = None  # None: all 1.0
+    # How several reward functions make one advantage (grpo_jax.grpo.advantages).
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = (
+        "sum_then_normalize")
+    # TR-DPO: every ref_model_sync_steps optimizer steps, ref = alpha * policy + (1 - alpha) * ref
+    # (needs beta > 0: with beta 0 there is no reference model).
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512
 
     def __post_init__(self):
         _check(self.num_generations >= 2, "num_generations must be >= 2: GRPO's advantage "
@@ -69,6 +77,13 @@ class GRPOArgs:
         _check(self.reward_weights is None or len(self.reward_weights) == len(self.reward_funcs),
                f"reward_weights has {len(self.reward_weights or ())} entries but reward_funcs "
                f"has {len(self.reward_funcs)}: give one weight per function")
+        _check(self.multi_objective_aggregation in ("sum_then_normalize", "normalize_then_sum"),
+               "multi_objective_aggregation must be 'sum_then_normalize' or "
+               f"'normalize_then_sum', got {self.multi_objective_aggregation!r}")
+        _check(0.0 <= self.ref_model_mixup_alpha <= 1.0, "ref_model_mixup_alpha must be in "
+               f"[0, 1], got {self.ref_model_mixup_alpha}")
+        _check(self.ref_model_sync_steps >= 1,
+               f"ref_model_sync_steps must be >= 1, got {self.ref_model_sync_steps}")
 
 
 @dataclass(frozen=True)

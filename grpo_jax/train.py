@@ -93,6 +93,10 @@ class RewardScorer:
 
 def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     """Run (or resume) training on `devices` (default: all). Returns the last metrics."""
+    if cfg.grpo.sync_ref_model and not cfg.loss.beta:
+        raise TrainError(  # TRL raises the same at GRPOTrainer's init
+            "sync_ref_model is set while beta is 0: with beta 0 no reference model is kept, so "
+            "there is nothing to synchronize. Set sync_ref_model false, or beta > 0")
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
@@ -112,19 +116,26 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     del model
     rollout = make_rollout(cfg, trainer.model_config, tokenizer, mesh, model_dir)
     scorer = RewardScorer(funcs, tokenizer, mesh, cfg.grpo.num_generations)
+    g = cfg.grpo
     run_round = GRPORound(
-        trainer, rollout, plan, scorer, scorer.names, cfg.grpo.scale_rewards,
-        cfg.grpo.reward_weights,
+        trainer, rollout, plan, scorer, scorer.names, g.scale_rewards, g.reward_weights,
         # beta = 0: no reference model is kept at all.
-        ref_params=jax.tree.map(lambda x: x.copy(), state.params) if cfg.loss.beta else None)
+        ref_params=jax.tree.map(lambda x: x.copy(), state.params) if cfg.loss.beta else None,
+        aggregation=g.multi_objective_aggregation,
+        ref_sync=(g.ref_model_sync_steps, g.ref_model_mixup_alpha) if g.sync_ref_model else None)
 
     ckpt = Checkpointer(out / "checkpoints", save_total_limit=cfg.run.save_total_limit)
+    # sync_ref_model: the reference changes during the run, so it is checkpointed too.
+    refs = (RefCheckpoints(out / "reference", cfg.run.save_total_limit) if g.sync_ref_model
+            else None)
     position, round_idx, tokens_seen = data_lib.DataPosition(), 0, 0
     buffers = BufferFiles(out / "generation_buffer")
     latest = ckpt.latest_step()
     if latest is not None and not cfg.run.resume:
         raise TrainError(f"{ckpt.directory} already holds checkpoints (latest step {latest}): "
                          "pass --resume to continue that run, or choose another output_dir")
+    if refs is not None:
+        refs.drop_after(latest or 0)
     if cfg.run.resume:
         if latest is not None:
             state, meta = ckpt.restore(latest, state)  # onto the live state's shardings
@@ -132,6 +143,12 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
             round_idx = meta["round"]
             tokens_seen = int(meta.get("num_tokens", 0))
             run_round.buffer = buffers.load(latest, meta.get("buffered_micro_batches", 0))
+            if refs is not None:
+                run_round.ref_params = refs.restore(latest, run_round.ref_params,
+                                                    meta.get("reference", False))
+            elif meta.get("reference") and dist.is_main():
+                print(f"checkpoint {latest} was saved with sync_ref_model; without it the "
+                      "reference is the initial model again", file=sys.stderr)
             if dist.is_main():
                 print(f"resumed from step {latest} in {ckpt.directory}", file=sys.stderr)
     if dist.is_main():  # without this process's id: the file serves every process of a resume
@@ -184,7 +201,7 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
                 if cfg.run.save_steps and int(state.step) // cfg.run.save_steps > saved_block:
                     saved_block = int(state.step) // cfg.run.save_steps
                     _save(ckpt, buffers, state, position, round_idx, tokens_seen,
-                          run_round.buffer, metrics)
+                          run_round, metrics, refs)
         except BaseException as e:
             failure = e
             raise
@@ -199,12 +216,14 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
                 try:
                     if int(state.step) not in ckpt.all_steps() and int(state.step) > 0:
                         _save(ckpt, buffers, state, position, round_idx, tokens_seen,
-                              run_round.buffer, last)
+                              run_round, last, refs)
                 except Exception as e:  # e.g. buffers donated to a step that failed
                     print(f"no final checkpoint ({type(e).__name__}: {e}); the last periodic "
                           "one stands", file=sys.stderr)
                 ckpt.wait()
                 ckpt.close()
+                if refs is not None:
+                    refs.close()
             logger.close()
         if stop.should_stop():
             print(f"stopped by signal {stop.received}; checkpoint at step {int(state.step)}",
@@ -212,18 +231,61 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     return last
 
 
-def _save(ckpt, buffers, state, position, round_idx, tokens_seen, buffer, metrics):
+def _save(ckpt, buffers, state, position, round_idx, tokens_seen, run_round, metrics,
+          refs=None):
     """A checkpoint of the state and what resumes the run exactly: the data position, the
-    round, the tokens seen and the generated micro-batches not yet trained on."""
-    step = int(state.step)
+    round, the tokens seen, the generated micro-batches not yet trained on and, with
+    sync_ref_model, the reference params."""
+    step, buffer = int(state.step), run_round.buffer
     if step in ckpt.all_steps():
         return
     buffers.save(step, buffer)  # first: a committed checkpoint always finds its buffer
+    if refs is not None:
+        refs.save(step, run_round.ref_params)  # also first, and committed before the state
     meta = {"data_position": list(position), "round": round_idx, "num_tokens": tokens_seen,
-            "buffered_micro_batches": len(buffer),
+            "buffered_micro_batches": len(buffer), "reference": refs is not None,
             "metrics": {k: float(v) for k, v in metrics.items()}}
     ckpt.save(step, state, meta)
     buffers.prune(ckpt.all_steps())
+
+
+class RefCheckpoints:
+    """The reference params of a sync_ref_model run: `<directory>/<step>/`, an Orbax checkpoint
+    per state checkpoint (sharded, written by every process, restored onto the live
+    reference's shardings). Written synchronously before the state's checkpoint of the same
+    step, so a committed state checkpoint always finds its reference; a reference a killed run
+    wrote for a step whose state never committed is deleted on resume."""
+
+    def __init__(self, directory: Path, save_total_limit: int | None):
+        self.ckpt = Checkpointer(directory, save_total_limit=save_total_limit, async_save=False)
+
+    def save(self, step: int, ref_params) -> None:
+        self.ckpt.save(step, ref_params, {"step": int(step)})
+
+    def drop_after(self, step: int) -> None:
+        """Delete references saved after `step` (the latest state checkpoint; 0: none)."""
+        for later in [s for s in self.ckpt.all_steps() if s > step]:
+            self.ckpt._manager.delete(later)  # Checkpointer has no delete; Orbax's is collective
+
+    def restore(self, step: int, target, saved: bool):
+        """The reference saved with state checkpoint `step` (`saved`: its meta says one was);
+        a checkpoint of a run without sync_ref_model keeps `target` (the initial model)."""
+        if step not in self.ckpt.all_steps():
+            if saved:
+                raise TrainError(
+                    f"checkpoint {step} was saved with its reference model in "
+                    f"{self.ckpt.directory}, but that step is missing there: restore it or "
+                    "resume from another checkpoint")
+            if dist.is_main():
+                print(f"checkpoint {step} has no reference model (saved without "
+                      "sync_ref_model): the reference starts from the initial model",
+                      file=sys.stderr)
+            return target
+        ref, _ = self.ckpt.restore(step, target)
+        return ref
+
+    def close(self) -> None:
+        self.ckpt.close()
 
 
 class BufferFiles:

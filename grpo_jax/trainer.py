@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -57,6 +58,8 @@ class Trainer:
                                             batch, constrain),
             out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
         self._logps = jax.jit(self._logps_fn, out_shardings=replicated)
+        # The reference's buffers are donated: the mix replaces them in place on the devices.
+        self._mix = jax.jit(mix_params, out_shardings=self.param_shardings, donate_argnums=(1,))
 
     def _init(self, params) -> TrainState:
         return init_train_state(params, self.tx.init(params), self.cfg.loss)
@@ -75,10 +78,25 @@ class Trainer:
         """One update; the metrics stay on the device (jax.device_get them when needed)."""
         return self._step(state, self.shard_batch(batch))
 
+    def mix_ref(self, params, ref, alpha: float):
+        """TR-DPO's reference update alpha * params + (1 - alpha) * ref, on the devices with the
+        params' shardings; `ref`'s buffers are donated (use the returned tree)."""
+        return self._mix(params, ref, np.float32(alpha), np.float32(1.0 - alpha))
+
     def logps(self, params, batch: Batch) -> jax.Array:
         """Completion log-probs without gradients: old (num_iterations > 1) or reference."""
         seqs = batch.replace(old_logp=None, ref_logp=None, sampler_logp=None)
         return self._logps(params, self.shard_batch(seqs))
+
+
+def mix_params(params, ref, alpha, keep):
+    """ref * keep + params * alpha leaf by leaf, rounded as TRL's SyncRefModelCallback in the
+    reference's dtype: `ref.mul_(keep).add_(params, alpha=alpha)` (keep = 1 - alpha, computed in
+    double on the host as Python does; both rounded to float32, torch's math type)."""
+    def one(p, r):
+        kept = (r.astype(jnp.float32) * keep).astype(r.dtype)
+        return (kept.astype(jnp.float32) + alpha * p.astype(jnp.float32)).astype(r.dtype)
+    return jax.tree.map(one, params, ref)
 
 
 class Scores(NamedTuple):
@@ -129,6 +147,11 @@ def concat_rows(parts: Sequence[Batch]) -> Batch:
 class GRPORound:
     """One round's wiring. `score(records, rollout_batch) -> Scores`; `reward_names` name its
     columns in the metrics; `plan` is the config's BatchPlan; `ref_params` None means beta 0.
+    `aggregation` is multi_objective_aggregation; `ref_sync` (ref_model_sync_steps,
+    ref_model_mixup_alpha) when sync_ref_model: after every optimizer step that brings the step
+    count to a multiple of ref_model_sync_steps, ref_params = alpha * params + (1 - alpha) *
+    ref_params (TRL's SyncRefModelCallback.on_step_end). The reference log-probs of a generation
+    batch are taken when it is generated, so a sync shows from the next generation on (as TRL).
 
     TRL's generation buffer: a round generates one generation batch, shuffles its rows and
     splits them into steps_per_generation micro-batches (num_iterations times over), appended to
@@ -143,7 +166,14 @@ class GRPORound:
     scale_rewards: str
     reward_weights: Sequence[float] | None
     ref_params: Any = None
+    aggregation: str = "sum_then_normalize"
+    ref_sync: tuple[int, float] | None = None
     buffer: list = dataclasses.field(default_factory=list)  # host micro-batches not trained on
+
+    def __post_init__(self):
+        if self.ref_sync is not None and self.ref_params is None:
+            raise ValueError("ref_sync (sync_ref_model) needs ref_params: with beta 0 there is "
+                             "no reference model to synchronize")
 
     @property
     def windows_buffered(self) -> int:
@@ -164,8 +194,8 @@ class GRPORound:
                                       key)
             t1 = time.perf_counter()
             scores = self.score(records, r)
-            rewards = adv_lib.combine_rewards(scores.per_func, self.reward_weights)
-            advantages, stats = adv_lib.group_advantages(rewards, g, self.scale_rewards)
+            rewards, advantages, stats = adv_lib.compute_advantages(
+                scores.per_func, g, self.scale_rewards, self.reward_weights, self.aggregation)
             # num_items: TRL's loss normaliser for dapo-style losses is the generation batch's
             # tokens, shared out over its rows, whatever step a row lands in.
             batch = Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
@@ -195,13 +225,20 @@ class GRPORound:
             n = max(min(n, max_updates), 0)
         # Windows are assembled before the first dispatch: the loop below only enqueues work.
         windows = [concat_rows(buffer[i * gas:(i + 1) * gas]) for i in range(n)]
-        step_metrics = []
+        step_metrics, ref = [], self.ref_params
+        # The step count on the host (read once; each update adds 1, a skipped one too).
+        step = int(state.step) if self.ref_sync is not None and n else 0
         for window in windows:
             state, m = trainer.step(state, window)
             step_metrics.append(m)
+            step += 1
+            if self.ref_sync is not None and step % self.ref_sync[0] == 0:
+                ref = trainer.mix_ref(state.params, ref, self.ref_sync[1])
         if step_metrics:
             metrics.update(aggregate(jax.device_get(step_metrics)))
-        self.buffer = buffer[n * gas:]  # only now: a round that fails leaves the buffer as it was
+        # Only now: a round that fails leaves the buffer as it was (the reference's old buffers
+        # are donated to a mix, as the state's to a step: no final checkpoint after a failure).
+        self.buffer, self.ref_params = buffer[n * gas:], ref
         t4 = time.perf_counter()
         sync_time = self.rollout.update_weights(state.params) if n else None
 

@@ -239,3 +239,115 @@ def test_logged_learning_rate_is_the_applied_one_after_a_skipped_update():
     assert float(m1["learning_rate"]) == float(n0["learning_rate"])
     for a, b in zip(jax.tree.leaves(s.params), jax.tree.leaves(f.params)):  # applied the same
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+class MixTrainer(StubTrainer):
+    """Params are a number; the mix records (step reached, params, ref before) and mixes."""
+
+    def __init__(self):
+        super().__init__()
+        self.mixes = []
+        self.ref_seen = []  # params handed to logps: the reference (and old) of each generation
+        self.steps_done = 0
+
+    def step(self, state, batch):
+        self.steps_done += 1
+        return super().step(state, batch)
+
+    def mix_ref(self, params, ref, alpha):
+        self.mixes.append((self.steps_done, params, ref))
+        return alpha * params + (1 - alpha) * ref
+
+    def logps(self, params, batch):
+        self.ref_seen.append(params)
+        return super().logps(params, batch)
+
+
+@pytest.mark.parametrize("spg,gas,start", [(3, 1, 0), (2, 2, 0), (1, 1, 5), (3, 2, 1)])
+def test_ref_sync_after_every_step_reaching_a_multiple(spg, gas, start):
+    """TRL's SyncRefModelCallback.on_step_end: after the optimizer step that makes global_step
+    a multiple of ref_model_sync_steps, ref = alpha * policy + (1 - alpha) * ref, with the
+    policy just updated; the count goes on from a resumed step. A generation's reference
+    log-probs use the reference as it is when it is generated."""
+    p = plan(spg, gas)
+    rnd = GRPORound(MixTrainer(), StubRollout(), p, make_round(p).score, ["r"], "group", None,
+                    ref_params=100.0, ref_sync=(2, 0.25))
+    state = State(start, start)  # params == step count in the stub
+    ref, want_mixes, want_seen = 100.0, [], []
+    for k in range(4):
+        want_seen += [ref, state.params] if p.needs_old_logps else [ref]  # ref, then old
+        result = rnd(state, [{"prompt_ids": [1, 2]}] * p.prompts_per_generation,
+                     jax.random.key(k))
+        for s in range(int(state.step) + 1, int(result.state.step) + 1):
+            if s % 2 == 0:
+                want_mixes.append((s - start, s, ref))
+                ref = 0.25 * s + 0.75 * ref
+        state = result.state
+    assert rnd.trainer.mixes == want_mixes and len(want_mixes) >= 2
+    assert rnd.ref_params == ref
+    assert rnd.trainer.ref_seen == want_seen
+
+
+def test_ref_sync_needs_a_reference():
+    p = plan(1, 1)
+    with pytest.raises(ValueError, match="beta 0"):
+        GRPORound(StubTrainer(), StubRollout(), p, make_round(p).score, ["r"], "group", None,
+                  ref_sync=(2, 0.6))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mix_ref_is_trls_rule_on_the_params_shardings(dtype):
+    """Trainer.mix_ref = TRL's `ref.mul_(1 - alpha).add_(policy, alpha=alpha)` in the params'
+    dtype, jitted on the params' shardings (an FSDP mesh here), the old reference donated."""
+    torch = pytest.importorskip("torch")
+    from grpo_jax import mesh as mesh_lib
+    from grpo_jax.grpo.optimizer import OptimizerConfig
+    from grpo_jax.grpo.train_step import StepConfig
+    from grpo_jax.models import Decoder, ModelConfig
+    from grpo_jax.trainer import Trainer
+
+    cfg = ModelConfig(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=24,
+                      num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+                      tie_word_embeddings=True).replace(dtype=jnp.float32)
+    n = min(len(jax.devices()), 2)
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(1, n, 1), jax.devices()[:n])
+    step_cfg = StepConfig(loss=LossConfig(vllm_importance_sampling_correction=False),
+                          temperature=1.0, gradient_accumulation_steps=1)
+    t = Trainer(Decoder(cfg, rngs=nnx.Rngs(0)), step_cfg, OptimizerConfig(), 10, mesh)
+    cast = lambda tree: jax.tree.map(lambda x: x.astype(dtype), tree)  # noqa: E731
+    params = cast(t.init_state.params)
+    ref = cast(jax.tree.map(lambda x: x * 0.5 + 0.3, t.init_state.params))
+    want_ref = {i: torch.tensor(np.asarray(x.astype(jnp.float32))).to(getattr(torch, dtype))
+                for i, x in enumerate(jax.tree.leaves(ref))}
+    old = jax.tree.leaves(ref)[0]
+    mixed = t.mix_ref(params, ref, 0.6)
+    for i, (p, m, s) in enumerate(zip(jax.tree.leaves(params), jax.tree.leaves(mixed),
+                                      jax.tree.leaves(t.param_shardings))):
+        assert m.dtype == p.dtype and m.sharding.is_equivalent_to(s, m.ndim)
+        pt = torch.tensor(np.asarray(p.astype(jnp.float32))).to(getattr(torch, dtype))
+        want = want_ref[i].mul_(1.0 - 0.6).add_(pt, alpha=0.6).float().numpy()
+        got = np.asarray(m.astype(jnp.float32))
+        # float32: to an ulp (torch may fuse the add into an FMA); bfloat16: one bf16 rounding
+        tol = 1e-6 if dtype == "float32" else 2 ** -8
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    assert old.is_deleted()
+
+
+@pytest.mark.parametrize("aggregation", ["sum_then_normalize", "normalize_then_sum"])
+def test_round_uses_multi_objective_aggregation(aggregation):
+    """The round's advantages (trained on and returned) and logged reward stats come from
+    compute_advantages with its aggregation; `rewards` are the raw weighted sums either way."""
+    from grpo_jax.grpo.advantages import combine_rewards, compute_advantages
+    p = plan(2, 2)
+    per_func = np.random.default_rng(0).standard_normal((MICRO * 2, 2)).astype(np.float32)
+    per_func[3, 1] = np.nan
+    rnd = GRPORound(StubTrainer(), StubRollout(), p, lambda records, r: Scores(per_func),
+                    ["a", "b"], "batch", [1.0, 2.0], aggregation=aggregation)
+    _, (result,) = run_rounds(rnd, 1)
+    _, want, stats = compute_advantages(per_func, G, "batch", [1.0, 2.0], aggregation)
+    np.testing.assert_array_equal(result.advantages, want)
+    np.testing.assert_array_equal(result.rewards, combine_rewards(per_func, [1.0, 2.0]))
+    fed = np.concatenate([w.advantages for w in rnd.trainer.windows])
+    assert sorted(fed.tolist()) == sorted(want.tolist())
+    for k, v in stats.items():
+        assert result.metrics[k] == v

@@ -292,3 +292,88 @@ def test_tldr_without_hub_fails_fast_with_advice(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "Qwen/Qwen2-0.5B-Instruct" in err and "--local-dir" in err and "Traceback" not in err
     assert time.time() - start < 60
+
+
+def _ref_at(out, cfg, step):
+    """The reference params a sync_ref_model run checkpointed with `step`, as numpy leaves."""
+    from grpo_jax.checkpoint import abstract_state
+    target, *_ = abstract_state(cfg)
+    ckpt = Checkpointer(Path(out) / "reference", save_total_limit=None)
+    try:
+        ref, meta = ckpt.restore(step, target.params)
+    finally:
+        ckpt.close()
+    assert meta["step"] == step
+    return [np.asarray(x) for x in jax.tree.leaves(ref)]
+
+
+def test_sync_ref_model_mixes_every_sync_steps(tiny_dir, tmp_path, monkeypatch):
+    """TR-DPO as TRL's SyncRefModelCallback: after optimizer steps 2 and 4 (of 5; one update a
+    round), ref = 0.6 * policy + 0.4 * ref, starting from the initial params; the next
+    generation's reference log-probs come from the mixed reference."""
+    from grpo_jax.trainer import Trainer
+    after, mixes, refs_used = [], [], []
+    step, mix, logps = Trainer.step, Trainer.mix_ref, Trainer.logps
+
+    def record_step(self, s, b):
+        if not after:
+            after.append([np.asarray(x) for x in jax.tree.leaves(s.params)])  # initial
+        s, m = step(self, s, b)
+        after.append([np.asarray(x) for x in jax.tree.leaves(s.params)])
+        return s, m
+
+    def record_logps(self, p, b):
+        refs_used.append([np.asarray(x) for x in jax.tree.leaves(p)])
+        return logps(self, p, b)
+    monkeypatch.setattr(Trainer, "step", record_step)
+    monkeypatch.setattr(Trainer, "mix_ref", lambda self, p, r, a: mixes.append(
+        (len(after) - 1, a)) or mix(self, p, r, a))
+    monkeypatch.setattr(Trainer, "logps", record_logps)
+    cfg = config(tiny_dir, tmp_path / "run", max_steps=5, beta=0.04, sync_ref_model=True,
+                 ref_model_sync_steps=2, ref_model_mixup_alpha=0.6)
+    train(cfg, devices=jax.devices()[:1])
+    assert mixes == [(2, 0.6), (4, 0.6)]
+    want = after[0]
+    history = [want]  # the reference before each generation (round k generates before step k+1)
+    for k in range(1, 5):
+        if k % 2 == 0:
+            want = [0.6 * p + 0.4 * r for p, r in zip(after[k], want)]
+        history.append(want)
+    got = _ref_at(tmp_path / "run", cfg, 5)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+    assert max(np.abs(g - a).max() for g, a in zip(got, after[0])) > 1e-3  # it did move
+    assert len(refs_used) == 5  # one reference pass per generation, no old log-probs
+    for used, w in zip(refs_used, history):
+        for u, x in zip(used, w):
+            np.testing.assert_allclose(u, x, rtol=1e-6, atol=1e-7)
+
+
+def test_sync_ref_model_needs_beta(tiny_dir, tmp_path):
+    from grpo_jax.train import TrainError
+    with pytest.raises(TrainError, match="beta"):
+        train(config(tiny_dir, tmp_path / "run", sync_ref_model=True, beta=0.0),
+              devices=jax.devices()[:1])
+
+
+def test_sync_ref_model_resume_equals_uninterrupted(tiny_dir, tmp_path):
+    """The reference is checkpointed with the state: stopping at step 3 (after the sync at 2)
+    and resuming to 6 gives the params and reference of a run straight to 6."""
+    from grpo_jax.checkpoint import load_checkpoint
+    sync = dict(beta=0.04, sync_ref_model=True, ref_model_sync_steps=2)
+    train(config(tiny_dir, tmp_path / "cut", max_steps=3, **sync), devices=jax.devices()[:1])
+    cfg = config(tiny_dir, tmp_path / "cut", max_steps=6, resume=True, **sync)
+    train(cfg, devices=jax.devices()[:1])
+    train(config(tiny_dir, tmp_path / "full", max_steps=6, **sync), devices=jax.devices()[:1])
+    a, _, step_a = load_checkpoint(tmp_path / "full")
+    b, _, step_b = load_checkpoint(tmp_path / "cut")
+    assert step_a == step_b == 6
+    diffs = {name: np.abs(pa - hf.params_numpy(b)[name]).max()
+             for name, pa in hf.params_numpy(a).items()}
+    print("max |full - resumed| params:", max(diffs.values()))
+    assert max(diffs.values()) < 1e-6, diffs
+    for ra, rb in zip(_ref_at(tmp_path / "full", cfg, 6), _ref_at(tmp_path / "cut", cfg, 6)):
+        assert np.abs(ra - rb).max() < 1e-6
+    kl = [[json.loads(line)["kl"] for line in (tmp_path / run / "metrics.jsonl").open()][-1]
+          for run in ("full", "cut")]
+    assert kl[0] == pytest.approx(kl[1], rel=1e-4, abs=1e-9)

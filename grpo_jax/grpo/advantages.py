@@ -1,9 +1,15 @@
 """Group-relative advantages from the rewards of one generation batch (host side, numpy).
 
-Follows TRL's GRPOTrainer with multi_objective_aggregation="sum_then_normalize": completions of a
-prompt sit in consecutive blocks of num_generations; a completion whose every reward function
-returned None is "unscorable": its reward is NaN, it is left out of its group's mean and std, and
-its advantage is 0 (it must not move the policy).
+Follows TRL's GRPOTrainer: completions of a prompt sit in consecutive blocks of num_generations; a
+completion whose every reward function returned None is "unscorable": its reward is NaN, it is
+left out of the means and stds, and its advantage is 0 (it must not move the policy).
+
+multi_objective_aggregation (TRL's names):
+- "sum_then_normalize": the weighted sum of the functions' rewards, then group_advantages
+  (scale_rewards: per group, per batch or not at all).
+- "normalize_then_sum" (GDPO): each function's rewards normalised within each group, then their
+  weighted sum, then that normalised over the whole batch; scale_rewards plays no part.
+Either way the logged `reward` / `reward_std` are those of the raw weighted sum.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from typing import Sequence
 import numpy as np
 
 SCALE_REWARDS = ("group", "batch", "none")
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 def combine_rewards(per_func: np.ndarray, weights: Sequence[float] | None = None) -> np.ndarray:
@@ -74,14 +81,73 @@ def group_advantages(rewards: np.ndarray, num_generations: int, scale_rewards: s
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN groups: mean NaN, advantage 0
         mean = np.repeat(np.nanmean(r.reshape(-1, num_generations), axis=1), num_generations)
-        batch_mean = float(np.nanmean(r)) if np.isfinite(r).any() else 0.0
     std, is_std_zero = group_std(r, num_generations, scale_rewards)
     adv = r - mean
     if scale_rewards != "none":
         adv = adv / (std + 1e-4)
     adv = np.nan_to_num(adv, nan=0.0)
-    batch_std = _nanstd(r)
-    stats = {"reward": batch_mean,
-             "reward_std": float(batch_std) if np.isfinite(batch_std) else 0.0,
-             "frac_reward_zero_std": float(is_std_zero.mean())}
+    stats = _reward_stats(r)
+    stats["frac_reward_zero_std"] = float(is_std_zero.mean())
     return adv.astype(np.float32), stats
+
+
+def normalize_then_sum(per_func: np.ndarray, num_generations: int,
+                       weights: Sequence[float] | None = None):
+    """[N, F] rewards -> ([N] float32 advantages, stats), TRL's "normalize_then_sum".
+
+    Per function and group: (r - nanmean) / (nanstd + 1e-4), NaN where the function gave None
+    or where the group has fewer than 2 of its values (std undefined); those NaNs drop out of
+    the weighted nansum. An unscorable row stays NaN. The sums are then standardised over the
+    batch: (s - nanmean) / (nanstd + 1e-4); NaN advantages become 0. frac_reward_zero_std is 1
+    when that batch std is 0, else 0; reward and reward_std are of the raw weighted sums.
+    """
+    raw = combine_rewards(per_func, weights)  # also checks the shapes and the weights
+    x = np.asarray(per_func, np.float64)
+    n, f = x.shape
+    if num_generations < 1 or n % num_generations:
+        raise ValueError(f"rewards must have a multiple of num_generations={num_generations} "
+                         f"rows (one block per prompt), got {n}")
+    w = np.ones(f) if weights is None else np.asarray(weights, np.float64)
+    grouped = x.reshape(-1, num_generations, f)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN groups
+        mean_k = np.nanmean(grouped, axis=1, keepdims=True)
+    std_k = (_nanstd(grouped, axis=1)[:, None, :] if num_generations > 1
+             else np.zeros_like(mean_k))
+    normed = ((grouped - mean_k) / (std_k + 1e-4)).reshape(n, f)
+    summed = np.nansum(normed * w, axis=1)
+    summed[np.isnan(x).all(axis=1)] = np.nan
+    std = _nanstd(summed) if n > 1 else np.float64(0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        adv = (summed - np.nanmean(summed)) / (std + 1e-4)
+    adv = np.nan_to_num(adv, nan=0.0)
+    stats = _reward_stats(raw)
+    stats["frac_reward_zero_std"] = float(abs(std) <= 1e-8)  # torch.isclose(std, 0); NaN: no
+    return adv.astype(np.float32), stats
+
+
+def _reward_stats(rewards: np.ndarray) -> dict:
+    """TRL's logged reward (nanmean) and reward_std (nanstd, ddof=1) of the weighted sums; 0
+    where undefined."""
+    r = np.asarray(rewards, np.float64)
+    batch_std = _nanstd(r)
+    return {"reward": float(np.nanmean(r)) if np.isfinite(r).any() else 0.0,
+            "reward_std": float(batch_std) if np.isfinite(batch_std) else 0.0}
+
+
+def compute_advantages(per_func: np.ndarray, num_generations: int, scale_rewards: str = "group",
+                       weights: Sequence[float] | None = None,
+                       aggregation: str = "sum_then_normalize"):
+    """[N, F] rewards -> ([N] weighted-sum rewards (NaN: unscorable), [N] float32 advantages,
+    stats) with TRL's multi_objective_aggregation `aggregation`."""
+    if aggregation == "sum_then_normalize":
+        rewards = combine_rewards(per_func, weights)
+        adv, stats = group_advantages(rewards, num_generations, scale_rewards)
+    elif aggregation == "normalize_then_sum":
+        rewards = combine_rewards(per_func, weights)
+        adv, stats = normalize_then_sum(per_func, num_generations, weights)
+    else:
+        raise ValueError(f"multi_objective_aggregation must be one of {AGGREGATIONS}, got "
+                         f"{aggregation!r}")
+    return rewards, adv, stats
