@@ -108,6 +108,10 @@ class Checkpointer:
             state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         return restored.state, restored.meta
 
+    def delete(self, step: int) -> None:
+        """Remove checkpoint `step` (Orbax's delete: every process calls it together)."""
+        self._manager.delete(step)
+
     def wait(self) -> None:
         """Block until pending async saves are committed; raises if one failed."""
         self._manager.wait_until_finished()

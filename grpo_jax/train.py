@@ -265,7 +265,7 @@ class RefCheckpoints:
     def drop_after(self, step: int) -> None:
         """Delete references saved after `step` (the latest state checkpoint; 0: none)."""
         for later in [s for s in self.ckpt.all_steps() if s > step]:
-            self.ckpt._manager.delete(later)  # Checkpointer has no delete; Orbax's is collective
+            self.ckpt.delete(later)
 
     def restore(self, step: int, target, saved: bool):
         """The reference saved with state checkpoint `step` (`saved`: its meta says one was);
