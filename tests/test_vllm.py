@@ -434,6 +434,23 @@ def test_server_killed_mid_run_checkpoints_and_exits_clearly(model_dir, tmp_path
     assert Checkpointer(ckpts, save_total_limit=None).all_steps() == steps
 
 
+@needs_vllm
+def test_structured_outputs_regex_and_generation_kwargs(client):
+    """vllm_structured_outputs_regex constrains the server's sampling (vLLM's
+    structured_outputs; the tiny model's tokens are the words w4, w5, ...), and
+    generation_kwargs reach the request as vLLM options."""
+    from grpo_jax.config import RolloutArgs
+    args = RolloutArgs(backend="vllm", vllm_structured_outputs_regex="(w5|w6){2,3}",
+                       generation_kwargs={"skip_special_tokens": True})
+    assert args.request_extras() == {"skip_special_tokens": True,
+                                     "structured_outputs": {"regex": "(w5|w6){2,3}"}}
+    groups = client.generate(PROMPTS[:2], n=3, max_tokens=6, seed=1,
+                             extras=args.request_extras())
+    for c in (c for g in groups for c in g):
+        words = [t for t in c.token_ids if t != EOS]
+        assert 2 <= len(words) <= 3 and set(words) <= {5, 6}, c.token_ids
+
+
 def running_requests(server) -> float:
     r = requests.get(server.base_url + "/metrics", timeout=10,
                      headers={"Authorization": f"Bearer {API_KEY}"})
@@ -461,20 +478,3 @@ def test_killed_server_raises_after_bounded_retries(client, server):
             client.logprobs_for(PROMPTS[:1], COMPLETIONS[:1])
         assert time.monotonic() - start < 30
     assert not server.alive()
-
-
-@needs_vllm
-def test_structured_outputs_regex_and_generation_kwargs(client):
-    """vllm_structured_outputs_regex constrains the server's sampling (vLLM's
-    structured_outputs; the tiny model's tokens are the words w4, w5, ...), and
-    generation_kwargs reach the request as vLLM options."""
-    from grpo_jax.config import RolloutArgs
-    args = RolloutArgs(backend="vllm", vllm_structured_outputs_regex="(w5|w6){2,3}",
-                       generation_kwargs={"skip_special_tokens": True})
-    assert args.request_extras() == {"skip_special_tokens": True,
-                                     "structured_outputs": {"regex": "(w5|w6){2,3}"}}
-    groups = client.generate(PROMPTS[:2], n=3, max_tokens=6, seed=1,
-                             extras=args.request_extras())
-    for c in (c for g in groups for c in g):
-        words = [t for t in c.token_ids if t != EOS]
-        assert 2 <= len(words) <= 3 and set(words) <= {5, 6}, c.token_ids
