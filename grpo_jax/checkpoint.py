@@ -17,15 +17,21 @@ onto another (or onto one device) without gathering the full state on a host.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
+import sys
 import threading
+from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
+from grpo_jax import distributed as dist
 from grpo_jax.errors import GrpoJaxError
+from grpo_jax.grpo.batch import Batch
 
 
 class CheckpointError(GrpoJaxError):
@@ -160,6 +166,93 @@ class StopSignal:
         for s in self._previous:
             signal.signal(s, self._original(s))
         self._previous = {}
+
+
+class RefCheckpoints:
+    """The reference params of a sync_ref_model run: `<directory>/<step>/`, an Orbax checkpoint
+    per state checkpoint (sharded, written by every process, restored onto the live
+    reference's shardings). Written synchronously before the state's checkpoint of the same
+    step, so a committed state checkpoint always finds its reference; a reference a killed run
+    wrote for a step whose state never committed is deleted on resume."""
+
+    def __init__(self, directory: Path, save_total_limit: int | None):
+        self.ckpt = Checkpointer(directory, save_total_limit=save_total_limit, async_save=False)
+
+    def save(self, step: int, ref_params) -> None:
+        self.ckpt.save(step, ref_params, {"step": int(step)})
+
+    def drop_after(self, step: int) -> None:
+        """Delete references saved after `step` (the latest state checkpoint; 0: none)."""
+        for later in [s for s in self.ckpt.all_steps() if s > step]:
+            self.ckpt.delete(later)
+
+    def restore(self, step: int, target, saved: bool):
+        """The reference saved with state checkpoint `step` (`saved`: its meta says one was);
+        a checkpoint of a run without sync_ref_model keeps `target` (the initial model)."""
+        if step not in self.ckpt.all_steps():
+            if saved:
+                raise CheckpointError(
+                    f"checkpoint {step} was saved with its reference model in "
+                    f"{self.ckpt.directory}, but that step is missing there: restore it or "
+                    "resume from another checkpoint")
+            if dist.is_main():
+                print(f"checkpoint {step} has no reference model (saved without "
+                      "sync_ref_model): the reference starts from the initial model",
+                      file=sys.stderr)
+            return target
+        ref, _ = self.ckpt.restore(step, target)
+        return ref
+
+    def close(self) -> None:
+        self.ckpt.close()
+
+
+class BufferFiles:
+    """The generation buffer of a checkpoint (micro-batches generated but not yet trained on,
+    when steps_per_generation is not a multiple of gradient_accumulation_steps or max_steps
+    ended a round early): `<directory>/<step>.npz`, written by process 0 beside Orbax's step
+    directories; every process holds the whole host batch, so every process reads it back."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+
+    def save(self, step: int, buffer) -> None:
+        if not buffer or not dist.is_main():
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        arrays = {f"{i}/{name}": np.asarray(value) for i, mb in enumerate(buffer)
+                  for name, value in _fields(mb).items()}
+        tmp = self.directory / f"{step}.tmp.npz"
+        np.savez(tmp, **arrays)
+        tmp.replace(self.directory / f"{step}.npz")
+
+    def load(self, step: int, count: int) -> list:
+        if not count:
+            return []
+        path = self.directory / f"{step}.npz"
+        if not path.exists():
+            raise CheckpointError(f"checkpoint {step} was saved with {count} generated "
+                                  f"micro-batches not yet trained on, but {path} is missing: "
+                                  "restore that file or resume from another checkpoint")
+        with np.load(path) as f:
+            fields: list[dict] = [{} for _ in range(count)]
+            for key in f.files:
+                i, name = key.split("/", 1)
+                fields[int(i)][name] = f[key]
+        return [Batch(**mb) for mb in fields]
+
+    def prune(self, kept_steps) -> None:
+        if not dist.is_main() or not self.directory.is_dir():
+            return
+        kept = {str(s) for s in kept_steps}
+        for path in self.directory.glob("*.npz"):
+            if path.name.split(".")[0] not in kept:
+                path.unlink(missing_ok=True)
+
+
+def _fields(batch: Batch) -> dict:
+    return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)
+            if getattr(batch, f.name) is not None}
 
 
 def abstract_state(cfg, device=None):

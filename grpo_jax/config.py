@@ -44,7 +44,8 @@ class DataArgs:
     # open-r1: every prompt becomes a chat led by this system message.
     system_prompt: str | None = None
     chat_template: str | None = None  # replaces the tokenizer's (a Jinja string)
-    chat_template_kwargs: dict | None = None  # to apply_chat_template, e.g. {enable_thinking: false}
+    # To apply_chat_template, e.g. {enable_thinking: false} (Qwen3).
+    chat_template_kwargs: dict | None = None
 
     def __post_init__(self):
         _check(self.max_prompt_length is None or self.max_prompt_length >= 1,

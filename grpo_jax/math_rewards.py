@@ -11,7 +11,8 @@ import re
 import threading
 from typing import Any
 
-_LAYOUT = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$", re.DOTALL | re.MULTILINE)
+_LAYOUT = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$",
+                     re.DOTALL | re.MULTILINE)
 
 
 def _text(completion: Any) -> str:
