@@ -15,7 +15,7 @@ _LAYOUT = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$",
                      re.DOTALL | re.MULTILINE)
 
 
-def _text(completion: Any) -> str:
+def completion_text(completion: Any) -> str:
     # Conversational datasets get completions as [{"role": "assistant", "content": ...}] (TRL).
     if isinstance(completion, list):
         return completion[0]["content"] if completion else ""
@@ -24,13 +24,13 @@ def _text(completion: Any) -> str:
 
 def format_reward(completions, **kwargs) -> list[float]:
     """1.0 when the completion is exactly <think>\\n...\\n</think>\\n<answer>\\n...\\n</answer>."""
-    return [1.0 if _LAYOUT.match(_text(c)) else 0.0 for c in completions]
+    return [1.0 if _LAYOUT.match(completion_text(c)) else 0.0 for c in completions]
 
 
 def tag_count_reward(completions, **kwargs) -> list[float]:
     """0.25 for each of the four layout tags present exactly once (a smooth `format`)."""
     tags = ("<think>\n", "\n</think>\n", "\n<answer>\n", "\n</answer>")
-    return [sum(0.25 for t in tags if _text(c).count(t) == 1) for c in completions]
+    return [sum(0.25 for t in tags if completion_text(c).count(t) == 1) for c in completions]
 
 
 def math_accuracy(completions, solution, **kwargs) -> list[float | None]:
@@ -56,7 +56,7 @@ def math_accuracy(completions, solution, **kwargs) -> list[float | None]:
         if not gold:
             out.append(None)
             continue
-        pred = parse(_text(completion), extraction_config=answer_config,
+        pred = parse(completion_text(completion), extraction_config=answer_config,
                      extraction_mode="first_match", parsing_timeout=timeout)
         out.append(float(verify(gold, pred, timeout_seconds=timeout)))
     return out

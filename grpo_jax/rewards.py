@@ -29,17 +29,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from grpo_jax import math_rewards
+from grpo_jax.math_rewards import completion_text as _text
 from grpo_jax.errors import GrpoJaxError
 
 class RewardError(GrpoJaxError, RuntimeError):
     """A reward function that can't be loaded or returned something unusable."""
-
-
-def _text(completion: Any) -> str:
-    # Conversational datasets get completions as [{"role": "assistant", "content": ...}] (TRL).
-    if isinstance(completion, list):
-        return completion[0]["content"] if completion else ""
-    return completion
 
 
 def reward_len(completions, **kwargs) -> list[float]:
