@@ -17,6 +17,7 @@ from typing import Literal
 import yaml
 
 from grpo_jax.errors import check as _check
+from grpo_jax.evaluation import EvalArgs
 from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.grpo.optimizer import OptimizerConfig
 from grpo_jax.mesh import MeshConfig
@@ -35,6 +36,9 @@ class DataArgs:
     dataset_name: str = "smol_prompts"
     dataset_config: str | None = None
     dataset_train_split: str = "train"
+    dataset_test_split: str = "test"  # the eval split (with eval_strategy / eval_on_start)
+    # Evaluate on another dataset (same forms as dataset_name); None: dataset_name's test split.
+    eval_dataset_name: str | None = None
     prompt_column: str = "prompt"
     # TRL removed this in 0.28 ("filter your dataset") and no longer truncates (the default
     # here too); set it to cut longer prompts' left end (load_prompts reports how many).
@@ -268,6 +272,17 @@ class _TrainConfig:
         return BatchPlan(data_parallel_size, micro, b.gradient_accumulation_steps, spg, gbs, g,
                          self.grpo.num_iterations)
 
+    def eval_prompts_per_batch(self, data_parallel_size: int = 1) -> int:
+        """Prompts per eval batch: per_device_eval_batch_size completions per shard, in groups
+        of num_generations_eval (TRL's check)."""
+        rows = self.eval.per_device_eval_batch_size * data_parallel_size
+        g = self.eval.num_generations_eval or self.grpo.num_generations
+        _check(rows % g == 0, f"the global eval batch size (per_device_eval_batch_size "
+               f"{self.eval.per_device_eval_batch_size} x data-parallel {data_parallel_size}) "
+               f"must be divisible by the number of generations used for evaluation ({g}): "
+               "adjust per_device_eval_batch_size or num_generations_eval")
+        return rows // g
+
     def to_dict(self) -> dict:
         """Sectioned plain data (lists for tuples): `load_config` reads it back unchanged."""
         return {name: {k: list(v) if isinstance(v, tuple) else v
@@ -283,8 +298,8 @@ class _TrainConfig:
 SECTIONS: dict[str, type] = {
     "model": ModelArgs, "numerics": Numerics, "data": DataArgs, "grpo": GRPOArgs,
     "loss": LossConfig, "generation": SamplingParams, "optim": OptimizerConfig,
-    "batch": BatchArgs, "rollout": RolloutArgs, "mesh": MeshConfig, "run": RunArgs,
-    "distributed": DistributedArgs,
+    "batch": BatchArgs, "eval": EvalArgs, "rollout": RolloutArgs, "mesh": MeshConfig,
+    "run": RunArgs, "distributed": DistributedArgs,
 }
 TrainConfig = dataclasses.make_dataclass(
     "TrainConfig", [(name, cls, field(default_factory=cls)) for name, cls in SECTIONS.items()],

@@ -25,6 +25,7 @@ FILE_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "p
 # Columns that are never passed to reward functions (TRL drops the same ones).
 NOT_REWARD_COLUMNS = ("prompt", "prompt_ids", "completion", "completion_ids")
 ARITHMETIC_SIZE = 2000
+ARITHMETIC_TEST = 32  # held-out questions of the built-in 'arithmetic' (of 126)
 
 
 class DataError(GrpoJaxError, ValueError):
@@ -93,16 +94,22 @@ def reward_inputs(records: Sequence[dict], num_generations: int) -> tuple[list, 
 
 # ---------------------------------------------------------------- loading
 
-def load_prompts(cfg: DataArgs, tokenizer) -> PromptDataset:
-    """Load, template and tokenize the prompts of `cfg`; truncation is from the left."""
-    columns = _load_columns(cfg)
+def load_prompts(cfg: DataArgs, tokenizer, *, test: bool = False) -> PromptDataset:
+    """Load, template and tokenize the prompts of `cfg`'s train split (`test`: its eval split,
+    dataset_test_split of eval_dataset_name or else dataset_name); truncation is from the
+    left."""
+    name = (cfg.eval_dataset_name or cfg.dataset_name) if test else cfg.dataset_name
+    split = cfg.dataset_test_split if test else cfg.dataset_train_split
+    if test and cfg.eval_dataset_name and _single_file(name) and split == "test":
+        split = "train"  # a separate eval file: the whole of it
+    columns = _load_columns(name, cfg.dataset_config, split, cfg.seed)
     if cfg.prompt_column not in columns:
-        raise DataError(f"dataset {cfg.dataset_name!r} has no column {cfg.prompt_column!r}; its "
+        raise DataError(f"dataset {name!r} has no column {cfg.prompt_column!r}; its "
                         f"columns are {sorted(columns)}. Set prompt_column to one of them.")
     prompts = with_system_prompt(columns.pop(cfg.prompt_column), cfg.system_prompt)
     columns = {k: v for k, v in columns.items() if k not in NOT_REWARD_COLUMNS}
     if not prompts:
-        raise DataError(f"dataset {cfg.dataset_name!r} split {cfg.dataset_train_split!r} is empty")
+        raise DataError(f"dataset {name!r} split {split!r} is empty")
     if cfg.chat_template:
         tokenizer.chat_template = cfg.chat_template  # the run's tokenizer, decoding included
     ids = tokenize_prompts(prompts, tokenizer, cfg.chat_template_kwargs)
@@ -182,13 +189,19 @@ def render_prompts(prompts: Sequence[Any], tokenizer, chat_template_kwargs=None)
     return texts
 
 
-def _load_columns(cfg: DataArgs) -> dict[str, list]:
-    name, split = cfg.dataset_name, cfg.dataset_train_split
+def _single_file(name: str) -> bool:
+    return Path(name).expanduser().is_file()
+
+
+def _load_columns(name: str, config: str | None, split: str, seed: int) -> dict[str, list]:
     if name in BUILTIN_DATASETS:
-        if split != "train":
-            raise DataError(f"built-in dataset {name!r} has only the split 'train', not {split!r}")
+        splits = ("train", "test") if name == "arithmetic" else ("train",)
+        if split not in splits:
+            raise DataError(f"built-in dataset {name!r} has the splits {list(splits)}, not "
+                            f"{split!r}" + ("" if name == "arithmetic" else
+                                            "; evaluate on a file of your own: eval_dataset_name"))
         if name == "arithmetic":
-            return arithmetic_columns(cfg.seed)
+            return arithmetic_columns(seed, split)
         text = (resources.files("grpo_jax") / "assets" / "smol_prompts.jsonl").read_text()
         rows = [json.loads(line) for line in text.splitlines() if line.strip()]
         # As chat messages: the embedded model is an instruct model, and answering in a chat
@@ -198,18 +211,19 @@ def _load_columns(cfg: DataArgs) -> dict[str, list]:
     path = Path(name).expanduser()
     if path.exists():
         if path.is_dir():
-            return _datasets_load(str(path), cfg.dataset_config, split=split)
+            return _datasets_load(str(path), config, split=split)
         loader = FILE_LOADERS.get(path.suffix.lower())
         if loader is None:
             raise DataError(f"can't read {path}: supported files are "
                             f"{', '.join(FILE_LOADERS)} (by extension)")
         if not split.startswith("train"):
-            raise DataError(f"a single file holds one split, 'train' (slices like "
-                            f"'train[:100]' work); dataset_train_split is {split!r}")
+            raise DataError(f"a single file holds one split, 'train', not {split!r}: slices "
+                            "split it (dataset_train_split: 'train[:90%]', dataset_test_split: "
+                            "'train[90%:]'), or name an eval file in eval_dataset_name")
         return _datasets_load(loader, data_files=str(path), split=split)
     if name.startswith((".", "/", "~")) or path.suffix.lower() in FILE_LOADERS:
         raise DataError(f"dataset file {name!r} not found")
-    return _load_hub(name, cfg.dataset_config, split)
+    return _load_hub(name, config, split)
 
 
 def _post_body(prompt: str) -> str:
@@ -260,19 +274,30 @@ def _load_hub(name: str, config: str | None, split: str) -> dict[str, list]:
                         f"{e}") from None
 
 
-def arithmetic_columns(seed: int, size: int = ARITHMETIC_SIZE) -> dict[str, list]:
-    """Two-number questions (+, -, x) as chat prompts, with the answer as a string column.
+def arithmetic_questions() -> list[tuple[str, str]]:
+    """Every (question, answer): a + b and a - b for 9 >= a >= b >= 1, a x b for 9 >= a >= b >= 2.
 
     Single-digit operands: a 135M model gets some of these right, so a group of completions has
     reward variance to learn from (on two-digit sums it scores 0 and GRPO has no signal).
     """
+    out = []
+    for op, low in (("+", 1), ("-", 1), ("x", 2)):
+        for a in range(low, 10):
+            for b in range(low, a + 1):
+                value = {"+": a + b, "-": a - b, "x": a * b}[op]
+                out.append((f"What is {a} {op} {b}? Answer with just the number.", str(value)))
+    return out
+
+
+def arithmetic_columns(seed: int, split: str = "train",
+                       size: int = ARITHMETIC_SIZE) -> dict[str, list]:
+    """Questions as chat prompts, with the answer as a string column. The seed holds
+    ARITHMETIC_TEST questions out: they are the 'test' split, once each, and never in 'train'
+    (`size` draws from the others), so evaluation measures questions the run never saw."""
+    pool = arithmetic_questions()
     rng = np.random.default_rng(seed)
-    prompts, answers = [], []
-    for _ in range(size):
-        op = rng.choice(["+", "-", "*"])
-        a, b = sorted(int(x) for x in rng.integers(1 if op != "*" else 2, 10, size=2))[::-1]
-        value = {"+": a + b, "-": a - b, "*": a * b}[op]
-        question = f"What is {a} {'x' if op == '*' else op} {b}? Answer with just the number."
-        prompts.append([{"role": "user", "content": question}])
-        answers.append(str(value))
-    return {"prompt": prompts, "answer": answers}
+    order = rng.permutation(len(pool))
+    rows = (order[:ARITHMETIC_TEST] if split == "test"
+            else rng.choice(order[ARITHMETIC_TEST:], size=size))
+    return {"prompt": [[{"role": "user", "content": pool[i][0]}] for i in rows],
+            "answer": [pool[i][1] for i in rows]}

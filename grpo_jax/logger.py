@@ -67,6 +67,28 @@ class MetricsLogger:
             self._bar.write(f"step {step}: {shown}")
         return metrics
 
+    def log_eval(self, step: int, metrics: dict) -> dict:
+        """An evaluation's metrics (TRL's `eval_` names): a record of their own in the JSONL,
+        TensorBoard's and W&B's "eval/" sections (as transformers' callbacks name them), a line
+        under the progress bar and a curve in the PNG."""
+        metrics = {k: float(v) for k, v in metrics.items()}
+        if not self.enabled:
+            return metrics
+        self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self._jsonl.flush()
+        tagged = {(f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"): v
+                  for k, v in metrics.items()}
+        if self._tb is not None:
+            for k, v in tagged.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(tagged, step=step)
+        keys = ("eval_reward", "eval_reward_std", "eval_kl", "eval_loss",
+                "eval_completions/mean_length", "eval_runtime")
+        shown = "  ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
+        self._bar.write(f"eval at step {step}: {shown}")
+        return metrics
+
     def log_completions(self, step: int, prompts, completions, rewards, advantages,
                         extra: dict | None = None) -> None:
         """One JSON row per completion; `extra`: reward functions' log_extra columns."""
@@ -130,13 +152,19 @@ def plot_curves(history: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [h["step"] for h in history]
+    train = [h for h in history if "reward" in h]
+    evals = [h for h in history if "eval_reward" in h]
+    steps = [h["step"] for h in train]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    axes[0].plot(steps, [h.get("reward", math.nan) for h in history], marker=".")
+    axes[0].plot(steps, [h["reward"] for h in train], marker=".", label="train")
+    if evals:  # evaluation on the eval split (eval_strategy / eval_on_start)
+        axes[0].plot([h["step"] for h in evals], [h["eval_reward"] for h in evals], marker="o",
+                     color="tab:green", label="eval")
+        axes[0].legend()
     axes[0].set(xlabel="step", ylabel="reward", title="mean reward")
     # With beta = 0 there is no KL to show (TRL logs none); completion length stands in.
-    key = "kl" if any("kl" in h for h in history) else "completions/mean_length"
-    axes[1].plot(steps, [h.get(key, math.nan) for h in history], marker=".", color="tab:red")
+    key = "kl" if any("kl" in h for h in train) else "completions/mean_length"
+    axes[1].plot(steps, [h.get(key, math.nan) for h in train], marker=".", color="tab:red")
     axes[1].set(xlabel="step", ylabel=key, title="KL to reference" if key == "kl"
                 else "mean completion length (beta = 0: no KL)")
     for ax in axes:

@@ -23,6 +23,7 @@ from grpo_jax import cli
 from grpo_jax import config as config_lib
 from grpo_jax import data as data_lib
 from grpo_jax import distributed as dist
+from grpo_jax import evaluation
 from grpo_jax import hf
 from grpo_jax import mesh as mesh_lib
 from grpo_jax import rewards as rewards_lib
@@ -32,6 +33,9 @@ from grpo_jax.grpo.train_step import StepConfig
 from grpo_jax.logger import MetricsLogger
 from grpo_jax.rollout.engines import make_rollout
 from grpo_jax.trainer import GRPORound, Scores, Trainer, aggregate
+
+
+EVAL_KEY_TAG = 0x4556414C  # "EVAL": evaluation's sampling keys, apart from the rounds'
 
 
 class TrainError(GrpoJaxError):
@@ -99,6 +103,8 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+    eval_prompts = (cfg.eval_prompts_per_batch(mesh_lib.batch_divisor(mesh)) if cfg.eval.enabled
+                    else 0)
     model, model_dir = hf.load_model(cfg.model.name_or_path, numerics=cfg.numerics)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dataset = data_lib.load_prompts(cfg.data, tokenizer)
@@ -106,6 +112,7 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
         print(f"{dataset.num_truncated} of {len(dataset)} prompts were longer than "
               f"max_prompt_length={cfg.data.max_prompt_length} and lost their left end",
               file=sys.stderr)
+    eval_dataset = data_lib.load_prompts(cfg.data, tokenizer, test=True) if eval_prompts else None
     funcs = rewards_lib.load_reward_funcs(cfg.grpo.reward_funcs)
     plan = cfg.batch_plan(mesh_lib.batch_divisor(mesh))
     total_steps = plan.total_steps(len(dataset), cfg.batch.max_steps,
@@ -122,6 +129,13 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
         ref_params=jax.tree.map(lambda x: x.copy(), state.params) if cfg.loss.beta else None,
         aggregation=g.multi_objective_aggregation,
         ref_sync=(g.ref_model_sync_steps, g.ref_model_mixup_alpha) if g.sync_ref_model else None)
+    g_eval = cfg.eval.num_generations_eval or g.num_generations
+    eval_scorer = dataclasses.replace(scorer, num_generations=g_eval)
+    evaluator = (evaluation.Evaluator(run_round, eval_dataset, eval_scorer, g_eval, eval_prompts,
+                                      mesh_lib.batch_divisor(mesh)) if eval_prompts else None)
+    schedule = evaluation.schedule(cfg.eval, cfg.run.logging_steps, total_steps,
+                                   plan.gradient_accumulation_steps,
+                                   plan.micro_steps_per_epoch(len(dataset)))
 
     ckpt = Checkpointer(out / "checkpoints", save_total_limit=cfg.run.save_total_limit)
     # sync_ref_model: the reference changes during the run, so it is checkpointed too.
@@ -157,6 +171,23 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
                            enabled=dist.is_main())
     rollout.update_weights(state.params)
     base_key = jax.random.key(cfg.data.seed)
+    eval_key = jax.random.fold_in(base_key, EVAL_KEY_TAG)
+
+    def trainer_state(step: int, position) -> rewards_lib.TrainerState:
+        return rewards_lib.TrainerState(
+            global_step=step, max_steps=total_steps,
+            epoch=position.epoch + position.index / len(dataset),
+            num_train_epochs=cfg.batch.num_train_epochs)
+
+    def evaluate(state):
+        step = int(state.step)
+        eval_scorer.trainer_state = trainer_state(step, position)
+        metrics = evaluator(state, jax.random.fold_in(eval_key, step), tokens_seen)
+        metrics["epoch"] = plan.epoch(step, len(dataset))
+        logger.log_eval(step, metrics)
+
+    if evaluator is not None and cfg.eval.eval_on_start:
+        evaluate(state)
     last: dict = {}
     unlogged: list[dict] = []  # rounds without an update (steps_per_generation < accumulation)
     saved_block = int(state.step) // max(cfg.run.save_steps, 1)
@@ -170,13 +201,12 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
                 if not run_round.windows_buffered:
                     records, next_position = dataset.batch_prompts(position,
                                                                    plan.prompts_per_generation)
-                scorer.trainer_state = rewards_lib.TrainerState(
-                    global_step=int(state.step), max_steps=total_steps,
-                    epoch=position.epoch + position.index / len(dataset),
-                    num_train_epochs=cfg.batch.num_train_epochs)
-                # Stops at max_steps exactly, also mid-round (the rest stays buffered).
+                scorer.trainer_state = trainer_state(int(state.step), position)
+                # Stops at max_steps exactly, and at the next evaluation, also mid-round (the
+                # rest stays buffered).
+                stop_at = min(total_steps, schedule.next_due(int(state.step)) or total_steps)
                 result = run_round(state, records, jax.random.fold_in(base_key, round_idx),
-                                   max_updates=total_steps - int(state.step))
+                                   max_updates=stop_at - int(state.step))
                 state, metrics = result.state, result.metrics
                 if records is not None:  # the round is complete
                     position, round_idx = next_position, round_idx + 1
@@ -197,6 +227,8 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
                 metrics["num_tokens"] = float(tokens_seen)
                 metrics["epoch"] = plan.epoch(int(state.step), len(dataset))
                 last = logger.log(int(state.step), metrics)
+                if evaluator is not None and schedule.due(int(state.step)):
+                    evaluate(state)
                 if cfg.run.save_steps and int(state.step) // cfg.run.save_steps > saved_block:
                     saved_block = int(state.step) // cfg.run.save_steps
                     _save(ckpt, buffers, state, position, round_idx, tokens_seen,

@@ -25,8 +25,8 @@ from grpo_jax.grpo import advantages as adv_lib
 from grpo_jax.grpo import loss as loss_lib
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.optimizer import OptimizerConfig, make_optimizer
-from grpo_jax.grpo.train_step import (StepConfig, TrainState, completion_logps, init_train_state,
-                                      state_shardings, train_step)
+from grpo_jax.grpo.train_step import (StepConfig, TrainState, batch_loss, completion_logps,
+                                      init_train_state, state_shardings, train_step)
 
 
 class Trainer:
@@ -58,6 +58,8 @@ class Trainer:
                                             batch, constrain),
             out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
         self._logps = jax.jit(self._logps_fn, out_shardings=replicated)
+        self._eval = jax.jit(lambda state, batch: batch_loss(self.graphdef, step_cfg, state, batch),
+                             out_shardings=replicated)
         # The reference's buffers are donated: the mix replaces them in place on the devices.
         self._mix = jax.jit(mix_params, out_shardings=self.param_shardings, donate_argnums=(1,))
 
@@ -77,6 +79,11 @@ class Trainer:
     def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         """One update; the metrics stay on the device (jax.device_get them when needed)."""
         return self._step(state, self.shard_batch(batch))
+
+    def eval_metrics(self, state: TrainState, batch: Batch) -> dict:
+        """TRL's evaluation loss and loss metrics of `batch` (one micro-batch, no update); on
+        the device, like step's."""
+        return self._eval(state, self.shard_batch(batch))
 
     def mix_ref(self, params, ref, alpha: float):
         """TR-DPO's reference update alpha * params + (1 - alpha) * ref, on the devices with the
@@ -117,6 +124,15 @@ class RoundResult(NamedTuple):
     advantages: np.ndarray | None
     updates: int = 0  # optimizer steps this call took
     num_tokens: int = 0  # prompt + completion tokens generated this round (TRL's count)
+
+
+class Generated(NamedTuple):
+    """A scored generation batch (GRPORound.generate_and_score)."""
+    batch: Batch
+    scores: Scores
+    rewards: np.ndarray  # [N] weighted sums (NaN: unscorable)
+    advantages: np.ndarray  # [N]
+    metrics: dict
 
 
 def generation_order(key, n: int) -> np.ndarray:
@@ -185,39 +201,20 @@ class GRPORound:
                  max_updates: int | None = None) -> RoundResult:
         """Generate one batch from `records` (None: no generation), then update on every whole
         window in the buffer, at most `max_updates` times (None: no limit)."""
-        plan, trainer, g = self.plan, self.trainer, self.plan.num_generations
+        plan, trainer = self.plan, self.trainer
         metrics: dict = {}
         buffer, scores, rewards, advantages, num_tokens = self.buffer, None, None, None, 0
-        t0 = t1 = t2 = t3 = time.perf_counter()
         if records is not None:
-            r = self.rollout.generate(state.params, [rec["prompt_ids"] for rec in records], g,
-                                      key)
+            gen = self.generate_and_score(state.params, records, key)
+            batch, scores, rewards, advantages = gen.batch, gen.scores, gen.rewards, gen.advantages
+            metrics.update(gen.metrics)
             t1 = time.perf_counter()
-            scores = self.score(records, r)
-            rewards, advantages, stats = adv_lib.compute_advantages(
-                scores.per_func, g, self.scale_rewards, self.reward_weights, self.aggregation)
-            # num_items: TRL's loss normaliser for dapo-style losses is the generation batch's
-            # tokens, shared out over its rows, whatever step a row lands in.
-            batch = Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
-                          r.truncated, np.asarray(advantages, np.float32),
-                          sampler_logp=r.sampler_logp, num_items=loss_lib.num_items_per_row(
-                              r.completion_mask, r.truncated, trainer.cfg.loss))
-            t2 = time.perf_counter()
-            if self.ref_params is not None:
-                batch = batch.replace(ref_logp=np.asarray(trainer.logps(self.ref_params, batch)))
             if plan.needs_old_logps:
                 batch = batch.replace(old_logp=np.asarray(trainer.logps(state.params, batch)))
-            t3 = time.perf_counter()
+            metrics["timing/logprobs"] += time.perf_counter() - t1
             buffer = buffer + self.split(batch, key) * plan.num_iterations
-            metrics.update(stats)
-            for name, col in zip(self.reward_names, scores.per_func.T):
-                ok = np.isfinite(col).any()
-                metrics[f"rewards/{name}/mean"] = float(np.nanmean(col)) if ok else 0.0
-                metrics[f"rewards/{name}/std"] = (float(np.nanstd(col, ddof=1))  # TRL: unbiased
-                                                  if np.isfinite(col).sum() > 1 else 0.0)
-            metrics.update(scores.metrics)
-            metrics.update(completion_metrics(batch))
             num_tokens = int(batch.prompt_mask.sum() + batch.completion_mask.sum())
+        t3 = time.perf_counter()
 
         gas = plan.gradient_accumulation_steps
         n = len(buffer) // gas
@@ -242,12 +239,47 @@ class GRPORound:
         t4 = time.perf_counter()
         sync_time = self.rollout.update_weights(state.params) if n else None
 
-        metrics["timing/generate"] = t1 - t0
-        metrics["timing/logprobs"] = t3 - t2  # reference and old log-probs (0 when neither)
+        metrics.setdefault("timing/generate", 0.0)
+        metrics.setdefault("timing/logprobs", 0.0)  # reference and old log-probs
         metrics["timing/update"] = t4 - t3
         if sync_time is not None:
             metrics["timing/weight_sync"] = sync_time
         return RoundResult(state, metrics, scores, rewards, advantages, n, num_tokens)
+
+    def generate_and_score(self, params, records: Sequence[dict], key,
+                           num_generations: int | None = None,
+                           score: Callable | None = None) -> Generated:
+        """Generate `num_generations` (default: the plan's) completions per record with
+        `params`, score them (`score`, default: the round's), and make their training batch:
+        advantages, TRL's num_items and, with a reference model, the reference log-probs.
+        The metrics are TRL's per generation batch, with timing/generate and timing/logprobs."""
+        g = num_generations or self.plan.num_generations
+        t0 = time.perf_counter()
+        r = self.rollout.generate(params, [rec["prompt_ids"] for rec in records], g, key)
+        t1 = time.perf_counter()
+        scores = (score or self.score)(records, r)
+        rewards, advantages, stats = adv_lib.compute_advantages(
+            scores.per_func, g, self.scale_rewards, self.reward_weights, self.aggregation)
+        # num_items: TRL's loss normaliser for dapo-style losses is the generation batch's
+        # tokens, shared out over its rows, whatever step a row lands in.
+        batch = Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                      r.truncated, np.asarray(advantages, np.float32),
+                      sampler_logp=r.sampler_logp, num_items=loss_lib.num_items_per_row(
+                          r.completion_mask, r.truncated, self.trainer.cfg.loss))
+        t2 = time.perf_counter()
+        if self.ref_params is not None:
+            batch = batch.replace(ref_logp=np.asarray(self.trainer.logps(self.ref_params, batch)))
+        metrics = dict(stats)
+        for name, col in zip(self.reward_names, scores.per_func.T):
+            ok = np.isfinite(col).any()
+            metrics[f"rewards/{name}/mean"] = float(np.nanmean(col)) if ok else 0.0
+            metrics[f"rewards/{name}/std"] = (float(np.nanstd(col, ddof=1))  # TRL: unbiased
+                                              if np.isfinite(col).sum() > 1 else 0.0)
+        metrics.update(scores.metrics)
+        metrics.update(completion_metrics(batch))
+        metrics["timing/generate"] = t1 - t0
+        metrics["timing/logprobs"] = time.perf_counter() - t2
+        return Generated(batch, scores, rewards, advantages, metrics)
 
     def split(self, batch: Batch, key) -> list[Batch]:
         """The generation batch as steps_per_generation micro-batches of shuffled rows. With one

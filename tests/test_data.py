@@ -10,8 +10,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from grpo_jax.config import DataArgs
-from grpo_jax.data import (DataError, DataPosition, arithmetic_columns, load_prompts,
-                           reward_inputs)
+from grpo_jax.data import (ARITHMETIC_TEST, DataError, DataPosition, arithmetic_columns,
+                           arithmetic_questions, load_prompts, reward_inputs)
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -211,8 +211,43 @@ def test_arithmetic_builtin(tok):
     ds = load_prompts(DataArgs(dataset_name="arithmetic"), tok)
     assert len(ds) == 2000 and ds.record(0)["answer"] == arithmetic_columns(42)["answer"][0]
     assert tok.decode(ds.prompt_ids(0)).endswith("<|im_start|>assistant\n")
-    with pytest.raises(DataError, match="only the split 'train'"):
-        load_prompts(DataArgs(dataset_name="arithmetic", dataset_train_split="test"), tok)
+    # The test split: ARITHMETIC_TEST questions, once each, none of them ever in train.
+    test = load_prompts(DataArgs(dataset_name="arithmetic"), tok, test=True)
+    held_out = [m[0]["content"] for m in test.prompts]
+    assert len(held_out) == len(set(held_out)) == ARITHMETIC_TEST
+    train_questions = {m[0]["content"] for m in ds.prompts}
+    assert not train_questions & set(held_out)
+    assert len(train_questions | set(held_out)) == len(arithmetic_questions()) == 126
+    assert held_out != [m[0]["content"] for m in
+                        arithmetic_columns(43, "test")["prompt"]]  # the seed picks them
+    with pytest.raises(DataError, match=r"splits \['train', 'test'\], not 'validation'"):
+        load_prompts(DataArgs(dataset_name="arithmetic", dataset_test_split="validation"), tok,
+                     test=True)
+    with pytest.raises(DataError, match="eval_dataset_name"):
+        load_prompts(DataArgs(dataset_name="smol_prompts"), tok, test=True)
+
+
+def test_eval_split_sources(tok, tmp_path):
+    rows = [{"prompt": f"p{i}"} for i in range(10)]
+    path = _jsonl(tmp_path / "all.jsonl", rows)
+    cfg = DataArgs(dataset_name=path, dataset_train_split="train[:80%]",
+                   dataset_test_split="train[80%:]", shuffle_dataset=False)
+    train, test = load_prompts(cfg, tok), load_prompts(cfg, tok, test=True)
+    assert train.prompts == [f"p{i}" for i in range(8)] and test.prompts == ["p8", "p9"]
+    with pytest.raises(DataError, match="slices split it.*eval_dataset_name"):
+        load_prompts(DataArgs(dataset_name=path), tok, test=True)
+    # A separate eval file: the whole of it (or a slice named in dataset_test_split).
+    other = _jsonl(tmp_path / "eval.jsonl", [{"prompt": "q0"}, {"prompt": "q1"}])
+    assert load_prompts(DataArgs(dataset_name=path, eval_dataset_name=other), tok,
+                        test=True).prompts == ["q0", "q1"]
+    assert load_prompts(DataArgs(dataset_name=path, eval_dataset_name=other,
+                                 dataset_test_split="train[:1]"), tok, test=True).prompts == ["q0"]
+    # A directory with train and test files: datasets' own splits.
+    (tmp_path / "d").mkdir()
+    _jsonl(tmp_path / "d" / "train.jsonl", rows[:3])
+    _jsonl(tmp_path / "d" / "test.jsonl", rows[3:5])
+    assert load_prompts(DataArgs(dataset_name=str(tmp_path / "d"), shuffle_dataset=False), tok,
+                        test=True).prompts == ["p3", "p4"]
 
 
 def test_hub_offline_fails_fast_with_the_fix(tok, monkeypatch):

@@ -58,9 +58,10 @@ def group_std(rewards: np.ndarray, num_generations: int, scale_rewards: str = "g
     ('batch'); and is_std_zero [N] bool (std == 0: every completion of the group scored alike)."""
     r = np.asarray(rewards, np.float64)
     if scale_rewards in ("group", "none"):
-        std = np.repeat(_nanstd(r.reshape(-1, num_generations), axis=1), num_generations)
+        std = (np.repeat(_nanstd(r.reshape(-1, num_generations), axis=1), num_generations)
+               if num_generations > 1 else np.zeros_like(r))  # TRL: eval may have groups of 1
     else:
-        std = np.full_like(r, _nanstd(r))
+        std = np.full_like(r, _nanstd(r)) if r.size > 1 else np.zeros_like(r)
     # torch.isclose(std, 0) with its default atol; a NaN std (< 2 scorable) is not "zero".
     return std, np.abs(std) <= 1e-8
 

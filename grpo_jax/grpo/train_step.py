@@ -126,6 +126,22 @@ def accumulate(micro_loss: Callable[[Any, Batch, jax.Array], loss_lib.MicroLoss]
     return loss, grads, sums
 
 
+def batch_loss(graphdef, cfg: StepConfig, state: TrainState, batch: Batch):
+    """TRL's evaluation loss: `batch` as one micro-batch (no accumulation), no gradients, with
+    the entropy bonus the next step would apply (evaluation never moves its controller).
+    Returns the metrics of a step (TRL's names), "loss" among them."""
+    lc = cfg.loss
+    coef = loss_lib.applied_entropy_coef(state.entropy_coef, state.last_entropy, lc)
+    out = _micro_loss(state.params, graphdef, cfg, batch)
+    den = loss_lib.loss_denominator(batch.completion_mask, batch.truncated, lc, batch.num_items)
+    loss = out.numerator / jnp.maximum(den, 1e-8)
+    if out.entropy_mean is not None:
+        loss = loss - coef * out.entropy_mean
+    metrics = loss_lib.finalize_metrics(out.sums)
+    metrics.pop(loss_lib.ADAPTIVE_ENTROPY, None)
+    return {**metrics, "loss": loss}
+
+
 def finish_entropy_control(state: TrainState, metrics: dict, loss: loss_lib.LossConfig):
     """After a step's update: with use_adaptive_entropy, move the carried coefficient by the
     step's token-mean entropy (taken out of `metrics`) and remember that entropy; with any entropy

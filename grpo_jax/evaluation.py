@@ -1,0 +1,164 @@
+"""TRL's evaluation loop: at the steps its schedule names, generate completions for every prompt
+of the eval split, score them and take the loss without an update; log the batches' means
+under TRL's `eval_` names (eval_reward, eval_rewards/<f>/mean, eval_loss, eval_kl, ...).
+
+As transformers' Trainer: `eval_strategy` 'steps' evaluates every `eval_steps` optimizer steps
+(default: logging_steps; a fraction < 1 of the run's steps) and at the last step, 'epoch' at
+the end of every epoch and of the run, `eval_on_start` before the first step; `eval_delay`
+holds the first one back. As TRL's GRPOTrainer in eval mode: each eval batch holds
+per_device_eval_batch_size completions per data-parallel shard, num_generations_eval per
+prompt, is generated once with the current weights (no buffer, no reuse, no accumulation) and
+its loss is one micro-batch's; the eval split is gone through whole, in the data seed's order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Literal, Sequence
+
+import jax
+import numpy as np
+
+from grpo_jax.errors import check as _check
+
+STRATEGIES = ("no", "steps", "epoch")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalArgs:
+    eval_strategy: Literal["no", "steps", "epoch"] = "no"
+    eval_steps: float | None = None  # None: logging_steps; < 1: that fraction of the run
+    eval_delay: float = 0.0  # steps (epochs with eval_strategy 'epoch') before the first
+    eval_on_start: bool = False  # also evaluate before the first step (a sanity check)
+    per_device_eval_batch_size: int = 8  # completions per eval batch per data-parallel shard
+    num_generations_eval: int | None = None  # completions per eval prompt; None: num_generations
+
+    def __post_init__(self):
+        _check(self.eval_strategy in STRATEGIES, f"eval_strategy must be one of {STRATEGIES}, "
+               f"got {self.eval_strategy!r}")
+        _check(self.eval_steps is None or (self.eval_steps > 0 and (
+            self.eval_steps < 1 or self.eval_steps == int(self.eval_steps))),
+            f"eval_steps must be a whole number of steps, or a fraction in (0, 1) of the run's "
+            f"steps, got {self.eval_steps}")
+        _check(self.eval_delay >= 0, f"eval_delay must be >= 0, got {self.eval_delay}")
+        _check(self.per_device_eval_batch_size >= 1, "per_device_eval_batch_size must be >= 1")
+        _check(self.num_generations_eval is None or self.num_generations_eval >= 1,
+               f"num_generations_eval must be >= 1 or null, got {self.num_generations_eval}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.eval_strategy != "no" or self.eval_on_start
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSchedule:
+    """At which optimizer steps a run evaluates (transformers' DefaultFlowCallback). Epochs are
+    counted as the run counts them: step * gradient_accumulation_steps micro-steps out of
+    micro_steps_per_epoch (config.BatchPlan.epoch)."""
+    strategy: str
+    every: int  # optimizer steps between evaluations ('steps')
+    delay: float
+    total_steps: int
+    gradient_accumulation_steps: int
+    micro_steps_per_epoch: int
+
+    def epoch(self, step: int) -> float:
+        return step * self.gradient_accumulation_steps / max(self.micro_steps_per_epoch, 1)
+
+    def _epochs_done(self, step: int) -> int:
+        return step * self.gradient_accumulation_steps // max(self.micro_steps_per_epoch, 1)
+
+    def due(self, step: int) -> bool:
+        """Whether the run evaluates right after reaching `step` (> 0)."""
+        if self.strategy == "no" or not 0 < step <= self.total_steps:
+            return False
+        if self.strategy == "steps":
+            return self.delay <= step and (step % self.every == 0 or step == self.total_steps)
+        ends_epoch = self._epochs_done(step) > self._epochs_done(step - 1)
+        return self.delay <= self.epoch(step) and (ends_epoch or step == self.total_steps)
+
+    def next_due(self, step: int) -> int | None:
+        """The first step after `step` that evaluates, or None."""
+        if self.strategy == "no" or step >= self.total_steps:
+            return None
+        if self.strategy == "steps":
+            nxt = self.every * (step // self.every + 1)
+            while nxt < self.delay:
+                nxt += self.every
+        else:
+            # The first step whose micro-steps reach the end of the next epoch.
+            e, gas = self._epochs_done(step) + 1, self.gradient_accumulation_steps
+            nxt = -(-e * self.micro_steps_per_epoch // gas)
+            while self.epoch(nxt) < self.delay:
+                e += 1
+                nxt = -(-e * self.micro_steps_per_epoch // gas)
+        nxt = min(nxt, self.total_steps)
+        return nxt if self.due(nxt) else None
+
+
+def schedule(cfg: EvalArgs, logging_steps: int, total_steps: int,
+             gradient_accumulation_steps: int, micro_steps_per_epoch: int) -> EvalSchedule:
+    steps = cfg.eval_steps if cfg.eval_steps is not None else logging_steps
+    every = math.ceil(total_steps * steps) if steps < 1 else int(steps)  # transformers' rule
+    return EvalSchedule(cfg.eval_strategy, max(every, 1), cfg.eval_delay, total_steps,
+                        gradient_accumulation_steps, micro_steps_per_epoch)
+
+
+@dataclasses.dataclass
+class Evaluator:
+    """Evaluates a state on `dataset` (a data.PromptDataset of the eval split). `round` is the
+    run's trainer.GRPORound: its rollout, reward settings and current reference model serve
+    evaluation too; `score` scores num_generations completions per prompt. Eval batches hold
+    prompts_per_batch prompts; a short last one is filled from the start of the split (as
+    accelerate's even_batches) up to a multiple of `rows_multiple` completions, the mesh's
+    data-parallel size."""
+    round: Any
+    dataset: Any
+    score: Callable
+    num_generations: int
+    prompts_per_batch: int
+    rows_multiple: int = 1
+
+    def batches(self) -> list[list[dict]]:
+        order, g, p = self.dataset.order(0), self.num_generations, self.prompts_per_batch
+        out = []
+        for start in range(0, len(order), p):
+            rows = list(order[start:start + p])
+            while len(rows) * g % self.rows_multiple:
+                rows.append(order[(len(rows) - (len(order) - start)) % len(order)])
+            out.append([self.dataset.record(int(i)) for i in rows])
+        return out
+
+    def __call__(self, state, key, num_tokens: int = 0) -> dict:
+        """The eval metrics of `state`, keyed as TRL logs them."""
+        t0 = time.perf_counter()
+        host, device, rows = [], [], []
+        for b, records in enumerate(self.batches()):
+            gen = self.round.generate_and_score(state.params, records, jax.random.fold_in(key, b),
+                                                self.num_generations, self.score)
+            device.append(self.round.trainer.eval_metrics(state, gen.batch))
+            host.append({k: v for k, v in gen.metrics.items() if not k.startswith("timing/")})
+            rows.append(gen.batch.size)
+        for h, d in zip(host, jax.device_get(device)):
+            h.update({k: float(v) for k, v in d.items()})
+        metrics = mean_over_batches(host)
+        # transformers' eval_loss: the mean over completions, so a short batch weighs less.
+        metrics["loss"] = float(np.average([h["loss"] for h in host], weights=rows))
+        metrics["num_tokens"] = float(num_tokens)  # TRL: the training tokens seen so far
+        runtime = time.perf_counter() - t0
+        out = {f"eval_{k}": v for k, v in metrics.items()}
+        out.update(eval_runtime=runtime, eval_samples_per_second=sum(rows) / runtime,
+                   eval_steps_per_second=len(rows) / runtime)
+        return out
+
+
+def mean_over_batches(batches: Sequence[dict]) -> dict:
+    """TRL's eval log: each metric's mean over the batches that have a finite value of it."""
+    out = {}
+    for k in dict.fromkeys(k for m in batches for k in m):
+        values = [m[k] for m in batches if k in m and math.isfinite(m[k])]
+        if values:
+            out[k] = float(np.mean(values))
+    return out
