@@ -207,6 +207,19 @@ def gather_rows(values: np.ndarray, rows: np.ndarray, num_rows: int) -> np.ndarr
     return every[np.argmax(has, axis=0), np.arange(num_rows)]
 
 
+def gather_objects(obj: Any) -> list:
+    """Every process's `obj` (picklable), in process order, on every process: [obj] alone."""
+    if not multi_process():
+        return [obj]
+    from jax.experimental import multihost_utils
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int64(data.size))).ravel()
+    buf = np.zeros(int(sizes.max()), np.uint8)
+    buf[:data.size] = data
+    every = np.asarray(multihost_utils.process_allgather(buf))  # [processes, max size]
+    return [pickle.loads(every[i, :int(n)].tobytes()) for i, n in enumerate(sizes)]
+
+
 def any_process(flag: bool) -> bool:
     """True on every process when `flag` is true on any (e.g. a stop signal seen by one)."""
     if not multi_process():

@@ -142,6 +142,23 @@ class RewardLogs:
     def metric_means(self) -> dict[str, float]:
         return {k: sum(v) / len(v) for k, v in self.metrics.items() if v}
 
+    @classmethod
+    def merged(cls, parts: Sequence[tuple[Sequence[int], "RewardLogs"]],
+               num_rows: int) -> "RewardLogs":
+        """One batch's logs from the parts that scored its rows (each process's rows and
+        logs): log_extra columns over all `num_rows` in batch order (None where a part logged
+        nothing), log_metric values pooled, so their mean is TRL's total / count over
+        processes."""
+        out = cls()
+        for rows, logs in parts:
+            for column, values in logs.extra.items():
+                full = out.extra.setdefault(column, [None] * num_rows)
+                for i, v in zip(rows, values):
+                    full[i] = v
+            for name, values in logs.metrics.items():
+                out.metrics.setdefault(name, []).extend(values)
+        return out
+
 
 def load_reward_func(spec: str) -> RewardFunc:
     """A built-in name, 'package.module:function' or 'path/to/file.py:function'."""

@@ -83,15 +83,9 @@ class RewardScorer:
                                                pick(ids), {k: pick(v) for k, v in columns.items()},
                                                trainer_state=self.trainer_state, logs=logs)
         per_func = dist.gather_rows(dist.together(score, rewards_lib.RewardError), rows, len(ids))
-        # This process's rows of each log_extra column (others: None); with several processes
-        # the metrics are this process's means (TRL gathers both first: not done yet).
-        extra = {}
-        for column, values in logs.extra.items():
-            full = [None] * len(ids)
-            for i, v in zip(rows, values):
-                full[i] = v
-            extra[column] = full
-        return Scores(per_func, prompts, texts, extra, logs.metric_means())
+        # What the functions logged, from every process (TRL gathers both too).
+        logs = rewards_lib.RewardLogs.merged(dist.gather_objects((rows.tolist(), logs)), len(ids))
+        return Scores(per_func, prompts, texts, logs.extra, logs.metric_means())
 
 
 def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:

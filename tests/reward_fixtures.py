@@ -12,3 +12,12 @@ def raises(prompts, completions, completion_ids, **kwargs):
 
 def wrong_length(prompts, completions, completion_ids, **kwargs):
     return [1.0]
+
+
+def even_tokens_logged(prompts, completions, completion_ids, log_extra, log_metric, **kwargs):
+    """even_tokens, and what it scored through TRL's log_extra and log_metric (a process sees
+    only its rows: the trainer gathers both)."""
+    scores = even_tokens(prompts, completions, completion_ids)
+    log_extra("num_ids", [len(ids) for ids in completion_ids])
+    log_metric("logged/score_mean", sum(scores) / len(scores))
+    return scores

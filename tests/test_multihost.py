@@ -31,8 +31,12 @@ from grpo_jax.train import main, train
 HEARTBEAT = 10  # seconds: how long a dead peer may go unnoticed
 # dp over processes, fsdp within each; a low learning rate keeps Adam's step on the few weights
 # whose gradients nearly cancel (where the all-reduce order shows) far under the tolerance.
+# A reward function that logs (gathered from both processes), and evaluation on held-out prompts.
 RUN = dict(dp=2, fsdp=-1, per_device_train_batch_size=2, learning_rate=0.002, save_steps=2,
-           beta=0.04)  # a reference model too
+           beta=0.04,  # a reference model too
+           reward_funcs=f"[{Path(__file__).parent / 'reward_fixtures.py'}:even_tokens_logged]",
+           log_completions="true", dataset_test_split="train[48:]",  # here: a subset of train
+           eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2)
 
 
 def free_port() -> int:
@@ -88,16 +92,26 @@ def assert_same_params(a, b, tol=1e-5):
     assert max(worst.values()) < tol, worst
 
 
-def metrics(out) -> list[dict]:
-    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").open()]
+def metrics(out, kind: str = "reward") -> list[dict]:
+    """The training records (kind "eval_reward": the evaluations') of a run's metrics.jsonl."""
+    return [r for line in (Path(out) / "metrics.jsonl").open() if kind in (r := json.loads(line))]
 
 
-def assert_same_metrics(a: list[dict], b: list[dict]):
+TRAIN_KEYS = ("reward", "reward_std", "loss", "grad_norm", "entropy", "kl",
+              "completions/mean_length", "num_tokens", "logged/score_mean")
+EVAL_KEYS = tuple(f"eval_{k}" for k in TRAIN_KEYS if k != "grad_norm")
+
+
+def assert_same_metrics(a: list[dict], b: list[dict], keys=TRAIN_KEYS):
     assert [m["step"] for m in a] == [m["step"] for m in b]
     for ma, mb in zip(a, b):
-        for k in ("reward", "reward_std", "loss", "grad_norm", "entropy", "kl",
-                  "completions/mean_length", "num_tokens"):
+        for k in keys:
             assert abs(ma[k] - mb[k]) < 1e-4 * max(1.0, abs(ma[k])), (ma["step"], k, ma[k], mb[k])
+
+
+def logged_extra(out, upto: int) -> list:
+    rows = [json.loads(line) for line in (Path(out) / "completions.jsonl").open()]
+    return [r["num_ids"] for r in rows if r["step"] <= upto]
 
 
 def cli_config(tiny_dir, out, **extra) -> list[str]:  # noqa: F811
@@ -135,6 +149,11 @@ def two_processes(tiny_dir, tmp_path_factory):  # noqa: F811
 def test_two_processes_train_like_one(one_process, two_processes):
     assert_same_params(params(one_process, 2), params(two_processes, 2))
     assert_same_metrics(metrics(one_process)[:2], metrics(two_processes))
+    # The evaluation at step 2, and what the reward function logged on both processes.
+    assert_same_metrics(metrics(one_process, "eval_reward")[:1],
+                        metrics(two_processes, "eval_reward"), EVAL_KEYS)
+    assert logged_extra(one_process, 2) == logged_extra(two_processes, 2)
+    assert None not in logged_extra(two_processes, 2)
     # Process 0 alone writes the run's files and prints the result.
     root = two_processes.parent
     printed = [[line for line in log(root, f"p{i}.out").splitlines() if line.startswith("{")]
