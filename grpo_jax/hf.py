@@ -9,6 +9,7 @@ import json
 import math
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
@@ -16,7 +17,6 @@ import huggingface_hub
 import jax
 import jax.numpy as jnp
 import numpy as np
-import safetensors.numpy
 from flax import nnx
 from safetensors import safe_open
 
@@ -205,6 +205,14 @@ _HF_DIMS = {"wq": ((1, 2), (0,)), "wk": ((1, 2), (0,)), "wv": ((1, 2), (0,)),
             "bq": ((0, 1),), "bk": ((0, 1),), "bv": ((0, 1),)}
 
 
+def _groups(leaf: str, ndim: int):
+    return _HF_DIMS.get(leaf, tuple((d,) for d in range(ndim)))
+
+
+def _hf_shape(groups, shape) -> list[int]:
+    return [math.prod(shape[d] for d in g) for g in groups]
+
+
 def _read_block(tensor, groups, shape, index) -> np.ndarray:
     """The block `index` (slices of our per-layer `shape`) of a memory-mapped HF tensor
     (safetensors' get_slice) laid out by `groups` (see _HF_DIMS): only the rows and columns
@@ -240,8 +248,8 @@ class _Weights:
         if name not in self.files:
             raise ModelLoadError(f"{self.model_dir}: weight {name} missing from the "
                                  "safetensors files")
-        groups = _HF_DIMS.get(leaf, tuple((d,) for d in range(len(shape))))
-        expected = [math.prod(shape[d] for d in g) for g in groups]
+        groups = _groups(leaf, len(shape))
+        expected = _hf_shape(groups, shape)
         with safe_open(self.files[name], framework="numpy") as st:
             tensor = st.get_slice(name)
             if list(tensor.get_shape()) != expected:
@@ -342,17 +350,27 @@ def hf_state_dict(cfg: ModelConfig, params: dict[str, np.ndarray], *, dtype: str
 
 def save_hf(model: Decoder, out_dir, *, source_dir=None, dtype: str = "float32",
             max_shard_bytes: int = 2 * 1024**3) -> Path:
-    """Write an HF model directory that `transformers` (and vLLM) load."""
+    """Write an HF model directory that `transformers` (and vLLM) load. Tensor by tensor: the
+    host holds one HF tensor (one layer of a stacked parameter) at a time."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
-    tensors = hf_state_dict(cfg, params_numpy(model), dtype=dtype)
+    tensors = _hf_tensors(cfg, jnp.dtype(dtype))
     split = huggingface_hub.split_state_dict_into_shards_factory(
-        tensors, get_storage_size=lambda a: a.nbytes, max_shard_size=max_shard_bytes,
+        {k: spec for k, (_, _, spec) in tensors.items()},
+        get_storage_size=lambda s: s.size * s.dtype.itemsize, max_shard_size=max_shard_bytes,
         filename_pattern="model{suffix}.safetensors")
+    params = nnx.state(model, nnx.Param)
+
+    def tensor(key):
+        name, layer, spec = tensors[key]
+        w = _get(params, name).get_value()
+        w = np.asarray(jax.device_get(w if layer is None else _take_layer(w, np.int32(layer))))
+        return _to_hf(name, w.astype(spec.dtype, copy=False))
+
     for name, keys in split.filename_to_tensors.items():
-        safetensors.numpy.save_file({k: tensors[k] for k in keys}, out / name,
-                                    metadata={"format": "pt"})
+        _write_safetensors(out / name, {k: tensors[k][2] for k in keys}, tensor,
+                           {"format": "pt"})
     if split.is_sharded:
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": split.metadata, "weight_map": split.tensor_to_filename}, indent=2))
@@ -367,3 +385,50 @@ def save_hf(model: Decoder, out_dir, *, source_dir=None, dtype: str = "float32",
     hf_cfg["torch_dtype"] = hf_cfg["dtype"] = dtype
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
     return out
+
+
+# One program per parameter shape (the layer is an argument), gathering one layer's blocks.
+_take_layer = jax.jit(lambda w, i: w[i])
+
+
+def _hf_tensors(cfg: ModelConfig, dtype) -> dict[str, tuple]:
+    """HF tensor name -> (table name, layer or None, its HF shape and `dtype`), in the order
+    hf_state_dict builds them (so the split into files is the same)."""
+    table, out = param_table(cfg), {}
+    for name, pattern in _hf_names(cfg).items():
+        shape, leaf = table[name][0], name.split("/")[-1]
+        if name.startswith("layers/"):
+            spec = jax.ShapeDtypeStruct(_hf_shape(_groups(leaf, len(shape) - 1), shape[1:]),
+                                        dtype)
+            out.update({pattern.format(i=i): (name, i, spec) for i in range(cfg.num_layers)})
+        else:
+            out[pattern] = (name, None, jax.ShapeDtypeStruct(
+                _hf_shape(_groups(leaf, len(shape)), shape), dtype))
+    return out
+
+
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def _write_safetensors(path: Path, specs: dict, tensor, metadata: dict) -> None:
+    """The bytes `safetensors.numpy.save_file` writes, with one tensor in memory at a time:
+    the header (tensors sorted by name, as safetensors sorts those of one dtype; JSON padded
+    with spaces to 8 bytes), then each tensor's data in that order. `tensor(name)` -> array."""
+    if len({spec.dtype for spec in specs.values()}) > 1:
+        raise ValueError("one dtype per file: safetensors orders mixed dtypes by alignment")
+    header, offset = {"__metadata__": metadata}, 0
+    for name in sorted(specs):
+        spec = specs[name]
+        size = spec.size * spec.dtype.itemsize
+        header[name] = {"dtype": _ST_DTYPES[spec.dtype.name], "shape": list(spec.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name in sorted(specs):
+            w = np.ascontiguousarray(tensor(name))
+            if w.shape != specs[name].shape or w.dtype != specs[name].dtype:
+                raise AssertionError(f"{name}: {w.shape} {w.dtype}, header says {specs[name]}")
+            f.write(w.reshape(-1).view(np.uint8).data)
