@@ -113,8 +113,14 @@ class Checkpointer:
             raise FileNotFoundError(
                 f"{what} in {self.directory}; complete checkpoints there: {steps or 'none'}")
         abstract = jax.tree_util.tree_map_with_path(_abstract_leaf, target)
+        if any(leaf is ocp.PLACEHOLDER for leaf in jax.tree.leaves(abstract)):
+            # StandardRestore refuses placeholders; PyTreeRestore reads the same files.
+            state = ocp.args.PyTreeRestore(
+                abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
+        else:
+            state = ocp.args.StandardRestore(abstract)
         restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+            state=state, meta=ocp.args.JsonRestore()))
         return restored.state, restored.meta
 
     def delete(self, step: int) -> None:
