@@ -216,8 +216,7 @@ def _hf_shape(groups, shape) -> list[int]:
 def _read_block(tensor, groups, shape, index) -> np.ndarray:
     """The block `index` (slices of our per-layer `shape`) of a memory-mapped HF tensor
     (safetensors' get_slice) laid out by `groups` (see _HF_DIMS): only the rows and columns
-    that hold it are read."""
-    index = [slice(*s.indices(n)[:2]) for s, n in zip(index, shape)]
+    that hold it are read. `index`: slices with explicit start and stop."""
     hf_index, block_shape, rest_index = [], [], []
     for g in groups:
         # A merged HF dim: the range that covers the first dim's slice with the others whole.
