@@ -39,6 +39,8 @@ class CheckpointError(GrpoJaxError):
 
 
 def _abstract_leaf(path, leaf):
+    if leaf is ocp.PLACEHOLDER:  # a leaf left unrestored
+        return leaf
     sharding = getattr(leaf, "sharding", None)
     if sharding is None:
         raise ValueError(
@@ -100,7 +102,8 @@ class Checkpointer:
     def restore(self, step: int | None, target):
         """(state, meta) of checkpoint `step` (None: the latest). `target` is the state's abstract
         pytree: leaves with shape, dtype and sharding (jax.ShapeDtypeStruct or jax.Array); arrays
-        are restored onto those shardings and in those dtypes."""
+        are restored onto those shardings and in those dtypes, each process reading only its
+        devices' blocks. Leaves that are `ocp.PLACEHOLDER` are not read (they stay so)."""
         self._manager.wait_until_finished()
         steps = self.all_steps()
         if step is None and steps:
@@ -110,8 +113,14 @@ class Checkpointer:
             raise FileNotFoundError(
                 f"{what} in {self.directory}; complete checkpoints there: {steps or 'none'}")
         abstract = jax.tree_util.tree_map_with_path(_abstract_leaf, target)
+        if any(leaf is ocp.PLACEHOLDER for leaf in jax.tree.leaves(abstract)):
+            # StandardRestore refuses placeholders; PyTreeRestore reads the same files.
+            state = ocp.args.PyTreeRestore(
+                abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
+        else:
+            state = ocp.args.StandardRestore(abstract)
         restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+            state=state, meta=ocp.args.JsonRestore()))
         return restored.state, restored.meta
 
     def delete(self, step: int) -> None:
@@ -277,16 +286,24 @@ def abstract_state(cfg, device=None):
 
 
 def load_checkpoint(output_dir, step: int | None = None):
-    """(model with the checkpoint's params, source model dir, step) from a run's output_dir."""
+    """(model with the checkpoint's params, source model dir, step) from a run's output_dir.
+    Only the params are read (not the optimizer state), each device's block onto an FSDP mesh
+    over this process's devices: no device, nor the host, holds a whole copy."""
     from pathlib import Path
 
     from flax import nnx
 
+    from grpo_jax import mesh as mesh_lib
     from grpo_jax.cli import load_config
     cfg_path = Path(output_dir) / "config.yaml"
     if not cfg_path.exists():
         raise CheckpointError(f"{output_dir} has no config.yaml: not a grpo_jax output_dir")
     target, graphdef, _, model_dir = abstract_state(load_config(str(cfg_path)))
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=1, fsdp=-1), jax.local_devices())
+    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                          target.params, mesh_lib.param_shardings(target.params, mesh))
+    target = target._replace(params=params, opt_state=jax.tree.map(
+        lambda _: ocp.PLACEHOLDER, target.opt_state))
     ckpt = Checkpointer(Path(output_dir) / "checkpoints", save_total_limit=None)
     try:
         step = ckpt.latest_step() if step is None else step

@@ -6,8 +6,10 @@ Only safetensors are read: pickle-based `.bin` checkpoints can run code when loa
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
@@ -15,9 +17,10 @@ import huggingface_hub
 import jax
 import jax.numpy as jnp
 import numpy as np
-import safetensors.numpy
 from flax import nnx
+from safetensors import safe_open
 
+from grpo_jax import mesh as mesh_lib
 from grpo_jax.errors import GrpoJaxError
 from grpo_jax.models import Decoder, ModelConfig, ModelConfigError, param_table
 
@@ -137,14 +140,6 @@ def _hf_names(cfg: ModelConfig) -> dict[str, str]:
     return {k: v for k, v in names.items() if k in param_table(cfg)}
 
 
-def _from_hf(name: str, w: np.ndarray, shape) -> np.ndarray:
-    """One HF tensor (torch Linear layout [out, in]) -> our per-layer layout."""
-    leaf = name.split("/")[-1]
-    if leaf in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"):
-        return w.T.reshape(shape)  # e.g. wo: [D, H*Dh] -> [H, Dh, D]
-    return w.reshape(shape)
-
-
 def _to_hf(name: str, w: np.ndarray) -> np.ndarray:
     leaf = name.split("/")[-1]
     if leaf in ("wq", "wk", "wv"):  # [D, H, Dh] -> [H*Dh, D]
@@ -202,37 +197,117 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise ModelLoadError(f"{model_dir} has no *.safetensors weights")
 
 
-def load_params(model_dir: Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    """Read the weights into the parameter table's layout (stacked over layers)."""
-    tensors: dict[str, np.ndarray] = {}
-    for f in _weight_files(Path(model_dir)):
-        for k, v in safetensors.numpy.load_file(f).items():  # floats (bf16 too) as fp32
-            tensors[k] = v.astype(np.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v
+# How each per-layer leaf lays out its HF tensor: our dims grouped into the HF tensor's dims, in
+# HF order (torch Linear weights are [out, in]). e.g. wo [H, Dh, D] <- HF [D, H*Dh]. Others: 1:1.
+_HF_DIMS = {"wq": ((1, 2), (0,)), "wk": ((1, 2), (0,)), "wv": ((1, 2), (0,)),
+            "wo": ((2,), (0, 1)), "w_gate": ((1,), (0,)), "w_up": ((1,), (0,)),
+            "w_down": ((1,), (0,)), "lm_head": ((1,), (0,)),
+            "bq": ((0, 1),), "bk": ((0, 1),), "bv": ((0, 1),)}
+
+
+def _groups(leaf: str, ndim: int):
+    return _HF_DIMS.get(leaf, tuple((d,) for d in range(ndim)))
+
+
+def _hf_shape(groups, shape) -> list[int]:
+    return [math.prod(shape[d] for d in g) for g in groups]
+
+
+def _read_block(tensor, groups, shape, index) -> np.ndarray:
+    """The block `index` (slices of our per-layer `shape`) of a memory-mapped HF tensor
+    (safetensors' get_slice) laid out by `groups` (see _HF_DIMS): only the rows and columns
+    that hold it are read. `index`: slices with explicit start and stop."""
+    hf_index, block_shape, rest_index = [], [], []
+    for g in groups:
+        # A merged HF dim: the range that covers the first dim's slice with the others whole.
+        inner = math.prod(shape[d] for d in g[1:])
+        first = index[g[0]]
+        hf_index.append(slice(first.start * inner, first.stop * inner))
+        block_shape += [first.stop - first.start] + [shape[d] for d in g[1:]]
+        rest_index += [slice(None)] + [index[d] for d in g[1:]]
+    block = tensor[tuple(hf_index)].reshape(block_shape)[tuple(rest_index)]
+    order = [d for g in groups for d in g]
+    return block.transpose(np.argsort(order))
+
+
+class _Weights:
+    """The safetensors files of a model directory, read tensor by tensor through a memory map.
+    Each read opens the file afresh: pages of a closed map leave the process's RSS, so at most
+    one HF tensor's pages are resident at a time."""
+
+    def __init__(self, model_dir: Path):
+        self.files: dict[str, Path] = {}
+        for f in _weight_files(model_dir):
+            with safe_open(f, framework="numpy") as st:
+                self.files.update(dict.fromkeys(st.keys(), f))
+        self.model_dir = model_dir
+
+    def read(self, name: str, leaf: str, shape, index, out: np.ndarray) -> None:
+        """Our block `index` of HF tensor `name` into `out` (cast to its dtype)."""
+        if name not in self.files:
+            raise ModelLoadError(f"{self.model_dir}: weight {name} missing from the "
+                                 "safetensors files")
+        groups = _groups(leaf, len(shape))
+        expected = _hf_shape(groups, shape)
+        with safe_open(self.files[name], framework="numpy") as st:
+            tensor = st.get_slice(name)
+            if list(tensor.get_shape()) != expected:
+                raise ModelLoadError(f"{self.model_dir}: weight {name} has shape "
+                                     f"{tensor.get_shape()}, config.json implies {expected}")
+            out[...] = _read_block(tensor, groups, shape, index)
+
+
+def load_params(model_dir: Path, cfg: ModelConfig, shardings: dict) -> dict[str, jax.Array]:
+    """The weights as {table name: jax.Array} placed on `shardings` ({table name: Sharding}):
+    each device's block is read from the files and cast on its own, so no device holds more
+    than its block and the host holds about one HF tensor (plus one block) at a time."""
+    weights = _Weights(Path(model_dir))
     table = param_table(cfg)
     out = {}
     for name, pattern in _hf_names(cfg).items():
-        shape = table[name][0]
-        try:
-            if name.startswith("layers/"):
-                out[name] = np.stack([_from_hf(name, tensors[pattern.format(i=i)], shape[1:])
-                                      for i in range(cfg.num_layers)])
-            else:
-                out[name] = _from_hf(name, tensors[pattern], shape)
-        except KeyError as e:
-            raise ModelLoadError(f"{model_dir}: weight {e.args[0]} missing from the safetensors "
-                                 f"files (model_type {cfg.model_type})") from None
+        shape, leaf = table[name][0], name.split("/")[-1]
+
+        def block(index, name=name, pattern=pattern, shape=shape, leaf=leaf):
+            index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+            buf = np.empty([s.stop - s.start for s in index], cfg.param_dtype)
+            if not name.startswith("layers/"):
+                weights.read(pattern, leaf, shape, index, buf)
+                return buf
+            for j, i in enumerate(range(index[0].start, index[0].stop)):  # this block's layers
+                weights.read(pattern.format(i=i), leaf, shape[1:], index[1:], buf[j])
+            return buf
+
+        out[name] = jax.make_array_from_callback(shape, shardings[name], block)
     return out
 
 
-def load_model(name_or_path: str, **config_overrides) -> tuple[Decoder, Path]:
-    """Load an HF model into the JAX decoder. Overrides e.g. dtype=jnp.float32, remat=False."""
+def load_model(name_or_path: str, mesh=None, **config_overrides) -> tuple[Decoder, Path]:
+    """Load an HF model into the JAX decoder, each parameter straight onto its sharding on
+    `mesh` (by mesh.RULES; None: the first local device). Overrides e.g. dtype=jnp.float32."""
     model_dir = resolve_model_dir(name_or_path)
     try:
         cfg = ModelConfig.from_hf(read_config(model_dir), **config_overrides)
     except ModelConfigError as e:
         raise ModelLoadError(f"{model_dir}: {e}") from None
-    params = load_params(model_dir, cfg)
-    return Decoder(cfg, rngs=nnx.Rngs(0), init=params), model_dir
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))),
+                                 nnx.Param)
+    if mesh is None:
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        shardings = dict.fromkeys(param_table(cfg), device)
+    else:
+        on_mesh = mesh_lib.param_shardings(params, mesh)
+        shardings = {name: _get(on_mesh, name).get_value() for name in param_table(cfg)}
+    loaded = load_params(model_dir, cfg, shardings)
+    for name, value in loaded.items():
+        _get(params, name).set_value(value)
+    return nnx.merge(graphdef, params), model_dir
+
+
+def _get(params, name: str):
+    """The nnx.Variable of table `name` in a Param state."""
+    for part in name.split("/"):
+        params = params[part]
+    return params
 
 
 # ---------------------------------------------------------------- export
@@ -274,17 +349,27 @@ def hf_state_dict(cfg: ModelConfig, params: dict[str, np.ndarray], *, dtype: str
 
 def save_hf(model: Decoder, out_dir, *, source_dir=None, dtype: str = "float32",
             max_shard_bytes: int = 2 * 1024**3) -> Path:
-    """Write an HF model directory that `transformers` (and vLLM) load."""
+    """Write an HF model directory that `transformers` (and vLLM) load. Tensor by tensor: the
+    host holds one HF tensor (one layer of a stacked parameter) at a time."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
-    tensors = hf_state_dict(cfg, params_numpy(model), dtype=dtype)
+    tensors = _hf_tensors(cfg, jnp.dtype(dtype))
     split = huggingface_hub.split_state_dict_into_shards_factory(
-        tensors, get_storage_size=lambda a: a.nbytes, max_shard_size=max_shard_bytes,
+        {k: spec for k, (_, _, spec) in tensors.items()},
+        get_storage_size=lambda s: s.size * s.dtype.itemsize, max_shard_size=max_shard_bytes,
         filename_pattern="model{suffix}.safetensors")
+    params = nnx.state(model, nnx.Param)
+
+    def tensor(key):
+        name, layer, spec = tensors[key]
+        w = _get(params, name).get_value()
+        w = np.asarray(jax.device_get(w if layer is None else _take_layer(w, np.int32(layer))))
+        return _to_hf(name, w.astype(spec.dtype, copy=False))
+
     for name, keys in split.filename_to_tensors.items():
-        safetensors.numpy.save_file({k: tensors[k] for k in keys}, out / name,
-                                    metadata={"format": "pt"})
+        _write_safetensors(out / name, {k: tensors[k][2] for k in keys}, tensor,
+                           {"format": "pt"})
     if split.is_sharded:
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": split.metadata, "weight_map": split.tensor_to_filename}, indent=2))
@@ -299,3 +384,50 @@ def save_hf(model: Decoder, out_dir, *, source_dir=None, dtype: str = "float32",
     hf_cfg["torch_dtype"] = hf_cfg["dtype"] = dtype
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
     return out
+
+
+# One program per parameter shape (the layer is an argument), gathering one layer's blocks.
+_take_layer = jax.jit(lambda w, i: w[i])
+
+
+def _hf_tensors(cfg: ModelConfig, dtype) -> dict[str, tuple]:
+    """HF tensor name -> (table name, layer or None, its HF shape and `dtype`), in the order
+    hf_state_dict builds them (so the split into files is the same)."""
+    table, out = param_table(cfg), {}
+    for name, pattern in _hf_names(cfg).items():
+        shape, leaf = table[name][0], name.split("/")[-1]
+        if name.startswith("layers/"):
+            spec = jax.ShapeDtypeStruct(_hf_shape(_groups(leaf, len(shape) - 1), shape[1:]),
+                                        dtype)
+            out.update({pattern.format(i=i): (name, i, spec) for i in range(cfg.num_layers)})
+        else:
+            out[pattern] = (name, None, jax.ShapeDtypeStruct(
+                _hf_shape(_groups(leaf, len(shape)), shape), dtype))
+    return out
+
+
+_ST_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+
+
+def _write_safetensors(path: Path, specs: dict, tensor, metadata: dict) -> None:
+    """The bytes `safetensors.numpy.save_file` writes, with one tensor in memory at a time:
+    the header (tensors sorted by name, as safetensors sorts those of one dtype; JSON padded
+    with spaces to 8 bytes), then each tensor's data in that order. `tensor(name)` -> array."""
+    if len({spec.dtype for spec in specs.values()}) > 1:
+        raise ValueError("one dtype per file: safetensors orders mixed dtypes by alignment")
+    header, offset = {"__metadata__": metadata}, 0
+    for name in sorted(specs):
+        spec = specs[name]
+        size = spec.size * spec.dtype.itemsize
+        header[name] = {"dtype": _ST_DTYPES[spec.dtype.name], "shape": list(spec.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for name in sorted(specs):
+            w = np.ascontiguousarray(tensor(name))
+            if w.shape != specs[name].shape or w.dtype != specs[name].dtype:
+                raise AssertionError(f"{name}: {w.shape} {w.dtype}, header says {specs[name]}")
+            f.write(w.reshape(-1).view(np.uint8).data)

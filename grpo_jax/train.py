@@ -99,7 +99,8 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
     eval_prompts = (cfg.eval_prompts_per_batch(mesh_lib.batch_divisor(mesh)) if cfg.eval.enabled
                     else 0)
-    model, model_dir = hf.load_model(cfg.model.name_or_path, numerics=cfg.numerics)
+    # Each weight is read straight onto its sharding: no device holds a whole copy.
+    model, model_dir = hf.load_model(cfg.model.name_or_path, mesh, numerics=cfg.numerics)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dataset = data_lib.load_prompts(cfg.data, tokenizer)
     if dataset.num_truncated and dist.is_main():

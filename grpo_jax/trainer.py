@@ -48,7 +48,9 @@ class Trainer:
             transform_non_params=lambda _: replicated)
         self.state_shardings = state_shardings(step_cfg.loss, self.param_shardings, opt_shardings,
                                                replicated)
-        self.init_state = jax.jit(self._init, out_shardings=self.state_shardings)(params)
+        # The copy is donated: the state's params take its buffers, not a third copy.
+        self.init_state = jax.jit(self._init, out_shardings=self.state_shardings,
+                                  donate_argnums=(0,))(params)
 
         def constrain(x):  # [k, rows, ...] micro-batch splits: rows on the batch axes
             return jax.lax.with_sharding_constraint(

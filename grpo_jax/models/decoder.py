@@ -79,17 +79,13 @@ class _Layers(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, init: dict | None = None):
-        """`init` maps table names to arrays (e.g. loaded weights); the rest are drawn at random."""
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        """Random weights; `hf.load_model` builds the decoder abstractly (`nnx.eval_shape`) and
+        loads its weights straight onto their shardings instead."""
         self.cfg = cfg
         self.layers = _Layers()
         for name, (shape, axes) in param_table(cfg).items():
-            if init is not None and name in init:
-                value = jnp.asarray(init[name], cfg.param_dtype)
-                if value.shape != shape:
-                    raise ValueError(f"param {name}: shape {value.shape}, expected {shape}")
-            else:
-                value = _init_value(name, shape, cfg.param_dtype, rngs.params())
+            value = _init_value(name, shape, cfg.param_dtype, rngs.params())
             owner, leaf = (self.layers, name[7:]) if name.startswith("layers/") else (self, name)
             setattr(owner, leaf, nnx.Param(value, axes=axes))
 
