@@ -252,6 +252,9 @@ class _TrainConfig:
         gbs, g = self.batch.generation_batch_size, self.grpo.num_generations
         _check(gbs is None or gbs % g == 0, f"generation_batch_size ({gbs}) must be divisible "
                f"by num_generations ({g}): a generation round holds whole prompt groups")
+        _check(not (self.grpo.sync_ref_model and not self.loss.beta),  # TRL raises it too
+               "sync_ref_model is set while beta is 0: with beta 0 no reference model is kept, "
+               "so there is nothing to synchronize. Set sync_ref_model false, or beta > 0")
 
     def batch_plan(self, data_parallel_size: int = 1) -> BatchPlan:
         """TRL's batch relations for `data_parallel_size` shards (TRL: num_processes)."""

@@ -90,10 +90,6 @@ class RewardScorer:
 
 def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     """Run (or resume) training on `devices` (default: all). Returns the last metrics."""
-    if cfg.grpo.sync_ref_model and not cfg.loss.beta:
-        raise TrainError(  # TRL raises the same at GRPOTrainer's init
-            "sync_ref_model is set while beta is 0: with beta 0 no reference model is kept, so "
-            "there is nothing to synchronize. Set sync_ref_model false, or beta > 0")
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
