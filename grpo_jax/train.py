@@ -142,7 +142,12 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
         refs.drop_after(latest or 0)
     if cfg.run.resume:
         if latest is not None:
-            state, meta = ckpt.restore(latest, state)  # onto the live state's shardings
+            # Onto the live state's shardings, whose buffers go first: the devices never hold
+            # two training states (the initial one is of no use once a checkpoint is read).
+            target = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+            jax.tree.map(lambda x: x.delete(), state)
+            state, meta = ckpt.restore(latest, target)
             position = data_lib.DataPosition(*meta["data_position"])
             round_idx = meta["round"]
             tokens_seen = int(meta.get("num_tokens", 0))
