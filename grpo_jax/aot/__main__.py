@@ -1,0 +1,3 @@
+from grpo_jax.aot.analyze import main
+
+main()
