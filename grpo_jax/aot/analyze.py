@@ -15,6 +15,7 @@ grpo-jax-train takes it (--config NAME|PATH, --set key=value, --key value); the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -41,25 +42,41 @@ def model_config(name: str):
     return preset(name)
 
 
-def analyze(target, cfg, quick: bool = False) -> dict:
+@contextlib.contextmanager
+def backend_of(target):
+    """Trace as on the target: on a GPU, attention_impl "auto" picks cuDNN where a run would
+    (this process runs on the CPU backend)."""
     import jax
 
-    from grpo_jax import mesh as mesh_lib
-    from grpo_jax.aot import hardware, programs, report
     from grpo_jax.models import config as model_config_lib
+    backend = "gpu" if target.platform == "cuda" else jax.default_backend()
+    with mock.patch.object(model_config_lib, "jax",
+                           types.SimpleNamespace(default_backend=lambda: backend)):
+        yield
+
+
+def make_run(target, cfg, **device_kw):
+    """The run `cfg` on `target`'s devices, meshed as train.py meshes them."""
+    from grpo_jax import mesh as mesh_lib
+    from grpo_jax.aot import hardware, programs
 
     if cfg.data.max_prompt_length is None:
         raise GrpoJaxError("set --max_prompt_length: the programs are compiled for one prompt "
                            "length (the sampler's bucket that holds it)")
-    start = time.perf_counter()
     model = model_config(cfg.model.name_or_path).replace(numerics=cfg.numerics)
-    devices = hardware.devices(target)
-    mesh = mesh_lib.make_mesh(cfg.mesh, devices)
-    run = programs.Run(cfg, model, mesh, cfg.batch_plan(mesh_lib.batch_divisor(mesh)))
-    # On a GPU, attention_impl "auto" picks cuDNN where the run would (this process is CPU).
-    backend = "gpu" if target.platform == "cuda" else jax.default_backend()
-    fake_jax = types.SimpleNamespace(default_backend=lambda: backend)
-    with mock.patch.object(model_config_lib, "jax", fake_jax):
+    mesh = mesh_lib.make_mesh(cfg.mesh, hardware.devices(target, **device_kw))
+    return programs.Run(cfg, model, mesh, cfg.batch_plan(mesh_lib.batch_divisor(mesh)))
+
+
+def analyze(target, cfg, quick: bool = False) -> dict:
+    import jax
+
+    from grpo_jax.aot import programs, report
+
+    start = time.perf_counter()
+    run = make_run(target, cfg)
+    devices, model = run.mesh.devices.flat, run.model
+    with backend_of(target):
         progs = programs.build(run)
         compiled = {k: v.compile() for k, v in progs.lowered.items() if k != "prefill"}
         costs = {}
@@ -85,8 +102,8 @@ def analyze(target, cfg, quick: bool = False) -> dict:
     updates = plan.steps_per_generation * plan.num_iterations / plan.gradient_accumulation_steps
     result = {
         "model": cfg.model.name_or_path, "params_B": model.num_params() / 1e9,
-        "topology": target.name, "chip": chip.name, "chips": len(devices),
-        "hosts": len({d.process_index for d in devices}), "mesh": dict(mesh.shape),
+        "topology": target.name, "chip": chip.name, "chips": run.mesh.size,
+        "hosts": len({d.process_index for d in devices}), "mesh": dict(run.mesh.shape),
         "prompt_width": progs.prompt_width, "completion_length": C,
         "plan": {"generation_batch_size": plan.generation_batch_size,
                  "prompts": plan.prompts_per_generation, "num_generations": plan.num_generations,

@@ -90,13 +90,13 @@ def parse_target(name: str, num_slices: int = 1) -> Target:
     return Target(name, CHIPS[kind], "tpu", f"{kind}:{dims}", num_slices)
 
 
-def devices(target: Target) -> list:
+def devices(target: Target, gpu_target_config: str = H100_TARGET) -> list:
     """The target's devices, as the compiler sees them (no runtime is opened)."""
     from jax.experimental import topologies
 
     if target.platform == "cuda":
         try:
-            topo = topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET,
+            topo = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config,
                                                 topology=target.topology)
         except Exception as e:  # noqa: BLE001 - jax raises several kinds here
             raise GrpoJaxError(f"can't describe {target.name}: {e}. Compiling for NVIDIA GPUs "
@@ -104,12 +104,13 @@ def devices(target: Target) -> list:
                                "jax-cuda13-plugin jax-cuda13-pjrt (the installed jax's version)"
                                ) from None
         return list(topo.devices)
-    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server to ask
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no TPU for processes to share
     try:
         topo = topologies.get_topology_desc(topology_name=target.topology, platform="tpu",
                                             num_slices=target.num_slices)
     except Exception as e:  # noqa: BLE001
         raise GrpoJaxError(f"can't describe {target.name}: {e}. Compiling for TPUs needs "
-                           "libtpu beside jax: .ci/install_tpu.sh DIR, then run with "
+                           "libtpu beside jax: .ci/install_aot.sh DIR, then run with "
                            "DIR/bin/python") from None
     return list(topo.devices)
