@@ -25,7 +25,8 @@ AOT_PYTHON = os.environ.get("GRPO_JAX_AOT_PYTHON")
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256,
                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
-# 64 completions (8 prompts x 8), 2 micro-batches of 32 per update, prompt 64 + completion 32.
+# 2 completions per chip per micro-batch, 2 micro-batches per update and per generation batch,
+# prompt 64 + completion 32 tokens.
 SHAPE = ["--max_prompt_length", "64", "--max_completion_length", "32", "--num_generations", "8",
          "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
          "--beta", "0.04"]
@@ -54,22 +55,26 @@ def test_compiles_for_a_pod_without_one(tmp_path, topology, chips, hosts, mesh):
     r = json.loads((tmp_path / "out.json").read_text())
     assert (r["chips"], r["hosts"]) == (chips, hosts)
     m, fsdp = r["memory_per_chip"], r["mesh"]["fsdp"]
-    # fp32 params, every matrix split over fsdp (norm scales are replicated: < 1%); AdamW's
+    # fp32 params, every matrix split over fsdp (norm scales are replicated: ~1% here); AdamW's
     # two moments like them; the reference a copy (beta > 0).
     expected = TINY.num_params() * 4 / fsdp / 1e9
-    assert m["params_GB"] == pytest.approx(expected, rel=0.01)
+    assert m["params_GB"] == pytest.approx(expected, rel=0.03)
     assert m["optimizer_state_GB"] == pytest.approx(2 * m["params_GB"], rel=0.01)
     assert m["reference_params_GB"] == m["params_GB"]
-    # The sampler's cache: 64 rows over the batch axes (data x fsdp), 96 slots, bf16.
+    # The sampler's cache: 4 rows per chip (rows over data x fsdp), 96 slots, bf16.
     L, K, Dh = TINY.num_layers, TINY.num_kv_heads, TINY.head_dim
-    assert m["kv_cache_GB"] == pytest.approx(2 * L * 64 // chips * K * 96 * Dh * 2 / 1e9)
+    assert r["plan"]["generation_batch_size"] == 4 * chips
+    assert m["kv_cache_GB"] == pytest.approx(2 * L * 4 * K * 96 * Dh * 2 / 1e9)
     resident = m["params_GB"] + m["optimizer_state_GB"] + m["reference_params_GB"]
     for phase in m["phases"].values():
         assert resident <= phase["peak_GB"] < resident + 1.0
     assert m["fits"] and m["peak_GB"] == max(p["peak_GB"] for p in m["phases"].values())
+    if topology.startswith("h100"):  # XLA's GPU compiler reports no costs without a GPU
+        assert "time" not in r
+        return
     # The update's FLOPs per chip: fwd + bwd + the remat forward, 8 N per token, within 2x
     # (XLA counts a loop body once: the layers and micro-batches must have been unrolled).
-    tokens = 64 * (64 + 32)
+    tokens = 4 * chips * (64 + 32)
     model_flops = 8 * TINY.num_params() * tokens / chips
     assert 0.5 < r["time"]["phases"]["update"]["tflop"] * 1e12 / model_flops < 2.0
     assert r["time"]["round_s"] > 0

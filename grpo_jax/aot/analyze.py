@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import platform
+import re
 import sys
 import time
 import types
@@ -42,14 +43,25 @@ def model_config(name: str):
     return preset(name)
 
 
+def _has_cudnn() -> bool:
+    try:
+        from jax._src.lib import cuda_versions
+        return cuda_versions is not None and bool(cuda_versions.cudnn_get_version())
+    except Exception:  # noqa: BLE001 - no cuDNN library installed
+        return False
+
+
 @contextlib.contextmanager
 def backend_of(target):
     """Trace as on the target: on a GPU, attention_impl "auto" picks cuDNN where a run would
-    (this process runs on the CPU backend)."""
+    (this process runs on the CPU backend). Tracing cuDNN attention needs the cuDNN library
+    (`pip install nvidia-cudnn-cu13`); without it attention is XLA's, which holds the scores in
+    HBM: the memory figures then err high."""
     import jax
 
     from grpo_jax.models import config as model_config_lib
-    backend = "gpu" if target.platform == "cuda" else jax.default_backend()
+    gpu = target.platform == "cuda" and _has_cudnn()
+    backend = "gpu" if gpu else jax.default_backend()
     with mock.patch.object(model_config_lib, "jax",
                            types.SimpleNamespace(default_backend=lambda: backend)):
         yield
@@ -78,14 +90,23 @@ def analyze(target, cfg, quick: bool = False) -> dict:
     devices, model = run.mesh.devices.flat, run.model
     with backend_of(target):
         progs = programs.build(run)
-        compiled = {k: v.compile() for k, v in progs.lowered.items() if k != "prefill"}
+        compiled = {k: _compile(k, v) for k, v in progs.lowered.items() if k != "prefill"}
         costs = {}
-        if not quick:
+        # XLA's GPU compiler gives no cost analysis without a device: no roofline there.
+        if not quick and target.platform == "tpu":
             with programs.unrolled_scans():
                 small = [programs.build(run.with_layers(n)).lowered for n in (1, 2)]
-            for phase in ("generate", "prefill", "logprobs", "update"):
-                one, two = (report.cost_of(lo[phase].compile()) for lo in small)
-                costs[phase] = report.by_layers(one, two, model.num_layers)
+            try:
+                for phase in ("generate", "prefill", "logprobs", "update"):
+                    one, two = (report.cost_of(lo[phase].compile()) for lo in small)
+                    costs[phase] = report.by_layers(one, two, model.num_layers)
+            except jax.errors.JaxRuntimeError as e:
+                # Unrolled loops keep more alive than the real program: XLA may refuse them.
+                if "RESOURCE_EXHAUSTED" not in str(e):
+                    raise
+                costs = {}
+                print(f"no roofline: the unrolled {phase} program does not fit in HBM",
+                      file=sys.stderr)
 
     plan, chip = run.plan, target.chip
     params = programs.shard_bytes(progs.state.params)
@@ -97,6 +118,9 @@ def analyze(target, cfg, quick: bool = False) -> dict:
     phases = {"generate": report.phase_memory(mem["generate"], resident, params),
               "logprobs": report.phase_memory(mem["logprobs"], resident, params),
               "update": report.phase_memory(mem["update"], ref, 0.0)}
+    for phase, c in compiled.items():
+        if hasattr(c, "refused"):  # XLA's figure: a lower bound on the peak
+            phases[phase]["refused_by_compiler"] = c.refused
     peak = max(p["peak_GB"] for p in phases.values()) * report.GB
     C = cfg.generation.max_completion_length
     updates = plan.steps_per_generation * plan.num_iterations / plan.gradient_accumulation_steps
@@ -132,9 +156,30 @@ def analyze(target, cfg, quick: bool = False) -> dict:
                        for k, c in per_phase.items()},
             "round_s": sum(seconds.values()),
             "per_update_s": costs["update"].seconds(chip)}
-    result.update(compile_s=time.perf_counter() - start, jax=jax.__version__,
+    result.update(attention="cudnn" if target.platform == "cuda" and _has_cudnn() else "xla",
+                  compile_s=time.perf_counter() - start, jax=jax.__version__,
                   libtpu=_version("libtpu"), host=f"{platform.machine()} x{os.cpu_count()}")
     return result
+
+
+def _compile(phase: str, lowered):
+    """The compiled program, or, where the TPU compiler refuses it for want of HBM, the
+    temporaries it asked for (a stand-in with memory_analysis())."""
+    import jax
+
+    start = time.perf_counter()
+    try:
+        out = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        need = re.search(r"HLO temporaries \(([\d.]+)([GMK])\)", str(e))
+        if "RESOURCE_EXHAUSTED" not in str(e) or not need:
+            raise
+        temp = float(need.group(1)) * {"G": 2**30, "M": 2**20, "K": 2**10}[need.group(2)]
+        out = types.SimpleNamespace(memory_analysis=lambda: types.SimpleNamespace(
+            argument_size_in_bytes=0, output_size_in_bytes=0, alias_size_in_bytes=0,
+            temp_size_in_bytes=temp), refused=str(e).splitlines()[0])
+    print(f"compiled {phase} in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    return out
 
 
 def _version(package: str) -> str | None:

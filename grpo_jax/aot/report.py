@@ -49,8 +49,8 @@ def phase_memory(mem, resident: float, in_resident: float) -> dict:
     """A program's peak on the chip: the resident state, plus its arguments not already in it
     (`in_resident`: bytes of its arguments that are resident buffers), its outputs not aliased
     to donated arguments, and its temporaries."""
-    extra = (mem.argument_size_in_bytes - in_resident + mem.output_size_in_bytes
-             - mem.alias_size_in_bytes)
+    extra = max(mem.argument_size_in_bytes - in_resident + mem.output_size_in_bytes
+                - mem.alias_size_in_bytes, 0)
     return {"temporaries_GB": mem.temp_size_in_bytes / GB,
             "peak_GB": (resident + extra + mem.temp_size_in_bytes) / GB}
 
@@ -71,7 +71,8 @@ def render(r: dict) -> str:
     ]
     for phase, p in m["phases"].items():
         lines.append(f"  {phase:<9} temporaries {p['temporaries_GB']:7.2f}   peak "
-                     f"{p['peak_GB']:7.2f}")
+                     f"{p['peak_GB']:7.2f}" + ("  (at least: the compiler refused it)"
+                                              if "refused_by_compiler" in p else ""))
     verdict = "fits" if m["fits"] else "does NOT fit"
     lines.append(f"  peak {m['peak_GB']:.2f} of {m['hbm_GB']:.0f} GB HBM: {verdict} "
                  f"({'margin' if m['fits'] else 'over by'} {abs(m['margin_GB']):.2f} GB)")
