@@ -1,3 +1,4 @@
 from grpo_jax.aot.analyze import main
 
-main()
+if __name__ == "__main__":
+    main()
