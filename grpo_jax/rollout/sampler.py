@@ -51,6 +51,14 @@ class _State(NamedTuple):
     seen: jax.Array | None   # [B, V] bool, only with a repetition penalty
 
 
+class _Context(NamedTuple):
+    """What every decode step reads, prepared once by the prefill."""
+    params: Any              # the weights in the compute dtype (norm scales as they are)
+    layers: list             # Decoder.decode_layers() of those: unstacked once, outside the loop
+    key_mask: jax.Array      # [B, P + C] int32: which cache slots hold real keys
+    prompt_len: jax.Array    # [B] int32: real prompt tokens per row
+
+
 class Sampler:
     """Compiled KV-cache sampler for one model architecture and one set of sampling params.
 
@@ -160,9 +168,19 @@ class Sampler:
         return jax.tree.map(lambda x: self._constrain(x, "batch", "kv_heads", None, None), cache)
 
     def _generate(self, params, prompt_ids, prompt_mask, key):
+        ctx, state = self._prefill(params, prompt_ids, prompt_mask, key)
+        C = self.sampling_params.max_completion_length
+        state = jax.lax.while_loop(lambda s: (s.step < C) & ~jnp.all(s.done),
+                                   lambda s: self._decode_step(ctx, s, key), state)
+        return state.tokens, state.mask, state.logp, state.done
+
+    def _prefill(self, params, prompt_ids, prompt_mask, key) -> tuple[_Context, _State]:
+        """The prompt's pass that fills the KV cache, and the first token. Separate from the
+        decode step so that `grpo_jax.aot` can cost the two apart (XLA's cost analysis counts a
+        while loop's body once)."""
         sp, cfg = self.sampling_params, self.cfg
-        model = nnx.merge(self.graphdef, _cast_matrices(params, cfg.dtype))
-        layers = model.decode_layers()
+        cast = _cast_matrices(params, cfg.dtype)
+        model = nnx.merge(self.graphdef, cast)
         batch, width = prompt_ids.shape
         C = sp.max_completion_length
         rows = ("batch", None)
@@ -170,11 +188,11 @@ class Sampler:
         prompt_mask = self._constrain(prompt_mask, *rows)
         # Generated slots are all valid keys; the causal mask hides the ones not yet written.
         key_mask = jnp.concatenate([prompt_mask, jnp.ones((batch, C), jnp.int32)], axis=1)
-        prompt_len = jnp.sum(prompt_mask, axis=1)
+        ctx = _Context(cast, model.decode_layers(), key_mask, jnp.sum(prompt_mask, axis=1))
 
         cache = self._constrain_cache(KVCache.zeros(cfg, batch, width + C, self.cache_dtype))
         hidden, cache = model(prompt_ids, positions_from_mask(prompt_mask), key_mask,
-                              cache=cache, cache_index=0, layers=layers)
+                              cache=cache, cache_index=0, layers=ctx.layers)
         logits = model.logits(hidden[:, -1:])[:, 0]  # left padding: the last slot is real
         seen = None
         if sp.repetition_penalty != 1.0:
@@ -187,20 +205,17 @@ class Sampler:
             logp=self._constrain(jnp.zeros((batch, C), jnp.float32), *rows),
             done=~jnp.any(prompt_mask.astype(bool), axis=1),  # batch-padding rows
             cache=cache, seen=seen)
-        state = self._emit(state, logits, key)
+        return ctx, self._emit(state, logits, key)
 
-        def cond(s: _State):
-            return (s.step < C) & ~jnp.all(s.done)
-
-        def body(s: _State):
-            last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
-            hidden, cache = model(last, (prompt_len + s.step - 1)[:, None], key_mask,
-                                  cache=s.cache, cache_index=width + s.step - 1, layers=layers)
-            s = s._replace(cache=self._constrain_cache(cache))
-            return self._emit(s, model.logits(hidden)[:, 0], key)
-
-        state = jax.lax.while_loop(cond, body, state)
-        return state.tokens, state.mask, state.logp, state.done
+    def _decode_step(self, ctx: _Context, s: _State, key) -> _State:
+        """Feed the last token, sample the next."""
+        model = nnx.merge(self.graphdef, ctx.params)
+        width = ctx.key_mask.shape[1] - self.sampling_params.max_completion_length
+        last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
+        hidden, cache = model(last, (ctx.prompt_len + s.step - 1)[:, None], ctx.key_mask,
+                              cache=s.cache, cache_index=width + s.step - 1, layers=ctx.layers)
+        s = s._replace(cache=self._constrain_cache(cache))
+        return self._emit(s, model.logits(hidden)[:, 0], key)
 
     def _emit(self, s: _State, logits, key) -> _State:
         """Sample the token at completion index `s.step` for every row not yet done."""
