@@ -107,19 +107,20 @@ def build(run: Run) -> Programs:
         types.SimpleNamespace(graphdef=graphdef, cfg=step_cfg), p, b), out_shardings=replicated)
 
     sampler = Sampler(run.model, run.cfg.generation, pad_id=0, mesh=mesh)
+    g = run.cfg.grpo.num_generations
     rows = sampler._batch_size(run.plan.generation_batch_size)
     width = sampler._bucket(run.cfg.data.max_prompt_length)
-    ids = _rows((rows, width), jnp.int32, mesh)
+    ids = _rows((sampler._prompt_rows(rows, g), width), jnp.int32, mesh)  # each prompt once
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                                sharding=replicated)
-    prefill = jax.jit(lambda p, i, m, k: sampler._prefill(p, i, m, k)[1])
+    prefill = jax.jit(lambda p, i, m, k: sampler._prefill(p, i, m, k, g, rows)[1])
     gen_args = (state.params, ids, ids, key)
     C = run.cfg.generation.max_completion_length
     cache = jax.eval_shape(lambda: KVCache.zeros(run.model, rows, width + C, sampler.cache_dtype))
     cache_sh = mesh_lib.logical_sharding(mesh, "batch", "kv_heads", None, None,
                                          shape=cache.k[0].shape)
     lowered = {
-        "generate": sampler._program.lower(*gen_args),
+        "generate": sampler._program.lower(*gen_args, num_generations=g, rows=rows),
         "prefill": prefill.lower(*gen_args),
         "logprobs": logps.lower(state.params, _batch(run, run.plan.generation_batch_size,
                                                      width, logps=False)),

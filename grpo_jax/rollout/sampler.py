@@ -87,7 +87,7 @@ class Sampler:
         abstract = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
         self.graphdef, abstract_params = nnx.split(abstract, nnx.Param)
         self._param_shapes = _shapes(abstract_params)
-        self._program = jax.jit(self._generate)
+        self._program = jax.jit(self._generate, static_argnames=("num_generations", "rows"))
 
     # ------------------------------------------------------------------ host side
 
@@ -104,8 +104,11 @@ class Sampler:
         if g < 1:
             raise ValueError(f"num_generations={num_generations} must be >= 1")
         n = len(prompts) * g
-        ids, mask = left_pad(prompts, g, self._bucket(max(map(len, prompts))), self.pad_id,
-                             rows=self._batch_size(n))
+        rows = self._batch_size(n)
+        # The program prefills each prompt once and copies its cache to its g rows: prompts
+        # enough to cover `rows`, the ones past the real prompts all padding.
+        ids, mask = left_pad(prompts, 1, self._bucket(max(map(len, prompts))), self.pad_id,
+                             rows=self._prompt_rows(rows, g))
         key = jax.random.key(rng) if isinstance(rng, (int, np.integer)) else rng
         if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.wrap_key_data(key)  # a raw uint32 jax.random.PRNGKey
@@ -113,11 +116,13 @@ class Sampler:
         if self.mesh is not None:
             # With several processes each places only its own devices' rows, and gets every
             # row back (the train batch is built on every host alike).
-            args = tuple(dist.shard_host_array(x, mesh_lib.batch_sharding(self.mesh, 2))
-                         for x in args)
+            args = tuple(dist.shard_host_array(x, mesh_lib.logical_sharding(
+                self.mesh, "batch", None, shape=x.shape)) for x in args)
             params = jax.device_put(params, mesh_lib.param_shardings(params, self.mesh))
-        tokens, cmask, logp, done = dist.to_host(self._program(params, *args, key))
-        return RolloutBatch(ids[:n], mask[:n], tokens[:n], cmask[:n], ~done[:n], logp[:n])
+        tokens, cmask, logp, done = dist.to_host(self._program(params, *args, key,
+                                                               num_generations=g, rows=rows))
+        ids, mask = np.repeat(ids, g, axis=0)[:n], np.repeat(mask, g, axis=0)[:n]
+        return RolloutBatch(ids, mask, tokens[:n], cmask[:n], ~done[:n], logp[:n])
 
     def _check_params(self, params):
         if isinstance(params, nnx.Module):
@@ -151,6 +156,13 @@ class Sampler:
                          f"{self.buckets[-1]}; pass buckets=(..., {_pow2(length)}) or shorten "
                          "prompts (max_prompt_length)")
 
+    def _prompt_rows(self, rows: int, num_generations: int) -> int:
+        """Prompts the prefill runs on for `rows` sampled rows: enough to cover them, rounded
+        up to the batch axes' size so they shard like the rows (when they divide)."""
+        div = 1 if self.mesh is None else mesh_lib.batch_divisor(self.mesh)
+        prompts = -(-rows // num_generations)
+        return -(-prompts // div) * div
+
     def _batch_size(self, n: int) -> int:
         div = 1 if self.mesh is None else mesh_lib.batch_divisor(self.mesh)
         return -(-_pow2(n) // div) * div
@@ -167,33 +179,46 @@ class Sampler:
     def _constrain_cache(self, cache: KVCache) -> KVCache:
         return jax.tree.map(lambda x: self._constrain(x, "batch", "kv_heads", None, None), cache)
 
-    def _generate(self, params, prompt_ids, prompt_mask, key):
-        ctx, state = self._prefill(params, prompt_ids, prompt_mask, key)
+    def _generate(self, params, prompt_ids, prompt_mask, key, *, num_generations: int,
+                  rows: int):
+        ctx, state = self._prefill(params, prompt_ids, prompt_mask, key, num_generations, rows)
         C = self.sampling_params.max_completion_length
         state = jax.lax.while_loop(lambda s: (s.step < C) & ~jnp.all(s.done),
                                    lambda s: self._decode_step(ctx, s, key), state)
         return state.tokens, state.mask, state.logp, state.done
 
-    def _prefill(self, params, prompt_ids, prompt_mask, key) -> tuple[_Context, _State]:
-        """The prompt's pass that fills the KV cache, and the first token. Separate from the
-        decode step so that `grpo_jax.aot` can cost the two apart (XLA's cost analysis counts a
-        while loop's body once)."""
+    def _prefill(self, params, prompt_ids, prompt_mask, key, num_generations: int,
+                 rows: int) -> tuple[_Context, _State]:
+        """The prompts' pass that fills the KV cache, and the first token of each of `rows`
+        rows (prompt i's num_generations rows are consecutive). Each prompt is run once and its
+        keys, values and last logits are copied to its rows: the prefill costs 1/G of running
+        every row. Separate from the decode step so that `grpo_jax.aot` can cost the two apart
+        (XLA's cost analysis counts a while loop's body once)."""
         sp, cfg = self.sampling_params, self.cfg
         cast = _cast_matrices(params, cfg.dtype)
         model = nnx.merge(self.graphdef, cast)
-        batch, width = prompt_ids.shape
+        prompts, width = prompt_ids.shape
         C = sp.max_completion_length
+        prompt_ids = self._constrain(prompt_ids, "batch", None)
+        prompt_mask = self._constrain(prompt_mask, "batch", None)
+        layers = model.decode_layers()
+        cache = self._constrain_cache(KVCache.zeros(cfg, prompts, width, self.cache_dtype))
+        hidden, cache = model(prompt_ids, positions_from_mask(prompt_mask), prompt_mask,
+                              cache=cache, cache_index=0, layers=layers)
+        logits = model.logits(hidden[:, -1:])[:, 0]  # left padding: the last slot is real
+
+        def to_rows(x):  # [prompts, ...] -> [rows, ...]: each prompt's G copies in a block
+            x = jnp.repeat(x, num_generations, axis=0)[:rows]
+            return self._constrain(x, "batch", *[None] * (x.ndim - 1))
+        prompt_ids, prompt_mask, logits = map(to_rows, (prompt_ids, prompt_mask, logits))
+        # The generated tokens' slots follow the prompt's.
+        grow = lambda x: jnp.pad(to_rows(x), ((0, 0), (0, 0), (0, C), (0, 0)))  # noqa: E731
+        cache = self._constrain_cache(jax.tree.map(grow, cache))
+        batch = rows
         rows = ("batch", None)
-        prompt_ids = self._constrain(prompt_ids, *rows)
-        prompt_mask = self._constrain(prompt_mask, *rows)
         # Generated slots are all valid keys; the causal mask hides the ones not yet written.
         key_mask = jnp.concatenate([prompt_mask, jnp.ones((batch, C), jnp.int32)], axis=1)
-        ctx = _Context(cast, model.decode_layers(), key_mask, jnp.sum(prompt_mask, axis=1))
-
-        cache = self._constrain_cache(KVCache.zeros(cfg, batch, width + C, self.cache_dtype))
-        hidden, cache = model(prompt_ids, positions_from_mask(prompt_mask), key_mask,
-                              cache=cache, cache_index=0, layers=ctx.layers)
-        logits = model.logits(hidden[:, -1:])[:, 0]  # left padding: the last slot is real
+        ctx = _Context(cast, layers, key_mask, jnp.sum(prompt_mask, axis=1))
         seen = None
         if sp.repetition_penalty != 1.0:
             seen = jnp.zeros((batch, cfg.vocab_size), bool)
