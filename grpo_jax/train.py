@@ -32,6 +32,7 @@ from grpo_jax.errors import GrpoJaxError
 from grpo_jax.grpo.train_step import StepConfig
 from grpo_jax.logger import MetricsLogger
 from grpo_jax.rollout.engines import make_rollout
+from grpo_jax.rollout.sampler import reference_copy
 from grpo_jax.trainer import GRPORound, Scores, Trainer, aggregate
 
 
@@ -117,7 +118,8 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     run_round = GRPORound(
         trainer, rollout, plan, scorer, scorer.names, g.scale_rewards, g.reward_weights,
         # beta = 0: no reference model is kept at all.
-        ref_params=jax.tree.map(lambda x: x.copy(), state.params) if cfg.loss.beta else None,
+        ref_params=(reference_copy(state.params, trainer.model_config.dtype) if cfg.loss.beta
+                    else None),
         aggregation=g.multi_objective_aggregation,
         ref_sync=(g.ref_model_sync_steps, g.ref_model_mixup_alpha) if g.sync_ref_model else None)
     g_eval = cfg.eval.num_generations_eval or g.num_generations

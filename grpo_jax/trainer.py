@@ -95,10 +95,18 @@ class Trainer:
         params' shardings; `ref`'s buffers are donated (use the returned tree)."""
         return self._mix(params, ref, np.float32(alpha), np.float32(1.0 - alpha))
 
-    def logps(self, params, batch: Batch) -> jax.Array:
-        """Completion log-probs without gradients: old (num_iterations > 1) or reference."""
+    def logps(self, params, batch: Batch, rows: int | None = None) -> np.ndarray:
+        """Completion log-probs without gradients: old (num_iterations > 1) or reference, on
+        the host. `rows`: computed that many rows at a time (a micro-batch's worth, so the
+        program's memory is bounded by the update's, not the generation batch's) when they
+        divide the batch; else all at once."""
         seqs = batch.replace(old_logp=None, ref_logp=None, sampler_logp=None)
-        return self._logps(params, self.shard_batch(seqs))
+        n = seqs.size
+        step = rows if rows and n % rows == 0 else n
+        # Every part is dispatched before the first is read back.
+        parts = [self._logps(params, self.shard_batch(seqs.rows(slice(i, i + step))))
+                 for i in range(0, n, step)]
+        return np.concatenate([np.asarray(p) for p in parts])
 
 
 def mix_params(params, ref, alpha, keep):
@@ -215,7 +223,8 @@ class GRPORound:
             metrics.update(gen.metrics)
             t1 = time.perf_counter()
             if plan.needs_old_logps:
-                batch = batch.replace(old_logp=np.asarray(trainer.logps(state.params, batch)))
+                batch = batch.replace(old_logp=trainer.logps(state.params, batch,
+                                                             plan.micro_batch_size))
             metrics["timing/logprobs"] += time.perf_counter() - t1
             buffer = buffer + self.split(batch, key) * plan.num_iterations
             num_tokens = int(batch.prompt_mask.sum() + batch.completion_mask.sum())
@@ -273,7 +282,8 @@ class GRPORound:
                           r.completion_mask, r.truncated, self.trainer.cfg.loss))
         t2 = time.perf_counter()
         if self.ref_params is not None:
-            batch = batch.replace(ref_logp=np.asarray(self.trainer.logps(self.ref_params, batch)))
+            batch = batch.replace(ref_logp=self.trainer.logps(self.ref_params, batch,
+                                                              self.plan.micro_batch_size))
         metrics = dict(stats)
         for name, col in zip(self.reward_names, scores.per_func.T):
             ok = np.isfinite(col).any()

@@ -66,7 +66,7 @@ class StubTrainer:
         self.windows.append(batch)
         return State(state.params + 1, state.step + 1), {"loss": float(batch.size)}
 
-    def logps(self, params, batch):
+    def logps(self, params, batch, rows=None):
         self.logps_calls += 1
         return np.full(batch.completion_ids.shape, -float(params), np.float32)
 
@@ -258,9 +258,9 @@ class MixTrainer(StubTrainer):
         self.mixes.append((self.steps_done, params, ref))
         return alpha * params + (1 - alpha) * ref
 
-    def logps(self, params, batch):
+    def logps(self, params, batch, rows=None):
         self.ref_seen.append(params)
-        return super().logps(params, batch)
+        return super().logps(params, batch, rows)
 
 
 @pytest.mark.parametrize("spg,gas,start", [(3, 1, 0), (2, 2, 0), (1, 1, 5), (3, 2, 1)])

@@ -112,7 +112,9 @@ def analyze(target, cfg, quick: bool = False) -> dict:
     params = programs.shard_bytes(progs.state.params)
     opt = programs.shard_bytes(progs.state.opt_state)
     state = programs.shard_bytes(progs.state)
-    ref = params if cfg.loss.beta else 0.0  # train.py keeps a copy of the initial params
+    # train.py keeps a copy of the initial params, matrices in the compute dtype (norms: tiny).
+    ref = (params * jax.numpy.dtype(run.model.dtype).itemsize / run.model.param_dtype.itemsize
+           if cfg.loss.beta else 0.0)
     resident = state + ref
     mem = {k: c.memory_analysis() for k, c in compiled.items()}
     phases = {"generate": report.phase_memory(mem["generate"], resident, params),

@@ -122,8 +122,9 @@ def build(run: Run) -> Programs:
     lowered = {
         "generate": sampler._program.lower(*gen_args, num_generations=g, rows=rows),
         "prefill": prefill.lower(*gen_args),
-        "logprobs": logps.lower(state.params, _batch(run, run.plan.generation_batch_size,
-                                                     width, logps=False)),
+        # A micro-batch at a time, as Trainer.logps runs it.
+        "logprobs": logps.lower(state.params, _batch(run, run.plan.micro_batch_size, width,
+                                                     logps=False)),
         "update": update.lower(state, _batch(run, run.plan.micro_batch_size
                                              * run.plan.gradient_accumulation_steps, width)),
     }

@@ -264,13 +264,24 @@ class Sampler:
                           mask=put(s.mask, live), logp=put(s.logp, logp), done=done, seen=seen)
 
 
-def _cast_matrices(params, dtype):
+def _cast_matrices(params, dtype, copy: bool = False):
     """Cast weights to the compute dtype once, before the loop, instead of on every decode step
-    (the decoder casts them the same way; norm scales stay as they are, it reads them in fp32)."""
+    (the decoder casts them the same way; norm scales stay as they are, it reads them in fp32).
+    `copy`: every leaf in new buffers, also where nothing is cast (eager, outside jit)."""
     def cast(path, x):
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-        return x if str(names[-1]).endswith("norm") else x.astype(dtype)
+        if str(names[-1]).endswith("norm") or x.dtype == dtype:
+            return x.copy() if copy else x
+        return x.astype(dtype)
     return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def reference_copy(params, dtype):
+    """The reference model's params: a copy of `params` with matrices in the compute `dtype`
+    (half the memory of fp32 masters in a bf16 run; TRL's reference model is in the model's
+    dtype too). The forward casts matrices to that dtype anyway, so its log-probs are the same
+    as from `params`."""
+    return _cast_matrices(params, dtype, copy=True)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], num_generations: int, width: int, pad_id: int,
