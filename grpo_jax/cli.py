@@ -157,7 +157,6 @@ assert not set(NO_EFFECT) & set(FIELD_SECTION), set(NO_EFFECT) & set(FIELD_SECTI
 # TRL options that have no counterpart here, and what to do instead.
 UNSUPPORTED = {
     "vllm_mode": "grpo-jax talks to a vLLM server only: set use_vllm: true and drop vllm_mode",
-    "use_peft": "grpo-jax trains all parameters (no LoRA); drop the peft options",
     "optim": "grpo-jax always uses AdamW (optax.adamw); drop optim",
 }
 _NONE_WORDS = ("none", "null", "~")

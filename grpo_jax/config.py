@@ -22,6 +22,7 @@ from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.grpo.optimizer import OptimizerConfig
 from grpo_jax.mesh import MeshConfig
 from grpo_jax.models.config import Numerics
+from grpo_jax.models.lora import PeftArgs
 from grpo_jax.rollout.sampling import SamplingParams
 
 @dataclass(frozen=True)
@@ -296,7 +297,7 @@ class _TrainConfig:
 # Section name -> its settings dataclass. TrainConfig is a frozen dataclass with one field per
 # section, in this order, each defaulting to its dataclass's defaults.
 SECTIONS: dict[str, type] = {
-    "model": ModelArgs, "numerics": Numerics, "data": DataArgs, "grpo": GRPOArgs,
+    "model": ModelArgs, "peft": PeftArgs, "numerics": Numerics, "data": DataArgs, "grpo": GRPOArgs,
     "loss": LossConfig, "generation": SamplingParams, "optim": OptimizerConfig,
     "batch": BatchArgs, "eval": EvalArgs, "rollout": RolloutArgs, "mesh": MeshConfig,
     "run": RunArgs, "distributed": DistributedArgs,

@@ -27,16 +27,40 @@ from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.optimizer import OptimizerConfig, make_optimizer
 from grpo_jax.grpo.train_step import (StepConfig, TrainState, batch_loss, completion_logps,
                                       init_train_state, state_shardings, train_step)
+from grpo_jax.models import Decoder, lora
+
+
+class AdaptersOff:
+    """GRPORound's ref_params with LoRA: the reference is the base model with the adapters
+    off, as TRL does with PEFT (no second copy of the model)."""
+
+
+ADAPTERS_OFF = AdaptersOff()
 
 
 class Trainer:
-    """Holds the compiled step and log-prob programs for one model, optimizer and mesh."""
+    """Holds the compiled step and log-prob programs for one model, optimizer and mesh.
+
+    A model with LoRA adapters (models/lora.py) trains only them: the state's params (and so the
+    optimizer state, gradients and checkpoints) are the adapters; the base's params stay frozen
+    in `self.base`, an argument of the programs that is never donated or updated."""
 
     def __init__(self, model, step_cfg: StepConfig, optim: OptimizerConfig, total_steps: int,
                  mesh: Mesh):
         self.cfg, self.mesh = step_cfg, mesh
         self.model_config = model.cfg
-        self.graphdef, params = nnx.split(model, nnx.Param)
+        self.lora_scale = getattr(model, "lora_scale", None)
+        self.frozen: tuple = ()
+        if self.lora_scale is None:
+            self.graphdef, params = nnx.split(model, nnx.Param)
+        else:
+            self.graphdef, params, base = nnx.split(model, lora.LoraParam, nnx.Param)
+            self.base_graphdef = nnx.graphdef(nnx.eval_shape(
+                lambda: Decoder(model.cfg, rngs=nnx.Rngs(0))))
+            self.base_shardings = mesh_lib.param_shardings(base, mesh)
+            self.frozen = (jax.device_put(base, self.base_shardings),)
+            self._merge = jax.jit(lambda base, adapters: lora.merge_into_base(
+                base, adapters, self.lora_scale), out_shardings=self.base_shardings)
         self.tx, schedule = make_optimizer(optim, total_steps)
         self.param_shardings = mesh_lib.param_shardings(params, mesh)
         # A copy: the step donates its state, which must not free the caller's model arrays.
@@ -56,20 +80,20 @@ class Trainer:
             return jax.lax.with_sharding_constraint(
                 x, mesh_lib.logical_sharding(mesh, None, "batch", *[None] * (x.ndim - 2)))
         self._step = jax.jit(
-            lambda state, batch: train_step(self.graphdef, self.tx, schedule, step_cfg, state,
-                                            batch, constrain),
+            lambda state, batch, frozen: train_step(self.graphdef, self.tx, schedule, step_cfg,
+                                                    state, batch, constrain, frozen),
             out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
-        self._logps = jax.jit(self._logps_fn, out_shardings=replicated)
-        self._eval = jax.jit(lambda state, batch: batch_loss(self.graphdef, step_cfg, state, batch),
-                             out_shardings=replicated)
+        self._logps = jax.jit(self._logps_fn, out_shardings=replicated, static_argnums=(0,))
+        self._eval = jax.jit(lambda state, batch, frozen: batch_loss(
+            self.graphdef, step_cfg, state, batch, frozen), out_shardings=replicated)
         # The reference's buffers are donated: the mix replaces them in place on the devices.
         self._mix = jax.jit(mix_params, out_shardings=self.param_shardings, donate_argnums=(1,))
 
     def _init(self, params) -> TrainState:
         return init_train_state(params, self.tx.init(params), self.cfg.loss)
 
-    def _logps_fn(self, params, batch: Batch):
-        model = nnx.merge(self.graphdef, params)
+    def _logps_fn(self, graphdef, params, batch: Batch, frozen=()):
+        model = nnx.merge(graphdef, params, *frozen)
         logp, _ = completion_logps(model, batch, self.cfg.temperature, self.cfg.logprob_chunk)
         return logp
 
@@ -80,12 +104,12 @@ class Trainer:
 
     def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         """One update; the metrics stay on the device (jax.device_get them when needed)."""
-        return self._step(state, self.shard_batch(batch))
+        return self._step(state, self.shard_batch(batch), self.frozen)
 
     def eval_metrics(self, state: TrainState, batch: Batch) -> dict:
         """TRL's evaluation loss and loss metrics of `batch` (one micro-batch, no update); on
         the device, like step's."""
-        return self._eval(state, self.shard_batch(batch))
+        return self._eval(state, self.shard_batch(batch), self.frozen)
 
     def mix_ref(self, params, ref, alpha: float):
         """TR-DPO's reference update alpha * params + (1 - alpha) * ref, on the devices with the
@@ -93,9 +117,17 @@ class Trainer:
         return self._mix(params, ref, np.float32(alpha), np.float32(1.0 - alpha))
 
     def logps(self, params, batch: Batch) -> jax.Array:
-        """Completion log-probs without gradients: old (num_iterations > 1) or reference."""
-        seqs = batch.replace(old_logp=None, ref_logp=None, sampler_logp=None)
-        return self._logps(params, self.shard_batch(seqs))
+        """Completion log-probs without gradients: old (num_iterations > 1) or reference
+        (ADAPTERS_OFF: the base model's)."""
+        seqs = self.shard_batch(batch.replace(old_logp=None, ref_logp=None, sampler_logp=None))
+        if params is ADAPTERS_OFF:
+            return self._logps(self.base_graphdef, self.frozen[0], seqs)
+        return self._logps(self.graphdef, params, seqs, self.frozen)
+
+    def rollout_params(self, params):
+        """The full model's params for a sampler or server: `params` themselves, or with LoRA
+        the base with the adapters merged in (one fused program, once per round)."""
+        return params if self.lora_scale is None else self._merge(self.frozen[0], params)
 
 
 def mix_params(params, ref, alpha, keep):
@@ -239,7 +271,8 @@ class GRPORound:
         # are donated to a mix, as the state's to a step: no final checkpoint after a failure).
         self.buffer, self.ref_params = buffer[n * gas:], ref
         t4 = time.perf_counter()
-        sync_time = self.rollout.update_weights(state.params) if n else None
+        sync_time = (self.rollout.update_weights(trainer.rollout_params(state.params)) if n
+                     else None)
 
         metrics.setdefault("timing/generate", 0.0)
         metrics.setdefault("timing/logprobs", 0.0)  # reference and old log-probs
@@ -257,7 +290,8 @@ class GRPORound:
         The metrics are TRL's per generation batch, with timing/generate and timing/logprobs."""
         g = num_generations or self.plan.num_generations
         t0 = time.perf_counter()
-        r = self.rollout.generate(params, [rec["prompt_ids"] for rec in records], g, key)
+        r = self.rollout.generate(self.trainer.rollout_params(params),
+                                  [rec["prompt_ids"] for rec in records], g, key)
         t1 = time.perf_counter()
         scores = (score or self.score)(records, r)
         rewards, advantages, stats = adv_lib.compute_advantages(
