@@ -65,9 +65,12 @@ def adapter_settings(cfg):
                           "export a merged model and train that")
     conf = read_adapter_config(path)
     targets = conf.get("target_modules") or list(lora.DEFAULT_TARGETS)
+    targets = [targets] if isinstance(targets, str) else targets
+    # PEFT matches a name against the end of a module's path; all-linear is saved as paths.
+    targets = tuple(dict.fromkeys(t.rsplit(".", 1)[-1] for t in targets))
     peft = dataclasses.replace(
         cfg.peft, lora_r=int(conf["r"]), lora_alpha=conf.get("lora_alpha", 8),
-        lora_target_modules=(tuple([targets] if isinstance(targets, str) else targets)),
+        lora_target_modules=targets,
         use_rslora=bool(conf.get("use_rslora", False)))
     if peft != cfg.peft:
         print(f"LoRA settings from {path / CONFIG_NAME}: r={peft.lora_r}, "
@@ -156,8 +159,11 @@ def load_adapter(model, path: Path) -> None:
             layers = []
             for i in range(model.cfg.num_layers):
                 name = key.format(i=i, m=m)
-                if name not in tensors or tensors[name].shape != expected:
-                    found = tensors[name].shape if name in tensors else "missing"
+                if name not in tensors:
+                    raise AdapterError(f"PEFT adapter {path} has no {name}: grpo-jax adapts "
+                                       "every layer of a targeted module")
+                if tensors[name].shape != expected:
+                    found = tensors[name].shape
                     raise AdapterError(
                         f"PEFT adapter {path} does not fit base model {base}: {name} is "
                         f"{found}, the base needs {expected}. The adapter was trained on "

@@ -126,3 +126,90 @@ def test_smollm2_r16_all_linear_trains_a_few_percent(smol_dir):
     print(f"trainable {trainable} of {full} ({trainable / full:.2%}); "
           f"optimizer state {opt_bytes / 2**20:.1f} MiB "
           f"(full fine-tuning: {8 * full / 2**20:.0f} MiB)")
+
+
+def _peft_model(base_dir, adapter_dir=None, seed=0, **lora_kw):
+    """transformers' model from `base_dir` with a PEFT adapter: loaded from `adapter_dir`, or
+    a fresh one (random B so it matters)."""
+    import torch
+    import transformers
+    from peft import LoraConfig, PeftModel, get_peft_model
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        return PeftModel.from_pretrained(base, adapter_dir).eval()
+    model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", **lora_kw))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    return model.eval()
+
+
+def _cfg(name_or_path, **peft):
+    from grpo_jax.config import TrainConfig
+    from grpo_jax.models.config import Numerics
+    return TrainConfig(model=TrainConfig().model.__class__(name_or_path=str(name_or_path)),
+                       numerics=Numerics(dtype="float32"), peft=PeftArgs(use_peft=True, **peft))
+
+
+@pytest.mark.parametrize("family,targets,rslora", [("llama", ALL, False),
+                                                   ("qwen2", ("q_proj", "o_proj", "up_proj"),
+                                                    True)])
+def test_our_adapter_loads_in_peft_with_the_same_logits(tmp_path, family, targets, rslora):
+    tiny_hf_model(family).save_pretrained(tmp_path / "base")
+    cfg = _cfg(tmp_path / "base", lora_r=4, lora_alpha=8, lora_target_modules=targets,
+               use_rslora=rslora)
+    model, _ = peft_io.load_model(cfg, None)
+    for i, (name, var) in enumerate(sorted(vars(model.layers).items())):
+        if name.endswith("_lora_b"):
+            var.set_value(0.1 * jax.random.normal(jax.random.key(i), var.shape))
+    peft_io.save_adapter(model, cfg.peft, tmp_path / "adapter", str(tmp_path / "base"))
+    ref = _peft_model(tmp_path / "base", tmp_path / "adapter")
+    theirs, ours = hf_logits(ref, TOKENS, MASK), jax_logits(model)
+    base_logits = hf_logits(tiny_hf_model(family), TOKENS, MASK)
+    real = MASK.astype(bool)
+    assert np.abs(theirs - base_logits)[real].max() > 1e-2  # the adapter matters
+    assert np.abs(theirs - ours)[real].max() < 1e-4
+
+
+def test_peft_adapter_is_our_starting_point_and_merge_export(tmp_path):
+    import transformers
+    tiny_hf_model("qwen2", tie=True).save_pretrained(tmp_path / "base")
+    ref = _peft_model(tmp_path / "base", r=8, lora_alpha=16, use_rslora=True,
+                      target_modules="all-linear")
+    ref.save_pretrained(tmp_path / "adapter")
+    conf = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert conf["base_model_name_or_path"] == str(tmp_path / "base")
+    # The adapter's settings win over the config's (a note says so).
+    cfg = peft_io.adapter_settings(_cfg(tmp_path / "adapter"))
+    assert (cfg.peft.lora_r, cfg.peft.lora_alpha, cfg.peft.use_rslora) == (8, 16, True)
+    assert cfg.peft.target_modules() == tuple(lora.TARGETS)
+    model, model_dir = peft_io.load_model(cfg, None)
+    assert model_dir == tmp_path / "base"
+    real = MASK.astype(bool)
+    assert np.abs(jax_logits(model) - hf_logits(ref, TOKENS, MASK))[real].max() < 1e-4
+    # --merge's model: a plain HF directory with the same logits.
+    hf.save_hf(peft_io.merged_model(model), tmp_path / "merged", source_dir=model_dir)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert np.abs(hf_logits(merged, TOKENS, MASK) - hf_logits(ref, TOKENS, MASK))[real].max() \
+        < 1e-4
+
+
+def test_adapter_errors(tmp_path):
+    tiny_hf_model("llama").save_pretrained(tmp_path / "base")
+    tiny_hf_model("llama", intermediate_size=64).save_pretrained(tmp_path / "other")
+    _peft_model(tmp_path / "base", r=4, target_modules=["down_proj"]).save_pretrained(
+        tmp_path / "adapter")
+    with pytest.raises(ConfigError, match="is a PEFT adapter: set use_peft"):
+        peft_io.adapter_settings(_cfg(tmp_path / "adapter").__class__(
+            model=_cfg(tmp_path / "adapter").model))
+    # The adapter moved onto another base: its shapes don't fit.
+    conf_path = tmp_path / "adapter" / "adapter_config.json"
+    conf = json.loads(conf_path.read_text())
+    conf_path.write_text(json.dumps({**conf, "base_model_name_or_path": str(tmp_path / "other")}))
+    with pytest.raises(peft_io.AdapterError, match="does not fit base model .*other"):
+        peft_io.load_model(peft_io.adapter_settings(_cfg(tmp_path / "adapter")), None)
+    conf_path.write_text(json.dumps({**conf, "use_dora": True}))
+    with pytest.raises(peft_io.AdapterError, match="use_dora"):
+        peft_io.adapter_settings(_cfg(tmp_path / "adapter"))
