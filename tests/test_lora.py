@@ -17,6 +17,7 @@ from grpo_jax.models import Decoder, lora
 from grpo_jax.models.lora import PeftArgs
 from grpo_jax.trainer import ADAPTERS_OFF, Trainer
 from test_model import MASK, TOKENS, jax_logits
+from test_train import config, tiny_dir  # noqa: F401 (a fixture)
 from test_train_step import CFG, loss_config, make_batch
 
 ALL = ("all-linear",)
@@ -213,3 +214,47 @@ def test_adapter_errors(tmp_path):
     conf_path.write_text(json.dumps({**conf, "use_dora": True}))
     with pytest.raises(peft_io.AdapterError, match="use_dora"):
         peft_io.adapter_settings(_cfg(tmp_path / "adapter"))
+
+
+def test_lora_run_checkpoints_adapters_only_resumes_exactly_and_exports(tmp_path, tiny_dir):
+    """beta > 0 (the reference: the base, adapters off), a cut at step 3 resumed to 5 equals a
+    run to 5; checkpoints hold the adapters and their optimizer state only; both exports."""
+    import transformers
+
+    from grpo_jax.checkpoint import load_checkpoint
+    from grpo_jax.export import main as export_main
+    from grpo_jax.train import train
+    four = dict(per_device_train_batch_size=4, generation_batch_size=16, beta=0.04,
+                use_peft="true", lora_r=4, lora_alpha=16, lora_target_modules="all-linear",
+                learning_rate=0.05)
+    cpu = jax.devices()[:1]
+    train(config(tiny_dir, tmp_path / "cut", max_steps=3, **four), devices=cpu)
+    train(config(tiny_dir, tmp_path / "cut", max_steps=5, resume=True, **four), devices=cpu)
+    train(config(tiny_dir, tmp_path / "full", max_steps=5, **four), devices=cpu)
+    a, _, _ = load_checkpoint(tmp_path / "full")
+    b, base_dir, step = load_checkpoint(tmp_path / "cut")
+    assert step == 5 and base_dir == tiny_dir
+    adapters = lambda m: nnx.state(m, lora.LoraParam)  # noqa: E731
+    diffs = jax.tree.map(lambda x, y: float(np.abs(np.asarray(x) - np.asarray(y)).max()),
+                         adapters(a), adapters(b))
+    assert max(jax.tree.leaves(diffs)) < 1e-6
+    assert float(np.abs(np.asarray(b.layers.wq_lora_b[...])).max()) > 0  # it trained
+    kl = [json.loads(line)["kl"] for line in (tmp_path / "full" / "metrics.jsonl").open()]
+    assert max(kl) > 0  # the reference (the base) stays behind the trained adapters
+    saved = json.loads((tmp_path / "full" / "checkpoints" / "5" / "state" / "_METADATA")
+                       .read_text())["tree_metadata"]
+    params = [k for k in saved if k.startswith("('params'")]
+    assert len(params) == 14 and all("_lora_" in k for k in params), params
+    assert not any("embed" in k or "'wq'," in k for k in saved)
+
+    assert export_main(["--checkpoint", str(tmp_path / "full"), "--out",
+                        str(tmp_path / "adapter"), "--dtype", "float32"]) == 0
+    assert export_main(["--checkpoint", str(tmp_path / "full"), "--out",
+                        str(tmp_path / "merged"), "--dtype", "float32", "--merge"]) == 0
+    peft_ref = _peft_model(tiny_dir, tmp_path / "adapter")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    tokens = TOKENS % a.cfg.vocab_size
+    ours = jax_logits(a, tokens)
+    real = MASK.astype(bool)
+    assert np.abs(hf_logits(peft_ref, tokens, MASK) - ours)[real].max() < 1e-4
+    assert np.abs(hf_logits(merged, tokens, MASK) - ours)[real].max() < 1e-4
