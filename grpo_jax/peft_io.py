@@ -21,7 +21,7 @@ from flax import nnx
 
 from grpo_jax import hf
 from grpo_jax.errors import ConfigError, GrpoJaxError
-from grpo_jax.models import Decoder, lora
+from grpo_jax.models import Decoder, lora, quant
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -87,13 +87,16 @@ def base_name(cfg) -> str:
 
 def load_model(cfg, mesh):
     """(model, base model directory) for a run: the base on `mesh`; with use_peft the base
-    kept in the compute dtype (it is never updated) and fresh adapters in the param dtype, or
+    kept in the compute dtype (it is never updated; with load_in_8bit/4bit its projections
+    quantized) and fresh adapters in the param dtype, or
     the adapter's weights when model.name_or_path is a PEFT adapter directory."""
     numerics = cfg.numerics
     if not cfg.peft.use_peft:
         return hf.load_model(cfg.model.name_or_path, mesh, numerics=numerics)
     frozen = dataclasses.replace(numerics, param_dtype=numerics.dtype)
     model, model_dir = hf.load_model(base_name(cfg), mesh, numerics=frozen)
+    if cfg.peft.quant_bits:
+        quant.quantize_model(model, cfg.peft.quant_bits)
     lora.add_adapters(model, cfg.peft, jax.random.key(cfg.data.seed),
                       dtype=jnp.dtype(numerics.param_dtype))
     path = adapter_dir(cfg.model.name_or_path)

@@ -27,7 +27,7 @@ from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.optimizer import OptimizerConfig, make_optimizer
 from grpo_jax.grpo.train_step import (StepConfig, TrainState, batch_loss, completion_logps,
                                       init_train_state, state_shardings, train_step)
-from grpo_jax.models import Decoder, lora
+from grpo_jax.models import lora
 
 
 class AdaptersOff:
@@ -43,7 +43,7 @@ class Trainer:
 
     A model with LoRA adapters (models/lora.py) trains only them: the state's params (and so the
     optimizer state, gradients and checkpoints) are the adapters; the base's params stay frozen
-    in `self.base`, an argument of the programs that is never donated or updated."""
+    in `self.frozen`, an argument of the programs that is never donated or updated."""
 
     def __init__(self, model, step_cfg: StepConfig, optim: OptimizerConfig, total_steps: int,
                  mesh: Mesh):
@@ -55,16 +55,18 @@ class Trainer:
             self.graphdef, params = nnx.split(model, nnx.Param)
         else:
             self.graphdef, params, base = nnx.split(model, lora.LoraParam, nnx.Param)
-            self.base_graphdef = nnx.graphdef(nnx.eval_shape(
-                lambda: Decoder(model.cfg, rngs=nnx.Rngs(0))))
             self.base_shardings = mesh_lib.param_shardings(base, mesh)
             self.frozen = (jax.device_put(base, self.base_shardings),)
             self._merge = jax.jit(lambda base, adapters: lora.merge_into_base(
-                base, adapters, self.lora_scale), out_shardings=self.base_shardings)
+                base, adapters, self.lora_scale))
         self.tx, schedule = make_optimizer(optim, total_steps)
         self.param_shardings = mesh_lib.param_shardings(params, mesh)
         # A copy: the step donates its state, which must not free the caller's model arrays.
         params = jax.device_put(params, self.param_shardings, may_alias=False)
+        if self.lora_scale is not None:
+            # The reference runs the same program with every adapter at zero: x W + (x A) 0 is
+            # x W exactly, and the base (quantized or not) is shared, never copied.
+            self.adapters_off = jax.tree.map(jnp.zeros_like, params)
         replicated = NamedSharding(mesh, P())
         abstract = jax.eval_shape(self._init, params)
         opt_shardings = optax.tree_map_params(
@@ -121,7 +123,7 @@ class Trainer:
         (ADAPTERS_OFF: the base model's)."""
         seqs = self.shard_batch(batch.replace(old_logp=None, ref_logp=None, sampler_logp=None))
         if params is ADAPTERS_OFF:
-            return self._logps(self.base_graphdef, self.frozen[0], seqs)
+            return self._logps(self.graphdef, self.adapters_off, seqs, self.frozen)
         return self._logps(self.graphdef, params, seqs, self.frozen)
 
     def rollout_params(self, params):

@@ -258,3 +258,85 @@ def test_lora_run_checkpoints_adapters_only_resumes_exactly_and_exports(tmp_path
     real = MASK.astype(bool)
     assert np.abs(hf_logits(peft_ref, tokens, MASK) - ours)[real].max() < 1e-4
     assert np.abs(hf_logits(merged, tokens, MASK) - ours)[real].max() < 1e-4
+
+
+@pytest.mark.parametrize("bits,rel", [(8, 0.01), (4, 0.1)])
+def test_quantized_weights_and_the_dequantized_matmul(bits, rel):
+    from grpo_jax.models import quant
+    w = jax.random.normal(jax.random.key(0), (2, 128, 4, 16))
+    codes, scale = quant.quantize(w, 1, bits)
+    assert codes.shape == w.shape and codes.dtype == (jnp.int8 if bits == 8 else jnp.uint4)
+    assert scale.shape == (2, 1 if bits == 8 else 2, 64)  # per output, or per 64 inputs too
+    back = quant.dequantize(codes, scale, jnp.float32, stacked=True)
+    assert float(jnp.linalg.norm(back - w) / jnp.linalg.norm(w)) < rel
+    # The decoder's quantized matmul equals a plain matmul with the dequantized weights.
+    model = _adapted(b_scale=0.1)
+    quant.quantize_model(model, bits)
+    assert model.layers.wq[...].dtype == codes.dtype
+    plain = peft_io.merged_model(model)
+    assert plain.layers.wq[...].dtype == jnp.float32
+    np.testing.assert_allclose(jax_logits(model), jax_logits(plain), atol=2e-5)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_trainer_on_a_quantized_base(bits):
+    from grpo_jax.models import quant
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=2, fsdp=2, tp=2))
+    model, twin = _adapted(b_scale=0.01), _adapted()
+    quant.quantize_model(model, bits)
+    quant.quantize_model(twin, bits)
+    trainer = _trainer(model, mesh)
+    plain = _trainer(peft_io.merged_model(twin), mesh)  # the quantized base, dequantized
+    batch = make_batch(with_old=False)
+    ref = np.asarray(trainer.logps(ADAPTERS_OFF, batch))
+    np.testing.assert_allclose(ref, np.asarray(plain.logps(plain.init_state.params, batch)),
+                               atol=1e-5)
+    codes = np.asarray(trainer.frozen[0]["layers"]["w_up"].get_value())
+    state, metrics = trainer.step(trainer.init_state, batch.replace(ref_logp=ref))
+    assert np.isfinite(float(metrics["loss"]))
+    np.testing.assert_array_equal(codes, trainer.frozen[0]["layers"]["w_up"].get_value())
+    merged = trainer.rollout_params(state.params)
+    assert "w_up_qscale" not in merged["layers"]
+    np.testing.assert_allclose(np.asarray(plain.logps(merged, batch)),
+                               np.asarray(trainer.logps(state.params, batch)), atol=1e-4)
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(load_in_4bit=True, bnb_4bit_quant_type="fp4"), "fp4.* not supported"),
+    (dict(load_in_4bit=True, load_in_8bit=True), "choose one"),
+    (dict(use_peft=False, load_in_8bit=True), "set use_peft"),
+])
+def test_bad_quantization_settings(kw, msg):
+    with pytest.raises(ConfigError, match=msg):
+        PeftArgs(**{"use_peft": True, **kw})
+
+
+# Measured on SmolLM2-135M-Instruct (one English paragraph, 45 tokens), against the fp32
+# model: KL(fp32 || x) per token and top-1 agreement. bf16 weights: 0.0014, 100%; int8:
+# 0.0068, 95.5%; nf4: 0.45, 79.5% (a 135M model loses much at 4 bits; the GGUF it comes from
+# was already 4-bit). The bounds: about twice the measured divergence.
+QUANT_TOLERANCE = {"bf16": (0.003, 0.95), 8: (0.015, 0.9), 4: (1.0, 0.7)}
+
+
+def test_smollm2_quantized_base_logits_within_tolerance(smol_dir, smol_model):
+    from grpo_jax.models import positions_from_mask, quant
+    text = ("The quick brown fox jumps over the lazy dog. In 1905, Albert Einstein published "
+            "four papers that changed physics: on the photoelectric effect, Brownian motion, "
+            "special relativity and mass-energy equivalence.")
+    import transformers
+    ids = jnp.asarray([transformers.AutoTokenizer.from_pretrained(smol_dir)(text)["input_ids"]])
+    mask = jnp.ones_like(ids)
+
+    def logp(model):
+        hidden, _ = model(ids, positions_from_mask(mask), mask)
+        return np.asarray(jax.nn.log_softmax(model.logits(hidden), -1))[0]
+    ref = logp(smol_model)
+    for kind, (max_kl, min_top1) in QUANT_TOLERANCE.items():
+        model, _ = hf.load_model(str(smol_dir), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+        if kind != "bf16":
+            quant.quantize_model(model, kind)
+        got = logp(model)
+        kl = float((np.exp(ref) * (ref - got)).sum(-1).mean())
+        top1 = float((got.argmax(-1) == ref.argmax(-1)).mean())
+        print(f"{kind}: KL {kl:.4f}, top-1 agreement {top1:.3f}")
+        assert kl < max_kl and top1 >= min_top1, (kind, kl, top1)

@@ -98,10 +98,10 @@ class Decoder(nnx.Module):
 
     def layer_params(self) -> dict[str, jax.Array]:
         """The stacked per-layer weights, by table name without the 'layers/' prefix, and the
-        LoRA adapters when the model has them (models/lora.py)."""
+        LoRA adapters and quantized weights' scales when the model has them (models/lora.py)."""
         return {**{name[7:]: getattr(self.layers, name[7:])[...]
                    for name in param_table(self.cfg) if name.startswith("layers/")},
-                **lora.layer_adapters(self)}
+                **lora.layer_extras(self)}
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         w = self.head_weight().astype(self.cfg.dtype)

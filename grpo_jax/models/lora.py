@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from grpo_jax.errors import check
+from grpo_jax.models import quant
 
 # PEFT's module names -> the decoder's stacked weights.
 TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
@@ -49,12 +50,27 @@ class PeftArgs:
     # Names of PEFT's modules, or "all-linear"; None: PEFT's default for the model (q, v).
     lora_target_modules: tuple[str, ...] | None = None
     use_rslora: bool = False  # scale lora_alpha / sqrt(r) instead of lora_alpha / r
+    # QLoRA: the frozen base's projections stored as int8 or 4-bit codes (models/quant.py).
+    load_in_8bit: bool = False
+    load_in_4bit: bool = False
+    bnb_4bit_quant_type: str = "nf4"
 
     def __post_init__(self):
+        check(not (self.load_in_8bit and self.load_in_4bit),
+              "load_in_8bit and load_in_4bit are both set: choose one")
+        check(self.use_peft or not (self.load_in_8bit or self.load_in_4bit),
+              "load_in_8bit / load_in_4bit quantize a frozen base, which only LoRA trains "
+              "around: set use_peft: true (a quantized model can't be fine-tuned itself)")
+        check(self.bnb_4bit_quant_type == "nf4", f"bnb_4bit_quant_type="
+              f"{self.bnb_4bit_quant_type!r} is not supported: grpo-jax's 4-bit base is nf4")
         check(self.lora_r >= 1, f"lora_r must be >= 1 (the adapters' rank), got {self.lora_r}")
         check(self.lora_dropout == 0, f"lora_dropout={self.lora_dropout}: dropout on the LoRA "
               "input is not implemented in grpo-jax yet; set lora_dropout: 0")
         self.targets()  # bad names fail when the config is read
+
+    @property
+    def quant_bits(self) -> int | None:
+        return 8 if self.load_in_8bit else 4 if self.load_in_4bit else None
 
     @property
     def scale(self) -> float:
@@ -105,24 +121,26 @@ def _num_inputs(leaf: str) -> int:
     return 2 if leaf == "wo" else 1  # wo [L, H, Dh, D]; the rest [L, D_in, ...]
 
 
-def layer_adapters(model) -> dict[str, jax.Array]:
-    """The stacked adapters for the layer scan: {leaf_lora_a: A, leaf_lora_b: scale * B}
-    ({} for a model without adapters). B is scaled here, once per forward, so the scan body
-    needs no static scale."""
+def layer_extras(model) -> dict[str, jax.Array]:
+    """What the layer scan needs beyond the param table: the stacked adapters
+    {leaf_lora_a: A, leaf_lora_b: scale * B} and a quantized base's `leaf_qscale` scales ({} for
+    a plain model). B is scaled here, once per forward, so the scan body needs no static
+    scale."""
     scale = getattr(model, "lora_scale", None)
-    if scale is None:
-        return {}
     out = {}
     for name, var in vars(model.layers).items():
-        if isinstance(var, LoraParam):
+        if name.endswith("_qscale"):
+            out[name] = var[...]
+        elif isinstance(var, LoraParam) and scale is not None:
             out[name] = var[...] * scale if name.endswith("_lora_b") else var[...]
     return out
 
 
 def project(p: dict, leaf: str, eq: str, x: jax.Array, dtype) -> jax.Array:
     """einsum(eq, x, W) for weight `leaf` of layer params `p`, plus its adapter when `p` has
-    one: (x A) B, contracted in two small matmuls (never forming the [in, out] delta)."""
-    y = jnp.einsum(eq, x, p[leaf].astype(dtype))
+    one: (x A) B, contracted in two small matmuls (never forming the [in, out] delta). A
+    quantized weight is dequantized to `dtype` here, inside the layer."""
+    y = jnp.einsum(eq, x, quant.weight(p, leaf, dtype))
     if f"{leaf}_lora_a" not in p:
         return y
     lhs, out = eq.split("->")
@@ -143,8 +161,9 @@ def merged_weight(w: jax.Array, a: jax.Array, b_scaled: jax.Array) -> jax.Array:
 
 def merge_into_base(base, adapters, scale: float):
     """The base's nnx.Param state with each adapted weight replaced by W + scale * A B: the
-    weights the sampler (and a vLLM server) run. `adapters`: the LoraParam state."""
-    merged = jax.tree.map(lambda x: x, base)  # a new State; untouched leaves are shared
+    weights the sampler (and a vLLM server) run; a quantized base comes back dequantized.
+    `adapters`: the LoraParam state."""
+    merged = jax.tree.map(lambda x: x, quant.dequantized_base(base))  # a new State
     layers = adapters["layers"]
     for name in layers:
         if name.endswith("_lora_a"):
