@@ -273,8 +273,9 @@ class GRPORound:
         # are donated to a mix, as the state's to a step: no final checkpoint after a failure).
         self.buffer, self.ref_params = buffer[n * gas:], ref
         t4 = time.perf_counter()
-        sync_time = (self.rollout.update_weights(trainer.rollout_params(state.params)) if n
-                     else None)
+        sync_time = None
+        if n and getattr(self.rollout, "syncs_weights", True):  # (a LoRA merge is not free)
+            sync_time = self.rollout.update_weights(trainer.rollout_params(state.params))
 
         metrics.setdefault("timing/generate", 0.0)
         metrics.setdefault("timing/logprobs", 0.0)  # reference and old log-probs

@@ -101,6 +101,7 @@ def test_trainer_trains_only_the_adapters_and_the_reference_is_the_base():
                                np.asarray(trainer.logps(state.params, batch)), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_smollm2_r16_all_linear_trains_a_few_percent(smol_dir):
     """r=16 on every linear layer of SmolLM2-135M: the trainable count, gradients and AdamW
     state are the adapters' size (well under 5% of full fine-tuning)."""
@@ -216,6 +217,7 @@ def test_adapter_errors(tmp_path):
         peft_io.adapter_settings(_cfg(tmp_path / "adapter"))
 
 
+@pytest.mark.slow
 def test_lora_run_checkpoints_adapters_only_resumes_exactly_and_exports(tmp_path, tiny_dir):
     """beta > 0 (the reference: the base, adapters off), a cut at step 3 resumed to 5 equals a
     run to 5; checkpoints hold the adapters and their optimizer state only; both exports."""
@@ -318,6 +320,7 @@ def test_bad_quantization_settings(kw, msg):
 QUANT_TOLERANCE = {"bf16": (0.003, 0.95), 8: (0.015, 0.9), 4: (1.0, 0.7)}
 
 
+@pytest.mark.slow
 def test_smollm2_quantized_base_logits_within_tolerance(smol_dir, smol_model):
     from grpo_jax.models import positions_from_mask, quant
     text = ("The quick brown fox jumps over the lazy dog. In 1905, Albert Einstein published "

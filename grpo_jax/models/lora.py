@@ -31,8 +31,8 @@ from grpo_jax.errors import check
 from grpo_jax.models import quant
 
 # PEFT's module names -> the decoder's stacked weights.
-TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
-           "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
+TARGETS = dict(zip(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                   quant.PROJECTIONS))
 # PEFT's default target_modules for the llama / qwen2 / qwen3 families.
 DEFAULT_TARGETS = ("q_proj", "v_proj")
 
@@ -104,7 +104,7 @@ def add_adapters(model, peft: PeftArgs, key: jax.Array, dtype=None) -> None:
     model.lora_scale = peft.scale
     for i, leaf in enumerate(peft.targets()):
         w = getattr(model.layers, leaf)
-        n_in = _num_inputs(leaf)
+        n_in = quant.num_inputs(leaf)
         shape, axes = w.shape, w.axes
         a_shape = (*shape[:1 + n_in], peft.lora_r)
         bound = 1.0 / math.sqrt(math.prod(shape[1:1 + n_in]))
@@ -114,11 +114,6 @@ def add_adapters(model, peft: PeftArgs, key: jax.Array, dtype=None) -> None:
         setattr(model.layers, f"{leaf}_lora_b", LoraParam(
             jnp.zeros((shape[0], peft.lora_r, *shape[1 + n_in:]), dtype),
             axes=(axes[0], None, *axes[1 + n_in:])))
-
-
-def _num_inputs(leaf: str) -> int:
-    """How many leading (after L) dims of the weight are contracted with the input."""
-    return 2 if leaf == "wo" else 1  # wo [L, H, Dh, D]; the rest [L, D_in, ...]
 
 
 def layer_extras(model) -> dict[str, jax.Array]:

@@ -27,7 +27,8 @@ BLOCK = 64
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
-def _num_inputs(leaf: str) -> int:
+def num_inputs(leaf: str) -> int:
+    """How many leading (after L) dims of a projection weight are contracted with the input."""
     return 2 if leaf == "wo" else 1  # wo [L, H, Dh, D]; the rest [L, D_in, ...]
 
 
@@ -66,12 +67,14 @@ def dequantize(codes: jax.Array, scale: jax.Array, dtype, stacked: bool = False)
     return x.reshape(codes.shape).astype(dtype)
 
 
+_quantize = jax.jit(quantize, static_argnums=(1, 2))
+
+
 def quantize_model(model, bits: int) -> None:
     """Replace the base's projection weights with their codes and add `<leaf>_qscale`."""
     for leaf in PROJECTIONS:
         var = getattr(model.layers, leaf)
-        codes, scale = jax.jit(quantize, static_argnums=(1, 2))(var.get_value(),
-                                                                 _num_inputs(leaf), bits)
+        codes, scale = _quantize(var.get_value(), num_inputs(leaf), bits)
         var.set_value(codes)
         setattr(model.layers, f"{leaf}_qscale",
                 nnx.Param(scale, axes=(var.axes[0], None, None)))
