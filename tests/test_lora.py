@@ -343,3 +343,24 @@ def test_smollm2_quantized_base_logits_within_tolerance(smol_dir, smol_model):
         top1 = float((got.argmax(-1) == ref.argmax(-1)).mean())
         print(f"{kind}: KL {kl:.4f}, top-1 agreement {top1:.3f}")
         assert kl < max_kl and top1 >= min_top1, (kind, kl, top1)
+
+
+@pytest.mark.parametrize("quant_key", ["load_in_8bit", "load_in_4bit"])
+def test_qlora_run_and_merged_export(tmp_path, tiny_dir, quant_key):
+    import transformers
+
+    from grpo_jax.checkpoint import load_checkpoint
+    from grpo_jax.export import main as export_main
+    from grpo_jax.train import train
+    cfg = config(tiny_dir, tmp_path / "run", max_steps=2, beta=0.04, use_peft="true",
+                 lora_target_modules="[q_proj, down_proj]", **{quant_key: "true"})
+    train(cfg, devices=jax.devices()[:1])
+    model, _, _ = load_checkpoint(tmp_path / "run")
+    assert model.layers.w_up[...].dtype == (jnp.int8 if quant_key == "load_in_8bit"
+                                            else jnp.uint4)
+    assert export_main(["--checkpoint", str(tmp_path / "run"), "--out", str(tmp_path / "hf"),
+                        "--dtype", "float32", "--merge"]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = TOKENS % model.cfg.vocab_size
+    real = MASK.astype(bool)
+    assert np.abs(hf_logits(merged, tokens, MASK) - jax_logits(model, tokens))[real].max() < 1e-4
