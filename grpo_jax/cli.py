@@ -75,6 +75,19 @@ def _main_revision(v):
     return _SKIP
 
 
+def _resume_from_checkpoint(v):  # transformers: true or a checkpoint path
+    _check(isinstance(v, bool) or _is_none(v), f"resume_from_checkpoint {v!r}: a run resumes "
+           "from the newest checkpoint in its output_dir; set output_dir to the run's directory "
+           "and resume_from_checkpoint: true (or --resume)")
+    return bool(v) if isinstance(v, bool) else False
+
+
+def _head_fp32(v):  # TRL's default (false) is what happens here
+    _check(v in (False, None), "cast_lm_head_to_fp32: the head's matmul accumulates in fp32 "
+           "from compute-dtype inputs; for fp32 inputs too set dtype: float32")
+    return _SKIP
+
+
 def _use_vllm(v):
     return "vllm" if v is True else "jax" if v is False else v
 
@@ -106,6 +119,8 @@ ALIASES: dict[str, Alias] = {
     "model_revision": Alias(None, _main_revision),
     "fsdp": Alias("fsdp", _mesh_fsdp),
     "model_init_kwargs": Alias("dtype", _model_init_kwargs),
+    "resume_from_checkpoint": Alias("resume", _resume_from_checkpoint, boolean=True),
+    "cast_lm_head_to_fp32": Alias(None, _head_fp32, boolean=True),
 }
 # Keys of TRL, transformers' TrainingArguments and open-r1 recipes that change nothing here:
 # accepted, and each one met is named once on stderr with the reason.
@@ -140,6 +155,20 @@ NO_EFFECT = {
     "wandb_project": "set $WANDB_PROJECT (report_to: [wandb] reads it)",
     "wandb_entity": "set $WANDB_ENTITY (report_to: [wandb] reads it)",
     "do_eval": "evaluation runs when eval_strategy is not 'no' (or with eval_on_start)",
+    "do_train": "the program trains", "do_predict": "there is no prediction loop",
+    "run_name": "a run is named by its output_dir", "disable_tqdm": "the progress bar is on "
+    "stderr (redirect it)", "use_cpu": "JAX picks the platform: set JAX_PLATFORMS=cpu",
+    "tf32": "XLA picks the matmul precision (JAX_DEFAULT_MATMUL_PRECISION)",
+    "data_seed": "the data order follows seed", "full_determinism": "a run is deterministic "
+    "given seed (the sampler's keys derive from it)", "include_num_input_tokens_seen":
+    "num_tokens is always logged", "skip_memory_metrics": "no memory metrics are logged",
+    "log_on_each_node": "process 0 logs", "save_only_model": "checkpoints hold the whole "
+    "training state, for exact resume", "use_cache": "the sampler always keeps a KV cache",
+    "ds3_gather_for_generation": "JAX shards params with the mesh; no DeepSpeed ZeRO-3",
+    "cast_lm_head_to_fp32": "off, as TRL's default: the head's matmul accumulates in fp32",
+    "max_tool_calling_iterations": "tool calling is not supported yet: completions are "
+    "single-turn", "dataloader_drop_last": "an epoch's tail too short for a generation batch is skipped, as "
+    "TRL's sampler does", "eval_accumulation_steps": "eval metrics are reduced per eval batch",
     "save_strategy": "checkpoints are written every save_steps, on a stop signal and at the end",
     "deepspeed": "JAX shards params, gradients and optimizer state with the mesh (dp, fsdp, tp)",
     "fsdp_config": "JAX shards params, gradients and optimizer state with the mesh (fsdp)",

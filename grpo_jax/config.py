@@ -253,6 +253,12 @@ class _TrainConfig:
         gbs, g = self.batch.generation_batch_size, self.grpo.num_generations
         _check(gbs is None or gbs % g == 0, f"generation_batch_size ({gbs}) must be divisible "
                f"by num_generations ({g}): a generation round holds whole prompt groups")
+        _check(not (self.grpo.sync_ref_model and not self.loss.beta),  # TRL raises it too
+               "sync_ref_model is set while beta is 0: with beta 0 no reference model is kept, "
+               "so there is nothing to synchronize. Set sync_ref_model false, or beta > 0")
+        _check(not (self.grpo.sync_ref_model and self.peft.use_peft), "sync_ref_model with "
+               "use_peft: the reference is the base model with the adapters off, which never "
+               "changes; set sync_ref_model false")
 
     def batch_plan(self, data_parallel_size: int = 1) -> BatchPlan:
         """TRL's batch relations for `data_parallel_size` shards (TRL: num_processes)."""

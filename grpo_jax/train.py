@@ -90,13 +90,6 @@ class RewardScorer:
 
 def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     """Run (or resume) training on `devices` (default: all). Returns the last metrics."""
-    if cfg.grpo.sync_ref_model and not cfg.loss.beta:
-        raise TrainError(  # TRL raises the same at GRPOTrainer's init
-            "sync_ref_model is set while beta is 0: with beta 0 no reference model is kept, so "
-            "there is nothing to synchronize. Set sync_ref_model false, or beta > 0")
-    if cfg.grpo.sync_ref_model and cfg.peft.use_peft:
-        raise TrainError("sync_ref_model with use_peft: the reference is the base model with "
-                         "the adapters off, which never changes; set sync_ref_model false")
     # A PEFT adapter directory as the model: its base, its settings, its weights to start from.
     cfg = peft_io.adapter_settings(cfg)
     out = Path(cfg.run.output_dir)
@@ -152,7 +145,12 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
         refs.drop_after(latest or 0)
     if cfg.run.resume:
         if latest is not None:
-            state, meta = ckpt.restore(latest, state)  # onto the live state's shardings
+            # Onto the live state's shardings, whose buffers go first: the devices never hold
+            # two training states (the initial one is of no use once a checkpoint is read).
+            target = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+            jax.tree.map(lambda x: x.delete(), state)
+            state, meta = ckpt.restore(latest, target)
             position = data_lib.DataPosition(*meta["data_position"])
             round_idx = meta["round"]
             tokens_seen = int(meta.get("num_tokens", 0))

@@ -350,10 +350,9 @@ def test_sync_ref_model_mixes_every_sync_steps(tiny_dir, tmp_path, monkeypatch):
 
 
 def test_sync_ref_model_needs_beta(tiny_dir, tmp_path):
-    from grpo_jax.train import TrainError
-    with pytest.raises(TrainError, match="beta"):
-        train(config(tiny_dir, tmp_path / "run", sync_ref_model=True, beta=0.0),
-              devices=jax.devices()[:1])
+    from grpo_jax.errors import ConfigError
+    with pytest.raises(ConfigError, match="while beta is 0"):  # at load, before any work
+        config(tiny_dir, tmp_path / "run", sync_ref_model=True, beta=0.0)
 
 
 def test_sync_ref_model_resume_equals_uninterrupted(tiny_dir, tmp_path):
