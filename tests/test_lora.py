@@ -172,6 +172,7 @@ def test_our_adapter_loads_in_peft_with_the_same_logits(tmp_path, family, target
     base_logits = hf_logits(tiny_hf_model(family), TOKENS, MASK)
     real = MASK.astype(bool)
     assert np.abs(theirs - base_logits)[real].max() > 1e-2  # the adapter matters
+    print(f"our adapter in PEFT: max |logit diff| {np.abs(theirs - ours)[real].max():.2e}")
     assert np.abs(theirs - ours)[real].max() < 1e-4
 
 
@@ -190,7 +191,9 @@ def test_peft_adapter_is_our_starting_point_and_merge_export(tmp_path):
     model, model_dir = peft_io.load_model(cfg, None)
     assert model_dir == tmp_path / "base"
     real = MASK.astype(bool)
-    assert np.abs(jax_logits(model) - hf_logits(ref, TOKENS, MASK))[real].max() < 1e-4
+    err = np.abs(jax_logits(model) - hf_logits(ref, TOKENS, MASK))[real].max()
+    print(f"PEFT adapter in ours: max |logit diff| {err:.2e}")
+    assert err < 1e-4
     # --merge's model: a plain HF directory with the same logits.
     hf.save_hf(peft_io.merged_model(model), tmp_path / "merged", source_dir=model_dir)
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()

@@ -384,6 +384,8 @@ def test_grpo_run_with_vllm_rollouts(server, client, model_dir, tmp_path, extra)
         assert h["sampling/sampling_logp_difference/mean"] < 1e-4, h
         assert abs(h["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3, h
         assert h["timing/weight_sync"] > 0
+    print(f"{extra and 'LoRA, merged' or 'full'} weight sync: "
+          f"{[round(h['timing/weight_sync'], 3) for h in hist]} s")
     # After the last update and sync, the server serves the trained weights.
     model, _, step = load_checkpoint(tmp_path / "run")
     model.cfg = model.cfg.replace(dtype=jnp.float32)
