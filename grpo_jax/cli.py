@@ -187,6 +187,10 @@ assert not set(NO_EFFECT) & set(FIELD_SECTION), set(NO_EFFECT) & set(FIELD_SECTI
 UNSUPPORTED = {
     "vllm_mode": "grpo-jax talks to a vLLM server only: set use_vllm: true and drop vllm_mode",
     "optim": "grpo-jax always uses AdamW (optax.adamw); drop optim",
+    "use_dora": "grpo-jax's adapters are LoRA (no DoRA); drop use_dora",
+    "lora_modules_to_save": "only the LoRA adapters are trained; drop lora_modules_to_save",
+    "use_bnb_nested_quant": "the 4-bit base keeps fp32 scales (no nested quantization); drop "
+                            "use_bnb_nested_quant",
 }
 _NONE_WORDS = ("none", "null", "~")
 

@@ -69,6 +69,19 @@ def test_bad_settings_are_one_clear_error(kw, msg):
         PeftArgs(use_peft=True, **kw)
 
 
+def test_lora_settings_from_the_command_line():
+    from grpo_jax.cli import load_config
+    cfg = load_config("smol", ["use_peft=true", "lora_target_modules=all-linear", "lora_r=8",
+                               "load_in_4bit=true"])
+    assert cfg.peft.target_modules() == tuple(lora.TARGETS) and cfg.peft.quant_bits == 4
+    cfg = load_config(None, ["use_peft=true", "lora_target_modules=[q_proj, up_proj]"])
+    assert cfg.peft.targets() == ("wq", "w_up")
+    with pytest.raises(ConfigError, match="no DoRA"):
+        load_config(None, ["use_peft=true", "use_dora=true"])
+    with pytest.raises(ConfigError, match="sync_ref_model with use_peft"):
+        load_config(None, ["use_peft=true", "sync_ref_model=true", "beta=0.1"])
+
+
 def _trainer(model, mesh, lr=1e-2):
     step_cfg = StepConfig(loss=loss_config(beta=0.04), temperature=0.9,
                           gradient_accumulation_steps=2, logprob_chunk=4)
