@@ -62,10 +62,21 @@ class MeshConfig:
 
 def make_mesh(cfg: MeshConfig = MeshConfig(), devices=None) -> Mesh:
     """jax.make_mesh orders the devices by the physical topology (ICI neighbours on TPU).
-    Auto axis types: its default, Explicit, rejects sharded contractions in the model."""
+    Devices of several TPU slices: the `data` axis spans the slices (DCN), so only the gradient
+    all-reduce crosses them; fsdp and tensor stay within a slice. Auto axis types: jax's
+    default, Explicit, rejects sharded contractions in the model."""
     devices = list(jax.devices() if devices is None else devices)
-    return jax.make_mesh(cfg.shape(len(devices)), AXES,
-                         axis_types=(jax.sharding.AxisType.Auto,) * len(AXES), devices=devices)
+    shape = cfg.shape(len(devices))
+    auto = (jax.sharding.AxisType.Auto,) * len(AXES)
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if slices == 1:
+        return jax.make_mesh(shape, AXES, axis_types=auto, devices=devices)
+    check(shape[0] % slices == 0, f"{slices} slices: the data axis (dp={shape[0]}) must be a "
+          "multiple of the slice count: only data parallelism crosses slices")
+    from jax.experimental import mesh_utils
+    grid = mesh_utils.create_hybrid_device_mesh((shape[0] // slices, *shape[1:]),
+                                                (slices, 1, 1), devices)
+    return Mesh(grid, AXES, axis_types=auto)
 
 
 def _size(mesh: Mesh, axes) -> int:

@@ -62,7 +62,10 @@ class Trainer:
         self.tx, schedule = make_optimizer(optim, total_steps)
         self.param_shardings = mesh_lib.param_shardings(params, mesh)
         # A copy: the step donates its state, which must not free the caller's model arrays.
-        params = jax.device_put(params, self.param_shardings, may_alias=False)
+        # Copied after placing: device_put(may_alias=False) still hands back the caller's buffer
+        # for a replicated array that already sits on one of the mesh's devices.
+        params = jax.tree.map(lambda x, s: jax.device_put(x, s).copy(), params,
+                              self.param_shardings)
         if self.lora_scale is not None:
             # The reference runs the same program with every adapter at zero: x W + (x A) 0 is
             # x W exactly, and the base (quantized or not) is shared, never copied.

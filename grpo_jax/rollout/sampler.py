@@ -51,6 +51,14 @@ class _State(NamedTuple):
     seen: jax.Array | None   # [B, V] bool, only with a repetition penalty
 
 
+class _Context(NamedTuple):
+    """What every decode step reads, prepared once by the prefill."""
+    params: Any              # the weights in the compute dtype (norm scales as they are)
+    layers: list             # Decoder.decode_layers() of those: unstacked once, outside the loop
+    key_mask: jax.Array      # [B, P + C] int32: which cache slots hold real keys
+    prompt_len: jax.Array    # [B] int32: real prompt tokens per row
+
+
 class Sampler:
     """Compiled KV-cache sampler for one model architecture and one set of sampling params.
 
@@ -79,7 +87,7 @@ class Sampler:
         abstract = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
         self.graphdef, abstract_params = nnx.split(abstract, nnx.Param)
         self._param_shapes = _shapes(abstract_params)
-        self._program = jax.jit(self._generate)
+        self._program = jax.jit(self._generate, static_argnames=("num_generations", "rows"))
 
     # ------------------------------------------------------------------ host side
 
@@ -96,8 +104,11 @@ class Sampler:
         if g < 1:
             raise ValueError(f"num_generations={num_generations} must be >= 1")
         n = len(prompts) * g
-        ids, mask = left_pad(prompts, g, self._bucket(max(map(len, prompts))), self.pad_id,
-                             rows=self._batch_size(n))
+        rows = self._batch_size(n)
+        # The program prefills each prompt once and copies its cache to its g rows: prompts
+        # enough to cover `rows`, the ones past the real prompts all padding.
+        ids, mask = left_pad(prompts, 1, self._bucket(max(map(len, prompts))), self.pad_id,
+                             rows=self._prompt_rows(rows, g))
         key = jax.random.key(rng) if isinstance(rng, (int, np.integer)) else rng
         if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
             key = jax.random.wrap_key_data(key)  # a raw uint32 jax.random.PRNGKey
@@ -105,11 +116,13 @@ class Sampler:
         if self.mesh is not None:
             # With several processes each places only its own devices' rows, and gets every
             # row back (the train batch is built on every host alike).
-            args = tuple(dist.shard_host_array(x, mesh_lib.batch_sharding(self.mesh, 2))
-                         for x in args)
+            args = tuple(dist.shard_host_array(x, mesh_lib.logical_sharding(
+                self.mesh, "batch", None, shape=x.shape)) for x in args)
             params = jax.device_put(params, mesh_lib.param_shardings(params, self.mesh))
-        tokens, cmask, logp, done = dist.to_host(self._program(params, *args, key))
-        return RolloutBatch(ids[:n], mask[:n], tokens[:n], cmask[:n], ~done[:n], logp[:n])
+        tokens, cmask, logp, done = dist.to_host(self._program(params, *args, key,
+                                                               num_generations=g, rows=rows))
+        ids, mask = np.repeat(ids, g, axis=0)[:n], np.repeat(mask, g, axis=0)[:n]
+        return RolloutBatch(ids, mask, tokens[:n], cmask[:n], ~done[:n], logp[:n])
 
     def _check_params(self, params):
         if isinstance(params, nnx.Module):
@@ -143,6 +156,13 @@ class Sampler:
                          f"{self.buckets[-1]}; pass buckets=(..., {_pow2(length)}) or shorten "
                          "prompts (max_prompt_length)")
 
+    def _prompt_rows(self, rows: int, num_generations: int) -> int:
+        """Prompts the prefill runs on for `rows` sampled rows: enough to cover them, rounded
+        up to the batch axes' size so they shard like the rows (when they divide)."""
+        div = 1 if self.mesh is None else mesh_lib.batch_divisor(self.mesh)
+        prompts = -(-rows // num_generations)
+        return -(-prompts // div) * div
+
     def _batch_size(self, n: int) -> int:
         div = 1 if self.mesh is None else mesh_lib.batch_divisor(self.mesh)
         return -(-_pow2(n) // div) * div
@@ -159,23 +179,46 @@ class Sampler:
     def _constrain_cache(self, cache: KVCache) -> KVCache:
         return jax.tree.map(lambda x: self._constrain(x, "batch", "kv_heads", None, None), cache)
 
-    def _generate(self, params, prompt_ids, prompt_mask, key):
-        sp, cfg = self.sampling_params, self.cfg
-        model = nnx.merge(self.graphdef, _cast_matrices(params, cfg.dtype))
-        layers = model.decode_layers()
-        batch, width = prompt_ids.shape
-        C = sp.max_completion_length
-        rows = ("batch", None)
-        prompt_ids = self._constrain(prompt_ids, *rows)
-        prompt_mask = self._constrain(prompt_mask, *rows)
-        # Generated slots are all valid keys; the causal mask hides the ones not yet written.
-        key_mask = jnp.concatenate([prompt_mask, jnp.ones((batch, C), jnp.int32)], axis=1)
-        prompt_len = jnp.sum(prompt_mask, axis=1)
+    def _generate(self, params, prompt_ids, prompt_mask, key, *, num_generations: int,
+                  rows: int):
+        ctx, state = self._prefill(params, prompt_ids, prompt_mask, key, num_generations, rows)
+        C = self.sampling_params.max_completion_length
+        state = jax.lax.while_loop(lambda s: (s.step < C) & ~jnp.all(s.done),
+                                   lambda s: self._decode_step(ctx, s, key), state)
+        return state.tokens, state.mask, state.logp, state.done
 
-        cache = self._constrain_cache(KVCache.zeros(cfg, batch, width + C, self.cache_dtype))
-        hidden, cache = model(prompt_ids, positions_from_mask(prompt_mask), key_mask,
+    def _prefill(self, params, prompt_ids, prompt_mask, key, num_generations: int,
+                 rows: int) -> tuple[_Context, _State]:
+        """The prompts' pass that fills the KV cache, and the first token of each of `rows`
+        rows (prompt i's num_generations rows are consecutive). Each prompt is run once and its
+        keys, values and last logits are copied to its rows: the prefill costs 1/G of running
+        every row. Separate from the decode step so that `grpo_jax.aot` can cost the two apart
+        (XLA's cost analysis counts a while loop's body once)."""
+        sp, cfg = self.sampling_params, self.cfg
+        cast = _cast_matrices(params, cfg.dtype)
+        model = nnx.merge(self.graphdef, cast)
+        prompts, width = prompt_ids.shape
+        C = sp.max_completion_length
+        prompt_ids = self._constrain(prompt_ids, "batch", None)
+        prompt_mask = self._constrain(prompt_mask, "batch", None)
+        layers = model.decode_layers()
+        cache = self._constrain_cache(KVCache.zeros(cfg, prompts, width, self.cache_dtype))
+        hidden, cache = model(prompt_ids, positions_from_mask(prompt_mask), prompt_mask,
                               cache=cache, cache_index=0, layers=layers)
         logits = model.logits(hidden[:, -1:])[:, 0]  # left padding: the last slot is real
+
+        def to_rows(x):  # [prompts, ...] -> [rows, ...]: each prompt's G copies in a block
+            x = jnp.repeat(x, num_generations, axis=0)[:rows]
+            return self._constrain(x, "batch", *[None] * (x.ndim - 1))
+        prompt_ids, prompt_mask, logits = map(to_rows, (prompt_ids, prompt_mask, logits))
+        # The generated tokens' slots follow the prompt's.
+        grow = lambda x: jnp.pad(to_rows(x), ((0, 0), (0, 0), (0, C), (0, 0)))  # noqa: E731
+        cache = self._constrain_cache(jax.tree.map(grow, cache))
+        batch = rows
+        rows = ("batch", None)
+        # Generated slots are all valid keys; the causal mask hides the ones not yet written.
+        key_mask = jnp.concatenate([prompt_mask, jnp.ones((batch, C), jnp.int32)], axis=1)
+        ctx = _Context(cast, layers, key_mask, jnp.sum(prompt_mask, axis=1))
         seen = None
         if sp.repetition_penalty != 1.0:
             seen = jnp.zeros((batch, cfg.vocab_size), bool)
@@ -187,20 +230,17 @@ class Sampler:
             logp=self._constrain(jnp.zeros((batch, C), jnp.float32), *rows),
             done=~jnp.any(prompt_mask.astype(bool), axis=1),  # batch-padding rows
             cache=cache, seen=seen)
-        state = self._emit(state, logits, key)
+        return ctx, self._emit(state, logits, key)
 
-        def cond(s: _State):
-            return (s.step < C) & ~jnp.all(s.done)
-
-        def body(s: _State):
-            last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
-            hidden, cache = model(last, (prompt_len + s.step - 1)[:, None], key_mask,
-                                  cache=s.cache, cache_index=width + s.step - 1, layers=layers)
-            s = s._replace(cache=self._constrain_cache(cache))
-            return self._emit(s, model.logits(hidden)[:, 0], key)
-
-        state = jax.lax.while_loop(cond, body, state)
-        return state.tokens, state.mask, state.logp, state.done
+    def _decode_step(self, ctx: _Context, s: _State, key) -> _State:
+        """Feed the last token, sample the next."""
+        model = nnx.merge(self.graphdef, ctx.params)
+        width = ctx.key_mask.shape[1] - self.sampling_params.max_completion_length
+        last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
+        hidden, cache = model(last, (ctx.prompt_len + s.step - 1)[:, None], ctx.key_mask,
+                              cache=s.cache, cache_index=width + s.step - 1, layers=ctx.layers)
+        s = s._replace(cache=self._constrain_cache(cache))
+        return self._emit(s, model.logits(hidden)[:, 0], key)
 
     def _emit(self, s: _State, logits, key) -> _State:
         """Sample the token at completion index `s.step` for every row not yet done."""

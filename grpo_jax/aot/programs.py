@@ -1,0 +1,163 @@
+"""The run's three device programs, lowered with abstract arguments laid out as a run lays them.
+
+- `update`: grpo.train_step.train_step on one window (gradient_accumulation_steps
+  micro-batches), jitted as trainer.Trainer jits it (state donated, shardings from mesh.RULES);
+- `logprobs`: trainer.Trainer's reference / old log-prob program on a whole generation batch;
+- `generate`: rollout.sampler.Sampler's program on a generation batch (prefill + decode loop).
+
+Nothing is allocated: parameters, optimizer state and batches are jax.ShapeDtypeStructs that
+carry NamedShardings over the target's devices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import types
+from typing import Any
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from grpo_jax import mesh as mesh_lib
+from grpo_jax.config import BatchPlan, TrainConfig
+from grpo_jax.grpo.batch import Batch
+from grpo_jax.grpo.optimizer import make_optimizer
+from grpo_jax.grpo.train_step import (StepConfig, init_train_state, state_shardings,
+                                      train_step)
+from grpo_jax.models import Decoder, KVCache, ModelConfig
+from grpo_jax.rollout.sampler import Sampler
+from grpo_jax.trainer import Trainer
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One configuration on one mesh: what the programs are built from."""
+    cfg: TrainConfig
+    model: ModelConfig
+    mesh: Any
+    plan: BatchPlan
+
+    @property
+    def step_config(self) -> StepConfig:
+        loss = self.cfg.loss
+        if self.cfg.rollout.backend != "vllm":  # as grpo_jax.train.step_config
+            loss = dataclasses.replace(loss, vllm_importance_sampling_correction=False)
+        return StepConfig(loss=loss, temperature=self.cfg.generation.temperature,
+                          gradient_accumulation_steps=self.plan.gradient_accumulation_steps)
+
+    def with_layers(self, n: int) -> "Run":
+        return dataclasses.replace(self, model=self.model.replace(num_layers=n))
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        tree, shardings)
+
+
+def shard_bytes(tree) -> int:
+    """Bytes per device of abstract arrays with shardings (the largest shard)."""
+    return sum(jnp.dtype(x.dtype).itemsize * _prod(x.sharding.shard_shape(x.shape))
+               for x in jax.tree.leaves(tree))
+
+
+def _prod(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= d
+    return out
+
+
+@dataclasses.dataclass
+class Programs:
+    """Lowered programs and the abstract state they run on."""
+    lowered: dict[str, Any]  # phase -> jax.stages.Lowered
+    state: Any  # abstract TrainState
+    kv_cache: Any  # abstract KVCache of the sampler, as laid out inside its program
+    sampler_rows: int
+    prompt_width: int
+
+
+def build(run: Run) -> Programs:
+    mesh, step_cfg = run.mesh, run.step_config
+    replicated = NamedSharding(mesh, P())
+    graphdef, params = nnx.split(
+        nnx.eval_shape(lambda: Decoder(run.model, rngs=nnx.Rngs(0))), nnx.Param)
+    param_sh = mesh_lib.param_shardings(params, mesh)
+    params = _abstract(params, param_sh)
+    tx, schedule = make_optimizer(run.cfg.optim, 1000)
+    shapes = jax.eval_shape(lambda p: init_train_state(p, tx.init(p), step_cfg.loss), params)
+    # The same layouts as Trainer.__init__: optimizer moments like their params.
+    opt_sh = optax.tree_map_params(tx, lambda _, s: s, shapes.opt_state, param_sh,
+                                   transform_non_params=lambda _: replicated)
+    state = _abstract(shapes, state_shardings(step_cfg.loss, param_sh, opt_sh, replicated))
+
+    def constrain(x):  # as Trainer: [k, rows, ...] micro-batch splits, rows on the batch axes
+        return jax.lax.with_sharding_constraint(
+            x, mesh_lib.logical_sharding(mesh, None, "batch", *[None] * (x.ndim - 2)))
+    update = jax.jit(
+        lambda s, b: train_step(graphdef, tx, schedule, step_cfg, s, b, constrain),
+        out_shardings=(state_shardings(step_cfg.loss, param_sh, opt_sh, replicated),
+                       replicated), donate_argnums=(0,))
+    logps = jax.jit(lambda p, b: Trainer._logps_fn(
+        types.SimpleNamespace(graphdef=graphdef, cfg=step_cfg), p, b), out_shardings=replicated)
+
+    sampler = Sampler(run.model, run.cfg.generation, pad_id=0, mesh=mesh)
+    g = run.cfg.grpo.num_generations
+    rows = sampler._batch_size(run.plan.generation_batch_size)
+    width = sampler._bucket(run.cfg.data.max_prompt_length)
+    ids = _rows((sampler._prompt_rows(rows, g), width), jnp.int32, mesh)  # each prompt once
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
+                               sharding=replicated)
+    prefill = jax.jit(lambda p, i, m, k: sampler._prefill(p, i, m, k, g, rows)[1])
+    gen_args = (state.params, ids, ids, key)
+    C = run.cfg.generation.max_completion_length
+    cache = jax.eval_shape(lambda: KVCache.zeros(run.model, rows, width + C, sampler.cache_dtype))
+    cache_sh = mesh_lib.logical_sharding(mesh, "batch", "kv_heads", None, None,
+                                         shape=cache.k[0].shape)
+    lowered = {
+        "generate": sampler._program.lower(*gen_args, num_generations=g, rows=rows),
+        "prefill": prefill.lower(*gen_args),
+        "logprobs": logps.lower(state.params, _batch(run, run.plan.generation_batch_size,
+                                                     width, logps=False)),
+        "update": update.lower(state, _batch(run, run.plan.micro_batch_size
+                                             * run.plan.gradient_accumulation_steps, width)),
+    }
+    return Programs(lowered, state, _abstract(cache, jax.tree.map(lambda _: cache_sh, cache)),
+                    rows, width)
+
+
+def _rows(shape, dtype, mesh) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=mesh_lib.batch_sharding(mesh, len(shape)))
+
+
+def _batch(run: Run, n: int, width: int, logps: bool = True) -> Batch:
+    """The abstract Batch a round feeds the program: what GRPORound fills in for this config."""
+    C, mesh = run.cfg.generation.max_completion_length, run.mesh
+    tokens = lambda: _rows((n, C), jnp.int32, mesh)  # noqa: E731
+    per_token = lambda: _rows((n, C), jnp.float32, mesh)  # noqa: E731
+    batch = Batch(_rows((n, width), jnp.int32, mesh), _rows((n, width), jnp.int32, mesh),
+                  tokens(), tokens(), _rows((n,), jnp.bool_, mesh), _rows((n,), jnp.float32, mesh))
+    if not logps:
+        return batch
+    return batch.replace(sampler_logp=per_token(), num_items=_rows((n,), jnp.float32, mesh),
+                         ref_logp=per_token() if run.cfg.loss.beta else None,
+                         old_logp=per_token() if run.plan.needs_old_logps else None)
+
+
+@contextlib.contextmanager
+def unrolled_scans():
+    """XLA's cost analysis counts a loop's body once, whatever its trip count. For costing,
+    every lax.scan (layers, micro-batches, log-prob chunks) is traced unrolled."""
+    from jax._src.lax.control_flow import loops
+
+    scan = loops.scan
+
+    def unrolled(f, init, xs=None, length=None, reverse=False, unroll=1, **kw):
+        return scan(f, init, xs, length, reverse=reverse, unroll=True, **kw)
+    with mock.patch.object(jax.lax, "scan", unrolled), mock.patch.object(loops, "scan", unrolled):
+        yield

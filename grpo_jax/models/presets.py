@@ -1,0 +1,53 @@
+"""Shapes of public models by name, for planning without downloading weights (`grpo_jax.aot`).
+
+Each preset is the architecture its Hugging Face `config.json` describes (hidden size, layers,
+heads, KV heads, intermediate size, vocabulary, tied embeddings, RoPE, Qwen2.5's qkv bias,
+Qwen3's qk norm); the weights are not needed to compile or size a run.
+"""
+
+from __future__ import annotations
+
+from grpo_jax.errors import GrpoJaxError
+from grpo_jax.models.config import ModelConfig
+
+# Llama 3.1's RoPE scaling (factor, low_freq_factor, high_freq_factor, original max position).
+_LLAMA31_ROPE = (8.0, 1.0, 4.0, 8192)
+
+
+def _qwen25(d, layers, heads, kv, f, vocab, tied, eps=1e-6) -> ModelConfig:
+    return ModelConfig("qwen2", vocab, d, f, layers, heads, kv, d // heads, rms_norm_eps=eps,
+                       rope_theta=1e6, tie_word_embeddings=tied, qkv_bias=True,
+                       max_position_embeddings=32768)
+
+
+def _qwen3(d, layers, heads, f) -> ModelConfig:
+    return ModelConfig("qwen3", 151936, d, f, layers, heads, 8, 128, rope_theta=1e6,
+                       qk_norm=True, max_position_embeddings=40960)
+
+
+def _llama31(d, layers, heads, f) -> ModelConfig:
+    return ModelConfig("llama", 128256, d, f, layers, heads, 8, d // heads, rms_norm_eps=1e-5,
+                       rope_theta=5e5, rope_llama3=_LLAMA31_ROPE,
+                       max_position_embeddings=131072)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "qwen2.5-0.5b": _qwen25(896, 24, 14, 2, 4864, 151936, tied=True),
+    "qwen2.5-1.5b": _qwen25(1536, 28, 12, 2, 8960, 151936, tied=True),
+    "qwen2.5-7b": _qwen25(3584, 28, 28, 4, 18944, 152064, tied=False),
+    "qwen2.5-32b": _qwen25(5120, 64, 40, 8, 27648, 152064, tied=False, eps=1e-5),
+    "qwen2.5-72b": _qwen25(8192, 80, 64, 8, 29568, 152064, tied=False),
+    "qwen3-8b": _qwen3(4096, 36, 32, 12288),
+    "qwen3-32b": _qwen3(5120, 64, 64, 25600),
+    "llama-3.1-8b": _llama31(4096, 32, 32, 14336),
+    "llama-3.1-70b": _llama31(8192, 80, 64, 28672),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """The preset named `name` (case-insensitive; an `Org/` prefix such as `Qwen/` is ignored)."""
+    key = name.rsplit("/", 1)[-1].lower().replace("meta-llama-", "llama-")
+    if key not in PRESETS:
+        raise GrpoJaxError(f"unknown model preset {name!r}: use one of {', '.join(PRESETS)}, "
+                           "an HF config.json, or a model directory")
+    return PRESETS[key]

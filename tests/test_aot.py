@@ -1,0 +1,105 @@
+"""`python -m grpo_jax.aot`: the real update, log-prob and sampler programs of a small model,
+compiled for a 4-host TPU slice and for 8 H100s on this CPU machine, with sane memory figures.
+
+The compiles need libtpu and jax's CUDA plugin, which live in a side venv
+(`.ci/install_aot.sh DIR`; tests/run.sh sets GRPO_JAX_AOT_PYTHON=DIR/bin/python).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from grpo_jax.aot import hardware
+from grpo_jax.aot.analyze import model_config
+from grpo_jax.errors import GrpoJaxError
+from grpo_jax.models import ModelConfig
+from grpo_jax.models.presets import PRESETS
+
+AOT_PYTHON = os.environ.get("GRPO_JAX_AOT_PYTHON")
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ModelConfig(model_type="llama", vocab_size=512, hidden_size=128, intermediate_size=256,
+                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
+# 2 completions per chip per micro-batch, 2 micro-batches per update and per generation batch,
+# prompt 64 + completion 32 tokens.
+SHAPE = ["--max_prompt_length", "64", "--max_completion_length", "32", "--num_generations", "8",
+         "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+         "--beta", "0.04"]
+
+
+def run_aot(tmp_path, *args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)  # the suite's 8 host devices mean nothing to the compile
+    return subprocess.run([AOT_PYTHON or sys.executable, "-m", "grpo_jax.aot", *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not AOT_PYTHON, reason="GRPO_JAX_AOT_PYTHON is unset: install libtpu and "
+                    "the CUDA plugin with `.ci/install_aot.sh DIR` and set it to DIR/bin/python")
+@pytest.mark.parametrize("topology,chips,hosts,mesh", [
+    ("v5e:4x4", 16, 4, ["--dp", "2", "--fsdp", "8"]),
+    ("h100:8", 8, 1, ["--dp", "1", "--fsdp", "8"]),
+])
+def test_compiles_for_a_pod_without_one(tmp_path, topology, chips, hosts, mesh):
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY.to_hf()))
+    proc = run_aot(tmp_path, "--topology", topology, "--model_name_or_path", "tiny",
+                   "--json", "out.json", *SHAPE, *mesh)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "out.json").read_text())
+    assert (r["chips"], r["hosts"]) == (chips, hosts)
+    m, fsdp = r["memory_per_chip"], r["mesh"]["fsdp"]
+    # fp32 params, every matrix split over fsdp (norm scales are replicated: ~1% here); AdamW's
+    # two moments like them; the reference a copy (beta > 0).
+    expected = TINY.num_params() * 4 / fsdp / 1e9
+    assert m["params_GB"] == pytest.approx(expected, rel=0.03)
+    assert m["optimizer_state_GB"] == pytest.approx(2 * m["params_GB"], rel=0.01)
+    assert m["reference_params_GB"] == m["params_GB"]
+    # The sampler's cache: 4 rows per chip (rows over data x fsdp), 96 slots, bf16.
+    L, K, Dh = TINY.num_layers, TINY.num_kv_heads, TINY.head_dim
+    assert r["plan"]["generation_batch_size"] == 4 * chips
+    assert m["kv_cache_GB"] == pytest.approx(2 * L * 4 * K * 96 * Dh * 2 / 1e9)
+    resident = m["params_GB"] + m["optimizer_state_GB"] + m["reference_params_GB"]
+    for phase in m["phases"].values():
+        assert resident <= phase["peak_GB"] < resident + 1.0
+    assert m["fits"] and m["peak_GB"] == max(p["peak_GB"] for p in m["phases"].values())
+    if topology.startswith("h100"):  # XLA's GPU compiler reports no costs without a GPU
+        assert "time" not in r
+        return
+    # The update's FLOPs per chip: fwd + bwd + the remat forward, 8 N per token, within 2x
+    # (XLA counts a loop body once: the layers and micro-batches must have been unrolled).
+    tokens = 4 * chips * (64 + 32)
+    model_flops = 8 * TINY.num_params() * tokens / chips
+    assert 0.5 < r["time"]["phases"]["update"]["tflop"] * 1e12 / model_flops < 2.0
+    assert r["time"]["round_s"] > 0
+
+
+def test_targets():
+    assert hardware.parse_target("v5p-128").topology == "v5p:4x4x4"  # 128 TensorCores
+    assert hardware.parse_target("v5e-256").topology == "v5e:16x16"
+    assert hardware.parse_target("h100:8").topology == "1x1x8"
+    for bad in ("v5e:16", "tpu-v9", "h100-8", "v5p-12"):
+        with pytest.raises(GrpoJaxError, match="v5"):
+            hardware.parse_target(bad)
+
+
+def test_presets_match_published_sizes():
+    billions = {"qwen2.5-0.5b": 0.49, "qwen2.5-1.5b": 1.54, "qwen2.5-7b": 7.62,
+                "qwen2.5-32b": 32.76, "qwen2.5-72b": 72.71, "qwen3-8b": 8.19, "qwen3-32b": 32.76,
+                "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55}
+    assert {k: round(v.num_params() / 1e9, 2) for k, v in PRESETS.items()} == billions
+    assert model_config("Qwen/Qwen2.5-7B") == PRESETS["qwen2.5-7b"]
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
+    proc = run_aot(tmp_path, "--topology", "v9z:4x4", "--model_name_or_path", "qwen2.5-7b")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: unknown topology")
+    proc = run_aot(tmp_path, "--topology", "h100:8", "--model_name_or_path", "gpt-9",
+                   "--max_prompt_length", "64")
+    assert proc.returncode == 2 and "unknown model preset 'gpt-9'" in proc.stderr
