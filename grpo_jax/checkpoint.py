@@ -266,17 +266,26 @@ def _fields(batch: Batch) -> dict:
 
 def abstract_state(cfg, device=None):
     """The TrainState's shapes on one device for `cfg` (a TrainConfig): a restore target that
-    needs no training setup. Returns (state, graphdef, model config, model dir)."""
+    needs no training setup. Returns (state, graphdef, model config, model dir); with use_peft
+    the state's params are the LoRA adapters (graphdef: of the model with adapters)."""
     from flax import nnx
 
-    from grpo_jax import hf
+    from grpo_jax import hf, peft_io
     from grpo_jax.grpo.optimizer import make_optimizer
     from grpo_jax.grpo.train_step import init_train_state
-    from grpo_jax.models import Decoder, ModelConfig
-    model_dir = hf.resolve_model_dir(cfg.model.name_or_path)
+    from grpo_jax.models import Decoder, ModelConfig, lora
+    model_dir = hf.resolve_model_dir(peft_io.base_name(cfg))
     model_cfg = ModelConfig.from_hf(hf.read_config(model_dir), numerics=cfg.numerics)
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0))),
-                                 nnx.Param)
+
+    def build():
+        model = Decoder(model_cfg, rngs=nnx.Rngs(0))
+        if cfg.peft.use_peft:
+            lora.add_adapters(model, cfg.peft, jax.random.key(0))
+        return model
+    if cfg.peft.use_peft:
+        graphdef, params, _ = nnx.split(nnx.eval_shape(build), lora.LoraParam, nnx.Param)
+    else:
+        graphdef, params = nnx.split(nnx.eval_shape(build), nnx.Param)
     tx, _ = make_optimizer(cfg.optim, 1)
     state = jax.eval_shape(lambda p: init_train_state(p, tx.init(p), cfg.loss), params)
     sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
@@ -288,7 +297,8 @@ def abstract_state(cfg, device=None):
 def load_checkpoint(output_dir, step: int | None = None):
     """(model with the checkpoint's params, source model dir, step) from a run's output_dir.
     Only the params are read (not the optimizer state), each device's block onto an FSDP mesh
-    over this process's devices: no device, nor the host, holds a whole copy."""
+    over this process's devices: no device, nor the host, holds a whole copy. A LoRA run's
+    model is its base (read from the base's files) with the checkpoint's adapters."""
     from pathlib import Path
 
     from flax import nnx
@@ -298,7 +308,8 @@ def load_checkpoint(output_dir, step: int | None = None):
     cfg_path = Path(output_dir) / "config.yaml"
     if not cfg_path.exists():
         raise CheckpointError(f"{output_dir} has no config.yaml: not a grpo_jax output_dir")
-    target, graphdef, _, model_dir = abstract_state(load_config(str(cfg_path)))
+    cfg = load_config(str(cfg_path))
+    target, graphdef, _, model_dir = abstract_state(cfg)
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=1, fsdp=-1), jax.local_devices())
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                           target.params, mesh_lib.param_shardings(target.params, mesh))
@@ -315,4 +326,9 @@ def load_checkpoint(output_dir, step: int | None = None):
         raise CheckpointError(str(e)) from None
     finally:
         ckpt.close()
+    if cfg.peft.use_peft:
+        from grpo_jax import peft_io
+        model, model_dir = peft_io.load_model(cfg, mesh)
+        nnx.update(model, state.params)
+        return model, model_dir, step
     return nnx.merge(graphdef, state.params), model_dir, step

@@ -186,8 +186,11 @@ assert not set(NO_EFFECT) & set(FIELD_SECTION), set(NO_EFFECT) & set(FIELD_SECTI
 # TRL options that have no counterpart here, and what to do instead.
 UNSUPPORTED = {
     "vllm_mode": "grpo-jax talks to a vLLM server only: set use_vllm: true and drop vllm_mode",
-    "use_peft": "grpo-jax trains all parameters (no LoRA); drop the peft options",
     "optim": "grpo-jax always uses AdamW (optax.adamw); drop optim",
+    "use_dora": "grpo-jax's adapters are LoRA (no DoRA); drop use_dora",
+    "lora_modules_to_save": "only the LoRA adapters are trained; drop lora_modules_to_save",
+    "use_bnb_nested_quant": "the 4-bit base keeps fp32 scales (no nested quantization); drop "
+                            "use_bnb_nested_quant",
 }
 _NONE_WORDS = ("none", "null", "~")
 

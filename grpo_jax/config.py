@@ -22,6 +22,7 @@ from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.grpo.optimizer import OptimizerConfig
 from grpo_jax.mesh import MeshConfig
 from grpo_jax.models.config import Numerics
+from grpo_jax.models.lora import PeftArgs
 from grpo_jax.rollout.sampling import SamplingParams
 
 @dataclass(frozen=True)
@@ -255,6 +256,9 @@ class _TrainConfig:
         _check(not (self.grpo.sync_ref_model and not self.loss.beta),  # TRL raises it too
                "sync_ref_model is set while beta is 0: with beta 0 no reference model is kept, "
                "so there is nothing to synchronize. Set sync_ref_model false, or beta > 0")
+        _check(not (self.grpo.sync_ref_model and self.peft.use_peft), "sync_ref_model with "
+               "use_peft: the reference is the base model with the adapters off, which never "
+               "changes; set sync_ref_model false")
 
     def batch_plan(self, data_parallel_size: int = 1) -> BatchPlan:
         """TRL's batch relations for `data_parallel_size` shards (TRL: num_processes)."""
@@ -299,7 +303,7 @@ class _TrainConfig:
 # Section name -> its settings dataclass. TrainConfig is a frozen dataclass with one field per
 # section, in this order, each defaulting to its dataclass's defaults.
 SECTIONS: dict[str, type] = {
-    "model": ModelArgs, "numerics": Numerics, "data": DataArgs, "grpo": GRPOArgs,
+    "model": ModelArgs, "peft": PeftArgs, "numerics": Numerics, "data": DataArgs, "grpo": GRPOArgs,
     "loss": LossConfig, "generation": SamplingParams, "optim": OptimizerConfig,
     "batch": BatchArgs, "eval": EvalArgs, "rollout": RolloutArgs, "mesh": MeshConfig,
     "run": RunArgs, "distributed": DistributedArgs,

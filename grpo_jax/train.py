@@ -24,8 +24,8 @@ from grpo_jax import config as config_lib
 from grpo_jax import data as data_lib
 from grpo_jax import distributed as dist
 from grpo_jax import evaluation
-from grpo_jax import hf
 from grpo_jax import mesh as mesh_lib
+from grpo_jax import peft_io
 from grpo_jax import rewards as rewards_lib
 from grpo_jax.checkpoint import BufferFiles, Checkpointer, RefCheckpoints, StopSignal
 from grpo_jax.errors import GrpoJaxError
@@ -33,7 +33,7 @@ from grpo_jax.grpo.train_step import StepConfig
 from grpo_jax.logger import MetricsLogger
 from grpo_jax.rollout.engines import make_rollout
 from grpo_jax.rollout.sampler import reference_copy
-from grpo_jax.trainer import GRPORound, Scores, Trainer, aggregate
+from grpo_jax.trainer import ADAPTERS_OFF, GRPORound, Scores, Trainer, aggregate
 
 
 EVAL_KEY_TAG = 0x4556414C  # "EVAL": evaluation's sampling keys, apart from the rounds'
@@ -91,13 +91,15 @@ class RewardScorer:
 
 def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     """Run (or resume) training on `devices` (default: all). Returns the last metrics."""
+    # A PEFT adapter directory as the model: its base, its settings, its weights to start from.
+    cfg = peft_io.adapter_settings(cfg)
     out = Path(cfg.run.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
     eval_prompts = (cfg.eval_prompts_per_batch(mesh_lib.batch_divisor(mesh)) if cfg.eval.enabled
                     else 0)
     # Each weight is read straight onto its sharding: no device holds a whole copy.
-    model, model_dir = hf.load_model(cfg.model.name_or_path, mesh, numerics=cfg.numerics)
+    model, model_dir = peft_io.load_model(cfg, mesh)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dataset = data_lib.load_prompts(cfg.data, tokenizer)
     if dataset.num_truncated and dist.is_main():
@@ -118,8 +120,8 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     run_round = GRPORound(
         trainer, rollout, plan, scorer, scorer.names, g.scale_rewards, g.reward_weights,
         # beta = 0: no reference model is kept at all.
-        ref_params=(reference_copy(state.params, trainer.model_config.dtype) if cfg.loss.beta
-                    else None),
+        ref_params=(None if not cfg.loss.beta else ADAPTERS_OFF if cfg.peft.use_peft
+                    else reference_copy(state.params, trainer.model_config.dtype)),
         aggregation=g.multi_objective_aggregation,
         ref_sync=(g.ref_model_sync_steps, g.ref_model_mixup_alpha) if g.sync_ref_model else None)
     g_eval = cfg.eval.num_generations_eval or g.num_generations
@@ -167,7 +169,8 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
             cfg, distributed=dataclasses.replace(cfg.distributed, process_id=None)).to_yaml())
     logger = MetricsLogger(out, cfg.run, total_steps=total_steps, start_step=int(state.step),
                            enabled=dist.is_main())
-    rollout.update_weights(state.params)
+    if getattr(rollout, "syncs_weights", True):
+        rollout.update_weights(trainer.rollout_params(state.params))
     base_key = jax.random.key(cfg.data.seed)
     eval_key = jax.random.fold_in(base_key, EVAL_KEY_TAG)
 

@@ -27,16 +27,38 @@ from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.optimizer import OptimizerConfig, make_optimizer
 from grpo_jax.grpo.train_step import (StepConfig, TrainState, batch_loss, completion_logps,
                                       init_train_state, state_shardings, train_step)
+from grpo_jax.models import lora
+
+
+class AdaptersOff:
+    """GRPORound's ref_params with LoRA: the reference is the base model with the adapters
+    off, as TRL does with PEFT (no second copy of the model)."""
+
+
+ADAPTERS_OFF = AdaptersOff()
 
 
 class Trainer:
-    """Holds the compiled step and log-prob programs for one model, optimizer and mesh."""
+    """Holds the compiled step and log-prob programs for one model, optimizer and mesh.
+
+    A model with LoRA adapters (models/lora.py) trains only them: the state's params (and so the
+    optimizer state, gradients and checkpoints) are the adapters; the base's params stay frozen
+    in `self.frozen`, an argument of the programs that is never donated or updated."""
 
     def __init__(self, model, step_cfg: StepConfig, optim: OptimizerConfig, total_steps: int,
                  mesh: Mesh):
         self.cfg, self.mesh = step_cfg, mesh
         self.model_config = model.cfg
-        self.graphdef, params = nnx.split(model, nnx.Param)
+        self.lora_scale = getattr(model, "lora_scale", None)
+        self.frozen: tuple = ()
+        if self.lora_scale is None:
+            self.graphdef, params = nnx.split(model, nnx.Param)
+        else:
+            self.graphdef, params, base = nnx.split(model, lora.LoraParam, nnx.Param)
+            self.base_shardings = mesh_lib.param_shardings(base, mesh)
+            self.frozen = (jax.device_put(base, self.base_shardings),)
+            self._merge = jax.jit(lambda base, adapters: lora.merge_into_base(
+                base, adapters, self.lora_scale))
         self.tx, schedule = make_optimizer(optim, total_steps)
         self.param_shardings = mesh_lib.param_shardings(params, mesh)
         # A copy: the step donates its state, which must not free the caller's model arrays.
@@ -44,6 +66,10 @@ class Trainer:
         # for a replicated array that already sits on one of the mesh's devices.
         params = jax.tree.map(lambda x, s: jax.device_put(x, s).copy(), params,
                               self.param_shardings)
+        if self.lora_scale is not None:
+            # The reference runs the same program with every adapter at zero: x W + (x A) 0 is
+            # x W exactly, and the base (quantized or not) is shared, never copied.
+            self.adapters_off = jax.tree.map(jnp.zeros_like, params)
         replicated = NamedSharding(mesh, P())
         abstract = jax.eval_shape(self._init, params)
         opt_shardings = optax.tree_map_params(
@@ -59,20 +85,20 @@ class Trainer:
             return jax.lax.with_sharding_constraint(
                 x, mesh_lib.logical_sharding(mesh, None, "batch", *[None] * (x.ndim - 2)))
         self._step = jax.jit(
-            lambda state, batch: train_step(self.graphdef, self.tx, schedule, step_cfg, state,
-                                            batch, constrain),
+            lambda state, batch, frozen: train_step(self.graphdef, self.tx, schedule, step_cfg,
+                                                    state, batch, constrain, frozen),
             out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
-        self._logps = jax.jit(self._logps_fn, out_shardings=replicated)
-        self._eval = jax.jit(lambda state, batch: batch_loss(self.graphdef, step_cfg, state, batch),
-                             out_shardings=replicated)
+        self._logps = jax.jit(self._logps_fn, out_shardings=replicated, static_argnums=(0,))
+        self._eval = jax.jit(lambda state, batch, frozen: batch_loss(
+            self.graphdef, step_cfg, state, batch, frozen), out_shardings=replicated)
         # The reference's buffers are donated: the mix replaces them in place on the devices.
         self._mix = jax.jit(mix_params, out_shardings=self.param_shardings, donate_argnums=(1,))
 
     def _init(self, params) -> TrainState:
         return init_train_state(params, self.tx.init(params), self.cfg.loss)
 
-    def _logps_fn(self, params, batch: Batch):
-        model = nnx.merge(self.graphdef, params)
+    def _logps_fn(self, graphdef, params, batch: Batch, frozen=()):
+        model = nnx.merge(graphdef, params, *frozen)
         logp, _ = completion_logps(model, batch, self.cfg.temperature, self.cfg.logprob_chunk)
         return logp
 
@@ -83,12 +109,12 @@ class Trainer:
 
     def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         """One update; the metrics stay on the device (jax.device_get them when needed)."""
-        return self._step(state, self.shard_batch(batch))
+        return self._step(state, self.shard_batch(batch), self.frozen)
 
     def eval_metrics(self, state: TrainState, batch: Batch) -> dict:
         """TRL's evaluation loss and loss metrics of `batch` (one micro-batch, no update); on
         the device, like step's."""
-        return self._eval(state, self.shard_batch(batch))
+        return self._eval(state, self.shard_batch(batch), self.frozen)
 
     def mix_ref(self, params, ref, alpha: float):
         """TR-DPO's reference update alpha * params + (1 - alpha) * ref, on the devices with the
@@ -96,17 +122,24 @@ class Trainer:
         return self._mix(params, ref, np.float32(alpha), np.float32(1.0 - alpha))
 
     def logps(self, params, batch: Batch, rows: int | None = None) -> np.ndarray:
-        """Completion log-probs without gradients: old (num_iterations > 1) or reference, on
-        the host. `rows`: computed that many rows at a time (a micro-batch's worth, so the
-        program's memory is bounded by the update's, not the generation batch's) when they
-        divide the batch; else all at once."""
+        """Completion log-probs without gradients: old (num_iterations > 1) or reference
+        (ADAPTERS_OFF: the base model's), on the host. `rows`: computed that many rows at a
+        time (a micro-batch's worth, so the program's memory is bounded by the update's, not
+        the generation batch's) when they divide the batch; else all at once."""
         seqs = batch.replace(old_logp=None, ref_logp=None, sampler_logp=None)
+        if params is ADAPTERS_OFF:
+            params = self.adapters_off
         n = seqs.size
         step = rows if rows and n % rows == 0 else n
         # Every part is dispatched before the first is read back.
-        parts = [self._logps(params, self.shard_batch(seqs.rows(slice(i, i + step))))
-                 for i in range(0, n, step)]
+        parts = [self._logps(self.graphdef, params, self.shard_batch(
+            seqs.rows(slice(i, i + step))), self.frozen) for i in range(0, n, step)]
         return np.concatenate([np.asarray(p) for p in parts])
+
+    def rollout_params(self, params):
+        """The full model's params for a sampler or server: `params` themselves, or with LoRA
+        the base with the adapters merged in (one fused program, once per round)."""
+        return params if self.lora_scale is None else self._merge(self.frozen[0], params)
 
 
 def mix_params(params, ref, alpha, keep):
@@ -251,7 +284,9 @@ class GRPORound:
         # are donated to a mix, as the state's to a step: no final checkpoint after a failure).
         self.buffer, self.ref_params = buffer[n * gas:], ref
         t4 = time.perf_counter()
-        sync_time = self.rollout.update_weights(state.params) if n else None
+        sync_time = None
+        if n and getattr(self.rollout, "syncs_weights", True):  # (a LoRA merge is not free)
+            sync_time = self.rollout.update_weights(trainer.rollout_params(state.params))
 
         metrics.setdefault("timing/generate", 0.0)
         metrics.setdefault("timing/logprobs", 0.0)  # reference and old log-probs
@@ -269,7 +304,8 @@ class GRPORound:
         The metrics are TRL's per generation batch, with timing/generate and timing/logprobs."""
         g = num_generations or self.plan.num_generations
         t0 = time.perf_counter()
-        r = self.rollout.generate(params, [rec["prompt_ids"] for rec in records], g, key)
+        r = self.rollout.generate(self.trainer.rollout_params(params),
+                                  [rec["prompt_ids"] for rec in records], g, key)
         t1 = time.perf_counter()
         scores = (score or self.score)(records, r)
         rewards, advantages, stats = adv_lib.compute_advantages(

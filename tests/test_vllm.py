@@ -362,13 +362,21 @@ def _train_config(model_dir, out, base_url, **extra):
     return load_config(None, [f"{k}={v}" for k, v in sets.items()])
 
 
+LORA = {"use_peft": "true", "lora_r": 4, "lora_alpha": 16, "lora_target_modules": "all-linear",
+        "learning_rate": 2e-2}
+
+
 @needs_vllm
-def test_grpo_run_with_vllm_rollouts(server, client, model_dir, tmp_path):
+@pytest.mark.parametrize("extra", [{}, LORA], ids=["full", "lora_merged_sync"])
+def test_grpo_run_with_vllm_rollouts(server, client, model_dir, tmp_path, extra):
+    """With LoRA the server gets the base with the adapters merged after each update; the
+    trainer's own forward (base + adapters, unmerged) is the oracle."""
     import json as _json
 
     from grpo_jax.checkpoint import load_checkpoint
     from grpo_jax.train import train
-    train(_train_config(model_dir, tmp_path / "run", server.base_url), devices=jax.devices()[:1])
+    train(_train_config(model_dir, tmp_path / "run", server.base_url, **extra),
+          devices=jax.devices()[:1])
     hist = [_json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert [h["step"] for h in hist] == [1, 2, 3]
     for h in hist:
@@ -376,12 +384,17 @@ def test_grpo_run_with_vllm_rollouts(server, client, model_dir, tmp_path):
         assert h["sampling/sampling_logp_difference/mean"] < 1e-4, h
         assert abs(h["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3, h
         assert h["timing/weight_sync"] > 0
+    print(f"{extra and 'LoRA, merged' or 'full'} weight sync: "
+          f"{[round(h['timing/weight_sync'], 3) for h in hist]} s")
     # After the last update and sync, the server serves the trained weights.
     model, _, step = load_checkpoint(tmp_path / "run")
     model.cfg = model.cfg.replace(dtype=jnp.float32)
     got = client.logprobs_for(PROMPTS, COMPLETIONS)
     for p, c, g in zip(PROMPTS, COMPLETIONS, got):
         assert np.abs(g - trainer_logp(model, p, c)).max() < 1e-4
+        if extra:  # the adapters moved the model away from the base the server started with
+            assert np.abs(g - trainer_logp(load_model(str(model_dir), dtype=jnp.float32)[0],
+                                           p, c)).max() > 1e-3
 
 
 @needs_vllm

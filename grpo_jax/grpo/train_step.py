@@ -70,21 +70,22 @@ def completion_logps(model, batch: Batch, temperature: float, chunk: int):
                           chunk_size=chunk)
 
 
-def _micro_loss(params, graphdef, cfg: StepConfig, mb: Batch) -> loss_lib.MicroLoss:
-    model = nnx.merge(graphdef, params)
+def _micro_loss(params, graphdef, cfg: StepConfig, mb: Batch, frozen=()) -> loss_lib.MicroLoss:
+    model = nnx.merge(graphdef, params, *frozen)
     logp, entropy = completion_logps(model, mb, cfg.temperature, cfg.logprob_chunk)
     return loss_lib.micro_loss_terms(logp, entropy, mb, cfg.loss)
 
 
 def loss_and_grads(graphdef, cfg: StepConfig, params, batch: Batch,
                    constrain: Callable[[jax.Array], jax.Array] = lambda x: x,
-                   entropy_coef=None):
+                   entropy_coef=None, frozen=()):
     """Exact (loss, grads, metric sums) of the model's params over `batch`, split into
     gradient_accumulation_steps micro-batches (accumulate). `entropy_coef`: the entropy bonus's
     coefficient to apply (None: the config's). `constrain` lays out each [k, rows, ...] split
-    (the trainer keeps rows on the batch axes)."""
-    return accumulate(lambda p, mb, _: _micro_loss(p, graphdef, cfg, mb), cfg, params, batch,
-                      constrain, entropy_coef)
+    (the trainer keeps rows on the batch axes). `frozen`: states of the model that are not
+    trained (with LoRA, the base's params), merged with `params` into the model."""
+    return accumulate(lambda p, mb, _: _micro_loss(p, graphdef, cfg, mb, frozen), cfg, params,
+                      batch, constrain, entropy_coef)
 
 
 def accumulate(micro_loss: Callable[[Any, Batch, jax.Array], loss_lib.MicroLoss],
@@ -126,13 +127,13 @@ def accumulate(micro_loss: Callable[[Any, Batch, jax.Array], loss_lib.MicroLoss]
     return loss, grads, sums
 
 
-def batch_loss(graphdef, cfg: StepConfig, state: TrainState, batch: Batch):
+def batch_loss(graphdef, cfg: StepConfig, state: TrainState, batch: Batch, frozen=()):
     """TRL's evaluation loss: `batch` as one micro-batch (no accumulation), no gradients, with
     the entropy bonus the next step would apply (evaluation never moves its controller).
     Returns the metrics of a step (TRL's names), "loss" among them."""
     lc = cfg.loss
     coef = loss_lib.applied_entropy_coef(state.entropy_coef, state.last_entropy, lc)
-    out = _micro_loss(state.params, graphdef, cfg, batch)
+    out = _micro_loss(state.params, graphdef, cfg, batch, frozen)
     den = loss_lib.loss_denominator(batch.completion_mask, batch.truncated, lc, batch.num_items)
     loss = out.numerator / jnp.maximum(den, 1e-8)
     if out.entropy_mean is not None:
@@ -161,18 +162,19 @@ def finish_entropy_control(state: TrainState, metrics: dict, loss: loss_lib.Loss
 
 def train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule,
                cfg: StepConfig, state: TrainState, batch: Batch,
-               constrain: Callable[[jax.Array], jax.Array] = lambda x: x):
+               constrain: Callable[[jax.Array], jax.Array] = lambda x: x, frozen=()):
     """One optimizer update over `batch` ([N, ...] arrays, N = micro-batches x micro size).
     `tx` skips non-finite updates (grpo.optimizer); the step counts them all the same, as
     TRL's global_step does, and reports the skip. With use_adaptive_entropy the entropy
     coefficient moves once per step (a skipped update too, as in TRL), from the step's
-    token-mean entropy."""
+    token-mean entropy. `frozen`: see loss_and_grads; only state.params are trained."""
     lc = cfg.loss
     if lc.use_adaptive_entropy and state.entropy_coef is None:
         raise ValueError("use_adaptive_entropy carries its coefficient in TrainState: build the "
                          "state with init_train_state (and its shardings with state_shardings)")
     coef = loss_lib.applied_entropy_coef(state.entropy_coef, state.last_entropy, lc)
-    loss, grads, sums = loss_and_grads(graphdef, cfg, state.params, batch, constrain, coef)
+    loss, grads, sums = loss_and_grads(graphdef, cfg, state.params, batch, constrain, coef,
+                                       frozen)
     updates, new_opt = tx.update(grads, state.opt_state, state.params)
     new_state = TrainState(optax.apply_updates(state.params, updates), new_opt, state.step + 1,
                            state.entropy_coef, state.last_entropy)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from grpo_jax.models import lora
 from grpo_jax.models.config import ModelConfig
 
 # name -> (shape, logical axes). L layers, D embed, H heads, K kv heads, Dh head dim, F mlp, V vocab.
@@ -96,9 +97,11 @@ class Decoder(nnx.Module):
         return self.lm_head[...]
 
     def layer_params(self) -> dict[str, jax.Array]:
-        """The stacked per-layer weights, by table name without the 'layers/' prefix."""
-        return {name[7:]: getattr(self.layers, name[7:])[...]
-                for name in param_table(self.cfg) if name.startswith("layers/")}
+        """The stacked per-layer weights, by table name without the 'layers/' prefix, and the
+        LoRA adapters and quantized weights' scales when the model has them (models/lora.py)."""
+        return {**{name[7:]: getattr(self.layers, name[7:])[...]
+                   for name in param_table(self.cfg) if name.startswith("layers/")},
+                **lora.layer_extras(self)}
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         w = self.head_weight().astype(self.cfg.dtype)
@@ -217,9 +220,9 @@ def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None):
     dt = cfg.dtype
     w = lambda name: p[name].astype(dt)  # noqa: E731
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, dt)
-    q = jnp.einsum("btd,dhk->bthk", h, w("wq"))
-    k = jnp.einsum("btd,dhk->bthk", h, w("wk"))
-    v = jnp.einsum("btd,dhk->bthk", h, w("wv"))
+    q = lora.project(p, "wq", "btd,dhk->bthk", h, dt)
+    k = lora.project(p, "wk", "btd,dhk->bthk", h, dt)
+    v = lora.project(p, "wv", "btd,dhk->bthk", h, dt)
     if cfg.qkv_bias:
         q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
     if cfg.qk_norm:
@@ -249,11 +252,11 @@ def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None):
                                             implementation="cudnn")
     else:
         attn = attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask)
-    x = x + jnp.einsum("bthk,hkd->btd", attn, w("wo"))
+    x = x + lora.project(p, "wo", "bthk,hkd->btd", attn, dt)
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, dt)
-    gate = jnp.einsum("btd,df->btf", h, w("w_gate"))
-    up = jnp.einsum("btd,df->btf", h, w("w_up"))
-    x = x + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w("w_down"))
+    gate = lora.project(p, "w_gate", "btd,df->btf", h, dt)
+    up = lora.project(p, "w_up", "btd,df->btf", h, dt)
+    x = x + lora.project(p, "w_down", "btf,fd->btd", jax.nn.silu(gate) * up, dt)
     return x, ck, cv
 
 

@@ -27,6 +27,8 @@ def pad_id(tokenizer) -> int:
 class JaxRollout:
     """The native sampler: it reads the trainer's params directly, so there is nothing to sync."""
 
+    syncs_weights = False  # GRPORound need not build weights for update_weights
+
     def __init__(self, model_cfg, params: SamplingParams, *, pad_id: int, mesh):
         self.sampler = Sampler(model_cfg, params, pad_id=pad_id, mesh=mesh)
 

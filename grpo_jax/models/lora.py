@@ -1,0 +1,174 @@
+"""LoRA adapters on the decoder's projections, with PEFT's semantics and TRL's setting names.
+
+An adapter of projection W (our layout [L, in..., out...]) is A [L, in..., r] and
+B [L, r, out...]; the layer computes x W + scale * (x A) B with scale = lora_alpha / r
+(lora_alpha / sqrt(r) with use_rslora). A starts as PEFT's kaiming-uniform, B at zero, so
+training starts at the base model.
+
+Why not qwix: qwix's LoRA intercepts flax Linear/Einsum modules (or jnp.einsum calls inside a
+module it rewrites) and makes one adapter per intercepted call. The decoder has no such modules:
+its weights are stacked [L, ...] arrays fed to one lax.scan, so an intercepted einsum inside the
+scan body would get a single unstacked adapter shared by every layer, and the adapters would not
+carry the layer axis that sharding, checkpoints and PEFT's per-layer keys need. The few lines
+below put stacked adapters beside the stacked weights instead, and `project` adds them at the
+projection sites.
+
+The adapters are `LoraParam` variables (not `nnx.Param`): `nnx.split(model, LoraParam,
+nnx.Param)` separates what is trained from the frozen base, and everything that reads
+`nnx.Param` (sampler, HF export) sees the plain base model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from grpo_jax.errors import check
+from grpo_jax.models import quant
+
+# PEFT's module names -> the decoder's stacked weights.
+TARGETS = dict(zip(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                   quant.PROJECTIONS))
+# PEFT's default target_modules for the llama / qwen2 / qwen3 families.
+DEFAULT_TARGETS = ("q_proj", "v_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class PeftArgs:
+    """The config's `peft` section: TRL's ModelConfig names (PEFT's LoraConfig behind them)."""
+
+    use_peft: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    # TRL's default is 0.05. Dropout on the adapter input needs a random key threaded through
+    # the layer scan, which the decoder does not have yet: > 0 is refused, never ignored.
+    lora_dropout: float = 0.0
+    # Names of PEFT's modules, or "all-linear"; None: PEFT's default for the model (q, v).
+    lora_target_modules: tuple[str, ...] | None = None
+    use_rslora: bool = False  # scale lora_alpha / sqrt(r) instead of lora_alpha / r
+    # QLoRA: the frozen base's projections stored as int8 or 4-bit codes (models/quant.py).
+    load_in_8bit: bool = False
+    load_in_4bit: bool = False
+    bnb_4bit_quant_type: str = "nf4"
+
+    def __post_init__(self):
+        check(not (self.load_in_8bit and self.load_in_4bit),
+              "load_in_8bit and load_in_4bit are both set: choose one")
+        check(self.use_peft or not (self.load_in_8bit or self.load_in_4bit),
+              "load_in_8bit / load_in_4bit quantize a frozen base, which only LoRA trains "
+              "around: set use_peft: true (a quantized model can't be fine-tuned itself)")
+        check(self.bnb_4bit_quant_type == "nf4", f"bnb_4bit_quant_type="
+              f"{self.bnb_4bit_quant_type!r} is not supported: grpo-jax's 4-bit base is nf4")
+        check(self.lora_r >= 1, f"lora_r must be >= 1 (the adapters' rank), got {self.lora_r}")
+        check(self.lora_dropout == 0, f"lora_dropout={self.lora_dropout}: dropout on the LoRA "
+              "input is not implemented in grpo-jax yet; set lora_dropout: 0")
+        self.targets()  # bad names fail when the config is read
+
+    @property
+    def quant_bits(self) -> int | None:
+        return 8 if self.load_in_8bit else 4 if self.load_in_4bit else None
+
+    @property
+    def scale(self) -> float:
+        return self.lora_alpha / (math.sqrt(self.lora_r) if self.use_rslora else self.lora_r)
+
+    def target_modules(self) -> tuple[str, ...]:
+        """PEFT's names of the adapted modules, in the decoder's order."""
+        names = self.lora_target_modules or DEFAULT_TARGETS
+        if isinstance(names, str):
+            names = (names,)
+        if "all-linear" in names:
+            return tuple(TARGETS)
+        unknown = [n for n in names if n not in TARGETS]
+        check(not unknown, f"lora_target_modules {unknown} match no module of the decoder; use "
+              f"some of {', '.join(TARGETS)}, or all-linear")
+        return tuple(n for n in TARGETS if n in names)
+
+    def targets(self) -> tuple[str, ...]:
+        """The decoder's weight names of the adapted modules."""
+        return tuple(TARGETS[n] for n in self.target_modules())
+
+
+class LoraParam(nnx.Variable):
+    """An adapter matrix: trained, while the base's nnx.Param stay frozen."""
+
+
+def add_adapters(model, peft: PeftArgs, key: jax.Array, dtype=None) -> None:
+    """Give `model` (a Decoder) fresh adapters in `dtype` (default: the model's param dtype):
+    A kaiming-uniform as PEFT's (bound 1/sqrt(fan_in)), B zero. Axes follow the weight's."""
+    dtype = model.cfg.param_dtype if dtype is None else dtype
+    model.lora_scale = peft.scale
+    for i, leaf in enumerate(peft.targets()):
+        w = getattr(model.layers, leaf)
+        n_in = quant.num_inputs(leaf)
+        shape, axes = w.shape, w.axes
+        a_shape = (*shape[:1 + n_in], peft.lora_r)
+        bound = 1.0 / math.sqrt(math.prod(shape[1:1 + n_in]))
+        a = jax.random.uniform(jax.random.fold_in(key, i), a_shape, jnp.float32, -bound, bound)
+        setattr(model.layers, f"{leaf}_lora_a",
+                LoraParam(a.astype(dtype), axes=(*axes[:1 + n_in], None)))
+        setattr(model.layers, f"{leaf}_lora_b", LoraParam(
+            jnp.zeros((shape[0], peft.lora_r, *shape[1 + n_in:]), dtype),
+            axes=(axes[0], None, *axes[1 + n_in:])))
+
+
+def layer_extras(model) -> dict[str, jax.Array]:
+    """What the layer scan needs beyond the param table: the stacked adapters
+    {leaf_lora_a: A, leaf_lora_b: scale * B} and a quantized base's `leaf_qscale` scales ({} for
+    a plain model). B is scaled here, once per forward, so the scan body needs no static
+    scale."""
+    scale = getattr(model, "lora_scale", None)
+    out = {}
+    for name, var in vars(model.layers).items():
+        if name.endswith("_qscale"):
+            out[name] = var[...]
+        elif isinstance(var, LoraParam) and scale is not None:
+            out[name] = var[...] * scale if name.endswith("_lora_b") else var[...]
+    return out
+
+
+def project(p: dict, leaf: str, eq: str, x: jax.Array, dtype) -> jax.Array:
+    """einsum(eq, x, W) for weight `leaf` of layer params `p`, plus its adapter when `p` has
+    one: (x A) B, contracted in two small matmuls (never forming the [in, out] delta). A
+    quantized weight is dequantized to `dtype` here, inside the layer."""
+    y = jnp.einsum(eq, x, quant.weight(p, leaf, dtype))
+    if f"{leaf}_lora_a" not in p:
+        return y
+    lhs, out = eq.split("->")
+    xs, ws = lhs.split(",")
+    ins = "".join(c for c in ws if c in xs)
+    outs = "".join(c for c in ws if c not in xs)
+    r = jnp.einsum(f"{xs},{ins}r->btr", x, p[f"{leaf}_lora_a"].astype(dtype))
+    return y + jnp.einsum(f"btr,r{outs}->{out}", r, p[f"{leaf}_lora_b"].astype(dtype))
+
+
+def merged_weight(w: jax.Array, a: jax.Array, b_scaled: jax.Array) -> jax.Array:
+    """W + A (scale B) for stacked [L, in..., out...] W, in fp32, cast back to W's dtype."""
+    L, r = a.shape[0], a.shape[-1]
+    delta = jnp.matmul(a.reshape(L, -1, r).astype(jnp.float32),
+                       b_scaled.reshape(L, r, -1).astype(jnp.float32))
+    return (w.astype(jnp.float32) + delta.reshape(w.shape)).astype(w.dtype)
+
+
+def merge_into_base(base, adapters, scale: float):
+    """The base's nnx.Param state with each adapted weight replaced by W + scale * A B: the
+    weights the sampler (and a vLLM server) run; a quantized base comes back dequantized.
+    `adapters`: the LoraParam state."""
+    merged = jax.tree.map(lambda x: x, quant.dequantized_base(base))  # a new State
+    layers = adapters["layers"]
+    for name in layers:
+        if name.endswith("_lora_a"):
+            leaf = name[:-len("_lora_a")]
+            var = merged["layers"][leaf]
+            var.set_value(merged_weight(var.get_value(), layers[name].get_value(),
+                                        layers[f"{leaf}_lora_b"].get_value() * scale))
+    return merged
+
+
+def count(state) -> int:
+    """Number of scalars in a state (e.g. the trainable adapters)."""
+    return sum(x.size for x in jax.tree.leaves(state))

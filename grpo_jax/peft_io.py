@@ -1,0 +1,192 @@
+"""LoRA adapters in and out as PEFT adapter directories, and the model a LoRA run starts from.
+
+A PEFT adapter directory holds `adapter_config.json` and `adapter_model.safetensors` with keys
+like `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` ([r, in], torch's
+Linear layout) and `...lora_B.weight` ([out, r]). Ours are stacked over layers with the
+weight's own dims: A [L, in..., r], B [L, r, out...] (models/lora.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import safetensors.numpy
+from flax import nnx
+
+from grpo_jax import hf
+from grpo_jax.errors import ConfigError, GrpoJaxError
+from grpo_jax.models import Decoder, lora, quant
+
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+PREFIX = "base_model.model."
+
+
+class AdapterError(GrpoJaxError, ValueError):
+    """A PEFT adapter that can't be used with this model."""
+
+
+def adapter_dir(name_or_path: str) -> Path | None:
+    """The directory when `name_or_path` is a PEFT adapter directory, else None."""
+    path = Path(name_or_path).expanduser()
+    return path if (path / CONFIG_NAME).is_file() else None
+
+
+def read_adapter_config(path: Path) -> dict:
+    conf = json.loads((path / CONFIG_NAME).read_text())
+    problems = []
+    if conf.get("peft_type", "LORA") != "LORA":
+        problems.append(f"peft_type {conf['peft_type']!r} (only LORA)")
+    for key, ok in (("use_dora", False), ("bias", "none"), ("modules_to_save", None),
+                    ("layers_to_transform", None), ("fan_in_fan_out", False)):
+        if conf.get(key, ok) not in (ok, [] if ok is None else ok):
+            problems.append(f"{key}={conf[key]!r} (grpo-jax needs {ok!r})")
+    if not conf.get("base_model_name_or_path"):
+        problems.append("no base_model_name_or_path (set it to the base model's directory)")
+    if problems:
+        raise AdapterError(f"PEFT adapter {path}: {'; '.join(problems)}")
+    return conf
+
+
+def adapter_settings(cfg):
+    """`cfg` with, when model.name_or_path is a PEFT adapter directory, the adapter's rank,
+    alpha, target modules and rslora in the `peft` section (the adapter's shape decides)."""
+    path = adapter_dir(cfg.model.name_or_path)
+    if path is None:
+        return cfg
+    if not cfg.peft.use_peft:
+        raise ConfigError(f"model {path} is a PEFT adapter: set use_peft: true to train it, or "
+                          "export a merged model and train that")
+    conf = read_adapter_config(path)
+    targets = conf.get("target_modules") or list(lora.DEFAULT_TARGETS)
+    targets = [targets] if isinstance(targets, str) else targets
+    # PEFT matches a name against the end of a module's path; all-linear is saved as paths.
+    targets = tuple(dict.fromkeys(t.rsplit(".", 1)[-1] for t in targets))
+    peft = dataclasses.replace(
+        cfg.peft, lora_r=int(conf["r"]), lora_alpha=conf.get("lora_alpha", 8),
+        lora_target_modules=targets,
+        use_rslora=bool(conf.get("use_rslora", False)))
+    if peft != cfg.peft:
+        print(f"LoRA settings from {path / CONFIG_NAME}: r={peft.lora_r}, "
+              f"alpha={peft.lora_alpha}, targets={list(peft.target_modules())}, "
+              f"rslora={peft.use_rslora}", file=sys.stderr)
+    return dataclasses.replace(cfg, peft=peft)
+
+
+def base_name(cfg) -> str:
+    path = adapter_dir(cfg.model.name_or_path)
+    return (read_adapter_config(path)["base_model_name_or_path"] if path
+            else cfg.model.name_or_path)
+
+
+def load_model(cfg, mesh):
+    """(model, base model directory) for a run: the base on `mesh`; with use_peft the base
+    kept in the compute dtype (it is never updated; with load_in_8bit/4bit its projections
+    quantized) and fresh adapters in the param dtype, or
+    the adapter's weights when model.name_or_path is a PEFT adapter directory."""
+    numerics = cfg.numerics
+    if not cfg.peft.use_peft:
+        return hf.load_model(cfg.model.name_or_path, mesh, numerics=numerics)
+    frozen = dataclasses.replace(numerics, param_dtype=numerics.dtype)
+    model, model_dir = hf.load_model(base_name(cfg), mesh, numerics=frozen)
+    if cfg.peft.quant_bits:
+        quant.quantize_model(model, cfg.peft.quant_bits)
+    lora.add_adapters(model, cfg.peft, jax.random.key(cfg.data.seed),
+                      dtype=jnp.dtype(numerics.param_dtype))
+    path = adapter_dir(cfg.model.name_or_path)
+    if path is not None:
+        load_adapter(model, path)
+    return model, model_dir
+
+
+def _keys(model) -> dict[str, str]:
+    """Our leaf -> PEFT's key pattern ({i}: layer, {m}: lora_A or lora_B)."""
+    names = hf._hf_names(model.cfg)
+    return {leaf: PREFIX + names[f"layers/{leaf}"][:-len("weight")] + "{m}.weight"
+            for leaf in _adapted(model)}
+
+
+def _adapted(model) -> list[str]:
+    return [name[:-len("_lora_a")] for name in vars(model.layers) if name.endswith("_lora_a")]
+
+
+def adapter_tensors(model, dtype: str = "float32") -> dict[str, np.ndarray]:
+    """The model's adapters under PEFT's key names and layouts."""
+    out = {}
+    for leaf, key in _keys(model).items():
+        a = np.asarray(jax.device_get(getattr(model.layers, f"{leaf}_lora_a")[...]))
+        b = np.asarray(jax.device_get(getattr(model.layers, f"{leaf}_lora_b")[...]))
+        r = a.shape[-1]
+        for i in range(model.cfg.num_layers):
+            out[key.format(i=i, m="lora_A")] = a[i].reshape(-1, r).T.astype(dtype)
+            out[key.format(i=i, m="lora_B")] = b[i].reshape(r, -1).T.astype(dtype)
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def save_adapter(model, peft: lora.PeftArgs, out_dir, base: str,
+                 dtype: str = "float32") -> Path:
+    """A PEFT adapter directory that `peft.PeftModel.from_pretrained(base_model, out_dir)`
+    loads."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    safetensors.numpy.save_file(adapter_tensors(model, dtype), out / WEIGHTS_NAME,
+                                metadata={"format": "pt"})
+    conf = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
+            "r": peft.lora_r, "lora_alpha": peft.lora_alpha, "lora_dropout": peft.lora_dropout,
+            "target_modules": list(peft.target_modules()), "use_rslora": peft.use_rslora,
+            "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+            "init_lora_weights": True, "modules_to_save": None, "use_dora": False}
+    (out / CONFIG_NAME).write_text(json.dumps(conf, indent=2))
+    return out
+
+
+def load_adapter(model, path: Path) -> None:
+    """Set `model`'s adapters (made with the adapter's settings) from a PEFT directory."""
+    file = Path(path) / WEIGHTS_NAME
+    if not file.is_file():
+        raise AdapterError(f"{path} has no {WEIGHTS_NAME} (only safetensors adapters are read)")
+    tensors = safetensors.numpy.load_file(file)
+    base = read_adapter_config(Path(path))["base_model_name_or_path"]
+    for leaf, key in _keys(model).items():
+        for m, suffix in (("lora_A", "_lora_a"), ("lora_B", "_lora_b")):
+            var = getattr(model.layers, leaf + suffix)
+            shape = var.shape[1:]
+            expected = (shape[-1], int(np.prod(shape[:-1]))) if m == "lora_A" else (
+                int(np.prod(shape[1:])), shape[0])
+            layers = []
+            for i in range(model.cfg.num_layers):
+                name = key.format(i=i, m=m)
+                if name not in tensors:
+                    raise AdapterError(f"PEFT adapter {path} has no {name}: grpo-jax adapts "
+                                       "every layer of a targeted module")
+                if tensors[name].shape != expected:
+                    found = tensors[name].shape
+                    raise AdapterError(
+                        f"PEFT adapter {path} does not fit base model {base}: {name} is "
+                        f"{found}, the base needs {expected}. The adapter was trained on "
+                        "another base model; use that one")
+                w = tensors[name].T
+                layers.append(w.reshape(*shape[:-1], -1) if m == "lora_A"
+                              else w.reshape(shape))
+            var.set_value(jax.device_put(np.stack(layers).astype(var.dtype),
+                                         var.get_value().sharding))
+    extra = set(tensors) - {k.format(i=i, m=m) for k in _keys(model).values()
+                            for i in range(model.cfg.num_layers) for m in ("lora_A", "lora_B")}
+    if extra:
+        raise AdapterError(f"PEFT adapter {path} has weights for modules the settings don't "
+                           f"adapt or the base lacks, e.g. {sorted(extra)[0]}: it was trained "
+                           "on another base model")
+
+
+def merged_model(model) -> Decoder:
+    """A plain Decoder (no adapters) whose weights are the base with the adapters merged in."""
+    graphdef, adapters, base = nnx.split(model, lora.LoraParam, nnx.Param)
+    merged = lora.merge_into_base(base, adapters, model.lora_scale)
+    plain = nnx.graphdef(nnx.eval_shape(lambda: Decoder(model.cfg, rngs=nnx.Rngs(0))))
+    return nnx.merge(plain, merged)
