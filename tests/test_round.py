@@ -70,6 +70,9 @@ class StubTrainer:
         self.logps_calls += 1
         return np.full(batch.completion_ids.shape, -float(params), np.float32)
 
+    def rollout_params(self, params):  # no LoRA: the params themselves
+        return params
+
 
 def plan(spg, gas, ni=1):
     return BatchPlan(data_parallel_size=1, micro_batch_size=MICRO, gradient_accumulation_steps=gas,

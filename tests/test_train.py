@@ -101,8 +101,8 @@ def test_reference_model_only_when_beta_positive(tiny_dir, tmp_path, monkeypatch
     from grpo_jax.checkpoint import abstract_state
     calls = []
     original = Trainer.logps
-    monkeypatch.setattr(Trainer, "logps", lambda self, p, b: calls.append(1) or original(
-        self, p, b))
+    monkeypatch.setattr(Trainer, "logps", lambda self, p, b, rows=None: calls.append(1) or
+                        original(self, p, b, rows))
     cfg = config(tiny_dir, tmp_path / "run", max_steps=2, beta=beta)
     last = train(cfg, devices=jax.devices()[:1])
     assert (len(calls) > 0) == (beta > 0) and ("kl" in last) == (beta > 0)
@@ -322,9 +322,9 @@ def test_sync_ref_model_mixes_every_sync_steps(tiny_dir, tmp_path, monkeypatch):
         after.append([np.asarray(x) for x in jax.tree.leaves(s.params)])
         return s, m
 
-    def record_logps(self, p, b):
+    def record_logps(self, p, b, rows=None):
         refs_used.append([np.asarray(x) for x in jax.tree.leaves(p)])
-        return logps(self, p, b)
+        return logps(self, p, b, rows)
     monkeypatch.setattr(Trainer, "step", record_step)
     monkeypatch.setattr(Trainer, "mix_ref", lambda self, p, r, a: mixes.append(
         (len(after) - 1, a)) or mix(self, p, r, a))

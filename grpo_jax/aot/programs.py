@@ -104,7 +104,7 @@ def build(run: Run) -> Programs:
         out_shardings=(state_shardings(step_cfg.loss, param_sh, opt_sh, replicated),
                        replicated), donate_argnums=(0,))
     logps = jax.jit(lambda p, b: Trainer._logps_fn(
-        types.SimpleNamespace(graphdef=graphdef, cfg=step_cfg), p, b), out_shardings=replicated)
+        types.SimpleNamespace(cfg=step_cfg), graphdef, p, b), out_shardings=replicated)
 
     sampler = Sampler(run.model, run.cfg.generation, pad_id=0, mesh=mesh)
     g = run.cfg.grpo.num_generations
