@@ -135,8 +135,9 @@ class Evaluator:
         """The eval metrics of `state`, keyed as TRL logs them."""
         t0 = time.perf_counter()
         host, device, rows = [], [], []
+        weights = self.round.rollout_weights(state.params)  # with LoRA: merged once
         for b, records in enumerate(self.batches()):
-            gen = self.round.generate_and_score(state.params, records, jax.random.fold_in(key, b),
+            gen = self.round.generate_and_score(weights, records, jax.random.fold_in(key, b),
                                                 self.num_generations, self.score)
             device.append(self.round.trainer.eval_metrics(state, gen.batch))
             host.append({k: v for k, v in gen.metrics.items() if not k.startswith("timing/")})

@@ -169,8 +169,7 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
             cfg, distributed=dataclasses.replace(cfg.distributed, process_id=None)).to_yaml())
     logger = MetricsLogger(out, cfg.run, total_steps=total_steps, start_step=int(state.step),
                            enabled=dist.is_main())
-    if getattr(rollout, "syncs_weights", True):
-        rollout.update_weights(trainer.rollout_params(state.params))
+    run_round.sync_weights(state.params)
     base_key = jax.random.key(cfg.data.seed)
     eval_key = jax.random.fold_in(base_key, EVAL_KEY_TAG)
 

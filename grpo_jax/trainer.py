@@ -251,7 +251,7 @@ class GRPORound:
         metrics: dict = {}
         buffer, scores, rewards, advantages, num_tokens = self.buffer, None, None, None, 0
         if records is not None:
-            gen = self.generate_and_score(state.params, records, key)
+            gen = self.generate_and_score(self.rollout_weights(state.params), records, key)
             batch, scores, rewards, advantages = gen.batch, gen.scores, gen.rewards, gen.advantages
             metrics.update(gen.metrics)
             t1 = time.perf_counter()
@@ -284,9 +284,7 @@ class GRPORound:
         # are donated to a mix, as the state's to a step: no final checkpoint after a failure).
         self.buffer, self.ref_params = buffer[n * gas:], ref
         t4 = time.perf_counter()
-        sync_time = None
-        if n and getattr(self.rollout, "syncs_weights", True):  # (a LoRA merge is not free)
-            sync_time = self.rollout.update_weights(trainer.rollout_params(state.params))
+        sync_time = self.sync_weights(state.params) if n else None
 
         metrics.setdefault("timing/generate", 0.0)
         metrics.setdefault("timing/logprobs", 0.0)  # reference and old log-probs
@@ -295,17 +293,32 @@ class GRPORound:
             metrics["timing/weight_sync"] = sync_time
         return RoundResult(state, metrics, scores, rewards, advantages, n, num_tokens)
 
-    def generate_and_score(self, params, records: Sequence[dict], key,
+    def rollout_weights(self, params):
+        """What rollout.generate reads: the JAX sampler the full model's params (with LoRA, the
+        adapters merged in: once, for every generate that uses them); a server ignores them
+        (its weights come from sync_weights)."""
+        if getattr(self.rollout, "syncs_weights", True):
+            return params
+        return self.trainer.rollout_params(params)
+
+    def sync_weights(self, params) -> float | None:
+        """Push `params` (with LoRA, merged) to a rollout that holds its own weights, a vLLM
+        server; the seconds it took. None for the JAX sampler: it reads them at generate."""
+        if not getattr(self.rollout, "syncs_weights", True):
+            return None
+        return self.rollout.update_weights(self.trainer.rollout_params(params))
+
+    def generate_and_score(self, weights, records: Sequence[dict], key,
                            num_generations: int | None = None,
                            score: Callable | None = None) -> Generated:
         """Generate `num_generations` (default: the plan's) completions per record with
-        `params`, score them (`score`, default: the round's), and make their training batch:
-        advantages, TRL's num_items and, with a reference model, the reference log-probs.
-        The metrics are TRL's per generation batch, with timing/generate and timing/logprobs."""
+        `weights` (rollout_weights of the params), score them (`score`, default: the round's),
+        and make their training batch: advantages, TRL's num_items and, with a reference
+        model, the reference log-probs. The metrics are TRL's per generation batch, with
+        timing/generate and timing/logprobs."""
         g = num_generations or self.plan.num_generations
         t0 = time.perf_counter()
-        r = self.rollout.generate(self.trainer.rollout_params(params),
-                                  [rec["prompt_ids"] for rec in records], g, key)
+        r = self.rollout.generate(weights, [rec["prompt_ids"] for rec in records], g, key)
         t1 = time.perf_counter()
         scores = (score or self.score)(records, r)
         rewards, advantages, stats = adv_lib.compute_advantages(

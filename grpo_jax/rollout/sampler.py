@@ -214,8 +214,7 @@ class Sampler:
         # The generated tokens' slots follow the prompt's.
         grow = lambda x: jnp.pad(to_rows(x), ((0, 0), (0, 0), (0, C), (0, 0)))  # noqa: E731
         cache = self._constrain_cache(jax.tree.map(grow, cache))
-        batch = rows
-        rows = ("batch", None)
+        batch, row_axes = rows, ("batch", None)
         # Generated slots are all valid keys; the causal mask hides the ones not yet written.
         key_mask = jnp.concatenate([prompt_mask, jnp.ones((batch, C), jnp.int32)], axis=1)
         ctx = _Context(cast, layers, key_mask, jnp.sum(prompt_mask, axis=1))
@@ -225,9 +224,9 @@ class Sampler:
             seen = seen.at[jnp.arange(batch)[:, None], prompt_ids].max(prompt_mask.astype(bool))
         state = _State(
             step=jnp.zeros((), jnp.int32),
-            tokens=self._constrain(jnp.full((batch, C), self.pad_id, jnp.int32), *rows),
-            mask=self._constrain(jnp.zeros((batch, C), jnp.int32), *rows),
-            logp=self._constrain(jnp.zeros((batch, C), jnp.float32), *rows),
+            tokens=self._constrain(jnp.full((batch, C), self.pad_id, jnp.int32), *row_axes),
+            mask=self._constrain(jnp.zeros((batch, C), jnp.int32), *row_axes),
+            logp=self._constrain(jnp.zeros((batch, C), jnp.float32), *row_axes),
             done=~jnp.any(prompt_mask.astype(bool), axis=1),  # batch-padding rows
             cache=cache, seen=seen)
         return ctx, self._emit(state, logits, key)
