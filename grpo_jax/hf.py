@@ -137,7 +137,25 @@ def _hf_names(cfg: ModelConfig) -> dict[str, str]:
         "layers/w_up": p + "mlp.up_proj.weight",
         "layers/w_down": p + "mlp.down_proj.weight",
     }
+    if cfg.sandwich_norms:  # Gemma: HF's post_attention_layernorm is on the attention output
+        names.update({"layers/post_attn_norm": p + "post_attention_layernorm.weight",
+                      "layers/mlp_norm": p + "pre_feedforward_layernorm.weight",
+                      "layers/post_mlp_norm": p + "post_feedforward_layernorm.weight"})
+    for name in _fused_rows(cfg):  # Phi-3: q/k/v and gate/up in one tensor each
+        names[name] = p + ("self_attn.qkv_proj.weight" if name[-2] == "w"
+                           else "mlp.gate_up_proj.weight")
     return {k: v for k, v in names.items() if k in param_table(cfg)}
+
+
+def _fused_rows(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """table name -> (first row, rows of the HF tensor) for the weights a family stores fused,
+    stacked along the output dim: Phi-3's qkv_proj (q, k, v) and gate_up_proj (gate, up)."""
+    if cfg.model_type != "phi3":
+        return {}
+    q, kv, f = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    return {"layers/wq": (0, q + 2 * kv), "layers/wk": (q, q + 2 * kv),
+            "layers/wv": (q + kv, q + 2 * kv), "layers/w_gate": (0, 2 * f),
+            "layers/w_up": (f, 2 * f)}
 
 
 def _to_hf(name: str, w: np.ndarray) -> np.ndarray:
@@ -213,16 +231,18 @@ def _hf_shape(groups, shape) -> list[int]:
     return [math.prod(shape[d] for d in g) for g in groups]
 
 
-def _read_block(tensor, groups, shape, index) -> np.ndarray:
+def _read_block(tensor, groups, shape, index, row_offset: int = 0) -> np.ndarray:
     """The block `index` (slices of our per-layer `shape`) of a memory-mapped HF tensor
     (safetensors' get_slice) laid out by `groups` (see _HF_DIMS): only the rows and columns
-    that hold it are read. `index`: slices with explicit start and stop."""
+    that hold it are read. `index`: slices with explicit start and stop. `row_offset`: where
+    our tensor starts in a fused HF tensor's first dim."""
     hf_index, block_shape, rest_index = [], [], []
     for g in groups:
         # A merged HF dim: the range that covers the first dim's slice with the others whole.
         inner = math.prod(shape[d] for d in g[1:])
         first = index[g[0]]
-        hf_index.append(slice(first.start * inner, first.stop * inner))
+        start = 0 if hf_index else row_offset
+        hf_index.append(slice(start + first.start * inner, start + first.stop * inner))
         block_shape += [first.stop - first.start] + [shape[d] for d in g[1:]]
         rest_index += [slice(None)] + [index[d] for d in g[1:]]
     block = tensor[tuple(hf_index)].reshape(block_shape)[tuple(rest_index)]
@@ -241,20 +261,29 @@ class _Weights:
             with safe_open(f, framework="numpy") as st:
                 self.files.update(dict.fromkeys(st.keys(), f))
         self.model_dir = model_dir
+        # Where the decoder sits: "model." in a causal LM; Gemma 3's multimodal checkpoints
+        # nest it ("model.language_model." in transformers 5, "language_model.model." before).
+        embed = [k for k in self.files if k.endswith("embed_tokens.weight")]
+        self.prefix = embed[0][:-len("embed_tokens.weight")] if len(embed) == 1 else "model."
 
-    def read(self, name: str, leaf: str, shape, index, out: np.ndarray) -> None:
-        """Our block `index` of HF tensor `name` into `out` (cast to its dtype)."""
+    def read(self, name: str, leaf: str, shape, index, out: np.ndarray,
+             rows: tuple[int, int] | None = None) -> None:
+        """Our block `index` of HF tensor `name` into `out` (cast to its dtype). `rows`: (first
+        row, total rows) when the HF tensor is a fused one (see _fused_rows)."""
+        if name.startswith("model."):
+            name = self.prefix + name[len("model."):]
         if name not in self.files:
             raise ModelLoadError(f"{self.model_dir}: weight {name} missing from the "
                                  "safetensors files")
         groups = _groups(leaf, len(shape))
         expected = _hf_shape(groups, shape)
+        offset, expected[0] = rows or (0, expected[0])
         with safe_open(self.files[name], framework="numpy") as st:
             tensor = st.get_slice(name)
             if list(tensor.get_shape()) != expected:
                 raise ModelLoadError(f"{self.model_dir}: weight {name} has shape "
                                      f"{tensor.get_shape()}, config.json implies {expected}")
-            out[...] = _read_block(tensor, groups, shape, index)
+            out[...] = _read_block(tensor, groups, shape, index, offset)
 
 
 def load_params(model_dir: Path, cfg: ModelConfig, shardings: dict) -> dict[str, jax.Array]:
@@ -262,19 +291,19 @@ def load_params(model_dir: Path, cfg: ModelConfig, shardings: dict) -> dict[str,
     each device's block is read from the files and cast on its own, so no device holds more
     than its block and the host holds about one HF tensor (plus one block) at a time."""
     weights = _Weights(Path(model_dir))
-    table = param_table(cfg)
+    table, fused = param_table(cfg), _fused_rows(cfg)
     out = {}
     for name, pattern in _hf_names(cfg).items():
-        shape, leaf = table[name][0], name.split("/")[-1]
+        shape, leaf, rows = table[name][0], name.split("/")[-1], fused.get(name)
 
-        def block(index, name=name, pattern=pattern, shape=shape, leaf=leaf):
+        def block(index, name=name, pattern=pattern, shape=shape, leaf=leaf, rows=rows):
             index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
             buf = np.empty([s.stop - s.start for s in index], cfg.param_dtype)
             if not name.startswith("layers/"):
                 weights.read(pattern, leaf, shape, index, buf)
                 return buf
             for j, i in enumerate(range(index[0].start, index[0].stop)):  # this block's layers
-                weights.read(pattern.format(i=i), leaf, shape[1:], index[1:], buf[j])
+                weights.read(pattern.format(i=i), leaf, shape[1:], index[1:], buf[j], rows)
             return buf
 
         out[name] = jax.make_array_from_callback(shape, shardings[name], block)
@@ -335,13 +364,10 @@ def hf_state_dict(cfg: ModelConfig, params: dict[str, np.ndarray], *, dtype: str
     lm_head.weight even when tied (vLLM's reload keeps a separate head tensor that must be
     refreshed too)."""
     out = {}
-    for name, pattern in _hf_names(cfg).items():
-        w = np.asarray(params[name]).astype(jnp.dtype(dtype), copy=False)  # all are floats
-        if name.startswith("layers/"):
-            for i in range(cfg.num_layers):
-                out[pattern.format(i=i)] = np.ascontiguousarray(_to_hf(name, w[i]))
-        else:
-            out[pattern] = np.ascontiguousarray(_to_hf(name, w))
+    for key, (parts, _) in _hf_tensors(cfg, jnp.dtype(dtype)).items():
+        out[key] = np.ascontiguousarray(np.concatenate([_to_hf(name, np.asarray(
+            params[name] if layer is None else params[name][layer]).astype(
+                jnp.dtype(dtype), copy=False)) for name, layer in parts]))  # all are floats
     if include_tied_head and cfg.tie_word_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
@@ -356,19 +382,22 @@ def save_hf(model: Decoder, out_dir, *, source_dir=None, dtype: str = "float32",
     cfg = model.cfg
     tensors = _hf_tensors(cfg, jnp.dtype(dtype))
     split = huggingface_hub.split_state_dict_into_shards_factory(
-        {k: spec for k, (_, _, spec) in tensors.items()},
+        {k: spec for k, (_, spec) in tensors.items()},
         get_storage_size=lambda s: s.size * s.dtype.itemsize, max_shard_size=max_shard_bytes,
         filename_pattern="model{suffix}.safetensors")
     params = nnx.state(model, nnx.Param)
 
     def tensor(key):
-        name, layer, spec = tensors[key]
-        w = _get(params, name).get_value()
-        w = np.asarray(jax.device_get(w if layer is None else _take_layer(w, np.int32(layer))))
-        return _to_hf(name, w.astype(spec.dtype, copy=False))
+        parts, spec = tensors[key]
+
+        def part(name, layer):
+            w = _get(params, name).get_value()
+            w = w if layer is None else _take_layer(w, np.int32(layer))
+            return _to_hf(name, np.asarray(jax.device_get(w)).astype(spec.dtype, copy=False))
+        return np.concatenate([part(*p) for p in parts])
 
     for name, keys in split.filename_to_tensors.items():
-        _write_safetensors(out / name, {k: tensors[k][2] for k in keys}, tensor,
+        _write_safetensors(out / name, {k: tensors[k][1] for k in keys}, tensor,
                            {"format": "pt"})
     if split.is_sharded:
         (out / "model.safetensors.index.json").write_text(json.dumps(
@@ -376,7 +405,11 @@ def save_hf(model: Decoder, out_dir, *, source_dir=None, dtype: str = "float32",
     hf_cfg = cfg.to_hf()
     if source_dir is not None and (Path(source_dir) / "config.json").exists():
         # Keep the source's extra fields (token ids, names); the architecture comes from ours.
-        hf_cfg = {**read_config(Path(source_dir)), **hf_cfg}
+        # A multimodal Gemma 3 source is exported as its text model: its token ids only.
+        source = read_config(Path(source_dir))
+        if source.get("model_type") != cfg.model_type:
+            source = {k: v for k, v in source.items() if k.endswith("token_id")}
+        hf_cfg = {**source, **hf_cfg}
         hf_cfg.pop("quantization_config", None)
         for f in TOKENIZER_FILES:
             if (Path(source_dir) / f).exists():
@@ -391,18 +424,22 @@ _take_layer = jax.jit(lambda w, i: w[i])
 
 
 def _hf_tensors(cfg: ModelConfig, dtype) -> dict[str, tuple]:
-    """HF tensor name -> (table name, layer or None, its HF shape and `dtype`), in the order
-    hf_state_dict builds them (so the split into files is the same)."""
+    """HF tensor name -> ([(table name, layer or None), ...] concatenated along the first dim
+    to make it (one part unless fused), its HF shape and `dtype`)."""
     table, out = param_table(cfg), {}
     for name, pattern in _hf_names(cfg).items():
         shape, leaf = table[name][0], name.split("/")[-1]
+        layers = range(cfg.num_layers) if name.startswith("layers/") else [None]
         if name.startswith("layers/"):
-            spec = jax.ShapeDtypeStruct(_hf_shape(_groups(leaf, len(shape) - 1), shape[1:]),
-                                        dtype)
-            out.update({pattern.format(i=i): (name, i, spec) for i in range(cfg.num_layers)})
-        else:
-            out[pattern] = (name, None, jax.ShapeDtypeStruct(
-                _hf_shape(_groups(leaf, len(shape)), shape), dtype))
+            shape = shape[1:]
+        hf_shape = _hf_shape(_groups(leaf, len(shape)), shape)
+        for i in layers:
+            key = pattern.format(i=i)
+            parts, spec = out.get(key, ([], None))
+            if spec is not None:  # a fused tensor's next part
+                hf_shape = [spec.shape[0] + hf_shape[0], *hf_shape[1:]]
+            out[key] = ([*parts, (name, i)], jax.ShapeDtypeStruct(tuple(hf_shape), dtype))
+            hf_shape = _hf_shape(_groups(leaf, len(shape)), shape)
     return out
 
 

@@ -9,6 +9,30 @@ FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+    "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+}
+# What each family's tiny config sets beyond the shared shape: windows shorter than the test
+# sequences, a query scale other than head_dim, soft-caps low enough to bite (a tiny
+# random model's scores and logits are small), Gemma 3's two
+# RoPE bases with linear scaling on the global layers.
+FAMILY_CONFIG = {
+    "qwen3": dict(head_dim=16),
+    "mistral": dict(sliding_window=5),
+    "phi3": dict(sliding_window=5),
+    "gemma2": dict(head_dim=16, sliding_window=4, query_pre_attn_scalar=1,
+                   attn_logit_softcapping=0.02, final_logit_softcapping=0.3,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   num_hidden_layers=3),
+    "gemma3_text": dict(head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
+                        num_hidden_layers=3,
+                        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                        rope_parameters={
+                            "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                               "rope_theta": 1e6},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
 }
 
 
@@ -19,8 +43,7 @@ def tiny_hf_model(family: str, *, tie: bool = False, seed: int = 0, vocab: int =
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
               rms_norm_eps=1e-6, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2,
               pad_token_id=0)
-    if family == "qwen3":
-        kw["head_dim"] = 16
+    kw.update(FAMILY_CONFIG.get(family, {}))
     kw.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**kw)).eval()

@@ -117,8 +117,8 @@ def build(run: Run) -> Programs:
     gen_args = (state.params, ids, ids, key)
     C = run.cfg.generation.max_completion_length
     cache = jax.eval_shape(lambda: KVCache.zeros(run.model, rows, width + C, sampler.cache_dtype))
-    cache_sh = mesh_lib.logical_sharding(mesh, "batch", "kv_heads", None, None,
-                                         shape=cache.k[0].shape)
+    cache_sh = jax.tree.map(lambda x: mesh_lib.logical_sharding(
+        mesh, "batch", "kv_heads", None, None, shape=x.shape), cache)
     lowered = {
         "generate": sampler._program.lower(*gen_args, num_generations=g, rows=rows),
         "prefill": prefill.lower(*gen_args),
@@ -128,7 +128,7 @@ def build(run: Run) -> Programs:
         "update": update.lower(state, _batch(run, run.plan.micro_batch_size
                                              * run.plan.gradient_accumulation_steps, width)),
     }
-    return Programs(lowered, state, _abstract(cache, jax.tree.map(lambda _: cache_sh, cache)),
+    return Programs(lowered, state, _abstract(cache, cache_sh),
                     rows, width)
 
 

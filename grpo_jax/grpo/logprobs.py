@@ -10,10 +10,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.models import decoder
+
 
 def token_logprobs(hidden: jax.Array, head_w: jax.Array, targets: jax.Array, temperature: float,
-                   chunk_size: int = 128) -> tuple[jax.Array, jax.Array]:
+                   chunk_size: int = 128, softcap: float | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
     """log softmax(hidden @ head_w / temperature)[target] and the entropy of that distribution.
+    `softcap`: the model's final-logit soft-capping (Gemma 2), before the temperature, as
+    Decoder.logits applies it.
 
     hidden: [B, T, D] (any float dtype), head_w: [D, V], targets: [B, T] int.
     The head is cast to hidden's dtype and the matmul accumulates in fp32, as Decoder.logits
@@ -44,7 +49,7 @@ def token_logprobs(hidden: jax.Array, head_w: jax.Array, targets: jax.Array, tem
     def one_chunk(xs):
         h, t = xs
         logits = jnp.einsum("bcd,dv->bcv", h, w, preferred_element_type=jnp.float32)
-        logits = logits / temperature
+        logits = decoder.softcap(logits, softcap) / temperature
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
         probs = jnp.exp(logits - lse[..., None])

@@ -1,4 +1,6 @@
-"""Static description of a decoder: one dataclass for the Llama, Qwen2 and Qwen3 families."""
+"""Static description of a decoder: one dataclass for the Llama, Mistral, Phi-3, Qwen2, Qwen3,
+Gemma 2 and Gemma 3 families. The families differ by switches (biases, norms, activation,
+sliding-window layers, soft-capping), each read from the HF config under its HF name."""
 
 from __future__ import annotations
 
@@ -10,7 +12,23 @@ import jax.numpy as jnp
 
 from grpo_jax.errors import GrpoJaxError, check
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# model_type -> the switches that family always has (the rest come from its config.json).
+_GEMMA = dict(hidden_act="gelu_pytorch_tanh", norm_offset=True, scale_embeddings=True,
+              sandwich_norms=True, tie_word_embeddings=True)
+FAMILIES: dict[str, dict] = {
+    "llama": {}, "mistral": {}, "phi3": {}, "qwen2": dict(qkv_bias=True),
+    "qwen3": dict(qk_norm=True), "gemma2": _GEMMA, "gemma3_text": dict(_GEMMA, qk_norm=True),
+}
+# Families whose config's sliding_window applies (Qwen2's needs use_sliding_window, refused).
+_SLIDING_FAMILIES = ("mistral", "phi3", "gemma2", "gemma3_text")
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                  "phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+                  "gemma3_text": "Gemma3ForCausalLM"}
+# gemma3 is Gemma 3's multimodal wrapper (4B and up): its text_config is the decoder.
+SUPPORTED_MODEL_TYPES = (*FAMILIES, "gemma3")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class ModelConfigError(GrpoJaxError, ValueError):
@@ -61,11 +79,48 @@ class ModelConfig:
     # "xla" (portable), "cudnn" (fused flash attention on NVIDIA GPUs, bf16/fp16 only) or
     # "auto": cudnn on a GPU for training, log-probs and prefill (see use_cudnn_attention).
     attention_impl: str = "auto"
+    hidden_act: str = "silu"  # "gelu_pytorch_tanh": Gemma's GeGLU MLP
+    norm_offset: bool = False  # Gemma: RMSNorm scales by (1 + w)
+    scale_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size)
+    sandwich_norms: bool = False  # Gemma 2/3: also a norm on the attention and MLP outputs
+    query_pre_attn_scalar: float | None = None  # attention scores * this**-0.5 (None: head_dim)
+    attn_logit_softcapping: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # Gemma 2: the same on the output logits
+    # Sliding layers see keys fewer than sliding_window positions back. layer_types: per layer
+    # "sliding_attention" or "full_attention"; None: every layer slides (Mistral, Phi-3).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # Gemma 3: sliding layers' RoPE base (None: rope_theta)
+    rope_linear: float | None = None  # linear RoPE scaling of the full-attention layers
 
     def __post_init__(self):
         if self.attention_impl not in ("auto", "xla", "cudnn"):
             raise ValueError(f"attention_impl={self.attention_impl!r}: use 'auto', 'xla' or "
                              "'cudnn'")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ModelConfigError(f"unsupported hidden_act {self.hidden_act!r}; supported: "
+                                   f"{', '.join(ACTIVATIONS)}")
+        if self.layer_types is not None and (
+                len(self.layer_types) != self.num_layers
+                or any(t not in LAYER_TYPES for t in self.layer_types)):
+            raise ModelConfigError(f"layer_types {self.layer_types} must name one of "
+                                   f"{LAYER_TYPES} for each of the {self.num_layers} layers")
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer: does it attend over a sliding window."""
+        if self.sliding_window is None:
+            return (False,) * self.num_layers
+        if self.layer_types is None:
+            return (True,) * self.num_layers
+        return tuple(t == "sliding_attention" for t in self.layer_types)
+
+    def cache_length(self, layer: int, length: int) -> int:
+        """KV-cache slots layer `layer` needs for `length` positions: a sliding layer keeps
+        only its window (a ring, slot = position % window)."""
+        if self.sliding_layers[layer]:
+            return min(length, self.sliding_window)
+        return length
 
     def use_cudnn_attention(self, decode: bool = False) -> bool:
         """decode: the step that attends from new tokens over a KV cache. "auto" keeps XLA's
@@ -107,6 +162,8 @@ class ModelConfig:
             per_layer += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             per_layer += 2 * self.head_dim
+        if self.sandwich_norms:
+            per_layer += 2 * d
         head = 0 if self.tie_word_embeddings else d * v
         return v * d + l * per_layer + d + head
 
@@ -114,64 +171,53 @@ class ModelConfig:
     def from_hf(cls, hf: dict, **overrides) -> "ModelConfig":
         """Build from a Hugging Face `config.json` dict (transformers 4 or 5 layout)."""
         model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if model_type == "gemma3":  # the wrapper's tie_word_embeddings is what transformers reads
+            tie = {k: hf[k] for k in ("tie_word_embeddings",) if k in hf}
+            hf = {**hf.get("text_config", {}), **tie, "model_type": "gemma3_text"}
+            model_type = "gemma3_text"
+        if model_type not in FAMILIES:
             archs = hf.get("architectures")
             raise ModelConfigError(
                 f"unsupported model_type {model_type!r} (architectures {archs}); "
                 f"grpo_jax supports {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
+        if hf.get("use_sliding_window"):
+            raise ModelConfigError(f"{model_type} with use_sliding_window is not supported")
         heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-        rope = dict(hf.get("rope_parameters") or {})
-        scaling = hf.get("rope_scaling") or {}
-        if scaling:
-            rope = {**scaling, **rope}
-        theta = rope.get("rope_theta", hf.get("rope_theta")) or 10000.0
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        llama3 = None
-        if rope_type == "llama3":
-            llama3 = (
-                float(rope["factor"]),
-                float(rope["low_freq_factor"]),
-                float(rope["high_freq_factor"]),
-                int(rope["original_max_position_embeddings"]),
-            )
-        elif rope_type not in ("default", None):
-            raise ModelConfigError(
-                f"unsupported rope scaling {rope_type!r}; supported: default, llama3"
-            )
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ModelConfigError(f"unsupported hidden_act {hf.get('hidden_act')!r}; only silu")
+        family = FAMILIES[model_type]
+        window = hf.get("sliding_window") if model_type in _SLIDING_FAMILIES else None
+        layers = hf["num_hidden_layers"]
+        rope = _rope(hf)
         kw = dict(
+            family,
             model_type=model_type,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
             intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=hf.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_llama3=llama3,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
-            qk_norm=model_type == "qwen3",
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
+            query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+            attn_logit_softcapping=hf.get("attn_logit_softcapping"),
+            final_logit_softcapping=hf.get("final_logit_softcapping"),
+            sliding_window=window,
+            layer_types=_layer_types(hf, model_type, layers) if window else None,
+            **rope,
         )
+        kw["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings",
+                                                family.get("tie_word_embeddings", False)))
+        kw["qkv_bias"] = family.get("qkv_bias", False) or bool(hf.get("attention_bias", False))
         return cls(**kw).replace(**overrides)
 
     def to_hf(self) -> dict:
         """A `config.json` dict that transformers reads back to the same architecture."""
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-        rope: dict = {"rope_type": "default", "rope_theta": self.rope_theta}
-        if self.rope_llama3:
-            f, lo, hi, orig = self.rope_llama3
-            rope = {"rope_type": "llama3", "rope_theta": self.rope_theta, "factor": f,
-                    "low_freq_factor": lo, "high_freq_factor": hi,
-                    "original_max_position_embeddings": orig}
         out = {
-            "architectures": [arch[self.model_type]],
+            "architectures": [_ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -180,17 +226,85 @@ class ModelConfig:
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
             "rms_norm_eps": self.rms_norm_eps,
-            # Both spellings: transformers 4 reads rope_theta/rope_scaling, 5 reads rope_parameters.
-            "rope_theta": self.rope_theta,
-            "rope_parameters": rope,
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": self.qkv_bias,
         }
-        if self.rope_llama3:
-            out["rope_scaling"] = dict(rope)
+        out.update(self._rope_hf())
+        if self.model_type in _SLIDING_FAMILIES:
+            out["sliding_window"] = self.sliding_window
+        if self.layer_types is not None:
+            out["layer_types"] = list(self.layer_types)
+        if self.model_type.startswith("gemma"):
+            out.update(hidden_activation=self.hidden_act,
+                       query_pre_attn_scalar=self.query_pre_attn_scalar,
+                       attn_logit_softcapping=self.attn_logit_softcapping,
+                       final_logit_softcapping=self.final_logit_softcapping)
         if self.model_type == "llama":
-            out["attention_bias"] = self.qkv_bias
             out["mlp_bias"] = False
         return out
+
+    def _rope_hf(self) -> dict:
+        """RoPE in both spellings: transformers 4 reads rope_theta/rope_scaling, 5 reads
+        rope_parameters (Gemma 3: one entry per layer type)."""
+        full: dict = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_llama3:
+            f, lo, hi, orig = self.rope_llama3
+            full.update(rope_type="llama3", factor=f, low_freq_factor=lo, high_freq_factor=hi,
+                        original_max_position_embeddings=orig)
+        elif self.rope_linear:
+            full.update(rope_type="linear", factor=self.rope_linear)
+        out: dict = {"rope_theta": self.rope_theta, "rope_parameters": full}
+        if full["rope_type"] != "default":
+            out["rope_scaling"] = dict(full)
+        if self.model_type == "gemma3_text":
+            local = self.rope_local_theta or self.rope_theta
+            out["rope_parameters"] = {"full_attention": full, "sliding_attention": {
+                "rope_type": "default", "rope_theta": local}}
+            out["rope_local_base_freq"] = local
+        return out
+
+
+def _rope(hf: dict) -> dict:
+    """The RoPE fields of a config.json: rope_parameters (transformers 5; Gemma 3 keyed by
+    layer type) or rope_theta / rope_scaling / rope_local_base_freq (transformers 4)."""
+    params = dict(hf.get("rope_parameters") or {})
+    local = None
+    if "full_attention" in params:  # Gemma 3 in transformers 5
+        local = (params.get("sliding_attention") or {}).get("rope_theta")
+        params = dict(params["full_attention"] or {})
+    scaling = hf.get("rope_scaling") or {}
+    rope = {**scaling, **params}
+    theta = rope.get("rope_theta", hf.get("rope_theta")) or 10000.0
+    local = local or hf.get("rope_local_base_freq")
+    if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ModelConfigError("partial_rotary_factor != 1 (partial RoPE) is not supported")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    out = dict(rope_theta=float(theta), rope_local_theta=float(local) if local else None)
+    if rope_type == "llama3":
+        out["rope_llama3"] = (float(rope["factor"]), float(rope["low_freq_factor"]),
+                              float(rope["high_freq_factor"]),
+                              int(rope["original_max_position_embeddings"]))
+    elif rope_type == "linear":
+        out["rope_linear"] = float(rope["factor"])
+    elif rope_type not in ("default", None):
+        raise ModelConfigError(
+            f"unsupported rope scaling {rope_type!r}; supported: default, linear, llama3")
+    return out
+
+
+def _layer_types(hf: dict, model_type: str, layers: int) -> tuple[str, ...] | None:
+    """Which layers slide. transformers 5 writes layer_types; older Gemma configs imply them:
+    Gemma 2 alternates (sliding first), Gemma 3 slides except every sliding_window_pattern-th."""
+    if hf.get("layer_types"):
+        return tuple(hf["layer_types"])
+    if model_type == "gemma2":
+        pattern = 2
+    elif model_type == "gemma3_text":
+        pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6
+    else:
+        return None  # every layer slides
+    return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(layers))

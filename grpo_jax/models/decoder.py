@@ -1,4 +1,5 @@
-"""One decoder-only transformer for the Llama, Qwen2 and Qwen3 families (Flax NNX).
+"""One decoder-only transformer for the Llama, Mistral, Phi-3, Qwen2/3 and Gemma 2/3 families
+(Flax NNX): the families differ by switches in ModelConfig, read in `_block`.
 
 Layers are stacked along a leading `layers` axis and run with `lax.scan`, so compile time does not
 grow with depth. Every parameter carries logical axis names in its `axes` metadata; `mesh.py` maps
@@ -40,15 +41,18 @@ def param_table(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str,
     if cfg.qk_norm:
         table["layers/q_norm"] = ((L, Dh), ("layers", "head_dim"))
         table["layers/k_norm"] = ((L, Dh), ("layers", "head_dim"))
+    if cfg.sandwich_norms:  # Gemma 2/3: on the attention and MLP outputs, before the residual
+        table["layers/post_attn_norm"] = ((L, D), ("layers", "norm"))
+        table["layers/post_mlp_norm"] = ((L, D), ("layers", "norm"))
     if not cfg.tie_word_embeddings:
         table["lm_head"] = ((D, V), ("embed", "vocab"))                 # [D, V]
     return table
 
 
-def _init_value(name: str, shape, dtype, key):
+def _init_value(name: str, shape, dtype, key, norm_offset: bool):
     leaf = name.split("/")[-1]
-    if leaf.endswith("norm"):
-        return jnp.ones(shape, dtype)
+    if leaf.endswith("norm"):  # a scale of 1 (Gemma stores it as 1 + w)
+        return (jnp.zeros if norm_offset else jnp.ones)(shape, dtype)
     if leaf.startswith("b"):
         return jnp.zeros(shape, dtype)
     return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
@@ -69,9 +73,11 @@ class KVCache(NamedTuple):
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype=None) -> "KVCache":
-        shape = (batch, cfg.num_kv_heads, length, cfg.head_dim)
+        """For `length` positions; a sliding-window layer's buffer holds only its window."""
         dtype = cfg.dtype if dtype is None else dtype
-        zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # noqa
+        shapes = [(batch, cfg.num_kv_heads, cfg.cache_length(i, length), cfg.head_dim)
+                  for i in range(cfg.num_layers)]
+        zeros = lambda: tuple(jnp.zeros(shape, dtype) for shape in shapes)  # noqa: E731
         return cls(zeros(), zeros())
 
 
@@ -86,7 +92,7 @@ class Decoder(nnx.Module):
         self.cfg = cfg
         self.layers = _Layers()
         for name, (shape, axes) in param_table(cfg).items():
-            value = _init_value(name, shape, cfg.param_dtype, rngs.params())
+            value = _init_value(name, shape, cfg.param_dtype, rngs.params(), cfg.norm_offset)
             owner, leaf = (self.layers, name[7:]) if name.startswith("layers/") else (self, name)
             setattr(owner, leaf, nnx.Param(value, axes=axes))
 
@@ -105,7 +111,14 @@ class Decoder(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         w = self.head_weight().astype(self.cfg.dtype)
-        return jnp.einsum("btd,dv->btv", hidden, w, preferred_element_type=jnp.float32)
+        logits = jnp.einsum("btd,dv->btv", hidden, w, preferred_element_type=jnp.float32)
+        return softcap(logits, self.cfg.final_logit_softcapping)
+
+    def embed_tokens(self, tokens) -> jax.Array:
+        x = self.embed[...].astype(self.cfg.dtype)[tokens]
+        if self.cfg.scale_embeddings:  # Gemma; the scale rounded to the dtype, as in HF
+            x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, self.cfg.dtype)
+        return x
 
     def decode_layers(self) -> list[dict[str, jax.Array]]:
         """Per-layer weights for `__call__(..., layers=)`, unstacked. A decode loop calls this
@@ -127,37 +140,56 @@ class Decoder(nnx.Module):
         decode loop (default: computed here).
         """
         cfg = self.cfg
-        x = self.embed[...].astype(cfg.dtype)[tokens]
-        cos, sin = rope_tables(cfg, positions)
+        x = self.embed_tokens(tokens)
+        sliding = cfg.sliding_layers
+        # (cos, sin) per attention kind; sliding layers may have their own RoPE base (Gemma 3).
+        rope = {False: rope_tables(cfg, positions)}
+        rope[True] = rope_tables(cfg, positions, local=True) if any(sliding) else rope[False]
         B, T = tokens.shape
         key_ok = attention_mask.astype(bool)
         if cache is None:
-            mask = _causal(T, key_ok)
+            full = _causal(T, key_ok)
+            masks = {False: full, True: full & _in_window(jnp.arange(T), T, cfg.sliding_window)}
 
-            def body(x, p):
-                return _block(cfg, p, x, cos, sin, mask)[0], None
+            def body(x, xs):
+                p, slides = xs
+                pick = lambda a, b: (  # noqa: E731  the layer's kind, static when all agree
+                    a if all(sliding) else b if not any(sliding)
+                    else jax.tree.map(lambda u, v: jnp.where(slides, u, v), a, b))
+                cos, sin = pick(rope[True], rope[False])
+                return _block(cfg, p, x, cos, sin, pick(masks[True], masks[False]))[0], None
 
             if cfg.remat:
                 body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat_policy])
-            x, _ = jax.lax.scan(body, x, self.layer_params())
-            return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.dtype), None
+            x, _ = jax.lax.scan(body, x, (self.layer_params(), jnp.asarray(sliding)))
+            return self._final_norm(x), None
 
-        S = cache.k[0].shape[2]
+        S = attention_mask.shape[1]  # positions; a sliding layer's buffer may hold fewer
         if isinstance(cache_index, int) and cache_index == 0:
             # A prefill into an empty cache: the tokens attend among themselves only, as
             # without a cache (and with the same kernel), instead of over all S slots.
-            mask, cache_index = _causal(T, key_ok[:, :T]), None
+            full, cache_index = _causal(T, key_ok[:, :T]), None
+            masks = {False: full, True: full & _in_window(jnp.arange(T), T, cfg.sliding_window)}
         else:
-            # Query t sits at slot cache_index + t and sees the real slots up to its own.
-            upto = cache_index + jnp.arange(T)[:, None] >= jnp.arange(S)[None, :]  # [T, S]
-            mask = upto[None] & key_ok[:, None, :]
+            # Query t sits at position cache_index + t and sees the real positions up to its own.
+            query = cache_index + jnp.arange(T)
+            masks = {False: (query[:, None] >= jnp.arange(S)[None, :])[None] & key_ok[:, None]}
+            if any(sliding):
+                masks[True] = _ring_mask(query, key_ok, cfg.cache_length(sliding.index(True), S),
+                                         cfg.sliding_window)
         ks, vs = [], []
-        for p, ck, cv in zip(self.decode_layers() if layers is None else layers, *cache):
-            x, ck, cv = _block(cfg, p, x, cos, sin, mask, (ck, cv, cache_index))
+        for i, (p, ck, cv) in enumerate(zip(self.decode_layers() if layers is None else layers,
+                                            *cache)):
+            cos, sin = rope[sliding[i]]
+            x, ck, cv = _block(cfg, p, x, cos, sin, masks[sliding[i]], (ck, cv, cache_index),
+                               window=cfg.sliding_window if sliding[i] else None)
             ks.append(ck)
             vs.append(cv)
-        x = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.dtype)
-        return x, KVCache(tuple(ks), tuple(vs))
+        return self._final_norm(x), KVCache(tuple(ks), tuple(vs))
+
+    def _final_norm(self, x):
+        cfg = self.cfg
+        return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.dtype, cfg.norm_offset)
 
 
 # What the backward pass keeps of each layer's forward: "full" keeps only the layer input and
@@ -172,22 +204,55 @@ def _causal(T: int, key_ok: jax.Array) -> jax.Array:
     return jnp.tril(jnp.ones((T, T), bool))[None] & key_ok[:, None, :]
 
 
+def _in_window(query, S: int, window: int | None) -> jax.Array:
+    """[T, S]: key position s is fewer than `window` positions behind query position q
+    (transformers' sliding_window_overlay: kv_idx > q_idx - window). Left padding shifts a
+    row's tokens but not their distances, so positions in the padded sequence serve."""
+    if window is None:
+        return jnp.ones((query.shape[0], S), bool)
+    return query[:, None] - jnp.arange(S)[None, :] < window
+
+
+def _ring_mask(query, key_ok, slots: int, window: int) -> jax.Array:
+    """[B, T, slots] for a sliding layer's ring buffer (slot = position % window): slot s
+    holds the newest position p <= q with p % window == s; it is seen when p >= 0 and real
+    (key_ok [B, S] by position). Within the window by construction."""
+    s = jnp.arange(slots)
+    held = query[:, None] - (query[:, None] - s[None, :]) % window  # [T, slots]
+    real = jnp.take(key_ok, jnp.clip(held, 0, key_ok.shape[1] - 1), axis=1)  # [B, T, slots]
+    return real & (held >= 0)[None]
+
+
+def softcap(x, cap: float | None):
+    """Gemma 2's soft-capping: cap * tanh(x / cap) (identity for None)."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
 def positions_from_mask(mask: jax.Array) -> jax.Array:
     """Positions for a left-padded batch: 0 at each row's first real token."""
     return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def rms_norm(x, weight, eps, dtype):
+def rms_norm(x, weight, eps, dtype, offset: bool = False):
+    """offset: Gemma's norm, which scales by (1 + weight), in fp32 before the cast."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * weight.astype(jnp.float32)).astype(dtype)
+    return (y * (weight.astype(jnp.float32) + (1.0 if offset else 0.0))).astype(dtype)
 
 
-def rope_tables(cfg: ModelConfig, positions):
+def rope_tables(cfg: ModelConfig, positions, local: bool = False):
+    """(cos, sin) [B, T, Dh]. local: for a sliding layer, which has its own unscaled base
+    when the config gives one (Gemma 3), else the same RoPE as the others."""
     d = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    if cfg.rope_llama3:
+    own = local and cfg.rope_local_theta is not None
+    theta = cfg.rope_local_theta if own else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    if own:
+        pass  # Gemma 3 scales only the full-attention layers' RoPE
+    elif cfg.rope_llama3:
         inv_freq = _llama3_scale(inv_freq, *cfg.rope_llama3)
+    elif cfg.rope_linear:
+        inv_freq = inv_freq / cfg.rope_linear
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
@@ -212,57 +277,86 @@ def _rope(x, cos, sin):
     return (x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
 
 
-def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None):
+def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None, window: int | None = None):
     """One layer. With cache = (ck, cv, index) the new keys and values are written into ck/cv
     [B, K, S, Dh] at slot `index` and the queries attend over the cache (mask [B, T, S]); index
     None writes at slot 0 and attends among the new tokens only, as without a cache (mask
-    [B, T, T]). Returns (x, ck, cv) (None, None without a cache)."""
-    dt = cfg.dtype
+    [B, T, T]). `window`: the layer slides and its cache is a ring (slot = position % window).
+    Returns (x, ck, cv) (None, None without a cache)."""
+    dt, eps, offset = cfg.dtype, cfg.rms_norm_eps, cfg.norm_offset
     w = lambda name: p[name].astype(dt)  # noqa: E731
-    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps, dt)
+    h = rms_norm(x, p["attn_norm"], eps, dt, offset)
     q = lora.project(p, "wq", "btd,dhk->bthk", h, dt)
     k = lora.project(p, "wk", "btd,dhk->bthk", h, dt)
     v = lora.project(p, "wv", "btd,dhk->bthk", h, dt)
     if cfg.qkv_bias:
         q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
     if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, dt)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, dt)
+        q = rms_norm(q, p["q_norm"], eps, dt, offset)
+        k = rms_norm(k, p["k_norm"], eps, dt, offset)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     ck = cv = None
     if cache is not None:
         ck, cv, index = cache
-        put = lambda buf, new: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
-            buf, jnp.swapaxes(new, 1, 2).astype(buf.dtype), 0 if index is None else index,
-            axis=2)
-        ck, cv = put(ck, k), put(cv, v)
+        ck, cv = _write(ck, k, index, window), _write(cv, v, index, window)
+    scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+    cap = cfg.attn_logit_softcapping
+    # cuDNN's fused attention has no soft-capping: Gemma 2 stays on XLA's.
     if cache is not None and index is not None:
-        if cfg.use_cudnn_attention(decode=True):
+        if cfg.use_cudnn_attention(decode=True) and cap is None:
             # The cache's [B, K, S, Dh] viewed as cuDNN's [B, S, K, Dh]: a layout, not a copy.
             # A query always sees its own slot, so no row is fully masked.
             attn = jax.nn.dot_product_attention(q, jnp.swapaxes(ck, 1, 2),
                                                 jnp.swapaxes(cv, 1, 2), mask=mask[:, None],
-                                                implementation="cudnn")
+                                                scale=scale, implementation="cudnn")
         else:
-            attn = attention(q, ck, cv, mask)
-    elif cfg.use_cudnn_attention():
+            attn = attention(q, ck, cv, mask, scale, cap)
+    elif cfg.use_cudnn_attention() and cap is None:
         # Each query also sees itself, so padding rows are never fully masked (NaN in cuDNN).
         diag = jnp.eye(q.shape[1], dtype=bool)[None]
-        attn = jax.nn.dot_product_attention(q, k, v, mask=(mask | diag)[:, None],
+        attn = jax.nn.dot_product_attention(q, k, v, mask=(mask | diag)[:, None], scale=scale,
                                             implementation="cudnn")
     else:
-        attn = attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask)
-    x = x + lora.project(p, "wo", "bthk,hkd->btd", attn, dt)
-    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps, dt)
+        attn = attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask, scale, cap)
+    out = lora.project(p, "wo", "bthk,hkd->btd", attn, dt)
+    if cfg.sandwich_norms:
+        out = rms_norm(out, p["post_attn_norm"], eps, dt, offset)
+    x = x + out
+    h = rms_norm(x, p["mlp_norm"], eps, dt, offset)
     gate = lora.project(p, "w_gate", "btd,df->btf", h, dt)
     up = lora.project(p, "w_up", "btd,df->btf", h, dt)
-    x = x + lora.project(p, "w_down", "btf,fd->btd", jax.nn.silu(gate) * up, dt)
-    return x, ck, cv
+    out = lora.project(p, "w_down", "btf,fd->btd", ACTIVATIONS[cfg.hidden_act](gate) * up, dt)
+    if cfg.sandwich_norms:
+        out = rms_norm(out, p["post_mlp_norm"], eps, dt, offset)
+    return x + out, ck, cv
 
 
-def attention(q, k, v, mask):
+ACTIVATIONS = {"silu": jax.nn.silu,
+               "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+def _write(buf, new, index, window: int | None):
+    """New keys or values [B, T, K, Dh] into the cache buffer [B, K, S, Dh] at positions
+    index + t (index None: 0). A sliding layer's buffer is a ring of `window` slots when it
+    is shorter than the positions: of a long prefill only the last `window` tokens stay."""
+    new = jnp.swapaxes(new, 1, 2).astype(buf.dtype)
+    start, T, slots = 0 if index is None else index, new.shape[2], buf.shape[2]
+    if window is None:
+        return jax.lax.dynamic_update_slice_in_dim(buf, new, start, axis=2)
+    if T == 1:
+        return jax.lax.dynamic_update_slice_in_dim(buf, new, start % window, axis=2)
+    if index is not None and slots >= window:
+        # Several tokens into a ring at once: a later one would overwrite a key an earlier
+        # query still sees. The sampler only prefills (index None) or decodes one token.
+        raise NotImplementedError("writing several tokens into a sliding-window ring cache")
+    keep = min(T, slots)
+    return buf.at[:, :, (start + jnp.arange(T - keep, T)) % window].set(new[:, :, T - keep:])
+
+
+def attention(q, k, v, mask, scale: float, cap: float | None = None):
     """Grouped-query attention of q [B, T, H, Dh] over keys/values k, v [B, K, S, Dh];
-    mask [B, T, S] says which keys each query sees. Returns [B, T, H, Dh]."""
+    mask [B, T, S] says which keys each query sees; scores are scaled by `scale` and
+    soft-capped at `cap` (Gemma 2). Returns [B, T, H, Dh]."""
     B, T, H, Dh = q.shape
     K = k.shape[1]
     # Queries grouped by their KV head, with (b, k) leading like the keys. For one token
@@ -270,8 +364,8 @@ def attention(q, k, v, mask):
     qg = q.reshape(B, K, H // K, Dh) if T == 1 else (
         q.reshape(B, T, K, H // K, Dh).transpose(0, 2, 3, 1, 4).reshape(B, K, -1, Dh))
     s = jnp.einsum("bkqd,bksd->bkqs", qg, k.astype(q.dtype),
-                   preferred_element_type=jnp.float32) * (Dh ** -0.5)
-    s = s.reshape(B, K, H // K, T, -1)
+                   preferred_element_type=jnp.float32) * scale
+    s = softcap(s, cap).reshape(B, K, H // K, T, -1)
     # A finite floor (not -inf) keeps fully masked rows (padding queries) free of NaN.
     s = jnp.where(mask[:, None, None], s, -1e30)
     probs = jax.nn.softmax(s, axis=-1).astype(v.dtype).reshape(B, K, (H // K) * T, -1)

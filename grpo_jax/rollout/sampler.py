@@ -4,7 +4,8 @@ Prompts are left-padded to the smallest length bucket that fits and the batch is
 power of two, so a run compiles a bounded number of programs. The weights are an argument of the
 program (never a closed-over constant), so loading new weights never recompiles.
 
-The program is a prefill over the prompt that writes the KV cache (L x [B, K, P + C, Dh]) and samples
+The program is a prefill over the prompt that writes the KV cache (L x [B, K, P + C, Dh]; a
+sliding-window layer's holds its window) and samples
 the first token, then one `lax.while_loop` that feeds the last token, samples the next, and stops
 as soon as every row has emitted a stop token or C = max_completion_length tokens exist.
 """
@@ -211,9 +212,12 @@ class Sampler:
             x = jnp.repeat(x, num_generations, axis=0)[:rows]
             return self._constrain(x, "batch", *[None] * (x.ndim - 1))
         prompt_ids, prompt_mask, logits = map(to_rows, (prompt_ids, prompt_mask, logits))
-        # The generated tokens' slots follow the prompt's.
-        grow = lambda x: jnp.pad(to_rows(x), ((0, 0), (0, 0), (0, C), (0, 0)))  # noqa: E731
-        cache = self._constrain_cache(jax.tree.map(grow, cache))
+        # The generated tokens' slots follow the prompt's (a sliding-window layer's ring
+        # grows to its window at most).
+        grow = lambda i, x: jnp.pad(to_rows(x), (  # noqa: E731
+            (0, 0), (0, 0), (0, cfg.cache_length(i, width + C) - x.shape[2]), (0, 0)))
+        cache = self._constrain_cache(KVCache(*(tuple(grow(i, x) for i, x in enumerate(part))
+                                                for part in cache)))
         batch, row_axes = rows, ("batch", None)
         # Generated slots are all valid keys; the causal mask hides the ones not yet written.
         key_mask = jnp.concatenate([prompt_mask, jnp.ones((batch, C), jnp.int32)], axis=1)
