@@ -129,13 +129,23 @@ def test_long_texts_split_into_few_programs(tmp_path, monkeypatch):
     prompts = ["Q: " + "word " * (3 + 7 * i) for i in range(7)]
     completions = ["A." * i for i in range(7)]
     _, want = trl_rewards(spec, None, prompts, completions)
-    monkeypatch.setattr(reward_model, "TOKENS_PER_BATCH", 128)  # 1 to 4 rows a batch
-    before = reward_model._score_program._cache_size()
-    got = ours([func], prompts, completions)[:, 0]
-    again = ours([func], prompts[::-1], completions[::-1])[:, 0]
+    monkeypatch.setattr(reward_model, "TOKENS_PER_BATCH", 128)  # 1 or 2 rows a batch
+    compiles = []
+
+    def on_event(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        got = ours([func], prompts, completions)[:, 0]
+        first = len(compiles)
+        again = ours([func], prompts[::-1], completions[::-1])[:, 0]
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
     assert np.abs(got - want).max() < 1e-4 and np.array_equal(again, got[::-1])
-    # Lengths 3..51: buckets 32 (4 rows) and 48, 64 (2 rows, 1 row) -> at most 4 shapes.
-    assert reward_model._score_program._cache_size() - before <= 4
+    # 7 texts of 18 to 240 tokens, longest first: batches of (rows, length) (1, 256) twice,
+    # (1, 192) twice, (1, 96) and (2, 64); in another order they compile nothing more.
+    assert 1 <= first <= 4 and len(compiles) == first, compiles
 
 
 def test_separate_tokenizer_from_reward_processing_classes(tmp_path):
