@@ -63,7 +63,12 @@ class GRPOArgs:
     num_generations: int = 8
     scale_rewards: Literal["group", "batch", "none"] = "group"
     num_iterations: int = 1
+    # Built-in names, 'package.module:function', 'path/to/file.py:function', or reward models:
+    # a directory or hub id of a ...ForSequenceClassification checkpoint (grpo_jax.reward_model).
     reward_funcs: tuple[str, ...] = ("reward_len",)
+    # TRL's GRPOTrainer argument: one tokenizer (directory or hub id) per reward function, used
+    # for a reward model (null: the model's own), ignored for a function. None: all null.
+    reward_processing_classes: tuple[str | None, ...] | None = None
     reward_weights: tuple[float, ...] | None = None  # None: all 1.0
     # How several reward functions make one advantage (grpo_jax.grpo.advantages).
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = (
@@ -83,6 +88,11 @@ class GRPOArgs:
         _check(self.reward_weights is None or len(self.reward_weights) == len(self.reward_funcs),
                f"reward_weights has {len(self.reward_weights or ())} entries but reward_funcs "
                f"has {len(self.reward_funcs)}: give one weight per function")
+        _check(self.reward_processing_classes is None
+               or len(self.reward_processing_classes) == len(self.reward_funcs),
+               f"reward_processing_classes has {len(self.reward_processing_classes or ())} "
+               f"entries but reward_funcs has {len(self.reward_funcs)}: give one per function "
+               "(null for a reward model's own tokenizer; functions ignore theirs)")
         _check(self.multi_objective_aggregation in ("sum_then_normalize", "normalize_then_sum"),
                "multi_objective_aggregation must be 'sum_then_normalize' or "
                f"'normalize_then_sum', got {self.multi_objective_aggregation!r}")

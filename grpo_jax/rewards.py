@@ -1,4 +1,5 @@
-"""Reward functions: the built-ins, user functions named in the config, and their evaluation.
+"""Reward functions: the built-ins, user functions and reward models named in the config
+(models: grpo_jax.reward_model), and their evaluation.
 
 A reward function has TRL 1.16's signature, `f(prompts, completions, completion_ids,
 trainer_state, log_extra, log_metric, **columns) -> list[float | None]`, sync or async:
@@ -160,16 +161,27 @@ class RewardLogs:
         return out
 
 
-def load_reward_func(spec: str) -> RewardFunc:
-    """A built-in name, 'package.module:function' or 'path/to/file.py:function'."""
+def load_reward_func(spec: str, processing_class: str | None = None, *, mesh=None,
+                     dtype: str = "float32", chat_template_kwargs: dict | None = None
+                     ) -> RewardFunc:
+    """A built-in name, 'package.module:function', 'path/to/file.py:function', or a reward
+    model: a directory or hub id 'org/name' of a ...ForSequenceClassification checkpoint
+    (grpo_jax.reward_model), scored with the tokenizer `processing_class` (None: its own) in
+    compute `dtype` on `mesh` (the trainer's), chat prompts rendered with
+    `chat_template_kwargs`. TRL ignores a processing class given for a function; so does this."""
     if spec in BUILTIN_REWARDS:
         return RewardFunc(spec, BUILTIN_REWARDS[spec])
+    if names_a_model(spec):
+        from grpo_jax import reward_model  # jax and the model code: only when a model is named
+        return RewardFunc(spec, reward_model.load_reward_model(
+            spec, processing_class, mesh=mesh, dtype=dtype,
+            chat_template_kwargs=chat_template_kwargs))
     where, sep, attr = spec.rpartition(":")
     if not sep or not where or not attr:
         raise RewardError(
             f"unknown reward function {spec!r}: built-ins are {', '.join(BUILTIN_REWARDS)}; "
-            "name your own as 'package.module:function' or 'path/to/file.py:function'"
-            + (" (reward models from the hub are not supported)" if "/" in spec else ""))
+            "name your own as 'package.module:function' or 'path/to/file.py:function', or a "
+            "reward model by its directory or hub id 'org/name'")
     if where.endswith(".py") or "/" in where:
         path = Path(where).expanduser()
         if not path.is_file():
@@ -222,8 +234,22 @@ def _check_signature(name: str, fn: Callable) -> None:
                           f"give it **kwargs (signature: {signature})")
 
 
-def load_reward_funcs(specs: Sequence[str]) -> list[RewardFunc]:
-    return [load_reward_func(s) for s in specs]
+def names_a_model(spec: str) -> bool:
+    """Whether a reward_funcs entry names a reward model: a directory, or a '/' without ':'
+    (a hub id; a function is 'module:function' or 'file.py:function')."""
+    return Path(spec).expanduser().is_dir() or ("/" in spec and ":" not in spec)
+
+
+def load_reward_funcs(specs: Sequence[str], processing_classes: Sequence[str | None] | None = None,
+                      **model_options) -> list[RewardFunc]:
+    """`load_reward_func` of each spec, with its entry of `processing_classes` (TRL's
+    reward_processing_classes: one per function, None for a model's own tokenizer)."""
+    if processing_classes is not None and len(processing_classes) != len(specs):
+        raise RewardError(f"reward_processing_classes has {len(processing_classes)} entries "
+                          f"but reward_funcs has {len(specs)}: give one per function (null "
+                          "for a reward model's own tokenizer; ignored for functions)")
+    classes = [None] * len(specs) if processing_classes is None else processing_classes
+    return [load_reward_func(s, c, **model_options) for s, c in zip(specs, classes)]
 
 
 def completions_for_rewards(prompts: Sequence[Any], texts: Sequence[str]) -> list[Any]:

@@ -107,7 +107,11 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
               f"max_prompt_length={cfg.data.max_prompt_length} and lost their left end",
               file=sys.stderr)
     eval_dataset = data_lib.load_prompts(cfg.data, tokenizer, test=True) if eval_prompts else None
-    funcs = rewards_lib.load_reward_funcs(cfg.grpo.reward_funcs)
+    # Reward models run on the trainer's mesh (in multi-process runs on this process's devices:
+    # reward_model.scoring_mesh), in the run's compute dtype.
+    funcs = rewards_lib.load_reward_funcs(
+        cfg.grpo.reward_funcs, cfg.grpo.reward_processing_classes, mesh=mesh,
+        dtype=cfg.numerics.dtype, chat_template_kwargs=cfg.data.chat_template_kwargs)
     plan = cfg.batch_plan(mesh_lib.batch_divisor(mesh))
     total_steps = plan.total_steps(len(dataset), cfg.batch.max_steps,
                                    cfg.batch.num_train_epochs)

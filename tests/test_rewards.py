@@ -62,7 +62,8 @@ def test_load_by_path_and_by_module(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("spec,needle", [
     ("reward_length", "built-ins are reward_len"),
-    ("org/reward-model", "reward models from the hub are not supported"),
+    ("org/reward-model", "could not be fetched from the Hugging Face hub"),
+    ("a/b/c", "no such directory, and not a hub id"),
     ("{dir}/nope.py:f", "no such file"),
     ("{dir}/my_rewards.py:missing", r"has no function 'missing' \(it has: count_a, slow_len, "
                                     r"uses_column\)"),
