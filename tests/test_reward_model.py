@@ -102,7 +102,9 @@ def ours(funcs, prompts, completions):
     return compute_rewards(funcs, prompts, completions, [[1]] * len(prompts))
 
 
-@pytest.mark.parametrize("family,mesh_shape", [("llama", None), ("qwen2", (2, 2, 2))])
+@pytest.mark.parametrize("family,mesh_shape", [("llama", None), ("qwen2", (2, 2, 2)),
+                                               ("gemma2", None), ("gemma3_text", None),
+                                               ("mistral", None)])
 def test_scores_match_trl_with_transformers(tmp_path, family, mesh_shape):
     """Chat and plain prompts through TRL's path (texts, tokens, last non-pad token), on one
     device and sharded over dp x fsdp x tp; the name TRL logs is the directory's."""
