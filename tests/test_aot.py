@@ -92,9 +92,12 @@ def test_targets():
 def test_presets_match_published_sizes():
     billions = {"qwen2.5-0.5b": 0.49, "qwen2.5-1.5b": 1.54, "qwen2.5-7b": 7.62,
                 "qwen2.5-32b": 32.76, "qwen2.5-72b": 72.71, "qwen3-8b": 8.19, "qwen3-32b": 32.76,
-                "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55}
+                "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55, "gemma-3-270m": 0.27,
+                "gemma-3-1b": 1.0, "gemma-3-4b": 3.88, "gemma-3-12b": 11.77, "gemma-3-27b": 27.01,
+                "gemma-2-2b": 2.61, "gemma-2-9b": 9.24, "gemma-2-27b": 27.23}
     assert {k: round(v.num_params() / 1e9, 2) for k, v in PRESETS.items()} == billions
     assert model_config("Qwen/Qwen2.5-7B") == PRESETS["qwen2.5-7b"]
+    assert model_config("google/gemma-3-27b-it") == PRESETS["gemma-3-27b"]
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path):

@@ -2,7 +2,8 @@
 
 Each preset is the architecture its Hugging Face `config.json` describes (hidden size, layers,
 heads, KV heads, intermediate size, vocabulary, tied embeddings, RoPE, Qwen2.5's qkv bias,
-Qwen3's qk norm); the weights are not needed to compile or size a run.
+Qwen3's qk norm, Gemma's windows and soft-caps); the weights are not needed to compile or size
+a run.
 """
 
 from __future__ import annotations
@@ -31,6 +32,31 @@ def _llama31(d, layers, heads, f) -> ModelConfig:
                        max_position_embeddings=131072)
 
 
+def _gemma3(d, layers, heads, kv, f, vocab=262208, head_dim=256, window=1024, scalar=256,
+            linear=8.0) -> ModelConfig:
+    """Gemma 3's text model: five sliding-window layers to one global, local RoPE base 1e4,
+    global 1e6 (linearly scaled by 8 from 4B up)."""
+    types = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                  for i in range(layers))
+    return ModelConfig("gemma3_text", vocab, d, f, layers, heads, kv, head_dim,
+                       rope_theta=1e6, rope_local_theta=1e4, rope_linear=linear,
+                       tie_word_embeddings=True, qk_norm=True, hidden_act="gelu_pytorch_tanh",
+                       norm_offset=True, scale_embeddings=True, sandwich_norms=True,
+                       query_pre_attn_scalar=scalar, sliding_window=window, layer_types=types,
+                       max_position_embeddings=131072 if linear else 32768)
+
+
+def _gemma2(d, layers, heads, kv, f, head_dim=256, scalar=256) -> ModelConfig:
+    """Gemma 2: sliding and global layers alternate; soft-capped attention and logits."""
+    types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
+    return ModelConfig("gemma2", 256000, d, f, layers, heads, kv, head_dim,
+                       tie_word_embeddings=True, hidden_act="gelu_pytorch_tanh",
+                       norm_offset=True, scale_embeddings=True, sandwich_norms=True,
+                       query_pre_attn_scalar=scalar, attn_logit_softcapping=50.0,
+                       final_logit_softcapping=30.0, sliding_window=4096, layer_types=types,
+                       max_position_embeddings=8192)
+
+
 PRESETS: dict[str, ModelConfig] = {
     "qwen2.5-0.5b": _qwen25(896, 24, 14, 2, 4864, 151936, tied=True),
     "qwen2.5-1.5b": _qwen25(1536, 28, 12, 2, 8960, 151936, tied=True),
@@ -41,12 +67,22 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-32b": _qwen3(5120, 64, 64, 25600),
     "llama-3.1-8b": _llama31(4096, 32, 32, 14336),
     "llama-3.1-70b": _llama31(8192, 80, 64, 28672),
+    "gemma-3-270m": _gemma3(640, 18, 4, 1, 2048, vocab=262144, window=512, linear=None),
+    "gemma-3-1b": _gemma3(1152, 26, 4, 1, 6912, vocab=262144, window=512, linear=None),
+    "gemma-3-4b": _gemma3(2560, 34, 8, 4, 10240),
+    "gemma-3-12b": _gemma3(3840, 48, 16, 8, 15360),
+    "gemma-3-27b": _gemma3(5376, 62, 32, 16, 21504, head_dim=128, scalar=168),
+    "gemma-2-2b": _gemma2(2304, 26, 8, 4, 9216),
+    "gemma-2-9b": _gemma2(3584, 42, 16, 8, 14336),
+    "gemma-2-27b": _gemma2(4608, 46, 32, 16, 36864, head_dim=128, scalar=144),
 }
 
 
 def preset(name: str) -> ModelConfig:
-    """The preset named `name` (case-insensitive; an `Org/` prefix such as `Qwen/` is ignored)."""
+    """The preset named `name` (case-insensitive; an `Org/` prefix such as `Qwen/` and an
+    -it / -Instruct suffix are ignored)."""
     key = name.rsplit("/", 1)[-1].lower().replace("meta-llama-", "llama-")
+    key = key.removesuffix("-it").removesuffix("-instruct")  # the tuned models' shapes
     if key not in PRESETS:
         raise GrpoJaxError(f"unknown model preset {name!r}: use one of {', '.join(PRESETS)}, "
                            "an HF config.json, or a model directory")
