@@ -100,6 +100,10 @@ class LoraParam(nnx.Variable):
 def add_adapters(model, peft: PeftArgs, key: jax.Array, dtype=None) -> None:
     """Give `model` (a Decoder) fresh adapters in `dtype` (default: the model's param dtype):
     A kaiming-uniform as PEFT's (bound 1/sqrt(fan_in)), B zero. Axes follow the weight's."""
+    # PEFT adapts Phi-3's fused qkv_proj / gate_up_proj as single modules; our split weights
+    # would give adapters of another shape than PEFT's, so refuse rather than export a mismatch.
+    check(model.cfg.model_type != "phi3", "LoRA on Phi-3 (fused qkv_proj and gate_up_proj) "
+          "is not supported yet; train it without use_peft, or use a Llama-shaped model")
     dtype = model.cfg.param_dtype if dtype is None else dtype
     model.lora_scale = peft.scale
     for i, leaf in enumerate(peft.targets()):
