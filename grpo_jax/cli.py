@@ -166,8 +166,7 @@ NO_EFFECT = {
     "training state, for exact resume", "use_cache": "the sampler always keeps a KV cache",
     "ds3_gather_for_generation": "JAX shards params with the mesh; no DeepSpeed ZeRO-3",
     "cast_lm_head_to_fp32": "off, as TRL's default: the head's matmul accumulates in fp32",
-    "max_tool_calling_iterations": "tool calling is not supported yet: completions are "
-    "single-turn", "dataloader_drop_last": "an epoch's tail too short for a generation batch "
+    "dataloader_drop_last": "an epoch's tail too short for a generation batch "
     "is skipped, as TRL's sampler does",
     "eval_accumulation_steps": "eval metrics are reduced per eval batch",
     "save_strategy": "checkpoints are written every save_steps, on a stop signal and at the end",

@@ -94,10 +94,11 @@ def reward_inputs(records: Sequence[dict], num_generations: int) -> tuple[list, 
 
 # ---------------------------------------------------------------- loading
 
-def load_prompts(cfg: DataArgs, tokenizer, *, test: bool = False) -> PromptDataset:
+def load_prompts(cfg: DataArgs, tokenizer, *, test: bool = False,
+                 tools: Sequence[Any] = ()) -> PromptDataset:
     """Load, template and tokenize the prompts of `cfg`'s train split (`test`: its eval split,
     dataset_test_split of eval_dataset_name or else dataset_name); truncation is from the
-    left."""
+    left. `tools`: functions whose schemas the chat template shows (TRL's `tools`)."""
     name = (cfg.eval_dataset_name or cfg.dataset_name) if test else cfg.dataset_name
     split = cfg.dataset_test_split if test else cfg.dataset_train_split
     if test and cfg.eval_dataset_name and _single_file(name) and split == "test":
@@ -111,8 +112,8 @@ def load_prompts(cfg: DataArgs, tokenizer, *, test: bool = False) -> PromptDatas
     if not prompts:
         raise DataError(f"dataset {name!r} split {split!r} is empty")
     if cfg.chat_template:
-        tokenizer.chat_template = cfg.chat_template  # the run's tokenizer, decoding included
-    ids = tokenize_prompts(prompts, tokenizer, cfg.chat_template_kwargs)
+        tokenizer.chat_template = chat_template(cfg.chat_template)  # decoding's too
+    ids = tokenize_prompts(prompts, tokenizer, cfg.chat_template_kwargs, tools=tools)
     limit = cfg.max_prompt_length
     truncated = 0
     if limit is not None:
@@ -150,12 +151,26 @@ def with_system_prompt(prompts: Sequence[Any], system_prompt: str | None) -> lis
     return out
 
 
+def chat_template(value: str) -> str:
+    """The chat_template setting: a Jinja string, the path of a .jinja file, or a shipped
+    template by name (`chatml_tools`: ChatML with Hermes tool calls, for SmolLM2)."""
+    shipped = resources.files("grpo_jax") / "assets" / f"{value}.jinja"
+    if "\n" not in value and "{" not in value and shipped.is_file():
+        return shipped.read_text()
+    if value.endswith(".jinja"):
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise DataError(f"chat_template {value!r}: no such file")
+        return path.read_text()
+    return value
+
+
 def tokenize_prompts(prompts: Sequence[Any], tokenizer, chat_template_kwargs=None,
-                     chunk: int = 1024) -> list[list[int]]:
+                     chunk: int = 1024, tools: Sequence[Any] = ()) -> list[list[int]]:
     """Token ids of each prompt, as TRL 1.16 makes them: a plain string with the tokenizer's
     special tokens (`tokenizer(text=...)`, e.g. a BOS), chat messages as their rendered template
     without any (`apply_chat_template(tokenize=True)` adds none: the template holds them)."""
-    texts = render_prompts(prompts, tokenizer, chat_template_kwargs)
+    texts = render_prompts(prompts, tokenizer, chat_template_kwargs, tools)
     plain = [isinstance(p, str) for p in prompts]
     ids: list[list[int] | None] = [None] * len(texts)
     for kind in (True, False):
@@ -168,9 +183,10 @@ def tokenize_prompts(prompts: Sequence[Any], tokenizer, chat_template_kwargs=Non
     return ids
 
 
-def render_prompts(prompts: Sequence[Any], tokenizer, chat_template_kwargs=None) -> list[str]:
+def render_prompts(prompts: Sequence[Any], tokenizer, chat_template_kwargs=None,
+                   tools: Sequence[Any] = ()) -> list[str]:
     """Strings as they are; chat messages through the tokenizer's chat template (with TRL's
-    chat_template_kwargs, e.g. Qwen3's enable_thinking)."""
+    chat_template_kwargs, e.g. Qwen3's enable_thinking, and the `tools`' schemas)."""
     texts = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
@@ -180,8 +196,10 @@ def render_prompts(prompts: Sequence[Any], tokenizer, chat_template_kwargs=None)
             if not getattr(tokenizer, "chat_template", None):
                 raise DataError("the prompts are chat messages but the tokenizer has no chat "
                                 "template; use an instruct/chat model or plain-string prompts")
+            # `or None`, as TRL: some templates render tool boilerplate for tools=[].
             texts.append(tokenizer.apply_chat_template(p, tokenize=False,
                                                        add_generation_prompt=True,
+                                                       tools=list(tools) or None,
                                                        **(chat_template_kwargs or {})))
         else:
             raise DataError(f"prompt {i} is {type(p).__name__} {str(p)[:80]!r}; a prompt must "

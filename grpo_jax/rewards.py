@@ -182,12 +182,21 @@ def load_reward_func(spec: str, processing_class: str | None = None, *, mesh=Non
             f"unknown reward function {spec!r}: built-ins are {', '.join(BUILTIN_REWARDS)}; "
             "name your own as 'package.module:function' or 'path/to/file.py:function', or a "
             "reward model by its directory or hub id 'org/name'")
+    fn = import_callable(spec, "reward function", RewardError)
+    _check_signature(spec, fn)
+    return RewardFunc(spec, fn)
+
+
+def import_callable(spec: str, what: str, error: type[Exception]) -> Callable:
+    """The callable 'package.module:name' or 'path/to/file.py:name' names (a file is imported
+    once per path). `what` names it in errors, raised as `error`."""
+    where, _, attr = spec.rpartition(":")
     if where.endswith(".py") or "/" in where:
         path = Path(where).expanduser()
         if not path.is_file():
-            raise RewardError(f"reward function {spec!r}: no such file {str(path)!r}")
+            raise error(f"{what} {spec!r}: no such file {str(path)!r}")
         digest = hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:8]
-        mod_name = f"grpo_jax_user_rewards_{path.stem}_{digest}"
+        mod_name = f"grpo_jax_user_{path.stem}_{digest}"
         module = sys.modules.get(mod_name)
         if module is None:
             module_spec = importlib.util.spec_from_file_location(mod_name, path)
@@ -197,21 +206,20 @@ def load_reward_func(spec: str, processing_class: str | None = None, *, mesh=Non
                 module_spec.loader.exec_module(module)
             except Exception as e:
                 del sys.modules[mod_name]
-                raise RewardError(f"reward function {spec!r}: importing {path} raised "
-                                  f"{type(e).__name__}: {e}") from e
+                raise error(f"{what} {spec!r}: importing {path} raised "
+                            f"{type(e).__name__}: {e}") from e
     else:
         try:
             module = importlib.import_module(where)
         except Exception as e:
-            raise RewardError(f"reward function {spec!r}: can't import module {where!r} "
-                              f"({type(e).__name__}: {e}); is it on PYTHONPATH?") from e
+            raise error(f"{what} {spec!r}: can't import module {where!r} "
+                        f"({type(e).__name__}: {e}); is it on PYTHONPATH?") from e
     fn = getattr(module, attr, None)
     if not callable(fn):
         names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
-        raise RewardError(f"reward function {spec!r}: {where} has no function {attr!r} "
-                          f"(it has: {', '.join(sorted(names)) or 'none'})")
-    _check_signature(spec, fn)
-    return RewardFunc(spec, fn)
+        raise error(f"{what} {spec!r}: {where} has no function {attr!r} "
+                    f"(it has: {', '.join(sorted(names)) or 'none'})")
+    return fn
 
 
 def _check_signature(name: str, fn: Callable) -> None:

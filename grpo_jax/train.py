@@ -31,6 +31,7 @@ from grpo_jax.checkpoint import BufferFiles, Checkpointer, RefCheckpoints, StopS
 from grpo_jax.errors import GrpoJaxError
 from grpo_jax.grpo.train_step import StepConfig
 from grpo_jax.logger import MetricsLogger
+from grpo_jax.rollout import tools as tools_lib
 from grpo_jax.rollout.engines import make_rollout
 from grpo_jax.rollout.sampler import reference_copy
 from grpo_jax.trainer import ADAPTERS_OFF, GRPORound, Scores, Trainer, aggregate
@@ -72,7 +73,9 @@ class RewardScorer:
         ids = [row[m.astype(bool)].tolist() for row, m in zip(r.completion_ids, r.completion_mask)]
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         prompts, columns = data_lib.reward_inputs(records, self.num_generations)
-        completions = rewards_lib.completions_for_rewards(prompts, texts)
+        # With tools, TRL's completions: each row's turns as messages (calls and results too).
+        completions = (r.completions if r.completions is not None
+                       else rewards_lib.completions_for_rewards(prompts, texts))
         rows = dist.owned_rows(mesh_lib.batch_sharding(self.mesh, 1), len(ids))
         logs = rewards_lib.RewardLogs()
 
@@ -101,12 +104,16 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     # Each weight is read straight onto its sharding: no device holds a whole copy.
     model, model_dir = peft_io.load_model(cfg, mesh)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    dataset = data_lib.load_prompts(cfg.data, tokenizer)
+    tools = tools_lib.load_tools(cfg.tool_calling.tools)
+    dataset = data_lib.load_prompts(cfg.data, tokenizer, tools=tools)
+    if tools:
+        tools_lib.check_chat_template(tokenizer, cfg.data.chat_template_kwargs)
     if dataset.num_truncated and dist.is_main():
         print(f"{dataset.num_truncated} of {len(dataset)} prompts were longer than "
               f"max_prompt_length={cfg.data.max_prompt_length} and lost their left end",
               file=sys.stderr)
-    eval_dataset = data_lib.load_prompts(cfg.data, tokenizer, test=True) if eval_prompts else None
+    eval_dataset = (data_lib.load_prompts(cfg.data, tokenizer, test=True, tools=tools)
+                    if eval_prompts else None)
     # Reward models run on the trainer's mesh (in multi-process runs on this process's devices:
     # reward_model.scoring_mesh), in the run's compute dtype.
     funcs = rewards_lib.load_reward_funcs(
@@ -118,7 +125,7 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     trainer = Trainer(model, step_config(cfg, plan), cfg.optim, total_steps, mesh)
     state = trainer.init_state
     del model
-    rollout = make_rollout(cfg, trainer.model_config, tokenizer, mesh, model_dir)
+    rollout = make_rollout(cfg, trainer.model_config, tokenizer, mesh, model_dir, tools)
     scorer = RewardScorer(funcs, tokenizer, mesh, cfg.grpo.num_generations)
     g = cfg.grpo
     run_round = GRPORound(

@@ -260,7 +260,7 @@ class GRPORound:
                                                              plan.micro_batch_size))
             metrics["timing/logprobs"] += time.perf_counter() - t1
             buffer = buffer + self.split(batch, key) * plan.num_iterations
-            num_tokens = int(batch.prompt_mask.sum() + batch.completion_mask.sum())
+            num_tokens = int(batch.prompt_mask.sum() + batch.model_mask().sum())
         t3 = time.perf_counter()
 
         gas = plan.gradient_accumulation_steps
@@ -327,8 +327,9 @@ class GRPORound:
         # tokens, shared out over its rows, whatever step a row lands in.
         batch = Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
                       r.truncated, np.asarray(advantages, np.float32),
-                      sampler_logp=r.sampler_logp, num_items=loss_lib.num_items_per_row(
-                          r.completion_mask, r.truncated, self.trainer.cfg.loss))
+                      sampler_logp=r.sampler_logp, tool_mask=r.tool_mask)
+        batch = batch.replace(num_items=loss_lib.num_items_per_row(
+            batch.model_mask(), r.truncated, self.trainer.cfg.loss))
         t2 = time.perf_counter()
         if self.ref_params is not None:
             batch = batch.replace(ref_logp=self.trainer.logps(self.ref_params, batch,
@@ -341,6 +342,11 @@ class GRPORound:
                                               if np.isfinite(col).sum() > 1 else 0.0)
         metrics.update(scores.metrics)
         metrics.update(completion_metrics(batch))
+        if r.tool_calls is not None:  # TRL: calls per completion, failures per call
+            calls = int(r.tool_calls.sum())
+            metrics["tools/call_frequency"] = calls / len(r.tool_calls)
+            metrics["tools/failure_frequency"] = (int(r.tool_failures.sum()) / calls
+                                                  if calls else 0.0)
         metrics["timing/generate"] = t1 - t0
         metrics["timing/logprobs"] = time.perf_counter() - t2
         return Generated(batch, scores, rewards, advantages, metrics)
@@ -376,7 +382,7 @@ def aggregate(metrics: Sequence[dict]) -> dict:
 
 
 def completion_metrics(batch: Batch) -> dict:
-    lengths = batch.completion_mask.sum(1)
+    lengths = batch.model_mask().sum(1)  # TRL: the tokens the model wrote
     done = ~batch.truncated
     term = lengths[done] if done.any() else np.zeros(1)  # TRL: 0 when none terminated
     return {

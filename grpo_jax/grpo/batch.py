@@ -30,10 +30,20 @@ class Batch:
     # every row (grpo.loss.num_items_per_row): the dapo / cispo / vespo denominator. None: a
     # step divides by its own loss tokens (the same when a step is a whole generation batch).
     num_items: Array | None = None
+    # [N, C] int32, multi-turn tool calling: 0 on tool-result tokens, which the model attends
+    # to (completion_mask) but which carry no loss, KL or entropy (TRL's tool_mask).
+    tool_mask: Array | None = None
 
     @property
     def size(self) -> int:
         return self.truncated.shape[0]
+
+    def model_mask(self) -> Array:
+        """[N, C]: the completion tokens the model wrote, which the loss and the completion
+        metrics count (completion_mask without tool results)."""
+        if self.tool_mask is None:
+            return self.completion_mask
+        return self.completion_mask * self.tool_mask
 
     def rows(self, index) -> Batch:
         """The rows `index` (a slice or an index array) of every field."""

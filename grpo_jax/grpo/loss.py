@@ -292,7 +292,7 @@ def micro_loss_terms(logp, entropy, batch: Batch, cfg: LossConfig) -> MicroLoss:
         raise ValueError("top_entropy_quantile < 1 and the entropy bonus (entropy_coef, "
                          "use_adaptive_entropy) need the per-token entropy: pass entropy")
     logp = logp.astype(f32)
-    m = loss_mask(batch.completion_mask, batch.truncated, cfg)
+    m = loss_mask(batch.model_mask(), batch.truncated, cfg)
     A = batch.advantages.astype(f32)[:, None]
     sg = jax.lax.stop_gradient
     old = sg(logp) if batch.old_logp is None else batch.old_logp.astype(f32)
@@ -368,7 +368,7 @@ def micro_loss_terms(logp, entropy, batch: Batch, cfg: LossConfig) -> MicroLoss:
     terms = _Terms(m, A, sg(old), sg(ratio), None if kl is None else sg(kl), is_weight, phi)
     sums = loss_metrics(terms, entropy, batch.sampler_logp, cfg)
     if cfg.entropy_bonus:
-        den = loss_denominator(batch.completion_mask, batch.truncated, cfg, batch.num_items)
+        den = loss_denominator(batch.model_mask(), batch.truncated, cfg, batch.num_items)
         sums["mean"]["policy_loss"] = jnp.stack([sg(numerator), den])
         if cfg.use_adaptive_entropy:  # the controller's input: the step's token-mean entropy
             eff = m if ent_mask is None else m * ent_mask

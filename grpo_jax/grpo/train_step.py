@@ -100,7 +100,7 @@ def accumulate(micro_loss: Callable[[Any, Batch, jax.Array], loss_lib.MicroLoss]
     k = cfg.gradient_accumulation_steps
     micro = jax.tree.map(lambda x: constrain(x.reshape(k, x.shape[0] // k, *x.shape[1:])), batch)
     dens = jax.vmap(lambda mask, trunc, items: loss_lib.loss_denominator(
-        mask, trunc, cfg.loss, items))(micro.completion_mask, micro.truncated, micro.num_items)
+        mask, trunc, cfg.loss, items))(micro.model_mask(), micro.truncated, micro.num_items)
     denom = jnp.maximum(dens.sum(), 1e-8)
     coef = cfg.loss.entropy_coef if entropy_coef is None else entropy_coef
 
@@ -134,7 +134,7 @@ def batch_loss(graphdef, cfg: StepConfig, state: TrainState, batch: Batch, froze
     lc = cfg.loss
     coef = loss_lib.applied_entropy_coef(state.entropy_coef, state.last_entropy, lc)
     out = _micro_loss(state.params, graphdef, cfg, batch, frozen)
-    den = loss_lib.loss_denominator(batch.completion_mask, batch.truncated, lc, batch.num_items)
+    den = loss_lib.loss_denominator(batch.model_mask(), batch.truncated, lc, batch.num_items)
     loss = out.numerator / jnp.maximum(den, 1e-8)
     if out.entropy_mean is not None:
         loss = loss - coef * out.entropy_mean

@@ -61,13 +61,22 @@ class MainProcessRollout:
         return dist.from_main(lambda: self.inner.update_weights(host), self.error)
 
 
-def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir):
+def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir, tools=()):
+    """The config's backend; with `tools` (functions), inside the multi-turn tool loop."""
+    sp = sampling_params(cfg, tokenizer, model_dir)
     if cfg.rollout.backend == "jax":
         # SPMD over every process's devices
-        return JaxRollout(model_cfg, sampling_params(cfg, tokenizer, model_dir),
-                          pad_id=pad_id(tokenizer), mesh=mesh)
-    from grpo_jax.rollout.vllm_rollout import VLLMRollout
+        rollout = JaxRollout(model_cfg, sp, pad_id=pad_id(tokenizer), mesh=mesh)
+    else:
+        from grpo_jax.rollout.vllm_rollout import VLLMRollout
 
-    def make():
-        return VLLMRollout(cfg, model_cfg, tokenizer, model_dir)
-    return MainProcessRollout(make) if dist.multi_process() else make()
+        def make():
+            return VLLMRollout(cfg, model_cfg, tokenizer, model_dir)
+        rollout = MainProcessRollout(make) if dist.multi_process() else make()
+    if not tools:
+        return rollout
+    from grpo_jax.rollout.tools import Toolbox, ToolRollout
+    t = cfg.tool_calling
+    return ToolRollout(rollout, tokenizer, Toolbox(list(tools), t.tool_timeout),
+                       t.max_tool_calling_iterations, sp.stop_token_ids, pad_id(tokenizer),
+                       cfg.data.chat_template_kwargs)

@@ -40,6 +40,11 @@ class RolloutBatch(NamedTuple):
     completion_mask: np.ndarray  # [N, C] int32; 1 up to and including the stop token
     truncated: np.ndarray        # [N] bool: no stop token within C tokens
     sampler_logp: np.ndarray     # [N, C] fp32 log_softmax(logits / T) of each token; 0 if masked
+    # Multi-turn tool calling (grpo_jax.rollout.tools); None for single-turn rollouts.
+    tool_mask: np.ndarray | None = None    # [N, C] int32: 0 on tool-result tokens, else 1
+    completions: list | None = None        # [N] the turns as messages (TRL's completions)
+    tool_calls: np.ndarray | None = None   # [N] int32: tool calls made
+    tool_failures: np.ndarray | None = None  # [N] int32: of those, failed ones
 
 
 class _State(NamedTuple):

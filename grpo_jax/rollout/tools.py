@@ -1,0 +1,301 @@
+"""Multi-turn tool calling, as TRL 1.16's `GRPOTrainer(tools=...)` runs it, for either backend.
+
+After a turn, each completion is parsed into a message (the tokenizer's `response_template`
+through transformers' `parse_response`, else the Hermes `<tool_call>{json}</tool_call>` format
+of Qwen and SmolLM chat models); its tool calls run, each with a timeout; the results become
+`tool` messages whose tokens the chat template renders (computed once per turn from a dummy
+conversation, as TRL does, so the model's own tokens are never re-tokenized); and the model
+continues from prompt + completion + results, until a turn makes no call, the completion budget
+(max_completion_length) would be exceeded, or max_tool_calling_iterations. A tool that raises,
+times out, is unknown or is called with malformed arguments returns TRL's `{"error": ...}` to the
+model and is counted in `tools/failure_frequency`; the run goes on.
+
+The tool-result tokens stay in the sequence (the model attends to them) but carry no loss, KL
+or entropy: `tool_mask` 0 (TRL's name). Follow-up turns re-prefill prompt + completion so far
+through the backend's own `generate`, so the JAX sampler compiles only its usual length buckets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import inspect
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from grpo_jax import distributed as dist
+from grpo_jax.errors import GrpoJaxError, check
+from grpo_jax.rollout.sampler import RolloutBatch
+
+
+class ToolError(GrpoJaxError, ValueError):
+    """A tool that can't be loaded, or a chat template that can't render tool calls."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolArgs:
+    """The config's `tool_calling` section (TRL: GRPOTrainer's `tools`, GRPOConfig's
+    `max_tool_calling_iterations`)."""
+    # 'package.module:function' or 'path/to/file.py:function': plain functions with type hints
+    # and a Google-style docstring (their JSON schema is what the chat template shows).
+    tools: tuple[str, ...] = ()
+    max_tool_calling_iterations: int | None = None  # None: until a turn makes no call (TRL)
+    tool_timeout: float = 30.0  # seconds per call; a slower call returns an error to the model
+
+    def __post_init__(self):
+        check(self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 0,
+              f"max_tool_calling_iterations must be >= 0 or null, got "
+              f"{self.max_tool_calling_iterations}")
+        check(self.tool_timeout > 0, f"tool_timeout must be > 0 seconds, got {self.tool_timeout}")
+
+
+# transformers' response-template format for Hermes-style tool calls (Qwen2.5, SmolLM's
+# ChatML): used when the tokenizer brings no response_template of its own.
+HERMES_RESPONSE_TEMPLATE = {
+    "start_anchor": "<|im_start|>assistant\n", "defaults": {"role": "assistant"},
+    "fields": {"content": {"content": "text"},
+               "tool_calls": {"open": "<tool_call>", "close": "</tool_call>", "content": "json",
+                              "repeats": True,
+                              "transform": {"type": "function", "function": "{content}"}}}}
+
+
+def load_tools(specs: Sequence[str]) -> list[Callable]:
+    """The functions `specs` name, each checked to have the JSON schema the chat template
+    needs (transformers' get_json_schema: type hints and a docstring with Args)."""
+    from transformers.utils import get_json_schema
+
+    from grpo_jax.rewards import import_callable
+    fns = []
+    for spec in specs:
+        if ":" not in spec:
+            raise ToolError(f"tool {spec!r}: name it as 'package.module:function' or "
+                            "'path/to/file.py:function'")
+        fn = import_callable(spec, "tool", ToolError)
+        try:
+            get_json_schema(fn)
+        except Exception as e:
+            raise ToolError(f"tool {spec!r} has no JSON schema ({type(e).__name__}: {e}); give "
+                            "every argument a type hint and document it under 'Args:' in the "
+                            "docstring, as transformers' get_json_schema needs") from None
+        fns.append(fn)
+    names = [fn.__name__ for fn in fns]
+    if len(set(names)) != len(names):
+        raise ToolError(f"tools {names}: two tools share a name; the model calls them by name")
+    return fns
+
+
+@dataclasses.dataclass
+class Toolbox:
+    """The run's tools by name; `call` runs one call as TRL does, never raising."""
+    fns: list[Callable]
+    timeout: float
+
+    def __post_init__(self):
+        self.by_name = {fn.__name__: fn for fn in self.fns}
+        # Threads, so a call can time out; a timed-out call's thread runs on (Python can't
+        # stop it) but its result is dropped.
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=8)
+
+    def call(self, tool_call: Any) -> tuple[str, Any, bool]:
+        """(name, result, failed) of one parsed tool call."""
+        if not isinstance(tool_call, dict) or tool_call.get("type") != "function":
+            kind = tool_call.get("type") if isinstance(tool_call, dict) else type(tool_call)
+            return "unknown", {"error": f"Unsupported tool call type: {kind}"}, True
+        function = tool_call.get("function") or {}
+        name, args = function.get("name", "unknown"), function.get("arguments") or {}
+        if name not in self.by_name:
+            return name, {"error": f"Tool {name} not found."}, True
+        if not isinstance(args, dict):
+            return name, {"error": f"Tool {name}: arguments must be a JSON object, got "
+                                   f"{args!r}"}, True
+        fn = self.by_name[name]
+
+        def run():
+            out = fn(**args)
+            return asyncio.run(out) if inspect.isawaitable(out) else out
+        try:
+            return name, self.pool.submit(run).result(timeout=self.timeout), False
+        except concurrent.futures.TimeoutError:
+            return name, {"error": f"Tool {name} timed out after {self.timeout:g} s"}, True
+        except Exception as e:  # noqa: BLE001 - a tool's failure is the model's to read
+            return name, {"error": str(e)}, True
+
+
+def parse_turn(tokenizer, ids: Sequence[int], context: Sequence[int],
+               tools: Sequence[Callable]) -> dict:
+    """One turn's tokens as an assistant message, TRL's parse_response: tool calls parsed
+    when well-formed, else the decoded text as content. `context`: the tokens before the turn
+    (a tokenizer's own response_template may need the assistant header they end with)."""
+    template = getattr(tokenizer, "response_template", None)
+    text = tokenizer.decode(list(ids))
+    try:
+        # Our Hermes template reads the model's tokens alone (prefix ""), so it also serves
+        # chat templates whose assistant header differs.
+        prefix = "" if template is None else tokenizer.decode(list(context))
+        parsed = tokenizer.parse_response(text, template or HERMES_RESPONSE_TEMPLATE,
+                                          prefix=prefix, tools=list(tools) or None)
+        if parsed is None:
+            raise ValueError("nothing parsed")
+        content = parsed.get("content")
+        if isinstance(content, str) and tokenizer.eos_token:
+            content = content.replace(tokenizer.eos_token, "")
+        parsed["content"] = content or ""
+        for call in parsed.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or "name" not in function:
+                raise ValueError(f"malformed tool call {call!r}")
+            function.setdefault("arguments", {})
+    except (ValueError, TypeError, KeyError):
+        parsed = {"role": "assistant", "content": tokenizer.decode(list(ids),
+                                                                  skip_special_tokens=True)}
+    return parsed
+
+
+def tool_suffix_ids(tokenizer, tool_messages: list[dict], chat_template_kwargs=None) -> list[int]:
+    """The tokens the chat template puts after an assistant turn that ended in its EOS: the
+    tool messages and the next assistant header. From a dummy conversation rendered with and
+    without them (TRL's _get_tool_suffix_ids)."""
+    kw = dict(tokenize=True, return_dict=False, **(chat_template_kwargs or {}))
+    calls = [{"type": "function", "function": {"name": tool_messages[0]["name"],
+                                               "arguments": {}}}]
+    dummy = [{"role": "user", "content": "dummy"},
+             {"role": "assistant", "content": "", "tool_calls": calls}]
+    prefix = _ids(tokenizer.apply_chat_template(dummy, add_generation_prompt=False, **kw))
+    full = _ids(tokenizer.apply_chat_template(dummy + tool_messages, add_generation_prompt=True,
+                                              **kw))
+    eos = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
+    if eos:  # the turn ended at EOS; what the template adds after it belongs to the suffix
+        prefix = prefix[:eos[-1] + 1]
+    if full[:len(prefix)] != prefix:
+        raise ToolError("the chat template renders an assistant turn differently once tool "
+                        "messages follow it, so tool results can't be appended to the "
+                        "model's tokens; use a prefix-preserving chat template")
+    return full[len(prefix):]
+
+
+def _ids(out) -> list[int]:
+    ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+    return list(ids[0] if ids and isinstance(ids[0], list) else ids)
+
+
+def check_chat_template(tokenizer, chat_template_kwargs=None) -> None:
+    """Refuse a chat template that drops a tool call or a tool result when rendering a
+    conversation (the model would never see either), naming the fix."""
+    name, key, value, result = "tool_n4m3", "arg_k3y", "arg_v4lue", "r3sult_t3xt"
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"type": "function", "function": {"name": name, "arguments": {key: value}}}]},
+                {"role": "tool", "name": name, "content": result}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             **(chat_template_kwargs or {}))
+    except Exception as e:  # noqa: BLE001 - any failure means the same to the user
+        text = f"error {e}"
+    missing = [w for w in (name, key, value, result) if w not in text]
+    if missing:
+        raise ToolError("the chat template can't render tool calls and tool results (it drops "
+                        f"{', '.join(missing)}): set chat_template to one that can, e.g. "
+                        "chatml_tools (shipped) for a ChatML model such as SmolLM2")
+
+
+@dataclasses.dataclass
+class ToolRollout:
+    """A backend (`JaxRollout`, `VLLMRollout`, ...) with the tool loop around its `generate`.
+    The RolloutBatch it returns has the whole multi-turn completion, `tool_mask`, the parsed
+    messages (`completions`, what TRL passes to reward functions) and per-row call counts."""
+    inner: Any
+    tokenizer: Any
+    toolbox: Toolbox
+    max_iterations: int | None
+    stop_token_ids: tuple[int, ...]  # the backend's: a completion ending in none is truncated
+    pad_id: int
+    template_kwargs: dict | None = None  # the run's chat_template_kwargs
+
+    def __getattr__(self, name):  # update_weights, syncs_weights: the backend's
+        return getattr(self.inner, name)
+
+    def generate(self, params, prompt_ids, num_generations, key) -> RolloutBatch:
+        import jax
+        first = self.inner.generate(params, prompt_ids, num_generations, key)
+        n, C = first.completion_ids.shape
+        prompts = [row[m.astype(bool)].tolist() for row, m in zip(first.prompt_ids,
+                                                                 first.prompt_mask)]
+        rows = [_Row(ids[m.astype(bool)].tolist(), lp[m.astype(bool)].tolist())
+                for ids, m, lp in zip(first.completion_ids, first.completion_mask,
+                                      first.sampler_logp)]
+        for row, prompt in zip(rows, prompts):
+            row.messages.append(parse_turn(self.tokenizer, row.ids, prompt, self.toolbox.fns))
+        active = [i for i, row in enumerate(rows) if row.messages[-1].get("tool_calls")]
+        turn = 0
+        while active and turn < (self.max_iterations if self.max_iterations is not None
+                                 else np.iinfo(np.int64).max):
+            # Process 0 runs the tools and every process gets its results: a tool that answers
+            # differently per host must not split the processes' batches.
+            results = dist.from_main(lambda: [[self.toolbox.call(c) for c in
+                                               rows[i].messages[-1]["tool_calls"]]
+                                              for i in active], ToolError)
+            contexts, kept = [], []
+            for i, calls in zip(active, results):
+                msgs = [{"role": "tool", "name": name, "content": out if isinstance(out, list)
+                         else str(out)} for name, out, _ in calls]
+                rows[i].calls += len(calls)
+                rows[i].failures += sum(failed for _, _, failed in calls)
+                suffix = tool_suffix_ids(self.tokenizer, msgs, self.template_kwargs)
+                if len(rows[i].ids) + len(suffix) > C:  # TRL: the row ends here, results dropped
+                    continue
+                rows[i].add(suffix, model=False)
+                rows[i].messages.extend(msgs)
+                contexts.append(prompts[i] + rows[i].ids)
+                kept.append(i)
+            if not kept:
+                break
+            more = self.inner.generate(params, contexts, 1, jax.random.fold_in(key, turn + 1))
+            for j, (i, context) in enumerate(zip(kept, contexts)):
+                m = more.completion_mask[j].astype(bool)
+                ids, lp = more.completion_ids[j][m].tolist(), more.sampler_logp[j][m].tolist()
+                room = C - len(rows[i].ids)  # TRL: the last turn is cut to the budget
+                rows[i].add(ids[:room], lp[:room])
+                if ids[:room]:
+                    rows[i].messages.append(parse_turn(self.tokenizer, ids[:room], context,
+                                                       self.toolbox.fns))
+            active = [i for i in kept if rows[i].messages[-1].get("tool_calls")]
+            turn += 1
+        return _assemble(first, rows, self.pad_id, set(self.stop_token_ids))
+
+
+@dataclasses.dataclass
+class _Row:
+    ids: list[int]
+    logp: list[float]
+    model: list[int] = None  # 1 for a token the model wrote
+    messages: list[dict] = dataclasses.field(default_factory=list)
+    calls: int = 0
+    failures: int = 0
+
+    def __post_init__(self):
+        self.model = [1] * len(self.ids)
+
+    def add(self, ids, logp=None, model: bool = True):
+        self.ids += list(ids)
+        self.logp += list(logp) if logp is not None else [0.0] * len(ids)
+        self.model += [int(model)] * len(ids)
+
+
+def _assemble(first: RolloutBatch, rows: list[_Row], pad: int, stops: set) -> RolloutBatch:
+    n, C = first.completion_ids.shape
+    ids = np.full((n, C), pad, np.int32)
+    mask, tool_mask = np.zeros((n, C), np.int32), np.ones((n, C), np.int32)
+    logp = np.zeros((n, C), np.float32)
+    truncated = np.zeros(n, bool)
+    for i, row in enumerate(rows):
+        k = len(row.ids)
+        ids[i, :k], mask[i, :k], tool_mask[i, :k], logp[i, :k] = row.ids, 1, row.model, row.logp
+        # TRL: truncated when the last token is neither a stop token nor padding.
+        truncated[i] = not k or row.ids[-1] not in stops | {pad}
+    return first._replace(completion_ids=ids, completion_mask=mask, truncated=truncated,
+                          sampler_logp=logp, tool_mask=tool_mask,
+                          completions=[row.messages for row in rows],
+                          tool_calls=np.array([r.calls for r in rows], np.int32),
+                          tool_failures=np.array([r.failures for r in rows], np.int32))

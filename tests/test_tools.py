@@ -1,0 +1,312 @@
+"""Multi-turn tool calling with SmolLM2 and a real calculator tool: the turns, the masks
+(tool results carry no loss and no gradient), the sampler's log-probs against the trainer's over
+the whole multi-turn sequence, TRL's error messages for failing tools, and a GRPO run."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformers
+
+from grpo_jax import data
+from grpo_jax.grpo import loss as loss_lib
+from grpo_jax.grpo.batch import Batch
+from grpo_jax.grpo.train_step import completion_logps
+from grpo_jax.rollout import tools
+from grpo_jax.rollout.engines import JaxRollout
+from grpo_jax.rollout.sampling import SamplingParams
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+sys.path.insert(0, str(EXAMPLES))
+from calculator import calculator  # noqa: E402
+from test_vllm import API_KEY, VLLM_PYTHON, free_port, needs_vllm  # noqa: E402
+
+
+def _call(expression):
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "calculator",
+                                          "arguments": {"expression": expression}}}]}
+
+
+# Two worked exchanges, then the question: SmolLM2-135M then calls the calculator itself.
+SHOTS = [{"role": "user", "content": "What is 5123 * 311?"}, _call("5123 * 311"),
+         {"role": "tool", "name": "calculator", "content": "1593253"},
+         {"role": "assistant", "content": "5123 * 311 = 1593253"},
+         {"role": "user", "content": "What is 7781 + 90412?"}, _call("7781 + 90412"),
+         {"role": "tool", "name": "calculator", "content": "98193"},
+         {"role": "assistant", "content": "7781 + 90412 = 98193"}]
+QUESTIONS = ["What is 48213 * 9177?", "What is 66011 - 4589?"]
+C = 80
+
+
+@pytest.fixture(scope="module")
+def tok(smol_dir):
+    """SmolLM2's tokenizer with the shipped ChatML tool template (its own has no tools)."""
+    t = transformers.AutoTokenizer.from_pretrained(smol_dir)
+    t.chat_template = data.chat_template("chatml_tools")
+    return t
+
+
+def prompt_ids(tok, questions=QUESTIONS):
+    prompts = [SHOTS + [{"role": "user", "content": q}] for q in questions]
+    return data.tokenize_prompts(prompts, tok, tools=[calculator])
+
+
+def tool_rollout(model, tok, fns=(calculator,), timeout=10.0, iterations=None, temperature=1.0):
+    sp = SamplingParams(max_completion_length=C, temperature=temperature,
+                        stop_token_ids=(tok.eos_token_id,))
+    inner = JaxRollout(model.cfg, sp, pad_id=tok.pad_token_id, mesh=None)
+    return tools.ToolRollout(inner, tok, tools.Toolbox(list(fns), timeout), iterations,
+                             (tok.eos_token_id,), tok.pad_token_id)
+
+
+@pytest.fixture(scope="module")
+def rollout(smol_model, tok):
+    """4 completions of each question, sampled (temperature 1): several call the tool."""
+    r = tool_rollout(smol_model, tok).generate(smol_model, prompt_ids(tok), 4, jax.random.key(0))
+    assert r.tool_calls.sum() >= 2, r.tool_calls  # the model does call it
+    return r
+
+
+def _batch(r):
+    return Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.truncated,
+                 np.linspace(-1, 1, len(r.truncated)).astype(np.float32),
+                 sampler_logp=r.sampler_logp, tool_mask=r.tool_mask)
+
+
+def test_turns_and_tool_mask(rollout, tok):
+    """A row that called the tool holds: its call, the rendered result (tool_mask 0: exactly
+    the template's tokens for the tool message and the next assistant header), then the
+    model's next turn."""
+    called = [i for i, n in enumerate(rollout.tool_calls) if n]
+    assert any(len(rollout.completions[i]) > 2 for i in called)
+    for i in called:
+        turns = rollout.completions[i]
+        results = [t for t in turns if t["role"] == "tool"]
+        if not results:  # TRL: results that would overrun max_completion_length are dropped
+            assert len(turns) == 1 and (rollout.tool_mask[i] == 1).all()
+            continue
+        # Whatever the model called (it sometimes names a tool 'math'), the result is the
+        # toolbox's answer to that call.
+        again = [tools.Toolbox([calculator], 10.0).call(c) for c in turns[0]["tool_calls"]]
+        assert [r["content"] for r in results[:len(again)]] == [str(out) for _, out, _ in again]
+        m = rollout.completion_mask[i].astype(bool)
+        ids, tmask = rollout.completion_ids[i][m], rollout.tool_mask[i][m]
+        want = tools.tool_suffix_ids(tok, results[:len(turns[0]["tool_calls"])])
+        first_gap = np.flatnonzero(tmask == 0)
+        assert ids[first_gap[:len(want)]].tolist() == want
+        assert tok.decode(want).startswith("\n<|im_start|>tool\n" + results[0]["content"])
+        assert (rollout.sampler_logp[i][m][tmask == 0] == 0).all()
+    uncalled = [i for i, n in enumerate(rollout.tool_calls) if not n]
+    for i in uncalled:
+        assert (rollout.tool_mask[i] == 1).all() and len(rollout.completions[i]) == 1
+
+
+def test_multi_turn_logprobs_equal_the_trainers(rollout, smol_model):
+    """The trainer's per-token log-probs over prompt + calls + results + answers equal the
+    sampler's at every model-written token. fp32 on SmolLM2: the sampler's single-turn tokens
+    already differ by up to ~3e-5 where log-probs reach -14 (a relative 2e-6: its KV-cache
+    attention sums in another order), so the bound is that of one turn: the turns after a
+    tool result add no error of their own."""
+    batch = _batch(rollout)
+    logp, _ = completion_logps(smol_model, batch, 1.0, 128)
+    model = np.asarray(batch.model_mask(), bool)
+    diff = np.abs(np.asarray(logp) - rollout.sampler_logp)
+    assert diff[model].max() < 5e-5, diff[model].max()
+    after = model & (np.cumsum(rollout.tool_mask == 0, axis=1) > 0)  # later turns' tokens
+    assert after.any() and diff[after].max() < 5e-5
+    assert (batch.model_mask() != batch.completion_mask).any()  # tool results are in there
+
+
+def test_tool_results_carry_no_loss_and_no_gradient(rollout):
+    """The loss counts the model's tokens only; its gradient w.r.t. the log-probs and
+    entropies at tool-result positions is exactly zero (with KL and an entropy bonus on)."""
+    batch = _batch(rollout)
+    n, T = batch.completion_ids.shape
+    rng = np.random.default_rng(0)
+    batch = batch.replace(ref_logp=rollout.sampler_logp - 0.1,
+                          old_logp=rollout.sampler_logp + 0.05)
+    cfg = loss_lib.LossConfig(beta=0.04, entropy_coef=0.01, loss_type="grpo")
+    model_tokens = sum(int((rollout.tool_mask[i][:k] == 1).sum())
+                       for i, k in enumerate(rollout.completion_mask.sum(1)))
+    assert float(loss_lib.loss_mask(batch.model_mask(), batch.truncated, cfg).sum()) == \
+        model_tokens
+    logp = jnp.asarray(rollout.sampler_logp + rng.normal(0, 0.01, (n, T)), jnp.float32)
+    entropy = jnp.asarray(rng.uniform(0.5, 2.0, (n, T)), jnp.float32)
+
+    def loss(lp, ent):
+        out = loss_lib.micro_loss_terms(lp, ent, batch, cfg)
+        den = loss_lib.loss_denominator(batch.model_mask(), batch.truncated, cfg)
+        return out.numerator / den - cfg.entropy_coef * out.entropy_mean
+    g_logp, g_ent = jax.grad(loss, argnums=(0, 1))(logp, entropy)
+    tool = (rollout.tool_mask == 0) & (rollout.completion_mask == 1)
+    assert tool.any()
+    assert (np.asarray(g_logp)[tool] == 0).all() and (np.asarray(g_ent)[tool] == 0).all()
+    written = np.asarray(batch.model_mask(), bool)
+    assert (np.asarray(g_logp)[written] != 0).mean() > 0.9
+
+
+def _boom(expression: str) -> str:
+    """Fails.
+
+    Args:
+        expression: ignored.
+    """
+    raise RuntimeError("division by zebra")
+
+
+def _slow(expression: str) -> str:
+    """Sleeps.
+
+    Args:
+        expression: ignored.
+    """
+    time.sleep(3)
+    return "late"
+
+
+@pytest.mark.parametrize("tool_call,want", [
+    ({"type": "function", "function": {"name": "calculator", "arguments": {"x": "1"}}},
+     "calculator() got an unexpected keyword argument 'x'"),
+    ({"type": "function", "function": {"name": "calculator", "arguments": "2 + 2"}},
+     "Tool calculator: arguments must be a JSON object, got '2 + 2'"),
+    ({"type": "function", "function": {"name": "abacus", "arguments": {}}},
+     "Tool abacus not found."),
+    ({"type": "code", "code": "1 + 1"}, "Unsupported tool call type: code"),
+])
+def test_tool_failures_are_trls_error_messages(tool_call, want):
+    name, result, failed = tools.Toolbox([calculator], 5.0).call(tool_call)
+    assert failed and result == {"error": want}
+
+
+def test_timeouts_and_exceptions_go_back_to_the_model(smol_model, tok):
+    """A tool that raises and one that times out: the model reads TRL's {'error': ...}, the
+    failures are counted, and generation continues after them."""
+    for fn, message in ((_boom, "division by zebra"), (_slow, "timed out after 0.5 s")):
+        fn.__name__ = "calculator"  # the name the model calls
+        r = tool_rollout(smol_model, tok, (fn,), timeout=0.5, iterations=1).generate(
+            smol_model, prompt_ids(tok), 4, jax.random.key(0))
+        called = r.tool_calls > 0
+        assert called.any()
+        assert (r.tool_failures[called] == r.tool_calls[called]).all()
+        ran = 0
+        for i in np.flatnonzero(called):
+            results = [t for t in r.completions[i] if t["role"] == "tool"]
+            if not results:
+                continue  # dropped: past the completion budget
+            name = r.completions[i][0]["tool_calls"][0]["function"]["name"]
+            want = message if name == "calculator" else f"Tool {name} not found."
+            assert want in results[0]["content"]
+            assert results[0]["content"].startswith("{'error': ")
+            assert len(r.completions[i]) >= 3  # call, error, the model's next turn
+            ran += name == "calculator"
+        assert ran
+
+
+def test_parse_turn(tok):
+    good = tok('<tool_call>{"name": "calculator", "arguments": {"expression": "2 * 3"}}'
+               '</tool_call><|im_end|>')["input_ids"]
+    msg = tools.parse_turn(tok, good, [], [calculator])
+    assert msg["tool_calls"] == [{"type": "function", "function": {
+        "name": "calculator", "arguments": {"expression": "2 * 3"}}}]
+    bad = tok('<tool_call>{"name": "calculator", "arguments": {"expression": 2 * 3}}'
+              '</tool_call><|im_end|>')["input_ids"]
+    msg = tools.parse_turn(tok, bad, [], [calculator])
+    assert "tool_calls" not in msg and msg["content"].startswith("<tool_call>{")
+    plain = tools.parse_turn(tok, tok("It is 6.<|im_end|>")["input_ids"], [], [calculator])
+    assert plain == {"role": "assistant", "content": "It is 6."}
+
+
+def test_iteration_cap(smol_model, tok):
+    """max_tool_calling_iterations 0: calls are parsed but never run (TRL's loop does not
+    start), so every completion is one turn."""
+    r = tool_rollout(smol_model, tok, iterations=0).generate(smol_model, prompt_ids(tok), 4,
+                                                              jax.random.key(0))
+    assert (r.tool_calls == 0).all() and (r.tool_mask == 1).all()
+
+
+def test_templates_that_cannot_show_tools_are_refused(smol_dir, tok):
+    own = transformers.AutoTokenizer.from_pretrained(smol_dir)  # SmolLM2's: drops tool calls
+    with pytest.raises(tools.ToolError, match="can't render tool calls.*chatml_tools"):
+        tools.check_chat_template(own)
+    tools.check_chat_template(tok)
+
+
+def test_tool_loading_errors(tmp_path):
+    path = tmp_path / "mytools.py"
+    path.write_text("def no_doc(x):\n    return x\n")
+    with pytest.raises(tools.ToolError, match="no JSON schema.*type hint"):
+        tools.load_tools([f"{path}:no_doc"])
+    with pytest.raises(tools.ToolError, match="has no function 'nope'"):
+        tools.load_tools([f"{path}:nope"])
+    with pytest.raises(tools.ToolError, match="package.module:function"):
+        tools.load_tools(["calculator"])
+    assert tools.load_tools([f"{EXAMPLES / 'calculator.py'}:calculator"])[0]("2*3") == "6"
+
+
+@pytest.mark.slow
+def test_grpo_run_with_a_calculator(tmp_path):
+    """Two GRPO steps with the calculator: TRL's tool metrics are logged, the reward sees the
+    turns as messages, and checkpoints hold the tool mask of buffered micro-batches."""
+    from grpo_jax.cli import load_config
+    from grpo_jax.train import train
+    with open(tmp_path / "q.jsonl", "w") as f:
+        for a, b in [(48213, 9177), (66011, 4589), (3077, 5512), (91234, 8861)]:
+            f.write(json.dumps({"prompt": SHOTS + [{"role": "user",
+                                                    "content": f"What is {a} * {b}?"}],
+                                "answer": a * b}) + "\n")
+    sets = {"dtype": "float32", "dataset_name": tmp_path / "q.jsonl",
+            "tools": f"[{EXAMPLES / 'calculator.py'}:calculator]", "chat_template": "chatml_tools",
+            "reward_funcs": f"[{EXAMPLES / 'calculator.py'}:final_answer]",
+            "num_generations": 4, "max_completion_length": 40, "temperature": 1.0,
+            "per_device_train_batch_size": 8, "steps_per_generation": 2, "learning_rate": 1e-5,
+            "beta": 0.0, "output_dir": tmp_path / "out", "report_to": "[]", "max_steps": 1,
+            "dp": 1, "log_completions": True, "num_completions_to_print": 0, "save_steps": 1}
+    cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
+    last = train(cfg, devices=jax.devices()[:1])
+    assert last["tools/call_frequency"] > 0 and 0 <= last["tools/failure_frequency"] <= 1
+    assert np.isfinite(last["loss"])
+    rows = [json.loads(line) for line in (tmp_path / "out" / "completions.jsonl").open()]
+    assert any("<tool_call>" in r["completion"] for r in rows)
+    buffered = list((tmp_path / "out").rglob("*.npz"))
+    assert buffered and any(k.endswith("/tool_mask") for k in np.load(buffered[0]).files)
+
+
+@needs_vllm
+def test_multi_turn_on_the_vllm_server(smol_dir, smol_model, tok, tmp_path):
+    """The same loop with rollouts from a real vLLM CPU server serving SmolLM2: the follow-up
+    turns are requests of prompt + completion + results, and the server's log-probs of every
+    model-written token equal the trainer's over the whole sequence (< 1e-4)."""
+    import os
+
+    from grpo_jax import serve
+    from grpo_jax.cli import load_config
+    from grpo_jax.rollout.vllm_client import VLLMClient
+    from grpo_jax.rollout.vllm_rollout import VLLMRollout
+    env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp_path / "cache"))
+    srv = serve.start_server(smol_dir, free_port(), python=VLLM_PYTHON, max_model_len=1024,
+                             api_key=API_KEY, log_path=tmp_path / "server.log", env=env)
+    try:
+        VLLMClient(srv.base_url).wait_healthy(timeout=400, server=srv)
+        cfg = load_config(None, [f"{k}={v}" for k, v in {
+            "name_or_path": smol_dir, "backend": "vllm", "vllm_server_base_url": srv.base_url,
+            "vllm_server_api_key": API_KEY, "max_completion_length": C,
+            "temperature": 1.0}.items()])
+        inner = VLLMRollout(cfg, smol_model.cfg, tok, smol_dir)
+        r = tools.ToolRollout(inner, tok, tools.Toolbox([calculator], 10.0), None,
+                              inner.sp.stop_token_ids, tok.pad_token_id).generate(
+            None, prompt_ids(tok), 4, jax.random.key(0))
+    finally:
+        srv.stop()
+    assert any(len(turns) > 2 for turns in r.completions)  # a call, a result, another turn
+    batch = _batch(r)
+    logp, _ = completion_logps(smol_model, batch, 1.0, 128)
+    model = np.asarray(batch.model_mask(), bool)
+    after = model & (np.cumsum(r.tool_mask == 0, axis=1) > 0)
+    diff = np.abs(np.asarray(logp) - r.sampler_logp)
+    assert after.any() and diff[model].max() < 1e-4, diff[model].max()
