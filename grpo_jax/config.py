@@ -24,7 +24,7 @@ from grpo_jax.mesh import MeshConfig
 from grpo_jax.models.config import Numerics
 from grpo_jax.models.lora import PeftArgs
 from grpo_jax.rollout.sampling import SamplingParams
-from grpo_jax.rollout.tools import ToolArgs
+from grpo_jax.rollout.tools import MultiTurnArgs
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -316,7 +316,7 @@ class _TrainConfig:
 SECTIONS: dict[str, type] = {
     "model": ModelArgs, "peft": PeftArgs, "numerics": Numerics, "data": DataArgs, "grpo": GRPOArgs,
     "loss": LossConfig, "generation": SamplingParams, "optim": OptimizerConfig,
-    "batch": BatchArgs, "eval": EvalArgs, "rollout": RolloutArgs, "tool_calling": ToolArgs,
+    "batch": BatchArgs, "eval": EvalArgs, "rollout": RolloutArgs, "multi_turn": MultiTurnArgs,
     "mesh": MeshConfig,
     "run": RunArgs, "distributed": DistributedArgs,
 }

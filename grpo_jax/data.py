@@ -20,7 +20,7 @@ from grpo_jax.errors import GrpoJaxError
 
 logger = logging.getLogger(__name__)
 
-BUILTIN_DATASETS = ("smol_prompts", "arithmetic")
+BUILTIN_DATASETS = ("smol_prompts", "arithmetic", "calculator")
 FILE_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # Columns that are never passed to reward functions (TRL drops the same ones).
 NOT_REWARD_COLUMNS = ("prompt", "prompt_ids", "completion", "completion_ids")
@@ -213,13 +213,16 @@ def _single_file(name: str) -> bool:
 
 def _load_columns(name: str, config: str | None, split: str, seed: int) -> dict[str, list]:
     if name in BUILTIN_DATASETS:
-        splits = ("train", "test") if name == "arithmetic" else ("train",)
+        splits = ("train",) if name == "smol_prompts" else ("train", "test")
         if split not in splits:
             raise DataError(f"built-in dataset {name!r} has the splits {list(splits)}, not "
-                            f"{split!r}" + ("" if name == "arithmetic" else
+                            f"{split!r}" + ("" if len(splits) > 1 else
                                             "; evaluate on a file of your own: eval_dataset_name"))
         if name == "arithmetic":
             return arithmetic_columns(seed, split)
+        if name == "calculator":
+            from grpo_jax import calculator
+            return calculator.columns(seed, split)
         text = (resources.files("grpo_jax") / "assets" / "smol_prompts.jsonl").read_text()
         rows = [json.loads(line) for line in text.splitlines() if line.strip()]
         # As chat messages: the embedded model is an instruct model, and answering in a chat

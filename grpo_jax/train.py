@@ -73,6 +73,7 @@ class RewardScorer:
         ids = [row[m.astype(bool)].tolist() for row, m in zip(r.completion_ids, r.completion_mask)]
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         prompts, columns = data_lib.reward_inputs(records, self.num_generations)
+        columns.update(r.extra or {})  # a rollout_func's fields, as TRL passes them
         # With tools, TRL's completions: each row's turns as messages (calls and results too).
         completions = (r.completions if r.completions is not None
                        else rewards_lib.completions_for_rewards(prompts, texts))
@@ -104,7 +105,7 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     # Each weight is read straight onto its sharding: no device holds a whole copy.
     model, model_dir = peft_io.load_model(cfg, mesh)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    tools = tools_lib.load_tools(cfg.tool_calling.tools)
+    tools = tools_lib.load_tools(cfg.multi_turn.tools)
     dataset = data_lib.load_prompts(cfg.data, tokenizer, tools=tools)
     if tools:
         tools_lib.check_chat_template(tokenizer, cfg.data.chat_template_kwargs)

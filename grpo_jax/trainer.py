@@ -318,7 +318,11 @@ class GRPORound:
         timing/generate and timing/logprobs."""
         g = num_generations or self.plan.num_generations
         t0 = time.perf_counter()
-        r = self.rollout.generate(weights, [rec["prompt_ids"] for rec in records], g, key)
+        ids = [rec["prompt_ids"] for rec in records]
+        # A rollout_func reads the raw prompts (grpo_jax.rollout.custom).
+        r = (self.rollout.generate(weights, ids, g, key, records=records)
+             if getattr(self.rollout, "takes_records", False)
+             else self.rollout.generate(weights, ids, g, key))
         t1 = time.perf_counter()
         scores = (score or self.score)(records, r)
         rewards, advantages, stats = adv_lib.compute_advantages(

@@ -21,3 +21,36 @@ def even_tokens_logged(prompts, completions, completion_ids, log_extra, log_metr
     log_extra("num_ids", [len(ids) for ids in completion_ids])
     log_metric("logged/score_mean", sum(scores) / len(scores))
     return scores
+
+
+def two_turn_game(prompts, trainer):
+    """A rollout_func (TRL's signature): the model writes a move, the environment answers
+    '!ok' (env_mask 0: not the model's), the model writes a second move. Extra field `moves`
+    goes to the reward functions."""
+    tok, C = trainer.tokenizer, trainer.max_completion_length
+    ids = [tok(p)["input_ids"] for p in prompts]
+    first = trainer.generate(ids)
+    reply = tok("!ok")["input_ids"]
+    out = {"prompt_ids": ids, "completion_ids": [], "logprobs": [], "env_mask": [], "moves": []}
+    contexts, rows = [], []
+    for i, turn in enumerate(first):
+        c, lp = turn["completion_ids"], turn["logprobs"]
+        out["completion_ids"].append(c)
+        out["logprobs"].append(lp)
+        out["env_mask"].append([1] * len(c))
+        out["moves"].append(1)
+        if len(c) + len(reply) < C:
+            contexts.append(ids[i] + c + reply)
+            rows.append(i)
+    for i, turn in zip(rows, trainer.generate(contexts)):
+        room = C - len(out["completion_ids"][i]) - len(reply)
+        c, lp = turn["completion_ids"][:room], turn["logprobs"][:room]
+        out["completion_ids"][i] = out["completion_ids"][i] + reply + c
+        out["logprobs"][i] = out["logprobs"][i] + [0.0] * len(reply) + lp
+        out["env_mask"][i] = out["env_mask"][i] + [0] * len(reply) + [1] * len(c)
+        out["moves"][i] = 2
+    return out
+
+
+def more_moves(completions, moves, **kwargs):
+    return [float(m) for m in moves]

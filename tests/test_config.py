@@ -119,7 +119,7 @@ def test_bad_file_key_names_the_file(tmp_path):
     path.write_text("grpo:\n  num_generaions: 4\n")
     with pytest.raises(ConfigError, match=r"grpo.num_generations.*bad.yaml"):
         load_config(str(path))
-    with pytest.raises(ConfigError, match="not found.*arithmetic, smol, tldr"):
+    with pytest.raises(ConfigError, match="not found.*arithmetic, calculator, smol, tldr"):
         load_config("nope")
 
 
@@ -201,7 +201,7 @@ def test_to_dict_round_trips(tmp_path):
 
 
 def test_builtin_configs():
-    assert builtin_configs() == ["arithmetic", "smol", "tldr"]
+    assert builtin_configs() == ["arithmetic", "calculator", "smol", "tldr"]
     tldr = load_config("tldr")
     assert tldr.model.name_or_path == "Qwen/Qwen2-0.5B-Instruct"
     assert (tldr.data.dataset_name, tldr.data.dataset_train_split) == ("trl-lib/tldr", "train")
@@ -214,8 +214,7 @@ def test_builtin_configs():
         load_config(name).batch_plan(1)  # every shipped config is consistent on one device
     # The repo's top-level configs/ is the package's directory.
     top = Path(__file__).resolve().parents[1] / "configs"
-    assert sorted(p.name for p in top.glob("*.yaml")) == ["arithmetic.yaml", "smol.yaml",
-                                                          "tldr.yaml"]
+    assert sorted(p.name for p in top.glob("*.yaml")) == [f"{n}.yaml" for n in builtin_configs()]
 
 
 def test_parse_cli(capsys):

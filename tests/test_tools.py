@@ -3,9 +3,7 @@
 the whole multi-turn sequence, TRL's error messages for failing tools, and a GRPO run."""
 
 import json
-import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +11,10 @@ import numpy as np
 import pytest
 import transformers
 
+from test_vllm import API_KEY, VLLM_PYTHON, free_port, needs_vllm
+
 from grpo_jax import data
+from grpo_jax.calculator import SHOTS, calculator
 from grpo_jax.grpo import loss as loss_lib
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.train_step import completion_logps
@@ -21,25 +22,6 @@ from grpo_jax.rollout import tools
 from grpo_jax.rollout.engines import JaxRollout
 from grpo_jax.rollout.sampling import SamplingParams
 
-EXAMPLES = Path(__file__).parent.parent / "examples"
-sys.path.insert(0, str(EXAMPLES))
-from calculator import calculator  # noqa: E402
-from test_vllm import API_KEY, VLLM_PYTHON, free_port, needs_vllm  # noqa: E402
-
-
-def _call(expression):
-    return {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "calculator",
-                                          "arguments": {"expression": expression}}}]}
-
-
-# Two worked exchanges, then the question: SmolLM2-135M then calls the calculator itself.
-SHOTS = [{"role": "user", "content": "What is 5123 * 311?"}, _call("5123 * 311"),
-         {"role": "tool", "name": "calculator", "content": "1593253"},
-         {"role": "assistant", "content": "5123 * 311 = 1593253"},
-         {"role": "user", "content": "What is 7781 + 90412?"}, _call("7781 + 90412"),
-         {"role": "tool", "name": "calculator", "content": "98193"},
-         {"role": "assistant", "content": "7781 + 90412 = 98193"}]
 QUESTIONS = ["What is 48213 * 9177?", "What is 66011 - 4589?"]
 C = 80
 
@@ -246,7 +228,7 @@ def test_tool_loading_errors(tmp_path):
         tools.load_tools([f"{path}:nope"])
     with pytest.raises(tools.ToolError, match="package.module:function"):
         tools.load_tools(["calculator"])
-    assert tools.load_tools([f"{EXAMPLES / 'calculator.py'}:calculator"])[0]("2*3") == "6"
+    assert tools.load_tools(["grpo_jax.calculator:calculator"])[0]("2*3") == "6"
 
 
 @pytest.mark.slow
@@ -261,8 +243,8 @@ def test_grpo_run_with_a_calculator(tmp_path):
                                                     "content": f"What is {a} * {b}?"}],
                                 "answer": a * b}) + "\n")
     sets = {"dtype": "float32", "dataset_name": tmp_path / "q.jsonl",
-            "tools": f"[{EXAMPLES / 'calculator.py'}:calculator]", "chat_template": "chatml_tools",
-            "reward_funcs": f"[{EXAMPLES / 'calculator.py'}:final_answer]",
+            "tools": "[grpo_jax.calculator:calculator]", "chat_template": "chatml_tools",
+            "reward_funcs": "[grpo_jax.calculator:final_answer]",
             "num_generations": 4, "max_completion_length": 40, "temperature": 1.0,
             "per_device_train_batch_size": 8, "steps_per_generation": 2, "learning_rate": 1e-5,
             "beta": 0.0, "output_dir": tmp_path / "out", "report_to": "[]", "max_steps": 1,

@@ -73,10 +73,14 @@ def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir, tools=()):
         def make():
             return VLLMRollout(cfg, model_cfg, tokenizer, model_dir)
         rollout = MainProcessRollout(make) if dist.multi_process() else make()
+    t = cfg.multi_turn
+    if t.rollout_func:
+        from grpo_jax.rollout.custom import CustomRollout, load_rollout_func
+        return CustomRollout(rollout, load_rollout_func(t.rollout_func), tokenizer, cfg,
+                             sp.stop_token_ids, pad_id(tokenizer))
     if not tools:
         return rollout
     from grpo_jax.rollout.tools import Toolbox, ToolRollout
-    t = cfg.tool_calling
     return ToolRollout(rollout, tokenizer, Toolbox(list(tools), t.tool_timeout),
                        t.max_tool_calling_iterations, sp.stop_token_ids, pad_id(tokenizer),
                        cfg.data.chat_template_kwargs)

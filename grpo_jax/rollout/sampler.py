@@ -45,6 +45,7 @@ class RolloutBatch(NamedTuple):
     completions: list | None = None        # [N] the turns as messages (TRL's completions)
     tool_calls: np.ndarray | None = None   # [N] int32: tool calls made
     tool_failures: np.ndarray | None = None  # [N] int32: of those, failed ones
+    extra: dict | None = None  # a rollout_func's extra fields: reward-function keywords
 
 
 class _State(NamedTuple):
