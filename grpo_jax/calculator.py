@@ -44,18 +44,21 @@ SHOTS = [{"role": "user", "content": "What is 5123 * 311?"}, _call("5123 * 311")
          {"role": "user", "content": "What is 7781 + 90412?"}, _call("7781 + 90412"),
          {"role": "tool", "name": "calculator", "content": "98193"},
          {"role": "assistant", "content": "7781 + 90412 = 98193"}]
+# The same exchanges answered without the tool: the baseline's prompts (dataset
+# 'calculator_plain'), so a run without tools is not shown calls it can't make.
+PLAIN_SHOTS = [SHOTS[0], SHOTS[3], SHOTS[4], SHOTS[7]]
 TEST_QUESTIONS = 32  # the 'test' split: drawn from a seed of their own, never trained on
 
 
-def columns(seed: int, split: str, size: int = 512) -> dict[str, list]:
-    """The built-in dataset 'calculator': SHOTS then "What is a op b?" with 3- to 5-digit
+def columns(seed: int, split: str, size: int = 512, shots=SHOTS) -> dict[str, list]:
+    """The built-in dataset 'calculator': `shots` then "What is a op b?" with 3- to 5-digit
     operands (op: +, - or *), and the answer column."""
     rng = np.random.default_rng([seed, split == "test"])
     rows = {"prompt": [], "answer": []}
     for _ in range(TEST_QUESTIONS if split == "test" else size):
         a, b = (int(x) for x in rng.integers(100, 100000, 2))
         op = "+-*"[int(rng.integers(3))]
-        rows["prompt"].append(SHOTS + [{"role": "user", "content": f"What is {a} {op} {b}?"}])
+        rows["prompt"].append(shots + [{"role": "user", "content": f"What is {a} {op} {b}?"}])
         rows["answer"].append(str(calculator(f"{a} {op} {b}")))
     return rows
 

@@ -20,7 +20,7 @@ from grpo_jax.errors import GrpoJaxError
 
 logger = logging.getLogger(__name__)
 
-BUILTIN_DATASETS = ("smol_prompts", "arithmetic", "calculator")
+BUILTIN_DATASETS = ("smol_prompts", "arithmetic", "calculator", "calculator_plain")
 FILE_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # Columns that are never passed to reward functions (TRL drops the same ones).
 NOT_REWARD_COLUMNS = ("prompt", "prompt_ids", "completion", "completion_ids")
@@ -220,9 +220,10 @@ def _load_columns(name: str, config: str | None, split: str, seed: int) -> dict[
                                             "; evaluate on a file of your own: eval_dataset_name"))
         if name == "arithmetic":
             return arithmetic_columns(seed, split)
-        if name == "calculator":
+        if name.startswith("calculator"):
             from grpo_jax import calculator
-            return calculator.columns(seed, split)
+            return calculator.columns(seed, split, shots=calculator.PLAIN_SHOTS
+                                      if name == "calculator_plain" else calculator.SHOTS)
         text = (resources.files("grpo_jax") / "assets" / "smol_prompts.jsonl").read_text()
         rows = [json.loads(line) for line in text.splitlines() if line.strip()]
         # As chat messages: the embedded model is an instruct model, and answering in a chat
