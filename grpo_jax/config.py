@@ -148,8 +148,6 @@ class RolloutArgs:
         _check(0 < self.vllm_server_port < 65536, f"vllm_server_port {self.vllm_server_port} "
                "is not a TCP port")
         _check(self.vllm_server_timeout > 0, "vllm_server_timeout must be > 0")
-        _check(self.vllm_lora_sync in ("adapter", "merged"), f"vllm_lora_sync "
-               f"{self.vllm_lora_sync!r}: choose adapter or merged")
         for name in ("generation_kwargs", "vllm_structured_outputs_regex"):
             _check(self.backend == "vllm" or not getattr(self, name), f"{name} applies to vLLM "
                    "rollouts (use_vllm: true); the JAX sampler's options are the generation "

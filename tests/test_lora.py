@@ -426,6 +426,20 @@ def test_lora_dropout_in_the_train_forward_only():
     assert _max_diff(g1, _grads(dropped, batch, jax.random.key(8))[1]) > 1e-4
 
 
+def test_trainer_with_lora_dropout_on_a_mesh():
+    """Sharded over (dp, fsdp, tp): the step drops (other adapters after it than without
+    dropout), while the log-prob passes (old, reference) do not."""
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=2, fsdp=2, tp=2))
+    peft = PeftArgs(use_peft=True, lora_target_modules=ALL, lora_dropout=0.3)
+    dropped, plain = _trainer(_adapted(peft, b_scale=0.01), mesh), _trainer(
+        _adapted(b_scale=0.01), mesh)
+    batch = make_batch(with_old=False)
+    logp = np.asarray(dropped.logps(dropped.init_state.params, batch))
+    np.testing.assert_array_equal(logp, np.asarray(plain.logps(plain.init_state.params, batch)))
+    states = [t.step(t.init_state, batch)[0] for t in (dropped, plain)]
+    assert _max_diff(*[jax.tree.map(np.asarray, s.params) for s in states]) > 1e-6
+
+
 def test_lora_dropout_masks_follow_torch_dropout():
     x = jnp.ones((4, 64, 32))
     y = lora.dropout(x, jnp.float32(0.25), jax.random.key(0))

