@@ -384,11 +384,14 @@ LORA = {"use_peft": "true", "lora_r": 4, "lora_alpha": 16, "lora_target_modules"
 
 @needs_vllm
 @pytest.mark.parametrize("extra", [{}, LORA], ids=["full", "lora_merged_sync"])
-def test_grpo_run_with_vllm_rollouts(server, client, model_dir, tmp_path, extra):
-    """With LoRA the server gets the base with the adapters merged after each update; the
+def test_grpo_run_with_vllm_rollouts(server, client, model_dir, tmp_path, extra, capsys):
+    """With LoRA the server gets the base with the adapters merged after each update (this
+    server runs without vLLM's LoRA, so the default adapter sync falls back, saying so); the
     trainer's own forward (base + adapters, unmerged) is the oracle."""
     from grpo_jax.checkpoint import load_checkpoint
     hist = on_policy_run(model_dir, tmp_path / "run", server.base_url, **extra)
+    assert bool(extra) == ("runs without vLLM's LoRA (start it with `grpo_jax.serve "
+                           "--lora-rank R`); pushing merged" in capsys.readouterr().err)
     print(f"{extra and 'LoRA, merged' or 'full'} weight sync: "
           f"{[round(h['timing/weight_sync'], 3) for h in hist]} s")
     # After the last update and sync, the server serves the trained weights.

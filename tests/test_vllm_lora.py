@@ -139,8 +139,9 @@ def test_grpo_lora_run_syncs(server, client, model_dir, tmp_path, mode, capsys):
     from grpo_jax.checkpoint import load_checkpoint
     hist = on_policy_run(model_dir, tmp_path / "run", server.base_url, vllm_lora_sync=mode,
                          **LORA)
-    print(f"LoRA {mode} sync: {[round(h['timing/weight_sync'], 3) for h in hist]} s")
     assert "merged full weights instead" not in capsys.readouterr().err
+    with capsys.disabled():
+        print(f"LoRA {mode} sync: {[round(h['timing/weight_sync'], 3) for h in hist]} s")
     model, _, _ = load_checkpoint(tmp_path / "run")
     model.cfg = model.cfg.replace(dtype=jnp.float32)
     if mode == "adapter":  # the run's last adapter: the newest one the server lists

