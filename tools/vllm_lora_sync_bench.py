@@ -91,7 +91,8 @@ def main(argv=None) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="vllm-lora-bench-"))
     env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp / "cache"))
     srv = serve.start_server(model_dir, free_port(), max_model_len=512,
-                             lora_rank=None if args.plain else args.lora_r, log_path=tmp / "server.log", env=env)
+                             lora_rank=None if args.plain else args.lora_r,
+                             log_path=tmp / "server.log", env=env)
     out = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared)",
            "model": str(args.model), "lora_r": args.lora_r, "targets": args.targets}
     try:
