@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import socket
 import statistics
 import tempfile
@@ -134,6 +135,7 @@ def main(argv=None) -> None:
         print(json.dumps(out))
     finally:
         srv.stop()
+    shutil.rmtree(tmp, ignore_errors=True)  # kept, with the server's log, when it failed
 
 
 if __name__ == "__main__":
