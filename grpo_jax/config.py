@@ -140,6 +140,10 @@ class RolloutArgs:
     # structured outputs constrained to a regex. The JAX sampler has neither.
     generation_kwargs: dict | None = None
     vllm_structured_outputs_regex: str | None = None
+    # LoRA runs: after each update push only the adapter, which the server loads with vLLM's
+    # LoRA (started with `grpo_jax.serve --lora-rank R`), or the base with the adapters merged
+    # (full weights). A server without run-time LoRA gets merged weights, with a notice.
+    vllm_lora_sync: Literal["adapter", "merged"] = "adapter"
 
     def __post_init__(self):
         _check(0 < self.vllm_server_port < 65536, f"vllm_server_port {self.vllm_server_port} "

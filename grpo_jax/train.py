@@ -50,7 +50,8 @@ def step_config(cfg: config_lib.TrainConfig, plan: config_lib.BatchPlan) -> Step
         # The JAX sampler runs the trainer's own weights: its log-probs only feed the metrics.
         loss = dataclasses.replace(loss, vllm_importance_sampling_correction=False)
     return StepConfig(loss=loss, temperature=cfg.generation.temperature,
-                      gradient_accumulation_steps=plan.gradient_accumulation_steps)
+                      gradient_accumulation_steps=plan.gradient_accumulation_steps,
+                      dropout_seed=cfg.data.seed)
 
 
 @dataclasses.dataclass

@@ -302,10 +302,14 @@ class GRPORound:
         return self.trainer.rollout_params(params)
 
     def sync_weights(self, params) -> float | None:
-        """Push `params` (with LoRA, merged) to a rollout that holds its own weights, a vLLM
-        server; the seconds it took. None for the JAX sampler: it reads them at generate."""
+        """Push `params` (with LoRA, merged, unless the rollout takes the adapters alone) to a
+        rollout that holds its own weights, a vLLM server; the seconds it took. None for the
+        JAX sampler: it reads them at generate."""
         if not getattr(self.rollout, "syncs_weights", True):
             return None
+        if self.trainer.lora_scale is not None and getattr(self.rollout, "takes_adapters",
+                                                           False):
+            return self.rollout.update_weights(params)
         return self.rollout.update_weights(self.trainer.rollout_params(params))
 
     def generate_and_score(self, weights, records: Sequence[dict], key,

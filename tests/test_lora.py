@@ -62,7 +62,7 @@ def test_scale_and_init_follow_peft():
 @pytest.mark.parametrize("kw,msg", [
     (dict(lora_r=0), "lora_r must be >= 1"),
     (dict(lora_target_modules=("q_proj", "qkv")), "match no module"),
-    (dict(lora_dropout=0.05), "lora_dropout"),
+    (dict(lora_dropout=1.0), "lora_dropout=1.0: a dropout probability"),
 ])
 def test_bad_settings_are_one_clear_error(kw, msg):
     with pytest.raises(ConfigError, match=msg):
@@ -168,19 +168,25 @@ def _cfg(name_or_path, **peft):
                        numerics=Numerics(dtype="float32"), peft=PeftArgs(use_peft=True, **peft))
 
 
-@pytest.mark.parametrize("family,targets,rslora", [("llama", ALL, False),
-                                                   ("qwen2", ("q_proj", "o_proj", "up_proj"),
-                                                    True)])
-def test_our_adapter_loads_in_peft_with_the_same_logits(tmp_path, family, targets, rslora):
+def _ours_and_peft(tmp_path, family, **peft):
+    """Our model with rank-4 adapters (random B) on a tiny `family` base, and PEFT's model
+    loading the adapter we saved."""
     tiny_hf_model(family).save_pretrained(tmp_path / "base")
-    cfg = _cfg(tmp_path / "base", lora_r=4, lora_alpha=8, lora_target_modules=targets,
-               use_rslora=rslora)
+    cfg = _cfg(tmp_path / "base", lora_r=4, lora_alpha=8, **peft)
     model, _ = peft_io.load_model(cfg, None)
     for i, (name, var) in enumerate(sorted(vars(model.layers).items())):
         if name.endswith("_lora_b"):
             var.set_value(0.1 * jax.random.normal(jax.random.key(i), var.shape))
     peft_io.save_adapter(model, cfg.peft, tmp_path / "adapter", str(tmp_path / "base"))
-    ref = _peft_model(tmp_path / "base", tmp_path / "adapter")
+    return model, _peft_model(tmp_path / "base", tmp_path / "adapter")
+
+
+@pytest.mark.parametrize("family,targets,rslora", [("llama", ALL, False),
+                                                   ("qwen2", ("q_proj", "o_proj", "up_proj"),
+                                                    True)])
+def test_our_adapter_loads_in_peft_with_the_same_logits(tmp_path, family, targets, rslora):
+    model, ref = _ours_and_peft(tmp_path, family, lora_target_modules=targets,
+                                use_rslora=rslora)
     theirs, ours = hf_logits(ref, TOKENS, MASK), jax_logits(model)
     base_logits = hf_logits(tiny_hf_model(family), TOKENS, MASK)
     real = MASK.astype(bool)
@@ -380,3 +386,105 @@ def test_qlora_run_and_merged_export(tmp_path, tiny_dir, quant_key):
     tokens = TOKENS % model.cfg.vocab_size
     real = MASK.astype(bool)
     assert np.abs(hf_logits(merged, tokens, MASK) - jax_logits(model, tokens))[real].max() < 1e-4
+
+
+# ------------------------------------------------------------------ lora_dropout
+
+def _grads(model, batch, key=None):
+    from grpo_jax.grpo.train_step import loss_and_grads
+    graphdef, adapters, frozen = nnx.split(model, lora.LoraParam, nnx.Param)
+    cfg = StepConfig(loss=loss_config(), temperature=0.9, gradient_accumulation_steps=2,
+                     logprob_chunk=4)
+    loss, grads, _ = jax.jit(lambda a, k: loss_and_grads(graphdef, cfg, a, batch, frozen=(
+        frozen,), dropout_key=k))(adapters, key)
+    return float(loss), jax.tree.map(np.asarray, grads)
+
+
+def _max_diff(a, b):
+    return max(jax.tree.leaves(jax.tree.map(lambda x, y: float(np.abs(x - y).max()), a, b)))
+
+
+def test_lora_dropout_in_the_train_forward_only():
+    batch = make_batch(with_old=False, with_ref=False)
+    key = jax.random.key(7)
+    plain = _adapted(b_scale=0.1)
+    dropped = _adapted(PeftArgs(use_peft=True, lora_target_modules=ALL, lora_dropout=0.3),
+                       b_scale=0.1)
+    loss0, g0 = _grads(plain, batch)
+    # Dropout 0: a key changes nothing, bit for bit.
+    loss0k, g0k = _grads(plain, batch, key)
+    assert loss0k == loss0 and _max_diff(g0, g0k) == 0
+    # Dropout > 0 without a key (evaluation, old/reference log-probs): the same forward.
+    loss_eval, g_eval = _grads(dropped, batch)
+    assert loss_eval == loss0 and _max_diff(g0, g_eval) == 0
+    np.testing.assert_array_equal(jax_logits(dropped), jax_logits(plain))
+    # In the train step: other gradients (the loss, on-policy, is the same value: ratio 1),
+    # reproducible from the key, new with another key.
+    g1 = _grads(dropped, batch, key)[1]
+    assert _max_diff(g0, g1) > 1e-4
+    assert _max_diff(g1, _grads(dropped, batch, key)[1]) == 0
+    assert _max_diff(g1, _grads(dropped, batch, jax.random.key(8))[1]) > 1e-4
+
+
+def test_trainer_with_lora_dropout_on_a_mesh():
+    """Sharded over (dp, fsdp, tp): the step drops (other adapters after it than without
+    dropout), while the log-prob passes (old, reference) do not."""
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=2, fsdp=2, tp=2))
+    peft = PeftArgs(use_peft=True, lora_target_modules=ALL, lora_dropout=0.3)
+    dropped, plain = _trainer(_adapted(peft, b_scale=0.01), mesh), _trainer(
+        _adapted(b_scale=0.01), mesh)
+    batch = make_batch(with_old=False)
+    logp = np.asarray(dropped.logps(dropped.init_state.params, batch))
+    np.testing.assert_array_equal(logp, np.asarray(plain.logps(plain.init_state.params, batch)))
+    states = [t.step(t.init_state, batch)[0] for t in (dropped, plain)]
+    assert _max_diff(*[jax.tree.map(np.asarray, s.params) for s in states]) > 1e-6
+
+
+def test_lora_dropout_masks_follow_torch_dropout():
+    x = jnp.ones((4, 64, 32))
+    y = lora.dropout(x, jnp.float32(0.25), jax.random.key(0))
+    kept = np.asarray(y) != 0
+    assert abs(kept.mean() - 0.75) < 0.02
+    np.testing.assert_allclose(np.asarray(y)[kept], 1 / 0.75, rtol=1e-6)
+    # Each adapted module and layer draws its own mask: q, k and v see other inputs.
+    model = lora.with_dropout(_adapted(PeftArgs(use_peft=True, lora_target_modules=ALL,
+                                                lora_dropout=0.5)), jax.random.key(1))
+    keys = model.layer_params()[lora.DROPOUT_KEY]
+    assert keys.shape == (CFG.num_layers,)
+    assert len({tuple(np.asarray(jax.random.key_data(k)).ravel()) for k in keys}) == CFG.num_layers
+
+
+def test_lora_dropout_eval_forward_equals_peft_eval(tmp_path):
+    import torch
+    model, ref = _ours_and_peft(tmp_path, "llama", lora_target_modules=ALL, lora_dropout=0.2)
+    drops = [m for n, m in ref.named_modules() if n.endswith("lora_dropout.default")]
+    assert drops and all(isinstance(m, torch.nn.Dropout) and m.p == 0.2 for m in drops)
+    real = MASK.astype(bool)
+    theirs = hf_logits(ref, TOKENS, MASK)  # eval mode: PEFT skips its dropout
+    assert np.abs(theirs - jax_logits(model))[real].max() < 1e-4
+    # The train step's forward (a key) drops, as PEFT's in train mode does.
+    trained = lora.with_dropout(model, jax.random.key(0))
+    assert np.abs(theirs - jax_logits(trained))[real].max() > 1e-3
+
+
+@pytest.mark.slow
+def test_lora_dropout_run_trains_and_resumes_exactly(tmp_path, tiny_dir):
+    from grpo_jax.checkpoint import load_checkpoint
+    from grpo_jax.train import train
+    kw = dict(per_device_train_batch_size=4, generation_batch_size=16, use_peft="true",
+              lora_r=4, lora_alpha=16, lora_target_modules="all-linear", lora_dropout=0.1,
+              learning_rate=0.05)
+    cpu = jax.devices()[:1]
+    train(config(tiny_dir, tmp_path / "cut", max_steps=2, **kw), devices=cpu)
+    train(config(tiny_dir, tmp_path / "cut", max_steps=4, resume=True, **kw), devices=cpu)
+    train(config(tiny_dir, tmp_path / "full", max_steps=4, **kw), devices=cpu)
+    train(config(tiny_dir, tmp_path / "nodrop", max_steps=4, **{**kw, "lora_dropout": 0.0}),
+          devices=cpu)
+    adapters = lambda out: nnx.state(load_checkpoint(out)[0], lora.LoraParam)  # noqa: E731
+    full = adapters(tmp_path / "full")
+    assert _max_diff(full, adapters(tmp_path / "cut")) < 1e-6  # the same masks after resume
+    assert _max_diff(full, adapters(tmp_path / "nodrop")) > 1e-4  # the masks did something
+    assert float(np.abs(np.asarray(full["layers"]["wq_lora_b"][...])).max()) > 0  # it trained
+    hist = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").open()]
+    assert hist[-1]["step"] == 4  # one round of 4 updates
+    assert all(np.isfinite(h["loss"]) and h["grad_norm"] > 0 for h in hist)

@@ -362,28 +362,36 @@ def _train_config(model_dir, out, base_url, **extra):
     return load_config(None, [f"{k}={v}" for k, v in sets.items()])
 
 
+def on_policy_run(model_dir, out, base_url, **extra) -> list[dict]:
+    """A 3-step run with vLLM rollouts; checks that the server sampled with the trainer's
+    current weights after every sync, and returns the logged metrics."""
+    import json as _json
+
+    from grpo_jax.train import train
+    train(_train_config(model_dir, out, base_url, **extra), devices=jax.devices()[:1])
+    hist = [_json.loads(line) for line in (out / "metrics.jsonl").open()]
+    assert [h["step"] for h in hist] == [1, 2, 3]
+    for h in hist:
+        assert h["sampling/sampling_logp_difference/mean"] < 1e-4, h
+        assert abs(h["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3, h
+        assert h["timing/weight_sync"] > 0
+    return hist
+
+
 LORA = {"use_peft": "true", "lora_r": 4, "lora_alpha": 16, "lora_target_modules": "all-linear",
         "learning_rate": 2e-2}
 
 
 @needs_vllm
 @pytest.mark.parametrize("extra", [{}, LORA], ids=["full", "lora_merged_sync"])
-def test_grpo_run_with_vllm_rollouts(server, client, model_dir, tmp_path, extra):
-    """With LoRA the server gets the base with the adapters merged after each update; the
+def test_grpo_run_with_vllm_rollouts(server, client, model_dir, tmp_path, extra, capsys):
+    """With LoRA the server gets the base with the adapters merged after each update (this
+    server runs without vLLM's LoRA, so the default adapter sync falls back, saying so); the
     trainer's own forward (base + adapters, unmerged) is the oracle."""
-    import json as _json
-
     from grpo_jax.checkpoint import load_checkpoint
-    from grpo_jax.train import train
-    train(_train_config(model_dir, tmp_path / "run", server.base_url, **extra),
-          devices=jax.devices()[:1])
-    hist = [_json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
-    assert [h["step"] for h in hist] == [1, 2, 3]
-    for h in hist:
-        # vLLM sampled with the trainer's current weights: sampler and trainer agree.
-        assert h["sampling/sampling_logp_difference/mean"] < 1e-4, h
-        assert abs(h["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3, h
-        assert h["timing/weight_sync"] > 0
+    hist = on_policy_run(model_dir, tmp_path / "run", server.base_url, **extra)
+    assert bool(extra) == ("runs without vLLM's LoRA (start it with `grpo_jax.serve "
+                           "--lora-rank R`); pushing merged" in capsys.readouterr().err)
     print(f"{extra and 'LoRA, merged' or 'full'} weight sync: "
           f"{[round(h['timing/weight_sync'], 3) for h in hist]} s")
     # After the last update and sync, the server serves the trained weights.

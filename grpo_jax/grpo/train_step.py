@@ -19,6 +19,7 @@ from flax import nnx
 from grpo_jax.grpo import loss as loss_lib
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.logprobs import token_logprobs
+from grpo_jax.models import lora
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,9 @@ class StepConfig:
     temperature: float
     gradient_accumulation_steps: int
     logprob_chunk: int = 128  # sequence positions per log-softmax chunk (memory, not a setting)
+    # LoRA dropout's masks come from this seed, the step and the micro-batch: train.py passes
+    # the run's data.seed, so a resumed run draws the masks it would have drawn.
+    dropout_seed: int = 0
 
 
 class TrainState(NamedTuple):
@@ -70,22 +74,27 @@ def completion_logps(model, batch: Batch, temperature: float, chunk: int):
                           chunk_size=chunk, softcap=model.cfg.final_logit_softcapping)
 
 
-def _micro_loss(params, graphdef, cfg: StepConfig, mb: Batch, frozen=()) -> loss_lib.MicroLoss:
-    model = nnx.merge(graphdef, params, *frozen)
+def _micro_loss(params, graphdef, cfg: StepConfig, mb: Batch, frozen=(),
+                dropout_key=None) -> loss_lib.MicroLoss:
+    model = lora.with_dropout(nnx.merge(graphdef, params, *frozen), dropout_key)
     logp, entropy = completion_logps(model, mb, cfg.temperature, cfg.logprob_chunk)
     return loss_lib.micro_loss_terms(logp, entropy, mb, cfg.loss)
 
 
 def loss_and_grads(graphdef, cfg: StepConfig, params, batch: Batch,
                    constrain: Callable[[jax.Array], jax.Array] = lambda x: x,
-                   entropy_coef=None, frozen=()):
+                   entropy_coef=None, frozen=(), dropout_key=None):
     """Exact (loss, grads, metric sums) of the model's params over `batch`, split into
     gradient_accumulation_steps micro-batches (accumulate). `entropy_coef`: the entropy bonus's
     coefficient to apply (None: the config's). `constrain` lays out each [k, rows, ...] split
     (the trainer keeps rows on the batch axes). `frozen`: states of the model that are not
-    trained (with LoRA, the base's params), merged with `params` into the model."""
-    return accumulate(lambda p, mb, _: _micro_loss(p, graphdef, cfg, mb, frozen), cfg, params,
-                      batch, constrain, entropy_coef)
+    trained (with LoRA, the base's params), merged with `params` into the model.
+    `dropout_key`: LoRA dropout on (micro-batch j draws from fold_in(dropout_key, j)); None:
+    off."""
+    def micro(p, mb, j):
+        key = None if dropout_key is None else jax.random.fold_in(dropout_key, j)
+        return _micro_loss(p, graphdef, cfg, mb, frozen, key)
+    return accumulate(micro, cfg, params, batch, constrain, entropy_coef)
 
 
 def accumulate(micro_loss: Callable[[Any, Batch, jax.Array], loss_lib.MicroLoss],
@@ -173,8 +182,10 @@ def train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Sched
         raise ValueError("use_adaptive_entropy carries its coefficient in TrainState: build the "
                          "state with init_train_state (and its shardings with state_shardings)")
     coef = loss_lib.applied_entropy_coef(state.entropy_coef, state.last_entropy, lc)
+    # Per step (the state's count, so a resumed run continues the sequence) and micro-batch.
+    dropout_key = jax.random.fold_in(jax.random.key(cfg.dropout_seed), state.step)
     loss, grads, sums = loss_and_grads(graphdef, cfg, state.params, batch, constrain, coef,
-                                       frozen)
+                                       frozen, dropout_key)
     updates, new_opt = tx.update(grads, state.opt_state, state.params)
     new_state = TrainState(optax.apply_updates(state.params, updates), new_opt, state.step + 1,
                            state.entropy_coef, state.last_entropy)

@@ -44,8 +44,7 @@ class PeftArgs:
     use_peft: bool = False
     lora_r: int = 16
     lora_alpha: int = 32
-    # TRL's default is 0.05. Dropout on the adapter input needs a random key threaded through
-    # the layer scan, which the decoder does not have yet: > 0 is refused, never ignored.
+    # PEFT's dropout on each adapter's input, in the train step's forward only (TRL: 0.05).
     lora_dropout: float = 0.0
     # Names of PEFT's modules, or "all-linear"; None: PEFT's default for the model (q, v).
     lora_target_modules: tuple[str, ...] | None = None
@@ -64,8 +63,8 @@ class PeftArgs:
         check(self.bnb_4bit_quant_type == "nf4", f"bnb_4bit_quant_type="
               f"{self.bnb_4bit_quant_type!r} is not supported: grpo-jax's 4-bit base is nf4")
         check(self.lora_r >= 1, f"lora_r must be >= 1 (the adapters' rank), got {self.lora_r}")
-        check(self.lora_dropout == 0, f"lora_dropout={self.lora_dropout}: dropout on the LoRA "
-              "input is not implemented in grpo-jax yet; set lora_dropout: 0")
+        check(0 <= self.lora_dropout < 1, f"lora_dropout={self.lora_dropout}: a dropout "
+              "probability must be in [0, 1)")
         self.targets()  # bad names fail when the config is read
 
     @property
@@ -106,6 +105,7 @@ def add_adapters(model, peft: PeftArgs, key: jax.Array, dtype=None) -> None:
           "is not supported yet; train it without use_peft, or use a Llama-shaped model")
     dtype = model.cfg.param_dtype if dtype is None else dtype
     model.lora_scale = peft.scale
+    model.lora_dropout = peft.lora_dropout
     for i, leaf in enumerate(peft.targets()):
         w = getattr(model.layers, leaf)
         n_in = quant.num_inputs(leaf)
@@ -120,11 +120,21 @@ def add_adapters(model, peft: PeftArgs, key: jax.Array, dtype=None) -> None:
             axes=(axes[0], None, *axes[1 + n_in:])))
 
 
+def with_dropout(model, key: jax.Array | None):
+    """`model` (merged inside a traced train step) with adapter dropout drawn from `key` in
+    its forward passes; unchanged when it has no adapters, lora_dropout 0 or key None.
+    Everything else (sampler, reference and old log-probs, evaluation) never sets a key, so
+    it runs the adapters without dropout, as PEFT in eval mode."""
+    if key is not None and getattr(model, "lora_dropout", 0.0) > 0:
+        model.lora_dropout_key = key
+    return model
+
+
 def layer_extras(model) -> dict[str, jax.Array]:
     """What the layer scan needs beyond the param table: the stacked adapters
-    {leaf_lora_a: A, leaf_lora_b: scale * B} and a quantized base's `leaf_qscale` scales ({} for
-    a plain model). B is scaled here, once per forward, so the scan body needs no static
-    scale."""
+    {leaf_lora_a: A, leaf_lora_b: scale * B}, a quantized base's `leaf_qscale` scales and,
+    under with_dropout, one dropout key and the rate per layer ({} for a plain model). B is
+    scaled here, once per forward, so the scan body needs no static scale."""
     scale = getattr(model, "lora_scale", None)
     out = {}
     for name, var in vars(model.layers).items():
@@ -132,16 +142,34 @@ def layer_extras(model) -> dict[str, jax.Array]:
             out[name] = var[...]
         elif isinstance(var, LoraParam) and scale is not None:
             out[name] = var[...] * scale if name.endswith("_lora_b") else var[...]
+    key = getattr(model, "lora_dropout_key", None)
+    if key is not None and scale is not None:
+        L = model.cfg.num_layers
+        out[DROPOUT_KEY] = jax.random.split(key, L)
+        out[DROPOUT_RATE] = jnp.full((L,), model.lora_dropout, jnp.float32)
     return out
+
+
+DROPOUT_KEY, DROPOUT_RATE = "lora_dropout_key", "lora_dropout_rate"
+
+
+def dropout(x: jax.Array, rate: jax.Array, key: jax.Array) -> jax.Array:
+    """torch's nn.Dropout in training: zero with probability `rate`, the rest / (1 - rate)."""
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate).astype(x.dtype), jnp.zeros((), x.dtype))
 
 
 def project(p: dict, leaf: str, eq: str, x: jax.Array, dtype) -> jax.Array:
     """einsum(eq, x, W) for weight `leaf` of layer params `p`, plus its adapter when `p` has
-    one: (x A) B, contracted in two small matmuls (never forming the [in, out] delta). A
+    one: (x A) B, contracted in two small matmuls (never forming the [in, out] delta), with
+    PEFT's dropout on the adapter's input when `p` has a dropout key (with_dropout). A
     quantized weight is dequantized to `dtype` here, inside the layer."""
     y = jnp.einsum(eq, x, quant.weight(p, leaf, dtype))
     if f"{leaf}_lora_a" not in p:
         return y
+    if DROPOUT_KEY in p:  # PEFT: each adapted module draws its own mask
+        key = jax.random.fold_in(p[DROPOUT_KEY], quant.PROJECTIONS.index(leaf))
+        x = dropout(x, p[DROPOUT_RATE], key)
     lhs, out = eq.split("->")
     xs, ws = lhs.split(",")
     ins = "".join(c for c in ws if c in xs)

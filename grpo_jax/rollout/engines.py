@@ -50,7 +50,9 @@ class MainProcessRollout:
 
         def build():
             self.inner = make()
-        dist.from_main(build, self.error)
+            return getattr(self.inner, "takes_adapters", False)
+        # Every process must hand update_weights the same kind of params (merging is SPMD).
+        self.takes_adapters = dist.from_main(build, self.error)
 
     def generate(self, params, prompt_ids, num_generations, key) -> RolloutBatch:
         return dist.from_main(

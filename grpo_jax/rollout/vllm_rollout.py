@@ -7,7 +7,7 @@ import sys
 
 import jax
 
-from grpo_jax import hf
+from grpo_jax import hf, peft_io
 from grpo_jax.rollout.engines import pad_id, sampling_params
 from grpo_jax.rollout.sampler import DEFAULT_BUCKETS, RolloutBatch, left_pad
 from grpo_jax.rollout.vllm_client import VLLMClient, rollout_arrays
@@ -25,6 +25,21 @@ class VLLMRollout:
         self.model_cfg, self.pad = model_cfg, pad_id(tokenizer)
         self.sp = sampling_params(cfg, tokenizer, model_dir)
         self.extras = r.request_extras()
+        # With LoRA: whether update_weights takes the adapters alone (GRPORound then passes
+        # them unmerged) or the full weights with the adapters merged in.
+        self.takes_adapters = False
+        if cfg.peft.use_peft and r.vllm_lora_sync == "adapter":
+            # The server's base is the checkpoint as stored, the trainer's a quantized copy:
+            # only merged weights (the dequantized base + adapters) make them the same policy.
+            problem = ("the trainer's base is quantized (load_in_8bit / load_in_4bit)"
+                       if cfg.peft.quant_bits else self.client.adapter_problem(cfg.peft.lora_r))
+            if problem:
+                print(f"vllm_lora_sync: adapter is not possible with the vLLM server at "
+                      f"{r.base_url}: {problem}; pushing merged full weights instead",
+                      file=sys.stderr)
+            else:
+                self.takes_adapters = True
+                self.adapter_conf = peft_io.adapter_config(cfg.peft, peft_io.base_name(cfg))
 
     def generate(self, params, prompt_ids, num_generations, key) -> RolloutBatch:
         seed = int(jax.random.randint(key, (), 0, 2**30))
@@ -45,6 +60,11 @@ class VLLMRollout:
                             arrays["truncated"], arrays["sampler_logp"])
 
     def update_weights(self, params) -> float:
-        """Push the trainer's params to the server; returns the seconds it took."""
+        """Push the trainer's params (with takes_adapters: its LoRA adapters) to the server;
+        returns the seconds it took."""
+        if self.takes_adapters:
+            dtype = self.client.model_info()["dtype"]
+            tensors = peft_io.layer_adapter_tensors(self.model_cfg, params["layers"], dtype)
+            return self.client.sync_adapter(tensors, self.adapter_conf)
         table = hf.params_from_state(self.model_cfg, params)
         return self.client.sync_weights(self.model_cfg, table)

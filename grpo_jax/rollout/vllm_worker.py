@@ -50,6 +50,11 @@ class WeightReloadExtension:
             info["max_model_len"] = int(mc.max_model_len)
             info["dtype"] = str(mc.dtype).removeprefix("torch.")
             info["model"] = str(mc.model)
+            lc = self.vllm_config.lora_config
+            info["max_lora_rank"] = int(lc.max_lora_rank) if lc is not None else None
+            # Read where the API server reads it: the workers inherit its environment.
+            info["runtime_lora_updating"] = os.environ.get(
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower() in ("1", "true")
             return info
         except Exception as e:  # noqa: BLE001
             return {"error": f"{type(e).__name__}: {e}"}

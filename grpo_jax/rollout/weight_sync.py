@@ -4,6 +4,9 @@ The server (started by `grpo_jax.serve`, same machine) is asked over /collective
 HF-named safetensors file into its running model; then its prefix cache, which holds KV computed
 with the old weights, is dropped. The GPU-to-GPU alternative is designed in
 docs/vllm_gpu_transport.md.
+
+With LoRA the server may instead run vLLM's own LoRA (`grpo_jax.serve --lora-rank R`): only the
+PEFT adapter is written, and the server loads it under a new name each time (`sync_adapter`).
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ from pathlib import Path
 import numpy as np
 import safetensors.numpy
 
+from grpo_jax import peft_io
 from grpo_jax.hf import hf_state_dict
 
 FILE_NAME = "weights.safetensors"
+ADAPTER_DIR = "adapter-{}"
 
 
 def private_dir(parent: str | None = None, needed_bytes: int = 0) -> Path:
@@ -67,3 +72,22 @@ def sync_weights(client, cfg, params: dict[str, np.ndarray], directory: Path,
 def param_bytes(params: dict[str, np.ndarray], dtype: str = "float32") -> int:
     per = 2 if dtype in ("bfloat16", "float16") else 4
     return sum(int(np.prod(np.shape(v))) * per for v in params.values())
+
+
+def sync_adapter(client, tensors: dict[str, np.ndarray], conf: dict, directory: Path,
+                 name: str) -> float:
+    """Write a PEFT adapter directory and have the server load it as `name`; returns seconds
+    taken. Each version needs a new name (and so gets a new vLLM LoRA id, part of every
+    prefix-cache key): nothing cached under an older adapter can be served for it. The
+    directories of older adapters are removed once the new one is loaded."""
+    start = time.perf_counter()
+    old_umask = os.umask(0o077)
+    try:
+        path = peft_io.write_adapter(Path(directory) / ADAPTER_DIR.format(name), tensors, conf)
+    finally:
+        os.umask(old_umask)
+    client.load_adapter(name, path)
+    for old in Path(directory).glob(ADAPTER_DIR.format("*")):
+        if old != path:
+            shutil.rmtree(old, ignore_errors=True)
+    return time.perf_counter() - start
