@@ -31,14 +31,14 @@ from grpo_jax.errors import GrpoJaxError
 
 def model_config(name: str):
     from grpo_jax.models import ModelConfig
-    from grpo_jax.models.presets import PRESETS, preset
+    from grpo_jax.models.presets import PRESETS, preset, preset_key
 
     path = Path(name).expanduser()
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
         return ModelConfig.from_hf(json.loads(path.read_text()))
-    if name.rsplit("/", 1)[-1].lower() not in PRESETS and ("/" in name or name.endswith(".json")):
+    if preset_key(name) not in PRESETS and ("/" in name or name.endswith(".json")):
         raise GrpoJaxError(f"model {name!r}: no such config.json or directory")
     return preset(name)
 

@@ -78,11 +78,16 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
-def preset(name: str) -> ModelConfig:
-    """The preset named `name` (case-insensitive; an `Org/` prefix such as `Qwen/` and an
-    -it / -Instruct suffix are ignored)."""
+def preset_key(name: str) -> str:
+    """`name` as a key of PRESETS: case-insensitive, an `Org/` prefix such as `Qwen/` and an
+    -it / -Instruct suffix (the tuned models have the base's shapes) dropped."""
     key = name.rsplit("/", 1)[-1].lower().replace("meta-llama-", "llama-")
-    key = key.removesuffix("-it").removesuffix("-instruct")  # the tuned models' shapes
+    return key.removesuffix("-it").removesuffix("-instruct")
+
+
+def preset(name: str) -> ModelConfig:
+    """The preset named `name` (see preset_key)."""
+    key = preset_key(name)
     if key not in PRESETS:
         raise GrpoJaxError(f"unknown model preset {name!r}: use one of {', '.join(PRESETS)}, "
                            "an HF config.json, or a model directory")
