@@ -51,6 +51,7 @@ class Trainer:
         self.model_config = model.cfg
         self.lora_scale = getattr(model, "lora_scale", None)
         self.frozen: tuple = ()
+        model.shard_activations(mesh)
         if self.lora_scale is None:
             self.graphdef, params = nnx.split(model, nnx.Param)
         else:

@@ -57,6 +57,7 @@ class StubRollout:
 class StubTrainer:
     # The round reads the loss settings (dapo's normaliser) from the trainer's step config.
     cfg = types.SimpleNamespace(loss=LossConfig(vllm_importance_sampling_correction=False))
+    lora_scale = None  # a full model, as Trainer's without LoRA
 
     def __init__(self):
         self.windows: list[Batch] = []

@@ -85,8 +85,9 @@ class Programs:
 def build(run: Run) -> Programs:
     mesh, step_cfg = run.mesh, run.step_config
     replicated = NamedSharding(mesh, P())
-    graphdef, params = nnx.split(
-        nnx.eval_shape(lambda: Decoder(run.model, rngs=nnx.Rngs(0))), nnx.Param)
+    abstract = nnx.eval_shape(lambda: Decoder(run.model, rngs=nnx.Rngs(0)))
+    abstract.shard_activations(mesh)  # as Trainer does
+    graphdef, params = nnx.split(abstract, nnx.Param)
     param_sh = mesh_lib.param_shardings(params, mesh)
     params = _abstract(params, param_sh)
     tx, schedule = make_optimizer(run.cfg.optim, 1000)

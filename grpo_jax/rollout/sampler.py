@@ -92,6 +92,7 @@ class Sampler:
         self.buckets = tuple(sorted(int(b) for b in buckets))
         self.cache_dtype = model_cfg.dtype if cache_dtype is None else cache_dtype
         abstract = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
+        abstract.shard_activations(mesh)
         self.graphdef, abstract_params = nnx.split(abstract, nnx.Param)
         self._param_shapes = _shapes(abstract_params)
         self._program = jax.jit(self._generate, static_argnames=("num_generations", "rows"))
