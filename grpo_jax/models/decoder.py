@@ -126,7 +126,8 @@ class Decoder(nnx.Module):
         outputs: on Qwen2.5-7B over v5e-16 that was 9 GB of an update's temporaries."""
         self.mesh = mesh
 
-    def _shard(self, x):
+    def shard_rows(self, x):
+        """x [B, ...] with its rows on the batch axes (identity without a mesh)."""
         if self.mesh is None:
             return x
         return jax.lax.with_sharding_constraint(x, mesh_lib.logical_sharding(
@@ -158,7 +159,7 @@ class Decoder(nnx.Module):
         decode loop (default: computed here).
         """
         cfg = self.cfg
-        x = self._shard(self.embed_tokens(tokens))
+        x = self.shard_rows(self.embed_tokens(tokens))
         sliding = cfg.sliding_layers
         # (cos, sin) per attention kind; sliding layers may have their own RoPE base (Gemma 3).
         rope = {False: rope_tables(cfg, positions)}
@@ -175,8 +176,9 @@ class Decoder(nnx.Module):
                     a if all(sliding) else b if not any(sliding)
                     else jax.tree.map(lambda u, v: jnp.where(slides, u, v), a, b))
                 cos, sin = pick(rope[True], rope[False])
-                x = _block(cfg, p, self._shard(x), cos, sin, pick(masks[True], masks[False]))[0]
-                return self._shard(x), None
+                x = _block(cfg, p, self.shard_rows(x), cos, sin,
+                           pick(masks[True], masks[False]))[0]
+                return self.shard_rows(x), None
 
             if cfg.remat:
                 body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat_policy])
@@ -200,7 +202,7 @@ class Decoder(nnx.Module):
         for i, (p, ck, cv) in enumerate(zip(self.decode_layers() if layers is None else layers,
                                             *cache)):
             cos, sin = rope[sliding[i]]
-            x, ck, cv = _block(cfg, p, self._shard(x), cos, sin, masks[sliding[i]],
+            x, ck, cv = _block(cfg, p, self.shard_rows(x), cos, sin, masks[sliding[i]],
                                (ck, cv, cache_index),
                                window=cfg.sliding_window if sliding[i] else None)
             ks.append(ck)
