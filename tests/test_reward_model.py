@@ -208,7 +208,7 @@ def _bad_dirs(tmp_path):
     ("{causal}", r"is a LlamaForCausalLM, not a \.\.\.ForSequenceClassification model"),
     ("{three}", r"gives 3 scores per text \(score.weight has 3 rows; config.json num_labels "
                 r"3\); a reward model gives one score"),
-    ("{gpt2}", "unsupported model_type 'gpt2'.*grpo_jax supports llama, qwen2"),
+    ("{gpt2}", "unsupported model_type 'gpt2'.*grpo_jax supports llama, mistral, phi3, qwen2, qwen3, gemma2"),
     ("{tmp}/no/such/dir", "no such directory, and not a hub id"),
     ("no-such-org/no-such-rm", "could not be fetched from the Hugging Face hub.*hf download"),
 ])
