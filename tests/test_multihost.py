@@ -194,7 +194,10 @@ def test_two_processes_resume_and_a_dead_peer_ends_the_run(tiny_dir, one_process
     err = log(tmp_path, "p0.err")
     assert alive == [True, True], err[-3000:]
     assert code != 0 and waited < HEARTBEAT + 60, (code, waited)
-    assert "another task died" in err, err[-3000:]
+    # Which of the runtime's two detections ends process 0 is a race: the coordination
+    # service's heartbeat ("another task died"), or, when process 0 is inside a host collective
+    # as the peer dies, Gloo's broken connection to it. Both end the run, nonzero, in time.
+    assert "another task died" in err or "Connection reset by peer" in err, err[-3000:]
     # Restored by 2 processes, the run went on exactly as the one-process run did.
     assert_same_params(params(one_process, 4), params(out, 4))
     assert_same_metrics(metrics(one_process), metrics(out)[:4])
