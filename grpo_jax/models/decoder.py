@@ -269,11 +269,10 @@ def rope_tables(cfg: ModelConfig, positions, local: bool = False):
     own = local and cfg.rope_local_theta is not None
     theta = cfg.rope_local_theta if own else cfg.rope_theta
     inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-    if own:
-        pass  # Gemma 3 scales only the full-attention layers' RoPE
-    elif cfg.rope_llama3:
+    # Gemma 3 scales only the full-attention layers' RoPE, never a sliding layer's own base.
+    if not own and cfg.rope_llama3:
         inv_freq = _llama3_scale(inv_freq, *cfg.rope_llama3)
-    elif cfg.rope_linear:
+    elif not own and cfg.rope_linear:
         inv_freq = inv_freq / cfg.rope_linear
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
