@@ -296,10 +296,14 @@ class GRPORound:
 
     def rollout_weights(self, params):
         """What rollout.generate reads: the JAX sampler the full model's params (with LoRA, the
-        adapters merged in: once, for every generate that uses them); a server ignores them
+        adapters merged in: once, for every generate that uses them; or, for a sampler that
+        runs the adapters itself, the pair (adapters, frozen base)); a server ignores them
         (its weights come from sync_weights)."""
         if getattr(self.rollout, "syncs_weights", True):
             return params
+        if self.trainer.lora_scale is not None and getattr(self.rollout, "takes_adapters",
+                                                           False):
+            return params, self.trainer.frozen[0]
         return self.trainer.rollout_params(params)
 
     def sync_weights(self, params) -> float | None:

@@ -1,6 +1,7 @@
 """LoRA: the adapted forward, the trainable/frozen split, PEFT's files in both directions."""
 
 import json
+import types
 
 import jax
 import jax.numpy as jnp
@@ -323,6 +324,49 @@ def test_trainer_on_a_quantized_base(bits):
     assert "w_up_qscale" not in merged["layers"]
     np.testing.assert_allclose(np.asarray(plain.logps(merged, batch)),
                                np.asarray(trainer.logps(state.params, batch)), atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_sampler_runs_the_adapters_on_a_quantized_base(bits):
+    """QLoRA's JAX sampler takes (adapters, quantized base), never a dequantized merged copy:
+    its log-probs are the LoRA model's own (as the trainer computes them) on a mesh and off,
+    and its tokens those of the merged weights. A round hands it that pair."""
+    from grpo_jax.grpo.batch import Batch
+    from grpo_jax.grpo.train_step import completion_logps
+    from grpo_jax.models import quant
+    from grpo_jax.rollout.engines import JaxRollout
+    from grpo_jax.rollout.sampler import Sampler
+    from grpo_jax.rollout.sampling import SamplingParams
+    from grpo_jax.trainer import GRPORound
+    peft = PeftArgs(use_peft=True, lora_target_modules=ALL, load_in_8bit=bits == 8,
+                    load_in_4bit=bits == 4)
+    model = _adapted(peft, b_scale=0.05)
+    quant.quantize_model(model, bits)
+    _, adapters, base = nnx.split(model, lora.LoraParam, nnx.Param)
+    sp = SamplingParams(max_completion_length=8, temperature=1.0)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [3]]
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=2, fsdp=2, tp=2))
+    rollout = JaxRollout(CFG, sp, pad_id=0, mesh=mesh, peft=peft)
+    assert rollout.takes_adapters
+    out = rollout.generate((adapters, base), prompts, 2, 4)
+    one = Sampler(CFG, sp, pad_id=0, peft=peft).generate((adapters, base), prompts, 2, rng=4)
+    np.testing.assert_array_equal(out.completion_ids, one.completion_ids)
+    batch = Batch(out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask,
+                  out.truncated, np.zeros(len(out.truncated), np.float32))
+    logp, _ = completion_logps(model, batch, 1.0, 8)
+    m = out.completion_mask.astype(bool)
+    np.testing.assert_allclose(out.sampler_logp[m], np.asarray(logp)[m], atol=1e-5)
+    merged = peft_io.merged_model(model)
+    plain = Sampler(CFG, sp, pad_id=0).generate(merged, prompts, 2, rng=4)
+    np.testing.assert_array_equal(plain.completion_ids, one.completion_ids)
+    with pytest.raises(ValueError, match="adapters, base"):
+        Sampler(CFG, sp, pad_id=0, peft=peft).generate(nnx.state(merged, nnx.Param), prompts)
+    trainer = _trainer(model, mesh)
+    weights = GRPORound.rollout_weights(types.SimpleNamespace(rollout=rollout, trainer=trainer),
+                                        trainer.init_state.params)
+    assert weights[1] is trainer.frozen[0]
+    assert not JaxRollout(CFG, sp, pad_id=0, mesh=mesh, peft=PeftArgs(use_peft=True)
+                          ).takes_adapters  # unquantized: the merged weights, faster to decode
 
 
 @pytest.mark.parametrize("kw,msg", [

@@ -25,12 +25,19 @@ def pad_id(tokenizer) -> int:
 
 
 class JaxRollout:
-    """The native sampler: it reads the trainer's params directly, so there is nothing to sync."""
+    """The native sampler: it reads the trainer's params directly, so there is nothing to sync.
+
+    With LoRA (`peft`) on a quantized base (QLoRA) it runs the adapters on the frozen base
+    (`takes_adapters`): a merged copy would be the whole base dequantized, 4x (NF4) or 2x
+    (int8) the codes' memory. Otherwise GRPORound hands it the merged weights, once per round:
+    decoding them is faster than running the adapters at every step (docs/benchmarks.md)."""
 
     syncs_weights = False  # GRPORound need not build weights for update_weights
 
-    def __init__(self, model_cfg, params: SamplingParams, *, pad_id: int, mesh):
-        self.sampler = Sampler(model_cfg, params, pad_id=pad_id, mesh=mesh)
+    def __init__(self, model_cfg, params: SamplingParams, *, pad_id: int, mesh, peft=None):
+        self.takes_adapters = bool(peft and peft.use_peft and peft.quant_bits)
+        self.sampler = Sampler(model_cfg, params, pad_id=pad_id, mesh=mesh,
+                               peft=peft if self.takes_adapters else None)
 
     def generate(self, params, prompt_ids, num_generations, key) -> RolloutBatch:
         return self.sampler.generate(params, prompt_ids, num_generations, key)
@@ -68,7 +75,8 @@ def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir, tools=()):
     sp = sampling_params(cfg, tokenizer, model_dir)
     if cfg.rollout.backend == "jax":
         # SPMD over every process's devices
-        rollout = JaxRollout(model_cfg, sp, pad_id=pad_id(tokenizer), mesh=mesh)
+        rollout = JaxRollout(model_cfg, sp, pad_id=pad_id(tokenizer), mesh=mesh,
+                             peft=cfg.peft)
     else:
         from grpo_jax.rollout.vllm_rollout import VLLMRollout
 

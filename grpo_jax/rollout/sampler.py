@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
-from grpo_jax.models import Decoder, KVCache, ModelConfig, positions_from_mask
+from grpo_jax.models import Decoder, KVCache, ModelConfig, lora, positions_from_mask, quant
 from grpo_jax.rollout import sampling
 from grpo_jax.rollout.sampling import SamplingParams
 
@@ -72,11 +72,15 @@ class Sampler:
     `mesh`: optional ('data', 'fsdp', 'tensor') mesh; the batch is split over data x fsdp, the
     cache's KV heads over tensor, and the params are placed by `grpo_jax.mesh`'s rule table (a
     no-op when they already are, as the trainer's are).
+
+    `peft`: a LoRA run's PeftArgs (models/lora.py) when the sampler runs the adapters on the
+    frozen base itself instead of a merged copy: its params are then the pair
+    (adapters, base) of `nnx.split(model, LoraParam, nnx.Param)`, the base possibly quantized.
     """
 
     def __init__(self, model_cfg: ModelConfig, sampling_params: SamplingParams, *, pad_id: int,
                  mesh: Mesh | None = None, buckets: Sequence[int] = DEFAULT_BUCKETS,
-                 cache_dtype: Any = None):
+                 cache_dtype: Any = None, peft=None):
         if not 0 <= pad_id < model_cfg.vocab_size:
             raise ValueError(f"pad_id={pad_id} is outside the vocabulary [0, "
                              f"{model_cfg.vocab_size}); pass the tokenizer's pad_token_id")
@@ -94,8 +98,9 @@ class Sampler:
         # No activation constraint here (Decoder.shard_activations): in the sampler's program
         # XLA lays rows out by the KV cache's sharding, and the constraint made Qwen2.5-7B's
         # generate temporaries on v5e-16 grow from 2.84 to 13.40 GB.
-        abstract = nnx.eval_shape(lambda: Decoder(model_cfg, rngs=nnx.Rngs(0)))
-        self.graphdef, abstract_params = nnx.split(abstract, nnx.Param)
+        self.peft = peft
+        self.graphdef, abstract_params = _split(nnx.eval_shape(lambda: _model(model_cfg, peft)),
+                                                peft)
         self._param_shapes = _shapes(abstract_params)
         self._program = jax.jit(self._generate, static_argnames=("num_generations", "rows"))
 
@@ -136,11 +141,12 @@ class Sampler:
 
     def _check_params(self, params):
         if isinstance(params, nnx.Module):
-            params = nnx.state(params, nnx.Param)
+            params = _split(params, self.peft)[1]
         if _shapes(params) != self._param_shapes:
-            raise ValueError("params do not match the sampler's model config; pass "
-                             "nnx.split(model, nnx.Param)[1] (or the Decoder) of a model built "
-                             "from the same ModelConfig")
+            want = ("(adapters, base) = nnx.split(model, LoraParam, nnx.Param)[1:] of a LoRA model"
+                    " with the same PeftArgs" if self.peft else "nnx.split(model, nnx.Param)[1]")
+            raise ValueError(f"params do not match the sampler's model config; pass {want} "
+                             "(or the Decoder) of a model built from the same ModelConfig")
         return params
 
     def _check_prompts(self, prompt_token_ids) -> list[np.ndarray]:
@@ -179,6 +185,9 @@ class Sampler:
 
     # ------------------------------------------------------------------ compiled program
 
+    def _merge(self, params) -> Decoder:
+        return nnx.merge(self.graphdef, *(params if self.peft else (params,)))
+
     def _constrain(self, x, *names):
         """x laid out by logical axis names (see grpo_jax.mesh.RULES)."""
         if self.mesh is None:
@@ -206,7 +215,7 @@ class Sampler:
         (XLA's cost analysis counts a while loop's body once)."""
         sp, cfg = self.sampling_params, self.cfg
         cast = _cast_matrices(params, cfg.dtype)
-        model = nnx.merge(self.graphdef, cast)
+        model = self._merge(cast)
         prompts, width = prompt_ids.shape
         C = sp.max_completion_length
         prompt_ids = self._constrain(prompt_ids, "batch", None)
@@ -246,7 +255,7 @@ class Sampler:
 
     def _decode_step(self, ctx: _Context, s: _State, key) -> _State:
         """Feed the last token, sample the next."""
-        model = nnx.merge(self.graphdef, ctx.params)
+        model = self._merge(ctx.params)
         width = ctx.key_mask.shape[1] - self.sampling_params.max_completion_length
         last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
         hidden, cache = model(last, (ctx.prompt_len + s.step - 1)[:, None], ctx.key_mask,
@@ -282,7 +291,9 @@ def _cast_matrices(params, dtype, copy: bool = False):
     `copy`: every leaf in new buffers, also where nothing is cast (eager, outside jit)."""
     def cast(path, x):
         names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
-        if str(names[-1]).endswith("norm") or x.dtype == dtype:
+        # Norm scales, a quantized base's codes and their scales stay as they are.
+        if (str(names[-1]).endswith(("norm", "_qscale")) or x.dtype == dtype
+                or not jnp.issubdtype(x.dtype, jnp.floating)):
             return x.copy() if copy else x
         return x.astype(dtype)
     return jax.tree_util.tree_map_with_path(cast, params)
@@ -307,6 +318,26 @@ def left_pad(prompts: Sequence[Sequence[int]], num_generations: int, width: int,
         ids[i * g:(i + 1) * g, width - len(p):] = p
         mask[i * g:(i + 1) * g, width - len(p):] = 1
     return ids, mask
+
+
+def _model(cfg: ModelConfig, peft) -> Decoder:
+    """A decoder of `cfg` (called abstractly); with `peft`, quantized and with adapters, as
+    peft_io.load_model builds a LoRA run's model."""
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    if peft:
+        if peft.quant_bits:
+            quant.quantize_model(model, peft.quant_bits)
+        lora.add_adapters(model, peft, jax.random.key(0))
+    return model
+
+
+def _split(model: Decoder, peft):
+    """(graphdef, params): params the state of nnx.Param, or with `peft` the pair (adapters,
+    base)."""
+    if not peft:
+        return nnx.split(model, nnx.Param)
+    graphdef, adapters, base = nnx.split(model, lora.LoraParam, nnx.Param)
+    return graphdef, (adapters, base)
 
 
 def _pow2(n: int) -> int:
