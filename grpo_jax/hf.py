@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.errors import GrpoJaxError
-from grpo_jax.models import Decoder, ModelConfig, ModelConfigError, param_table
+from grpo_jax.models import Decoder, ModelConfig, ModelConfigError, param_table, quant
 
 SMOL_ALIAS = "smollm2-135m-instruct"
 TOKENIZER_FILES = (
@@ -290,9 +290,13 @@ def load_params(model_dir: Path, cfg: ModelConfig, shardings: dict) -> dict[str,
     """The weights as {table name: jax.Array} placed on `shardings` ({table name: Sharding}):
     each device's block is read from the files and cast on its own, so no device holds more
     than its block and the host holds about one HF tensor (plus one block) at a time."""
+    return dict(iter_params(model_dir, cfg, shardings))
+
+
+def iter_params(model_dir: Path, cfg: ModelConfig, shardings: dict):
+    """load_params' (table name, jax.Array) pairs, one weight placed at a time."""
     weights = _Weights(Path(model_dir))
     table, fused = param_table(cfg), _fused_rows(cfg)
-    out = {}
     for name, pattern in _hf_names(cfg).items():
         shape, leaf, rows = table[name][0], name.split("/")[-1], fused.get(name)
 
@@ -306,13 +310,15 @@ def load_params(model_dir: Path, cfg: ModelConfig, shardings: dict) -> dict[str,
                 weights.read(pattern.format(i=i), leaf, shape[1:], index[1:], buf[j], rows)
             return buf
 
-        out[name] = jax.make_array_from_callback(shape, shardings[name], block)
-    return out
+        yield name, jax.make_array_from_callback(shape, shardings[name], block)
 
 
-def load_model(name_or_path: str, mesh=None, **config_overrides) -> tuple[Decoder, Path]:
+def load_model(name_or_path: str, mesh=None, quant_bits: int | None = None,
+               **config_overrides) -> tuple[Decoder, Path]:
     """Load an HF model into the JAX decoder, each parameter straight onto its sharding on
-    `mesh` (by mesh.RULES; None: the first local device). Overrides e.g. dtype=jnp.float32."""
+    `mesh` (by mesh.RULES; None: the first local device). Overrides e.g. dtype=jnp.float32.
+    `quant_bits` (8 or 4: QLoRA's base, models/quant.py): each projection is quantized as soon
+    as it is placed, so the devices never hold more than one of them unquantized."""
     model_dir = resolve_model_dir(name_or_path)
     try:
         cfg = ModelConfig.from_hf(read_config(model_dir), **config_overrides)
@@ -326,10 +332,16 @@ def load_model(name_or_path: str, mesh=None, **config_overrides) -> tuple[Decode
     else:
         on_mesh = mesh_lib.param_shardings(params, mesh)
         shardings = {name: _get(on_mesh, name).get_value() for name in param_table(cfg)}
-    loaded = load_params(model_dir, cfg, shardings)
-    for name, value in loaded.items():
+    scales = {}
+    for name, value in iter_params(model_dir, cfg, shardings):
+        leaf = name.split("/")[-1]
+        if quant_bits and name.startswith("layers/") and leaf in quant.PROJECTIONS:
+            value, scales[leaf] = quant.quantize_stacked(value, leaf, quant_bits)
         _get(params, name).set_value(value)
-    return nnx.merge(graphdef, params), model_dir
+    model = nnx.merge(graphdef, params)
+    if quant_bits:
+        quant.quantize_model(model, quant_bits, scales)
+    return model, model_dir
 
 
 def _get(params, name: str):

@@ -21,7 +21,7 @@ from flax import nnx
 
 from grpo_jax import hf
 from grpo_jax.errors import ConfigError, GrpoJaxError
-from grpo_jax.models import Decoder, lora, quant
+from grpo_jax.models import Decoder, lora
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -94,9 +94,8 @@ def load_model(cfg, mesh):
     if not cfg.peft.use_peft:
         return hf.load_model(cfg.model.name_or_path, mesh, numerics=numerics)
     frozen = dataclasses.replace(numerics, param_dtype=numerics.dtype)
-    model, model_dir = hf.load_model(base_name(cfg), mesh, numerics=frozen)
-    if cfg.peft.quant_bits:
-        quant.quantize_model(model, cfg.peft.quant_bits)
+    model, model_dir = hf.load_model(base_name(cfg), mesh, quant_bits=cfg.peft.quant_bits,
+                                     numerics=frozen)
     lora.add_adapters(model, cfg.peft, jax.random.key(cfg.data.seed),
                       dtype=jnp.dtype(numerics.param_dtype))
     path = adapter_dir(cfg.model.name_or_path)

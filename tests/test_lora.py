@@ -327,6 +327,25 @@ def test_trainer_on_a_quantized_base(bits):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
+def test_load_quantizes_each_weight_as_it_is_placed(tiny_dir, bits):
+    """hf.load_model(quant_bits=) (a projection quantized right after it is placed, a layer at
+    a time) stores what quantizing the loaded model stores, sharded as the weights are."""
+    from grpo_jax.models import quant
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=1, fsdp=4, tp=2))
+    model, _ = hf.load_model(str(tiny_dir), mesh, quant_bits=bits)
+    want, _ = hf.load_model(str(tiny_dir), mesh)
+    for leaf in quant.PROJECTIONS:
+        w = getattr(want.layers, leaf)[...]
+        codes, scale = quant.quantize(w, quant.num_inputs(leaf), bits)  # all layers at once
+        got = getattr(model.layers, leaf)[...]
+        assert got.dtype == codes.dtype and got.sharding == w.sharding
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.int32)),
+                                      np.asarray(codes.astype(jnp.int32)))
+        np.testing.assert_allclose(np.asarray(getattr(model.layers, f"{leaf}_qscale")[...]),
+                                   np.asarray(scale), rtol=1e-6)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
 def test_sampler_runs_the_adapters_on_a_quantized_base(bits):
     """QLoRA's JAX sampler takes (adapters, quantized base), never a dequantized merged copy:
     its log-probs are the LoRA model's own (as the trainer computes them) on a mesh and off,

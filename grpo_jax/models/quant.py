@@ -67,15 +67,29 @@ def dequantize(codes: jax.Array, scale: jax.Array, dtype, stacked: bool = False)
     return x.reshape(codes.shape).astype(dtype)
 
 
-_quantize = jax.jit(quantize, static_argnums=(1, 2))
+# A layer at a time: the fp32 copy (and NF4's distances to the 16 levels) of one layer, not of
+# the stacked weight, is what the quantization needs on top of the weight itself.
+_quantize = jax.jit(lambda w, n_in, bits: jax.tree.map(
+    lambda x: x[:, 0], jax.lax.map(lambda layer: quantize(layer[None], n_in, bits), w)),
+    static_argnums=(1, 2))
 
 
-def quantize_model(model, bits: int) -> None:
-    """Replace the base's projection weights with their codes and add `<leaf>_qscale`."""
+def quantize_stacked(w: jax.Array, leaf: str, bits: int) -> tuple[jax.Array, jax.Array]:
+    """Stacked weight `leaf` -> (codes, scales), as quantize_model stores them."""
+    return _quantize(w, num_inputs(leaf), bits)
+
+
+def quantize_model(model, bits: int, scales: dict | None = None) -> None:
+    """Replace the base's projection weights with their codes and add `<leaf>_qscale`.
+    `scales` ({leaf: scales}): the weights are codes already (hf.load_model quantizes each as it
+    is loaded, so no device holds the whole base unquantized); only the scales are added."""
     for leaf in PROJECTIONS:
         var = getattr(model.layers, leaf)
-        codes, scale = _quantize(var.get_value(), num_inputs(leaf), bits)
-        var.set_value(codes)
+        if scales is None:
+            codes, scale = quantize_stacked(var.get_value(), leaf, bits)
+            var.set_value(codes)
+        else:
+            scale = scales[leaf]
         setattr(model.layers, f"{leaf}_qscale",
                 nnx.Param(scale, axes=(var.axes[0], None, None)))
 
