@@ -93,9 +93,8 @@ def load_model(cfg, mesh):
     numerics = cfg.numerics
     if not cfg.peft.use_peft:
         return hf.load_model(cfg.model.name_or_path, mesh, numerics=numerics)
-    frozen = dataclasses.replace(numerics, param_dtype=numerics.dtype)
     model, model_dir = hf.load_model(base_name(cfg), mesh, quant_bits=cfg.peft.quant_bits,
-                                     numerics=frozen)
+                                     numerics=cfg.peft.base_numerics(numerics))
     lora.add_adapters(model, cfg.peft, jax.random.key(cfg.data.seed),
                       dtype=jnp.dtype(numerics.param_dtype))
     path = adapter_dir(cfg.model.name_or_path)

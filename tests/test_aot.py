@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from grpo_jax.aot import hardware
@@ -78,6 +79,47 @@ def test_compiles_for_a_pod_without_one(tmp_path, topology, chips, hosts, mesh):
     model_flops = 8 * TINY.num_params() * tokens / chips
     assert 0.5 < r["time"]["phases"]["update"]["tflop"] * 1e12 / model_flops < 2.0
     assert r["time"]["round_s"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not AOT_PYTHON, reason="GRPO_JAX_AOT_PYTHON is unset")
+@pytest.mark.parametrize("quant", [[], ["--load_in_4bit", "true"]])
+def test_lora_and_qlora_memory(tmp_path, quant):
+    """With LoRA only the adapters (fp32) and their AdamW state are trained and resident beside
+    the frozen base (bf16, or NF4 codes with a fp32 scale per 64 weights); the reference is the
+    base with the adapters off (no copy). The sampler reads the quantized base and the adapters
+    themselves, or, unquantized, a merged copy that its phase holds on top."""
+    from grpo_jax.models import param_table
+    from grpo_jax.models.quant import PROJECTIONS
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY.to_hf()))
+    proc = run_aot(tmp_path, "--topology", "v5e:2x2", "--model_name_or_path", "tiny",
+                   "--json", "out.json", "--quick", "--dp", "1", "--fsdp", "4", *SHAPE,
+                   "--use_peft", "true", "--lora_target_modules", "all-linear", "--lora_r", "8",
+                   *quant)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "out.json").read_text())
+    m, fsdp = r["memory_per_chip"], 4
+    table = param_table(TINY)
+    size = {name: np.prod(shape) for name, (shape, _) in table.items()}
+    proj = sum(v for k, v in size.items() if k.split("/")[-1] in PROJECTIONS)
+    rest = TINY.num_params() - proj  # embedding, head, norms: as loaded, in bf16
+    L, D, F, H, K, Dh = (TINY.num_layers, TINY.hidden_size, TINY.intermediate_size,
+                         TINY.num_heads, TINY.num_kv_heads, TINY.head_dim)
+    adapters = L * 8 * (3 * (D + F) + (D + H * Dh) + 2 * (D + K * Dh) + (H * Dh + D))
+    assert m["params_GB"] == pytest.approx(adapters * 4 / fsdp / 1e9, rel=0.05)
+    assert m["optimizer_state_GB"] == pytest.approx(2 * m["params_GB"], rel=0.01)
+    assert m["reference_params_GB"] == 0
+    per_weight = 0.5 + 4 / 64 if quant else 2
+    assert m["frozen_base_GB"] == pytest.approx((proj * per_weight + rest * 2) / fsdp / 1e9,
+                                                rel=0.05)
+    assert r["lora"]["sampler"] == ("the adapters on the base" if quant else "a merged copy")
+    resident = m["params_GB"] + m["optimizer_state_GB"] + m["frozen_base_GB"]
+    for phase in m["phases"].values():
+        assert resident <= phase["peak_GB"] < resident + 1.0
+    merged = 0 if quant else (proj + rest) * 2 / fsdp / 1e9
+    assert m["phases"]["generate"]["peak_GB"] >= resident + merged
+    assert "LoRA r=8" in proc.stdout and "frozen base" in proc.stdout
 
 
 def test_targets():

@@ -75,7 +75,8 @@ def make_run(target, cfg, **device_kw):
     if cfg.data.max_prompt_length is None:
         raise GrpoJaxError("set --max_prompt_length: the programs are compiled for one prompt "
                            "length (the sampler's bucket that holds it)")
-    model = model_config(cfg.model.name_or_path).replace(numerics=cfg.numerics)
+    model = model_config(cfg.model.name_or_path).replace(
+        numerics=cfg.peft.base_numerics(cfg.numerics))
     mesh = mesh_lib.make_mesh(cfg.mesh, hardware.devices(target, **device_kw))
     return programs.Run(cfg, model, mesh, cfg.batch_plan(mesh_lib.batch_divisor(mesh)))
 
@@ -109,16 +110,22 @@ def analyze(target, cfg, quick: bool = False) -> dict:
                       file=sys.stderr)
 
     plan, chip = run.plan, target.chip
-    params = programs.shard_bytes(progs.state.params)
+    params = programs.shard_bytes(progs.state.params)  # with LoRA: the adapters
     opt = programs.shard_bytes(progs.state.opt_state)
     state = programs.shard_bytes(progs.state)
-    # train.py keeps a copy of the initial params, matrices in the compute dtype (norms: tiny).
+    base = programs.shard_bytes(progs.frozen)  # LoRA's frozen base (0 without LoRA)
+    # train.py keeps a copy of the initial params, matrices in the compute dtype (norms: tiny);
+    # LoRA's reference is the base with the adapters off: no copy.
     ref = (params * jax.numpy.dtype(run.model.dtype).itemsize / run.model.param_dtype.itemsize
-           if cfg.loss.beta else 0.0)
-    resident = state + ref
+           if cfg.loss.beta and not progs.frozen else 0.0)
+    resident = state + ref + base
     mem = {k: c.memory_analysis() for k, c in compiled.items()}
-    phases = {"generate": report.phase_memory(mem["generate"], resident, params),
-              "logprobs": report.phase_memory(mem["logprobs"], resident, params),
+    # Resident buffers among each program's arguments; a LoRA sampler that does not take the
+    # adapters reads a merged copy, which is not resident: it counts in the generate phase.
+    gen_reads = (params + base if progs.sampler_takes_adapters
+                 else 0.0 if progs.frozen else params)
+    phases = {"generate": report.phase_memory(mem["generate"], resident, gen_reads),
+              "logprobs": report.phase_memory(mem["logprobs"], resident, params + base),
               "update": report.phase_memory(mem["update"], ref, 0.0)}
     for phase, c in compiled.items():
         if hasattr(c, "refused"):  # XLA's figure: a lower bound on the peak
@@ -130,6 +137,10 @@ def analyze(target, cfg, quick: bool = False) -> dict:
         "model": cfg.model.name_or_path, "params_B": model.num_params() / 1e9,
         "topology": target.name, "chip": chip.name, "chips": run.mesh.size,
         "hosts": len({d.process_index for d in devices}), "mesh": dict(run.mesh.shape),
+        "lora": (None if not cfg.peft.use_peft else {
+            "r": cfg.peft.lora_r, "target_modules": list(cfg.peft.target_modules()),
+            "quant_bits": cfg.peft.quant_bits, "sampler": "the adapters on the base"
+            if progs.sampler_takes_adapters else "a merged copy"}),
         "prompt_width": progs.prompt_width, "completion_length": C,
         "plan": {"generation_batch_size": plan.generation_batch_size,
                  "prompts": plan.prompts_per_generation, "num_generations": plan.num_generations,
@@ -137,7 +148,7 @@ def analyze(target, cfg, quick: bool = False) -> dict:
                  "rows_per_update": plan.micro_batch_size * plan.gradient_accumulation_steps},
         "memory_per_chip": {
             "params_GB": params / report.GB, "optimizer_state_GB": opt / report.GB,
-            "reference_params_GB": ref / report.GB,
+            "reference_params_GB": ref / report.GB, "frozen_base_GB": base / report.GB,
             "kv_cache_GB": programs.shard_bytes(progs.kv_cache) / report.GB,
             "phases": phases, "peak_GB": peak / report.GB, "hbm_GB": chip.hbm_bytes / report.GB,
             "margin_GB": (chip.hbm_bytes - peak) / report.GB, "fits": peak <= chip.hbm_bytes},

@@ -29,7 +29,7 @@ from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.optimizer import make_optimizer
 from grpo_jax.grpo.train_step import (StepConfig, init_train_state, state_shardings,
                                       train_step)
-from grpo_jax.models import Decoder, KVCache, ModelConfig
+from grpo_jax.models import KVCache, ModelConfig, lora
 from grpo_jax.rollout.sampler import Sampler
 from grpo_jax.trainer import Trainer
 
@@ -77,17 +77,26 @@ class Programs:
     """Lowered programs and the abstract state they run on."""
     lowered: dict[str, Any]  # phase -> jax.stages.Lowered
     state: Any  # abstract TrainState
+    frozen: tuple  # with LoRA, (the frozen base,) as Trainer.frozen; else ()
     kv_cache: Any  # abstract KVCache of the sampler, as laid out inside its program
     sampler_rows: int
     prompt_width: int
+    sampler_takes_adapters: bool  # reads (adapters, base), not a merged copy of the model
 
 
 def build(run: Run) -> Programs:
     mesh, step_cfg = run.mesh, run.step_config
     replicated = NamedSharding(mesh, P())
-    abstract = nnx.eval_shape(lambda: Decoder(run.model, rngs=nnx.Rngs(0)))
+    # With LoRA the model is what peft_io.load_model builds: the base in the compute dtype
+    # (quantized with load_in_8bit / 4bit), the adapters in the param dtype.
+    peft = run.cfg.peft if run.cfg.peft.use_peft else None
+    abstract = lora.abstract_model(run.model, peft, run.cfg.numerics.param_dtype)
     abstract.shard_activations(mesh)  # as Trainer does
-    graphdef, params = nnx.split(abstract, nnx.Param)
+    if peft:  # as Trainer: only the adapters are trained, the base is an argument
+        graphdef, params, base = nnx.split(abstract, lora.LoraParam, nnx.Param)
+        frozen = (_abstract(base, mesh_lib.param_shardings(base, mesh)),)
+    else:
+        (graphdef, params), frozen = nnx.split(abstract, nnx.Param), ()
     param_sh = mesh_lib.param_shardings(params, mesh)
     params = _abstract(params, param_sh)
     tx, schedule = make_optimizer(run.cfg.optim, 1000)
@@ -101,13 +110,23 @@ def build(run: Run) -> Programs:
         return jax.lax.with_sharding_constraint(
             x, mesh_lib.logical_sharding(mesh, None, "batch", *[None] * (x.ndim - 2)))
     update = jax.jit(
-        lambda s, b: train_step(graphdef, tx, schedule, step_cfg, s, b, constrain),
+        lambda s, b, f: train_step(graphdef, tx, schedule, step_cfg, s, b, constrain, f),
         out_shardings=(state_shardings(step_cfg.loss, param_sh, opt_sh, replicated),
                        replicated), donate_argnums=(0,))
-    logps = jax.jit(lambda p, b: Trainer._logps_fn(
-        types.SimpleNamespace(cfg=step_cfg), graphdef, p, b), out_shardings=replicated)
+    logps = jax.jit(lambda p, b, f: Trainer._logps_fn(
+        types.SimpleNamespace(cfg=step_cfg), graphdef, p, b, f), out_shardings=replicated)
 
-    sampler = Sampler(run.model, run.cfg.generation, pad_id=0, mesh=mesh)
+    takes_adapters = bool(peft and peft.sampler_takes_adapters)  # as engines.JaxRollout
+    sampler = Sampler(run.model, run.cfg.generation, pad_id=0, mesh=mesh,
+                      peft=peft if takes_adapters else None)
+    if takes_adapters:
+        weights = (state.params, frozen[0])
+    elif peft:  # GRPORound hands the sampler the base with the adapters merged (a new copy)
+        merged = jax.eval_shape(lambda b, a: lora.merge_into_base(b, a, abstract.lora_scale),
+                                frozen[0], state.params)
+        weights = _abstract(merged, mesh_lib.param_shardings(merged, mesh))
+    else:
+        weights = state.params
     g = run.cfg.grpo.num_generations
     rows = sampler._batch_size(run.plan.generation_batch_size)
     width = sampler._bucket(run.cfg.data.max_prompt_length)
@@ -115,7 +134,7 @@ def build(run: Run) -> Programs:
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                                sharding=replicated)
     prefill = jax.jit(lambda p, i, m, k: sampler._prefill(p, i, m, k, g, rows)[1])
-    gen_args = (state.params, ids, ids, key)
+    gen_args = (weights, ids, ids, key)
     C = run.cfg.generation.max_completion_length
     cache = jax.eval_shape(lambda: KVCache.zeros(run.model, rows, width + C, sampler.cache_dtype))
     cache_sh = jax.tree.map(lambda x: mesh_lib.logical_sharding(
@@ -125,12 +144,13 @@ def build(run: Run) -> Programs:
         "prefill": prefill.lower(*gen_args),
         # A micro-batch at a time, as Trainer.logps runs it.
         "logprobs": logps.lower(state.params, _batch(run, run.plan.micro_batch_size, width,
-                                                     logps=False)),
+                                                     logps=False), frozen),
         "update": update.lower(state, _batch(run, run.plan.micro_batch_size
-                                             * run.plan.gradient_accumulation_steps, width)),
+                                             * run.plan.gradient_accumulation_steps, width),
+                               frozen),
     }
-    return Programs(lowered, state, _abstract(cache, cache_sh),
-                    rows, width)
+    return Programs(lowered, state, frozen, _abstract(cache, cache_sh), rows, width,
+                    takes_adapters)
 
 
 def _rows(shape, dtype, mesh) -> jax.ShapeDtypeStruct:

@@ -69,6 +69,14 @@ def render(r: dict) -> str:
         f"  params {m['params_GB']:.2f}  optimizer state {m['optimizer_state_GB']:.2f}  "
         f"reference params {m['reference_params_GB']:.2f}  KV cache {m['kv_cache_GB']:.2f}",
     ]
+    if r.get("lora"):
+        lo = r["lora"]
+        bits = f", base in {lo['quant_bits']} bits" if lo["quant_bits"] else ""
+        lines[3:3] = [f"LoRA r={lo['r']} on {', '.join(lo['target_modules'])}{bits}; the "
+                      f"sampler runs {lo['sampler']}"]
+        lines[-1] = (f"  adapters {m['params_GB']:.2f}  their optimizer state "
+                     f"{m['optimizer_state_GB']:.2f}  frozen base {m['frozen_base_GB']:.2f}  "
+                     f"KV cache {m['kv_cache_GB']:.2f}")
     for phase, p in m["phases"].items():
         lines.append(f"  {phase:<9} temporaries {p['temporaries_GB']:7.2f}   peak "
                      f"{p['peak_GB']:7.2f}" + ("  (at least: the compiler refused it)"

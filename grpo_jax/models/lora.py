@@ -72,6 +72,21 @@ class PeftArgs:
         return 8 if self.load_in_8bit else 4 if self.load_in_4bit else None
 
     @property
+    def sampler_takes_adapters(self) -> bool:
+        """Whether the JAX sampler runs the adapters on the frozen base rather than on a merged
+        copy: only for a quantized base, whose merged copy would be the base dequantized (2x
+        the int8 codes' memory, 4x NF4's). Unquantized, merged weights decode as fast or faster
+        (docs/benchmarks.md) and the copy is the size of the base."""
+        return self.use_peft and self.quant_bits is not None
+
+    def base_numerics(self, numerics):
+        """The numerics a run's model is built with: a LoRA run's frozen base is never updated,
+        so it is kept in the compute dtype (its adapters get the param dtype)."""
+        if not self.use_peft:
+            return numerics
+        return dataclasses.replace(numerics, param_dtype=numerics.dtype)
+
+    @property
     def scale(self) -> float:
         return self.lora_alpha / (math.sqrt(self.lora_r) if self.use_rslora else self.lora_r)
 
@@ -118,6 +133,22 @@ def add_adapters(model, peft: PeftArgs, key: jax.Array, dtype=None) -> None:
         setattr(model.layers, f"{leaf}_lora_b", LoraParam(
             jnp.zeros((shape[0], peft.lora_r, *shape[1 + n_in:]), dtype),
             axes=(axes[0], None, *axes[1 + n_in:])))
+
+
+def abstract_model(cfg, peft: PeftArgs | None = None, adapter_dtype=None):
+    """The abstract (nnx.eval_shape) decoder of `cfg`, with `peft` quantized and with adapters
+    in `adapter_dtype` as peft_io.load_model builds a LoRA run's model: what a program that
+    takes such a model is traced for."""
+    from grpo_jax.models.decoder import Decoder  # the decoder imports this module
+
+    def build():
+        model = Decoder(cfg, rngs=nnx.Rngs(0))
+        if peft:
+            if peft.quant_bits:
+                quant.quantize_model(model, peft.quant_bits)
+            add_adapters(model, peft, jax.random.key(0), adapter_dtype)
+        return model
+    return nnx.eval_shape(build)
 
 
 def with_dropout(model, key: jax.Array | None):

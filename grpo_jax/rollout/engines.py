@@ -27,15 +27,14 @@ def pad_id(tokenizer) -> int:
 class JaxRollout:
     """The native sampler: it reads the trainer's params directly, so there is nothing to sync.
 
-    With LoRA (`peft`) on a quantized base (QLoRA) it runs the adapters on the frozen base
-    (`takes_adapters`): a merged copy would be the whole base dequantized, 4x (NF4) or 2x
-    (int8) the codes' memory. Otherwise GRPORound hands it the merged weights, once per round:
-    decoding them is faster than running the adapters at every step (docs/benchmarks.md)."""
+    With LoRA (`peft`) it takes the adapters and the frozen base (`takes_adapters`) where
+    PeftArgs.sampler_takes_adapters says so (a quantized base); else GRPORound hands it the
+    base with the adapters merged, once per round."""
 
     syncs_weights = False  # GRPORound need not build weights for update_weights
 
     def __init__(self, model_cfg, params: SamplingParams, *, pad_id: int, mesh, peft=None):
-        self.takes_adapters = bool(peft and peft.use_peft and peft.quant_bits)
+        self.takes_adapters = bool(peft and peft.sampler_takes_adapters)
         self.sampler = Sampler(model_cfg, params, pad_id=pad_id, mesh=mesh,
                                peft=peft if self.takes_adapters else None)
 

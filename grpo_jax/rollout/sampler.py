@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
-from grpo_jax.models import Decoder, KVCache, ModelConfig, lora, positions_from_mask, quant
+from grpo_jax.models import Decoder, KVCache, ModelConfig, lora, positions_from_mask
 from grpo_jax.rollout import sampling
 from grpo_jax.rollout.sampling import SamplingParams
 
@@ -99,8 +99,7 @@ class Sampler:
         # XLA lays rows out by the KV cache's sharding, and the constraint made Qwen2.5-7B's
         # generate temporaries on v5e-16 grow from 2.84 to 13.40 GB.
         self.peft = peft
-        self.graphdef, abstract_params = _split(nnx.eval_shape(lambda: _model(model_cfg, peft)),
-                                                peft)
+        self.graphdef, abstract_params = _split(lora.abstract_model(model_cfg, peft), peft)
         self._param_shapes = _shapes(abstract_params)
         self._program = jax.jit(self._generate, static_argnames=("num_generations", "rows"))
 
@@ -318,17 +317,6 @@ def left_pad(prompts: Sequence[Sequence[int]], num_generations: int, width: int,
         ids[i * g:(i + 1) * g, width - len(p):] = p
         mask[i * g:(i + 1) * g, width - len(p):] = 1
     return ids, mask
-
-
-def _model(cfg: ModelConfig, peft) -> Decoder:
-    """A decoder of `cfg` (called abstractly); with `peft`, quantized and with adapters, as
-    peft_io.load_model builds a LoRA run's model."""
-    model = Decoder(cfg, rngs=nnx.Rngs(0))
-    if peft:
-        if peft.quant_bits:
-            quant.quantize_model(model, peft.quant_bits)
-        lora.add_adapters(model, peft, jax.random.key(0))
-    return model
 
 
 def _split(model: Decoder, peft):
