@@ -30,6 +30,11 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "head_dim": None,
     "layers": None,        # the scan axis
     "norm": None,          # norm scales: tiny, replicated
+    # LoRA adapters without a model dimension (B of q/k/v/gate/up, A of o/down): FSDP over
+    # their weight-side dims instead, so no adapter (nor its AdamW state) is whole on a chip.
+    "lora_heads": ("tensor", "fsdp"),
+    "lora_mlp": ("tensor", "fsdp"),
+    "lora_head_dim": "fsdp",
 }
 
 

@@ -94,12 +94,12 @@ def test_lora_and_qlora_memory(tmp_path, quant):
     (tmp_path / "tiny").mkdir()
     (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY.to_hf()))
     proc = run_aot(tmp_path, "--topology", "v5e:2x2", "--model_name_or_path", "tiny",
-                   "--json", "out.json", "--quick", "--dp", "1", "--fsdp", "4", *SHAPE,
+                   "--json", "out.json", "--quick", "--dp", "2", "--fsdp", "2", *SHAPE,
                    "--use_peft", "true", "--lora_target_modules", "all-linear", "--lora_r", "8",
                    *quant)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((tmp_path / "out.json").read_text())
-    m, fsdp = r["memory_per_chip"], 4
+    m, fsdp = r["memory_per_chip"], 2
     table = param_table(TINY)
     size = {name: np.prod(shape) for name, (shape, _) in table.items()}
     proj = sum(v for k, v in size.items() if k.split("/")[-1] in PROJECTIONS)
@@ -125,6 +125,7 @@ def test_lora_and_qlora_memory(tmp_path, quant):
 def test_targets():
     assert hardware.parse_target("v5p-128").topology == "v5p:4x4x4"  # 128 TensorCores
     assert hardware.parse_target("v5e-256").topology == "v5e:16x16"
+    assert hardware.parse_target("v5e-1").topology == "v5e:1x1"  # one chip, as QLoRA runs
     assert hardware.parse_target("h100:8").topology == "1x1x8"
     for bad in ("v5e:16", "tpu-v9", "h100-8", "v5p-12"):
         with pytest.raises(GrpoJaxError, match="v5"):

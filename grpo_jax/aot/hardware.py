@@ -8,6 +8,7 @@ are public dense bf16 specs; HBM is in GB (1e9 bytes), which errs on the safe si
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 
@@ -106,9 +107,13 @@ def devices(target: Target, gpu_target_config: str = H100_TARGET) -> list:
         return list(topo.devices)
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server to ask
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no TPU for processes to share
+    dims = tuple(int(d) for d in target.topology.split(":")[1].split("x"))
+    # A slice smaller than a host (v5e-1: one chip) is one host with those chips; libtpu's
+    # default host is 2x2 chips, which it refuses to fit into the slice.
+    small = dict(chips_per_host_bounds=(*dims, 1)[:3]) if math.prod(dims) < 4 else {}
     try:
         topo = topologies.get_topology_desc(topology_name=target.topology, platform="tpu",
-                                            num_slices=target.num_slices)
+                                            num_slices=target.num_slices, **small)
     except Exception as e:  # noqa: BLE001
         raise GrpoJaxError(f"can't describe {target.name}: {e}. Compiling for TPUs needs "
                            "libtpu beside jax: .ci/install_aot.sh DIR, then run with "

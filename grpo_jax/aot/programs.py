@@ -61,8 +61,16 @@ def _abstract(tree, shardings):
 
 def shard_bytes(tree) -> int:
     """Bytes per device of abstract arrays with shardings (the largest shard)."""
-    return sum(jnp.dtype(x.dtype).itemsize * _prod(x.sharding.shard_shape(x.shape))
+    return sum(_bits(x.dtype) * _prod(x.sharding.shard_shape(x.shape)) // 8
                for x in jax.tree.leaves(tree))
+
+
+def _bits(dtype) -> int:
+    """Bits per element as stored on the chip: 4 for NF4 codes (numpy's itemsize says 1 byte)."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.iinfo(dtype).bits
+    return 8 * dtype.itemsize
 
 
 def _prod(shape) -> int:

@@ -129,10 +129,20 @@ def add_adapters(model, peft: PeftArgs, key: jax.Array, dtype=None) -> None:
         bound = 1.0 / math.sqrt(math.prod(shape[1:1 + n_in]))
         a = jax.random.uniform(jax.random.fold_in(key, i), a_shape, jnp.float32, -bound, bound)
         setattr(model.layers, f"{leaf}_lora_a",
-                LoraParam(a.astype(dtype), axes=(*axes[:1 + n_in], None)))
+                LoraParam(a.astype(dtype), axes=_fsdp((*axes[:1 + n_in], None))))
         setattr(model.layers, f"{leaf}_lora_b", LoraParam(
             jnp.zeros((shape[0], peft.lora_r, *shape[1 + n_in:]), dtype),
-            axes=(axes[0], None, *axes[1 + n_in:])))
+            axes=_fsdp((axes[0], None, *axes[1 + n_in:]))))
+
+
+def _fsdp(axes: tuple) -> tuple:
+    """An adapter's logical axes: the weight's, or, for one without the model dimension (the
+    weights' FSDP axis), the lora_* names that put FSDP on its other dims (mesh.RULES)."""
+    if "embed" in axes:
+        return axes
+    names = {"heads": "lora_heads", "kv_heads": "lora_heads", "head_dim": "lora_head_dim",
+             "mlp": "lora_mlp"}
+    return tuple(names.get(a, a) for a in axes)
 
 
 def abstract_model(cfg, peft: PeftArgs | None = None, adapter_dtype=None):

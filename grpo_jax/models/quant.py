@@ -90,8 +90,11 @@ def quantize_model(model, bits: int, scales: dict | None = None) -> None:
             var.set_value(codes)
         else:
             scale = scales[leaf]
+        n_in = num_inputs(leaf)
+        # [L, blocks, out]: blocks split like the weight's first input dim, out like its first
+        # output dim (NF4's scales are 1/16 byte per weight: replicated, 70B's would be 4 GB).
         setattr(model.layers, f"{leaf}_qscale",
-                nnx.Param(scale, axes=(var.axes[0], None, None)))
+                nnx.Param(scale, axes=(var.axes[0], var.axes[1], var.axes[1 + n_in])))
 
 
 def weight(p: dict, leaf: str, dtype) -> jax.Array:
