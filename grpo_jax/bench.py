@@ -1,4 +1,4 @@
-"""`python -m grpo_jax.bench {sampler,train-step,e2e}`: speed figures against hardware limits.
+"""`python -m grpo_jax.bench {sampler,train-step,e2e,lora-sampler}`: speed vs hardware limits.
 
 Defaults are the issue's workload: the Qwen2-0.5B architecture with random weights, 8 prompts x
 8 completions, 256 prompt tokens, 256 completion tokens forced (no early stop), bf16. `--tiny`
@@ -23,7 +23,8 @@ from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.grpo.optimizer import OptimizerConfig
 from grpo_jax.grpo.train_step import StepConfig
-from grpo_jax.models import Decoder, ModelConfig
+from grpo_jax.models import Decoder, ModelConfig, lora, quant
+from grpo_jax.models.lora import PeftArgs
 from grpo_jax.rollout.engines import JaxRollout
 from grpo_jax.rollout.sampler import Sampler
 from grpo_jax.rollout.sampling import SamplingParams
@@ -115,6 +116,33 @@ def bench_sampler(args, cfg, model, mesh, prompts):
             "decode_fraction_of_hbm_limit": floor / per_step if floor and per_step else None}
 
 
+def bench_lora_sampler(args, cfg, model, mesh, prompts):
+    """LoRA in the JAX sampler both ways: the base with the adapters merged once per round
+    (the merge timed apart), and the adapters run on the base at every step (what QLoRA's
+    sampler does, PeftArgs.sampler_takes_adapters). Adapters on every linear layer, random B."""
+    peft = PeftArgs(use_peft=True, lora_r=args.lora_r, lora_target_modules=("all-linear",),
+                    load_in_8bit=args.lora_quant == "8", load_in_4bit=args.lora_quant == "4")
+    if peft.quant_bits:
+        quant.quantize_model(model, peft.quant_bits)
+    lora.add_adapters(model, peft, jax.random.key(0))
+    for i, (name, var) in enumerate(sorted(vars(model.layers).items())):
+        if name.endswith("_lora_b"):
+            var.set_value(0.01 * jax.random.normal(jax.random.key(i), var.shape, var.dtype))
+    _, adapters, base = nnx.split(model, lora.LoraParam, nnx.Param)
+    sp = SamplingParams(max_completion_length=args.completion_len, temperature=1.0,
+                        stop_token_ids=())
+    merge = jax.jit(lambda b, a: lora.merge_into_base(b, a, peft.scale))
+    merged_sampler = Sampler(cfg, sp, pad_id=0, mesh=mesh)
+    adapter_sampler = Sampler(cfg, sp, pad_id=0, mesh=mesh, peft=peft)
+    g = args.generations
+    return {
+        "lora_merge_s": _timed(lambda: merge(base, adapters), args.repeats),
+        "lora_merged_generate_s": _timed(lambda: merged_sampler.generate(
+            merge(base, adapters), prompts, g, 0), args.repeats),
+        "lora_adapters_generate_s": _timed(lambda: adapter_sampler.generate(
+            (adapters, base), prompts, g, 0), args.repeats)}
+
+
 def train_batch(cfg, n, prompt_len, completion_len, seed=0) -> Batch:
     rng = np.random.default_rng(seed)
     return Batch(prompt_ids=rng.integers(3, cfg.vocab_size, (n, prompt_len)).astype(np.int32),
@@ -187,7 +215,7 @@ def bench_e2e(args, cfg, model, mesh, prompts):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m grpo_jax.bench", description=__doc__)
-    p.add_argument("what", choices=["sampler", "train-step", "e2e", "all"])
+    p.add_argument("what", choices=["sampler", "train-step", "e2e", "lora-sampler", "all"])
     p.add_argument("--tiny", action="store_true", help="small model (CPU)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--generations", type=int, default=8)
@@ -203,6 +231,9 @@ def main(argv=None):
     p.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"],
                    help="attention kernel; 'cudnn' also for the decode step, which 'auto' "
                         "leaves to XLA")
+    p.add_argument("--lora-r", type=int, default=16, help="lora-sampler: the adapters' rank")
+    p.add_argument("--lora-quant", default="none", choices=["none", "8", "4"],
+                   help="lora-sampler: the base stored in 8 bits (int8) or 4 (NF4)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args(argv)
@@ -218,6 +249,8 @@ def main(argv=None):
         result.update(bench_sampler(args, cfg, model, mesh, prompts))
     if args.what in ("e2e", "all"):
         result.update(bench_e2e(args, cfg, model, mesh, prompts))
+    if args.what == "lora-sampler":  # it adds adapters to the model: not part of "all"
+        result.update(bench_lora_sampler(args, cfg, model, mesh, prompts))
     result["peak_device_memory_GiB"] = ((peak_memory() or 0) / 2**30) or None
     width = max(map(len, result))
     for k, v in result.items():
