@@ -8,10 +8,11 @@ import re
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from test_tools import prompt_ids, tok  # noqa: F401  (tok: a fixture)
 
-from grpo_jax.models import ModelConfig
+from grpo_jax.models import Decoder, ModelConfig
 from grpo_jax.rollout import continuation, tools
 from grpo_jax.rollout.engines import JaxRollout
 from grpo_jax.rollout.sampler import Sampler
@@ -155,3 +156,35 @@ def test_multi_turn_logprobs_in_float64_meet_1e5():
     worst, later, n_later, lowest = map(float, line[0].split()[1:])
     assert n_later > 0 and lowest < -10  # later turns, and unlikely tokens, are in there
     assert worst < 1e-5 and later < 1e-5, (worst, later)
+
+
+def test_three_turns_with_a_repetition_penalty_on_a_small_model():
+    """On a small random model (fast to compile): three continued turns with a repetition
+    penalty and top-k sample what `generate` does on the whole context (the penalty sees every
+    context token, cached or not), rows dropping out and budgets shrinking between turns."""
+    cfg = ModelConfig("llama", vocab_size=64, hidden_size=32, intermediate_size=48,
+                      num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
+    params = nnx.state(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    sp = SamplingParams(max_completion_length=6, temperature=0.8, top_k=20,
+                        repetition_penalty=1.5, stop_token_ids=(2,))
+    sampler = Sampler(cfg, sp, pad_id=0, buckets=(16, 32, 64))
+    turns = continuation.Continuation(sampler)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 64, n).tolist() for n in (5, 11, 3)]
+    batch, session = turns.first_turn(params, prompts, 2, 0)
+    contexts = [prompts[j // 2] + batch.completion_ids[j][batch.completion_mask[j] == 1].tolist()
+                for j in range(6)]
+    for turn, keep in enumerate(([5, 0, 2, 3, 1], [4, 1, 0], [2])):
+        contexts = [contexts[j] + rng.integers(3, 64, rng.integers(1, 12)).tolist()
+                    for j in keep]
+        limits = rng.integers(1, 7, len(keep)).tolist()
+        more, session = turns.next_turn(params, session, keep, contexts, limits, turn + 1)
+        ref = sampler.generate(params, contexts, 1, turn + 1)
+        for j, limit in enumerate(limits):
+            k = min(int(ref.completion_mask[j].sum()), limit)
+            assert int(more.completion_mask[j].sum()) == k
+            np.testing.assert_array_equal(more.completion_ids[j, :k], ref.completion_ids[j, :k])
+            np.testing.assert_allclose(more.sampler_logp[j, :k], ref.sampler_logp[j, :k],
+                                       rtol=0, atol=1e-5)
+        contexts = [c + more.completion_ids[j][more.completion_mask[j] == 1].tolist()
+                    for j, c in enumerate(contexts)]

@@ -103,7 +103,8 @@ class Continuation:
         keys are those `Sampler.generate(contexts, 1, rng)` would use for row j.
 
         The returned batch's prompt_ids / prompt_mask are the tokens this turn prefilled
-        (each row's uncached context tail, left-padded to the suffix bucket), not the contexts.
+        (each row's uncached context tail, left-padded to the suffix bucket), not the contexts;
+        a row that wrote its limit counts as done (not truncated).
         """
         s = self.sampler
         params = s._check_params(params)
