@@ -12,6 +12,7 @@ from flax import nnx
 
 from test_tools import prompt_ids, tok  # noqa: F401  (tok: a fixture)
 
+from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import Decoder, ModelConfig
 from grpo_jax.rollout import continuation, tools
 from grpo_jax.rollout.engines import JaxRollout
@@ -158,16 +159,21 @@ def test_multi_turn_logprobs_in_float64_meet_1e5():
     assert worst < 1e-5 and later < 1e-5, (worst, later)
 
 
-def test_three_turns_with_a_repetition_penalty_on_a_small_model():
-    """On a small random model (fast to compile): three continued turns with a repetition
-    penalty and top-k sample what `generate` does on the whole context (the penalty sees every
-    context token, cached or not), rows dropping out and budgets shrinking between turns."""
+@pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
+def test_three_turns_with_a_repetition_penalty_on_a_small_model(mesh_shape):
+    """On a small random model (fast to compile), on one device and on a (2, 2, 2) mesh: three
+    continued turns with a repetition penalty and top-k sample what `generate` does on the
+    whole context (the penalty sees every context token, cached or not), rows dropping out and
+    budgets shrinking between turns."""
     cfg = ModelConfig("llama", vocab_size=64, hidden_size=32, intermediate_size=48,
-                      num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16)
+                      num_layers=2, num_heads=2, num_kv_heads=2,
+                      head_dim=16).replace(dtype="float32")
     params = nnx.state(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param)
     sp = SamplingParams(max_completion_length=6, temperature=0.8, top_k=20,
                         repetition_penalty=1.5, stop_token_ids=(2,))
-    sampler = Sampler(cfg, sp, pad_id=0, buckets=(16, 32, 64))
+    mesh = mesh_shape and mesh_lib.make_mesh(mesh_lib.MeshConfig(*mesh_shape),
+                                             jax.devices()[:8])
+    sampler = Sampler(cfg, sp, pad_id=0, buckets=(16, 32, 64), mesh=mesh)
     turns = continuation.Continuation(sampler)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 64, n).tolist() for n in (5, 11, 3)]
