@@ -39,10 +39,15 @@ def prompt_ids(tok, questions=QUESTIONS):
     return data.tokenize_prompts(prompts, tok, tools=[calculator])
 
 
-def tool_rollout(model, tok, fns=(calculator,), timeout=10.0, iterations=None, temperature=1.0):
+def tool_rollout(model, tok, fns=(calculator,), timeout=10.0, iterations=None, temperature=1.0,
+                 continued=True):
+    """continued=False: each turn re-prefills its whole context (as for sliding-window
+    models) instead of continuing from the KV cache."""
     sp = SamplingParams(max_completion_length=C, temperature=temperature,
                         stop_token_ids=(tok.eos_token_id,))
     inner = JaxRollout(model.cfg, sp, pad_id=tok.pad_token_id, mesh=None)
+    if not continued:
+        inner.turns = None
     return tools.ToolRollout(inner, tok, tools.Toolbox(list(fns), timeout), iterations,
                              (tok.eos_token_id,), tok.pad_token_id)
 
@@ -53,6 +58,13 @@ def rollout(smol_model, tok):
     r = tool_rollout(smol_model, tok).generate(smol_model, prompt_ids(tok), 4, jax.random.key(0))
     assert r.tool_calls.sum() >= 2, r.tool_calls  # the model does call it
     return r
+
+
+@pytest.fixture(scope="module")
+def reprefilled(smol_model, tok):
+    """The same rollout with every turn re-prefilled through Sampler.generate."""
+    return tool_rollout(smol_model, tok, continued=False).generate(smol_model, prompt_ids(tok), 4,
+                                                                   jax.random.key(0))
 
 
 def _batch(r):
@@ -91,10 +103,11 @@ def test_turns_and_tool_mask(rollout, tok):
 
 def test_multi_turn_logprobs_equal_the_trainers(rollout, smol_model):
     """The trainer's per-token log-probs over prompt + calls + results + answers equal the
-    sampler's at every model-written token. fp32 on SmolLM2: the sampler's single-turn tokens
-    already differ by up to ~3e-5 where log-probs reach -14 (a relative 2e-6: its KV-cache
-    attention sums in another order), so the bound is that of one turn: the turns after a
-    tool result add no error of their own."""
+    sampler's at every model-written token, later turns continued from the KV cache. fp32 on
+    SmolLM2: the sampler's single-turn tokens already differ by up to ~3e-5 where log-probs
+    reach -14 (a relative 2e-6: its KV-cache attention sums in another order), so the bound is
+    that of one turn: the turns after a tool result add no error of their own. In float64 the
+    difference is below 1e-5 (test_tool_continuation)."""
     batch = _batch(rollout)
     logp, _ = completion_logps(smol_model, batch, 1.0, 128)
     model = np.asarray(batch.model_mask(), bool)
@@ -103,6 +116,22 @@ def test_multi_turn_logprobs_equal_the_trainers(rollout, smol_model):
     after = model & (np.cumsum(rollout.tool_mask == 0, axis=1) > 0)  # later turns' tokens
     assert after.any() and diff[after].max() < 5e-5
     assert (batch.model_mask() != batch.completion_mask).any()  # tool results are in there
+
+
+def test_continued_turns_equal_re_prefilled_ones(rollout, reprefilled, smol_model):
+    """Turns continued from the KV cache sample the same tokens from the same keys as turns
+    that re-prefill the whole context, with log-probs within fp32 noise of each other; and the
+    re-prefilled ones (the sliding-window models' path) meet the trainer's as well."""
+    for field in ("completion_ids", "completion_mask", "tool_mask", "truncated", "tool_calls",
+                  "tool_failures"):
+        np.testing.assert_array_equal(getattr(rollout, field), getattr(reprefilled, field))
+    assert rollout.completions == reprefilled.completions
+    assert (rollout.tool_mask == 0).any()  # a result and a turn after it are in there
+    np.testing.assert_allclose(rollout.sampler_logp, reprefilled.sampler_logp, rtol=0, atol=5e-5)
+    batch = _batch(reprefilled)
+    logp, _ = completion_logps(smol_model, batch, 1.0, 128)
+    model = np.asarray(batch.model_mask(), bool)
+    assert np.abs(np.asarray(logp) - reprefilled.sampler_logp)[model].max() < 5e-5
 
 
 def test_tool_results_carry_no_loss_and_no_gradient(rollout):

@@ -6,6 +6,7 @@ import dataclasses
 
 from grpo_jax import distributed as dist
 from grpo_jax import hf
+from grpo_jax.rollout import continuation
 from grpo_jax.rollout.sampler import RolloutBatch, Sampler
 from grpo_jax.rollout.sampling import SamplingParams
 
@@ -37,6 +38,10 @@ class JaxRollout:
         self.takes_adapters = bool(peft and peft.sampler_takes_adapters)
         self.sampler = Sampler(model_cfg, params, pad_id=pad_id, mesh=mesh,
                                peft=peft if self.takes_adapters else None)
+        # Multi-turn rollouts continue from the KV cache (None: sliding-window models, which
+        # re-prefill every turn's context).
+        self.turns = (continuation.Continuation(self.sampler)
+                      if continuation.supported(self.sampler) else None)
 
     def generate(self, params, prompt_ids, num_generations, key) -> RolloutBatch:
         return self.sampler.generate(params, prompt_ids, num_generations, key)

@@ -112,13 +112,7 @@ class Sampler:
         params: the model's nnx.State of nnx.Param (`nnx.split(model, nnx.Param)[1]`) or the
         Decoder itself. rng: an int seed or a jax PRNG key; the same rng gives the same output.
         """
-        params = self._check_params(params)
-        prompts = self._check_prompts(prompt_token_ids)
-        g = int(num_generations)
-        if g < 1:
-            raise ValueError(f"num_generations={num_generations} must be >= 1")
-        n = len(prompts) * g
-        rows = self._batch_size(n)
+        params, prompts, g, n, rows = self._inputs(params, prompt_token_ids, num_generations)
         # The program prefills each prompt once and copies its cache to its g rows: prompts
         # enough to cover `rows`, the ones past the real prompts all padding.
         ids, mask = left_pad(prompts, 1, self._bucket(max(map(len, prompts))), self.pad_id,
@@ -137,6 +131,17 @@ class Sampler:
                                                                num_generations=g, rows=rows))
         ids, mask = np.repeat(ids, g, axis=0)[:n], np.repeat(mask, g, axis=0)[:n]
         return RolloutBatch(ids, mask, tokens[:n], cmask[:n], ~done[:n], logp[:n])
+
+    def _inputs(self, params, prompt_token_ids, num_generations):
+        """(params, prompts, g, n, rows) of a generate call, checked: n = prompts x g rows
+        sampled, padded to `rows`."""
+        params = self._check_params(params)
+        prompts = self._check_prompts(prompt_token_ids)
+        g = int(num_generations)
+        if g < 1:
+            raise ValueError(f"num_generations={num_generations} must be >= 1")
+        n = len(prompts) * g
+        return params, prompts, g, n, self._batch_size(n)
 
     def _check_params(self, params):
         if isinstance(params, nnx.Module):

@@ -11,8 +11,9 @@ times out, is unknown or is called with malformed arguments returns TRL's `{"err
 model and is counted in `tools/failure_frequency`; the run goes on.
 
 The tool-result tokens stay in the sequence (the model attends to them) but carry no loss, KL
-or entropy: `tool_mask` 0 (TRL's name). Follow-up turns re-prefill prompt + completion so far
-through the backend's own `generate`, so the JAX sampler compiles only its usual length buckets.
+or entropy: `tool_mask` 0 (TRL's name). The native sampler continues follow-up turns from its KV
+cache, prefilling only the tool-result tokens (rollout/continuation.py); other backends get
+prompt + completion so far as a new prompt through their own `generate`.
 """
 
 from __future__ import annotations
@@ -222,7 +223,15 @@ class ToolRollout:
 
     def generate(self, params, prompt_ids, num_generations, key) -> RolloutBatch:
         import jax
-        first = self.inner.generate(params, prompt_ids, num_generations, key)
+
+        # The native sampler continues each turn from its KV cache (rollout/continuation.py);
+        # other backends get the whole context as a new prompt (vLLM's prefix cache reuses it).
+        turns = getattr(self.inner, "turns", None)
+        if turns is not None:
+            first, session = turns.first_turn(params, prompt_ids, num_generations, key)
+        else:
+            first = self.inner.generate(params, prompt_ids, num_generations, key)
+        where = list(range(len(first.completion_ids)))  # row i's row in the session's cache
         n, C = first.completion_ids.shape
         prompts = [row[m.astype(bool)].tolist() for row, m in zip(first.prompt_ids,
                                                                  first.prompt_mask)]
@@ -255,7 +264,14 @@ class ToolRollout:
                 kept.append(i)
             if not kept:
                 break
-            more = self.inner.generate(params, contexts, 1, jax.random.fold_in(key, turn + 1))
+            turn_key = jax.random.fold_in(key, turn + 1)
+            if turns is not None:
+                more, session = turns.next_turn(params, session, [where[i] for i in kept],
+                                                contexts, [C - len(rows[i].ids) for i in kept],
+                                                turn_key)
+                where = {i: j for j, i in enumerate(kept)}
+            else:
+                more = self.inner.generate(params, contexts, 1, turn_key)
             for j, (i, context) in enumerate(zip(kept, contexts)):
                 m = more.completion_mask[j].astype(bool)
                 ids, lp = more.completion_ids[j][m].tolist(), more.sampler_logp[j][m].tolist()

@@ -1,0 +1,196 @@
+"""Turns continued from the native sampler's KV cache (grpo_jax.rollout.continuation) against
+`Sampler.generate` re-prefilling the whole context, on SmolLM2 (fp32): the same tokens from the
+same keys, prefills of the uncached tokens only, a bounded number of programs."""
+
+import logging
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from test_tools import prompt_ids, tok  # noqa: F401  (tok: a fixture)
+
+from grpo_jax import mesh as mesh_lib
+from grpo_jax.models import Decoder, ModelConfig
+from grpo_jax.rollout import continuation, tools
+from grpo_jax.rollout.engines import JaxRollout
+from grpo_jax.rollout.sampler import Sampler
+from grpo_jax.rollout.sampling import SamplingParams
+
+C = 24
+
+
+def _suffix(tok, content):
+    return tools.tool_suffix_ids(tok, [{"role": "tool", "name": "calculator",
+                                        "content": content}])
+
+
+def _same_turn(more, ref, limits=None):
+    """`more` (continued) samples what `ref` (re-prefilled) does, up to each row's limit."""
+    for j in range(len(ref.completion_ids)):
+        k = int(ref.completion_mask[j].sum()) if limits is None else min(
+            int(ref.completion_mask[j].sum()), limits[j])
+        assert int(more.completion_mask[j].sum()) == k, j
+        np.testing.assert_array_equal(more.completion_ids[j, :k], ref.completion_ids[j, :k])
+        # fp32: the cache's attention sums in another order than the full prefill's
+        np.testing.assert_allclose(more.sampler_logp[j, :k], ref.sampler_logp[j, :k],
+                                   rtol=0, atol=5e-5)
+
+
+def _compiles(caplog, name):
+    """The argument shapes of each compile of the jitted function `name` so far."""
+    return [re.findall(r"ShapedArray\((\w+\[[\d,]*\])", r.getMessage()) for r in caplog.records
+            if f"Compiling jit({name})" in r.getMessage()]
+
+
+def test_turns_continue_as_re_prefills_do(smol_model, tok, caplog):  # noqa: F811
+    """Two continued turns give `generate`'s tokens on the whole context, for rows picked from
+    the cache in any order, a context that rewrites part of a cached turn (only its tail is
+    cached), and a row held to a smaller budget; each turn's program takes only the uncached
+    tokens (a suffix bucket of 8 or 16), and new turns of known shapes compile nothing."""
+    sp = SamplingParams(max_completion_length=C, temperature=1.0,
+                        stop_token_ids=(tok.eos_token_id,))
+    sampler = Sampler(smol_model.cfg, sp, pad_id=tok.pad_token_id)
+    turns = continuation.Continuation(sampler)
+    prompts = prompt_ids(tok)
+    first, session = turns.first_turn(smol_model, prompts, 2, 0)
+    ref = sampler.generate(smol_model, prompts, 2, 0)
+    np.testing.assert_array_equal(first.completion_ids, ref.completion_ids)
+    np.testing.assert_array_equal(first.sampler_logp, ref.sampler_logp)
+
+    def done(batch, j):
+        return batch.completion_ids[j][batch.completion_mask[j].astype(bool)].tolist()
+    ctx = [list(prompts[j // 2]) + done(first, j) for j in range(4)]
+    rows = [3, 0, 1]
+    contexts = [ctx[3] + _suffix(tok, "441824601"),
+                ctx[0] + _suffix(tok, "{'error': 'Tool calculator timed out after 10 s'}"),
+                ctx[1][:len(prompts[0]) + 2] + _suffix(tok, "61422")]
+    limits = [C, 3, C]
+    caplog.set_level(logging.WARNING)
+    with jax.log_compiles():
+        more, session = turns.next_turn(smol_model, session, rows, contexts, limits, 1)
+        _same_turn(more, sampler.generate(smol_model, contexts, 1, 1), limits)
+        # What the cache lacked: the tool result, and the turn's last token when the decode
+        # loop ended before feeding it; for the rewritten context, all after the kept prefix.
+        tails = more.prompt_mask.sum(axis=1).tolist()
+        fresh = [len(_suffix(tok, "441824601")),
+                 len(_suffix(tok, "{'error': 'Tool calculator timed out after 10 s'}")),
+                 len(contexts[2]) - len(prompts[0]) - 2]
+        assert all(f <= t <= f + 1 for t, f in zip(tails[:2], fresh[:2])), (tails, fresh)
+        assert tails[2] <= fresh[2]
+        T = max(8, 1 << (max(tails) - 1).bit_length())
+        assert more.prompt_ids.shape[1] == T < min(map(len, contexts)) // 10
+        assert more.prompt_ids.shape == more.prompt_mask.shape
+
+        contexts2 = [contexts[j] + done(more, j) + _suffix(tok, "7") for j in (2, 0)]
+        more2, session2 = turns.next_turn(smol_model, session, [2, 0], contexts2, [C, C], 2)
+        _same_turn(more2, sampler.generate(smol_model, contexts2, 1, 2))
+        assert more2.prompt_ids.shape[1] <= 16
+        # Another turn of the same shapes (other sampling keys) reuses the programs.
+        before = (turns._next._cache_size(), turns._align._cache_size())
+        turns.next_turn(smol_model, session, [2, 0], contexts2, [C, C], 3)
+        assert (turns._next._cache_size(), turns._align._cache_size()) == before
+    compiled = _compiles(caplog, "_next_program")
+    assert len(compiled) == 2 == turns._next._cache_size()  # batches of 4 and of 2
+    for shapes, B, T in zip(compiled, (4, 2), (more.prompt_ids.shape[1],
+                                               more2.prompt_ids.shape[1])):
+        ints = [s for s in shapes if s.startswith("int32")]
+        # content mask [B, base], suffix ids and mask [B, T], start and limit [B]: no
+        # argument spans the context's tokens
+        assert len(ints) == 5 and ints[1] == ints[2] == f"int32[{B},{T}]", ints
+
+
+def test_sliding_window_models_re_prefill():
+    """A model with sliding-window layers keeps ring caches, which can't be re-aligned nor
+    take several tokens at once: its rollout has no continuation and ToolRollout re-prefills
+    each turn's context through `generate`."""
+    cfg = ModelConfig("llama", vocab_size=64, hidden_size=32, intermediate_size=48,
+                      num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, sliding_window=4,
+                      layer_types=("sliding_attention", "full_attention"))
+    rollout = JaxRollout(cfg, SamplingParams(max_completion_length=4), pad_id=0, mesh=None)
+    assert rollout.turns is None
+    with pytest.raises(NotImplementedError, match="sliding-window ring cache"):
+        continuation.Continuation(rollout.sampler)
+    assert JaxRollout(cfg.replace(sliding_window=None, layer_types=None),
+                      SamplingParams(max_completion_length=4), pad_id=0, mesh=None).turns
+
+
+FP64_SCRIPT = """
+import sys
+import jax, jax.numpy as jnp, numpy as np, transformers
+sys.path.insert(0, {tests!r})
+from test_tools import prompt_ids, tool_rollout, _batch
+from grpo_jax import data, hf
+from grpo_jax.grpo.train_step import completion_logps
+model, path = hf.load_model(hf.SMOL_ALIAS, dtype=jnp.float64, param_dtype=jnp.float64)
+assert model.embed[...].dtype == jnp.float64
+tok = transformers.AutoTokenizer.from_pretrained(path)
+tok.chat_template = data.chat_template("chatml_tools")
+r = tool_rollout(model, tok).generate(model, prompt_ids(tok), 4, jax.random.key(0))
+batch = _batch(r)
+logp, _ = completion_logps(model, batch, 1.0, 128)
+model_tokens = np.asarray(batch.model_mask(), bool)
+later = model_tokens & (np.cumsum(r.tool_mask == 0, axis=1) > 0)
+diff = np.abs(np.asarray(logp) - r.sampler_logp)
+print("RESULT", diff[model_tokens].max(), diff[later].max(), later.sum(),
+      r.sampler_logp[model_tokens].min())
+"""
+
+
+@pytest.mark.slow
+def test_multi_turn_logprobs_in_float64_meet_1e5():
+    """The 5e-5 bound of test_tools' fp32 parity is summation-order noise, not a different
+    function: in float64 (x64 on, in a process of its own) the continued sampler's log-probs of
+    every model-written token, later turns included, equal the trainer's within 1e-5; what is
+    left is both sides' fp32 log-softmax (token_logprob, token_logprobs round there)."""
+    import os
+    import subprocess
+    import sys
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, JAX_ENABLE_X64="1", JAX_DEFAULT_MATMUL_PRECISION="highest")
+    out = subprocess.run([sys.executable, "-c", FP64_SCRIPT.format(tests=tests)], env=env,
+                         capture_output=True, text=True, timeout=1200)
+    line = [s for s in out.stdout.splitlines() if s.startswith("RESULT")]
+    assert out.returncode == 0 and line, out.stderr[-3000:]
+    worst, later, n_later, lowest = map(float, line[0].split()[1:])
+    assert n_later > 0 and lowest < -10  # later turns, and unlikely tokens, are in there
+    assert worst < 1e-5 and later < 1e-5, (worst, later)
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
+def test_three_turns_with_a_repetition_penalty_on_a_small_model(mesh_shape):
+    """On a small random model (fast to compile), on one device and on a (2, 2, 2) mesh: three
+    continued turns with a repetition penalty and top-k sample what `generate` does on the
+    whole context (the penalty sees every context token, cached or not), rows dropping out and
+    budgets shrinking between turns."""
+    cfg = ModelConfig("llama", vocab_size=64, hidden_size=32, intermediate_size=48,
+                      num_layers=2, num_heads=2, num_kv_heads=2,
+                      head_dim=16).replace(dtype="float32")
+    params = nnx.state(Decoder(cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    sp = SamplingParams(max_completion_length=6, temperature=0.8, top_k=20,
+                        repetition_penalty=1.5, stop_token_ids=(2,))
+    mesh = mesh_shape and mesh_lib.make_mesh(mesh_lib.MeshConfig(*mesh_shape),
+                                             jax.devices()[:8])
+    sampler = Sampler(cfg, sp, pad_id=0, buckets=(16, 32, 64), mesh=mesh)
+    turns = continuation.Continuation(sampler)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 64, n).tolist() for n in (5, 11, 3)]
+    batch, session = turns.first_turn(params, prompts, 2, 0)
+    contexts = [prompts[j // 2] + batch.completion_ids[j][batch.completion_mask[j] == 1].tolist()
+                for j in range(6)]
+    for turn, keep in enumerate(([5, 0, 2, 3, 1], [4, 1, 0], [2])):
+        contexts = [contexts[j] + rng.integers(3, 64, rng.integers(1, 12)).tolist()
+                    for j in keep]
+        limits = rng.integers(1, 7, len(keep)).tolist()
+        more, session = turns.next_turn(params, session, keep, contexts, limits, turn + 1)
+        ref = sampler.generate(params, contexts, 1, turn + 1)
+        for j, limit in enumerate(limits):
+            k = min(int(ref.completion_mask[j].sum()), limit)
+            assert int(more.completion_mask[j].sum()) == k
+            np.testing.assert_array_equal(more.completion_ids[j, :k], ref.completion_ids[j, :k])
+            np.testing.assert_allclose(more.sampler_logp[j, :k], ref.sampler_logp[j, :k],
+                                       rtol=0, atol=1e-5)
+        contexts = [c + more.completion_ids[j][more.completion_mask[j] == 1].tolist()
+                    for j, c in enumerate(contexts)]
