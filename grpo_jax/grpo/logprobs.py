@@ -15,16 +15,13 @@ from grpo_jax.models import decoder
 
 def token_logprobs(hidden: jax.Array, head_w: jax.Array, targets: jax.Array, temperature: float,
                    chunk_size: int = 128, softcap: float | None = None,
-                   constrain=lambda h: h, constrain_head=lambda w: w
-                   ) -> tuple[jax.Array, jax.Array]:
+                   constrain=lambda h: h) -> tuple[jax.Array, jax.Array]:
     """log softmax(hidden @ head_w / temperature)[target] and the entropy of that distribution.
     `softcap`: the model's final-logit soft-capping (Gemma 2), before the temperature, as
     Decoder.logits applies it. `constrain`: lays out each chunk's hidden states [B, chunk, D]
     (Decoder.shard_rows: rows on the batch axes); the chunking's reshape loses the layout, and
     without it each device computed the whole micro-batch's [B, chunk, V] logits and the full
     [D, V] head gradient (Qwen2.5-7B on v5e-16: 2.2 GB of fp32 gradient per chip).
-    `constrain_head`: lays out the head inside each chunk (Decoder.shard_head), so the head's
-    gradient is summed over the chunks split as the parameter is, not whole.
 
     hidden: [B, T, D] (any float dtype), head_w: [D, V], targets: [B, T] int.
     The head is cast to hidden's dtype and the matmul accumulates in fp32, as Decoder.logits
@@ -54,8 +51,7 @@ def token_logprobs(hidden: jax.Array, head_w: jax.Array, targets: jax.Array, tem
     @jax.checkpoint  # the backward pass recomputes this chunk's logits instead of storing them
     def one_chunk(xs):
         h, t = xs
-        logits = jnp.einsum("bcd,dv->bcv", constrain(h), constrain_head(w),
-                            preferred_element_type=jnp.float32)
+        logits = jnp.einsum("bcd,dv->bcv", constrain(h), w, preferred_element_type=jnp.float32)
         logits = decoder.softcap(logits, softcap) / temperature
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]

@@ -133,15 +133,6 @@ class Decoder(nnx.Module):
         return jax.lax.with_sharding_constraint(x, mesh_lib.logical_sharding(
             self.mesh, "batch", *[None] * (x.ndim - 1), shape=x.shape))
 
-    def shard_head(self, w):
-        """The [D, V] head laid out as its parameter is (mesh.RULES: embed, vocab). Applied
-        inside a loop over log-prob chunks, it makes each chunk's head gradient land split
-        too, where XLA otherwise carries the whole fp32 [D, V] sum through the loop."""
-        if self.mesh is None:
-            return w
-        return jax.lax.with_sharding_constraint(w, mesh_lib.logical_sharding(
-            self.mesh, "embed", "vocab", shape=w.shape))
-
     def embed_tokens(self, tokens) -> jax.Array:
         x = self.embed[...].astype(self.cfg.dtype)[tokens]
         if self.cfg.scale_embeddings:  # Gemma; the scale rounded to the dtype, as in HF
