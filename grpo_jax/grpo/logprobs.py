@@ -15,13 +15,13 @@ from grpo_jax.models import decoder
 
 def token_logprobs(hidden: jax.Array, head_w: jax.Array, targets: jax.Array, temperature: float,
                    chunk_size: int = 128, softcap: float | None = None,
-                   constrain=lambda h: h) -> tuple[jax.Array, jax.Array]:
+                   layout=lambda h, w: (h, w)) -> tuple[jax.Array, jax.Array]:
     """log softmax(hidden @ head_w / temperature)[target] and the entropy of that distribution.
     `softcap`: the model's final-logit soft-capping (Gemma 2), before the temperature, as
-    Decoder.logits applies it. `constrain`: lays out each chunk's hidden states [B, chunk, D]
-    (Decoder.shard_rows: rows on the batch axes); the chunking's reshape loses the layout, and
-    without it each device computed the whole micro-batch's [B, chunk, V] logits and the full
-    [D, V] head gradient (Qwen2.5-7B on v5e-16: 2.2 GB of fp32 gradient per chip).
+    Decoder.logits applies it. `layout`: lays out each chunk's hidden states [B, chunk, D] and
+    the head [D, V] on a mesh (Decoder.head_layout); the chunking's reshape loses the layout,
+    and without it each device computed the whole micro-batch's [B, chunk, V] logits and the
+    full [D, V] head gradient (Qwen2.5-7B on v5e-16: 2.2 GB of fp32 gradient per chip).
 
     hidden: [B, T, D] (any float dtype), head_w: [D, V], targets: [B, T] int.
     The head is cast to hidden's dtype and the matmul accumulates in fp32, as Decoder.logits
@@ -51,7 +51,8 @@ def token_logprobs(hidden: jax.Array, head_w: jax.Array, targets: jax.Array, tem
     @jax.checkpoint  # the backward pass recomputes this chunk's logits instead of storing them
     def one_chunk(xs):
         h, t = xs
-        logits = jnp.einsum("bcd,dv->bcv", constrain(h), w, preferred_element_type=jnp.float32)
+        hc, wc = layout(h, w)
+        logits = jnp.einsum("bcd,dv->bcv", hc, wc, preferred_element_type=jnp.float32)
         logits = decoder.softcap(logits, softcap) / temperature
         lse = jax.nn.logsumexp(logits, axis=-1)
         picked = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]

@@ -72,7 +72,7 @@ def completion_logps(model, batch: Batch, temperature: float, chunk: int):
     hidden = hidden[:, P_len - 1:P_len - 1 + C]  # position t predicts token t + 1
     return token_logprobs(hidden, model.head_weight(), batch.completion_ids, temperature,
                           chunk_size=chunk, softcap=model.cfg.final_logit_softcapping,
-                          constrain=model.shard_rows)
+                          layout=model.head_layout)
 
 
 def _micro_loss(params, graphdef, cfg: StepConfig, mb: Batch, frozen=(),

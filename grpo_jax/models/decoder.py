@@ -13,6 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import lora
@@ -132,6 +133,22 @@ class Decoder(nnx.Module):
             return x
         return jax.lax.with_sharding_constraint(x, mesh_lib.logical_sharding(
             self.mesh, "batch", *[None] * (x.ndim - 1), shape=x.shape))
+
+    def head_layout(self, h, w):
+        """One log-prob chunk's hidden states [B, c, D] and head [D, V] on the mesh: vocabulary-
+        parallel, every device taking all the chunk's rows (a few MB) and its slice of the
+        vocabulary (over every mesh axis), so that the head's gradient comes out split. With
+        the rows split instead, every device holds a partial gradient of the whole head to
+        reduce (Qwen2.5-7B on v5e-16: 2.2 GB of fp32; update temporaries 10.06 -> 8.81 GB).
+        Rows split when the vocabulary does not divide over the devices."""
+        if self.mesh is None:
+            return h, w
+        if w.shape[1] % self.mesh.size:
+            return self.shard_rows(h), w
+        everywhere = NamedSharding(self.mesh, P())
+        return (jax.lax.with_sharding_constraint(h, everywhere),
+                jax.lax.with_sharding_constraint(w, NamedSharding(
+                    self.mesh, P(None, tuple(self.mesh.axis_names)))))
 
     def embed_tokens(self, tokens) -> jax.Array:
         x = self.embed[...].astype(self.cfg.dtype)[tokens]
