@@ -86,22 +86,46 @@ class Trainer:
             return jax.lax.with_sharding_constraint(
                 x, mesh_lib.logical_sharding(mesh, None, "batch", *[None] * (x.ndim - 2)))
         self._step = jax.jit(
-            lambda state, batch, frozen: train_step(self.graphdef, self.tx, schedule, step_cfg,
-                                                    state, batch, constrain, frozen),
-            out_shardings=(self.state_shardings, replicated), donate_argnums=(0,))
-        self._logps = jax.jit(self._logps_fn, out_shardings=replicated, static_argnums=(0,))
-        self._eval = jax.jit(lambda state, batch, frozen: batch_loss(
-            self.graphdef, step_cfg, state, batch, frozen), out_shardings=replicated)
+            lambda state, batch, frozen, group: train_step(
+                self.graphdef, self.tx, schedule, step_cfg, state, batch, constrain, frozen,
+                group),
+            out_shardings=(self.state_shardings, replicated), donate_argnums=(0,),
+            static_argnums=(3,))
+        self._logps = jax.jit(self._logps_fn, out_shardings=replicated, static_argnums=(0, 4))
+        self._eval = jax.jit(lambda state, batch, frozen, group: batch_loss(
+            self.graphdef, step_cfg, state, batch, frozen, group), out_shardings=replicated,
+            static_argnums=(3,))
         # The reference's buffers are donated: the mix replaces them in place on the devices.
         self._mix = jax.jit(mix_params, out_shardings=self.param_shardings, donate_argnums=(1,))
 
     def _init(self, params) -> TrainState:
         return init_train_state(params, self.tx.init(params), self.cfg.loss)
 
-    def _logps_fn(self, graphdef, params, batch: Batch, frozen=()):
+    def _logps_fn(self, graphdef, params, batch: Batch, frozen=(), group: int = 1):
         model = nnx.merge(graphdef, params, *frozen)
-        logp, _ = completion_logps(model, batch, self.cfg.temperature, self.cfg.logprob_chunk)
+        logp, _ = completion_logps(model, batch, self.cfg.temperature, self.cfg.logprob_chunk,
+                                   group)
         return logp
+
+    @property
+    def shared_prefix(self) -> bool:
+        """numerics.shared_prefix: prompts computed once per group (Decoder.shared_prefix)."""
+        return self.model_config.numerics.shared_prefix
+
+    def prompt_group(self, batch: Batch, micro_rows: int) -> int:
+        """Rows per shared prompt for the programs (completion_logps' `group`): the largest
+        divisor of `micro_rows` whose blocks of consecutive rows each hold one prompt (1: none,
+        or numerics.shared_prefix off). Read from the host batch, which every process holds
+        whole, so all compile the same program."""
+        if not self.shared_prefix:
+            return 1
+        ids = np.asarray(batch.prompt_ids)
+        mask = np.asarray(batch.prompt_mask)
+        for s in range(micro_rows, 1, -1):
+            if micro_rows % s == 0 and all(
+                    (x.reshape(-1, s, x.shape[1]) == x[::s, None]).all() for x in (ids, mask)):
+                return s
+        return 1
 
     def shard_batch(self, batch: Batch) -> Batch:
         # Host arrays that every process holds whole; each process places its devices' rows.
@@ -110,12 +134,14 @@ class Trainer:
 
     def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
         """One update; the metrics stay on the device (jax.device_get them when needed)."""
-        return self._step(state, self.shard_batch(batch), self.frozen)
+        group = self.prompt_group(batch, batch.size // self.cfg.gradient_accumulation_steps)
+        return self._step(state, self.shard_batch(batch), self.frozen, group)
 
     def eval_metrics(self, state: TrainState, batch: Batch) -> dict:
         """TRL's evaluation loss and loss metrics of `batch` (one micro-batch, no update); on
         the device, like step's."""
-        return self._eval(state, self.shard_batch(batch), self.frozen)
+        return self._eval(state, self.shard_batch(batch), self.frozen,
+                          self.prompt_group(batch, batch.size))
 
     def mix_ref(self, params, ref, alpha: float):
         """TR-DPO's reference update alpha * params + (1 - alpha) * ref, on the devices with the
@@ -133,8 +159,9 @@ class Trainer:
         n = seqs.size
         step = rows if rows and n % rows == 0 else n
         # Every part is dispatched before the first is read back.
+        group = self.prompt_group(seqs, step)
         parts = [self._logps(self.graphdef, params, self.shard_batch(
-            seqs.rows(slice(i, i + step))), self.frozen) for i in range(0, n, step)]
+            seqs.rows(slice(i, i + step))), self.frozen, group) for i in range(0, n, step)]
         return np.concatenate([np.asarray(p) for p in parts])
 
     def rollout_params(self, params):
@@ -371,7 +398,13 @@ class GRPORound:
         spg, size = self.plan.steps_per_generation, self.plan.micro_batch_size
         if spg == 1:
             return [batch]
-        order = generation_order(key, batch.size)
+        g = self.plan.num_generations
+        if self.trainer.shared_prefix:
+            # Whole groups shuffled, so micro-batches hold whole groups (or, when smaller than
+            # a group, parts of one) and each prompt runs once per micro-batch.
+            order = (generation_order(key, batch.size // g)[:, None] * g + np.arange(g)).ravel()
+        else:
+            order = generation_order(key, batch.size)
         return [batch.rows(order[i * size:(i + 1) * size]) for i in range(spg)]
 
 

@@ -58,6 +58,7 @@ class StubTrainer:
     # The round reads the loss settings (dapo's normaliser) from the trainer's step config.
     cfg = types.SimpleNamespace(loss=LossConfig(vllm_importance_sampling_correction=False))
     lora_scale = None  # a full model, as Trainer's without LoRA
+    shared_prefix = False  # TRL's row shuffle (test_split_by_groups_with_shared_prefix: on)
 
     def __init__(self):
         self.windows: list[Batch] = []
@@ -169,6 +170,23 @@ def test_generation_batch_is_shuffled_before_it_is_split():
                                   generation_order(jax.random.key(0), 64))
     assert (generation_order(jax.random.key(0), 64) != generation_order(jax.random.key(1), 64)
             ).any()
+
+
+@pytest.mark.parametrize("micro", [8, 2])
+def test_split_by_groups_with_shared_prefix(micro):
+    """numerics.shared_prefix: whole groups are shuffled (seeded by the round's key, like TRL's
+    row shuffle), so a micro-batch holds whole groups (micro 8: 2 groups of 4) or a block of
+    one (micro 2), each prompt in consecutive rows."""
+    p = BatchPlan(data_parallel_size=1, micro_batch_size=micro, gradient_accumulation_steps=1,
+                  steps_per_generation=16 // micro, generation_batch_size=16, num_generations=G,
+                  num_iterations=1)
+    rnd = make_round(p)
+    rnd.trainer.shared_prefix = True
+    run_rounds(rnd, 1)
+    groups = generation_order(jax.random.key(0), 16 // G)
+    want = (groups[:, None] * G + np.arange(G)).ravel().reshape(-1, micro).tolist()
+    assert [row_ids(w) for w in rnd.trainer.windows] == want
+    assert groups.tolist() != list(range(16 // G))  # shuffled
 
 
 @pytest.mark.parametrize("spg,gas,ni,want", [

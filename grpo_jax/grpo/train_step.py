@@ -62,39 +62,49 @@ def state_shardings(loss: loss_lib.LossConfig, params, opt_state, scalar) -> Tra
     return TrainState(params, opt_state, scalar, *extra)
 
 
-def completion_logps(model, batch: Batch, temperature: float, chunk: int):
-    """Per-token log-probs (and entropies) of the completion tokens under `model`."""
-    ids = jnp.concatenate([batch.prompt_ids, batch.completion_ids], axis=1)
-    mask = jnp.concatenate([batch.prompt_mask, batch.completion_mask], axis=1)
-    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-    hidden, _ = model(ids, positions, mask)
+def completion_logps(model, batch: Batch, temperature: float, chunk: int, group: int = 1):
+    """Per-token log-probs (and entropies) of the completion tokens under `model`. `group` > 1:
+    every block of `group` consecutive rows shares its prompt (Trainer.prompt_group checks it),
+    which then runs once per block (Decoder.shared_prefix); the same values as group 1."""
     P_len, C = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
-    hidden = hidden[:, P_len - 1:P_len - 1 + C]  # position t predicts token t + 1
+    # LoRA dropout draws its masks per row: a shared prompt would share them.
+    if group > 1 and getattr(model, "lora_dropout_key", None) is None:
+        prompt, hidden = model.shared_prefix(
+            batch.prompt_ids[::group], batch.prompt_mask[::group], batch.completion_ids,
+            batch.completion_mask, group)
+        last = model.shard_rows(jnp.repeat(prompt[:, -1:], group, axis=0))
+        hidden = jnp.concatenate([last, hidden[:, :C - 1]], axis=1)  # t predicts token t + 1
+    else:
+        ids = jnp.concatenate([batch.prompt_ids, batch.completion_ids], axis=1)
+        mask = jnp.concatenate([batch.prompt_mask, batch.completion_mask], axis=1)
+        positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+        hidden, _ = model(ids, positions, mask)
+        hidden = hidden[:, P_len - 1:P_len - 1 + C]  # position t predicts token t + 1
     return token_logprobs(hidden, model.head_weight(), batch.completion_ids, temperature,
                           chunk_size=chunk, softcap=model.cfg.final_logit_softcapping,
                           layout=model.head_layout)
 
 
 def _micro_loss(params, graphdef, cfg: StepConfig, mb: Batch, frozen=(),
-                dropout_key=None) -> loss_lib.MicroLoss:
+                dropout_key=None, group: int = 1) -> loss_lib.MicroLoss:
     model = lora.with_dropout(nnx.merge(graphdef, params, *frozen), dropout_key)
-    logp, entropy = completion_logps(model, mb, cfg.temperature, cfg.logprob_chunk)
+    logp, entropy = completion_logps(model, mb, cfg.temperature, cfg.logprob_chunk, group)
     return loss_lib.micro_loss_terms(logp, entropy, mb, cfg.loss)
 
 
 def loss_and_grads(graphdef, cfg: StepConfig, params, batch: Batch,
                    constrain: Callable[[jax.Array], jax.Array] = lambda x: x,
-                   entropy_coef=None, frozen=(), dropout_key=None):
+                   entropy_coef=None, frozen=(), dropout_key=None, group: int = 1):
     """Exact (loss, grads, metric sums) of the model's params over `batch`, split into
     gradient_accumulation_steps micro-batches (accumulate). `entropy_coef`: the entropy bonus's
     coefficient to apply (None: the config's). `constrain` lays out each [k, rows, ...] split
     (the trainer keeps rows on the batch axes). `frozen`: states of the model that are not
     trained (with LoRA, the base's params), merged with `params` into the model.
     `dropout_key`: LoRA dropout on (micro-batch j draws from fold_in(dropout_key, j)); None:
-    off."""
+    off. `group`: rows per shared prompt in each micro-batch (completion_logps)."""
     def micro(p, mb, j):
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, j)
-        return _micro_loss(p, graphdef, cfg, mb, frozen, key)
+        return _micro_loss(p, graphdef, cfg, mb, frozen, key, group)
     return accumulate(micro, cfg, params, batch, constrain, entropy_coef)
 
 
@@ -137,13 +147,14 @@ def accumulate(micro_loss: Callable[[Any, Batch, jax.Array], loss_lib.MicroLoss]
     return loss, grads, sums
 
 
-def batch_loss(graphdef, cfg: StepConfig, state: TrainState, batch: Batch, frozen=()):
+def batch_loss(graphdef, cfg: StepConfig, state: TrainState, batch: Batch, frozen=(),
+               group: int = 1):
     """TRL's evaluation loss: `batch` as one micro-batch (no accumulation), no gradients, with
     the entropy bonus the next step would apply (evaluation never moves its controller).
     Returns the metrics of a step (TRL's names), "loss" among them."""
     lc = cfg.loss
     coef = loss_lib.applied_entropy_coef(state.entropy_coef, state.last_entropy, lc)
-    out = _micro_loss(state.params, graphdef, cfg, batch, frozen)
+    out = _micro_loss(state.params, graphdef, cfg, batch, frozen, group=group)
     den = loss_lib.loss_denominator(batch.model_mask(), batch.truncated, lc, batch.num_items)
     loss = out.numerator / jnp.maximum(den, 1e-8)
     if out.entropy_mean is not None:
@@ -172,12 +183,13 @@ def finish_entropy_control(state: TrainState, metrics: dict, loss: loss_lib.Loss
 
 def train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule,
                cfg: StepConfig, state: TrainState, batch: Batch,
-               constrain: Callable[[jax.Array], jax.Array] = lambda x: x, frozen=()):
+               constrain: Callable[[jax.Array], jax.Array] = lambda x: x, frozen=(),
+               group: int = 1):
     """One optimizer update over `batch` ([N, ...] arrays, N = micro-batches x micro size).
     `tx` skips non-finite updates (grpo.optimizer); the step counts them all the same, as
     TRL's global_step does, and reports the skip. With use_adaptive_entropy the entropy
     coefficient moves once per step (a skipped update too, as in TRL), from the step's
-    token-mean entropy. `frozen`: see loss_and_grads; only state.params are trained."""
+    token-mean entropy. `frozen`, `group`: see loss_and_grads; only state.params are trained."""
     lc = cfg.loss
     if lc.use_adaptive_entropy and state.entropy_coef is None:
         raise ValueError("use_adaptive_entropy carries its coefficient in TrainState: build the "
@@ -186,7 +198,7 @@ def train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Sched
     # Per step (the state's count, so a resumed run continues the sequence) and micro-batch.
     dropout_key = jax.random.fold_in(jax.random.key(cfg.dropout_seed), state.step)
     loss, grads, sums = loss_and_grads(graphdef, cfg, state.params, batch, constrain, coef,
-                                       frozen, dropout_key)
+                                       frozen, dropout_key, group)
     updates, new_opt = tx.update(grads, state.opt_state, state.params)
     new_state = TrainState(optax.apply_updates(state.params, updates), new_opt, state.step + 1,
                            state.entropy_coef, state.last_entropy)

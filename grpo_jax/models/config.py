@@ -48,6 +48,12 @@ class Numerics:
     # With remat, what each layer keeps for the backward pass: "full" only its input (least
     # memory); "dots" also its matmul outputs (no matmul recomputed; more activation memory).
     remat_policy: Literal["full", "dots"] = "full"
+    # Training and log-prob passes compute each prompt once per group of completions sharing
+    # it (Decoder.shared_prefix): same values, fewer FLOPs. A generation batch is then split
+    # into micro-batches by whole groups, shuffled group-wise (TRL shuffles rows; with
+    # steps_per_generation = gradient_accumulation_steps, TRL's default, an update sees the
+    # same rows either way). false: TRL's row shuffle, every row runs its prompt.
+    shared_prefix: bool = True
 
     def __post_init__(self):
         check(self.remat_policy in ("full", "dots"),

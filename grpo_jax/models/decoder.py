@@ -189,12 +189,8 @@ class Decoder(nnx.Module):
 
             def body(x, xs):
                 p, slides = xs
-                pick = lambda a, b: (  # noqa: E731  the layer's kind, static when all agree
-                    a if all(sliding) else b if not any(sliding)
-                    else jax.tree.map(lambda u, v: jnp.where(slides, u, v), a, b))
-                cos, sin = pick(rope[True], rope[False])
-                x = _block(cfg, p, self.shard_rows(x), cos, sin,
-                           pick(masks[True], masks[False]))[0]
+                cos, sin, m = _pick(sliding, slides, {s: (*rope[s], masks[s]) for s in rope})
+                x = _block(cfg, p, self.shard_rows(x), cos, sin, m)[0]
                 return self.shard_rows(x), None
 
             if cfg.remat:
@@ -226,6 +222,55 @@ class Decoder(nnx.Module):
             vs.append(cv)
         return self._final_norm(x), KVCache(tuple(ks), tuple(vs))
 
+    def shared_prefix(self, prompt_ids, prompt_mask, ids, mask, group: int):
+        """The forward of `group` completions per prompt with each prompt computed once (Prefix
+        Grouper, arXiv 2506.05433): returns (hidden [g, P, D] of the prompts, hidden [g * group,
+        C, D] of the completions), equal to running every row's prompt + completion through
+        `__call__` (left-padded prompt_ids / prompt_mask [g, P]; ids / mask [g * group, C],
+        row r continuing prompt r // group). The completions attend to their prompt's keys and
+        values, copied to the group's rows, so the gradients reaching the prompt positions are
+        summed over the group. Training FLOPs go from N (P + C) to g P + N C token-passes."""
+        cfg = self.cfg
+        P_len, C = prompt_ids.shape[1], ids.shape[1]
+        rep = lambda a: self.shard_rows(jnp.repeat(a, group, axis=0))  # noqa: E731
+        prompt_ok, ok = prompt_mask.astype(bool), mask.astype(bool)
+        positions = {"prompt": positions_from_mask(prompt_mask),
+                     "completion": jnp.maximum(rep(prompt_mask.sum(1))[:, None]
+                                               + jnp.cumsum(mask, axis=1) - 1, 0)}
+        sliding = cfg.sliding_layers
+        # Completion query t is key P + t; it sees its prompt's real keys and its own up to t.
+        seen = jnp.concatenate(
+            [jnp.broadcast_to(rep(prompt_ok)[:, None], (ids.shape[0], C, P_len)),
+             _causal(C, ok)], axis=2)
+        masks = {"prompt": _causal(P_len, prompt_ok), "completion": seen}
+        queries = {"prompt": jnp.arange(P_len), "completion": P_len + jnp.arange(C)}
+        tables = {}  # part -> sliding -> (cos, sin, mask)
+        for part in masks:
+            full = rope_tables(cfg, positions[part])
+            local = rope_tables(cfg, positions[part], local=True) if any(sliding) else full
+            window = masks[part] & _in_window(queries[part], masks[part].shape[2],
+                                              cfg.sliding_window)
+            tables[part] = {False: (*full, masks[part]), True: (*local, window)}
+
+        def body(carry, xs):
+            x_prompt, x = carry
+            p, slides = xs
+            cos, sin, m = _pick(sliding, slides, tables["prompt"])
+            q, k, v = _qkv(cfg, p, x_prompt, cos, sin)
+            x_prompt = _attn_out_and_mlp(cfg, p, x_prompt, _attend(cfg, q, k, v, m))
+            cos, sin, m = _pick(sliding, slides, tables["completion"])
+            q, kc, vc = _qkv(cfg, p, x, cos, sin)
+            k = jnp.concatenate([rep(k), kc], axis=1)
+            v = jnp.concatenate([rep(v), vc], axis=1)
+            x = _attn_out_and_mlp(cfg, p, x, _attend(cfg, q, k, v, m, offset=P_len))
+            return (self.shard_rows(x_prompt), self.shard_rows(x)), None
+
+        if cfg.remat:
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat_policy])
+        x0 = tuple(self.shard_rows(self.embed_tokens(t)) for t in (prompt_ids, ids))
+        (x_prompt, x), _ = jax.lax.scan(body, x0, (self.layer_params(), jnp.asarray(sliding)))
+        return self._final_norm(x_prompt), self._final_norm(x)
+
     def _final_norm(self, x):
         cfg = self.cfg
         return rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.dtype, cfg.norm_offset)
@@ -236,6 +281,14 @@ class Decoder(nnx.Module):
 # recomputed: about 6 instead of 8 matmul FLOPs per parameter and token).
 REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
                   "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def _pick(sliding: tuple[bool, ...], slides, by_kind: dict):
+    """by_kind[True] for a sliding layer, else by_kind[False]; static when all layers agree,
+    else chosen inside the layer scan by its traced `slides` flag."""
+    if all(sliding) or not any(sliding):
+        return by_kind[all(sliding)]
+    return jax.tree.map(lambda u, v: jnp.where(slides, u, v), by_kind[True], by_kind[False])
 
 
 def _causal(T: int, key_ok: jax.Array) -> jax.Array:
@@ -321,26 +374,14 @@ def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None, window: int | Non
     None writes at slot 0 and attends among the new tokens only, as without a cache (mask
     [B, T, T]). `window`: the layer slides and its cache is a ring (slot = position % window).
     Returns (x, ck, cv) (None, None without a cache)."""
-    dt, eps, offset = cfg.dtype, cfg.rms_norm_eps, cfg.norm_offset
-    w = lambda name: p[name].astype(dt)  # noqa: E731
-    h = rms_norm(x, p["attn_norm"], eps, dt, offset)
-    q = lora.project(p, "wq", "btd,dhk->bthk", h, dt)
-    k = lora.project(p, "wk", "btd,dhk->bthk", h, dt)
-    v = lora.project(p, "wv", "btd,dhk->bthk", h, dt)
-    if cfg.qkv_bias:
-        q, k, v = q + w("bq"), k + w("bk"), v + w("bv")
-    if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], eps, dt, offset)
-        k = rms_norm(k, p["k_norm"], eps, dt, offset)
-    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    q, k, v = _qkv(cfg, p, x, cos, sin)
     ck = cv = None
     if cache is not None:
         ck, cv, index = cache
         ck, cv = _write(ck, k, index, window), _write(cv, v, index, window)
-    scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
-    cap = cfg.attn_logit_softcapping
-    # cuDNN's fused attention has no soft-capping: Gemma 2 stays on XLA's.
     if cache is not None and index is not None:
+        scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        cap = cfg.attn_logit_softcapping
         if cfg.use_cudnn_attention(decode=True) and cap is None:
             # The cache's [B, K, S, Dh] viewed as cuDNN's [B, S, K, Dh]: a layout, not a copy.
             # A query always sees its own slot, so no row is fully masked.
@@ -349,13 +390,43 @@ def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None, window: int | Non
                                                 scale=scale, implementation="cudnn")
         else:
             attn = attention(q, ck, cv, mask, scale, cap)
-    elif cfg.use_cudnn_attention() and cap is None:
-        # Each query also sees itself, so padding rows are never fully masked (NaN in cuDNN).
-        diag = jnp.eye(q.shape[1], dtype=bool)[None]
-        attn = jax.nn.dot_product_attention(q, k, v, mask=(mask | diag)[:, None], scale=scale,
-                                            implementation="cudnn")
     else:
-        attn = attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask, scale, cap)
+        attn = _attend(cfg, q, k, v, mask)
+    return _attn_out_and_mlp(cfg, p, x, attn), ck, cv
+
+
+def _qkv(cfg: ModelConfig, p, x, cos, sin):
+    """A layer's queries [B, T, H, Dh] and keys, values [B, T, K, Dh], RoPE applied."""
+    dt, eps, offset = cfg.dtype, cfg.rms_norm_eps, cfg.norm_offset
+    h = rms_norm(x, p["attn_norm"], eps, dt, offset)
+    q = lora.project(p, "wq", "btd,dhk->bthk", h, dt)
+    k = lora.project(p, "wk", "btd,dhk->bthk", h, dt)
+    v = lora.project(p, "wv", "btd,dhk->bthk", h, dt)
+    if cfg.qkv_bias:
+        q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], eps, dt, offset)
+        k = rms_norm(k, p["k_norm"], eps, dt, offset)
+    return _rope(q, cos, sin), _rope(k, cos, sin), v
+
+
+def _attend(cfg: ModelConfig, q, k, v, mask, offset: int = 0):
+    """Attention without a cache: q [B, T, H, Dh] over k, v [B, S, K, Dh], mask [B, T, S];
+    query t is key `offset + t` (S = offset + T)."""
+    scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+    cap = cfg.attn_logit_softcapping
+    # cuDNN's fused attention has no soft-capping: Gemma 2 stays on XLA's.
+    if cfg.use_cudnn_attention() and cap is None:
+        # Each query also sees itself, so padding rows are never fully masked (NaN in cuDNN).
+        own = jnp.arange(k.shape[1])[None, :] == offset + jnp.arange(q.shape[1])[:, None]
+        return jax.nn.dot_product_attention(q, k, v, mask=(mask | own[None])[:, None],
+                                            scale=scale, implementation="cudnn")
+    return attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask, scale, cap)
+
+
+def _attn_out_and_mlp(cfg: ModelConfig, p, x, attn):
+    """The rest of a layer after attention: output projection, residual, MLP, residual."""
+    dt, eps, offset = cfg.dtype, cfg.rms_norm_eps, cfg.norm_offset
     out = lora.project(p, "wo", "bthk,hkd->btd", attn, dt)
     if cfg.sandwich_norms:
         out = rms_norm(out, p["post_attn_norm"], eps, dt, offset)
@@ -366,7 +437,7 @@ def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None, window: int | Non
     out = lora.project(p, "w_down", "btf,fd->btd", ACTIVATIONS[cfg.hidden_act](gate) * up, dt)
     if cfg.sandwich_norms:
         out = rms_norm(out, p["post_mlp_norm"], eps, dt, offset)
-    return x + out, ck, cv
+    return x + out
 
 
 ACTIVATIONS = {"silu": jax.nn.silu,
