@@ -23,7 +23,7 @@ from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.grpo.optimizer import OptimizerConfig
 from grpo_jax.grpo.train_step import StepConfig
-from grpo_jax.models import Decoder, ModelConfig, lora, quant
+from grpo_jax.models import Decoder, ModelConfig, lora, presets, quant
 from grpo_jax.models.lora import PeftArgs
 from grpo_jax.rollout.engines import JaxRollout
 from grpo_jax.rollout.sampler import Sampler
@@ -83,9 +83,10 @@ def decode_bytes(cfg: ModelConfig, batch: int, cache_len: int, param_bytes: int)
 
 
 def make_workload(args):
-    cfg = (TINY if args.tiny else QWEN2_0_5B).replace(
-        dtype=jnp.dtype(args.dtype), remat=not args.no_remat,
-        remat_policy=args.remat_policy, attention_impl=args.attention)
+    base = TINY if args.tiny else presets.preset(args.preset) if args.preset else QWEN2_0_5B
+    cfg = base.replace(dtype=jnp.dtype(args.dtype), remat=not args.no_remat,
+                       remat_policy=args.remat_policy, attention_impl=args.attention,
+                       shared_prefix=not args.no_shared_prefix)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=1, fsdp=-1))
     rng = np.random.default_rng(0)
@@ -217,6 +218,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m grpo_jax.bench", description=__doc__)
     p.add_argument("what", choices=["sampler", "train-step", "e2e", "lora-sampler", "all"])
     p.add_argument("--tiny", action="store_true", help="small model (CPU)")
+    p.add_argument("--preset", help="a model shape of grpo_jax.models.presets (random weights), "
+                   "e.g. smollm2-135m; default: Qwen2-0.5B's")
+    p.add_argument("--no-shared-prefix", action="store_true",
+                   help="numerics.shared_prefix off: every row runs its prompt in training")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=256)

@@ -20,7 +20,7 @@ if jax.default_backend() == "gpu":
 EOF
 
 CMD_BUFFERS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
-VARIANTS="${VARIANTS:-auto dots cudnn dots_cudnn_cmdbuf}"
+VARIANTS="${VARIANTS:-auto dots cudnn dots_cudnn_cmdbuf dots_no_shared_prefix tldr_like}"
 run() {  # name, XLA_FLAGS, bench args...
   local name=$1 flags=$2
   shift 2
@@ -36,3 +36,7 @@ run auto "--xla_gpu_dump_autotune_results_to=$OUT/autotune.pbtxt" "$@"
 run dots "" --remat-policy dots "$@"
 run cudnn "" --attention cudnn "$@"
 run dots_cudnn_cmdbuf "$CMD_BUFFERS" --remat-policy dots --attention cudnn "$@"
+# Shared-prefix training (numerics.shared_prefix, on in every run above): the e2e step without
+# it, and a tldr-like shape (long prompts, G = 8) where computing each prompt once matters most.
+run dots_no_shared_prefix "" --remat-policy dots --no-shared-prefix "$@"
+run tldr_like "" --remat-policy dots --prompt-len 512 --completion-len 128 "$@"

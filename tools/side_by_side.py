@@ -118,8 +118,9 @@ def main(argv=None):
             rows = prompts(shape["posts"])
             data = tmp / "prompts.jsonl"
             data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            lengths = [len(tok.apply_chat_template(r["prompt"], add_generation_prompt=True))
-                       for r in rows]
+            lengths = [len(tok(tok.apply_chat_template(r["prompt"], tokenize=False,
+                                                       add_generation_prompt=True),
+                               add_special_tokens=False)["input_ids"]) for r in rows]
             print(f"[{name}] {len(rows)} prompts, mean {statistics.mean(lengths):.0f} tokens; "
                   f"TRL first", flush=True)
             trl = summary(run_trl(trl_python, model, data, shape, a.steps, tmp))

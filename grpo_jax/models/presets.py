@@ -58,6 +58,10 @@ def _gemma2(d, layers, heads, kv, f, head_dim=256, scalar=256) -> ModelConfig:
 
 
 PRESETS: dict[str, ModelConfig] = {
+    # The embedded model (SmolLM2-135M-Instruct): `bench --preset smollm2-135m` sizes CPU runs.
+    "smollm2-135m": ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, rms_norm_eps=1e-5,
+                                rope_theta=1e5, tie_word_embeddings=True,
+                                max_position_embeddings=8192),
     "qwen2.5-0.5b": _qwen25(896, 24, 14, 2, 4864, 151936, tied=True),
     "qwen2.5-1.5b": _qwen25(1536, 28, 12, 2, 8960, 151936, tied=True),
     "qwen2.5-7b": _qwen25(3584, 28, 28, 4, 18944, 152064, tied=False),
