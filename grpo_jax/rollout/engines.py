@@ -73,6 +73,10 @@ class MainProcessRollout:
         host = dist.to_host(params)  # the params are spread over every process's devices
         return dist.from_main(lambda: self.inner.update_weights(host), self.error)
 
+    @property
+    def sync_metrics(self) -> dict:  # logged by process 0, the one that holds them
+        return getattr(self.inner, "sync_metrics", None) or {}
+
 
 def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir, tools=()):
     """The config's backend; with `tools` (functions), inside the multi-turn tool loop."""

@@ -55,12 +55,14 @@ class Completion:
 class VLLMClient:
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0,
                  max_retries: int = 4, backoff_s: float = 0.5, max_workers: int = 16,
-                 weights_dir: str | None = None):
-        """`timeout`: seconds one HTTP request may take. Connection failures are retried
-        `max_retries` times, waiting backoff_s * 2**k. `weights_dir`: parent of the private
-        directory used for weight files (default /dev/shm when large enough)."""
+                 weights_dir: str | None = None, weight_sync_timeout: float = 1800.0):
+        """`timeout`: seconds one HTTP request may take; `weight_sync_timeout` for requests of
+        a weight update. Connection failures are retried `max_retries` times, waiting
+        backoff_s * 2**k. `weights_dir`: parent of the private directory used for weight files
+        (default /dev/shm when large enough)."""
         self.base_url = base_url.rstrip("/")
         self.timeout, self.max_retries, self.backoff_s = timeout, max_retries, backoff_s
+        self.weight_sync_timeout = weight_sync_timeout
         self.max_workers = max_workers
         self._session = requests.Session()
         adapter = HTTPAdapter(pool_maxsize=max_workers)
@@ -260,6 +262,49 @@ class VLLMClient:
             need = 2.2 * weight_sync.param_bytes(params, dtype)  # old file + new one, briefly
             self._weights_dir = weight_sync.private_dir(self._weights_parent, int(need))
         return weight_sync.sync_weights(self, cfg, params, self._weights_dir, dtype)
+
+    # vLLM's weight-sync routes: the four methods of its VLLMWeightSyncClient protocol
+    # (vllm.distributed.weight_transfer.base), on this client's session, so they carry the API
+    # key (vLLM's own HTTPVLLMWeightSyncClient sends none) and its retries and timeouts.
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._weight_route("/init_weight_transfer_engine", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self._weight_route("/start_weight_update")
+
+    def update_weights(self, update_info: dict) -> None:
+        self._weight_route("/update_weights", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._weight_route("/finish_weight_update", {"weight_version": weight_version})
+
+    def _weight_route(self, path: str, body=None):
+        return self._request("POST", path, body, timeout=self.weight_sync_timeout)
+
+    def pause(self) -> None:
+        """Stop scheduling once the requests in flight are done (they finish with the weights
+        they started with), then drop the KV and prefix caches: every later request runs on the
+        weights loaded before `resume`."""
+        self._weight_route("/pause?mode=wait")
+
+    def resume(self) -> None:
+        self._weight_route("/resume")
+
+    def weight_version(self) -> str:
+        """The version named by the last /finish_weight_update; a fresh server says "default"."""
+        return self._request("GET", "/weight_info", timeout=60)["weight_version"]
+
+    def set_weight_version(self, version: str) -> None:
+        self._request("POST", "/update_weight_version", {"new_version": version})
+
+    def sync_tensors(self, tensors: dict[str, np.ndarray]) -> None:
+        """`vllm_weight_sync: shm`: HF-named tensors (in the server's dtype) through a file in a
+        private directory, which the server (same machine) reloads."""
+        if self._weights_dir is None:
+            need = 2.2 * sum(v.nbytes for v in tensors.values())  # old file + new one, briefly
+            self._weights_dir = weight_sync.private_dir(self._weights_parent, int(need))
+        weight_sync.reload_file(self, weight_sync.write_tensors(tensors, self._weights_dir))
 
     def adapter_problem(self, rank: int) -> str | None:
         """Why the server can't take rank-`rank` LoRA adapters at run time (None: it can)."""

@@ -2,8 +2,9 @@
 
 `WeightReloadExtension` is mixed into every vLLM worker (`--worker-extension-cls`) and is reached
 through `POST /collective_rpc`; `DevRouteAuth` is an ASGI middleware (`--middleware`) for the API
-process. The vLLM venv has no jax, so this module imports only the standard library at import time
-and torch/safetensors inside the methods.
+process. Importing the module also registers our weight-transfer engine `grpo_http`
+(`vllm_http_engine`) with vLLM. The vLLM venv has no jax, so this module imports only the standard
+library at import time and torch/safetensors/vLLM inside functions.
 
 Every RPC method returns a plain dict: a return value msgspec can't serialise hangs the server
 for good (only SIGKILL ends it), and an exception is turned into {"error": ...} for the same
@@ -50,6 +51,8 @@ class WeightReloadExtension:
             info["max_model_len"] = int(mc.max_model_len)
             info["dtype"] = str(mc.dtype).removeprefix("torch.")
             info["model"] = str(mc.model)
+            wt = self.vllm_config.weight_transfer_config
+            info["weight_transfer_backend"] = wt.backend if wt is not None else None
             lc = self.vllm_config.lora_config
             info["max_lora_rank"] = int(lc.max_lora_rank) if lc is not None else None
             # Read where the API server reads it: the workers inherit its environment.
@@ -86,3 +89,19 @@ class DevRouteAuth:
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": b'{"error": "Unauthorized"}'})
+
+
+def register_http_engine() -> None:
+    """Make `--weight-transfer-config '{"backend": "grpo_http"}'` known to vLLM's factory. vLLM
+    imports this module (worker extension, middleware) before a worker builds its engine."""
+    try:
+        from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+    except ImportError:  # imported outside a vLLM server (the trainer's tests)
+        return
+    if HTTP_BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            HTTP_BACKEND, "grpo_jax.rollout.vllm_http_engine", "HTTPWeightTransferEngine")
+
+
+HTTP_BACKEND = "grpo_http"
+register_http_engine()

@@ -1,0 +1,107 @@
+"""Keeping the vLLM server's weights equal to the trainer's: the transport (`vllm_weight_sync`),
+the version each push is named with, and the full re-sync of a server that was restarted.
+
+Every push ends by naming the server's weight version (`/finish_weight_update`, or
+`/update_weight_version` for the file transport) `grpo-<client id>-<n>`. A restarted server says
+"default", so `current()` (GET /weight_info, cheap) tells whether the server still holds what was
+pushed last; `resync()` pushes it again: the whole model, and the adapters on top with LoRA.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import numpy as np
+
+from grpo_jax import hf, peft_io
+from grpo_jax.rollout import http_sync
+from grpo_jax.rollout.vllm_client import VLLMServerError
+
+
+def resolve_transport(setting: str, client) -> str:
+    """`auto`: http when the server runs our engine grpo_http (grpo_jax.serve's default), else
+    the file in shared memory (a server started before that engine existed)."""
+    if setting != "auto":
+        return setting
+    backend = client.model_info().get("weight_transfer_backend")
+    return "http" if backend == http_sync.BACKEND else "shm"
+
+
+def peft_to_engine(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """PEFT adapter keys -> the engine's "<HF weight name without .weight>.lora_A|B"."""
+    out = {}
+    for key, value in tensors.items():
+        stem = key.removeprefix(peft_io.PREFIX).removesuffix(".weight")
+        out[stem] = value
+    return out
+
+
+class ServerWeights:
+    """Pushes weights to one server with one transport and remembers the last push."""
+
+    def __init__(self, client, transport: str, model_cfg, lora_scaling: float | None = None):
+        self.client, self.transport, self.model_cfg = client, transport, model_cfg
+        self.lora_scaling = lora_scaling  # set: push LoRA adapters alone (http), else full
+        self.dtype = client.model_info()["dtype"]
+        self.prefix, self.count = f"grpo-{uuid.uuid4().hex[:8]}", 0
+        self.base: dict[str, np.ndarray] | None = None  # HF tensors the server was given last
+        self.adapters: dict[str, np.ndarray] | None = None
+        self.metrics: dict[str, float] = {}
+        self.restarts = 0
+        if transport == "http":
+            http_sync.connect(client, keep_base=lora_scaling is not None)
+
+    @property
+    def version(self) -> str:
+        return f"{self.prefix}-{self.count}"
+
+    def push_full(self, table: dict[str, np.ndarray]) -> float:
+        """Table-layout params (hf.params_from_state) -> the whole model on the server."""
+        tensors = hf.hf_state_dict(self.model_cfg, table, dtype=self.dtype,
+                                   include_tied_head=True)
+        self.base, self.adapters = tensors, None
+        return self._push(tensors, "full")
+
+    def push_adapters(self, base_table, tensors: dict[str, np.ndarray]) -> float:
+        """LoRA (http): the adapters alone (PEFT tensors), once the server holds the frozen base
+        (`base_table()`: its table-layout params, asked for at the first push only)."""
+        if self.base is None:
+            self.push_full(base_table())
+        self.adapters = peft_to_engine(tensors)
+        return self._push(self.adapters, "lora")
+
+    def _push(self, tensors, kind: str) -> float:
+        self.count += 1
+        if self.transport == "http":
+            stats = http_sync.push(self.client, tensors, self.version, kind,
+                                   lora_scaling=self.lora_scaling or 1.0)
+            self.metrics = {"weight_sync/bytes": float(stats.bytes),
+                            "weight_sync/bytes_per_s": stats.bytes_per_s,
+                            "weight_sync/buckets": float(stats.buckets)}
+            return stats.seconds
+        start = time.perf_counter()
+        self.client.sync_tensors(tensors)  # shm: one file in a private dir in /dev/shm
+        self.client.set_weight_version(self.version)
+        seconds = time.perf_counter() - start
+        moved = sum(a.nbytes for a in tensors.values())
+        self.metrics = {"weight_sync/bytes": float(moved),
+                        "weight_sync/bytes_per_s": moved / max(seconds, 1e-9)}
+        return seconds
+
+    def current(self) -> bool:
+        return self.client.weight_version() == self.version
+
+    def resync(self, timeout: float) -> None:
+        """Wait for the server to be healthy again, then push everything pushed so far."""
+        self.client.wait_healthy(timeout)
+        if self.current():
+            return
+        self.restarts += 1
+        if self.transport == "http":
+            http_sync.connect(self.client, keep_base=self.lora_scaling is not None)
+        if self.base is None:
+            raise VLLMServerError(f"{self.client.base_url} restarted before the first push")
+        self._push(self.base, "full")
+        if self.adapters is not None:
+            self._push(self.adapters, "lora")
