@@ -86,7 +86,11 @@ class VLLMClient:
         url = self.base_url + path
         for attempt in range(self.max_retries + 1):
             try:
-                r = self._session.request(method, url, json=json,
+                # bytes: a JSON body encoded already (weight buckets: json.dumps of a large
+                # base64 string would cost as much as sending it)
+                body = ({"data": json, "headers": {"content-type": "application/json"}}
+                        if isinstance(json, bytes) else {"json": json})
+                r = self._session.request(method, url, **body,
                                           timeout=(10.0, timeout or self.timeout))
             except requests.ConnectionError as e:
                 if attempt < self.max_retries:
@@ -273,8 +277,10 @@ class VLLMClient:
     def start_weight_update(self) -> None:
         self._weight_route("/start_weight_update")
 
-    def update_weights(self, update_info: dict) -> None:
-        self._weight_route("/update_weights", {"update_info": update_info})
+    def update_weights(self, update_info: dict | bytes) -> None:
+        """bytes: the whole request body, JSON encoded already (http_sync.encode)."""
+        self._weight_route("/update_weights", update_info if isinstance(update_info, bytes)
+                           else {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._weight_route("/finish_weight_update", {"weight_version": weight_version})
