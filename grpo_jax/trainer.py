@@ -290,6 +290,9 @@ class GRPORound:
         metrics.setdefault("timing/generate", 0.0)
         metrics.setdefault("timing/logprobs", 0.0)  # reference and old log-probs
         metrics["timing/update"] = t4 - t3
+        if n:  # wall clock, to line this update up with async generation (async_rounds)
+            metrics["timeline/update_start"] = time.time() - (time.perf_counter() - t3)
+            metrics["timeline/update_end"] = metrics["timeline/update_start"] + t4 - t3
         if sync_time is not None:
             metrics["timing/weight_sync"] = sync_time
             metrics.update(getattr(self.rollout, "sync_metrics", None) or {})  # bytes/s, ...

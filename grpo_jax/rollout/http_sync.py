@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import json
 import time
 
 import numpy as np
+
+from grpo_jax.rollout.vllm_client import ServerTimeoutError, VLLMServerError
 
 # Bucket size bound. Each bucket is one request; the server briefly holds its body, the parsed
 # string and the decoded bytes (~3.7x the bucket), so this bounds its transient memory while
@@ -72,7 +75,6 @@ def connect(client, keep_base: bool) -> None:
     """Initialise the server's engine; fails clearly when the server runs another backend."""
     backend = client.model_info().get("weight_transfer_backend")
     if backend != BACKEND:
-        from grpo_jax.rollout.vllm_client import VLLMServerError
         raise VLLMServerError(
             f"vllm_weight_sync http needs the server's weight-transfer backend grpo_http, but "
             f"{client.base_url} runs {backend!r}; start it with `python -m grpo_jax.serve` "
@@ -86,22 +88,37 @@ def push(client, tensors: dict[str, np.ndarray], version: str, kind: str = "full
     start = time.perf_counter()
     buckets = plan_buckets({n: a.nbytes for n, a in tensors.items()}, bucket_bytes)
     extra = {"kind": kind, "lora_scaling": float(lora_scaling)}
-    client.pause()
     try:
-        client.start_weight_update()
-        # Encoding bucket k+1 overlaps sending bucket k (b64encode and the socket release the
-        # GIL).
-        with cf.ThreadPoolExecutor(1) as pool:
-            nxt = pool.submit(encode, tensors, buckets[0], last=len(buckets) == 1, **extra)
-            for i in range(len(buckets)):
-                info = nxt.result()
-                if i + 1 < len(buckets):
-                    nxt = pool.submit(encode, tensors, buckets[i + 1],
-                                      last=i + 2 == len(buckets), **extra)
-                client.update_weights(info)
-                del info
+        client.pause()
+        _send(client, tensors, buckets, extra)
         client.finish_weight_update(version)
-    finally:
-        client.resume()
+    except ServerTimeoutError as e:
+        # Hung (a stalled network, a frozen server): the routes would hang again, so no clean-up;
+        # a restarted server is re-synced in full (vllm_sync.ServerWeights.resync).
+        raise ServerTimeoutError(f"weight sync to {client.base_url} hung: {e} "
+                                 "(weight_sync_timeout)") from None
+    except VLLMServerError:
+        # Leave the server serving: close the update (layers not reached keep their weights)
+        # and resume; the caller pushes everything again or stops.
+        with contextlib.suppress(VLLMServerError):
+            client.finish_weight_update(None)
+        with contextlib.suppress(VLLMServerError):
+            client.resume()
+        raise
+    client.resume()
     moved = sum(a.nbytes for a in tensors.values())
     return SyncStats(time.perf_counter() - start, moved, len(buckets))
+
+
+def _send(client, tensors, buckets, extra) -> None:
+    client.start_weight_update()
+    # Encoding bucket k+1 overlaps sending bucket k (b64encode and the socket release the GIL).
+    with cf.ThreadPoolExecutor(1) as pool:
+        nxt = pool.submit(encode, tensors, buckets[0], last=len(buckets) == 1, **extra)
+        for i in range(len(buckets)):
+            body = nxt.result()
+            if i + 1 < len(buckets):
+                nxt = pool.submit(encode, tensors, buckets[i + 1], last=i + 2 == len(buckets),
+                                  **extra)
+            client.update_weights(body)
+            del body

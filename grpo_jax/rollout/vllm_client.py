@@ -37,6 +37,14 @@ class VLLMServerError(GrpoJaxError, RuntimeError):
     """The server is unreachable, refused a request, or failed it; the message says which."""
 
 
+class ServerUnreachableError(VLLMServerError):
+    """No connection to the server (it died, or is restarting): worth waiting for."""
+
+
+class ServerTimeoutError(VLLMServerError):
+    """The server took a request but did not answer in time: hung, not worth waiting for."""
+
+
 class ModelMismatchError(VLLMServerError):
     """The server serves a model other than the trainer's."""
 
@@ -96,12 +104,13 @@ class VLLMClient:
                 if attempt < self.max_retries:
                     time.sleep(self.backoff_s * 2 ** attempt)
                     continue
-                raise VLLMServerError(
+                raise ServerUnreachableError(
                     f"vLLM server at {self.base_url} unreachable after {attempt + 1} attempts "
                     f"({type(e).__name__}). Is it running? {START_HINT}") from None
             except requests.Timeout:
-                raise VLLMServerError(
-                    f"{method} {url} got no answer within {timeout or self.timeout:.0f} s") from None
+                waited = timeout or self.timeout
+                raise ServerTimeoutError(
+                    f"{method} {url} got no answer within {waited:.0f} s") from None
             if r.status_code in (502, 503, 504) and attempt < self.max_retries:
                 time.sleep(self.backoff_s * 2 ** attempt)
                 continue

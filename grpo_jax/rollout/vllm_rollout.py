@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import jax
 
 from grpo_jax import hf, peft_io
 from grpo_jax.rollout.engines import pad_id, sampling_params
 from grpo_jax.rollout.sampler import DEFAULT_BUCKETS, RolloutBatch, left_pad
-from grpo_jax.rollout.vllm_client import VLLMClient, VLLMServerError, rollout_arrays
+from grpo_jax.rollout.vllm_client import (ServerUnreachableError, VLLMClient, VLLMServerError,
+                                          rollout_arrays)
 from grpo_jax.rollout.vllm_sync import ServerWeights, resolve_transport
+
+
+class WeightsLost(VLLMServerError):
+    """The server answers but holds other weights than were pushed last (it was restarted)."""
 
 
 class VLLMRollout:
@@ -70,23 +76,29 @@ class VLLMRollout:
 
     def _on_current_weights(self, fn, attempts: int = 3):
         """fn() on a server holding the last pushed weights. A server that died, or came back
-        from a restart with its initial weights (vLLM retries a broken connection on the new
-        one), is waited for (vllm_server_timeout), re-synced in full, and asked again."""
+        from a restart with its initial weights (a retried request reaches the new one), is
+        waited for (vllm_server_timeout), re-synced in full, and asked again."""
         for attempt in range(attempts):
             try:
-                if self.weights.count and not self.weights.current():
-                    raise VLLMServerError("weights lost")
+                first = self.weights.count
+                if first and not self.weights.current():
+                    raise WeightsLost(f"{self.client.base_url} no longer holds the pushed weights")
                 out = fn()
-                if not self.weights.count or self.weights.current():
+                # A later push of ours is fine (async rounds push while this runs: the server
+                # finished these requests on the weights they started with, pause mode=wait).
+                if not first or (self.weights.held() or 0) >= first:
                     return out
-            except VLLMServerError as e:
+                raise WeightsLost(f"{self.client.base_url} lost the pushed weights meanwhile")
+            except (ServerUnreachableError, WeightsLost) as e:
                 if attempt + 1 == attempts or self.weights.base is None:
                     raise
-                print(f"vLLM server at {self.client.base_url}: {e}; waiting up to "
-                      f"{self.server_timeout:.0f} s for it, then pushing the weights again",
-                      file=sys.stderr)
-            self.weights.resync(self.server_timeout)
-        raise VLLMServerError(f"{self.client.base_url} lost its weights {attempts} times")
+                self._recover(e)
+        raise AssertionError("unreachable")
+
+    def _recover(self, error) -> None:
+        print(f"{error}; waiting up to {self.server_timeout:.0f} s for the server, then pushing "
+              "every weight again", file=sys.stderr)
+        self.weights.resync(self.server_timeout)
 
     def _request(self, prompt_ids, num_generations, seed):
         sp = self.sp
@@ -109,6 +121,14 @@ class VLLMRollout:
             tensors = peft_io.layer_adapter_tensors(self.model_cfg, adapters["layers"], dtype)
             if self.weights.lora_scaling is None:  # vLLM's own LoRA, through files
                 return self.client.sync_adapter(tensors, self.adapter_conf)
-            return self.weights.push_adapters(
+            push = lambda: self.weights.push_adapters(  # noqa: E731
                 lambda: hf.params_from_state(self.model_cfg, base), tensors)
-        return self.weights.push_full(hf.params_from_state(self.model_cfg, params))
+        else:
+            table = hf.params_from_state(self.model_cfg, params)
+            push = lambda: self.weights.push_full(table)  # noqa: E731
+        try:
+            return push()
+        except ServerUnreachableError as e:  # died mid-update: what was pushed is remembered
+            start = time.perf_counter()
+            self._recover(e)
+            return time.perf_counter() - start

@@ -92,6 +92,11 @@ class ServerWeights:
     def current(self) -> bool:
         return self.client.weight_version() == self.version
 
+    def held(self) -> int | None:
+        """Which of our pushes the server holds (None: none, it was restarted)."""
+        prefix, _, n = self.client.weight_version().rpartition("-")
+        return int(n) if prefix == self.prefix and n.isdigit() else None
+
     def resync(self, timeout: float) -> None:
         """Wait for the server to be healthy again, then push everything pushed so far."""
         self.client.wait_healthy(timeout)
