@@ -6,7 +6,8 @@ Restart: the run notices (a refused connection, or a server whose weight version
 pushed last), waits for the new server, pushes every weight again and goes on generating; the
 new server then scores exactly as the trained model. Hang: a proxy between trainer and server
 swallows a /update_weights request (the server never answers it, as a frozen one would not); the
-run stops after weight_sync_timeout with one clear line and a checkpoint.
+run stops after weight_sync_timeout with one clear line and a checkpoint of the last completed
+round.
 """
 
 from __future__ import annotations
@@ -163,5 +164,6 @@ def test_hung_transfer_stops_with_one_line_and_a_checkpoint(servers, model_dir, 
     assert "hung" in errors[0] and "weight_sync_timeout" in errors[0], errors[0]
     steps = Checkpointer(tmp_path / "run" / "checkpoints", save_total_limit=None).all_steps()
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
-    # The update whose sync hung is complete and saved: the checkpoint is its step.
-    assert steps and max(steps) == metrics[-1]["step"] + 1 >= 2, (steps, metrics[-1]["step"])
+    # A round is generate + update + sync: the one whose sync hung is not saved (a resume
+    # redoes it); the checkpoint is the last completed round's.
+    assert steps and max(steps) == metrics[-1]["step"] >= 1, (steps, metrics[-1]["step"])

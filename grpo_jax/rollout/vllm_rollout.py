@@ -16,6 +16,19 @@ from grpo_jax.rollout.vllm_client import (ServerUnreachableError, VLLMClient, VL
 from grpo_jax.rollout.vllm_sync import ServerWeights, resolve_transport
 
 
+def warn_filters(sp) -> None:
+    """vLLM's log-probs are of the filtered distribution it samples from, the trainer's of the
+    whole one: with a filter on they differ (measured in docs/vllm_weight_sync.md)."""
+    on = [f"{name}={value}" for name, value, off in (
+        ("top_p", sp.top_p, 1.0), ("top_k", sp.top_k or 0, 0), ("min_p", sp.min_p or 0.0, 0.0),
+        ("repetition_penalty", sp.repetition_penalty, 1.0)) if value != off]
+    if on:
+        print(f"warning: with {', '.join(on)} vLLM's sampler log-probs are renormalised over the "
+              "tokens the filters keep and the trainer's are not, so the importance-sampling "
+              "correction and sampling/* metrics see a mismatch of -log(kept mass) per token "
+              "(huggingface/trl#6789; figures in docs/vllm_weight_sync.md)", file=sys.stderr)
+
+
 class WeightsLost(VLLMServerError):
     """The server answers but holds other weights than were pushed last (it was restarted)."""
 
@@ -34,6 +47,7 @@ class VLLMRollout:
         self.model_cfg, self.pad = model_cfg, pad_id(tokenizer)
         self.sp = sampling_params(cfg, tokenizer, model_dir)
         self.extras = r.request_extras()
+        warn_filters(self.sp)
         transport = resolve_transport(r.vllm_weight_sync, self.client)
         # With LoRA: whether update_weights takes the adapters alone (GRPORound then passes
         # them unmerged, with the frozen base) or the full weights with the adapters merged in.
