@@ -146,9 +146,10 @@ class RolloutArgs:
     vllm_lora_sync: Literal["adapter", "merged"] = "adapter"
     # How weights reach the server after each update (docs/vllm_weight_sync.md): `http` in the
     # bodies of vLLM's weight-sync routes (no shared filesystem: a server on another host),
-    # `shm` through a file in /dev/shm (same machine only), `auto` http when the server runs
-    # grpo_jax.serve's engine grpo_http, else shm.
-    vllm_weight_sync: Literal["auto", "http", "shm"] = "auto"
+    # `shm` through a file in /dev/shm (same machine only), `nccl` GPU to GPU through vLLM's
+    # NCCL engine (untested: no GPU with vLLM here), `auto` the server's engine (grpo_http or
+    # nccl), else shm.
+    vllm_weight_sync: Literal["auto", "http", "shm", "nccl"] = "auto"
     weight_sync_timeout: float = 1800.0  # TRL AsyncGRPOConfig: seconds a weight update may take
     # Async rounds (grpo_jax.rollout.async_rounds): 0 generates each round with the weights of
     # the update just before it (TRL GRPOTrainer); >= 1 generates round n+1 during round n's

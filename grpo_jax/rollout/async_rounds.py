@@ -3,10 +3,9 @@ the trainer trains on round n, as TRL's AsyncGRPOTrainer does with weight_sync_s
 
 train.py asks for round n+1's generation (`prefetch`) just before it runs round n, so the server
 generates it with the weights pushed after round n-1 while round n is scored and trained. The push
-after round n's update pauses the server with `mode=wait`: the generation in flight finishes on
-the weights it started with, then the new weights load, then the server resumes. Every completion
-thus comes from one weight version, none sees half-loaded weights, and round n+1 trains on a batch
-one version old. The sampler's log-probs (of the version that generated the batch) and TRL's
+after round n's update waits for that generation to end, then pauses the server (`mode=wait`),
+loads the new weights and resumes. Every completion thus comes from one weight version, none sees
+half-loaded weights, and round n+1 trains on a batch exactly one version old. The sampler's log-probs (of the version that generated the batch) and TRL's
 importance-sampling correction (vllm_importance_sampling_correction) weight it exactly; a batch
 more than max_staleness versions old is thrown away and generated again.
 
@@ -36,7 +35,10 @@ class AsyncRollout:
     def __init__(self, inner, max_staleness: int):
         self.inner, self.max_staleness = inner, max_staleness
         self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix="vllm-prefetch")
-        self.pending = None  # (tag, weight version at start, future of (batch, start, end))
+        # tag -> (weight version at start, future of (batch, start, end)); train.py asks for
+        # round n+1 before round n takes its own, so two can be here at once.
+        self.pending: dict[tuple, tuple] = {}
+        self.latest = None  # the future of the last prefetch
         self.metrics: dict = {}
         self.discarded = 0
 
@@ -51,33 +53,37 @@ class AsyncRollout:
             start = time.time()
             batch = self.inner.generate(None, ids, num_generations, key)
             return batch, start, time.time()
-        self.pending = (_tag(ids, num_generations, key), self.inner.weights.count,
-                        self.pool.submit(run))
+        self.latest = self.pool.submit(run)
+        self.pending[_tag(ids, num_generations, key)] = (self.inner.weights.count, self.latest)
 
     def generate(self, params, prompt_ids, num_generations, key):
-        pending, self.pending = self.pending, None
-        if pending is not None and pending[0] == _tag(prompt_ids, num_generations, key):
-            batch, _, _ = pending[2].result()
-            staleness = self.inner.weights.count - pending[1]
+        found = self.pending.pop(_tag(prompt_ids, num_generations, key), None)
+        if found is not None:
+            batch, _, _ = found[1].result()
+            staleness = self.inner.weights.count - found[0]
             if staleness <= self.max_staleness:
                 self.metrics["async/staleness"] = float(staleness)
                 return batch
             self.discarded += 1  # too old: generated again below, on the current weights
-        elif pending is not None:
-            pending[2].result()  # another round's (a resume): wait, so requests don't pile up
         self.metrics["async/staleness"] = 0.0
         return self.inner.generate(params, prompt_ids, num_generations, key)
 
     def update_weights(self, params) -> float:
-        seconds = self.inner.update_weights(params)
-        if self.pending is not None:  # the push waited for it (pause mode=wait): done now
-            future = self.pending[2]
-            cf.wait([future], timeout=60)  # its thread may still be reading the responses
-            if future.done() and future.exception() is None:
-                _, start, end = future.result()
+        """Push after the generation in the background is done. pause(mode=wait) alone would
+        let requests that reach the server late (the background thread may send them after a
+        short update began) wait out the push and run on the new weights, which would make a
+        batch's version uncertain; waiting here keeps it exact (the push waits for that
+        generation either way)."""
+        self.metrics.pop("timeline/next_generate_start", None)
+        self.metrics.pop("timeline/next_generate_end", None)
+        if self.latest is not None:
+            cf.wait([self.latest])
+            if self.latest.exception() is None:
+                _, start, end = self.latest.result()
                 self.metrics["timeline/next_generate_start"] = start
                 self.metrics["timeline/next_generate_end"] = end
-        return seconds
+            self.latest = None
+        return self.inner.update_weights(params)
 
     @property
     def sync_metrics(self) -> dict:

@@ -310,6 +310,10 @@ class VLLMClient:
         """The version named by the last /finish_weight_update; a fresh server says "default"."""
         return self._request("GET", "/weight_info", timeout=60)["weight_version"]
 
+    def world_size(self) -> int:
+        """The server's workers (TP x PP x DP): the NCCL group is these plus the trainer."""
+        return int(self._request("GET", "/get_world_size", timeout=60)["world_size"])
+
     def set_weight_version(self, version: str) -> None:
         self._request("POST", "/update_weight_version", {"new_version": version})
 

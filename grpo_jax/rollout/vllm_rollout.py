@@ -94,13 +94,14 @@ class VLLMRollout:
         waited for (vllm_server_timeout), re-synced in full, and asked again."""
         for attempt in range(attempts):
             try:
-                first = self.weights.count
-                if first and not self.weights.current():
+                # Any version of ours will do: with async rounds a push may be under way (its
+                # pause lets these requests finish on the weights they started with); a
+                # restarted server says "default".
+                pushed = self.weights.count
+                if pushed and self.weights.held() is None:
                     raise WeightsLost(f"{self.client.base_url} no longer holds the pushed weights")
                 out = fn()
-                # A later push of ours is fine (async rounds push while this runs: the server
-                # finished these requests on the weights they started with, pause mode=wait).
-                if not first or (self.weights.held() or 0) >= first:
+                if not pushed or self.weights.held() is not None:
                     return out
                 raise WeightsLost(f"{self.client.base_url} lost the pushed weights meanwhile")
             except (ServerUnreachableError, WeightsLost) as e:
@@ -137,6 +138,8 @@ class VLLMRollout:
                 return self.client.sync_adapter(tensors, self.adapter_conf)
             push = lambda: self.weights.push_adapters(  # noqa: E731
                 lambda: hf.params_from_state(self.model_cfg, base), tensors)
+        elif self.weights.transport == "nccl":  # from the device, nothing on the host
+            return self.weights.push_device(params)
         else:
             table = hf.params_from_state(self.model_cfg, params)
             push = lambda: self.weights.push_full(table)  # noqa: E731

@@ -9,6 +9,7 @@ pushed last; `resync()` pushes it again: the whole model, and the adapters on to
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
@@ -20,12 +21,13 @@ from grpo_jax.rollout.vllm_client import VLLMServerError
 
 
 def resolve_transport(setting: str, client) -> str:
-    """`auto`: http when the server runs our engine grpo_http (grpo_jax.serve's default), else
-    the file in shared memory (a server started before that engine existed)."""
+    """`auto`: http when the server runs our engine grpo_http (grpo_jax.serve's default), nccl
+    when it runs vLLM's NCCL engine, else the file in shared memory (a server started before
+    those engines existed)."""
     if setting != "auto":
         return setting
     backend = client.model_info().get("weight_transfer_backend")
-    return "http" if backend == http_sync.BACKEND else "shm"
+    return {http_sync.BACKEND: "http", "nccl": "nccl"}.get(backend, "shm")
 
 
 def peft_to_engine(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -49,8 +51,15 @@ class ServerWeights:
         self.adapters: dict[str, np.ndarray] | None = None
         self.metrics: dict[str, float] = {}
         self.restarts = 0
+        # One push at a time: async rounds may find a restarted server from their background
+        # thread while the trainer pushes.
+        self.lock = threading.RLock()
         if transport == "http":
             http_sync.connect(client, keep_base=lora_scaling is not None)
+        if transport == "nccl":
+            from grpo_jax.rollout import nccl_sync
+            self.source = nccl_sync.JaxSource(model_cfg, self.dtype)
+            self.engine = nccl_sync.connect(client, self.source)
 
     @property
     def version(self) -> str:
@@ -72,6 +81,10 @@ class ServerWeights:
         return self._push(self.adapters, "lora")
 
     def _push(self, tensors, kind: str) -> float:
+        with self.lock:
+            return self._push_locked(tensors, kind)
+
+    def _push_locked(self, tensors, kind: str) -> float:
         self.count += 1
         if self.transport == "http":
             stats = http_sync.push(self.client, tensors, self.version, kind,
@@ -89,6 +102,20 @@ class ServerWeights:
                         "weight_sync/bytes_per_s": moved / max(seconds, 1e-9)}
         return seconds
 
+    def push_device(self, params) -> float:
+        """nccl: the params as the trainer holds them, broadcast from its GPU (nothing kept for
+        a re-sync: a restarted server would need a new NCCL group, not built)."""
+        from grpo_jax.rollout import nccl_sync
+        start = time.perf_counter()
+        self.count += 1
+        nccl_sync.push(self.client, self.engine, self.source, params, self.version)
+        seconds = time.perf_counter() - start
+        moved = sum(int(np.prod(m.shape)) * self.source.dtype.itemsize
+                    for m in self.source.metadata())
+        self.metrics = {"weight_sync/bytes": float(moved),
+                        "weight_sync/bytes_per_s": moved / max(seconds, 1e-9)}
+        return seconds
+
     def current(self) -> bool:
         return self.client.weight_version() == self.version
 
@@ -100,9 +127,16 @@ class ServerWeights:
     def resync(self, timeout: float) -> None:
         """Wait for the server to be healthy again, then push everything pushed so far."""
         self.client.wait_healthy(timeout)
+        with self.lock:
+            self._resync_locked()
+
+    def _resync_locked(self) -> None:
         if self.current():
             return
         self.restarts += 1
+        if self.transport == "nccl":
+            raise VLLMServerError(f"{self.client.base_url} was restarted: re-syncing over NCCL "
+                                  "(a new group) is not built; resume the run (--resume)")
         if self.transport == "http":
             http_sync.connect(self.client, keep_base=self.lora_scaling is not None)
         if self.base is None:
