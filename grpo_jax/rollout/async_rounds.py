@@ -5,9 +5,10 @@ train.py asks for round n+1's generation (`prefetch`) just before it runs round 
 generates it with the weights pushed after round n-1 while round n is scored and trained. The push
 after round n's update waits for that generation to end, then pauses the server (`mode=wait`),
 loads the new weights and resumes. Every completion thus comes from one weight version, none sees
-half-loaded weights, and round n+1 trains on a batch exactly one version old. The sampler's log-probs (of the version that generated the batch) and TRL's
-importance-sampling correction (vllm_importance_sampling_correction) weight it exactly; a batch
-more than max_staleness versions old is thrown away and generated again.
+half-loaded weights, and round n+1 trains on a batch exactly one version old. The sampler's
+log-probs (of the version that generated the batch) and TRL's importance-sampling correction
+(vllm_importance_sampling_correction) weight it exactly; a batch more than max_staleness versions
+old is thrown away and generated again.
 
 Metrics: async/staleness (versions between generation and training), async/discarded, and wall
 clock timestamps: timeline/next_generate_start and _end (the generation that ran during this
