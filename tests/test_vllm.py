@@ -235,6 +235,7 @@ def test_api_key_guards_all_routes_but_health(server):
                        ("/reset_prefix_cache", None), ("/pause", None), ("/resume", None),
                        ("/init_weight_transfer_engine", {"init_info": {"protocol": 1}}),
                        ("/start_weight_update", None), ("/finish_weight_update", {}),
+                       ("/grpo/update_weights", None),
                        ("/update_weights", {"update_info": {"names": [], "dtype_names": [],
                                                             "shapes": [], "data": ""}})]:
         r = requests.post(server.base_url + path, json=body, timeout=30)

@@ -5,7 +5,7 @@ tiny random Llama (start-up ~40-70 s on 2 cores).
 Restart: the run notices (a refused connection, or a server whose weight version is not the one
 pushed last), waits for the new server, pushes every weight again and goes on generating; the
 new server then scores exactly as the trained model. Hang: a proxy between trainer and server
-swallows a /update_weights request (the server never answers it, as a frozen one would not); the
+swallows a weight-bucket request (the server never answers it, as a frozen one would not); the
 run stops after weight_sync_timeout with one clear line and a checkpoint of the last completed
 round.
 """
@@ -108,7 +108,8 @@ def test_server_restarted_mid_run_is_resynced(servers, model_dir, tmp_path):
 
 class SwallowingProxy:
     """Forwards TCP to the server until armed; then a connection that carries a
-    `POST /update_weights` is read to the end and never forwarded nor answered."""
+    `POST /grpo/update_weights` (a weight bucket) is read to the end and never forwarded
+    nor answered."""
 
     def __init__(self, port: int):
         self.target, self.armed, self.swallowed = port, threading.Event(), threading.Event()
@@ -131,7 +132,7 @@ class SwallowingProxy:
         swallowing = False
         try:
             while data := src.recv(1 << 16):
-                if client_side and self.armed.is_set() and b"POST /update_weights" in data:
+                if client_side and self.armed.is_set() and b"POST /grpo/update_weights" in data:
                     swallowing = True
                     self.swallowed.set()
                 if not swallowing:

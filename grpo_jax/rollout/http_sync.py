@@ -2,20 +2,22 @@
 
 One update is: `POST /pause?mode=wait` (requests in flight finish first, then the prefix cache,
 which holds KV of the old weights, is dropped; nothing runs while layers are half loaded),
-`/start_weight_update`, one `/update_weights` per bucket, `/finish_weight_update` with the
-trainer step as the weight version, `/resume`. The server runs our engine `grpo_http`
-(grpo_jax.rollout.vllm_http_engine), which reads the tensors out of each bucket's body, so
-nothing is written to any filesystem on either side. With LoRA only the adapters travel
-(`kind: lora`): the server merges them into the base it kept from the last full sync.
+`/start_weight_update`, one bucket per request, `/finish_weight_update` with the trainer step as
+the weight version, `/resume`. The server runs our engine `grpo_http`
+(grpo_jax.rollout.vllm_http_engine), which reads the tensors out of each bucket, so nothing is
+written to any filesystem on either side. A bucket goes to our route `/grpo/update_weights`
+(vllm_worker.RAW_UPDATE_ROUTE) as raw bytes, which hands it to the engine client's own
+`update_weights` exactly as vLLM's `/update_weights` would: that route takes JSON only, and
+base64 plus parsing cost more than the transfer (docs/vllm_weight_sync.md). With LoRA only the
+adapters travel (`kind: lora`): the server merges them into the base it kept from the last full
+sync.
 """
 
 from __future__ import annotations
 
-import base64
 import concurrent.futures as cf
 import contextlib
 import dataclasses
-import json
 import time
 
 import numpy as np
@@ -27,6 +29,7 @@ from grpo_jax.rollout.vllm_client import ServerTimeoutError, VLLMServerError
 # keeping the per-request overhead (a few ms) small against the bytes moved. A tensor bigger
 # than a bucket travels alone.
 BUCKET_BYTES = 64 << 20
+RAW_UPDATE_ROUTE = "/grpo/update_weights"  # vllm_worker.RAW_UPDATE_ROUTE
 PROTOCOL = 1  # vllm_http_engine.PROTOCOL: the layout of update_info
 BACKEND = "grpo_http"  # vllm_http_engine.BACKEND, the name vLLM's engine factory knows it by
 
@@ -56,19 +59,15 @@ def plan_buckets(sizes: dict[str, int], bucket_bytes: int = BUCKET_BYTES) -> lis
     return buckets
 
 
-def encode(tensors: dict[str, np.ndarray], names: list[str], **extra) -> bytes:
-    """One bucket's /update_weights request body, JSON: {"update_info": metadata + "data", the
-    base64 of the packed little-endian bytes}. The base64 is spliced in as bytes: json.dumps
-    would scan the whole string again."""
+def encode(tensors: dict[str, np.ndarray], names: list[str], **extra) -> tuple[dict, bytes]:
+    """One bucket: its update_info without the data, and the packed little-endian bytes."""
     arrays = [np.ascontiguousarray(tensors[n]) for n in names]
     for n, a in zip(names, arrays):
         if a.dtype.byteorder == ">":
             raise ValueError(f"{n}: big-endian array; the wire is little-endian")
     meta = {"names": list(names), "dtype_names": [a.dtype.name for a in arrays],
-            "shapes": [list(a.shape) for a in arrays], **extra, "data": ""}
-    head, tail = json.dumps({"update_info": meta}).encode().rsplit(b'""', 1)
-    return b"".join((head, b'"', base64.b64encode(b"".join(a.tobytes() for a in arrays)),
-                     b'"', tail))
+            "shapes": [list(a.shape) for a in arrays], **extra}
+    return meta, b"".join(a.tobytes() for a in arrays)
 
 
 def connect(client, keep_base: bool) -> None:
@@ -112,7 +111,7 @@ def push(client, tensors: dict[str, np.ndarray], version: str, kind: str = "full
 
 def _send(client, tensors, buckets, extra) -> None:
     client.start_weight_update()
-    # Encoding bucket k+1 overlaps sending bucket k (b64encode and the socket release the GIL).
+    # Packing bucket k+1 overlaps sending bucket k (the copies and the socket release the GIL).
     with cf.ThreadPoolExecutor(1) as pool:
         nxt = pool.submit(encode, tensors, buckets[0], last=len(buckets) == 1, **extra)
         for i in range(len(buckets)):
@@ -120,5 +119,5 @@ def _send(client, tensors, buckets, extra) -> None:
             if i + 1 < len(buckets):
                 nxt = pool.submit(encode, tensors, buckets[i + 1], last=i + 2 == len(buckets),
                                   **extra)
-            client.update_weights(body)
+            client.update_weights_raw(*body)
             del body

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import json as jsonlib
 import math
 import shutil
 import time
@@ -90,14 +91,14 @@ class VLLMClient:
 
     # ------------------------------------------------------------ transport
 
-    def _request(self, method: str, path: str, json=None, timeout: float | None = None):
+    def _request(self, method: str, path: str, json=None, timeout: float | None = None,
+                 headers: dict | None = None):
         url = self.base_url + path
         for attempt in range(self.max_retries + 1):
             try:
-                # bytes: a JSON body encoded already (weight buckets: json.dumps of a large
-                # base64 string would cost as much as sending it)
-                body = ({"data": json, "headers": {"content-type": "application/json"}}
-                        if isinstance(json, bytes) else {"json": json})
+                # bytes: a raw body (weight buckets), with its `headers`
+                body = ({"data": json, "headers": headers} if isinstance(json, bytes)
+                        else {"json": json})
                 r = self._session.request(method, url, **body,
                                           timeout=(10.0, timeout or self.timeout))
             except requests.ConnectionError as e:
@@ -286,10 +287,15 @@ class VLLMClient:
     def start_weight_update(self) -> None:
         self._weight_route("/start_weight_update")
 
-    def update_weights(self, update_info: dict | bytes) -> None:
-        """bytes: the whole request body, JSON encoded already (http_sync.encode)."""
-        self._weight_route("/update_weights", update_info if isinstance(update_info, bytes)
-                           else {"update_info": update_info})
+    def update_weights(self, update_info: dict) -> None:
+        self._weight_route("/update_weights", {"update_info": update_info})
+
+    def update_weights_raw(self, update_info: dict, data: bytes) -> None:
+        """One grpo_http bucket through our route: `data` as the raw body (http_sync)."""
+        from grpo_jax.rollout.http_sync import RAW_UPDATE_ROUTE
+        self._request("POST", RAW_UPDATE_ROUTE, data, timeout=self.weight_sync_timeout,
+                      headers={"content-type": "application/octet-stream",
+                               "x-grpo-update-info": jsonlib.dumps(update_info)})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._weight_route("/finish_weight_update", {"weight_version": weight_version})

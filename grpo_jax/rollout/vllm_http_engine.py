@@ -45,7 +45,9 @@ class HTTPUpdateInfo(WeightTransferUpdateInfo):
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
-    data: str  # base64 of the tensors' little-endian bytes, concatenated in `names` order
+    # The tensors' little-endian bytes, concatenated in `names` order: raw (our route,
+    # vllm_worker.RAW_UPDATE_ROUTE) or base64 (a JSON body to vLLM's /update_weights).
+    data: bytes | str
     kind: str = "full"  # or "lora": names are "<weight>.lora_A" / "<weight>.lora_B" pairs
     lora_scaling: float = 1.0
     last: bool = False  # the update's last bucket (a LoRA update merges then)
@@ -54,7 +56,8 @@ class HTTPUpdateInfo(WeightTransferUpdateInfo):
 
 def unpack(info: HTTPUpdateInfo) -> list[tuple[str, torch.Tensor]]:
     """The bucket's tensors: views of one decoded buffer (which the views keep alive)."""
-    raw = bytearray(pybase64.b64decode(info.data, validate=True))
+    raw = bytearray(info.data if isinstance(info.data, (bytes, bytearray))
+                    else pybase64.b64decode(info.data, validate=True))
     flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
     out, offset = [], 0
     for name, dtype_name, shape in zip(info.names, info.dtype_names, info.shapes):

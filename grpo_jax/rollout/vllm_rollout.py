@@ -13,7 +13,7 @@ from grpo_jax.rollout.engines import pad_id, sampling_params
 from grpo_jax.rollout.sampler import DEFAULT_BUCKETS, RolloutBatch, left_pad
 from grpo_jax.rollout.vllm_client import (ServerUnreachableError, VLLMClient, VLLMServerError,
                                           rollout_arrays)
-from grpo_jax.rollout.vllm_sync import ServerWeights, resolve_transport
+from grpo_jax.rollout.vllm_sync import ServerWeights, resolve_transport, transfer_metrics
 
 
 def warn_filters(sp) -> None:
@@ -135,7 +135,10 @@ class VLLMRollout:
             dtype = self.weights.dtype
             tensors = peft_io.layer_adapter_tensors(self.model_cfg, adapters["layers"], dtype)
             if self.weights.lora_scaling is None:  # vLLM's own LoRA, through files
-                return self.client.sync_adapter(tensors, self.adapter_conf)
+                seconds = self.client.sync_adapter(tensors, self.adapter_conf)
+                self.weights.metrics = transfer_metrics(
+                    sum(a.nbytes for a in tensors.values()), seconds)
+                return seconds
             push = lambda: self.weights.push_adapters(  # noqa: E731
                 lambda: hf.params_from_state(self.model_cfg, base), tensors)
         elif self.weights.transport == "nccl":  # from the device, nothing on the host

@@ -30,6 +30,12 @@ def resolve_transport(setting: str, client) -> str:
     return {http_sync.BACKEND: "http", "nccl": "nccl"}.get(backend, "shm")
 
 
+def transfer_metrics(moved: int, seconds: float, **extra) -> dict[str, float]:
+    return {"weight_sync/bytes": float(moved),
+            "weight_sync/bytes_per_s": moved / max(seconds, 1e-9),
+            **{f"weight_sync/{k}": float(v) for k, v in extra.items()}}
+
+
 def peft_to_engine(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """PEFT adapter keys -> the engine's "<HF weight name without .weight>.lora_A|B"."""
     out = {}
@@ -89,17 +95,13 @@ class ServerWeights:
         if self.transport == "http":
             stats = http_sync.push(self.client, tensors, self.version, kind,
                                    lora_scaling=self.lora_scaling or 1.0)
-            self.metrics = {"weight_sync/bytes": float(stats.bytes),
-                            "weight_sync/bytes_per_s": stats.bytes_per_s,
-                            "weight_sync/buckets": float(stats.buckets)}
+            self.metrics = transfer_metrics(stats.bytes, stats.seconds, buckets=stats.buckets)
             return stats.seconds
         start = time.perf_counter()
         self.client.sync_tensors(tensors)  # shm: one file in a private dir in /dev/shm
         self.client.set_weight_version(self.version)
         seconds = time.perf_counter() - start
-        moved = sum(a.nbytes for a in tensors.values())
-        self.metrics = {"weight_sync/bytes": float(moved),
-                        "weight_sync/bytes_per_s": moved / max(seconds, 1e-9)}
+        self.metrics = transfer_metrics(sum(a.nbytes for a in tensors.values()), seconds)
         return seconds
 
     def push_device(self, params) -> float:
@@ -112,8 +114,7 @@ class ServerWeights:
         seconds = time.perf_counter() - start
         moved = sum(int(np.prod(m.shape)) * self.source.dtype.itemsize
                     for m in self.source.metadata())
-        self.metrics = {"weight_sync/bytes": float(moved),
-                        "weight_sync/bytes_per_s": moved / max(seconds, 1e-9)}
+        self.metrics = transfer_metrics(moved, seconds)
         return seconds
 
     def current(self) -> bool:
