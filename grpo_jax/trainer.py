@@ -290,7 +290,8 @@ class GRPORound:
         metrics.setdefault("timing/generate", 0.0)
         metrics.setdefault("timing/logprobs", 0.0)  # reference and old log-probs
         metrics["timing/update"] = t4 - t3
-        if n:  # wall clock, to line this update up with async generation (async_rounds)
+        if n and hasattr(self.rollout, "prefetch"):  # wall clock, to line the update up with
+            # the generation of the next round beside it (grpo_jax.rollout.async_rounds)
             metrics["timeline/update_start"] = time.time() - (time.perf_counter() - t3)
             metrics["timeline/update_end"] = metrics["timeline/update_start"] + t4 - t3
         if sync_time is not None:
@@ -313,8 +314,7 @@ class GRPORound:
     def sync_weights(self, params) -> float | None:
         """Push `params` (with LoRA, merged, unless the rollout takes the adapters alone: then
         the pair (adapters, frozen base)) to a rollout that holds its own weights, a vLLM
-        server; the seconds it took. None for the
-        JAX sampler: it reads them at generate."""
+        server; the seconds it took. None for the JAX sampler: it reads them at generate."""
         if not getattr(self.rollout, "syncs_weights", True):
             return None
         if self.trainer.lora_scale is not None and getattr(self.rollout, "takes_adapters",
