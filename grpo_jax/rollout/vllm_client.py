@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
-import json as jsonlib
 import math
 import shutil
 import time
@@ -30,6 +29,7 @@ from requests.adapters import HTTPAdapter
 
 from grpo_jax.errors import GrpoJaxError
 from grpo_jax.rollout import weight_sync
+from grpo_jax.rollout.weight_routes import WeightRoutes
 
 START_HINT = "start one with `python -m grpo_jax.serve --model MODEL --port PORT`"
 
@@ -61,7 +61,7 @@ class Completion:
         return self.finish_reason == "length"
 
 
-class VLLMClient:
+class VLLMClient(WeightRoutes):
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0,
                  max_retries: int = 4, backoff_s: float = 0.5, max_workers: int = 16,
                  weights_dir: str | None = None, weight_sync_timeout: float = 1800.0):
@@ -276,52 +276,6 @@ class VLLMClient:
             need = 2.2 * weight_sync.param_bytes(params, dtype)  # old file + new one, briefly
             self._weights_dir = weight_sync.private_dir(self._weights_parent, int(need))
         return weight_sync.sync_weights(self, cfg, params, self._weights_dir, dtype)
-
-    # vLLM's weight-sync routes: the four methods of its VLLMWeightSyncClient protocol
-    # (vllm.distributed.weight_transfer.base), on this client's session, so they carry the API
-    # key (vLLM's own HTTPVLLMWeightSyncClient sends none) and its retries and timeouts.
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self._weight_route("/init_weight_transfer_engine", {"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self._weight_route("/start_weight_update")
-
-    def update_weights(self, update_info: dict) -> None:
-        self._weight_route("/update_weights", {"update_info": update_info})
-
-    def update_weights_raw(self, update_info: dict, data: bytes) -> None:
-        """One grpo_http bucket through our route: `data` as the raw body (http_sync)."""
-        from grpo_jax.rollout.http_sync import RAW_UPDATE_ROUTE
-        self._request("POST", RAW_UPDATE_ROUTE, data, timeout=self.weight_sync_timeout,
-                      headers={"content-type": "application/octet-stream",
-                               "x-grpo-update-info": jsonlib.dumps(update_info)})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._weight_route("/finish_weight_update", {"weight_version": weight_version})
-
-    def _weight_route(self, path: str, body=None):
-        return self._request("POST", path, body, timeout=self.weight_sync_timeout)
-
-    def pause(self) -> None:
-        """Stop scheduling once the requests in flight are done (they finish with the weights
-        they started with), then drop the KV and prefix caches: every later request runs on the
-        weights loaded before `resume`."""
-        self._weight_route("/pause?mode=wait")
-
-    def resume(self) -> None:
-        self._weight_route("/resume")
-
-    def weight_version(self) -> str:
-        """The version named by the last /finish_weight_update; a fresh server says "default"."""
-        return self._request("GET", "/weight_info", timeout=60)["weight_version"]
-
-    def world_size(self) -> int:
-        """The server's workers (TP x PP x DP): the NCCL group is these plus the trainer."""
-        return int(self._request("GET", "/get_world_size", timeout=60)["world_size"])
-
-    def set_weight_version(self, version: str) -> None:
-        self._request("POST", "/update_weight_version", {"new_version": version})
 
     def sync_tensors(self, tensors: dict[str, np.ndarray]) -> None:
         """`vllm_weight_sync: shm`: HF-named tensors (in the server's dtype) through a file in a
