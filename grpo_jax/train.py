@@ -183,6 +183,7 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     logger = MetricsLogger(out, cfg.run, total_steps=total_steps, start_step=int(state.step),
                            enabled=dist.is_main())
     run_round.sync_weights(state.params)
+    prefetch = getattr(rollout, "prefetch", None)  # grpo_jax.rollout.async_rounds
     base_key = jax.random.key(cfg.data.seed)
     eval_key = jax.random.fold_in(base_key, EVAL_KEY_TAG)
 
@@ -214,6 +215,10 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
                 if not run_round.windows_buffered:
                     records, next_position = dataset.batch_prompts(position,
                                                                    plan.prompts_per_generation)
+                    if prefetch is not None:  # async rounds: the next round's, in the background
+                        ahead, _ = dataset.batch_prompts(next_position, plan.prompts_per_generation)
+                        prefetch(ahead, plan.num_generations,
+                                 jax.random.fold_in(base_key, round_idx + 1))
                 scorer.trainer_state = trainer_state(int(state.step), position)
                 # Stops at max_steps exactly, and at the next evaluation, also mid-round (the
                 # rest stays buffered).

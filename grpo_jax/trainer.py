@@ -317,8 +317,13 @@ class GRPORound:
         metrics.setdefault("timing/generate", 0.0)
         metrics.setdefault("timing/logprobs", 0.0)  # reference and old log-probs
         metrics["timing/update"] = t4 - t3
+        if n and hasattr(self.rollout, "prefetch"):  # wall clock, to line the update up with
+            # the generation of the next round beside it (grpo_jax.rollout.async_rounds)
+            metrics["timeline/update_start"] = time.time() - (time.perf_counter() - t3)
+            metrics["timeline/update_end"] = metrics["timeline/update_start"] + t4 - t3
         if sync_time is not None:
             metrics["timing/weight_sync"] = sync_time
+            metrics.update(getattr(self.rollout, "sync_metrics", None) or {})  # bytes/s, ...
         return RoundResult(state, metrics, scores, rewards, advantages, n, num_tokens)
 
     def rollout_weights(self, params):
@@ -334,14 +339,14 @@ class GRPORound:
         return self.trainer.rollout_params(params)
 
     def sync_weights(self, params) -> float | None:
-        """Push `params` (with LoRA, merged, unless the rollout takes the adapters alone) to a
-        rollout that holds its own weights, a vLLM server; the seconds it took. None for the
-        JAX sampler: it reads them at generate."""
+        """Push `params` (with LoRA, merged, unless the rollout takes the adapters alone: then
+        the pair (adapters, frozen base)) to a rollout that holds its own weights, a vLLM
+        server; the seconds it took. None for the JAX sampler: it reads them at generate."""
         if not getattr(self.rollout, "syncs_weights", True):
             return None
         if self.trainer.lora_scale is not None and getattr(self.rollout, "takes_adapters",
                                                            False):
-            return self.rollout.update_weights(params)
+            return self.rollout.update_weights((params, self.trainer.frozen[0]))
         return self.rollout.update_weights(self.trainer.rollout_params(params))
 
     def generate_and_score(self, weights, records: Sequence[dict], key,

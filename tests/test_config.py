@@ -238,7 +238,7 @@ def test_parse_cli(capsys):
 
 def _grpo_jax_dataclasses():
     for info in pkgutil.walk_packages(grpo_jax.__path__, "grpo_jax."):
-        if info.name.endswith(("serve", "vllm_worker")):
+        if info.name.endswith(("serve", "vllm_worker", "vllm_http_engine")):
             continue  # the vLLM side: no settings of the trainer
         module = importlib.import_module(info.name)
         for _, cls in inspect.getmembers(module, dataclasses.is_dataclass):

@@ -210,6 +210,9 @@ def test_vllm_rollout_stops_on_generation_config_eos(monkeypatch, tmp_path):
         def check_model(self, cfg, max_len=None):
             pass
 
+        def model_info(self):  # a server without grpo_http: the shm transport
+            return {"dtype": "float32", "weight_transfer_backend": None}
+
         def generate(self, prompts, n, **kw):
             calls.append(kw)
             return [[Completion([4, 9], [-1.0, -2.0], "stop")] * n for _ in prompts]
@@ -229,7 +232,12 @@ def test_vllm_rollout_stops_on_generation_config_eos(monkeypatch, tmp_path):
 def test_api_key_guards_all_routes_but_health(server):
     for path, body in [("/v1/completions", {"prompt": [1, 2], "max_tokens": 1}),
                        ("/collective_rpc", {"method": "grpo_model_info"}),
-                       ("/reset_prefix_cache", None)]:
+                       ("/reset_prefix_cache", None), ("/pause", None), ("/resume", None),
+                       ("/init_weight_transfer_engine", {"init_info": {"protocol": 1}}),
+                       ("/start_weight_update", None), ("/finish_weight_update", {}),
+                       ("/grpo/update_weights", None),
+                       ("/update_weights", {"update_info": {"names": [], "dtype_names": [],
+                                                            "shapes": [], "data": ""}})]:
         r = requests.post(server.base_url + path, json=body, timeout=30)
         assert r.status_code == 401, (path, r.status_code, r.text[:200])
     assert requests.get(server.base_url + "/health", timeout=30).status_code == 200
@@ -374,7 +382,7 @@ def on_policy_run(model_dir, out, base_url, **extra) -> list[dict]:
     for h in hist:
         assert h["sampling/sampling_logp_difference/mean"] < 1e-4, h
         assert abs(h["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3, h
-        assert h["timing/weight_sync"] > 0
+        assert h["timing/weight_sync"] > 0 and h["weight_sync/bytes_per_s"] > 0
     return hist
 
 
@@ -383,17 +391,27 @@ LORA = {"use_peft": "true", "lora_r": 4, "lora_alpha": 16, "lora_target_modules"
 
 
 @needs_vllm
-@pytest.mark.parametrize("extra", [{}, LORA], ids=["full", "lora_merged_sync"])
+@pytest.mark.parametrize("extra", [{}, LORA, dict(LORA, vllm_weight_sync="shm")],
+                         ids=["full_http", "lora_adapter_http", "lora_merged_shm"])
 def test_grpo_run_with_vllm_rollouts(server, client, model_dir, tmp_path, extra, capsys):
-    """With LoRA the server gets the base with the adapters merged after each update (this
-    server runs without vLLM's LoRA, so the default adapter sync falls back, saying so); the
-    trainer's own forward (base + adapters, unmerged) is the oracle."""
+    """Over http (the default with grpo_jax.serve) a LoRA run pushes only its adapters, which
+    the server merges into the base it was given once; over shm, on a server without vLLM's
+    LoRA, the base with the adapters merged (saying so). The trainer's own forward (base +
+    adapters, unmerged) is the oracle."""
     from grpo_jax.checkpoint import load_checkpoint
     hist = on_policy_run(model_dir, tmp_path / "run", server.base_url, **extra)
-    assert bool(extra) == ("runs without vLLM's LoRA (start it with `grpo_jax.serve "
-                           "--lora-rank R`); pushing merged" in capsys.readouterr().err)
-    print(f"{extra and 'LoRA, merged' or 'full'} weight sync: "
-          f"{[round(h['timing/weight_sync'], 3) for h in hist]} s")
+    merged = "vllm_weight_sync" in extra
+    assert merged == ("runs without vLLM's LoRA (start it with `grpo_jax.serve "
+                      "--lora-rank R`); pushing merged" in capsys.readouterr().err)
+    model_bytes = sum(v.nbytes for v in params_numpy(
+        load_model(str(model_dir), dtype=jnp.float32)[0]).values())
+    moved = [h["weight_sync/bytes"] for h in hist]
+    if extra and not merged:  # the adapters alone: a small fraction of the model
+        assert max(moved) < 0.2 * model_bytes, (moved, model_bytes)
+    else:  # every weight (and the tied head once more)
+        assert min(moved) >= model_bytes, (moved, model_bytes)
+    print(f"{extra or 'full'}: weight sync {[round(h['timing/weight_sync'], 3) for h in hist]} "
+          f"s, {moved} bytes")
     # After the last update and sync, the server serves the trained weights.
     model, _, step = load_checkpoint(tmp_path / "run")
     model.cfg = model.cfg.replace(dtype=jnp.float32)

@@ -6,6 +6,7 @@ import dataclasses
 
 from grpo_jax import distributed as dist
 from grpo_jax import hf
+from grpo_jax.errors import ConfigError
 from grpo_jax.rollout import continuation
 from grpo_jax.rollout.sampler import RolloutBatch, Sampler
 from grpo_jax.rollout.sampling import SamplingParams
@@ -73,6 +74,10 @@ class MainProcessRollout:
         host = dist.to_host(params)  # the params are spread over every process's devices
         return dist.from_main(lambda: self.inner.update_weights(host), self.error)
 
+    @property
+    def sync_metrics(self) -> dict:  # logged by process 0, the one that holds them
+        return getattr(self.inner, "sync_metrics", None) or {}
+
 
 def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir, tools=()):
     """The config's backend; with `tools` (functions), inside the multi-turn tool loop."""
@@ -87,6 +92,12 @@ def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir, tools=()):
         def make():
             return VLLMRollout(cfg, model_cfg, tokenizer, model_dir)
         rollout = MainProcessRollout(make) if dist.multi_process() else make()
+        if cfg.rollout.max_staleness:
+            from grpo_jax.rollout.async_rounds import AsyncRollout
+            if dist.multi_process() or tools or cfg.multi_turn.rollout_func:
+                raise ConfigError("max_staleness (async rounds) is built for single-process runs "
+                                  "without tools or rollout_func; set max_staleness: 0")
+            return AsyncRollout(rollout, cfg.rollout.max_staleness)
     t = cfg.multi_turn
     if t.rollout_func:
         from grpo_jax.rollout.custom import CustomRollout, load_rollout_func

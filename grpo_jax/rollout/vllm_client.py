@@ -29,12 +29,21 @@ from requests.adapters import HTTPAdapter
 
 from grpo_jax.errors import GrpoJaxError
 from grpo_jax.rollout import weight_sync
+from grpo_jax.rollout.weight_routes import WeightRoutes
 
 START_HINT = "start one with `python -m grpo_jax.serve --model MODEL --port PORT`"
 
 
 class VLLMServerError(GrpoJaxError, RuntimeError):
     """The server is unreachable, refused a request, or failed it; the message says which."""
+
+
+class ServerUnreachableError(VLLMServerError):
+    """No connection to the server (it died, or is restarting): worth waiting for."""
+
+
+class ServerTimeoutError(VLLMServerError):
+    """The server took a request but did not answer in time: hung, not worth waiting for."""
 
 
 class ModelMismatchError(VLLMServerError):
@@ -52,15 +61,17 @@ class Completion:
         return self.finish_reason == "length"
 
 
-class VLLMClient:
+class VLLMClient(WeightRoutes):
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0,
                  max_retries: int = 4, backoff_s: float = 0.5, max_workers: int = 16,
-                 weights_dir: str | None = None):
-        """`timeout`: seconds one HTTP request may take. Connection failures are retried
-        `max_retries` times, waiting backoff_s * 2**k. `weights_dir`: parent of the private
-        directory used for weight files (default /dev/shm when large enough)."""
+                 weights_dir: str | None = None, weight_sync_timeout: float = 1800.0):
+        """`timeout`: seconds one HTTP request may take; `weight_sync_timeout` for requests of
+        a weight update. Connection failures are retried `max_retries` times, waiting
+        backoff_s * 2**k. `weights_dir`: parent of the private directory used for weight files
+        (default /dev/shm when large enough)."""
         self.base_url = base_url.rstrip("/")
         self.timeout, self.max_retries, self.backoff_s = timeout, max_retries, backoff_s
+        self.weight_sync_timeout = weight_sync_timeout
         self.max_workers = max_workers
         self._session = requests.Session()
         adapter = HTTPAdapter(pool_maxsize=max_workers)
@@ -80,22 +91,27 @@ class VLLMClient:
 
     # ------------------------------------------------------------ transport
 
-    def _request(self, method: str, path: str, json=None, timeout: float | None = None):
+    def _request(self, method: str, path: str, json=None, timeout: float | None = None,
+                 headers: dict | None = None):
         url = self.base_url + path
         for attempt in range(self.max_retries + 1):
             try:
-                r = self._session.request(method, url, json=json,
+                # bytes: a raw body (weight buckets), with its `headers`
+                body = ({"data": json, "headers": headers} if isinstance(json, bytes)
+                        else {"json": json})
+                r = self._session.request(method, url, **body,
                                           timeout=(10.0, timeout or self.timeout))
             except requests.ConnectionError as e:
                 if attempt < self.max_retries:
                     time.sleep(self.backoff_s * 2 ** attempt)
                     continue
-                raise VLLMServerError(
+                raise ServerUnreachableError(
                     f"vLLM server at {self.base_url} unreachable after {attempt + 1} attempts "
                     f"({type(e).__name__}). Is it running? {START_HINT}") from None
             except requests.Timeout:
-                raise VLLMServerError(
-                    f"{method} {url} got no answer within {timeout or self.timeout:.0f} s") from None
+                waited = timeout or self.timeout
+                raise ServerTimeoutError(
+                    f"{method} {url} got no answer within {waited:.0f} s") from None
             if r.status_code in (502, 503, 504) and attempt < self.max_retries:
                 time.sleep(self.backoff_s * 2 ** attempt)
                 continue
@@ -260,6 +276,14 @@ class VLLMClient:
             need = 2.2 * weight_sync.param_bytes(params, dtype)  # old file + new one, briefly
             self._weights_dir = weight_sync.private_dir(self._weights_parent, int(need))
         return weight_sync.sync_weights(self, cfg, params, self._weights_dir, dtype)
+
+    def sync_tensors(self, tensors: dict[str, np.ndarray]) -> None:
+        """`vllm_weight_sync: shm`: HF-named tensors (in the server's dtype) through a file in a
+        private directory, which the server (same machine) reloads."""
+        if self._weights_dir is None:
+            need = 2.2 * sum(v.nbytes for v in tensors.values())  # old file + new one, briefly
+            self._weights_dir = weight_sync.private_dir(self._weights_parent, int(need))
+        weight_sync.reload_file(self, weight_sync.write_tensors(tensors, self._weights_dir))
 
     def adapter_problem(self, rank: int) -> str | None:
         """Why the server can't take rank-`rank` LoRA adapters at run time (None: it can)."""

@@ -4,20 +4,42 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import jax
 
 from grpo_jax import hf, peft_io
 from grpo_jax.rollout.engines import pad_id, sampling_params
 from grpo_jax.rollout.sampler import DEFAULT_BUCKETS, RolloutBatch, left_pad
-from grpo_jax.rollout.vllm_client import VLLMClient, rollout_arrays
+from grpo_jax.rollout.vllm_client import (ServerUnreachableError, VLLMClient, VLLMServerError,
+                                          rollout_arrays)
+from grpo_jax.rollout.vllm_sync import ServerWeights, resolve_transport, transfer_metrics
+
+
+def warn_filters(sp) -> None:
+    """vLLM's log-probs are of the filtered distribution it samples from, the trainer's of the
+    whole one: with a filter on they differ (measured in docs/vllm_weight_sync.md)."""
+    on = [f"{name}={value}" for name, value, off in (
+        ("top_p", sp.top_p, 1.0), ("top_k", sp.top_k or 0, 0), ("min_p", sp.min_p or 0.0, 0.0),
+        ("repetition_penalty", sp.repetition_penalty, 1.0)) if value != off]
+    if on:
+        print(f"warning: with {', '.join(on)} vLLM's sampler log-probs are renormalised over the "
+              "tokens the filters keep and the trainer's are not, so the importance-sampling "
+              "correction and sampling/* metrics see a mismatch of -log(kept mass) per token "
+              "(huggingface/trl#6789; figures in docs/vllm_weight_sync.md)", file=sys.stderr)
+
+
+class WeightsLost(VLLMServerError):
+    """The server answers but holds other weights than were pushed last (it was restarted)."""
 
 
 class VLLMRollout:
     def __init__(self, cfg, model_cfg, tokenizer, model_dir):
         r = cfg.rollout
         self.client = VLLMClient(r.base_url, api_key=r.vllm_server_api_key
-                                 or os.environ.get("VLLM_API_KEY"))
+                                 or os.environ.get("VLLM_API_KEY"),
+                                 weight_sync_timeout=r.weight_sync_timeout)
+        self.server_timeout = r.vllm_server_timeout
         self.client.wait_healthy(r.vllm_server_timeout)
         max_len = (cfg.data.max_prompt_length or 0) + cfg.generation.max_completion_length
         self.client.check_model(model_cfg, max_len=max_len or None)
@@ -25,10 +47,22 @@ class VLLMRollout:
         self.model_cfg, self.pad = model_cfg, pad_id(tokenizer)
         self.sp = sampling_params(cfg, tokenizer, model_dir)
         self.extras = r.request_extras()
+        warn_filters(self.sp)
+        transport = resolve_transport(r.vllm_weight_sync, self.client)
         # With LoRA: whether update_weights takes the adapters alone (GRPORound then passes
-        # them unmerged) or the full weights with the adapters merged in.
+        # them unmerged, with the frozen base) or the full weights with the adapters merged in.
+        # Over http the adapters alone always work (our engine merges them into the base it
+        # was given once), unless the server runs vLLM's own LoRA (`grpo_jax.serve
+        # --lora-rank R`), which then serves them.
         self.takes_adapters = False
-        if cfg.peft.use_peft and r.vllm_lora_sync == "adapter":
+        merge_on_server = (cfg.peft.use_peft and not cfg.peft.quant_bits and transport == "http"
+                           and r.vllm_lora_sync == "adapter"
+                           and not self.client.model_info().get("max_lora_rank"))
+        self.weights = ServerWeights(self.client, transport, model_cfg,
+                                     lora_scaling=cfg.peft.scale if merge_on_server else None)
+        if self.weights.lora_scaling is not None:
+            self.takes_adapters = True
+        elif cfg.peft.use_peft and r.vllm_lora_sync == "adapter":
             # The server's base is the checkpoint as stored, the trainer's a quantized copy:
             # only merged weights (the dequantized base + adapters) make them the same policy.
             problem = ("the trainer's base is quantized (load_in_8bit / load_in_4bit)"
@@ -43,14 +77,9 @@ class VLLMRollout:
 
     def generate(self, params, prompt_ids, num_generations, key) -> RolloutBatch:
         seed = int(jax.random.randint(key, (), 0, 2**30))
-        sp = self.sp
-        groups = self.client.generate(
-            prompt_ids, n=num_generations, temperature=sp.temperature, top_p=sp.top_p,
-            top_k=sp.top_k, min_p=sp.min_p, repetition_penalty=sp.repetition_penalty,
-            max_tokens=sp.max_completion_length, stop_token_ids=sp.stop_token_ids, seed=seed,
-            extras=self.extras)
+        groups = self._on_current_weights(lambda: self._request(prompt_ids, num_generations, seed))
         arrays = rollout_arrays([c for g in groups for c in g], self.pad,
-                                length=sp.max_completion_length)
+                                length=self.sp.max_completion_length)
         # Left-pad prompts to a length bucket, as the JAX sampler does, so the train step sees
         # a bounded set of shapes.
         longest = max(map(len, prompt_ids))
@@ -59,12 +88,67 @@ class VLLMRollout:
         return RolloutBatch(ids, mask, arrays["completion_ids"], arrays["completion_mask"],
                             arrays["truncated"], arrays["sampler_logp"])
 
+    def _on_current_weights(self, fn, attempts: int = 3):
+        """fn() on a server holding the last pushed weights. A server that died, or came back
+        from a restart with its initial weights (a retried request reaches the new one), is
+        waited for (vllm_server_timeout), re-synced in full, and asked again."""
+        for attempt in range(attempts):
+            try:
+                # Any version of ours will do: with async rounds a push may be under way (its
+                # pause lets these requests finish on the weights they started with); a
+                # restarted server says "default".
+                pushed = self.weights.count
+                if pushed and self.weights.held() is None:
+                    raise WeightsLost(f"{self.client.base_url} no longer holds the pushed weights")
+                out = fn()
+                if not pushed or self.weights.held() is not None:
+                    return out
+                raise WeightsLost(f"{self.client.base_url} lost the pushed weights meanwhile")
+            except (ServerUnreachableError, WeightsLost) as e:
+                if attempt + 1 == attempts or self.weights.base is None:
+                    raise
+                self._recover(e)
+        raise AssertionError("unreachable")
+
+    def _recover(self, error) -> None:
+        print(f"{error}; waiting up to {self.server_timeout:.0f} s for the server, then pushing "
+              "every weight again", file=sys.stderr)
+        self.weights.resync(self.server_timeout)
+
+    def _request(self, prompt_ids, num_generations, seed):
+        sp = self.sp
+        return self.client.generate(
+            prompt_ids, n=num_generations, temperature=sp.temperature, top_p=sp.top_p,
+            top_k=sp.top_k, min_p=sp.min_p, repetition_penalty=sp.repetition_penalty,
+            max_tokens=sp.max_completion_length, stop_token_ids=sp.stop_token_ids, seed=seed,
+            extras=self.extras)
+
+    @property
+    def sync_metrics(self) -> dict:
+        return {**self.weights.metrics, "weight_sync/server_restarts": self.weights.restarts}
+
     def update_weights(self, params) -> float:
-        """Push the trainer's params (with takes_adapters: its LoRA adapters) to the server;
-        returns the seconds it took."""
+        """Push the trainer's params (with takes_adapters: the pair (LoRA adapters, frozen
+        base)) to the server; returns the seconds it took."""
         if self.takes_adapters:
-            dtype = self.client.model_info()["dtype"]
-            tensors = peft_io.layer_adapter_tensors(self.model_cfg, params["layers"], dtype)
-            return self.client.sync_adapter(tensors, self.adapter_conf)
-        table = hf.params_from_state(self.model_cfg, params)
-        return self.client.sync_weights(self.model_cfg, table)
+            adapters, base = params
+            dtype = self.weights.dtype
+            tensors = peft_io.layer_adapter_tensors(self.model_cfg, adapters["layers"], dtype)
+            if self.weights.lora_scaling is None:  # vLLM's own LoRA, through files
+                seconds = self.client.sync_adapter(tensors, self.adapter_conf)
+                self.weights.metrics = transfer_metrics(
+                    sum(a.nbytes for a in tensors.values()), seconds)
+                return seconds
+            push = lambda: self.weights.push_adapters(  # noqa: E731
+                lambda: hf.params_from_state(self.model_cfg, base), tensors)
+        elif self.weights.transport == "nccl":  # from the device, nothing on the host
+            return self.weights.push_device(params)
+        else:
+            table = hf.params_from_state(self.model_cfg, params)
+            push = lambda: self.weights.push_full(table)  # noqa: E731
+        try:
+            return push()
+        except ServerUnreachableError as e:  # died mid-update: what was pushed is remembered
+            start = time.perf_counter()
+            self._recover(e)
+            return time.perf_counter() - start

@@ -2,8 +2,8 @@
 
 The server (started by `grpo_jax.serve`, same machine) is asked over /collective_rpc to load an
 HF-named safetensors file into its running model; then its prefix cache, which holds KV computed
-with the old weights, is dropped. The GPU-to-GPU alternative is designed in
-docs/vllm_gpu_transport.md.
+with the old weights, is dropped (`vllm_weight_sync: shm`). The transport with no shared
+filesystem is grpo_jax.rollout.http_sync; both are documented in docs/vllm_weight_sync.md.
 
 With LoRA the server may instead run vLLM's own LoRA (`grpo_jax.serve --lora-rank R`): only the
 PEFT adapter is written, and the server loads it under a new name each time (`sync_adapter`).
@@ -47,7 +47,12 @@ def write_weights(cfg, params: dict[str, np.ndarray], directory: Path,
     """HF-named safetensors of `params` (table layout) in `directory`, replaced atomically."""
     # Tied models need lm_head.weight too: vLLM keeps a separate (repacked) head tensor that
     # the embedding alone would leave stale.
-    tensors = hf_state_dict(cfg, params, dtype=dtype, include_tied_head=True)
+    return write_tensors(hf_state_dict(cfg, params, dtype=dtype, include_tied_head=True),
+                         directory)
+
+
+def write_tensors(tensors: dict[str, np.ndarray], directory: Path) -> Path:
+    """HF-named tensors as one safetensors file in `directory`, replaced atomically."""
     final = Path(directory) / FILE_NAME
     tmp = final.with_name(f".{FILE_NAME}.{os.getpid()}.tmp")
     old_umask = os.umask(0o077)
@@ -64,9 +69,13 @@ def sync_weights(client, cfg, params: dict[str, np.ndarray], directory: Path,
     """Write, reload on every server worker, drop the prefix cache; returns seconds taken."""
     start = time.perf_counter()
     path = write_weights(cfg, params, directory, dtype)
+    reload_file(client, path)
+    return time.perf_counter() - start
+
+
+def reload_file(client, path: Path) -> None:
     client.reload_weights_from_file(path)
     client.reset_prefix_cache()
-    return time.perf_counter() - start
 
 
 def param_bytes(params: dict[str, np.ndarray], dtype: str = "float32") -> int:

@@ -1,0 +1,170 @@
+"""A training run against a real vLLM CPU server that is killed and restarted, or whose weight
+transfer hangs. The runs are subprocesses of `python -m grpo_jax.train`; the server is test_vllm's
+tiny random Llama (start-up ~40-70 s on 2 cores).
+
+Restart: the run notices (a refused connection, or a server whose weight version is not the one
+pushed last), waits for the new server, pushes every weight again and goes on generating; the
+new server then scores exactly as the trained model. Hang: a proxy between trainer and server
+swallows a weight-bucket request (the server never answers it, as a frozen one would not); the
+run stops after weight_sync_timeout with one clear line and a checkpoint of the last completed
+round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo_jax import serve
+from test_vllm import (API_KEY, COMPLETIONS, PROMPTS, VLLM_PYTHON, _train_config, free_port,
+                       needs_vllm, tiny_llama, trainer_logp)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+class Servers:
+    """The module's server on one fixed port, restartable."""
+
+    def __init__(self, model_dir, tmp):
+        self.model_dir, self.tmp, self.port, self.count = model_dir, tmp, free_port(), 0
+        self.current = None
+
+    def start(self):
+        from grpo_jax.rollout.vllm_client import VLLMClient
+        self.count += 1
+        tmp = self.tmp / f"server{self.count}"
+        tmp.mkdir()
+        self.current = serve.start_server(
+            self.model_dir, self.port, python=VLLM_PYTHON, max_model_len=256, api_key=API_KEY,
+            log_path=tmp / "server.log", env=dict(os.environ, VLLM_CACHE_ROOT=str(tmp / "c")))
+        VLLMClient(self.current.base_url).wait_healthy(timeout=400, server=self.current)
+        return self.current
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir, tmp_path_factory):
+    s = Servers(model_dir, tmp_path_factory.mktemp("servers"))
+    s.start()
+    try:
+        yield s
+    finally:
+        s.current.stop()
+
+
+def start_run(model_dir, tmp_path, base_url, **extra):
+    cfg = _train_config(model_dir, tmp_path / "run", base_url, **extra)
+    (tmp_path / "run.yaml").write_text(cfg.to_yaml())
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.Popen([sys.executable, "-m", "grpo_jax.train", "--config",
+                             str(tmp_path / "run.yaml")], env=dict(env, JAX_PLATFORMS="cpu"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_checkpoint(run, tmp_path, step: int) -> None:
+    ckpt, deadline = tmp_path / "run" / "checkpoints" / str(step), time.monotonic() + 400
+    while not ckpt.is_dir() and run.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert run.poll() is None, run.communicate()[1][-3000:]
+
+
+@needs_vllm
+def test_server_restarted_mid_run_is_resynced(servers, model_dir, tmp_path):
+    from grpo_jax.checkpoint import load_checkpoint
+    from grpo_jax.hf import load_model
+    from grpo_jax.rollout.vllm_client import VLLMClient
+    run = start_run(model_dir, tmp_path, servers.current.base_url, max_steps=6,
+                    vllm_server_timeout=400)
+    wait_for_checkpoint(run, tmp_path, 2)
+    servers.current.kill()
+    servers.start()  # same port, its initial weights
+    _, err = run.communicate(timeout=600)
+    assert run.returncode == 0, err[-3000:]
+    assert "pushing every weight again" in err
+    hist = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [h["step"] for h in hist] == [1, 2, 3, 4, 5, 6]
+    assert hist[-1]["weight_sync/server_restarts"] >= 1
+    for h in hist:  # on-policy throughout: the new server got the trained weights
+        assert h["sampling/sampling_logp_difference/mean"] < 1e-4, h
+    model, _, _ = load_checkpoint(tmp_path / "run")
+    model.cfg = model.cfg.replace(dtype=jnp.float32)
+    initial = load_model(str(model_dir), dtype=jnp.float32)[0]
+    with VLLMClient(servers.current.base_url, api_key=API_KEY) as client:
+        for p, c, g in zip(PROMPTS, COMPLETIONS, client.logprobs_for(PROMPTS, COMPLETIONS)):
+            np.testing.assert_allclose(g, trainer_logp(model, p, c), atol=1e-4, rtol=0)
+            assert np.abs(g - trainer_logp(initial, p, c)).max() > 1e-3
+
+
+class SwallowingProxy:
+    """Forwards TCP to the server until armed; then a connection that carries a
+    `POST /grpo/update_weights` (a weight bucket) is read to the end and never forwarded
+    nor answered."""
+
+    def __init__(self, port: int):
+        self.target, self.armed, self.swallowed = port, threading.Event(), threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                down, _ = self.listener.accept()
+            except OSError:
+                return
+            up = socket.create_connection(("127.0.0.1", self.target))
+            for src, dst, client_side in ((down, up, True), (up, down, False)):
+                threading.Thread(target=self._pipe, args=(src, dst, client_side),
+                                 daemon=True).start()
+
+    def _pipe(self, src, dst, client_side):
+        swallowing = False
+        try:
+            while data := src.recv(1 << 16):
+                if client_side and self.armed.is_set() and b"POST /grpo/update_weights" in data:
+                    swallowing = True
+                    self.swallowed.set()
+                if not swallowing:
+                    dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                s.close()
+
+    def close(self):
+        self.listener.close()
+
+
+@needs_vllm
+def test_hung_transfer_stops_with_one_line_and_a_checkpoint(servers, model_dir, tmp_path):
+    from grpo_jax.checkpoint import Checkpointer
+    proxy = SwallowingProxy(servers.port)
+    try:
+        run = start_run(model_dir, tmp_path, proxy.base_url, max_steps=200, weight_sync_timeout=5)
+        wait_for_checkpoint(run, tmp_path, 1)
+        proxy.armed.set()
+        _, err = run.communicate(timeout=300)
+    finally:
+        proxy.close()
+    assert proxy.swallowed.is_set()
+    assert run.returncode == 2, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("grpo_jax.train: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert "hung" in errors[0] and "weight_sync_timeout" in errors[0], errors[0]
+    steps = Checkpointer(tmp_path / "run" / "checkpoints", save_total_limit=None).all_steps()
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    # A round is generate + update + sync: the one whose sync hung is not saved (a resume
+    # redoes it); the checkpoint is the last completed round's.
+    assert steps and max(steps) == metrics[-1]["step"] >= 1, (steps, metrics[-1]["step"])
