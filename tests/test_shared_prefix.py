@@ -101,16 +101,9 @@ def test_smollm2_forward_and_gradients_equal_plain_in_float64():
     1e-5; what is left is the fp32 log-softmax of the log-prob head, which both share. (In
     fp32, summation order alone moves 30 layers' log-probs by ~3e-5: the fp32 test below.)"""
     import json
-    import os
-    import subprocess
-    import sys
-    tests = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, JAX_ENABLE_X64="1", JAX_DEFAULT_MATMUL_PRECISION="highest")
-    out = subprocess.run([sys.executable, "-c", FP64_SCRIPT.format(tests=tests)], env=env,
-                         capture_output=True, text=True, timeout=1200)
-    line = [s for s in out.stdout.splitlines() if s.startswith("RESULT")]
-    assert out.returncode == 0 and line, out.stderr[-3000:]
-    gaps = json.loads(line[0].split(" ", 1)[1])
+
+    from x64 import run_x64
+    gaps = json.loads(" ".join(run_x64(FP64_SCRIPT)))
     # The entropy is left out: the head computes it in fp32, where it is ill-conditioned (a
     # 1e-7 relative nudge of the hidden states moves SmolLM2's by 1.1e-4, and its gap to the
     # float64 value is 5e-5 either way); it only feeds metrics and the entropy bonus.

@@ -145,16 +145,8 @@ def test_multi_turn_logprobs_in_float64_meet_1e5():
     function: in float64 (x64 on, in a process of its own) the continued sampler's log-probs of
     every model-written token, later turns included, equal the trainer's within 1e-5; what is
     left is both sides' fp32 log-softmax (token_logprob, token_logprobs round there)."""
-    import os
-    import subprocess
-    import sys
-    tests = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, JAX_ENABLE_X64="1", JAX_DEFAULT_MATMUL_PRECISION="highest")
-    out = subprocess.run([sys.executable, "-c", FP64_SCRIPT.format(tests=tests)], env=env,
-                         capture_output=True, text=True, timeout=1200)
-    line = [s for s in out.stdout.splitlines() if s.startswith("RESULT")]
-    assert out.returncode == 0 and line, out.stderr[-3000:]
-    worst, later, n_later, lowest = map(float, line[0].split()[1:])
+    from x64 import run_x64
+    worst, later, n_later, lowest = map(float, run_x64(FP64_SCRIPT))
     assert n_later > 0 and lowest < -10  # later turns, and unlikely tokens, are in there
     assert worst < 1e-5 and later < 1e-5, (worst, later)
 
