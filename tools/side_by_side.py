@@ -1,6 +1,7 @@
 """grpo-jax against TRL 1.16's GRPOTrainer on this machine: the same SmolLM2-135M-Instruct
 directory, the same prompts (as chat), the same shape and settings (temperature 0.8, beta 0,
-lr 2e-5 constant, fp32, no gradient checkpointing, TRL's reward_len), one run after the other.
+lr 2e-5 constant, fp32, activations recomputed in the backward pass: TRL's default gradient
+checkpointing, grpo-jax's remat; TRL's reward_len), one run after the other.
 
     python tools/side_by_side.py [--shapes smol tldr] [--steps 8] [--json out.json]
 
@@ -54,14 +55,15 @@ def run(cmd: list[str], env=None) -> tuple[str, float, float]:
     return out, time.perf_counter() - t0, usage.ru_maxrss * 1024 / 1e9
 
 
-def run_trl(python: str, model: Path, data: Path, shape: dict, steps: int, tmp: Path) -> dict:
+def run_trl(python: str, model: Path, data: Path, shape: dict, steps: int, tmp: Path,
+            extra: list[str]) -> dict:
     out, wall, rss = run([python, str(ROOT / "tools" / "trl_grpo_run.py"), "--model", str(model),
                           "--data", str(data), "--max_steps", str(steps),
                           "--max_completion_length", str(MAX_COMPLETION_LENGTH),
                           "--output_dir", str(tmp / "trl"),
                           "--num_generations", str(shape["num_generations"]),
                           "--per_device_train_batch_size",
-                          str(shape["per_device_train_batch_size"])],
+                          str(shape["per_device_train_batch_size"]), *extra],
                          env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
     result = json.loads([s for s in out.splitlines() if s.startswith("RESULT ")][-1][7:])
     return {"step_times": result["step_times"], "rewards": result["rewards"],
@@ -97,6 +99,9 @@ def main(argv=None):
     p.add_argument("--trl-python", help="a Python with TRL 1.16 (default: .venv-trl, made by "
                    "tools/install_trl.sh when missing)")
     p.add_argument("--grpo-jax-args", default="", help="extra flags for grpo_jax.train")
+    p.add_argument("--trl-no-gradient-checkpointing", action="store_true",
+                   help="TRL without its default gradient checkpointing (grpo-jax's recipe "
+                   "recomputes too: remat, policy dots)")
     p.add_argument("--json", help="also write the figures here")
     a = p.parse_args(argv)
     from grpo_jax import hf
@@ -123,7 +128,9 @@ def main(argv=None):
                                add_special_tokens=False)["input_ids"]) for r in rows]
             print(f"[{name}] {len(rows)} prompts, mean {statistics.mean(lengths):.0f} tokens; "
                   f"TRL first", flush=True)
-            trl = summary(run_trl(trl_python, model, data, shape, a.steps, tmp))
+            trl = summary(run_trl(trl_python, model, data, shape, a.steps, tmp,
+                                  ["--no_gradient_checkpointing"]
+                                  if a.trl_no_gradient_checkpointing else []))
             print(f"[{name}] TRL median step {trl['median_step_s']:.1f} s; grpo-jax", flush=True)
             ours = summary(run_grpo_jax(model, data, shape, a.steps, tmp, a.grpo_jax_args.split()))
         results[name] = {"shape": {**shape, "max_completion_length": MAX_COMPLETION_LENGTH,

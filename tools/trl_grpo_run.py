@@ -41,6 +41,7 @@ def main():
     p.add_argument("--max_completion_length", type=int, required=True)
     p.add_argument("--max_steps", type=int, required=True)
     p.add_argument("--output_dir", required=True)
+    p.add_argument("--no_gradient_checkpointing", action="store_true")
     a = p.parse_args()
     cfg = GRPOConfig(
         output_dir=a.output_dir, num_generations=a.num_generations,
@@ -48,7 +49,8 @@ def main():
         max_completion_length=a.max_completion_length, temperature=0.8, beta=0.0,
         learning_rate=2e-5, lr_scheduler_type="constant", max_steps=a.max_steps,
         logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
-        gradient_checkpointing=False,  # as grpo-jax's CPU recipe (numerics.remat: false)
+        # TRL's default (True) recomputes activations, as grpo-jax's CPU recipe does (remat).
+        gradient_checkpointing=not a.no_gradient_checkpointing,
         model_init_kwargs={"dtype": "float32"}, seed=42)
     times = StepTimes()
     trainer = GRPOTrainer(model=a.model, reward_funcs=reward_len, args=cfg,
