@@ -503,9 +503,10 @@ def test_killed_server_raises_after_bounded_retries(client, server):
     from grpo_jax.rollout.vllm_client import VLLMServerError
 
     with cf.ThreadPoolExecutor(1) as pool:
-        # A long generation (~3 s warm) that is running when the server dies.
-        pending = pool.submit(client.generate, PROMPTS, n=16, max_tokens=240, temperature=1.0)
-        deadline = time.monotonic() + 30
+        # A long generation (~10 s warm) that is running when the server dies: killed once
+        # vLLM's gauge shows it running or after 1.5 s (the gauge can lag a short request).
+        pending = pool.submit(client.generate, PROMPTS, n=48, max_tokens=240, temperature=1.0)
+        deadline = time.monotonic() + 1.5
         while not running_requests(server) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not pending.done(), "generation finished before the kill; make it longer"
