@@ -259,6 +259,8 @@ class GRPORound:
     aggregation: str = "sum_then_normalize"
     ref_sync: tuple[int, float] | None = None
     buffer: list = dataclasses.field(default_factory=list)  # host micro-batches not trained on
+    # Async rounds: weight version pushed -> a copy of those params, the last max_staleness + 1.
+    pushed: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.ref_sync is not None and self.ref_params is None:
@@ -283,6 +285,7 @@ class GRPORound:
             batch, scores, rewards, advantages = gen.batch, gen.scores, gen.rewards, gen.advantages
             metrics.update(gen.metrics)
             t1 = time.perf_counter()
+            metrics.update(self.engine_mismatch(batch))
             if plan.needs_old_logps:
                 batch = batch.replace(old_logp=trainer.logps(state.params, batch,
                                                              plan.micro_batch_size))
@@ -346,8 +349,34 @@ class GRPORound:
             return None
         if self.trainer.lora_scale is not None and getattr(self.rollout, "takes_adapters",
                                                            False):
-            return self.rollout.update_weights((params, self.trainer.frozen[0]))
-        return self.rollout.update_weights(self.trainer.rollout_params(params))
+            took = self.rollout.update_weights((params, self.trainer.frozen[0]))
+        else:
+            took = self.rollout.update_weights(self.trainer.rollout_params(params))
+        if hasattr(self.rollout, "prefetch"):
+            # The next update donates these buffers; a batch generated with them is scored
+            # with this copy (engine_mismatch). With LoRA only the adapters are copied.
+            version = self.rollout.weights.count
+            self.pushed[version] = jax.tree.map(jnp.copy, params)
+            for old in [v for v in self.pushed if v < version - self.rollout.max_staleness]:
+                del self.pushed[old]
+        return took
+
+    def engine_mismatch(self, batch: Batch) -> dict:
+        """Async rounds: the sampler's log-probs against the trainer's under the weights that
+        generated the batch (a one-version-old batch's, from `pushed`), so the engines'
+        numerical mismatch alone; TRL's sampling/sampling_logp_difference compares with the
+        current weights and so also holds the policy change of the updates between."""
+        if not self.pushed or batch.sampler_logp is None:
+            return {}
+        staleness = int(self.rollout.metrics.get("async/staleness", 0))
+        lp = self.trainer.logps(self.pushed[self.rollout.weights.count - staleness], batch,
+                                self.plan.micro_batch_size)
+        diff = np.abs(lp - batch.sampler_logp)
+        valid = (batch.model_mask() > 0) & np.isfinite(diff)
+        if not valid.any():
+            return {}
+        name = "sampling/engine_logp_difference/"
+        return {name + "mean": float(diff[valid].mean()), name + "max": float(diff[valid].max())}
 
     def generate_and_score(self, weights, records: Sequence[dict], key,
                            num_generations: int | None = None,

@@ -3,8 +3,10 @@ Llama, start-up ~40-70 s): the server generates round n+1 while the trainer upda
 
 The runs log wall-clock timestamps of each update (timeline/update_start, _end) and of the
 generation that ran meanwhile (timeline/next_generate_start, _end): they must overlap. Every
-batch after the first is one weight version old (async/staleness 1), the sampler/trainer
-mismatch is near zero but after large updates, and the reward rises as in the synchronous run.
+batch after the first is one weight version old (async/staleness 1); the sampler's log-probs
+equal the trainer's under the weights that generated the batch (sampling/engine_logp_difference
+near zero), while TRL's sampling_logp_difference, against the current weights, shows the one
+update between; and the reward rises as in the synchronous run.
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ def test_async_rounds_overlap_generation_with_update(server, model_dir, tmp_path
     print(f"sampler - trainer log-prob per step: {np.round(diff, 3).tolist()}")
     assert max(h["sampling/sampling_logp_difference/mean"] for h in sync) < 1e-4
     assert np.mean(diff) < 0.3 and max(diff) < 1.0
+    engine = [h["sampling/engine_logp_difference/mean"] for h in hist]
+    print(f"sampler - trainer log-prob, same weights, per step: {np.round(engine, 7).tolist()}")
+    assert max(engine) < 1e-4 and max(h["sampling/engine_logp_difference/max"]
+                                     for h in hist) < 1e-3
+    assert np.mean(diff[1:]) > 100 * np.mean(engine[1:])  # the stale batches' policy change
     print(f"overlap of update n with generation n+1 (s): {np.round(overlaps, 3).tolist()}")
     print(f"step time sync {np.median([h['step_time'] for h in sync[1:]]):.3f} s, async "
           f"{np.median([h['step_time'] for h in hist[1:]]):.3f} s (medians)")
