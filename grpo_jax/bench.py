@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.config import BatchPlan
 from grpo_jax.grpo.batch import Batch
@@ -242,6 +243,7 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args(argv)
+    dist.default_xla_flags()
     cfg, model, mesh, prompts = make_workload(args)
     kind, _ = device_peaks()
     result = {"device": kind, "devices": jax.device_count(), "jax": jax.__version__,

@@ -76,6 +76,22 @@ def settings(coordinator_address: str | None = None, num_processes: int | None =
     return coordinator, n, pid
 
 
+# XLA:CPU schedules a program for parallelism by default; its memory-minimizing scheduler cut
+# the smol update's temporaries from 1.50 to 1.32 GB and the run's peak RSS by 0.23 GB, at the
+# same speed (2 CPU cores, 2026-11-24). CPU-only flags: a GPU or TPU ignores them.
+CPU_XLA_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
+
+
+def default_xla_flags() -> None:
+    """Add CPU_XLA_FLAGS to XLA_FLAGS (a flag the user set wins). Entry points call it before
+    JAX starts its backends, which read XLA_FLAGS once."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    for flag in CPU_XLA_FLAGS:
+        if flag.split("=")[0] not in flags:
+            flags = f"{flags} {flag}".strip()
+    os.environ["XLA_FLAGS"] = flags
+
+
 def initialize(args) -> bool:
     """Join the other processes of a run when there are several; returns whether it did.
 

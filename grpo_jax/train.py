@@ -300,6 +300,7 @@ def _save(ckpt, buffers, state, position, round_idx, tokens_seen, run_round, met
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    dist.default_xla_flags()
     try:
         cfg = cli.parse_cli(argv)
         dist.initialize(cfg.distributed)

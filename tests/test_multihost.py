@@ -297,3 +297,20 @@ def test_helpers_across_two_processes(tmp_path):
     assert res[1]["together_error"] == ["KeyError", "'bad row on 1'", False]
     assert res[0]["together_error"] == ["DistributedError",
                                         "on process 1: KeyError: 'bad row on 1'", False]
+
+
+@pytest.mark.parametrize("user", ["", "--xla_cpu_enable_concurrency_optimized_scheduler=true"])
+def test_default_xla_flags_are_known_and_the_users_win(user):
+    """The entry points' CPU flags (distributed.default_xla_flags): XLA aborts a process on a
+    flag its release does not know, so a fresh process must start with them and compile; a
+    flag the user set is left as it is."""
+    code = ("import os; from grpo_jax import distributed as d; d.default_xla_flags(); "
+            "import jax; print(os.environ['XLA_FLAGS']); print(jax.jit(lambda x: x + 1)(1))")
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {user}".strip())
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    flags, value = out.stdout.split("\n")[:2]
+    assert value == "2" and "--xla_force_host_platform_device_count=2" in flags
+    want = user or "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+    assert want in flags and flags.count("concurrency_optimized_scheduler") == 1, flags
