@@ -393,7 +393,7 @@ class GRPORound:
         r = (self.rollout.generate(weights, ids, g, key, records=records)
              if getattr(self.rollout, "takes_records", False)
              else self.rollout.generate(weights, ids, g, key))
-        t1 = time.perf_counter()
+        t1, wall1 = time.perf_counter(), time.time()
         scores = (score or self.score)(records, r)
         rewards, advantages, stats = adv_lib.compute_advantages(
             scores.per_func, g, self.scale_rewards, self.reward_weights, self.aggregation)
@@ -423,6 +423,9 @@ class GRPORound:
                                                   if calls else 0.0)
         metrics["timing/generate"] = t1 - t0
         metrics["timing/logprobs"] = time.perf_counter() - t2
+        if hasattr(self.rollout, "prefetch"):  # the trainer's work on the batch begins: the
+            # next round generates beside it from here on (grpo_jax.rollout.async_rounds)
+            metrics["timeline/train_start"] = wall1
         return Generated(batch, scores, rewards, advantages, metrics)
 
     def split(self, batch: Batch, key) -> list[Batch]:

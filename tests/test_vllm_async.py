@@ -1,8 +1,9 @@
 """Async rounds (`max_staleness: 1`) against a real vLLM CPU server (test_vllm's tiny random
 Llama, start-up ~40-70 s): the server generates round n+1 while the trainer updates on round n.
 
-The runs log wall-clock timestamps of each update (timeline/update_start, _end) and of the
-generation that ran meanwhile (timeline/next_generate_start, _end): they must overlap. Every
+The runs log wall-clock timestamps of the trainer's work on each round (timeline/train_start,
+when the batch is in hand; timeline/update_start, _end) and of the generation that ran meanwhile
+(timeline/next_generate_start, _end): they must overlap. Every
 batch after the first is one weight version old (async/staleness 1); the sampler's log-probs
 equal the trainer's under the weights that generated the batch (sampling/engine_logp_difference
 near zero), while TRL's sampling_logp_difference, against the current weights, shows the one
@@ -36,11 +37,13 @@ def test_async_rounds_overlap_generation_with_update(server, model_dir, tmp_path
     hist = run(model_dir, tmp_path / "async", server.base_url, max_staleness=1)
     assert [h["step"] for h in hist] == list(range(1, STEPS + 1))
     assert hist[0]["async/staleness"] == 0  # the first round has nothing to overlap with
-    overlaps = []
+    def overlap(h, start):  # seconds that [start, update_end] shares with generation n+1
+        return (min(h["timeline/update_end"], h["timeline/next_generate_end"])
+                - max(h[start], h["timeline/next_generate_start"]))
     for h in hist[1:]:
         assert h["async/staleness"] == 1 and h["async/discarded"] == 0, h
-        overlaps.append(min(h["timeline/update_end"], h["timeline/next_generate_end"])
-                        - max(h["timeline/update_start"], h["timeline/next_generate_start"]))
+    work = [overlap(h, "timeline/train_start") for h in hist[1:]]
+    updates = [overlap(h, "timeline/update_start") for h in hist[1:]]
     # One version off-policy: the sampler's log-probs are of the previous weights. On this tiny
     # random model one update at this learning rate moves a token's log-prob by ~0.1-0.3 nats,
     # and the stale batches differ by that much (the importance ratio weighs them); the
@@ -54,12 +57,17 @@ def test_async_rounds_overlap_generation_with_update(server, model_dir, tmp_path
     assert max(engine) < 1e-4 and max(h["sampling/engine_logp_difference/max"]
                                      for h in hist) < 1e-3
     assert np.mean(diff[1:]) > 100 * np.mean(engine[1:])  # the stale batches' policy change
-    print(f"overlap of update n with generation n+1 (s): {np.round(overlaps, 3).tolist()}")
+    print(f"overlap of round n's scoring and update with generation n+1 (s): "
+          f"{np.round(work, 3).tolist()}")
+    print(f"of its update alone (s): {np.round(updates, 3).tolist()}")
     print(f"step time sync {np.median([h['step_time'] for h in sync[1:]]):.3f} s, async "
           f"{np.median([h['step_time'] for h in hist[1:]]):.3f} s (medians)")
-    # The server generated round n+1 while the trainer updated on round n. (A step whose
-    # scoring outlasts the tiny model's generation may see it end just before its update.)
-    assert sum(o > 0 for o in overlaps) >= len(overlaps) - 2, overlaps
+    # The server generated round n+1 while the trainer scored and updated on round n. (The tiny
+    # model's generation takes 10-60 ms: it may end before the update, after the scoring's three
+    # forwards, so the update alone overlaps it in most steps, not all.) A synchronous run
+    # generates round n+1 only after the push that follows the update: no overlap at all.
+    assert sum(o > 0 for o in work) >= len(work) - 1, work
+    assert sum(o > 0 for o in updates) >= len(updates) // 3, updates
 
     def rise(h):
         r = [x["reward"] for x in h]

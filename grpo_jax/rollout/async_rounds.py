@@ -12,7 +12,8 @@ old is thrown away and generated again.
 
 Metrics: async/staleness (versions between generation and training), async/discarded, and wall
 clock timestamps: timeline/next_generate_start and _end (the generation that ran during this
-step's update, whose own timestamps GRPORound logs as timeline/update_start and _end).
+step's scoring and update, whose own timestamps GRPORound logs as timeline/train_start,
+timeline/update_start and _end).
 """
 
 from __future__ import annotations
