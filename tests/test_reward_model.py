@@ -146,8 +146,8 @@ def test_long_texts_split_into_few_programs(tmp_path, monkeypatch):
         jax.monitoring.unregister_event_duration_listener(on_event)
     assert np.abs(got - want).max() < 1e-4 and np.array_equal(again, got[::-1])
     # 7 texts of 18 to 240 tokens, longest first: batches of (rows, length) (1, 256) twice,
-    # (1, 192) twice, (1, 96) and (2, 64); in another order they compile nothing more.
-    assert 1 <= first <= 4 and len(compiles) == first, compiles
+    # (1, 192), (1, 160), (1, 96) and (2, 64); in another order they compile nothing more.
+    assert 1 <= first <= 5 and len(compiles) == first, compiles
 
 
 def test_separate_tokenizer_from_reward_processing_classes(tmp_path):

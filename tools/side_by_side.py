@@ -146,7 +146,7 @@ def main(argv=None):
             x = r[who]
             print(f"| {name} | {'TRL 1.16' if who == 'trl' else 'grpo-jax'} | "
                   f"{x['median_step_s']:.1f} s | {x['wall_s']:.0f} s | {x['peak_rss_GB']:.2f} GB |")
-        print(f"| {name} | grpo-jax / TRL | {r['speedup']:.2f}x faster | | "
+        print(f"| {name} | grpo-jax / TRL | {r['speedup']:.3f}x faster | | "
               f"{r['rss_ratio']:.2f}x |")
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
