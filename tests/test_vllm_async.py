@@ -21,12 +21,16 @@ from test_vllm import _train_config, model_dir, needs_vllm, server  # noqa: F401
 
 
 STEPS = 20
+# Long enough that generating a round (~1-5 ms a token on this tiny model) outlasts the trainer's
+# scoring and update of the previous one even on a loaded machine: at 8 tokens the generation
+# could end before the trainer had its batch in hand, and the overlap was down to luck.
+LENGTH = 48
 
 
 def run(model_dir, out, base_url, **extra) -> list[dict]:
     from grpo_jax.train import train
     cfg = _train_config(model_dir, out, base_url, max_steps=STEPS, save_steps=100,
-                        learning_rate=5e-3, **extra)
+                        learning_rate=5e-3, max_completion_length=LENGTH, **extra)
     train(cfg, devices=jax.devices()[:1])
     return [json.loads(line) for line in (out / "metrics.jsonl").open()]
 
@@ -62,10 +66,11 @@ def test_async_rounds_overlap_generation_with_update(server, model_dir, tmp_path
     print(f"of its update alone (s): {np.round(updates, 3).tolist()}")
     print(f"step time sync {np.median([h['step_time'] for h in sync[1:]]):.3f} s, async "
           f"{np.median([h['step_time'] for h in hist[1:]]):.3f} s (medians)")
-    # The server generated round n+1 while the trainer scored and updated on round n. (The tiny
-    # model's generation takes 10-60 ms: it may end before the update, after the scoring's three
-    # forwards, so the update alone overlaps it in most steps, not all.) A synchronous run
-    # generates round n+1 only after the push that follows the update: no overlap at all.
+    # The server generated round n+1 while the trainer scored and updated on round n. (Generating
+    # LENGTH tokens takes ~110-260 ms here, the scoring's three forwards 10-240 ms: the generation
+    # may end before the update begins, so the update alone overlaps it in most steps, not all.)
+    # A synchronous run generates round n+1 only after the push that follows the update: no
+    # overlap at all.
     assert sum(o > 0 for o in work) >= len(work) - 1, work
     assert sum(o > 0 for o in updates) >= len(updates) // 3, updates
 
