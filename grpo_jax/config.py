@@ -79,6 +79,15 @@ class GRPOArgs:
     sync_ref_model: bool = False
     ref_model_mixup_alpha: float = 0.6
     ref_model_sync_steps: int = 512
+    # The reward soft_overlong_punishment (DAPO, TRL's get_soft_overlong_punishment): its
+    # penalty starts this many tokens before max_completion_length. Needed when it is named.
+    soft_punish_cache: int | None = None
+    # DAPO's dynamic sampling (verl: algorithm.filter_groups): groups whose rewards all agree
+    # (std 0) are dropped and more prompts are generated until the generation batch is full of
+    # groups with signal, at most max_num_gen_batches generations per batch (<= 0: no limit;
+    # 10 as DAPO's recipe, verl's default is 0), then the run stops with an error.
+    dynamic_sampling: bool = False
+    max_num_gen_batches: int = 10
 
     def __post_init__(self):
         _check(self.num_generations >= 2, "num_generations must be >= 2: GRPO's advantage "
@@ -101,6 +110,13 @@ class GRPOArgs:
                f"[0, 1], got {self.ref_model_mixup_alpha}")
         _check(self.ref_model_sync_steps >= 1,
                f"ref_model_sync_steps must be >= 1, got {self.ref_model_sync_steps}")
+        _check(self.soft_punish_cache is None or self.soft_punish_cache >= 0,
+               f"soft_punish_cache must be >= 0 tokens, got {self.soft_punish_cache}")
+        _check(self.soft_punish_cache is not None
+               or "soft_overlong_punishment" not in self.reward_funcs,
+               "soft_overlong_punishment needs soft_punish_cache: the penalty ramps from 0 at "
+               "max_completion_length - soft_punish_cache tokens to -1 at max_completion_length "
+               "(DAPO: 4096 of 20480)")
 
 
 @dataclass(frozen=True)
@@ -290,6 +306,15 @@ class _TrainConfig:
         _check(not (self.grpo.sync_ref_model and self.peft.use_peft), "sync_ref_model with "
                "use_peft: the reference is the base model with the adapters off, which never "
                "changes; set sync_ref_model false")
+        cache = self.grpo.soft_punish_cache
+        _check(cache is None or cache <= self.generation.max_completion_length,
+               f"soft_punish_cache ({cache}) must be at most max_completion_length "
+               f"({self.generation.max_completion_length}): the penalty starts that many tokens "
+               "before it")
+        _check(not (self.grpo.dynamic_sampling and self.rollout.max_staleness),
+               "dynamic_sampling with max_staleness > 0: async rounds generate the next batch's "
+               "prompts before this batch knows how many prompts it takes to fill with groups "
+               "that have reward signal; set max_staleness 0 (or dynamic_sampling false)")
 
     def batch_plan(self, data_parallel_size: int = 1) -> BatchPlan:
         """TRL's batch relations for `data_parallel_size` shards (TRL: num_processes)."""

@@ -70,9 +70,24 @@ def accuracy(completions, answer=None, solution=None, **kwargs) -> list[float | 
     raise RewardError("accuracy needs an `answer` (a number) or `solution` (LaTeX) column")
 
 
+def soft_overlong_punishment_reward(completion_ids, *, max_completion_length: int,
+                                    soft_punish_cache: int, **kwargs) -> list[float]:
+    """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13), as TRL's
+    `get_soft_overlong_punishment(max_completion_length, soft_punish_cache)`: 0 up to
+    max_completion_length - soft_punish_cache tokens, then a linear ramp down to -1 at
+    max_completion_length, -1 beyond. Lengths are len(completion_ids), as TRL counts them (the
+    stop token included). Named after TRL's function, so its metrics are TRL's."""
+    start = max_completion_length - soft_punish_cache
+    return [0.0 if len(ids) <= start
+            else (start - len(ids)) / soft_punish_cache if len(ids) <= max_completion_length
+            else -1.0 for ids in completion_ids]
+
+
 BUILTIN_REWARDS: dict[str, Callable] = {
     "reward_len": reward_len, "think_format_reward": think_format_reward, "accuracy": accuracy,
     "format": math_rewards.format_reward, "tag_count": math_rewards.tag_count_reward,
+    # Takes the run's max_completion_length and soft_punish_cache (load_reward_func).
+    "soft_overlong_punishment": soft_overlong_punishment_reward,
 }
 
 
@@ -162,13 +177,23 @@ class RewardLogs:
 
 
 def load_reward_func(spec: str, processing_class: str | None = None, *, mesh=None,
-                     dtype: str = "float32", chat_template_kwargs: dict | None = None
-                     ) -> RewardFunc:
+                     dtype: str = "float32", chat_template_kwargs: dict | None = None,
+                     max_completion_length: int | None = None,
+                     soft_punish_cache: int | None = None) -> RewardFunc:
     """A built-in name, 'package.module:function', 'path/to/file.py:function', or a reward
     model: a directory or hub id 'org/name' of a ...ForSequenceClassification checkpoint
     (grpo_jax.reward_model), scored with the tokenizer `processing_class` (None: its own) in
     compute `dtype` on `mesh` (the trainer's), chat prompts rendered with
-    `chat_template_kwargs`. TRL ignores a processing class given for a function; so does this."""
+    `chat_template_kwargs`. TRL ignores a processing class given for a function; so does this.
+    `soft_overlong_punishment` takes the run's `max_completion_length` and `soft_punish_cache`."""
+    if spec == "soft_overlong_punishment":
+        if max_completion_length is None or soft_punish_cache is None:
+            raise RewardError("soft_overlong_punishment needs max_completion_length and "
+                              "soft_punish_cache (the tokens before it where the penalty "
+                              "starts; DAPO: 4096 of 20480): set soft_punish_cache")
+        return RewardFunc(spec, functools.partial(
+            soft_overlong_punishment_reward, max_completion_length=max_completion_length,
+            soft_punish_cache=soft_punish_cache))
     if spec in BUILTIN_REWARDS:
         return RewardFunc(spec, BUILTIN_REWARDS[spec])
     if names_a_model(spec):

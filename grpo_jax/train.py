@@ -120,7 +120,9 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     # reward_model.scoring_mesh), in the run's compute dtype.
     funcs = rewards_lib.load_reward_funcs(
         cfg.grpo.reward_funcs, cfg.grpo.reward_processing_classes, mesh=mesh,
-        dtype=cfg.numerics.dtype, chat_template_kwargs=cfg.data.chat_template_kwargs)
+        dtype=cfg.numerics.dtype, chat_template_kwargs=cfg.data.chat_template_kwargs,
+        max_completion_length=cfg.generation.max_completion_length,
+        soft_punish_cache=cfg.grpo.soft_punish_cache)
     plan = cfg.batch_plan(mesh_lib.batch_divisor(mesh))
     total_steps = plan.total_steps(len(dataset), cfg.batch.max_steps,
                                    cfg.batch.num_train_epochs)
@@ -136,7 +138,8 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
         ref_params=(None if not cfg.loss.beta else ADAPTERS_OFF if cfg.peft.use_peft
                     else reference_copy(state.params, trainer.model_config.dtype)),
         aggregation=g.multi_objective_aggregation,
-        ref_sync=(g.ref_model_sync_steps, g.ref_model_mixup_alpha) if g.sync_ref_model else None)
+        ref_sync=(g.ref_model_sync_steps, g.ref_model_mixup_alpha) if g.sync_ref_model else None,
+        filter_groups=g.max_num_gen_batches if g.dynamic_sampling else None)
     g_eval = cfg.eval.num_generations_eval or g.num_generations
     eval_scorer = dataclasses.replace(scorer, num_generations=g_eval)
     evaluator = (evaluation.Evaluator(run_round, eval_dataset, eval_scorer, g_eval, eval_prompts,
@@ -206,7 +209,14 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     unlogged: list[dict] = []  # rounds without an update (steps_per_generation < accumulation)
     saved_block = int(state.step) // max(cfg.run.save_steps, 1)
     failure = None
+    cursor = [position]  # dynamic_sampling: where the next prompts start while a batch fills
     with StopSignal() as stop:
+        def more_records():
+            if dist.any_process(stop.should_stop()):
+                return None  # the batch is dropped; a resume regenerates it from `position`
+            more, cursor[0] = dataset.batch_prompts(cursor[0], plan.prompts_per_generation)
+            return more
+
         try:
             # Every process stops at the same round, also when only one got the signal.
             while int(state.step) < total_steps and not dist.any_process(stop.should_stop()):
@@ -219,15 +229,19 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
                         ahead, _ = dataset.batch_prompts(next_position, plan.prompts_per_generation)
                         prefetch(ahead, plan.num_generations,
                                  jax.random.fold_in(base_key, round_idx + 1))
+                    cursor[0] = next_position
                 scorer.trainer_state = trainer_state(int(state.step), position)
                 # Stops at max_steps exactly, and at the next evaluation, also mid-round (the
                 # rest stays buffered).
                 stop_at = min(total_steps, schedule.next_due(int(state.step)) or total_steps)
                 result = run_round(state, records, jax.random.fold_in(base_key, round_idx),
-                                   max_updates=stop_at - int(state.step))
+                                   max_updates=stop_at - int(state.step),
+                                   more_records=more_records)
                 state, metrics = result.state, result.metrics
+                if records is not None and result.scores is None:
+                    continue  # stopped while dynamic sampling filled the batch
                 if records is not None:  # the round is complete
-                    position, round_idx = next_position, round_idx + 1
+                    position, round_idx = cursor[0], round_idx + 1
                 tokens_seen += result.num_tokens
                 if cfg.run.log_completions and result.scores is not None:
                     logger.log_completions(int(state.step), result.scores.prompts,

@@ -20,6 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from grpo_jax import distributed as dist
+from grpo_jax import dynamic_sampling as ds
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.grpo import advantages as adv_lib
 from grpo_jax.grpo import loss as loss_lib
@@ -247,7 +248,12 @@ class GRPORound:
     splits them into steps_per_generation micro-batches (num_iterations times over), appended to
     `buffer`; then every whole window of gradient_accumulation_steps micro-batches in the buffer
     is one optimizer update. A window may span two generations: the micro-batches left over wait
-    in `buffer` for the next round (train.py checkpoints them)."""
+    in `buffer` for the next round (train.py checkpoints them).
+
+    `filter_groups` (DAPO's dynamic sampling, grpo_jax.dynamic_sampling; verl's name): None
+    off, else max_num_gen_batches (<= 0: no limit): the generation batch keeps only groups
+    whose rewards differ, generating from `more_records()` until it holds
+    prompts_per_generation of them."""
     trainer: Trainer
     rollout: Any  # grpo_jax.rollout.engines: generate(...), update_weights(params)
     plan: Any
@@ -258,6 +264,7 @@ class GRPORound:
     ref_params: Any = None
     aggregation: str = "sum_then_normalize"
     ref_sync: tuple[int, float] | None = None
+    filter_groups: int | None = None
     buffer: list = dataclasses.field(default_factory=list)  # host micro-batches not trained on
     # Async rounds: weight version pushed -> a copy of those params, the last max_staleness + 1.
     pushed: dict = dataclasses.field(default_factory=dict)
@@ -274,14 +281,22 @@ class GRPORound:
         return len(self.buffer) // self.plan.gradient_accumulation_steps
 
     def __call__(self, state: TrainState, records: Sequence[dict] | None, key,
-                 max_updates: int | None = None) -> RoundResult:
+                 max_updates: int | None = None,
+                 more_records: Callable[[], Sequence[dict] | None] | None = None
+                 ) -> RoundResult:
         """Generate one batch from `records` (None: no generation), then update on every whole
-        window in the buffer, at most `max_updates` times (None: no limit)."""
+        window in the buffer, at most `max_updates` times (None: no limit). With
+        filter_groups, `more_records()` gives the next prompts while the batch fills, or None
+        to stop: the round then returns at once, with nothing generated or trained."""
         plan, trainer = self.plan, self.trainer
         metrics: dict = {}
         buffer, scores, rewards, advantages, num_tokens = self.buffer, None, None, None, 0
         if records is not None:
-            gen = self.generate_and_score(self.rollout_weights(state.params), records, key)
+            weights = self.rollout_weights(state.params)
+            gen = (self.generate_and_score(weights, records, key) if self.filter_groups is None
+                   else self.generate_filled(weights, records, key, more_records))
+            if gen is None:
+                return RoundResult(state, {}, None, None, None)
             batch, scores, rewards, advantages = gen.batch, gen.scores, gen.rewards, gen.advantages
             metrics.update(gen.metrics)
             t1 = time.perf_counter()
@@ -387,6 +402,40 @@ class GRPORound:
         model, the reference log-probs. The metrics are TRL's per generation batch, with
         timing/generate and timing/logprobs."""
         g = num_generations or self.plan.num_generations
+        r, scores, took, wall = self._generate_scored(weights, records, key, g, score)
+        return self._training_batch(r, scores, g, took, wall)
+
+    def generate_filled(self, weights, records: Sequence[dict], key,
+                        more_records: Callable[[], Sequence[dict] | None]) -> Generated | None:
+        """generate_and_score with DAPO's dynamic sampling: generations from `records`, then
+        from `more_records()`, keep their groups with reward std > 0 until the batch holds
+        prompts_per_generation of them; its advantages, num_items and reference log-probs are
+        the filled batch's (with scale_rewards group or none a group's advantages are its own,
+        which filtering leaves as they were; batch scales by the filled batch's std). None
+        when more_records() returns None (a stop) before the batch is full; NoSignalError
+        after max_num_gen_batches generations that did not fill it."""
+        g = self.plan.num_generations
+        filled, took = ds.Filled(self.plan.prompts_per_generation, g), 0.0
+        while True:
+            r, scores, t, wall = self._generate_scored(
+                weights, records, ds.key_for(key, filled.generations), g)
+            filled.add(r, scores, self.reward_weights)
+            took += t
+            if filled.full:
+                break
+            if 0 < self.filter_groups <= filled.generations:
+                raise filled.no_signal()
+            records = more_records()
+            if records is None:
+                return None
+        gen = self._training_batch(*filled.batch(), g, took, wall)
+        gen.metrics.update(filled.metrics())
+        return gen
+
+    def _generate_scored(self, weights, records: Sequence[dict], key, g: int,
+                         score: Callable | None = None):
+        """The rollout of `records` and its Scores, the seconds generating took and the wall
+        clock when it ended."""
         t0 = time.perf_counter()
         ids = [rec["prompt_ids"] for rec in records]
         # A rollout_func reads the raw prompts (grpo_jax.rollout.custom).
@@ -394,7 +443,10 @@ class GRPORound:
              if getattr(self.rollout, "takes_records", False)
              else self.rollout.generate(weights, ids, g, key))
         t1, wall1 = time.perf_counter(), time.time()
-        scores = (score or self.score)(records, r)
+        return r, (score or self.score)(records, r), t1 - t0, wall1
+
+    def _training_batch(self, r, scores: Scores, g: int, took: float, wall1: float) -> Generated:
+        """generate_and_score's batch, advantages and metrics from a scored rollout."""
         rewards, advantages, stats = adv_lib.compute_advantages(
             scores.per_func, g, self.scale_rewards, self.reward_weights, self.aggregation)
         # num_items: TRL's loss normaliser for dapo-style losses is the generation batch's
@@ -421,7 +473,7 @@ class GRPORound:
             metrics["tools/call_frequency"] = calls / len(r.tool_calls)
             metrics["tools/failure_frequency"] = (int(r.tool_failures.sum()) / calls
                                                   if calls else 0.0)
-        metrics["timing/generate"] = t1 - t0
+        metrics["timing/generate"] = took
         metrics["timing/logprobs"] = time.perf_counter() - t2
         if hasattr(self.rollout, "prefetch"):  # the trainer's work on the batch begins: the
             # next round generates beside it from here on (grpo_jax.rollout.async_rounds)

@@ -54,3 +54,31 @@ def two_turn_game(prompts, trainer):
 
 def more_moves(completions, moves, **kwargs):
     return [float(m) for m in moves]
+
+
+def constant(prompts, completions, **kwargs):
+    """The same reward for every completion: no group has signal."""
+    return [1.0] * len(completions)
+
+
+def even_tokens_odd_posts(prompts, completions, completion_ids, **kwargs):
+    """even_tokens on posts with an odd number ("Post number 7: ..."), 0.5 on the others: half
+    the groups have no signal. With $GRPO_TEST_INTERRUPT = "N:raise|sigterm:COUNTER_FILE", the
+    N-th call (counted in the file, so across runs of one process too) fails or signals."""
+    import os
+    import re
+    import signal
+    interrupt = os.environ.get("GRPO_TEST_INTERRUPT")
+    if interrupt:
+        at, how, counter = interrupt.split(":", 2)
+        calls = int(open(counter).read() or 0) + 1 if os.path.exists(counter) else 1
+        with open(counter, "w") as f:
+            f.write(str(calls))
+        if calls == int(at):
+            if how == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)
+            else:
+                raise RuntimeError("interrupted by the test")
+    even = even_tokens(prompts, completions, completion_ids)
+    odd = [int(re.search(r"Post number (\d+)", str(p)).group(1)) % 2 == 1 for p in prompts]
+    return [e if o else 0.5 for e, o in zip(even, odd)]

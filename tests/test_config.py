@@ -352,3 +352,18 @@ def test_every_trl_grpo_field_is_mapped_noted_or_refused():
                         ({"cast_lm_head_to_fp32": True}, "dtype: float32")]:
         with pytest.raises(ConfigError, match=needle):
             config_from_dict(bad)
+
+
+def test_dapo_settings():
+    cfg = config_from_dict({"reward_funcs": ["soft_overlong_punishment"], "soft_punish_cache": 64,
+                            "max_completion_length": 256, "dynamic_sampling": True})
+    assert cfg.grpo.soft_punish_cache == 64 and cfg.grpo.dynamic_sampling
+    assert cfg.grpo.max_num_gen_batches == 10
+    for bad, needle in [({"reward_funcs": ["soft_overlong_punishment"]}, "needs soft_punish_cache"),
+                        ({"soft_punish_cache": 600, "max_completion_length": 512},
+                         "at most max_completion_length"),
+                        ({"soft_punish_cache": -1}, "must be >= 0"),
+                        ({"dynamic_sampling": True, "use_vllm": True, "max_staleness": 1},
+                         "async rounds")]:
+        with pytest.raises(ConfigError, match=needle):
+            config_from_dict(bad)

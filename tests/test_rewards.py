@@ -247,3 +247,51 @@ def test_user_functions_are_named_by_their_function_name(tmp_path, monkeypatch):
              RewardFunc("y", Judge()), load_reward_func(f"{path}:count_a")]
     assert rewards_lib.reward_names(funcs) == ["count_a", "reward_len", "reward_len_2", "Judge",
                                                "count_a_2"]
+
+
+@pytest.mark.parametrize("max_len,cache", [(8, 3), (8, 8), (8, 0), (20, 5)])
+def test_soft_overlong_punishment_is_trls(max_len, cache):
+    """The built-in equals TRL's get_soft_overlong_punishment(max_completion_len,
+    soft_punish_cache) on every length from 0 to past the maximum, under TRL's metric name."""
+    from trl.rewards import get_soft_overlong_punishment
+    f = load_reward_func("soft_overlong_punishment", max_completion_length=max_len,
+                         soft_punish_cache=cache)
+    ids = [[7] * n for n in range(max_len + 3)]
+    got = compute_rewards([f], ["p"] * len(ids), ["c"] * len(ids), ids)[:, 0]
+    want = get_soft_overlong_punishment(max_len, cache)(ids)
+    np.testing.assert_array_equal(got, np.float32(want))
+    assert rewards_lib.reward_names([f]) == [get_soft_overlong_punishment(8, 3).__name__]
+    with pytest.raises(RewardError, match="set soft_punish_cache"):
+        load_reward_func("soft_overlong_punishment", max_completion_length=max_len)
+
+
+def test_soft_overlong_punishment_counts_completion_ids_as_trl():
+    """Through the run's scorer, a completion's length is TRL's: its tokens up to and including
+    the first EOS (TRL's completion_mask rule, written out from its _generate), all of them when
+    there is none."""
+    import jax
+
+    from hf_oracle import char_tokenizer
+    from grpo_jax import mesh as mesh_lib
+    from grpo_jax.rollout.sampler import RolloutBatch
+    from grpo_jax.train import RewardScorer
+    from trl.rewards import get_soft_overlong_punishment
+    tok, C, eos = char_tokenizer(), 8, 2
+    raw = np.random.default_rng(0).integers(4, 99, (8, C)).astype(np.int32)
+    for row, at in enumerate([0, 2, 4, 5, 7, None, None, 3]):
+        if at is not None:
+            raw[row, at] = eos
+            raw[row, at + 1:] = tok.pad_token_id  # the sampler's layout after the stop token
+    is_eos = raw == eos  # TRL: eos_idx = first EOS (or the width), mask = index <= eos_idx
+    eos_idx = np.where(is_eos.any(1), is_eos.argmax(1), C)
+    trl_mask = np.arange(C)[None] <= eos_idx[:, None]
+    trl_ids = [r[m].tolist() for r, m in zip(raw, trl_mask)]
+    ones = np.ones((8, 1), np.int32)
+    ours = (raw != tok.pad_token_id).astype(np.int32)  # the sampler's: through the stop token
+    r = RolloutBatch(ones, ones, raw, ours, ~is_eos.any(1), np.zeros((8, C), np.float32))
+    f = load_reward_func("soft_overlong_punishment", max_completion_length=C, soft_punish_cache=6)
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(1, 1, 1), jax.devices()[:1])
+    scores = RewardScorer([f], tok, mesh, num_generations=4)([{"prompt": "p"}] * 2, r)
+    want = get_soft_overlong_punishment(C, 6)(trl_ids)
+    np.testing.assert_array_equal(scores.per_func[:, 0], np.float32(want))
+    assert len(set(want)) >= 5  # the ramp's values, 0 and -1 all occur

@@ -373,3 +373,121 @@ def test_round_uses_multi_objective_aggregation(aggregation):
     assert sorted(fed.tolist()) == sorted(want.tolist())
     for k, v in stats.items():
         assert result.metrics[k] == v
+
+
+class LengthsRollout(StubRollout):
+    """StubRollout whose row r has 1 + r % C completion tokens, and which records its keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.keys = []
+
+    def generate(self, params, prompts, g, key):
+        self.keys.append(key)
+        r = super().generate(params, prompts, g, key)
+        lengths = 1 + r.completion_ids[:, 0] % C
+        mask = (np.arange(C)[None] < lengths[:, None]).astype(np.int32)
+        r = r._replace(completion_mask=mask)
+        self.generated[-1] = r
+        return r
+
+
+def signal_scorer(no_signal):
+    """Rewards by the run's group number q (row // G): all 1.0 where no_signal(q), else 0 and 1
+    by the row's parity (std > 0)."""
+    def score(records, r):
+        rows = r.completion_ids[:, 0]
+        reward = np.where(no_signal(rows // G), 1.0, rows % 2)
+        return Scores(reward[:, None].astype(np.float32))
+    return score
+
+
+def filling_round(no_signal, max_gen_batches=10, spg=4, scale="group"):
+    p = plan(spg, 1)
+    rnd = GRPORound(StubTrainer(), LengthsRollout(), p, signal_scorer(no_signal), ["r"], scale,
+                    None, filter_groups=max_gen_batches)
+    more = lambda: [{"prompt_ids": [1, 2]}] * p.prompts_per_generation  # noqa: E731
+    return rnd, more
+
+
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_dynamic_sampling_fills_the_batch_with_groups_with_signal(scale):
+    """Groups 0, 4, 8, ... score alike: each generation of 4 groups keeps 3, so a batch takes
+    two generations and the first 4 kept groups in order (verl drops the surplus). The update
+    sees only those; their advantages, num_items (TRL's dapo normaliser) and the reward stats
+    are the filled batch's; the first generation uses the round's key."""
+    from grpo_jax.grpo.advantages import compute_advantages
+    from grpo_jax.grpo.loss import num_items_per_row
+    rnd, more = filling_round(lambda q: q % 4 == 0, scale=scale)
+    state = State(0, 0)
+    for k, want_groups in enumerate([[1, 2, 3, 5], [9, 10, 11, 13]]):
+        result = rnd(state, more(), jax.random.key(k), more_records=more)
+        state = result.state
+        fed = np.concatenate([row_ids(w) for w in rnd.trainer.windows[-4:]])
+        assert sorted(set((fed // G).tolist())) == want_groups
+        assert sorted(fed.tolist()) == [q * G + i for q in want_groups for i in range(G)]
+        rows = np.array([q * G + i for q in want_groups for i in range(G)])
+        kept = rnd.score(None, rnd.rollout.generated[0]._replace(
+            completion_ids=np.repeat(rows[:, None], C, 1))).per_func
+        _, want_adv, stats = compute_advantages(kept, G, scale)
+        np.testing.assert_array_equal(result.advantages, want_adv)
+        by_row = {int(r): a for w in rnd.trainer.windows[-4:]
+                  for r, a in zip(row_ids(w), w.advantages)}
+        assert [by_row[int(r)] for r in rows] == want_adv.tolist()
+        lengths = 1 + rows % C
+        mask = (np.arange(C)[None] < lengths[:, None]).astype(np.int32)
+        want_items = num_items_per_row(mask, np.zeros(rows.size, bool), rnd.trainer.cfg.loss)
+        for w in rnd.trainer.windows[-4:]:
+            np.testing.assert_array_equal(w.num_items, want_items[:w.size])
+        assert result.metrics["frac_reward_zero_std"] == 0.0
+        assert result.metrics["reward"] == stats["reward"]
+        assert result.metrics["dynamic_sampling/num_gen_batches"] == 2
+        assert result.metrics["dynamic_sampling/filtered_frac"] == 0.25
+        assert result.num_tokens == int(rows.size + lengths.sum())  # 1 prompt token a row
+    keys = [np.asarray(jax.random.key_data(k)) for k in rnd.rollout.keys]
+    for k in range(2):
+        np.testing.assert_array_equal(keys[2 * k], jax.random.key_data(jax.random.key(k)))
+        np.testing.assert_array_equal(
+            keys[2 * k + 1], jax.random.key_data(jax.random.fold_in(jax.random.key(k), 1)))
+    if scale == "group":  # a group's advantages are its own: as in its generation, unfiltered
+        gen0 = rnd.score(None, rnd.rollout.generated[0]).per_func
+        _, adv0, _ = compute_advantages(gen0, G, "group")
+        np.testing.assert_array_equal(adv0[4:16], compute_advantages(
+            gen0[4:16], G, "group")[1])
+
+
+def test_dynamic_sampling_with_signal_everywhere_is_the_plain_round():
+    a, more = filling_round(lambda q: np.zeros_like(q, bool))
+    b = make_round(a.plan)
+    b.rollout, b.score = LengthsRollout(), a.score
+    for k in range(2):
+        ra = a(State(k, k), more(), jax.random.key(k), more_records=more)
+        rb = b(State(k, k), more(), jax.random.key(k))
+        assert ra.metrics["dynamic_sampling/num_gen_batches"] == 1
+        np.testing.assert_array_equal(ra.advantages, rb.advantages)
+    for wa, wb in zip(a.trainer.windows, b.trainer.windows, strict=True):
+        assert jax.tree.all(jax.tree.map(np.array_equal, wa, wb))
+
+
+def test_dynamic_sampling_gives_up_after_max_num_gen_batches():
+    from grpo_jax.dynamic_sampling import NoSignalError
+    rnd, more = filling_round(lambda q: np.ones_like(q, bool), max_gen_batches=3)
+    with pytest.raises(NoSignalError, match="3 generation batches .* gave 0 of the 4 prompt "
+                       "groups .* the reward gives no signal"):
+        rnd(State(0, 0), more(), jax.random.key(0), more_records=more)
+    assert len(rnd.rollout.generated) == 3 and not rnd.trainer.windows and not rnd.buffer
+    # 0: no limit (verl's). Groups 0-19 (five generations) have none, the sixth fills it.
+    rnd, more = filling_round(lambda q: q < 20, max_gen_batches=0)
+    result = rnd(State(0, 0), more(), jax.random.key(0), more_records=more)
+    assert result.metrics["dynamic_sampling/num_gen_batches"] == 6
+    assert result.metrics["dynamic_sampling/filtered_frac"] == 20 / 24
+
+
+def test_dynamic_sampling_stopped_mid_fill_changes_nothing():
+    """more_records() None (a stop signal): the round returns with nothing trained, buffered or
+    counted, so the checkpoint's data position is the batch's start."""
+    rnd, more = filling_round(lambda q: q % 2 == 0)
+    result = rnd(State(3, 3), more(), jax.random.key(0), more_records=lambda: None)
+    assert result.state == State(3, 3) and result.scores is None and result.updates == 0
+    assert result.num_tokens == 0 and not rnd.buffer and not rnd.trainer.windows
+    assert len(rnd.rollout.generated) == 1

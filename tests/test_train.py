@@ -376,3 +376,85 @@ def test_sync_ref_model_resume_equals_uninterrupted(tiny_dir, tmp_path):
     kl = [[json.loads(line)["kl"] for line in (tmp_path / run / "metrics.jsonl").open()][-1]
           for run in ("full", "cut")]
     assert kl[0] == pytest.approx(kl[1], rel=1e-4, abs=1e-9)
+
+
+ODD_POSTS = f"[{HERE / 'reward_fixtures.py'}:even_tokens_odd_posts]"
+
+
+def _post_number(tok, prompt_ids, prompt_mask):
+    import re
+    return int(re.search(r"Post number (\d+)", tok.decode(prompt_ids[prompt_mask > 0])).group(1))
+
+
+def test_dynamic_sampling_trains_only_on_groups_with_signal(tiny_dir, tmp_path, monkeypatch):
+    """Posts with an even number score 0.5 whatever the completion: their groups never reach an
+    update, and every group an update sees has rewards that differ; the batches take more than
+    one generation, which the metrics count."""
+    from transformers import AutoTokenizer
+    generated, fed = _record_rounds(monkeypatch)
+    train(config(tiny_dir, tmp_path / "run", max_steps=3, reward_funcs=ODD_POSTS,
+                 dynamic_sampling=True), devices=jax.devices()[:1])
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    assert len(fed) == 3 and all(b.size == 16 for b in fed)
+    for b in fed:
+        for i in range(0, b.size, 4):  # one group: 4 rows of one prompt
+            posts = {_post_number(tok, b.prompt_ids[j], b.prompt_mask[j]) for j in range(i, i + 4)}
+            ids = [b.completion_ids[j][b.completion_mask[j] > 0] for j in range(i, i + 4)]
+            even = [np.mean(x % 2 == 0) for x in ids]
+            assert len(posts) == 1 and posts.pop() % 2 == 1 and np.std(even) > 0
+            assert np.abs(b.advantages[i:i + 4]).max() > 0
+    history = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    gens = [h["dynamic_sampling/num_gen_batches"] for h in history]
+    assert len(generated) == sum(gens) > 3 and all(g >= 1 for g in gens)
+    assert all(h["frac_reward_zero_std"] == 0.0 for h in history)
+    assert all(0.25 <= h["dynamic_sampling/filtered_frac"] < 1.0 for h in history), history
+
+
+def test_dynamic_sampling_constant_reward_stops_with_one_line(tiny_dir, tmp_path):
+    run = _run_cli(_cli_args(tiny_dir, tmp_path / "run", max_steps=2, dynamic_sampling=True,
+                             max_num_gen_batches=2,
+                             reward_funcs=f"[{HERE / 'reward_fixtures.py'}:constant]"))
+    out, err = run.communicate(timeout=600)
+    errors = [line for line in err.splitlines() if line.startswith("grpo_jax.train: error:")]
+    assert run.returncode == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
+    assert "2 generation batches" in errors[0] and "the reward gives no signal" in errors[0]
+
+
+def test_dynamic_sampling_resume_mid_batch_equals_uninterrupted(tiny_dir, tmp_path,
+                                                              monkeypatch):
+    """A run that fails (as a SIGKILL would end it: the last checkpoint is what stands) or is
+    stopped by SIGTERM while a batch is half filled resumes from the position before that batch
+    and regenerates it with the same keys: its params, data position and metrics equal a run
+    straight through."""
+    from grpo_jax.checkpoint import load_checkpoint
+    from grpo_jax.errors import GrpoJaxError
+    odd = dict(reward_funcs=ODD_POSTS, dynamic_sampling=True, save_steps=1)
+    train(config(tiny_dir, tmp_path / "full", max_steps=3, **odd), devices=jax.devices()[:1])
+    history = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").open()]
+    gens = [int(h["dynamic_sampling/num_gen_batches"]) for h in history]
+    k = next(k for k in range(1, 3) if gens[k] >= 2)  # a batch after a checkpoint, two parts
+    # sigterm in its first generation's scoring: the stop is seen before the second; raise in
+    # its second generation's scoring: the first generation's kept groups are lost.
+    for how, call in [("sigterm", sum(gens[:k]) + 1), ("raise", sum(gens[:k]) + 2)]:
+        out = tmp_path / how
+        monkeypatch.setenv("GRPO_TEST_INTERRUPT", f"{call}:{how}:{tmp_path / (how + '.calls')}")
+        if how == "raise":
+            with pytest.raises(GrpoJaxError, match="interrupted by the test"):
+                train(config(tiny_dir, out, max_steps=3, **odd), devices=jax.devices()[:1])
+        else:
+            train(config(tiny_dir, out, max_steps=3, **odd), devices=jax.devices()[:1])
+        ckpt = Checkpointer(out / "checkpoints", save_total_limit=None)
+        assert ckpt.all_steps() == list(range(1, k + 1)), (how, ckpt.all_steps())
+        ckpt.close()
+        monkeypatch.delenv("GRPO_TEST_INTERRUPT")
+        train(config(tiny_dir, out, max_steps=3, resume=True, **odd), devices=jax.devices()[:1])
+        a, _, step_a = load_checkpoint(tmp_path / "full")
+        b, _, step_b = load_checkpoint(out)
+        assert step_a == step_b == 3
+        for name, pa in hf.params_numpy(a).items():
+            assert np.abs(pa - hf.params_numpy(b)[name]).max() < 1e-6, (how, name)
+        resumed = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+        assert [h["step"] for h in resumed] == [1, 2, 3]
+        for h, want in zip(resumed, history):
+            for key in ("reward", "dynamic_sampling/num_gen_batches", "num_tokens"):
+                assert h[key] == pytest.approx(want[key], rel=1e-6), (how, key)
