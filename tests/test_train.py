@@ -378,34 +378,46 @@ def test_sync_ref_model_resume_equals_uninterrupted(tiny_dir, tmp_path):
     assert kl[0] == pytest.approx(kl[1], rel=1e-4, abs=1e-9)
 
 
-ODD_POSTS = f"[{HERE / 'reward_fixtures.py'}:even_tokens_odd_posts]"
+ODD_POSTS = dict(reward_funcs=f"[{HERE / 'reward_fixtures.py'}:even_tokens_odd_posts]",
+                 dynamic_sampling=True, save_steps=1, max_steps=3)
 
 
-def _post_number(tok, prompt_ids, prompt_mask):
+@pytest.fixture(scope="module")
+def odd_posts_run(tiny_dir, tmp_path_factory):
+    """A dynamic_sampling run of 3 steps where posts with an even number score 0.5 whatever
+    the completion (their groups have no signal): (output_dir, the windows its updates saw)."""
+    from grpo_jax.trainer import Trainer
+    out, fed = tmp_path_factory.mktemp("odd_posts") / "run", []
+    step = Trainer.step
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Trainer, "step", lambda self, s, b: fed.append(b) or step(self, s, b))
+        train(config(tiny_dir, out, **ODD_POSTS), devices=jax.devices()[:1])
+    return out, fed
+
+
+def _history(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").open()]
+
+
+def test_dynamic_sampling_trains_only_on_groups_with_signal(tiny_dir, odd_posts_run):
+    """No group of an even-numbered post reaches an update, and every group an update sees has
+    rewards that differ; the batches take more than one generation, which the metrics count."""
     import re
-    return int(re.search(r"Post number (\d+)", tok.decode(prompt_ids[prompt_mask > 0])).group(1))
 
-
-def test_dynamic_sampling_trains_only_on_groups_with_signal(tiny_dir, tmp_path, monkeypatch):
-    """Posts with an even number score 0.5 whatever the completion: their groups never reach an
-    update, and every group an update sees has rewards that differ; the batches take more than
-    one generation, which the metrics count."""
     from transformers import AutoTokenizer
-    generated, fed = _record_rounds(monkeypatch)
-    train(config(tiny_dir, tmp_path / "run", max_steps=3, reward_funcs=ODD_POSTS,
-                 dynamic_sampling=True), devices=jax.devices()[:1])
+    out, fed = odd_posts_run
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     assert len(fed) == 3 and all(b.size == 16 for b in fed)
     for b in fed:
         for i in range(0, b.size, 4):  # one group: 4 rows of one prompt
-            posts = {_post_number(tok, b.prompt_ids[j], b.prompt_mask[j]) for j in range(i, i + 4)}
-            ids = [b.completion_ids[j][b.completion_mask[j] > 0] for j in range(i, i + 4)]
-            even = [np.mean(x % 2 == 0) for x in ids]
+            posts = {int(re.search(r"Post number (\d+)", tok.decode(
+                b.prompt_ids[j][b.prompt_mask[j] > 0])).group(1)) for j in range(i, i + 4)}
+            even = [np.mean(b.completion_ids[j][b.completion_mask[j] > 0] % 2 == 0)
+                    for j in range(i, i + 4)]
             assert len(posts) == 1 and posts.pop() % 2 == 1 and np.std(even) > 0
             assert np.abs(b.advantages[i:i + 4]).max() > 0
-    history = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
-    gens = [h["dynamic_sampling/num_gen_batches"] for h in history]
-    assert len(generated) == sum(gens) > 3 and all(g >= 1 for g in gens)
+    history = _history(out)
+    assert sum(h["dynamic_sampling/num_gen_batches"] for h in history) > 3
     assert all(h["frac_reward_zero_std"] == 0.0 for h in history)
     assert all(0.25 <= h["dynamic_sampling/filtered_frac"] < 1.0 for h in history), history
 
@@ -421,40 +433,41 @@ def test_dynamic_sampling_constant_reward_stops_with_one_line(tiny_dir, tmp_path
 
 
 def test_dynamic_sampling_resume_mid_batch_equals_uninterrupted(tiny_dir, tmp_path,
-                                                              monkeypatch):
-    """A run that fails (as a SIGKILL would end it: the last checkpoint is what stands) or is
-    stopped by SIGTERM while a batch is half filled resumes from the position before that batch
-    and regenerates it with the same keys: its params, data position and metrics equal a run
-    straight through."""
+                                                              monkeypatch, odd_posts_run):
+    """Interrupted twice while a batch is half filled: by SIGTERM in batch 2's first generation
+    (the stop is seen before its second: the batch is dropped), then, resumed, by a failure in
+    batch 3's second generation (as a SIGKILL ends a run: the last checkpoint stands; the first
+    generation's kept groups are lost). Each resume starts from the data position before the
+    batch and regenerates it with the same keys: params and metrics equal a run straight
+    through."""
     from grpo_jax.checkpoint import load_checkpoint
     from grpo_jax.errors import GrpoJaxError
-    odd = dict(reward_funcs=ODD_POSTS, dynamic_sampling=True, save_steps=1)
-    train(config(tiny_dir, tmp_path / "full", max_steps=3, **odd), devices=jax.devices()[:1])
-    history = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").open()]
-    gens = [int(h["dynamic_sampling/num_gen_batches"]) for h in history]
-    k = next(k for k in range(1, 3) if gens[k] >= 2)  # a batch after a checkpoint, two parts
-    # sigterm in its first generation's scoring: the stop is seen before the second; raise in
-    # its second generation's scoring: the first generation's kept groups are lost.
-    for how, call in [("sigterm", sum(gens[:k]) + 1), ("raise", sum(gens[:k]) + 2)]:
-        out = tmp_path / how
-        monkeypatch.setenv("GRPO_TEST_INTERRUPT", f"{call}:{how}:{tmp_path / (how + '.calls')}")
+    full, _ = odd_posts_run
+    gens = [int(h["dynamic_sampling/num_gen_batches"]) for h in _history(full)]
+    assert gens[1] >= 2 and gens[2] >= 2, gens  # batches 2 and 3 take two generations or more
+    out = tmp_path / "run"
+    for how, call, saved in [("sigterm", gens[0] + 1, [1]), ("raise", gens[1] + 2, [1, 2])]:
+        counter = tmp_path / f"{how}.calls"  # reward calls of this run
+        monkeypatch.setenv("GRPO_TEST_INTERRUPT", f"{call}:{how}:{counter}")
+        cfg = config(tiny_dir, out, resume=how == "raise", **ODD_POSTS)
         if how == "raise":
             with pytest.raises(GrpoJaxError, match="interrupted by the test"):
-                train(config(tiny_dir, out, max_steps=3, **odd), devices=jax.devices()[:1])
+                train(cfg, devices=jax.devices()[:1])
         else:
-            train(config(tiny_dir, out, max_steps=3, **odd), devices=jax.devices()[:1])
+            train(cfg, devices=jax.devices()[:1])
+        assert int(counter.read_text()) == call
         ckpt = Checkpointer(out / "checkpoints", save_total_limit=None)
-        assert ckpt.all_steps() == list(range(1, k + 1)), (how, ckpt.all_steps())
+        assert ckpt.all_steps() == saved, (how, ckpt.all_steps())
         ckpt.close()
-        monkeypatch.delenv("GRPO_TEST_INTERRUPT")
-        train(config(tiny_dir, out, max_steps=3, resume=True, **odd), devices=jax.devices()[:1])
-        a, _, step_a = load_checkpoint(tmp_path / "full")
-        b, _, step_b = load_checkpoint(out)
-        assert step_a == step_b == 3
-        for name, pa in hf.params_numpy(a).items():
-            assert np.abs(pa - hf.params_numpy(b)[name]).max() < 1e-6, (how, name)
-        resumed = [json.loads(line) for line in (out / "metrics.jsonl").open()]
-        assert [h["step"] for h in resumed] == [1, 2, 3]
-        for h, want in zip(resumed, history):
-            for key in ("reward", "dynamic_sampling/num_gen_batches", "num_tokens"):
-                assert h[key] == pytest.approx(want[key], rel=1e-6), (how, key)
+    monkeypatch.delenv("GRPO_TEST_INTERRUPT")
+    train(config(tiny_dir, out, resume=True, **ODD_POSTS), devices=jax.devices()[:1])
+    a, _, step_a = load_checkpoint(full)
+    b, _, step_b = load_checkpoint(out)
+    assert step_a == step_b == 3
+    for name, pa in hf.params_numpy(a).items():
+        assert np.abs(pa - hf.params_numpy(b)[name]).max() < 1e-6, name
+    resumed = _history(out)
+    assert [h["step"] for h in resumed] == [1, 2, 3]
+    for h, want in zip(resumed, _history(full)):
+        for key in ("reward", "dynamic_sampling/num_gen_batches", "num_tokens"):
+            assert h[key] == pytest.approx(want[key], rel=1e-6), key
