@@ -53,15 +53,15 @@ def _has_cudnn() -> bool:
 
 @contextlib.contextmanager
 def backend_of(target):
-    """Trace as on the target: on a GPU, attention_impl "auto" picks cuDNN where a run would
-    (this process runs on the CPU backend). Tracing cuDNN attention needs the cuDNN library
-    (`pip install nvidia-cudnn-cu13`); without it attention is XLA's, which holds the scores in
-    HBM: the memory figures then err high."""
+    """Trace as on the target: attention_impl "auto" picks splash attention on a TPU and
+    cuDNN on a GPU where a run would (this process runs on the CPU backend). Tracing cuDNN
+    attention needs the cuDNN library (`pip install nvidia-cudnn-cu13`); without it attention
+    is XLA's, which holds the scores in HBM: the memory figures then err high."""
     import jax
 
     from grpo_jax.models import config as model_config_lib
     gpu = target.platform == "cuda" and _has_cudnn()
-    backend = "gpu" if gpu else jax.default_backend()
+    backend = "gpu" if gpu else "tpu" if target.platform == "tpu" else jax.default_backend()
     with mock.patch.object(model_config_lib, "jax",
                            types.SimpleNamespace(default_backend=lambda: backend)):
         yield
@@ -92,6 +92,7 @@ def analyze(target, cfg, quick: bool = False) -> dict:
     with backend_of(target):
         progs = programs.build(run)
         compiled = {k: _compile(k, v) for k, v in progs.lowered.items() if k != "prefill"}
+        attention = _attention_kernel(run, progs.prompt_width)
         costs = {}
         # XLA's GPU compiler gives no cost analysis without a device: no roofline there.
         if not quick and target.platform == "tpu":
@@ -169,10 +170,26 @@ def analyze(target, cfg, quick: bool = False) -> dict:
                        for k, c in per_phase.items()},
             "round_s": sum(seconds.values()),
             "per_update_s": costs["update"].seconds(chip)}
-    result.update(attention="cudnn" if target.platform == "cuda" and _has_cudnn() else "xla",
+    result.update(attention=attention,
                   compile_s=time.perf_counter() - start, jax=jax.__version__,
                   libtpu=_version("libtpu"), host=f"{platform.machine()} x{os.cpu_count()}")
     return result
+
+
+def _attention_kernel(run, prompt_width: int) -> str:
+    """The update's attention kernel over a whole row (Decoder's _attend decides the same
+    way): splash falls back to the blockwise attention where its blocks do not tile."""
+    from grpo_jax import mesh as mesh_lib
+    from grpo_jax.models import attention
+
+    cfg, cp = run.cfg, mesh_lib.context_size(run.mesh)
+    C = cfg.generation.max_completion_length
+    keys = prompt_width + C
+    kernel = run.model.attention_kernel(keys, context_parallel=cp > 1 and C % cp == 0)
+    if kernel == "splash" and not attention.splash_fits(C, keys, run.model.attention_block,
+                                                        cp if C % cp == 0 else 1):
+        return "flash"
+    return kernel
 
 
 def _compile(phase: str, lowered):

@@ -146,7 +146,7 @@ def build(run: Run) -> Programs:
     C = run.cfg.generation.max_completion_length
     cache = jax.eval_shape(lambda: KVCache.zeros(run.model, rows, width + C, sampler.cache_dtype))
     cache_sh = jax.tree.map(lambda x: mesh_lib.logical_sharding(
-        mesh, "batch", "kv_heads", None, None, shape=x.shape), cache)
+        mesh, "batch", "kv_heads", "length", None, shape=x.shape), cache)
     lowered = {
         "generate": sampler._program.lower(*gen_args, num_generations=g, rows=rows),
         "prefill": prefill.lower(*gen_args),

@@ -84,7 +84,8 @@ def render(r: dict) -> str:
     verdict = "fits" if m["fits"] else "does NOT fit"
     lines.append(f"  peak {m['peak_GB']:.2f} of {m['hbm_GB']:.0f} GB HBM: {verdict} "
                  f"({'margin' if m['fits'] else 'over by'} {abs(m['margin_GB']):.2f} GB)")
-    lines.append(f"  compiled in {r['compile_s']:.0f} s on {r['host']} (jax {r['jax']}"
+    lines.append(f"  attention: {r['attention']}; compiled in {r['compile_s']:.0f} s on "
+                 f"{r['host']} (jax {r['jax']}"
                  f"{', libtpu ' + r['libtpu'] if r.get('libtpu') else ''})")
     if t is None:
         return "\n".join(lines)

@@ -9,17 +9,20 @@ loss.py for each loss_type, and for the entropy bonus's per-micro-batch mean).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
+from grpo_jax import mesh as mesh_lib
 from grpo_jax.grpo import loss as loss_lib
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.logprobs import token_logprobs
-from grpo_jax.models import lora
+from grpo_jax.models import attention, lora
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,24 +68,44 @@ def state_shardings(loss: loss_lib.LossConfig, params, opt_state, scalar) -> Tra
 def completion_logps(model, batch: Batch, temperature: float, chunk: int, group: int = 1):
     """Per-token log-probs (and entropies) of the completion tokens under `model`. `group` > 1:
     every block of `group` consecutive rows shares its prompt (Trainer.prompt_group checks it),
-    which then runs once per block (Decoder.shared_prefix); the same values as group 1."""
+    which then runs once per block (Decoder.shared_prefix); the same values as group 1.
+    With a context axis the positions run in the decoder's `sequence_order` (split over the
+    axis, load-balanced) through the log-prob head too: only the [N, C] results are put back in
+    sequence order."""
     P_len, C = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
+    head = functools.partial(token_logprobs, head_w=model.head_weight(), temperature=temperature,
+                             chunk_size=chunk, softcap=model.cfg.final_logit_softcapping,
+                             layout=model.head_layout)
+    # Position t predicts token t + 1: targets shifted left (the last one predicts nothing).
+    shift = lambda ids: jnp.pad(ids[:, 1:], ((0, 0), (0, 1)))  # noqa: E731
     # LoRA dropout draws its masks per row: a shared prompt would share them.
     if group > 1 and getattr(model, "lora_dropout_key", None) is None:
+        o_p, o_c = model.sequence_order(P_len), model.sequence_order(C)
         prompt, hidden = model.shared_prefix(
             batch.prompt_ids[::group], batch.prompt_mask[::group], batch.completion_ids,
-            batch.completion_mask, group)
-        last = model.shard_rows(jnp.repeat(prompt[:, -1:], group, axis=0))
-        hidden = jnp.concatenate([last, hidden[:, :C - 1]], axis=1)  # t predicts token t + 1
-    else:
-        ids = jnp.concatenate([batch.prompt_ids, batch.completion_ids], axis=1)
-        mask = jnp.concatenate([batch.prompt_mask, batch.completion_mask], axis=1)
-        positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-        hidden, _ = model(ids, positions, mask)
+            batch.completion_mask, group, orders=(o_p, o_c))
+        at = P_len - 1 if o_p is None else int(np.flatnonzero(o_p == P_len - 1)[0])
+        last = model.shard_rows(jnp.repeat(prompt[:, at:at + 1], group, axis=0))
+        if o_c is None:
+            hidden = jnp.concatenate([last, hidden[:, :C - 1]], axis=1)  # t predicts t + 1
+            return head(hidden, targets=batch.completion_ids)
+        first = head(last, targets=batch.completion_ids[:, :1])
+        rest = head(hidden, targets=shift(batch.completion_ids)[:, o_c], seq_shards=mesh_lib.context_size(model.mesh))
+        back = attention.inverse(o_c)
+        return tuple(jnp.concatenate([a, b[:, back][:, :C - 1]], axis=1)
+                     for a, b in zip(first, rest))
+    ids = jnp.concatenate([batch.prompt_ids, batch.completion_ids], axis=1)
+    mask = jnp.concatenate([batch.prompt_mask, batch.completion_mask], axis=1)
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    order = model.sequence_order(P_len + C)
+    hidden, _ = model(ids, positions, mask, order=order)
+    if order is None:
         hidden = hidden[:, P_len - 1:P_len - 1 + C]  # position t predicts token t + 1
-    return token_logprobs(hidden, model.head_weight(), batch.completion_ids, temperature,
-                          chunk_size=chunk, softcap=model.cfg.final_logit_softcapping,
-                          layout=model.head_layout)
+        return head(hidden, targets=batch.completion_ids)
+    out = head(hidden, targets=shift(ids)[:, order],
+               seq_shards=mesh_lib.context_size(model.mesh))
+    back = attention.inverse(order)
+    return tuple(x[:, back][:, P_len - 1:P_len - 1 + C] for x in out)
 
 
 def _micro_loss(params, graphdef, cfg: StepConfig, mb: Batch, frozen=(),

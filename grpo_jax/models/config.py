@@ -29,6 +29,7 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 SUPPORTED_MODEL_TYPES = (*FAMILIES, "gemma3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+ATTENTION_IMPLS = ("auto", "xla", "flash", "splash", "cudnn")
 
 
 class ModelConfigError(GrpoJaxError, ValueError):
@@ -54,6 +55,9 @@ class Numerics:
     # steps_per_generation = gradient_accumulation_steps, TRL's default, an update sees the
     # same rows either way). false: TRL's row shuffle, every row runs its prompt.
     shared_prefix: bool = True
+    # Queries and keys per block of the blockwise attention (attention.flash, and splash's
+    # blocks on TPU): scores are held one [block, block] pair at a time, never [T, S].
+    attention_block: int = 512
 
     def __post_init__(self):
         check(self.remat_policy in ("full", "dots"),
@@ -82,8 +86,9 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3
     max_position_embeddings: int = 4096
     numerics: Numerics = Numerics()
-    # "xla" (portable), "cudnn" (fused flash attention on NVIDIA GPUs, bf16/fp16 only) or
-    # "auto": cudnn on a GPU for training, log-probs and prefill (see use_cudnn_attention).
+    # "xla" (the plain [T, S] scores), "flash" (blockwise, plain JAX: models/attention.py),
+    # "splash" (Pallas splash attention, TPU only), "cudnn" (fused flash attention on NVIDIA
+    # GPUs, bf16/fp16 only) or "auto": see attention_kernel.
     attention_impl: str = "auto"
     hidden_act: str = "silu"  # "gelu_pytorch_tanh": Gemma's GeGLU MLP
     norm_offset: bool = False  # Gemma: RMSNorm scales by (1 + w)
@@ -100,9 +105,9 @@ class ModelConfig:
     rope_linear: float | None = None  # linear RoPE scaling of the full-attention layers
 
     def __post_init__(self):
-        if self.attention_impl not in ("auto", "xla", "cudnn"):
-            raise ValueError(f"attention_impl={self.attention_impl!r}: use 'auto', 'xla' or "
-                             "'cudnn'")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl={self.attention_impl!r}: use one of "
+                             f"{', '.join(ATTENTION_IMPLS)}")
         if self.hidden_act not in ACTIVATIONS:
             raise ModelConfigError(f"unsupported hidden_act {self.hidden_act!r}; supported: "
                                    f"{', '.join(ACTIVATIONS)}")
@@ -136,6 +141,28 @@ class ModelConfig:
             return (not decode and jax.default_backend() == "gpu"
                     and jnp.dtype(self.dtype) in (jnp.bfloat16, jnp.float16))
         return self.attention_impl == "cudnn"
+
+    def attention_kernel(self, keys: int, context_parallel: bool = False) -> str:
+        """The kernel of a pass without a KV cache (training, log-probs, prefill) over `keys`
+        keys: attention_impl, or for "auto" splash on TPU; on a GPU cuDNN (bf16/fp16) while
+        its dense [T, S] mask stays small (8k keys: 64 MB a row); else the plain scores while
+        the keys fit one block, and the blockwise attention beyond. cuDNN has no soft-capping,
+        nor a mask split over devices: with either the blockwise attention stands in."""
+        impl, block = self.attention_impl, self.numerics.attention_block
+        if impl == "auto":
+            if jax.default_backend() == "tpu":
+                return "splash"
+            impl = "cudnn" if self.use_cudnn_attention() and keys <= 8192 else "xla"
+        if impl == "cudnn" and (context_parallel or self.attn_logit_softcapping is not None):
+            impl = "xla"
+        if impl == "xla" and self.attention_impl == "auto" and (keys > block
+                                                                or context_parallel):
+            return "flash"
+        return impl
+
+    @property
+    def attention_block(self) -> int:
+        return self.numerics.attention_block
 
     @property
     def q_size(self) -> int:

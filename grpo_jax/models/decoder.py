@@ -12,11 +12,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from grpo_jax import mesh as mesh_lib
+from grpo_jax.models import attention as attention_lib
 from grpo_jax.models import lora
+from grpo_jax.models.attention import Mask
 from grpo_jax.models.config import ModelConfig
 
 # name -> (shape, logical axes). L layers, D embed, H heads, K kv heads, Dh head dim, F mlp, V vocab.
@@ -134,6 +137,21 @@ class Decoder(nnx.Module):
         return jax.lax.with_sharding_constraint(x, mesh_lib.logical_sharding(
             self.mesh, "batch", *[None] * (x.ndim - 1), shape=x.shape))
 
+    def shard_tokens(self, x):
+        """x [B, T, ...] (hidden states) with its rows on the batch axes and its positions on
+        the context axis (mesh.RULES' `length`; identity without a mesh)."""
+        if self.mesh is None:
+            return x
+        return jax.lax.with_sharding_constraint(x, mesh_lib.logical_sharding(
+            self.mesh, "batch", "length", *[None] * (x.ndim - 2), shape=x.shape))
+
+    def sequence_order(self, length: int):
+        """The order in which `length` positions go through the decoder under context
+        parallelism (attention.zigzag_order over the mesh's context axis), so that each device
+        does the same causal work; None: sequence order (no context axis, or a length that
+        does not split)."""
+        return attention_lib.zigzag_order(length, mesh_lib.context_size(self.mesh))
+
     def head_layout(self, h, w):
         """One log-prob chunk's hidden states [B, c, D] and head [D, V] on the mesh: vocabulary-
         parallel, every device taking all the chunk's rows (a few MB) and its slice of the
@@ -165,7 +183,7 @@ class Decoder(nnx.Module):
         return [{k: v[i] for k, v in stacked.items()} for i in range(self.cfg.num_layers)]
 
     def __call__(self, tokens, positions, attention_mask, cache: KVCache | None = None,
-                 cache_index=None, layers: list[dict] | None = None):
+                 cache_index=None, layers: list[dict] | None = None, order=None):
         """Run the decoder and return (hidden [B, T, D] after the final norm, new cache).
 
         tokens, positions: [B, T] int. Without a cache, attention_mask is [B, T] (1 = real token),
@@ -173,10 +191,14 @@ class Decoder(nnx.Module):
         of S slots, attention_mask is [B, S] (which slots hold real tokens), the T new tokens are
         written at slots [cache_index, cache_index + T) and attend to every real slot up to
         their own; the layers are unrolled. `layers`: `decode_layers()`, prepared once outside a
-        decode loop (default: computed here).
+        decode loop (default: computed here). `order` (without a cache): a permutation of the T
+        positions (`sequence_order(T)`); the tokens then go through the layers, and come back as
+        hidden states, in that order (attention still sees the sequence in its own order).
         """
         cfg = self.cfg
-        x = self.shard_rows(self.embed_tokens(tokens))
+        if order is not None:
+            tokens, positions = tokens[:, order], positions[:, order]
+        x = self.shard_tokens(self.embed_tokens(tokens))
         sliding = cfg.sliding_layers
         # (cos, sin) per attention kind; sliding layers may have their own RoPE base (Gemma 3).
         rope = {False: rope_tables(cfg, positions)}
@@ -184,14 +206,16 @@ class Decoder(nnx.Module):
         B, T = tokens.shape
         key_ok = attention_mask.astype(bool)
         if cache is None:
-            full = _causal(T, key_ok)
-            masks = {False: full, True: full & _in_window(jnp.arange(T), T, cfg.sliding_window)}
+            mesh, inv = self.mesh, attention_lib.inverse(order)
 
             def body(x, xs):
                 p, slides = xs
-                cos, sin, m = _pick(sliding, slides, {s: (*rope[s], masks[s]) for s in rope})
-                x = _block(cfg, p, self.shard_rows(x), cos, sin, m)[0]
-                return self.shard_rows(x), None
+                cos, sin = _pick(sliding, slides, rope)
+                mask = Mask(np.arange(T) if order is None else order, key_ok,
+                            _window(cfg, slides))
+                x = _block(cfg, p, self.shard_tokens(x), cos, sin, mask, mesh=mesh,
+                           key_order=order)[0]
+                return self.shard_tokens(x), None
 
             if cfg.remat:
                 body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat_policy])
@@ -202,8 +226,13 @@ class Decoder(nnx.Module):
         if isinstance(cache_index, int) and cache_index == 0:
             # A prefill into an empty cache: the tokens attend among themselves only, as
             # without a cache (and with the same kernel), instead of over all S slots.
-            full, cache_index = _causal(T, key_ok[:, :T]), None
-            masks = {False: full, True: full & _in_window(jnp.arange(T), T, cfg.sliding_window)}
+            cache_index = None
+            masks = {s: Mask(np.arange(T), key_ok[:, :T], cfg.sliding_window if s else None)
+                     for s in (False, True)}
+        elif T > 1 and not any(sliding):
+            # A chunk of a long prompt (chunked prefill): query t at position cache_index + t
+            # sees the real positions up to its own, by blocks (attention.flash).
+            masks = {False: Mask(cache_index + jnp.arange(T), key_ok)}
         else:
             # Query t sits at position cache_index + t and sees the real positions up to its own.
             query = cache_index + jnp.arange(T)
@@ -222,52 +251,84 @@ class Decoder(nnx.Module):
             vs.append(cv)
         return self._final_norm(x), KVCache(tuple(ks), tuple(vs))
 
-    def shared_prefix(self, prompt_ids, prompt_mask, ids, mask, group: int):
+    def prefill(self, tokens, positions, attention_mask, cache: KVCache, layers=None,
+                chunk: int | None = None):
+        """Fill an empty cache with T prompt tokens (left-padded; attention_mask [B, T] over
+        the cache's first T slots): returns (hidden [B, 1, D] of the last token, cache).
+        `chunk`: T tokens at a time (chunked prefill, under lax.scan), each chunk attending
+        over the slots written so far by blocks (attention.flash), so a long prompt holds one
+        chunk's activations, not T's. Unchunked where T does not split into chunks, and with
+        sliding-window layers (a chunk written into a ring would overwrite keys its own
+        earlier queries still see)."""
+        T = tokens.shape[1]
+        if not chunk or T <= chunk or T % chunk or any(self.cfg.sliding_layers):
+            hidden, cache = self(tokens, positions, attention_mask, cache=cache, cache_index=0,
+                                 layers=layers)
+            return hidden[:, -1:], cache
+        layers = self.decode_layers() if layers is None else layers
+        split = lambda a: a.reshape(a.shape[0], T // chunk, chunk).swapaxes(0, 1)  # noqa: E731
+
+        def step(cache, xs):
+            i, t, p = xs
+            hidden, cache = self(t, p, attention_mask, cache=cache, cache_index=i * chunk,
+                                 layers=layers)
+            return cache, hidden[:, -1]
+        cache, last = jax.lax.scan(step, cache, (jnp.arange(T // chunk), split(tokens),
+                                                 split(positions)))
+        return last[-1][:, None], cache
+
+    def shared_prefix(self, prompt_ids, prompt_mask, ids, mask, group: int,
+                      orders=(None, None)):
         """The forward of `group` completions per prompt with each prompt computed once (Prefix
         Grouper, arXiv 2506.05433): returns (hidden [g, P, D] of the prompts, hidden [g * group,
         C, D] of the completions), equal to running every row's prompt + completion through
         `__call__` (left-padded prompt_ids / prompt_mask [g, P]; ids / mask [g * group, C],
         row r continuing prompt r // group). The completions attend to their prompt's keys and
         values, copied to the group's rows, so the gradients reaching the prompt positions are
-        summed over the group. Training FLOPs go from N (P + C) to g P + N C token-passes."""
-        cfg = self.cfg
+        summed over the group. Training FLOPs go from N (P + C) to g P + N C token-passes.
+        `orders`: (prompt order, completion order), permutations of P and C positions
+        (`sequence_order`) in which the two parts run and come back, as `__call__`'s order."""
+        cfg, mesh = self.cfg, self.mesh
         P_len, C = prompt_ids.shape[1], ids.shape[1]
         rep = lambda a: self.shard_rows(jnp.repeat(a, group, axis=0))  # noqa: E731
         prompt_ok, ok = prompt_mask.astype(bool), mask.astype(bool)
         positions = {"prompt": positions_from_mask(prompt_mask),
                      "completion": jnp.maximum(rep(prompt_mask.sum(1))[:, None]
                                                + jnp.cumsum(mask, axis=1) - 1, 0)}
+        o_p, o_c = orders
+        tokens = {"prompt": prompt_ids, "completion": ids}
+        for part, o in (("prompt", o_p), ("completion", o_c)):
+            if o is not None:
+                tokens[part], positions[part] = tokens[part][:, o], positions[part][:, o]
         sliding = cfg.sliding_layers
-        # Completion query t is key P + t; it sees its prompt's real keys and its own up to t.
-        seen = jnp.concatenate(
-            [jnp.broadcast_to(rep(prompt_ok)[:, None], (ids.shape[0], C, P_len)),
-             _causal(C, ok)], axis=2)
-        masks = {"prompt": _causal(P_len, prompt_ok), "completion": seen}
-        queries = {"prompt": jnp.arange(P_len), "completion": P_len + jnp.arange(C)}
-        tables = {}  # part -> sliding -> (cos, sin, mask)
-        for part in masks:
+        rope = {}  # part -> sliding -> (cos, sin)
+        for part in positions:
             full = rope_tables(cfg, positions[part])
-            local = rope_tables(cfg, positions[part], local=True) if any(sliding) else full
-            window = masks[part] & _in_window(queries[part], masks[part].shape[2],
-                                              cfg.sliding_window)
-            tables[part] = {False: (*full, masks[part]), True: (*local, window)}
+            rope[part] = {False: full, True: rope_tables(cfg, positions[part], local=True)
+                          if any(sliding) else full}
+        # Completion query t is key P + t; it sees its prompt's real keys and its own up to t.
+        queries = {"prompt": np.arange(P_len) if o_p is None else o_p,
+                   "completion": P_len + (np.arange(C) if o_c is None else o_c)}
+        keys_ok = {"prompt": prompt_ok, "completion": jnp.concatenate([rep(prompt_ok), ok], 1)}
 
         def body(carry, xs):
             x_prompt, x = carry
             p, slides = xs
-            cos, sin, m = _pick(sliding, slides, tables["prompt"])
-            q, k, v = _qkv(cfg, p, x_prompt, cos, sin)
-            x_prompt = _attn_out_and_mlp(cfg, p, x_prompt, _attend(cfg, q, k, v, m))
-            cos, sin, m = _pick(sliding, slides, tables["completion"])
-            q, kc, vc = _qkv(cfg, p, x, cos, sin)
-            k = jnp.concatenate([rep(k), kc], axis=1)
-            v = jnp.concatenate([rep(v), vc], axis=1)
-            x = _attn_out_and_mlp(cfg, p, x, _attend(cfg, q, k, v, m, offset=P_len))
-            return (self.shard_rows(x_prompt), self.shard_rows(x)), None
+            window = _window(cfg, slides)
+            q, k, v = _qkv(cfg, p, x_prompt, *_pick(sliding, slides, rope["prompt"]))
+            k, v = (attention_lib.gather_keys(a, o_p, mesh) for a in (k, v))
+            x_prompt = _attn_out_and_mlp(cfg, p, x_prompt, _attend(
+                cfg, q, k, v, Mask(queries["prompt"], keys_ok["prompt"], window), mesh))
+            q, kc, vc = _qkv(cfg, p, x, *_pick(sliding, slides, rope["completion"]))
+            k = jnp.concatenate([rep(k), attention_lib.gather_keys(kc, o_c, mesh)], axis=1)
+            v = jnp.concatenate([rep(v), attention_lib.gather_keys(vc, o_c, mesh)], axis=1)
+            x = _attn_out_and_mlp(cfg, p, x, _attend(
+                cfg, q, k, v, Mask(queries["completion"], keys_ok["completion"], window), mesh))
+            return (self.shard_tokens(x_prompt), self.shard_tokens(x)), None
 
         if cfg.remat:
             body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat_policy])
-        x0 = tuple(self.shard_rows(self.embed_tokens(t)) for t in (prompt_ids, ids))
+        x0 = tuple(self.shard_tokens(self.embed_tokens(tokens[part])) for part in tokens)
         (x_prompt, x), _ = jax.lax.scan(body, x0, (self.layer_params(), jnp.asarray(sliding)))
         return self._final_norm(x_prompt), self._final_norm(x)
 
@@ -291,18 +352,18 @@ def _pick(sliding: tuple[bool, ...], slides, by_kind: dict):
     return jax.tree.map(lambda u, v: jnp.where(slides, u, v), by_kind[True], by_kind[False])
 
 
-def _causal(T: int, key_ok: jax.Array) -> jax.Array:
-    """[B, T, T]: query t sees the real keys at positions <= t."""
-    return jnp.tril(jnp.ones((T, T), bool))[None] & key_ok[:, None, :]
-
-
-def _in_window(query, S: int, window: int | None) -> jax.Array:
-    """[T, S]: key position s is fewer than `window` positions behind query position q
-    (transformers' sliding_window_overlay: kv_idx > q_idx - window). Left padding shifts a
-    row's tokens but not their distances, so positions in the padded sequence serve."""
-    if window is None:
-        return jnp.ones((query.shape[0], S), bool)
-    return query[:, None] - jnp.arange(S)[None, :] < window
+def _window(cfg: ModelConfig, slides):
+    """The attention window of a layer (attention.Mask's): None for full attention; a sliding
+    layer sees keys fewer than sliding_window positions behind (transformers'
+    sliding_window_overlay: kv_idx > q_idx - window; left padding shifts a row's tokens but
+    not their distances, so indices in the padded sequence serve). Static when all layers
+    agree, else chosen inside the layer scan by the traced `slides` flag."""
+    sliding = cfg.sliding_layers
+    if not any(sliding):
+        return None
+    if all(sliding):
+        return cfg.sliding_window
+    return jnp.where(slides, cfg.sliding_window, 2 ** 30)
 
 
 def _ring_mask(query, key_ok, slots: int, window: int) -> jax.Array:
@@ -315,9 +376,7 @@ def _ring_mask(query, key_ok, slots: int, window: int) -> jax.Array:
     return real & (held >= 0)[None]
 
 
-def softcap(x, cap: float | None):
-    """Gemma 2's soft-capping: cap * tanh(x / cap) (identity for None)."""
-    return x if cap is None else cap * jnp.tanh(x / cap)
+softcap = attention_lib.softcap
 
 
 def positions_from_mask(mask: jax.Array) -> jax.Array:
@@ -368,12 +427,14 @@ def _rope(x, cos, sin):
     return (x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
 
 
-def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None, window: int | None = None):
+def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None, window: int | None = None,
+           mesh=None, key_order=None):
     """One layer. With cache = (ck, cv, index) the new keys and values are written into ck/cv
-    [B, K, S, Dh] at slot `index` and the queries attend over the cache (mask [B, T, S]); index
-    None writes at slot 0 and attends among the new tokens only, as without a cache (mask
-    [B, T, T]). `window`: the layer slides and its cache is a ring (slot = position % window).
-    Returns (x, ck, cv) (None, None without a cache)."""
+    [B, K, S, Dh] at slot `index` and the queries attend over the cache (mask [B, T, S], or an
+    attention.Mask over the S slots); index None writes at slot 0 and attends among the new
+    tokens only, as without a cache (an attention.Mask over the T tokens). `window`: the layer
+    slides and its cache is a ring (slot = position % window). `mesh`, `key_order`: see
+    _attend. Returns (x, ck, cv) (None, None without a cache)."""
     q, k, v = _qkv(cfg, p, x, cos, sin)
     ck = cv = None
     if cache is not None:
@@ -382,7 +443,9 @@ def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None, window: int | Non
     if cache is not None and index is not None:
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         cap = cfg.attn_logit_softcapping
-        if cfg.use_cudnn_attention(decode=True) and cap is None:
+        if isinstance(mask, Mask):  # a prefill chunk over the whole cache, by blocks
+            attn = attention_lib.flash(q, ck, cv, mask, scale, cap, cfg.attention_block)
+        elif cfg.use_cudnn_attention(decode=True) and cap is None:
             # The cache's [B, K, S, Dh] viewed as cuDNN's [B, S, K, Dh]: a layout, not a copy.
             # A query always sees its own slot, so no row is fully masked.
             attn = jax.nn.dot_product_attention(q, jnp.swapaxes(ck, 1, 2),
@@ -391,7 +454,7 @@ def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None, window: int | Non
         else:
             attn = attention(q, ck, cv, mask, scale, cap)
     else:
-        attn = _attend(cfg, q, k, v, mask)
+        attn = _attend(cfg, q, k, v, mask, mesh, key_order)
     return _attn_out_and_mlp(cfg, p, x, attn), ck, cv
 
 
@@ -410,18 +473,45 @@ def _qkv(cfg: ModelConfig, p, x, cos, sin):
     return _rope(q, cos, sin), _rope(k, cos, sin), v
 
 
-def _attend(cfg: ModelConfig, q, k, v, mask, offset: int = 0):
-    """Attention without a cache: q [B, T, H, Dh] over k, v [B, S, K, Dh], mask [B, T, S];
-    query t is key `offset + t` (S = offset + T)."""
+def _attend(cfg: ModelConfig, q, k, v, mask: Mask, mesh=None, key_order=None):
+    """Attention without a cache: q [B, T, H, Dh] over k, v [B, S, K, Dh] as `mask` says.
+    `key_order`: the keys' positions come in this order (Decoder.sequence_order; None:
+    sequence order). With a context axis in `mesh` the queries stay split over it by position
+    and the keys are gathered whole (attention.context_parallel)."""
     scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
     cap = cfg.attn_logit_softcapping
-    # cuDNN's fused attention has no soft-capping: Gemma 2 stays on XLA's.
-    if cfg.use_cudnn_attention() and cap is None:
+    k, v = (attention_lib.gather_keys(a, key_order, mesh) for a in (k, v))
+    cp = mesh_lib.context_size(mesh)
+    split = cp > 1 and q.shape[1] % cp == 0
+    kernel = cfg.attention_kernel(k.shape[1], context_parallel=split)
+    if kernel == "cudnn":
         # Each query also sees itself, so padding rows are never fully masked (NaN in cuDNN).
-        own = jnp.arange(k.shape[1])[None, :] == offset + jnp.arange(q.shape[1])[:, None]
-        return jax.nn.dot_product_attention(q, k, v, mask=(mask | own[None])[:, None],
+        own = jnp.arange(k.shape[1])[None, :] == jnp.asarray(mask.q_idx)[:, None]
+        return jax.nn.dot_product_attention(q, k, v, mask=(mask.dense() | own[None])[:, None],
                                             scale=scale, implementation="cudnn")
-    return attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask, scale, cap)
+    if kernel == "splash":
+        if mesh is not None and attention_lib.splash_fits(q.shape[1], k.shape[1],
+                                                          cfg.attention_block, cp if split else 1):
+            def run(window):
+                return attention_lib.splash(q, k, v, mask._replace(window=window), scale, cap,
+                                            cfg.attention_block, mesh)
+            if mask.window is None or isinstance(mask.window, int):
+                return run(mask.window)
+            # Layers of both kinds in one scan: the kernel's mask is static, so both run
+            # under a cond on the layer's traced window.
+            return jax.lax.cond(mask.window < 2 ** 30, lambda: run(cfg.sliding_window),
+                                lambda: run(None))
+        kernel = "flash"  # no mesh to lay the kernel out on, or blocks that do not tile
+    if kernel == "flash":
+        def attend(q, k, v, m):
+            return attention_lib.flash(q, k, v, m, scale, cap, cfg.attention_block)
+    else:
+        def attend(q, k, v, m):
+            return attention(q, k, v, m.dense(), scale, cap)
+    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
+    if split:
+        return attention_lib.context_parallel(attend, q, k, v, mask, mesh)
+    return attend(q, k, v, mask)
 
 
 def _attn_out_and_mlp(cfg: ModelConfig, p, x, attn):

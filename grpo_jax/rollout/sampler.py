@@ -71,8 +71,8 @@ class _Context(NamedTuple):
 class Sampler:
     """Compiled KV-cache sampler for one model architecture and one set of sampling params.
 
-    `mesh`: optional ('data', 'fsdp', 'tensor') mesh; the batch is split over data x fsdp, the
-    cache's KV heads over tensor, and the params are placed by `grpo_jax.mesh`'s rule table (a
+    `mesh`: optional ('data', 'fsdp', ['context',] 'tensor') mesh; the batch is split over data
+    x fsdp, the cache's KV heads over tensor and its slots over context, and the params are placed by `grpo_jax.mesh`'s rule table (a
     no-op when they already are, as the trainer's are).
 
     `peft`: a LoRA run's PeftArgs (models/lora.py) when the sampler runs the adapters on the
@@ -202,7 +202,9 @@ class Sampler:
             x, mesh_lib.logical_sharding(self.mesh, *names, shape=x.shape))
 
     def _constrain_cache(self, cache: KVCache) -> KVCache:
-        return jax.tree.map(lambda x: self._constrain(x, "batch", "kv_heads", None, None), cache)
+        # Slots over the context axis (mesh.RULES' length): a row's cache split by position.
+        return jax.tree.map(lambda x: self._constrain(x, "batch", "kv_heads", "length", None),
+                            cache)
 
     def _generate(self, params, prompt_ids, prompt_mask, key, *, num_generations: int,
                   rows: int):
@@ -228,9 +230,9 @@ class Sampler:
         prompt_mask = self._constrain(prompt_mask, "batch", None)
         layers = model.decode_layers()
         cache = self._constrain_cache(KVCache.zeros(cfg, prompts, width, self.cache_dtype))
-        hidden, cache = model(prompt_ids, positions_from_mask(prompt_mask), prompt_mask,
-                              cache=cache, cache_index=0, layers=layers)
-        logits = model.logits(hidden[:, -1:])[:, 0]  # left padding: the last slot is real
+        hidden, cache = model.prefill(prompt_ids, positions_from_mask(prompt_mask), prompt_mask,
+                                      cache, layers, chunk=sp.prefill_chunk_size)
+        logits = model.logits(hidden)[:, 0]  # left padding: the last slot is real
 
         def to_rows(x):  # [prompts, ...] -> [rows, ...]: each prompt's G copies in a block
             x = jnp.repeat(x, num_generations, axis=0)[:rows]

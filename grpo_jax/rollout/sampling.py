@@ -33,6 +33,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # Tokens that end a completion (kept in it). The trainer adds the tokenizer's EOS.
     stop_token_ids: tuple[int, ...] = ()
+    # grpo-jax's own: prompts longer than this are prefilled this many tokens at a time
+    # (Decoder.prefill), so a long prompt's activations are one chunk's (0: never).
+    prefill_chunk_size: int = 2048
 
     def __post_init__(self):
         object.__setattr__(self, "top_k", int(self.top_k or 0))
@@ -45,6 +48,8 @@ class SamplingParams:
         check(self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0 or None = off)")
         check(self.min_p is None or 0 <= self.min_p <= 1,
               f"min_p={self.min_p} must be in [0, 1] (None = off)")
+        check(self.prefill_chunk_size >= 0,
+              f"prefill_chunk_size={self.prefill_chunk_size} must be >= 0 (0 = never chunk)")
         check(self.repetition_penalty > 0,
               f"repetition_penalty={self.repetition_penalty} must be > 0 (1.0 = off)")
 
