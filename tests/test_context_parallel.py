@@ -66,6 +66,16 @@ def test_zigzag_order_balances_causal_work():
     assert zigzag_order(60, 4) is None and zigzag_order(64, 1) is None
 
 
+def test_splash_blocks_tile_long_rows():
+    """Splash's blocks: the largest multiple of 128 up to the block size that divides each
+    device's queries and the keys (31744 completion tokens over 4 devices: 7936 = 31 x 256),
+    none where 128 does not divide them (the blockwise attention then stands in)."""
+    from grpo_jax.models.attention import _tile, splash_fits
+    assert _tile(7936, 512) == 256 and _tile(32768, 512) == 512 and _tile(384, 512) == 384
+    assert splash_fits(31744, 32768, 512, shards=4)
+    assert not splash_fits(31744 + 64, 32768, 512, shards=4) and not splash_fits(64, 64, 512)
+
+
 G = 4  # completions per prompt
 
 

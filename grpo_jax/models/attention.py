@@ -254,12 +254,16 @@ def context_parallel(attend, q, k, v, mask: Mask, mesh):
 
 # ------------------------------------------------------------------ splash attention (TPU)
 
+def _tile(n: int, block: int) -> int | None:
+    """The largest multiple of 128 (a TPU tile) up to `block` that divides n, if any."""
+    return next((b for b in range(block // 128 * 128, 0, -128) if n % b == 0), None)
+
+
 def splash_fits(queries: int, keys: int, block: int, shards: int = 1) -> bool:
     """Whether splash attention's TPU blocks (multiples of 128) tile the queries of each of
     `shards` devices and the keys; else the blockwise attention stands in."""
-    bq, bk = min(block, queries // shards), min(block, keys)
-    return (queries % shards == 0 and bq % 128 == 0 and bk % 128 == 0
-            and (queries // shards) % bq == 0 and keys % bk == 0)
+    return (queries % shards == 0 and _tile(queries // shards, block) is not None
+            and _tile(keys, block) is not None)
 
 
 def splash(q, k, v, mask: Mask, scale: float, cap: float | None, block: int, mesh,
@@ -279,7 +283,7 @@ def splash(q, k, v, mask: Mask, scale: float, cap: float | None, block: int, mes
     split = cp > 1 and T % cp == 0
     heads = _axis_if(mesh, "tensor", H, K)
     rows = None if mesh is None else mesh_lib.spec_for(("batch",), (B,), mesh)[0]
-    bq, bk = min(block, T // (cp if split else 1)), min(block, S)
+    bq, bk = _tile(T // (cp if split else 1), block), _tile(S, block)
     kernel = _splash_kernel(q_idx.tobytes(), S, mask.window, H, cap, bq, bk,
                             1 if heads is None else mesh.shape[heads], cp if split else 1,
                             interpret)
