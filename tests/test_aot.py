@@ -132,6 +132,25 @@ def test_targets():
             hardware.parse_target(bad)
 
 
+def test_default_layout_adds_a_context_axis_for_long_rows():
+    """No mesh settings: FSDP over a slice's chips, data parallel across slices, and a context
+    axis that brings a row to 8k tokens per device or fewer (1k prompt + 7k / 15k / 31k)."""
+    from grpo_jax import cli
+    from grpo_jax.aot.analyze import default_layout
+    from grpo_jax.mesh import MeshConfig
+
+    def layout(completion, chips=32, slices=1):
+        cfg = cli.parse_cli(["--max_prompt_length", "1024", "--max_completion_length",
+                             str(completion)])
+        return default_layout(cfg, chips, slices)
+    assert layout(7168) == MeshConfig(dp=1, fsdp=32, tp=1, cp=1)
+    assert layout(15360) == MeshConfig(dp=1, fsdp=16, tp=1, cp=2)
+    assert layout(31744) == MeshConfig(dp=1, fsdp=8, tp=1, cp=4)
+    assert layout(31744, chips=64, slices=2) == MeshConfig(dp=2, fsdp=8, tp=1, cp=4)
+    # Zig-zag over cp devices cuts the completion in 2 x cp chunks: 31746 is no multiple of 4.
+    assert layout(31746) == MeshConfig(dp=1, fsdp=32, tp=1, cp=1)
+
+
 def test_presets_match_published_sizes():
     billions = {"smollm2-135m": 0.13, "qwen2.5-0.5b": 0.49, "qwen2.5-1.5b": 1.54,
                 "qwen2.5-7b": 7.62,

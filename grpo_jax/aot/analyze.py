@@ -10,12 +10,15 @@ Own options: --topology NAME (v5e:4x4, v5p:4x4x4, v6e:8x8, v5e-16, v5p-128, h100
 (skip the cost compiles). Every other option is a training option with TRL's name, as
 grpo-jax-train takes it (--config NAME|PATH, --set key=value, --key value); the model is
 --model_name_or_path: a preset (grpo_jax.models.presets), an HF config.json or a directory.
+Without mesh settings (--dp/--fsdp/--tp/--cp or a mesh section) aot picks the layout
+(default_layout: FSDP within a slice, a context axis for long rows) and reports it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import platform
@@ -77,8 +80,32 @@ def make_run(target, cfg, **device_kw):
                            "length (the sampler's bucket that holds it)")
     model = model_config(cfg.model.name_or_path).replace(
         numerics=cfg.peft.base_numerics(cfg.numerics))
-    mesh = mesh_lib.make_mesh(cfg.mesh, hardware.devices(target, **device_kw))
+    devices = hardware.devices(target, **device_kw)
+    if cfg.mesh == mesh_lib.MeshConfig():  # no mesh settings given: aot picks the layout
+        cfg = dataclasses.replace(cfg, mesh=default_layout(cfg, len(devices),
+                                                           target.num_slices))
+    mesh = mesh_lib.make_mesh(cfg.mesh, devices)
     return programs.Run(cfg, model, mesh, cfg.batch_plan(mesh_lib.batch_divisor(mesh)))
+
+
+# Tokens of one row a device holds before aot's default layout splits rows over a context
+# axis: at 8k a row's activations stay a fraction of a v5e's 16 GB, as in docs/scaling.md.
+CONTEXT_TOKENS = 8192
+
+
+def default_layout(cfg, chips: int, slices: int):
+    """The mesh aot compiles when the user gives none: data parallel across slices only (the
+    gradient all-reduce over DCN), FSDP over each slice's chips (params, gradients and AdamW
+    state split: replicated, an 8B model's alone would overflow a v5p), and for long rows a
+    context axis: the fewest devices (a power of 2 dividing the completion length and the
+    slice) that bring a row's tokens per device to CONTEXT_TOKENS or fewer."""
+    from grpo_jax import mesh as mesh_lib
+    tokens = cfg.data.max_prompt_length + cfg.generation.max_completion_length
+    per_slice, cp = chips // slices, 1
+    while (tokens > cp * CONTEXT_TOKENS and per_slice % (2 * cp) == 0
+           and cfg.generation.max_completion_length % (4 * cp) == 0):
+        cp *= 2
+    return mesh_lib.MeshConfig(dp=slices, fsdp=per_slice // cp, tp=1, cp=cp)
 
 
 def analyze(target, cfg, quick: bool = False) -> dict:
