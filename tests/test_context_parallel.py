@@ -135,6 +135,8 @@ def _gaps(batch: Batch, want, got) -> dict:
     c_real = batch.completion_mask.astype(bool)
     return {"logits": float(np.abs(got[0] - want[0])[real].max() / np.abs(want[0][real]).max()),
             "logp": float(np.abs(got[1][0] - want[1][0])[c_real].max()),
+            "logp_relative": float(np.abs(got[1][0] - want[1][0])[c_real].max()
+                                   / np.abs(want[1][0][c_real]).max()),
             "entropy": float(np.abs(got[1][1] - want[1][1])[c_real].max()),
             "loss": abs(got[2] - want[2]),
             "grads": max(float(np.abs(a - b).max() / max(np.abs(a).max(), 1e-30))
@@ -183,6 +185,7 @@ def test_context_axis_equals_one_device_smollm2(smol_model):
                  _programs(smol_model, mesh, batch, 2, 2))
     assert gaps["logits"] < 1e-5 and gaps["grads"] < 1e-5 and gaps["loss"] < 1e-6, gaps
     assert gaps["logp"] < 1e-4 and gaps["entropy"] < 5e-4, gaps
+    assert gaps["logp_relative"] < 1e-5, gaps  # to the largest |log-prob|: the bound
 
 
 @eight_devices

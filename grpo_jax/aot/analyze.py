@@ -71,7 +71,8 @@ def backend_of(target):
 
 
 def make_run(target, cfg, **device_kw):
-    """The run `cfg` on `target`'s devices, meshed as train.py meshes them."""
+    """The run `cfg` on `target`'s devices, meshed as train.py meshes them; with no mesh
+    settings, on default_layout's mesh (train.py would replicate over a data axis)."""
     from grpo_jax import mesh as mesh_lib
     from grpo_jax.aot import hardware, programs
 
@@ -165,6 +166,7 @@ def analyze(target, cfg, quick: bool = False) -> dict:
         "model": cfg.model.name_or_path, "params_B": model.num_params() / 1e9,
         "topology": target.name, "chip": chip.name, "chips": run.mesh.size,
         "hosts": len({d.process_index for d in devices}), "mesh": dict(run.mesh.shape),
+        "mesh_chosen": run.cfg.mesh != cfg.mesh,
         "lora": (None if not cfg.peft.use_peft else {
             "r": cfg.peft.lora_r, "target_modules": list(cfg.peft.target_modules()),
             "quant_bits": cfg.peft.quant_bits, "sampler": "the adapters on the base"

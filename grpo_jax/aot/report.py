@@ -77,6 +77,9 @@ def render(r: dict) -> str:
         lines[-1] = (f"  adapters {m['params_GB']:.2f}  their optimizer state "
                      f"{m['optimizer_state_GB']:.2f}  frozen base {m['frozen_base_GB']:.2f}  "
                      f"KV cache {m['kv_cache_GB']:.2f}")
+    if r.get("mesh_chosen"):
+        flags = " ".join(f"--{k} {v}" for k, v in _mesh_flags(r["mesh"]).items())
+        lines.insert(1, f"layout chosen by aot (no mesh settings given): {flags}")
     for phase, p in m["phases"].items():
         lines.append(f"  {phase:<9} temporaries {p['temporaries_GB']:7.2f}   peak "
                      f"{p['peak_GB']:7.2f}" + ("  (at least: the compiler refused it)"
@@ -96,3 +99,9 @@ def render(r: dict) -> str:
     lines.append(f"  round     {t['round_s']:.3f} s  ({t['per_update_s']:.3f} s per optimizer "
                  f"update)")
     return "\n".join(lines)
+
+
+def _mesh_flags(mesh: dict) -> dict:
+    """The mesh's axis sizes as the training flags that give it."""
+    names = {"data": "dp", "fsdp": "fsdp", "context": "cp", "tensor": "tp"}
+    return {names[a]: n for a, n in mesh.items()}
