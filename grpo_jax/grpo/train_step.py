@@ -90,7 +90,8 @@ def completion_logps(model, batch: Batch, temperature: float, chunk: int, group:
             hidden = jnp.concatenate([last, hidden[:, :C - 1]], axis=1)  # t predicts t + 1
             return head(hidden, targets=batch.completion_ids)
         first = head(last, targets=batch.completion_ids[:, :1])
-        rest = head(hidden, targets=shift(batch.completion_ids)[:, o_c], seq_shards=mesh_lib.context_size(model.mesh))
+        rest = head(hidden, targets=shift(batch.completion_ids)[:, o_c],
+                    seq_shards=mesh_lib.context_size(model.mesh))
         back = attention.inverse(o_c)
         return tuple(jnp.concatenate([a, b[:, back][:, :C - 1]], axis=1)
                      for a, b in zip(first, rest))

@@ -72,8 +72,8 @@ class Sampler:
     """Compiled KV-cache sampler for one model architecture and one set of sampling params.
 
     `mesh`: optional ('data', 'fsdp', ['context',] 'tensor') mesh; the batch is split over data
-    x fsdp, the cache's KV heads over tensor and its slots over context, and the params are placed by `grpo_jax.mesh`'s rule table (a
-    no-op when they already are, as the trainer's are).
+    x fsdp, the cache's KV heads over tensor and its slots over context, and the params are
+    placed by `grpo_jax.mesh`'s rule table (a no-op when they already are, as the trainer's are).
 
     `peft`: a LoRA run's PeftArgs (models/lora.py) when the sampler runs the adapters on the
     frozen base itself instead of a merged copy: its params are then the pair
