@@ -129,7 +129,8 @@ def _record_rounds(monkeypatch):
     generate, step = JaxRollout.generate, Trainer.step
     monkeypatch.setattr(JaxRollout, "generate", lambda self, *a: generated.append(
         generate(self, *a)) or generated[-1])
-    monkeypatch.setattr(Trainer, "step", lambda self, s, b: fed.append(b) or step(self, s, b))
+    monkeypatch.setattr(Trainer, "step", lambda self, s, b, **kw: fed.append(b) or step(
+        self, s, b, **kw))
     return generated, fed
 
 
@@ -178,6 +179,18 @@ def test_every_completion_trained_on_when_spg_is_not_a_multiple_of_gas(
     generating = [h for h in history if "reward" in h]
     assert all(h["rewards/epoch_seen/mean"] is None and h["rewards/epoch_seen/std"] is None
                and h["rewards/even_tokens/mean"] is not None for h in generating)
+
+
+def test_an_epoch_ends_with_a_partial_window(tiny_dir, tmp_path, monkeypatch):
+    """3 prompts: an epoch is one generation of 3 micro-batches; with gas 2 transformers takes
+    windows of 2 and 1 micro-batches (none spans two epochs) and logs the epoch as optimizer
+    progress."""
+    generated, fed = _record_rounds(monkeypatch)
+    train(config(tiny_dir, tmp_path / "run", max_steps=4, per_device_train_batch_size=4,
+                 generation_batch_size=12, gradient_accumulation_steps=2,
+                 dataset_train_split="train[:3]"), devices=jax.devices()[:1])
+    assert len(generated) == 2 and [b.size for b in fed] == [8, 4, 8, 4]
+    assert [h["epoch"] for h in records(tmp_path / "run")] == pytest.approx([2 / 3, 1, 5 / 3, 2])
 
 
 def test_max_steps_is_exact_mid_round_and_resume_trains_the_rest(tiny_dir, tmp_path,
