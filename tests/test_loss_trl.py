@@ -240,6 +240,11 @@ CASES = [
     (dict(loss_type="dapo", **KL), dict(spg=6)), (dict(loss_type="cispo"), dict(spg=4)),
     (dict(loss_type="vespo"), dict(spg=8, k=4)),
     (dict(loss_type="dapo", entropy_coef=0.01), dict(spg=4, old=False)),
+    # The window that ends an epoch with fewer micro-batches than gradient_accumulation_steps:
+    # transformers' current_gradient_accumulation_steps is its own count (here 1 of a 3-step
+    # generation batch).
+    (dict(loss_type="dapo", entropy_coef=0.01), dict(spg=3, k=1)),
+    (dict(loss_type="grpo", entropy_coef=0.02), dict(spg=3, k=1)),
 ]
 
 
