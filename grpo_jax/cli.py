@@ -57,6 +57,7 @@ def _precision(tree: dict, flag: str, value: Any) -> Any:
         return _PRECISION[on[0]]
     return "float32" if flags.get("bf16") is False else _SKIP
 
+
 # transformers' optim names for torch.optim.AdamW (or its fused / XLA / NPU / apex builds, and
 # transformers 4's own AdamW): the same update as optax.adamw here.
 ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused",
