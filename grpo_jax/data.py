@@ -84,6 +84,11 @@ class PromptDataset:
         rows = self.order(epoch)[index:index + num_prompts]
         return [self.record(int(i)) for i in rows], DataPosition(epoch, index + num_prompts)
 
+    def ends_epoch(self, position: DataPosition, num_prompts: int) -> bool:
+        """Whether a batch that ended at `position` was its epoch's last (the next one of
+        num_prompts would not fit: batch_prompts skips the tail)."""
+        return position.index + num_prompts > len(self)
+
 
 def reward_inputs(records: Sequence[dict], num_generations: int) -> tuple[list, dict[str, list]]:
     """Prompts and extra columns repeated per completion (prompt i's group is consecutive)."""
@@ -98,7 +103,8 @@ def load_prompts(cfg: DataArgs, tokenizer, *, test: bool = False,
                  tools: Sequence[Any] = ()) -> PromptDataset:
     """Load, template and tokenize the prompts of `cfg`'s train split (`test`: its eval split,
     dataset_test_split of eval_dataset_name or else dataset_name); truncation is from the
-    left. `tools`: functions whose schemas the chat template shows (TRL's `tools`)."""
+    left. `tools`: functions whose schemas the chat template shows (TRL's `tools`). The eval
+    split is always shuffled with the seed, as TRL's eval sampler (RepeatSampler, shuffle on)."""
     name = (cfg.eval_dataset_name or cfg.dataset_name) if test else cfg.dataset_name
     split = cfg.dataset_test_split if test else cfg.dataset_train_split
     if test and cfg.eval_dataset_name and _single_file(name) and split == "test":
@@ -132,7 +138,7 @@ def load_prompts(cfg: DataArgs, tokenizer, *, test: bool = False,
         prompts=list(prompts), columns=columns,
         token_ids=np.fromiter((t for x in ids for t in x), np.int32, int(lengths.sum())),
         offsets=np.concatenate([[0], np.cumsum(lengths)]), num_truncated=truncated,
-        shuffle=cfg.shuffle_dataset, seed=cfg.seed)
+        shuffle=cfg.shuffle_dataset or test, seed=cfg.seed)
 
 
 def with_system_prompt(prompts: Sequence[Any], system_prompt: str | None) -> list[Any]:

@@ -31,10 +31,11 @@ from grpo_jax.checkpoint import BufferFiles, Checkpointer, RefCheckpoints, StopS
 from grpo_jax.errors import GrpoJaxError
 from grpo_jax.grpo.train_step import StepConfig
 from grpo_jax.logger import MetricsLogger
+from grpo_jax.metrics import Logged, MetricWindow
 from grpo_jax.rollout import tools as tools_lib
 from grpo_jax.rollout.engines import make_rollout
 from grpo_jax.rollout.sampler import reference_copy
-from grpo_jax.trainer import ADAPTERS_OFF, GRPORound, Scores, Trainer, aggregate
+from grpo_jax.trainer import ADAPTERS_OFF, GRPORound, Scores, Trainer
 
 
 EVAL_KEY_TAG = 0x4556414C  # "EVAL": evaluation's sampling keys, apart from the rounds'
@@ -158,6 +159,13 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     if latest is not None and not cfg.run.resume:
         raise TrainError(f"{ckpt.directory} already holds checkpoints (latest step {latest}): "
                          "pass --resume to continue that run, or choose another output_dir")
+    if isinstance(cfg.run.resume, str):  # TRL's resume_from_checkpoint PATH
+        latest = _checkpoint_step(cfg.run.resume, out, ckpt)
+        for later in [s for s in ckpt.all_steps() if s > latest]:
+            ckpt.delete(later)  # transformers overwrites them when it gets there again
+            if dist.is_main():
+                print(f"resuming from step {latest}: removed the later checkpoint {later}",
+                      file=sys.stderr)
     if refs is not None:
         refs.drop_after(latest or 0)
     if cfg.run.resume:
@@ -172,6 +180,7 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
             round_idx = meta["round"]
             tokens_seen = int(meta.get("num_tokens", 0))
             run_round.buffer = buffers.load(latest, meta.get("buffered_micro_batches", 0))
+            run_round.epoch_end = meta.get("buffered_epoch_end", 0)
             if refs is not None:
                 run_round.ref_params = refs.restore(latest, run_round.ref_params,
                                                     meta.get("reference", False))
@@ -190,15 +199,15 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     base_key = jax.random.key(cfg.data.seed)
     eval_key = jax.random.fold_in(base_key, EVAL_KEY_TAG)
 
-    def trainer_state(step: int, position) -> rewards_lib.TrainerState:
+    def trainer_state(step: int) -> rewards_lib.TrainerState:
+        # transformers' state after `step` optimizer steps: the epoch is optimizer progress
         return rewards_lib.TrainerState(
-            global_step=step, max_steps=total_steps,
-            epoch=position.epoch + position.index / len(dataset),
-            num_train_epochs=cfg.batch.num_train_epochs)
+            global_step=step, max_steps=total_steps, epoch=plan.epoch(step, len(dataset)),
+            num_train_epochs=plan.num_train_epochs(len(dataset), total_steps))
 
     def evaluate(state):
         step = int(state.step)
-        eval_scorer.trainer_state = trainer_state(step, position)
+        eval_scorer.trainer_state = trainer_state(step)
         metrics = evaluator(state, jax.random.fold_in(eval_key, step), tokens_seen)
         metrics["epoch"] = plan.epoch(step, len(dataset))
         logger.log_eval(step, metrics)
@@ -206,8 +215,13 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     if evaluator is not None and cfg.eval.eval_on_start:
         evaluate(state)
     last: dict = {}
-    unlogged: list[dict] = []  # rounds without an update (steps_per_generation < accumulation)
-    saved_block = int(state.step) // max(cfg.run.save_steps, 1)
+    # TRL's metric buffer between two logs: every logging_steps optimizer steps (a fraction < 1:
+    # of the run's steps) it is averaged into one record of metrics.jsonl, TensorBoard, W&B and
+    # the console; a run's last steps are logged at its end.
+    window = MetricWindow()
+    log_every, save_every = cfg.run.steps_of(total_steps)
+    pending_time = 0.0  # of rounds without an update: TRL counts it in the next step's time
+    saved_block = int(state.step) // save_every
     failure = None
     cursor = [position]  # dynamic_sampling: where the next prompts start while a batch fills
     with StopSignal() as stop:
@@ -221,23 +235,25 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
             # Every process stops at the same round, also when only one got the signal.
             while int(state.step) < total_steps and not dist.any_process(stop.should_stop()):
                 t0 = time.perf_counter()
-                records = None  # whole windows still buffered: train on them first, as TRL
-                if not run_round.windows_buffered:
+                records, ends_epoch = None, False  # windows still buffered: train on them
+                if not run_round.windows_buffered:  # first, as TRL
                     records, next_position = dataset.batch_prompts(position,
                                                                    plan.prompts_per_generation)
+                    ends_epoch = dataset.ends_epoch(next_position, plan.prompts_per_generation)
                     if prefetch is not None:  # async rounds: the next round's, in the background
                         ahead, _ = dataset.batch_prompts(next_position, plan.prompts_per_generation)
                         prefetch(ahead, plan.num_generations,
                                  jax.random.fold_in(base_key, round_idx + 1))
                     cursor[0] = next_position
-                scorer.trainer_state = trainer_state(int(state.step), position)
+                first = int(state.step)
+                scorer.trainer_state = trainer_state(first)
                 # Stops at max_steps exactly, and at the next evaluation, also mid-round (the
                 # rest stays buffered).
-                stop_at = min(total_steps, schedule.next_due(int(state.step)) or total_steps)
+                stop_at = min(total_steps, schedule.next_due(first) or total_steps)
                 result = run_round(state, records, jax.random.fold_in(base_key, round_idx),
-                                   max_updates=stop_at - int(state.step),
+                                   max_updates=stop_at - first, ends_epoch=ends_epoch,
                                    more_records=more_records)
-                state, metrics = result.state, result.metrics
+                state, metrics = result.state, dict(result.metrics)
                 if records is not None and result.scores is None:
                     continue  # stopped while dynamic sampling filled the batch
                 if records is not None:  # the round is complete
@@ -247,24 +263,36 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
                     logger.log_completions(int(state.step), result.scores.prompts,
                                            result.scores.texts, result.rewards, result.advantages,
                                            extra=result.scores.extra)
-                metrics["step_time"] = time.perf_counter() - t0
-                # What the accelerator does not do: prompts, decoding text, rewards, metrics.
-                metrics["timing/host"] = metrics["step_time"] - sum(
-                    metrics.get(f"timing/{k}", 0.0)
-                    for k in ("generate", "logprobs", "update", "weight_sync"))
-                unlogged.append(metrics)
+                wall = time.perf_counter() - t0
+                update_time = metrics.pop("timing/update", 0.0)
+                if records is not None:  # the generation's metrics, once (TRL's buffer)
+                    # What the accelerator does not do: prompts, decoding text, rewards, metrics.
+                    metrics["timing/host"] = wall - update_time - sum(
+                        metrics.get(f"timing/{k}", 0.0)
+                        for k in ("generate", "logprobs", "weight_sync"))
+                    window.add(Logged(metrics, put={"num_tokens": tokens_seen}))
+                # TRL's step_time: the step's micro-steps, the generation in its first one.
+                pending_time += wall - update_time
+                for i, logged in enumerate(result.step_metrics):
+                    share = update_time / result.updates
+                    window.step(logged._replace(append={
+                        **logged.append, "step_time": share + pending_time,
+                        "timing/update": share}))
+                    pending_time, step = 0.0, first + i + 1
+                    window.add(Logged(put={"epoch": plan.epoch(step, len(dataset))}))
+                    if step % log_every == 0 or (step == 1 and cfg.run.logging_first_step):
+                        last = logger.log(step, window.flush())
+                logger.advance(int(state.step))
                 if not result.updates:
-                    continue  # logged with the next update, as TRL logs per optimizer step
-                metrics, unlogged = aggregate(unlogged), []
-                metrics["num_tokens"] = float(tokens_seen)
-                metrics["epoch"] = plan.epoch(int(state.step), len(dataset))
-                last = logger.log(int(state.step), metrics)
+                    continue
                 if evaluator is not None and schedule.due(int(state.step)):
                     evaluate(state)
-                if cfg.run.save_steps and int(state.step) // cfg.run.save_steps > saved_block:
-                    saved_block = int(state.step) // cfg.run.save_steps
+                if int(state.step) // save_every > saved_block:
+                    saved_block = int(state.step) // save_every
                     _save(ckpt, buffers, state, position, round_idx, tokens_seen,
-                          run_round, metrics, refs)
+                          run_round, last, refs)
+            if window.steps:  # the steps since the last log (TRL: in its final summary)
+                last = logger.log(int(state.step), window.flush())
         except BaseException as e:
             failure = e
             raise
@@ -294,6 +322,20 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     return last
 
 
+def _checkpoint_step(path: str, out: Path, ckpt: Checkpointer) -> int:
+    """The step of checkpoint directory `path` (output_dir/checkpoints/STEP), or the newest
+    one when `path` is output_dir itself."""
+    p = Path(path).expanduser().resolve()
+    if p == out.resolve() and ckpt.latest_step() is not None:
+        return ckpt.latest_step()
+    if p.parent == Path(ckpt.directory).resolve() and p.name.isdigit() and int(
+            p.name) in ckpt.all_steps():
+        return int(p.name)
+    raise TrainError(f"resume_from_checkpoint {path}: not a checkpoint of this run; its "
+                     f"checkpoints are {ckpt.directory}/STEP ({ckpt.all_steps() or 'none yet'}). "
+                     "To continue another run, set output_dir to that run's directory")
+
+
 def _save(ckpt, buffers, state, position, round_idx, tokens_seen, run_round, metrics,
           refs=None):
     """A checkpoint of the state and what resumes the run exactly: the data position, the
@@ -306,8 +348,9 @@ def _save(ckpt, buffers, state, position, round_idx, tokens_seen, run_round, met
     if refs is not None:
         refs.save(step, run_round.ref_params)  # also first, and committed before the state
     meta = {"data_position": list(position), "round": round_idx, "num_tokens": tokens_seen,
-            "buffered_micro_batches": len(buffer), "reference": refs is not None,
-            "metrics": {k: float(v) for k, v in metrics.items()}}
+            "buffered_micro_batches": len(buffer), "buffered_epoch_end": run_round.epoch_end,
+            "reference": refs is not None,
+            "metrics": {k: None if v is None else float(v) for k, v in metrics.items()}}
     ckpt.save(step, state, meta)
     buffers.prune(ckpt.all_steps())
 
@@ -332,7 +375,7 @@ def main(argv=None) -> int:
         traceback.print_exc()
         return dist.exit_code(1, e)
     if dist.is_main():
-        print(json.dumps({k: round(v, 6) for k, v in last.items()}))
+        print(json.dumps({k: v if v is None else round(v, 6) for k, v in last.items()}))
     return 0
 
 

@@ -82,3 +82,10 @@ def even_tokens_odd_posts(prompts, completions, completion_ids, **kwargs):
     even = even_tokens(prompts, completions, completion_ids)
     odd = [int(re.search(r"Post number (\d+)", str(p)).group(1)) % 2 == 1 for p in prompts]
     return [e if o else 0.5 for e, o in zip(even, odd)]
+
+
+def epoch_seen(completions, trainer_state, log_metric, **kwargs):
+    """No reward at all (None for every completion: a NaN column, as TRL's); logs the
+    trainer_state.epoch it was given."""
+    log_metric("epoch_seen", trainer_state.epoch)
+    return [None] * len(completions)

@@ -363,6 +363,7 @@ def _train_config(model_dir, out, base_url, **extra):
             "reward_funcs": f"[{fixtures}:even_tokens]", "num_generations": 4,
             "max_completion_length": 8, "per_device_train_batch_size": 8, "dp": 1,
             "learning_rate": 1e-3, "lr_scheduler_type": "constant", "max_steps": 3,
+            "logging_steps": 1,
             "output_dir": str(out), "report_to": "[]", "backend": "vllm",
             "vllm_server_base_url": base_url, "vllm_server_api_key": API_KEY,
             "max_prompt_length": 64, "save_steps": 1, "vllm_server_timeout": 30}

@@ -94,9 +94,11 @@ def _micro_loss(params, graphdef, cfg: StepConfig, mb: Batch, frozen=(),
 
 def loss_and_grads(graphdef, cfg: StepConfig, params, batch: Batch,
                    constrain: Callable[[jax.Array], jax.Array] = lambda x: x,
-                   entropy_coef=None, frozen=(), dropout_key=None, group: int = 1):
-    """Exact (loss, grads, metric sums) of the model's params over `batch`, split into
-    gradient_accumulation_steps micro-batches (accumulate). `entropy_coef`: the entropy bonus's
+                   entropy_coef=None, frozen=(), dropout_key=None, group: int = 1,
+                   micro_batches: int | None = None):
+    """Exact (loss, grads, per-micro-batch metric sums) of the model's params over `batch`,
+    split into `micro_batches` (default gradient_accumulation_steps) micro-batches
+    (accumulate). `entropy_coef`: the entropy bonus's
     coefficient to apply (None: the config's). `constrain` lays out each [k, rows, ...] split
     (the trainer keeps rows on the batch axes). `frozen`: states of the model that are not
     trained (with LoRA, the base's params), merged with `params` into the model.
@@ -105,19 +107,22 @@ def loss_and_grads(graphdef, cfg: StepConfig, params, batch: Batch,
     def micro(p, mb, j):
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, j)
         return _micro_loss(p, graphdef, cfg, mb, frozen, key, group)
-    return accumulate(micro, cfg, params, batch, constrain, entropy_coef)
+    return accumulate(micro, cfg, params, batch, constrain, entropy_coef, micro_batches)
 
 
 def accumulate(micro_loss: Callable[[Any, Batch, jax.Array], loss_lib.MicroLoss],
                cfg: StepConfig, params, batch: Batch,
-               constrain: Callable[[jax.Array], jax.Array] = lambda x: x, entropy_coef=None):
-    """(loss, grads w.r.t. params, metric sums) over `batch` split into k =
-    gradient_accumulation_steps micro-batches; micro_loss(params, micro_batch, j) gives the j-th
-    micro-batch's MicroLoss. The policy loss's denominator depends on the masks only, never on
-    the params, so it is summed over all micro-batches first; each micro-batch then adds
-    numerator / denominator - entropy_coef * entropy_mean / k (see loss.py) to the loss and its
-    gradient to the sum: k micro-batches give one big batch's loss and gradient."""
-    k = cfg.gradient_accumulation_steps
+               constrain: Callable[[jax.Array], jax.Array] = lambda x: x, entropy_coef=None,
+               micro_batches: int | None = None):
+    """(loss, grads w.r.t. params, metric sums stacked [k, ...], one per micro-batch) over
+    `batch` split into k micro-batches (default gradient_accumulation_steps; fewer for the
+    partial window that ends an epoch, as transformers' current_gradient_accumulation_steps);
+    micro_loss(params, micro_batch, j) gives the j-th micro-batch's MicroLoss. The policy loss's
+    denominator depends on the masks only, never on the params, so it is summed over all
+    micro-batches first; each micro-batch then adds numerator / denominator - entropy_coef *
+    entropy_mean / k (see loss.py) to the loss and its gradient to the sum: k micro-batches give
+    one big batch's loss and gradient."""
+    k = micro_batches or cfg.gradient_accumulation_steps
     micro = jax.tree.map(lambda x: constrain(x.reshape(k, x.shape[0] // k, *x.shape[1:])), batch)
     dens = jax.vmap(lambda mask, trunc, items: loss_lib.loss_denominator(
         mask, trunc, cfg.loss, items))(micro.model_mask(), micro.truncated, micro.num_items)
@@ -129,21 +134,17 @@ def accumulate(micro_loss: Callable[[Any, Batch, jax.Array], loss_lib.MicroLoss]
         value = out.numerator / denom
         if out.entropy_mean is not None:
             value = value - coef * out.entropy_mean / k
-        return value, out.sums
+        return value, loss_lib.with_step_denominator(out.sums, denom, cfg.loss)
 
     value_and_grad = jax.value_and_grad(objective, has_aux=True)
 
     def step(carry, xs):
-        grads, loss, sums = carry
+        grads, loss = carry
         (v, s), g = value_and_grad(params, *xs)
-        return (jax.tree.map(jnp.add, grads, g), loss + v,
-                loss_lib.merge_metric_sums(sums, s)), None
+        return (jax.tree.map(jnp.add, grads, g), loss + v), s
 
-    first = jax.tree.map(lambda x: x[0], micro)
-    zero_sums = loss_lib.empty_metric_sums(jax.eval_shape(
-        lambda: objective(params, first, jnp.zeros((), jnp.int32))[1]))
-    init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), zero_sums)
-    (grads, loss, sums), _ = jax.lax.scan(step, init, (micro, jnp.arange(k)))
+    init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
+    (grads, loss), sums = jax.lax.scan(step, init, (micro, jnp.arange(k)))
     return loss, grads, sums
 
 
@@ -184,12 +185,15 @@ def finish_entropy_control(state: TrainState, metrics: dict, loss: loss_lib.Loss
 def train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule,
                cfg: StepConfig, state: TrainState, batch: Batch,
                constrain: Callable[[jax.Array], jax.Array] = lambda x: x, frozen=(),
-               group: int = 1):
+               group: int = 1, micro_batches: int | None = None):
     """One optimizer update over `batch` ([N, ...] arrays, N = micro-batches x micro size).
     `tx` skips non-finite updates (grpo.optimizer); the step counts them all the same, as
     TRL's global_step does, and reports the skip. With use_adaptive_entropy the entropy
     coefficient moves once per step (a skipped update too, as in TRL), from the step's
-    token-mean entropy. `frozen`, `group`: see loss_and_grads; only state.params are trained."""
+    token-mean entropy. `frozen`, `group`, `micro_batches`: see loss_and_grads; only
+    state.params are trained. Metrics: the step's scalars (loss, grad_norm, learning_rate,
+    skipped_updates, entropy_coef) and each loss metric as [micro_batches] values
+    (loss.step_metrics)."""
     lc = cfg.loss
     if lc.use_adaptive_entropy and state.entropy_coef is None:
         raise ValueError("use_adaptive_entropy carries its coefficient in TrainState: build the "
@@ -198,11 +202,11 @@ def train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Sched
     # Per step (the state's count, so a resumed run continues the sequence) and micro-batch.
     dropout_key = jax.random.fold_in(jax.random.key(cfg.dropout_seed), state.step)
     loss, grads, sums = loss_and_grads(graphdef, cfg, state.params, batch, constrain, coef,
-                                       frozen, dropout_key, group)
+                                       frozen, dropout_key, group, micro_batches)
     updates, new_opt = tx.update(grads, state.opt_state, state.params)
     new_state = TrainState(optax.apply_updates(state.params, updates), new_opt, state.step + 1,
                            state.entropy_coef, state.last_entropy)
-    new_state, metrics = finish_entropy_control(new_state, loss_lib.finalize_metrics(sums), lc)
+    new_state, metrics = finish_entropy_control(new_state, loss_lib.step_metrics(sums), lc)
     metrics.update(loss=loss, grad_norm=optax.tree.norm(grads),
                    skipped_updates=(new_opt.notfinite_count > 0).astype(jnp.int32),
                    # The rate applied: the schedule inside adamw counts applied updates only (a
