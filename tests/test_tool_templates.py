@@ -104,6 +104,9 @@ def rendered_call(tok, content):
 
 @pytest.mark.parametrize("path", TEMPLATES, ids=lambda p: p.stem)
 def test_prepared_as_trl_prepares_it(path, templated, monkeypatch):
+    """Refused (one line, with the fix) where TRL refuses or would die at the first tool
+    result; else TRL's parser and template, a prefix-preserving one where TRL's is, TRL's
+    tool-result tokens, and a call in the template's own format parsed as TRL parses it."""
     tok = templated(path)
     prepared = prepare(tok, "trl", monkeypatch)
     vendored = prepare(tok, "vendored", monkeypatch)  # as where trl is not installed
@@ -192,31 +195,40 @@ def test_unknown_templates_are_refused_with_the_fix(templated, smol_tok):
 
 
 @pytest.mark.slow
-def test_grpo_run_on_a_qwen3_template_goes_past_its_first_tool_call(tmp_path, templated):
-    """SmolLM2 with Qwen3's chat template (not prefix-preserving: the loop died with a
+def test_grpo_run_on_a_qwen3_template_goes_past_its_first_tool_call(tmp_path, smol_tok):
+    """SmolLM2 with Qwen3's chat template, which is not prefix-preserving (the loop died with a
     ToolError at the first tool result): TRL's qwen3_training template is swapped in at start,
-    the model's Qwen3-format calls are parsed and run, their results appended, and the step
-    trains."""
-    from grpo_jax.calculator import SHOTS
+    the calls in Qwen3's format are parsed and run, their results appended in Qwen3's format,
+    the model writes on after them, and the step trains. SmolLM2 seldom writes a well-formed
+    Qwen3 call by itself, so each prompt (a string: the rendered chat) opens the call for it;
+    the call and its result (~20 + 31 tokens) leave the next turn room in 96."""
+    from grpo_jax.calculator import SHOTS, calculator
     from grpo_jax.cli import load_config
     from grpo_jax.train import train
     qwen3 = ctu._CHAT_TEMPLATES_DIR / "qwen3.jinja"
-    assert not ctu.is_chat_template_prefix_preserving(templated(qwen3))
+    tok = copy.deepcopy(smol_tok)
+    tok.chat_template = qwen3.read_text(encoding="utf-8")
+    assert not ctu.is_chat_template_prefix_preserving(tok)
+    prepared = tools.prepare_tool_tokenizer(tok)  # what the run's start-up makes of it
+    opened = '<think>\n\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
     with open(tmp_path / "q.jsonl", "w") as f:
-        for a, b in [(48213, 9177), (66011, 4589), (3077, 5512), (91234, 8861)]:
-            f.write(json.dumps({"prompt": SHOTS + [{"role": "user",
-                                                    "content": f"What is {a} * {b}?"}],
-                                "answer": a * b}) + "\n")
+        for a, b in [(48213, 9177), (66011, 4589)]:
+            chat = SHOTS + [{"role": "user", "content": f"What is {a} * {b}?"}]
+            prompt = prepared.apply_chat_template(chat, tools=[calculator], tokenize=False,
+                                                  add_generation_prompt=True)
+            f.write(json.dumps({"prompt": prompt + opened, "answer": a * b}) + "\n")
     sets = {"dtype": "float32", "dataset_name": tmp_path / "q.jsonl", "chat_template": qwen3,
             "tools": "[grpo_jax.calculator:calculator]",
             "reward_funcs": "[grpo_jax.calculator:final_answer]",
-            "num_generations": 4, "max_completion_length": 64, "temperature": 1.0,
-            "per_device_train_batch_size": 16, "steps_per_generation": 1, "learning_rate": 1e-5,
+            "num_generations": 4, "max_completion_length": 96, "temperature": 1.0,
+            "per_device_train_batch_size": 8, "steps_per_generation": 1, "learning_rate": 1e-5,
             "beta": 0.0, "output_dir": tmp_path / "out", "report_to": "[]", "max_steps": 1,
             "dp": 1, "log_completions": True, "num_completions_to_print": 0}
     cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
     last = train(cfg, devices=jax.devices()[:1])
-    assert last["tools/call_frequency"] > 0 and np.isfinite(last["loss"])
+    assert last["tools/call_frequency"] > 0.5 and last["tools/failure_frequency"] < 1
+    assert np.isfinite(last["loss"])
     rows = [json.loads(line) for line in (tmp_path / "out" / "completions.jsonl").open()]
-    past = [r["completion"] for r in rows if "</tool_response>" in r["completion"]]
-    assert past, [r["completion"] for r in rows]  # a result in Qwen3's format, then more turns
+    result = "<tool_response>\n442450701\n</tool_response>"  # 48213 * 9177, Qwen3's format
+    past = [r["completion"].split(result)[1] for r in rows if result in r["completion"]]
+    assert any(text.strip() for text in past), [r["completion"] for r in rows]
