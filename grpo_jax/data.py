@@ -117,8 +117,7 @@ def load_prompts(cfg: DataArgs, tokenizer, *, test: bool = False,
     columns = {k: v for k, v in columns.items() if k not in NOT_REWARD_COLUMNS}
     if not prompts:
         raise DataError(f"dataset {name!r} split {split!r} is empty")
-    if cfg.chat_template:
-        tokenizer.chat_template = chat_template(cfg.chat_template)  # decoding's too
+    set_chat_template(tokenizer, cfg)  # decoding's too
     ids = tokenize_prompts(prompts, tokenizer, cfg.chat_template_kwargs, tools=tools)
     limit = cfg.max_prompt_length
     truncated = 0
@@ -155,6 +154,13 @@ def with_system_prompt(prompts: Sequence[Any], system_prompt: str | None) -> lis
                             "system_prompt or the dataset's system messages")
         out.append([system, *messages])
     return out
+
+
+def set_chat_template(tokenizer, cfg: DataArgs):
+    """`tokenizer`, its chat template replaced by the chat_template setting where there is one."""
+    if cfg.chat_template:
+        tokenizer.chat_template = chat_template(cfg.chat_template)
+    return tokenizer
 
 
 def chat_template(value: str) -> str:

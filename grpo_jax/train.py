@@ -108,14 +108,17 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     model, model_dir = peft_io.load_model(cfg, mesh)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tools = tools_lib.load_tools(cfg.multi_turn.tools)
-    dataset = data_lib.load_prompts(cfg.data, tokenizer, tools=tools)
-    if tools:
-        tools_lib.check_chat_template(tokenizer, cfg.data.chat_template_kwargs)
+    data_args = cfg.data
+    if tools:  # as TRL: a parser, a prefix-preserving template, which the prompts use too
+        tokenizer = tools_lib.prepare_tool_tokenizer(
+            data_lib.set_chat_template(tokenizer, data_args), data_args.chat_template_kwargs)
+        data_args = dataclasses.replace(data_args, chat_template=None)  # the tokenizer has it
+    dataset = data_lib.load_prompts(data_args, tokenizer, tools=tools)
     if dataset.num_truncated and dist.is_main():
         print(f"{dataset.num_truncated} of {len(dataset)} prompts were longer than "
               f"max_prompt_length={cfg.data.max_prompt_length} and lost their left end",
               file=sys.stderr)
-    eval_dataset = (data_lib.load_prompts(cfg.data, tokenizer, test=True, tools=tools)
+    eval_dataset = (data_lib.load_prompts(data_args, tokenizer, test=True, tools=tools)
                     if eval_prompts else None)
     # Reward models run on the trainer's mesh (in multi-process runs on this process's devices:
     # reward_model.scoring_mesh), in the run's compute dtype.

@@ -28,10 +28,11 @@ C = 80
 
 @pytest.fixture(scope="module")
 def tok(smol_dir):
-    """SmolLM2's tokenizer with the shipped ChatML tool template (its own has no tools)."""
+    """SmolLM2's tokenizer with the shipped ChatML tool template (its own has no tools),
+    prepared for tools (its Hermes parser)."""
     t = transformers.AutoTokenizer.from_pretrained(smol_dir)
     t.chat_template = data.chat_template("chatml_tools")
-    return t
+    return tools.prepare_tool_tokenizer(t)
 
 
 def prompt_ids(tok, questions=QUESTIONS):
