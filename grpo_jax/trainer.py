@@ -8,9 +8,10 @@ fetched once, after the round's last update.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, ContextManager, NamedTuple, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -180,6 +181,23 @@ def mix_params(params, ref, alpha, keep):
     return jax.tree.map(one, params, ref)
 
 
+class Stop(Protocol):
+    """A run's stop request (checkpoint.StopSignal): polled between updates; a stop inside
+    `interruptible()` aborts the block at once (StopRun)."""
+
+    def should_stop(self) -> bool: ...
+
+    def interruptible(self) -> ContextManager: ...
+
+
+class NeverStop:
+    def should_stop(self) -> bool:
+        return False
+
+    def interruptible(self) -> ContextManager:
+        return contextlib.nullcontext()
+
+
 class Scores(NamedTuple):
     """What a round's scorer returns: [N, F] rewards (NaN: the function returned None) and what
     the completion log shows."""
@@ -247,7 +265,12 @@ class GRPORound:
     splits them into steps_per_generation micro-batches (num_iterations times over), appended to
     `buffer`; then every whole window of gradient_accumulation_steps micro-batches in the buffer
     is one optimizer update. A window may span two generations: the micro-batches left over wait
-    in `buffer` for the next round (train.py checkpoints them)."""
+    in `buffer` for the next round (train.py checkpoints them).
+
+    `stop`: a stop request aborts the generation (nothing of it is kept: the caller's data
+    position stays) or ends the updates after the current one (the windows left stay in
+    `buffer`); either way the state, buffer and position a checkpoint takes agree, so resuming
+    is exact."""
     trainer: Trainer
     rollout: Any  # grpo_jax.rollout.engines: generate(...), update_weights(params)
     plan: Any
@@ -261,6 +284,7 @@ class GRPORound:
     buffer: list = dataclasses.field(default_factory=list)  # host micro-batches not trained on
     # Async rounds: weight version pushed -> a copy of those params, the last max_staleness + 1.
     pushed: dict = dataclasses.field(default_factory=dict)
+    stop: Stop = dataclasses.field(default_factory=NeverStop)
 
     def __post_init__(self):
         if self.ref_sync is not None and self.ref_params is None:
@@ -281,7 +305,8 @@ class GRPORound:
         metrics: dict = {}
         buffer, scores, rewards, advantages, num_tokens = self.buffer, None, None, None, 0
         if records is not None:
-            gen = self.generate_and_score(self.rollout_weights(state.params), records, key)
+            with self.stop.interruptible():  # changes nothing yet: a stop drops the generation
+                gen = self.generate_and_score(self.rollout_weights(state.params), records, key)
             batch, scores, rewards, advantages = gen.batch, gen.scores, gen.rewards, gen.advantages
             metrics.update(gen.metrics)
             t1 = time.perf_counter()
@@ -304,18 +329,22 @@ class GRPORound:
         # The step count on the host (read once; each update adds 1, a skipped one too).
         step = int(state.step) if self.ref_sync is not None and n else 0
         for window in windows:
+            if self.stop.should_stop():  # the windows left stay buffered (and checkpointed)
+                break
             state, m = trainer.step(state, window)
             step_metrics.append(m)
             step += 1
             if self.ref_sync is not None and step % self.ref_sync[0] == 0:
                 ref = trainer.mix_ref(state.params, ref, self.ref_sync[1])
+        n = len(step_metrics)
         if step_metrics:
             metrics.update(aggregate(jax.device_get(step_metrics)))
         # Only now: a round that fails leaves the buffer as it was (the reference's old buffers
         # are donated to a mix, as the state's to a step: no final checkpoint after a failure).
         self.buffer, self.ref_params = buffer[n * gas:], ref
         t4 = time.perf_counter()
-        sync_time = self.sync_weights(state.params) if n else None
+        stopping = self.stop.should_stop()  # the server's weights won't be used again
+        sync_time = self.sync_weights(state.params) if n and not stopping else None
 
         metrics.setdefault("timing/generate", 0.0)
         metrics.setdefault("timing/logprobs", 0.0)  # reference and old log-probs
