@@ -400,5 +400,22 @@ def _exit(code: int) -> None:
     sys.exit(code)
 
 
+def _quiet_closed_loop_reports() -> None:
+    """When a checkpoint write fails mid-write (disk full, read-only), tensorstore's writes
+    still in flight complete after Orbax closed the failed save's event loop; tensorstore
+    reports each with PyErr_Print, i.e. sys.excepthook: a 3-line 'RuntimeError: Event loop is
+    closed' traceback per write. Those are dropped (the run reports the failure in one line);
+    every other exception is printed as before."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        frames = traceback.extract_tb(tb)
+        if not (kind is RuntimeError and str(value) == "Event loop is closed" and frames
+                and all(f"{os.sep}asyncio{os.sep}" in f.filename for f in frames)):
+            previous(kind, value, tb)
+    sys.excepthook = hook
+
+
 if __name__ == "__main__":
+    _quiet_closed_loop_reports()
     _exit(main())
