@@ -245,7 +245,7 @@ def _load_columns(name: str, config: str | None, split: str, seed: int) -> dict[
     path = Path(name).expanduser()
     if path.exists():
         if path.is_dir():
-            return _datasets_load(str(path), config, split=split)
+            return _load_local(path, str(path), config, split=split)
         loader = FILE_LOADERS.get(path.suffix.lower())
         if loader is None:
             raise DataError(f"can't read {path}: supported files are "
@@ -254,7 +254,9 @@ def _load_columns(name: str, config: str | None, split: str, seed: int) -> dict[
             raise DataError(f"a single file holds one split, 'train', not {split!r}: slices "
                             "split it (dataset_train_split: 'train[:90%]', dataset_test_split: "
                             "'train[90%:]'), or name an eval file in eval_dataset_name")
-        return _datasets_load(loader, data_files=str(path), split=split)
+        if path.stat().st_size == 0:
+            raise DataError(f"dataset file {path} is empty")
+        return _load_local(path, loader, data_files=str(path), split=split)
     if name.startswith((".", "/", "~")) or path.suffix.lower() in FILE_LOADERS:
         raise DataError(f"dataset file {name!r} not found")
     return _load_hub(name, config, split)
@@ -269,6 +271,27 @@ def _post_body(prompt: str) -> str:
 def _datasets_load(*args, **kwargs) -> dict[str, list]:
     import datasets
     return datasets.load_dataset(*args, **kwargs).to_dict()
+
+
+def _load_local(what: Path, *args, **kwargs) -> dict[str, list]:
+    """`_datasets_load` of the user's own file or directory `what`: one it can't read
+    (malformed JSON lines, no rows, a bad split) is a DataError with the innermost reason,
+    and datasets' own log of it is not printed too."""
+    quiet = logging.getLogger("datasets")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        return _datasets_load(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - ArrowInvalid (with the row), no rows, a bad split
+        root = e  # the reason under datasets' own wrappers ("An error occurred while ...")
+        while type(root).__module__.startswith("datasets") and (root.__cause__ or
+                                                                root.__context__):
+            root = root.__cause__ or root.__context__
+        reason = " ".join(f"{type(root).__name__}: {root}".split())[:300]
+        raise DataError(f"can't read dataset {what} (split {kwargs.get('split')!r}): "
+                        f"{reason}") from None
+    finally:
+        quiet.setLevel(level)
 
 
 def _offline() -> bool:

@@ -201,7 +201,16 @@ def generation_eos_ids(model_dir) -> tuple[int, ...]:
 def _weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"{index} is not a safetensors index ({type(e).__name__}: "
+                                 f"{e}); re-download or re-export the model") from None
+        missing = [s for s in shards if not (model_dir / s).is_file()]
+        if missing:
+            raise ModelLoadError(f"{model_dir}: {len(missing)} of the {len(shards)} shards "
+                                 f"that {index.name} lists are missing ({', '.join(missing[:3])})"
+                                 "; re-download or re-export the model")
         return [model_dir / s for s in shards]
     files = sorted(model_dir.glob("*.safetensors"))
     if files:
@@ -258,8 +267,13 @@ class _Weights:
     def __init__(self, model_dir: Path):
         self.files: dict[str, Path] = {}
         for f in _weight_files(model_dir):
-            with safe_open(f, framework="numpy") as st:
-                self.files.update(dict.fromkeys(st.keys(), f))
+            try:
+                with safe_open(f, framework="numpy") as st:
+                    self.files.update(dict.fromkeys(st.keys(), f))
+            except Exception as e:  # noqa: BLE001 - SafetensorError: truncated, not safetensors
+                raise ModelLoadError(f"{f} can't be read ({type(e).__name__}: {e}): the file "
+                                     "is damaged or truncated; re-download or re-export the "
+                                     "model") from None
         self.model_dir = model_dir
         # Where the decoder sits: "model." in a causal LM; Gemma 3's multimodal checkpoints
         # nest it ("model.language_model." in transformers 5, "language_model.model." before).

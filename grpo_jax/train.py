@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -27,7 +30,9 @@ from grpo_jax import evaluation
 from grpo_jax import mesh as mesh_lib
 from grpo_jax import peft_io
 from grpo_jax import rewards as rewards_lib
-from grpo_jax.checkpoint import BufferFiles, Checkpointer, RefCheckpoints, StopSignal
+from grpo_jax import storage
+from grpo_jax.checkpoint import (BufferFiles, Checkpointer, CheckpointWriteError, RefCheckpoints,
+                                 StopRun, StopSignal, check_writable, last_good)
 from grpo_jax.errors import GrpoJaxError
 from grpo_jax.grpo.train_step import StepConfig
 from grpo_jax.logger import MetricsLogger
@@ -66,6 +71,7 @@ class RewardScorer:
     num_generations: int
 
     trainer_state: Any = rewards_lib.NOT_STARTED  # set before each round (TRL's trainer_state)
+    warned: set = dataclasses.field(default_factory=set)  # functions said to give no reward
 
     @property
     def names(self) -> list[str]:
@@ -90,6 +96,13 @@ class RewardScorer:
                                                pick(ids), {k: pick(v) for k, v in columns.items()},
                                                trainer_state=self.trainer_state, logs=logs)
         per_func = dist.gather_rows(dist.together(score, rewards_lib.RewardError), rows, len(ids))
+        # As TRL: a completion no function scored is warned about (every batch); a function
+        # that scored nothing in a batch, once (a task's function may skip other tasks' rows).
+        funcs, unscored = rewards_lib.missing_rewards(per_func, self.names, prompts, texts)
+        if dist.is_main():
+            for line in [v for k, v in funcs.items() if k not in self.warned] + unscored:
+                print(f"warning: {line}", file=sys.stderr)
+        self.warned.update(funcs)
         # What the functions logged, from every process (TRL gathers both too).
         logs = rewards_lib.RewardLogs.merged(dist.gather_objects((rows.tolist(), logs)), len(ids))
         return Scores(per_func, prompts, texts, logs.extra, logs.metric_means())
@@ -100,7 +113,9 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     # A PEFT adapter directory as the model: its base, its settings, its weights to start from.
     cfg = peft_io.adapter_settings(cfg)
     out = Path(cfg.run.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    # Before any work: a run that can't write its checkpoints stops now, not at the first save.
+    storage.check_writable(out, "output_dir")
+    check_writable(out / "checkpoints")
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
     eval_prompts = (cfg.eval_prompts_per_batch(mesh_lib.batch_divisor(mesh)) if cfg.eval.enabled
                     else 0)
@@ -169,16 +184,24 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
             if dist.is_main():
                 print(f"resuming from step {latest}: removed the later checkpoint {later}",
                       file=sys.stderr)
+    restored = None
+    if cfg.run.resume and latest is not None:
+        # Onto the live state's shardings, whose buffers go first: the devices never hold
+        # two training states (the initial one is of no use once a checkpoint is read).
+        target = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        jax.tree.map(lambda x: x.delete(), state)
+        # The newest that restores: corrupt ones are set aside; other settings are refused.
+        restored = ckpt.restore_newest(target, cfg.to_dict(), _saved_settings(out))
+        if restored is None:
+            raise TrainError(f"no checkpoint in {ckpt.directory} can be restored (each is kept "
+                             "as <step>.corrupt): resume from a copy, or train afresh without "
+                             "--resume into another output_dir")
     if refs is not None:
-        refs.drop_after(latest or 0)
+        refs.drop_after(restored[0] if restored else 0)
     if cfg.run.resume:
-        if latest is not None:
-            # Onto the live state's shardings, whose buffers go first: the devices never hold
-            # two training states (the initial one is of no use once a checkpoint is read).
-            target = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-            jax.tree.map(lambda x: x.delete(), state)
-            state, meta = ckpt.restore(latest, target)
+        if restored is not None:
+            latest, state, meta = restored
             position = data_lib.DataPosition(*meta["data_position"])
             round_idx = meta["round"]
             tokens_seen = int(meta.get("num_tokens", 0))
@@ -211,7 +234,8 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     def evaluate(state):
         step = int(state.step)
         eval_scorer.trainer_state = trainer_state(step)
-        metrics = evaluator(state, jax.random.fold_in(eval_key, step), tokens_seen)
+        with run_round.stop.interruptible():  # changes nothing a checkpoint holds
+            metrics = evaluator(state, jax.random.fold_in(eval_key, step), tokens_seen)
         metrics["epoch"] = plan.epoch(step, len(dataset))
         logger.log_eval(step, metrics)
 
@@ -227,7 +251,11 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     saved_block = int(state.step) // save_every
     failure = None
     cursor = [position]  # dynamic_sampling: where the next prompts start while a batch fills
-    with StopSignal() as stop:
+    # One process alone can't abort a round its peers are inside: with several, every process
+    # stops after the same round.
+    with StopSignal(interrupt=not dist.multi_process()) as stop:
+        run_round.stop = stop
+
         def more_records():
             if dist.any_process(stop.should_stop()):
                 return None  # the batch is dropped; a resume regenerates it from `position`
@@ -286,6 +314,7 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
                     if step % log_every == 0 or (step == 1 and cfg.run.logging_first_step):
                         last = logger.log(step, window.flush())
                 logger.advance(int(state.step))
+                ckpt.poll()  # a background checkpoint write that failed stops the run now
                 if not result.updates:
                     continue
                 if evaluator is not None and schedule.due(int(state.step)):
@@ -296,32 +325,46 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
                           run_round, last, refs)
             if window.steps:  # the steps since the last log (TRL: in its final summary)
                 last = logger.log(int(state.step), window.flush())
+            if int(state.step) < total_steps:  # stopped: by this process's signal or a peer's
+                raise dist.raised_on_all(StopRun(stop.received or signal.SIGTERM))
         except BaseException as e:
             failure = e
             raise
         finally:
+            final_error = None
             if dist.failed_alone(failure):
                 # A checkpoint is written by all processes together; the others are not here.
                 print("this process failed alone: no final checkpoint, the last periodic one "
                       "stands", file=sys.stderr)
             else:
                 # Ends with a checkpoint whether finished, interrupted or failed mid-round: the
-                # state saved is the last completed update, never a half-applied one.
+                # state saved is the last completed update, never a half-applied one. Not after
+                # a failed checkpoint write: the directory takes none.
                 try:
-                    if int(state.step) not in ckpt.all_steps() and int(state.step) > 0:
+                    if (ckpt.failed is None and int(state.step) not in ckpt.all_steps()
+                            and int(state.step) > 0):
                         _save(ckpt, buffers, state, position, round_idx, tokens_seen,
                               run_round, last, refs)
+                except CheckpointWriteError as e:
+                    final_error = e
                 except Exception as e:  # e.g. buffers donated to a step that failed
                     print(f"no final checkpoint ({type(e).__name__}: {e}); the last periodic "
                           "one stands", file=sys.stderr)
-                ckpt.wait()
-                ckpt.close()
+                try:
+                    ckpt.close()  # waits for the last write
+                except CheckpointWriteError as e:
+                    final_error = final_error or e
                 if refs is not None:
                     refs.close()
             logger.close()
-        if stop.should_stop():
-            print(f"stopped by signal {stop.received}; checkpoint at step {int(state.step)}",
-                  file=sys.stderr)
+            if final_error is not None and final_error is not failure:
+                raise final_error  # the run's end (or its failure) could not be checkpointed
+            if isinstance(failure, StopRun) and dist.is_main():
+                done = (f"the last completed update, step {int(state.step)}, is checkpointed in "
+                        f"{ckpt.directory}; --resume continues the run" if int(state.step)
+                        else "no update was completed, so there is nothing to checkpoint")
+                print(f"grpo_jax.train: stopped by {signal.Signals(failure.signum).name}: "
+                      f"{done}", file=sys.stderr)
     return last
 
 
@@ -337,6 +380,16 @@ def _checkpoint_step(path: str, out: Path, ckpt: Checkpointer) -> int:
     raise TrainError(f"resume_from_checkpoint {path}: not a checkpoint of this run; its "
                      f"checkpoints are {ckpt.directory}/STEP ({ckpt.all_steps() or 'none yet'}). "
                      "To continue another run, set output_dir to that run's directory")
+
+
+def _saved_settings(out: Path) -> dict | None:
+    """The settings of the run whose checkpoints are in `out` (its config.yaml), or None."""
+    import yaml
+    try:
+        saved = yaml.safe_load((out / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return saved if isinstance(saved, dict) else None
 
 
 def _save(ckpt, buffers, state, position, round_idx, tokens_seen, run_round, metrics,
@@ -361,6 +414,7 @@ def _save(ckpt, buffers, state, position, round_idx, tokens_seen, run_round, met
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     dist.default_xla_flags()
+    cfg = None
     try:
         cfg = cli.parse_cli(argv)
         dist.initialize(cfg.distributed)
@@ -368,6 +422,19 @@ def main(argv=None) -> int:
     except GrpoJaxError as e:
         print(f"grpo_jax.train: error: {e}", file=sys.stderr)
         return dist.exit_code(2, e)
+    except OSError as e:
+        cause = storage.storage_cause(e)
+        if cause is None or cfg is None:
+            raise
+        # A full or read-only disk under the logs, the buffer files, ...: the checkpoints
+        # written before it stand.
+        out = Path(cfg.run.output_dir)
+        print(f"grpo_jax.train: error: can't write the run's files in {out}: "
+              f"{storage.describe(cause)}; {last_good(out / 'checkpoints')}. Free space or fix "
+              "the directory, then resume with --resume", file=sys.stderr)
+        return dist.exit_code(2, e)
+    except StopRun as e:  # checkpointed and said so: the exit code tells schedulers it stopped
+        return dist.exit_code(128 + e.signum, e)
     except KeyboardInterrupt as e:
         print("grpo_jax.train: interrupted; the last completed step was checkpointed",
               file=sys.stderr)
@@ -382,5 +449,34 @@ def main(argv=None) -> int:
     return 0
 
 
+def _exit(code: int) -> None:
+    """Exit with `code`. After a failure, writer threads a failed checkpoint left behind (Orbax's,
+    waiting out its 300 s timeout: checkpoint._release_writers frees those it can find) must
+    not hold the process: it ends without joining them, its output flushed."""
+    if code and any(t.is_alive() and not t.daemon for t in threading.enumerate()
+                    if t is not threading.main_thread()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def _quiet_closed_loop_reports() -> None:
+    """When a checkpoint write fails mid-write (disk full, read-only), tensorstore's writes
+    still in flight complete after Orbax closed the failed save's event loop; tensorstore
+    reports each with PyErr_Print, i.e. sys.excepthook: a 3-line 'RuntimeError: Event loop is
+    closed' traceback per write. Those are dropped (the run reports the failure in one line);
+    every other exception is printed as before."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        frames = traceback.extract_tb(tb)
+        if not (kind is RuntimeError and str(value) == "Event loop is closed" and frames
+                and all(f"{os.sep}asyncio{os.sep}" in f.filename for f in frames)):
+            previous(kind, value, tb)
+    sys.excepthook = hook
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _quiet_closed_loop_reports()
+    _exit(main())

@@ -9,9 +9,10 @@ fetched once, after the round's last update, and handed on per update as TRL log
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, ContextManager, NamedTuple, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -187,6 +188,23 @@ def mix_params(params, ref, alpha, keep):
     return jax.tree.map(one, params, ref)
 
 
+class Stop(Protocol):
+    """A run's stop request (checkpoint.StopSignal): polled between updates; a stop inside
+    `interruptible()` aborts the block at once (StopRun)."""
+
+    def should_stop(self) -> bool: ...
+
+    def interruptible(self) -> ContextManager: ...
+
+
+class NeverStop:
+    def should_stop(self) -> bool:
+        return False
+
+    def interruptible(self) -> ContextManager:
+        return contextlib.nullcontext()
+
+
 class Scores(NamedTuple):
     """What a round's scorer returns: [N, F] rewards (NaN: the function returned None) and what
     the completion log shows."""
@@ -263,7 +281,12 @@ class GRPORound:
     `filter_groups` (DAPO's dynamic sampling, grpo_jax.dynamic_sampling; verl's name): None
     off, else max_num_gen_batches (<= 0: no limit): the generation batch keeps only groups
     whose rewards differ, generating from `more_records()` until it holds
-    prompts_per_generation of them."""
+    prompts_per_generation of them.
+
+    `stop`: a stop request aborts the generation (nothing of it is kept: the caller's data
+    position stays) or ends the updates after the current one (the windows left stay in
+    `buffer`); either way the state, buffer and position a checkpoint takes agree, so resuming
+    is exact."""
     trainer: Trainer
     rollout: Any  # grpo_jax.rollout.engines: generate(...), update_weights(params)
     plan: Any
@@ -279,6 +302,7 @@ class GRPORound:
     epoch_end: int = 0  # the buffer's first epoch_end micro-batches end an epoch (0: none)
     # Async rounds: weight version pushed -> a copy of those params, the last max_staleness + 1.
     pushed: dict = dataclasses.field(default_factory=dict)
+    stop: Stop = dataclasses.field(default_factory=NeverStop)
 
     def __post_init__(self):
         if self.ref_sync is not None and self.ref_params is None:
@@ -307,8 +331,10 @@ class GRPORound:
         epoch_end = self.epoch_end
         if records is not None:
             weights = self.rollout_weights(state.params)
-            gen = (self.generate_and_score(weights, records, key) if self.filter_groups is None
-                   else self.generate_filled(weights, records, key, more_records))
+            with self.stop.interruptible():  # changes nothing yet: a stop drops the generation
+                gen = (self.generate_and_score(weights, records, key)
+                       if self.filter_groups is None
+                       else self.generate_filled(weights, records, key, more_records))
             if gen is None:
                 return RoundResult(state, {}, None, None, None)
             batch, scores, rewards, advantages = gen.batch, gen.scores, gen.rewards, gen.advantages
@@ -338,22 +364,26 @@ class GRPORound:
         # The step count on the host (read once; each update adds 1, a skipped one too).
         step = int(state.step) if self.ref_sync is not None and n else 0
         for window, size in zip(windows, sizes):
+            if self.stop.should_stop():  # the windows left stay buffered (and checkpointed)
+                break
             state, m = (trainer.step(state, window) if size == gas
                         else trainer.step(state, window, micro_batches=size))
             step_metrics.append(m)
             step += 1
             if self.ref_sync is not None and step % self.ref_sync[0] == 0:
                 ref = trainer.mix_ref(state.params, ref, self.ref_sync[1])
+        n, done = len(step_metrics), bounds[len(step_metrics)]
         # Without old log-probs a generation's micro-batches are all in one window: its
         # PER_GENERATION metrics come from the step (else from sampling_metrics, above).
         block = None if plan.needs_old_logps else plan.steps_per_generation * plan.num_iterations
         logged = tuple(update_logged(m, block) for m in jax.device_get(step_metrics))
         # Only now: a round that fails leaves the buffer as it was (the reference's old buffers
         # are donated to a mix, as the state's to a step: no final checkpoint after a failure).
-        self.buffer, self.ref_params = buffer[bounds[-1]:], ref
-        self.epoch_end = max(epoch_end - bounds[-1], 0)
+        self.buffer, self.ref_params = buffer[done:], ref
+        self.epoch_end = max(epoch_end - done, 0)
         t4 = time.perf_counter()
-        sync_time = self.sync_weights(state.params) if n else None
+        stopping = self.stop.should_stop()  # the server's weights won't be used again
+        sync_time = self.sync_weights(state.params) if n and not stopping else None
 
         metrics.setdefault("timing/generate", 0.0)
         metrics.setdefault("timing/logprobs", 0.0)  # reference and old log-probs

@@ -162,6 +162,50 @@ def test_max_updates_stops_mid_round_and_buffers_the_rest():
     assert len(rnd.rollout.generated) == 1 and result.num_tokens == 0
 
 
+class StopAfter:
+    """A stop request (trainer.Stop) that arrives after `updates` updates, or (`during_generation`)
+    while the round generates: what checkpoint.StopSignal does with a signal."""
+
+    def __init__(self, trainer, updates=None, during_generation=False):
+        self.trainer, self.updates, self.during_generation = trainer, updates, during_generation
+
+    def should_stop(self):
+        return self.updates is not None and len(self.trainer.windows) >= self.updates
+
+    def interruptible(self):
+        import contextlib
+
+        from grpo_jax.checkpoint import StopRun
+        if self.during_generation:
+            raise StopRun(15)
+        return contextlib.nullcontext()
+
+
+def test_stop_ends_the_updates_and_keeps_the_rest_buffered():
+    """A stop between updates: the round returns after the update in progress, its other
+    windows buffered (the checkpoint takes them), and the server is not synced."""
+    rnd = make_round(plan(4, 1))
+    synced = []
+    rnd.rollout.update_weights = synced.append
+    rnd.stop = StopAfter(rnd.trainer, updates=1)
+    state, results = run_rounds(rnd, 1)
+    assert state.step == 1 and results[0].updates == 1 and rnd.windows_buffered == 3
+    assert synced == []
+    rnd.stop = StopAfter(rnd.trainer)  # resumed: the buffered windows first, as after max_steps
+    result = rnd(state, None, jax.random.key(9))
+    assert result.updates == 3 and not rnd.buffer and len(synced) == 1
+
+
+def test_stop_during_generation_drops_it_and_changes_nothing():
+    from grpo_jax.checkpoint import StopRun
+    rnd = make_round(plan(4, 1))
+    state, _ = run_rounds(rnd, 1, max_updates=1)  # 3 windows left in the buffer
+    rnd.stop = StopAfter(rnd.trainer, during_generation=True)
+    with pytest.raises(StopRun):
+        rnd(state, [{"prompt_ids": [1, 2]}] * rnd.plan.prompts_per_generation, jax.random.key(1))
+    assert rnd.windows_buffered == 3 and len(rnd.trainer.windows) == 1
+
+
 def test_generation_batch_is_shuffled_before_it_is_split():
     """TRL shuffles the generation batch, then splits it into steps_per_generation parts: a step
     does not see whole prompt groups in order. Seeded by the round's key (exact resume)."""
