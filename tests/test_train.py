@@ -489,12 +489,12 @@ def test_dynamic_sampling_constant_reward_stops_with_one_line(tiny_dir, tmp_path
 def test_dynamic_sampling_resume_mid_batch_equals_uninterrupted(tiny_dir, tmp_path,
                                                               monkeypatch, odd_posts_run):
     """Interrupted twice while a batch is half filled: by SIGTERM in batch 2's first generation
-    (the stop is seen before its second: the batch is dropped), then, resumed, by a failure in
+    (it aborts the generation at once: the batch is dropped), then, resumed, by a failure in
     batch 3's second generation (as a SIGKILL ends a run: the last checkpoint stands; the first
     generation's kept groups are lost). Each resume starts from the data position before the
     batch and regenerates it with the same keys: params and metrics equal a run straight
     through."""
-    from grpo_jax.checkpoint import load_checkpoint
+    from grpo_jax.checkpoint import StopRun, load_checkpoint
     from grpo_jax.errors import GrpoJaxError
     full, _ = odd_posts_run
     gens = [int(h["dynamic_sampling/num_gen_batches"]) for h in _history(full)]
@@ -507,8 +507,9 @@ def test_dynamic_sampling_resume_mid_batch_equals_uninterrupted(tiny_dir, tmp_pa
         if how == "raise":
             with pytest.raises(GrpoJaxError, match="interrupted by the test"):
                 train(cfg, devices=jax.devices()[:1])
-        else:
-            train(cfg, devices=jax.devices()[:1])
+        else:  # the signal aborts the generation at once: the run stops with StopRun
+            with pytest.raises(StopRun):
+                train(cfg, devices=jax.devices()[:1])
         assert int(counter.read_text()) == call
         ckpt = Checkpointer(out / "checkpoints", save_total_limit=None)
         assert ckpt.all_steps() == saved, (how, ckpt.all_steps())
