@@ -416,6 +416,7 @@ class GRPORound:
                                               if np.isfinite(col).sum() > 1 else 0.0)
         metrics.update(scores.metrics)
         metrics.update(completion_metrics(batch))
+        metrics.update(r.metrics or {})  # the JAX sampler's decode steps and slot occupancy
         if r.tool_calls is not None:  # TRL: calls per completion, failures per call
             calls = int(r.tool_calls.sum())
             metrics["tools/call_frequency"] = calls / len(r.tool_calls)
