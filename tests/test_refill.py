@@ -6,7 +6,6 @@ program for later rounds; with a repetition penalty, sliding windows, QLoRA and 
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
