@@ -325,6 +325,9 @@ class _TrainConfig:
     def __post_init__(self):
         _check(self.generation.temperature > 0, "temperature must be > 0 (GRPO needs varied "
                f"samples), got {self.generation.temperature}")
+        _check(self.generation.max_num_seqs is None or self.rollout.backend == "jax",
+               "max_num_seqs sets the JAX sampler's decode slots; a vLLM server schedules its "
+               "own rows (start it with --max-num-seqs): set max_num_seqs: null")
         gbs, g = self.batch.generation_batch_size, self.grpo.num_generations
         _check(gbs is None or gbs % g == 0, f"generation_batch_size ({gbs}) must be divisible "
                f"by num_generations ({g}): a generation round holds whole prompt groups")

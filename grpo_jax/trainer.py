@@ -532,6 +532,7 @@ class GRPORound:
                 adv_lib.logged_mean_std(col))
         metrics.update(scores.metrics)
         metrics.update(completion_metrics(batch))
+        metrics.update(r.metrics or {})  # the JAX sampler's decode steps and slot occupancy
         if r.tool_calls is not None:  # TRL: calls per completion, failures per call
             calls = int(r.tool_calls.sum())
             metrics["tools/call_frequency"] = calls / len(r.tool_calls)

@@ -83,6 +83,27 @@ def test_compiles_for_a_pod_without_one(tmp_path, topology, chips, hosts, mesh):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not AOT_PYTHON, reason="GRPO_JAX_AOT_PYTHON is unset")
+def test_refilled_decode_slots_for_a_pod(tmp_path):
+    """With max_num_seqs the run generates through that many decode slots (refilled as rows
+    finish): the refill program compiles for the slice, and the KV cache per chip is the
+    slots' (16 over 16 chips: 1 per chip) instead of the 64 rows' (4 per chip)."""
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY.to_hf()))
+    proc = run_aot(tmp_path, "--topology", "v5e:4x4", "--model_name_or_path", "tiny", "--quick",
+                   "--json", "out.json", *SHAPE, "--dp", "2", "--fsdp", "8",
+                   "--max_num_seqs", "16")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "compiled refill" in proc.stderr and "decode slots" in proc.stdout
+    r = json.loads((tmp_path / "out.json").read_text())
+    assert (r["plan"]["sampler_rows"], r["plan"]["decode_slots"]) == (64, 16)
+    L, K, Dh = TINY.num_layers, TINY.num_kv_heads, TINY.head_dim
+    m = r["memory_per_chip"]
+    assert m["kv_cache_GB"] == pytest.approx(2 * L * 1 * K * 96 * Dh * 2 / 1e9)
+    assert m["fits"] and m["phases"]["generate"]["peak_GB"] < m["peak_GB"] + 1e-9
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not AOT_PYTHON, reason="GRPO_JAX_AOT_PYTHON is unset")
 @pytest.mark.parametrize("quant", [[], ["--load_in_4bit", "true"]])
 def test_lora_and_qlora_memory(tmp_path, quant):
     """With LoRA only the adapters (fp32) and their AdamW state are trained and resident beside

@@ -91,7 +91,10 @@ def analyze(target, cfg, quick: bool = False) -> dict:
     devices, model = run.mesh.devices.flat, run.model
     with backend_of(target):
         progs = programs.build(run)
-        compiled = {k: _compile(k, v) for k, v in progs.lowered.items() if k != "prefill"}
+        # With decode slots the run generates with `refill`; the static program stays for
+        # the roofline (its decode step's cost).
+        skip = ("prefill", "generate") if progs.decode_slots else ("prefill",)
+        compiled = {k: _compile(k, v) for k, v in progs.lowered.items() if k not in skip}
         costs = {}
         # XLA's GPU compiler gives no cost analysis without a device: no roofline there.
         if not quick and target.platform == "tpu":
@@ -124,12 +127,13 @@ def analyze(target, cfg, quick: bool = False) -> dict:
     # adapters reads a merged copy, which is not resident: it counts in the generate phase.
     gen_reads = (params + base if progs.sampler_takes_adapters
                  else 0.0 if progs.frozen else params)
-    phases = {"generate": report.phase_memory(mem["generate"], resident, gen_reads),
+    phases = {"generate": report.phase_memory(mem.get("refill", mem.get("generate")), resident,
+                                              gen_reads),
               "logprobs": report.phase_memory(mem["logprobs"], resident, params + base),
               "update": report.phase_memory(mem["update"], ref, 0.0)}
     for phase, c in compiled.items():
         if hasattr(c, "refused"):  # XLA's figure: a lower bound on the peak
-            phases[phase]["refused_by_compiler"] = c.refused
+            phases["generate" if phase == "refill" else phase]["refused_by_compiler"] = c.refused
     peak = max(p["peak_GB"] for p in phases.values()) * report.GB
     C = cfg.generation.max_completion_length
     updates = plan.steps_per_generation * plan.num_iterations / plan.gradient_accumulation_steps
@@ -144,7 +148,8 @@ def analyze(target, cfg, quick: bool = False) -> dict:
         "prompt_width": progs.prompt_width, "completion_length": C,
         "plan": {"generation_batch_size": plan.generation_batch_size,
                  "prompts": plan.prompts_per_generation, "num_generations": plan.num_generations,
-                 "sampler_rows": progs.sampler_rows, "updates_per_round": updates,
+                 "sampler_rows": progs.sampler_rows, "decode_slots": progs.decode_slots,
+                 "updates_per_round": updates,
                  "rows_per_update": plan.micro_batch_size * plan.gradient_accumulation_steps},
         "memory_per_chip": {
             "params_GB": params / report.GB, "optimizer_state_GB": opt / report.GB,

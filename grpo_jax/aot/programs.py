@@ -3,7 +3,10 @@
 - `update`: grpo.train_step.train_step on one window (gradient_accumulation_steps
   micro-batches), jitted as trainer.Trainer jits it (state donated, shardings from mesh.RULES);
 - `logprobs`: trainer.Trainer's reference / old log-prob program on a whole generation batch;
-- `generate`: rollout.sampler.Sampler's program on a generation batch (prefill + decode loop).
+- `generate`: rollout.sampler.Sampler's program on a generation batch (prefill + decode loop);
+- `refill`: with `max_num_seqs` decode slots fewer than those rows, rollout.refill.Refill's
+  program, which a run then runs instead: the rows through the slots, whose KV cache is
+  slots x (prompt + completion) rather than rows x.
 
 Nothing is allocated: parameters, optimizer state and batches are jax.ShapeDtypeStructs that
 carry NamedShardings over the target's devices.
@@ -30,6 +33,7 @@ from grpo_jax.grpo.optimizer import make_optimizer
 from grpo_jax.grpo.train_step import (StepConfig, init_train_state, state_shardings,
                                       train_step)
 from grpo_jax.models import KVCache, ModelConfig, lora
+from grpo_jax.rollout.refill import Refill
 from grpo_jax.rollout.sampler import Sampler
 from grpo_jax.trainer import Trainer
 
@@ -90,6 +94,7 @@ class Programs:
     sampler_rows: int
     prompt_width: int
     sampler_takes_adapters: bool  # reads (adapters, base), not a merged copy of the model
+    decode_slots: int | None = None  # with a `refill` program: its slots
 
 
 def build(run: Run) -> Programs:
@@ -143,8 +148,12 @@ def build(run: Run) -> Programs:
                                sharding=replicated)
     prefill = jax.jit(lambda p, i, m, k: sampler._prefill(p, i, m, k, g, rows)[1])
     gen_args = (weights, ids, ids, key)
-    C = run.cfg.generation.max_completion_length
-    cache = jax.eval_shape(lambda: KVCache.zeros(run.model, rows, width + C, sampler.cache_dtype))
+    C, sp = run.cfg.generation.max_completion_length, run.cfg.generation
+    refill = (Refill(sampler) if sp.max_num_seqs is not None and sp.continuous_batching
+              and rows > sp.max_num_seqs else None)
+    cached = rows if refill is None else refill.slots
+    cache = jax.eval_shape(lambda: KVCache.zeros(run.model, cached, width + C,
+                                                 sampler.cache_dtype))
     cache_sh = jax.tree.map(lambda x: mesh_lib.logical_sharding(
         mesh, "batch", "kv_heads", None, None, shape=x.shape), cache)
     lowered = {
@@ -157,8 +166,12 @@ def build(run: Run) -> Programs:
                                              * run.plan.gradient_accumulation_steps, width),
                                frozen),
     }
+    if refill is not None:
+        rows_in_round = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+        lowered["refill"] = refill._program.lower(*gen_args, rows_in_round, num_generations=g,
+                                                  rows=rows)
     return Programs(lowered, state, frozen, _abstract(cache, cache_sh), rows, width,
-                    takes_adapters)
+                    takes_adapters, refill and refill.slots)
 
 
 def _rows(shape, dtype, mesh) -> jax.ShapeDtypeStruct:

@@ -64,7 +64,9 @@ def render(r: dict) -> str:
         f"round: {r['plan']['generation_batch_size']} completions ({r['plan']['prompts']} prompts"
         f" x {r['plan']['num_generations']}), prompt {r['prompt_width']} + completion "
         f"{r['completion_length']} tokens, {r['plan']['updates_per_round']:g} update(s) of "
-        f"{r['plan']['rows_per_update']} rows",
+        f"{r['plan']['rows_per_update']} rows" + (
+            f"; generated through {r['plan']['decode_slots']} decode slots (max_num_seqs), "
+            "refilled as rows finish" if r["plan"].get("decode_slots") else ""),
         "", "memory per chip (GB):",
         f"  params {m['params_GB']:.2f}  optimizer state {m['optimizer_state_GB']:.2f}  "
         f"reference params {m['reference_params_GB']:.2f}  KV cache {m['kv_cache_GB']:.2f}",

@@ -172,8 +172,9 @@ class Decoder(nnx.Module):
         attention is causal over the T tokens and the layers run under `lax.scan`. With a cache
         of S slots, attention_mask is [B, S] (which slots hold real tokens), the T new tokens are
         written at slots [cache_index, cache_index + T) and attend to every real slot up to
-        their own; the layers are unrolled. `layers`: `decode_layers()`, prepared once outside a
-        decode loop (default: computed here).
+        their own; the layers are unrolled. cache_index may also be [B] (one token per row, T = 1,
+        each row at its own slot: decode slots refilled as rows finish). `layers`:
+        `decode_layers()`, prepared once outside a decode loop (default: computed here).
         """
         cfg = self.cfg
         x = self.shard_rows(self.embed_tokens(tokens))
@@ -206,8 +207,9 @@ class Decoder(nnx.Module):
             masks = {False: full, True: full & _in_window(jnp.arange(T), T, cfg.sliding_window)}
         else:
             # Query t sits at position cache_index + t and sees the real positions up to its own.
-            query = cache_index + jnp.arange(T)
-            masks = {False: (query[:, None] >= jnp.arange(S)[None, :])[None] & key_ok[:, None]}
+            # cache_index [B]: each row writes and reads at its own slot (_write_rows).
+            query = jnp.asarray(cache_index)[..., None] + jnp.arange(T)  # [T] or [B, T]
+            masks = {False: (query[..., None] >= jnp.arange(S)) & key_ok[:, None]}
             if any(sliding):
                 masks[True] = _ring_mask(query, key_ok, cfg.cache_length(sliding.index(True), S),
                                          cfg.sliding_window)
@@ -310,8 +312,11 @@ def _ring_mask(query, key_ok, slots: int, window: int) -> jax.Array:
     holds the newest position p <= q with p % window == s; it is seen when p >= 0 and real
     (key_ok [B, S] by position). Within the window by construction."""
     s = jnp.arange(slots)
-    held = query[:, None] - (query[:, None] - s[None, :]) % window  # [T, slots]
-    real = jnp.take(key_ok, jnp.clip(held, 0, key_ok.shape[1] - 1), axis=1)  # [B, T, slots]
+    held = query[..., None] - (query[..., None] - s) % window  # [T, slots] or [B, T, slots]
+    where = jnp.clip(held, 0, key_ok.shape[1] - 1)
+    if held.ndim == 3:  # per-row queries (_write_rows)
+        return jnp.take_along_axis(key_ok[:, None, :], where, axis=2) & (held >= 0)
+    real = jnp.take(key_ok, where, axis=1)  # [B, T, slots]
     return real & (held >= 0)[None]
 
 
@@ -449,6 +454,8 @@ def _write(buf, new, index, window: int | None):
     index + t (index None: 0). A sliding layer's buffer is a ring of `window` slots when it
     is shorter than the positions: of a long prefill only the last `window` tokens stay."""
     new = jnp.swapaxes(new, 1, 2).astype(buf.dtype)
+    if index is not None and jnp.ndim(index) == 1:
+        return _write_rows(buf, new, index, window)
     start, T, slots = 0 if index is None else index, new.shape[2], buf.shape[2]
     if window is None:
         return jax.lax.dynamic_update_slice_in_dim(buf, new, start, axis=2)
@@ -460,6 +467,16 @@ def _write(buf, new, index, window: int | None):
         raise NotImplementedError("writing several tokens into a sliding-window ring cache")
     keep = min(T, slots)
     return buf.at[:, :, (start + jnp.arange(T - keep, T)) % window].set(new[:, :, T - keep:])
+
+
+def _write_rows(buf, new, index, window: int | None):
+    """One token per row [B, K, 1, Dh] into buf [B, K, S, Dh], row b at its own slot index[b]
+    (position index[b] % window in a sliding layer's ring): a scatter, in place in a decode
+    loop. For decode slots whose rows started at different times (rollout/refill.py)."""
+    if new.shape[2] != 1:
+        raise NotImplementedError("per-row cache indices write one token per row")
+    slot = index if window is None else index % window
+    return buf.at[jnp.arange(buf.shape[0]), :, slot].set(new[:, :, 0])
 
 
 def attention(q, k, v, mask, scale: float, cap: float | None = None):

@@ -35,7 +35,7 @@ import numpy as np
 
 from grpo_jax import distributed as dist
 from grpo_jax.errors import GrpoJaxError, check
-from grpo_jax.rollout.sampler import RolloutBatch
+from grpo_jax.rollout.sampler import RolloutBatch, merge_decode_metrics
 
 
 class ToolError(GrpoJaxError, ValueError):
@@ -342,7 +342,7 @@ class ToolRollout:
         for row, prompt in zip(rows, prompts):
             row.messages.append(parse_turn(self.tokenizer, row.ids, prompt, self.toolbox.fns))
         active = [i for i, row in enumerate(rows) if row.messages[-1].get("tool_calls")]
-        turn = 0
+        turn, decoded = 0, [first.metrics]
         while active and turn < (self.max_iterations if self.max_iterations is not None
                                  else np.iinfo(np.int64).max):
             # Process 0 runs the tools and every process gets its results: a tool that answers
@@ -373,6 +373,7 @@ class ToolRollout:
                 where = {i: j for j, i in enumerate(kept)}
             else:
                 more = self.inner.generate(params, contexts, 1, turn_key)
+            decoded.append(more.metrics)
             for j, (i, context) in enumerate(zip(kept, contexts)):
                 m = more.completion_mask[j].astype(bool)
                 ids, lp = more.completion_ids[j][m].tolist(), more.sampler_logp[j][m].tolist()
@@ -383,7 +384,8 @@ class ToolRollout:
                                                        self.toolbox.fns))
             active = [i for i in kept if rows[i].messages[-1].get("tool_calls")]
             turn += 1
-        return _assemble(first, rows, self.pad_id, set(self.stop_token_ids))
+        return _assemble(first._replace(metrics=merge_decode_metrics(decoded)), rows,
+                         self.pad_id, set(self.stop_token_ids))
 
 
 @dataclasses.dataclass
