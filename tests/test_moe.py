@@ -320,11 +320,13 @@ def test_expert_parallel_equals_one_device(tiny, name, shape):
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * max(1.0, np.abs(a).max()))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["gpt_oss"])
 def test_grpo_run_on_a_moe_policy(tmp_path, family):
-    """Two GRPO steps with a tiny MoE policy, fsdp 2 x expert 2 over 4 devices (the sampler's
-    experts on the expert axis too), the checkpoint's aux-loss coefficient: the sampler's
-    log-probs equal the train step's, and the router metrics are logged."""
+    """Two GRPO steps with a tiny MoE policy (gpt-oss: sinks, biases, ring caches; Qwen3-MoE's
+    mixed layers in the sampler are covered by the generation tests above), fsdp 2 x expert 2
+    over 4 devices (the sampler's experts on the expert axis too), the checkpoint's aux-loss
+    coefficient: the sampler's log-probs equal the train step's, and the router metrics are
+    logged."""
     from hf_oracle import char_tokenizer
 
     from grpo_jax.cli import load_config

@@ -3,10 +3,18 @@ the experts as grouped matmuls, expert parallelism over the mesh's `expert` axis
 
 Routing, in fp32: softmax over all experts then the top k, renormalised to sum 1 with
 norm_topk_prob (Qwen3-MoE both ways, Mixtral always). gpt-oss's router takes the top k logits
-and a softmax over those: the same weights (exp(l_i) / sum over the k chosen either way). Dropless by default: each token's k assignments are sorted by expert and
-every projection runs as one `jax.lax.ragged_dot` over the sorted rows (XLA's grouped matmul on
-TPU and GPU; CPU lowers it to a masked dense matmul, fine for tests). `moe_capacity_factor`
-instead gives each expert a fixed buffer and drops what overflows it (GShard).
+and a softmax over those: the same weights (exp(l_i) / sum over the k chosen either way). The
+router's logits are the statistics transformers' load-balancing loss is computed from
+(RouterStats, aux_loss).
+
+Dropless by default: each token's k assignments are sorted by expert and every projection runs
+as one grouped matmul over the sorted rows: megablox's gmm (Pallas) on TPU, `jax.lax.ragged_dot`
+elsewhere (XLA's grouped matmul on GPU; on CPU a masked dense matmul, fine for tests). Why not
+ragged_dot on TPU too: its gradient w.r.t. the experts' weights is a contraction over every row
+for every expert, which XLA's TPU cost analysis counts at E times the work (measured: a 4096 x
+1024 @ 8 x 1024 x 2048 grad, 155 GFLOP where 34 are needed); megablox's tgmm visits each
+expert's own rows. `moe_capacity_factor` instead gives each expert a fixed buffer and drops
+what overflows it (GShard).
 
 Expert parallelism: with an `expert` mesh axis of size ep > 1 the experts' weights are split
 over it (mesh.RULES "expert") and the experts run inside `shard_map`. The tokens (rows on the
@@ -210,11 +218,31 @@ def _bias(w, name, key_sorted):
 
 
 def _grouped(cfg, w, rows, key_sorted, sizes, num_local):
-    """Dropless: one ragged_dot per projection over the rows sorted by expert (rows past the
-    last local group come out 0)."""
-    gate = jax.lax.ragged_dot(rows, w["we_gate"], sizes) + _bias(w, "be_gate", key_sorted)
-    up = jax.lax.ragged_dot(rows, w["we_up"], sizes) + _bias(w, "be_up", key_sorted)
-    return jax.lax.ragged_dot(gated(cfg, gate, up), w["we_down"], sizes)
+    """Dropless: one grouped matmul per projection over the rows sorted by expert; rows past
+    the last local group (other shards' experts) come out 0."""
+    ok = (key_sorted < num_local)[:, None]
+    rows = jnp.where(ok, rows, 0)
+    gate = _gmm(rows, w["we_gate"], sizes) + _bias(w, "be_gate", key_sorted)
+    up = _gmm(rows, w["we_up"], sizes) + _bias(w, "be_up", key_sorted)
+    return jnp.where(ok, _gmm(jnp.where(ok, gated(cfg, gate, up), 0), w["we_down"], sizes), 0)
+
+
+MEGABLOX_TILE = 128
+
+
+def _gmm(lhs, rhs, sizes):
+    """lhs [M, K] (rows grouped by `sizes`, then rows in no group) @ rhs [G, K, N] per group.
+    On TPU megablox's grouped matmul (Pallas), whose weight gradient visits each group's rows
+    only: XLA's ragged_dot gradient w.r.t. the weights is a contraction over all M rows per
+    group, G times the work in XLA's cost analysis. Elsewhere (GPU, CPU) jax.lax.ragged_dot.
+    Rows in no group come out unspecified from megablox: callers mask them (_grouped)."""
+    def tpu(lhs, rhs, sizes):
+        from jax.experimental.pallas.ops.tpu.megablox import ops
+        m = lhs.shape[0]
+        lhs = jnp.pad(lhs, ((0, -m % MEGABLOX_TILE), (0, 0)))
+        tile = (MEGABLOX_TILE,) * 3
+        return ops.gmm(lhs, rhs, sizes, lhs.dtype, tile)[:m]
+    return jax.lax.platform_dependent(lhs, rhs, sizes, tpu=tpu, default=jax.lax.ragged_dot)
 
 
 def _with_capacity(cfg, w, rows, key_sorted, sizes, capacity: int):
