@@ -217,7 +217,6 @@ def test_aux_loss_matches_transformers(tiny):
     np.testing.assert_allclose(float(moe.aux_loss(stats)), float(want), rtol=1e-5)
 
 
-
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
 def test_loss_with_aux_term_matches_trl(tiny, name):
     """TRL 1.16's own GRPOTrainer._compute_loss on the transformers model (its fused LM head,
@@ -376,3 +375,29 @@ def test_weight_sync_sends_the_checkpoint_names(tiny, name):
     assert sent.keys() == want.keys()
     for k in want:
         np.testing.assert_array_equal(sent[k], want[k], err_msg=k)
+
+
+def test_lora_adapter_on_a_moe_loads_in_peft_with_the_same_logits(tmp_path):
+    """LoRA on Qwen3-MoE's attention: PEFT loads the adapter we save and gives our logits. An
+    MLP module that no layer of a model has is refused, and so is PEFT's target_parameters.
+    (Not tested: the dense layer's MLP. PEFT 0.21 on transformers 5 reads gate_proj/up_proj/
+    down_proj on a MoE as the experts' fused parameters, rank 2r, and adapts no dense MLP.)"""
+    from test_lora import _ours_and_peft
+
+    from grpo_jax.cli import load_config
+    from grpo_jax.errors import ConfigError
+    from grpo_jax.models import lora
+    model, ref = _ours_and_peft(tmp_path, "qwen3_moe", lora_target_modules=("q_proj", "v_proj"))
+    real = MASK.astype(bool)
+    base = hf_logits(tiny_hf_model("qwen3_moe"), TOKENS, MASK)
+    theirs = hf_logits(ref, TOKENS, MASK)
+    assert np.abs(theirs - base)[real].max() > 1e-2
+    assert np.abs(theirs - _logits(model))[real].max() < 1e-4
+    cfg = ModelConfig.from_hf(tiny_hf_model("mixtral").config.to_dict())
+    with pytest.raises(GrpoJaxError, match="mixtral has no dense gate_proj"):
+        lora.PeftArgs(use_peft=True, lora_target_modules=("q_proj", "gate_proj")
+                      ).model_targets(cfg)
+    assert lora.PeftArgs(use_peft=True, lora_target_modules=("all-linear",)).model_targets(
+        cfg) == ("wq", "wk", "wv", "wo")
+    with pytest.raises(ConfigError, match="target_parameters"):
+        load_config(None, ["lora_target_parameters=[mlp.experts.gate_up_proj]"])
