@@ -72,8 +72,9 @@ def _timed(fn, repeats):
 
 
 def train_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
-    """Model FLOPs of one fwd+bwd (6 N T for the matmuls + causal attention), remat excluded."""
-    dense = cfg.num_params() - cfg.vocab_size * cfg.hidden_size  # the embedding gather is free
+    """Model FLOPs of one fwd+bwd (6 N T for the matmuls + causal attention), remat excluded;
+    N counts a mixture of experts' active parameters (each token's k experts)."""
+    dense = cfg.num_params(active=True) - cfg.vocab_size * cfg.hidden_size  # a free gather
     dense += cfg.vocab_size * cfg.hidden_size  # ...but the LM head is a matmul
     attn = 6 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq  # QK^T and PV, causal half
     return float(batch * seq * (6 * dense + attn))

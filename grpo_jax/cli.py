@@ -203,7 +203,7 @@ NO_EFFECT = {
     "vllm_group_port": "weights reach the server over HTTP / shared memory (see README)",
     "log_multimodal": "text models only", "log_completions_hub_repo": "not supported: nothing "
     "is uploaded (completions.jsonl holds them)", "pad_to_multiple_of": "prompts are padded to "
-    "the sampler's length buckets", "router_aux_loss_coef": "no mixture-of-experts models here",
+    "the sampler's length buckets",
 }
 _NOTED: set[str] = set()
 # A field of ours is never shadowed (accelerate's num_processes, say, is our process count).
@@ -215,6 +215,10 @@ UNSUPPORTED = {
     "lora_modules_to_save": "only the LoRA adapters are trained; drop lora_modules_to_save",
     "use_bnb_nested_quant": "the 4-bit base keeps fp32 scales (no nested quantization); drop "
                             "use_bnb_nested_quant",
+    "lora_target_parameters": "LoRA on a mixture of experts' stacked expert parameters (PEFT's "
+                              "target_parameters, e.g. gpt-oss's mlp.experts.gate_up_proj) is "
+                              "not supported: adapt attention with lora_target_modules, or "
+                              "train the experts fully (no use_peft)",
 }
 _NONE_WORDS = ("none", "null", "~")
 

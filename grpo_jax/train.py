@@ -36,6 +36,7 @@ from grpo_jax.errors import GrpoJaxError
 from grpo_jax.grpo.train_step import StepConfig
 from grpo_jax.logger import MetricsLogger
 from grpo_jax.metrics import Logged, MetricWindow
+from grpo_jax.models import moe
 from grpo_jax.rollout import tools as tools_lib
 from grpo_jax.rollout.engines import make_rollout
 from grpo_jax.rollout.sampler import reference_copy
@@ -49,14 +50,16 @@ class TrainError(GrpoJaxError):
     """A run that can't start or go on as asked."""
 
 
-def step_config(cfg: config_lib.TrainConfig, plan: config_lib.BatchPlan) -> StepConfig:
+def step_config(cfg: config_lib.TrainConfig, plan: config_lib.BatchPlan,
+                model_cfg) -> StepConfig:
     loss = cfg.loss
     if cfg.rollout.backend != "vllm":
         # The JAX sampler runs the trainer's own weights: its log-probs only feed the metrics.
         loss = dataclasses.replace(loss, vllm_importance_sampling_correction=False)
     return StepConfig(loss=loss, temperature=cfg.generation.temperature,
                       gradient_accumulation_steps=plan.gradient_accumulation_steps,
-                      dropout_seed=cfg.data.seed)
+                      dropout_seed=cfg.data.seed, aux_loss_coef=moe.router_aux_loss_coef(
+                          cfg.loss.router_aux_loss_coef, model_cfg))
 
 
 @dataclasses.dataclass
@@ -144,7 +147,7 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     plan = cfg.batch_plan(mesh_lib.batch_divisor(mesh))
     total_steps = plan.total_steps(len(dataset), cfg.batch.max_steps,
                                    cfg.batch.num_train_epochs)
-    trainer = Trainer(model, step_config(cfg, plan), cfg.optim, total_steps, mesh)
+    trainer = Trainer(model, step_config(cfg, plan, model.cfg), cfg.optim, total_steps, mesh)
     state = trainer.init_state
     del model
     rollout = make_rollout(cfg, trainer.model_config, tokenizer, mesh, model_dir, tools)

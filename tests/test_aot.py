@@ -159,8 +159,17 @@ def test_presets_match_published_sizes():
                 "qwen2.5-32b": 32.76, "qwen2.5-72b": 72.71, "qwen3-8b": 8.19, "qwen3-32b": 32.76,
                 "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55, "gemma-3-270m": 0.27,
                 "gemma-3-1b": 1.0, "gemma-3-4b": 3.88, "gemma-3-12b": 11.77, "gemma-3-27b": 27.01,
-                "gemma-2-2b": 2.61, "gemma-2-9b": 9.24, "gemma-2-27b": 27.23}
+                "gemma-2-2b": 2.61, "gemma-2-9b": 9.24, "gemma-2-27b": 27.23,
+                "qwen3-30b-a3b": 30.53, "qwen3-235b-a22b": 235.09, "mixtral-8x7b": 46.7,
+                "gpt-oss-120b": 116.83, "gpt-oss-20b": 20.91}
     assert {k: round(v.num_params() / 1e9, 2) for k, v in PRESETS.items()} == billions
+    # Mixtures of experts: the parameters a token runs through (published: 3.3B, 22B, 12.9B;
+    # gpt-oss's 5.1B and 3.6B leave out the 0.58B embedding).
+    active = {"qwen3-30b-a3b": 3.35, "qwen3-235b-a22b": 22.19, "mixtral-8x7b": 12.88,
+              "gpt-oss-120b": 5.71, "gpt-oss-20b": 4.19}
+    assert {k: round(PRESETS[k].num_params(active=True) / 1e9, 2) for k in active} == active
+    # The hub's own config.json (transformers 4 layout), as docs/scaling.md compiles it.
+    assert model_config(str(ROOT / "docs/models/qwen3-30b-a3b")) == PRESETS["qwen3-30b-a3b"]
     assert model_config("Qwen/Qwen2.5-7B") == PRESETS["qwen2.5-7b"]
     assert model_config("google/gemma-3-27b-it") == PRESETS["gemma-3-27b"]
 

@@ -139,6 +139,7 @@ def analyze(target, cfg, quick: bool = False) -> dict:
     updates = plan.steps_per_generation * plan.num_iterations / plan.gradient_accumulation_steps
     result = {
         "model": cfg.model.name_or_path, "params_B": model.num_params() / 1e9,
+        "active_params_B": model.num_params(active=True) / 1e9,
         "topology": target.name, "chip": chip.name, "chips": run.mesh.size,
         "hosts": len({d.process_index for d in devices}), "mesh": dict(run.mesh.shape),
         "lora": (None if not cfg.peft.use_peft else {
@@ -173,7 +174,11 @@ def analyze(target, cfg, quick: bool = False) -> dict:
                            >= c.bytes / chip.hbm_bandwidth else "memory"}
                        for k, c in per_phase.items()},
             "round_s": sum(seconds.values()),
-            "per_update_s": costs["update"].seconds(chip)}
+            "per_update_s": costs["update"].seconds(chip),
+            # 6 x active parameters x tokens (a mixture of experts: each token's k experts
+            # only; remat and attention excluded), per chip: what XLA's count compares to.
+            "update_model_tflop": 6 * model.num_params(active=True) * plan.micro_batch_size
+            * plan.gradient_accumulation_steps * (progs.prompt_width + C) / run.mesh.size / 1e12}
     result.update(attention="cudnn" if target.platform == "cuda" and _has_cudnn() else "xla",
                   compile_s=time.perf_counter() - start, jax=jax.__version__,
                   libtpu=_version("libtpu"), host=f"{platform.machine()} x{os.cpu_count()}")

@@ -32,7 +32,7 @@ from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.optimizer import make_optimizer
 from grpo_jax.grpo.train_step import (StepConfig, init_train_state, state_shardings,
                                       train_step)
-from grpo_jax.models import KVCache, ModelConfig, lora
+from grpo_jax.models import KVCache, ModelConfig, lora, moe
 from grpo_jax.rollout.refill import Refill
 from grpo_jax.rollout.sampler import Sampler
 from grpo_jax.trainer import Trainer
@@ -52,10 +52,15 @@ class Run:
         if self.cfg.rollout.backend != "vllm":  # as grpo_jax.train.step_config
             loss = dataclasses.replace(loss, vllm_importance_sampling_correction=False)
         return StepConfig(loss=loss, temperature=self.cfg.generation.temperature,
-                          gradient_accumulation_steps=self.plan.gradient_accumulation_steps)
+                          gradient_accumulation_steps=self.plan.gradient_accumulation_steps,
+                          aux_loss_coef=moe.router_aux_loss_coef(
+                              self.cfg.loss.router_aux_loss_coef, self.model))
 
     def with_layers(self, n: int) -> "Run":
-        return dataclasses.replace(self, model=self.model.replace(num_layers=n))
+        m = self.model  # per-layer settings cut to the first n layers
+        return dataclasses.replace(self, model=m.replace(
+            num_layers=n, layer_types=m.layer_types and m.layer_types[:n],
+            mlp_only_layers=tuple(i for i in m.mlp_only_layers if i < n)))
 
 
 def _abstract(tree, shardings):

@@ -59,7 +59,9 @@ def render(r: dict) -> str:
     """The report as text (`r` is what __main__ also writes as JSON)."""
     m, t = r["memory_per_chip"], r.get("time")
     lines = [
-        f"{r['model']} ({r['params_B']:.2f}B params) on {r['topology']}: {r['chips']} x "
+        f"{r['model']} ({r['params_B']:.2f}B params"
+        + (f", {r['active_params_B']:.2f}B active" if r.get("active_params_B", r["params_B"])
+           < r["params_B"] else "") + f") on {r['topology']}: {r['chips']} x "
         f"{r['chip']}, mesh {r['mesh']}, {r['hosts']} hosts",
         f"round: {r['plan']['generation_batch_size']} completions ({r['plan']['prompts']} prompts"
         f" x {r['plan']['num_generations']}), prompt {r['prompt_width']} + completion "
@@ -96,4 +98,7 @@ def render(r: dict) -> str:
                      f"{p['seconds']:8.3f} s ({p['bound']}-bound)")
     lines.append(f"  round     {t['round_s']:.3f} s  ({t['per_update_s']:.3f} s per optimizer "
                  f"update)")
+    if "update_model_tflop" in t:
+        lines.append(f"  an update's model FLOPs (6 x active params x tokens, per chip): "
+                     f"{t['update_model_tflop']:.2f} TFLOP")
     return "\n".join(lines)

@@ -126,6 +126,10 @@ class LossConfig:
     # Drop sequences with a negative advantage whose mean KL(sampler || policy) exceeds this
     # (DeepSeek-V3.2's off-policy sequence mask); None: off.
     off_policy_mask_threshold: float | None = None
+    # Mixtures of experts: the weight of the router's load-balancing loss (transformers'
+    # load_balancing_loss_func) added to the loss; None: the checkpoint's own
+    # router_aux_loss_coef (TRL's default), 0: off. Nonzero on a dense model is an error.
+    router_aux_loss_coef: float | None = None
 
     def __post_init__(self):
         for name, choices in (("loss_type", LossType), ("importance_sampling_level", ISLevel),
@@ -276,6 +280,8 @@ class MicroLoss(NamedTuple):
     numerator: jax.Array  # scalar, differentiable
     entropy_mean: jax.Array | None  # scalar, differentiable; None without the entropy bonus
     sums: dict  # metric sums
+    # A mixture of experts' load-balancing loss (models/moe.py), differentiable; None: off.
+    aux_loss: jax.Array | None = None
 
 
 def micro_loss_terms(logp, entropy, batch: Batch, cfg: LossConfig) -> MicroLoss:

@@ -19,7 +19,7 @@ from flax import nnx
 from grpo_jax.grpo import loss as loss_lib
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.logprobs import token_logprobs
-from grpo_jax.models import lora
+from grpo_jax.models import lora, moe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +33,9 @@ class StepConfig:
     # LoRA dropout's masks come from this seed, the step and the micro-batch: train.py passes
     # the run's data.seed, so a resumed run draws the masks it would have drawn.
     dropout_seed: int = 0
+    # A mixture of experts' load-balancing loss coefficient as resolved by
+    # moe.router_aux_loss_coef (the loss's router_aux_loss_coef, else the checkpoint's); 0: off.
+    aux_loss_coef: float = 0.0
 
 
 class TrainState(NamedTuple):
@@ -66,30 +69,46 @@ def completion_logps(model, batch: Batch, temperature: float, chunk: int, group:
     """Per-token log-probs (and entropies) of the completion tokens under `model`. `group` > 1:
     every block of `group` consecutive rows shares its prompt (Trainer.prompt_group checks it),
     which then runs once per block (Decoder.shared_prefix); the same values as group 1."""
+    return completion_logps_and_router(model, batch, temperature, chunk, group)[:2]
+
+
+def completion_logps_and_router(model, batch: Batch, temperature: float, chunk: int,
+                                group: int = 1):
+    """completion_logps and the router statistics of every row's real prompt and completion
+    tokens (moe.RouterStats; None for a dense model): what transformers' load-balancing loss
+    counts when TRL runs the micro-batch with its attention mask."""
     P_len, C = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
     # LoRA dropout draws its masks per row: a shared prompt would share them.
     if group > 1 and getattr(model, "lora_dropout_key", None) is None:
-        prompt, hidden = model.shared_prefix(
+        prompt, hidden, stats = model.shared_prefix(
             batch.prompt_ids[::group], batch.prompt_mask[::group], batch.completion_ids,
-            batch.completion_mask, group)
+            batch.completion_mask, group, with_router=True)
         last = model.shard_rows(jnp.repeat(prompt[:, -1:], group, axis=0))
         hidden = jnp.concatenate([last, hidden[:, :C - 1]], axis=1)  # t predicts token t + 1
     else:
         ids = jnp.concatenate([batch.prompt_ids, batch.completion_ids], axis=1)
         mask = jnp.concatenate([batch.prompt_mask, batch.completion_mask], axis=1)
         positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-        hidden, _ = model(ids, positions, mask)
+        hidden, _, stats = model(ids, positions, mask, with_router=True)
         hidden = hidden[:, P_len - 1:P_len - 1 + C]  # position t predicts token t + 1
-    return token_logprobs(hidden, model.head_weight(), batch.completion_ids, temperature,
-                          chunk_size=chunk, softcap=model.cfg.final_logit_softcapping,
-                          layout=model.head_layout)
+    logp, entropy = token_logprobs(hidden, model.head_weight(), batch.completion_ids,
+                                   temperature, chunk_size=chunk,
+                                   softcap=model.cfg.final_logit_softcapping,
+                                   layout=model.head_layout)
+    return logp, entropy, stats
 
 
 def _micro_loss(params, graphdef, cfg: StepConfig, mb: Batch, frozen=(),
                 dropout_key=None, group: int = 1) -> loss_lib.MicroLoss:
     model = lora.with_dropout(nnx.merge(graphdef, params, *frozen), dropout_key)
-    logp, entropy = completion_logps(model, mb, cfg.temperature, cfg.logprob_chunk, group)
-    return loss_lib.micro_loss_terms(logp, entropy, mb, cfg.loss)
+    logp, entropy, stats = completion_logps_and_router(model, mb, cfg.temperature,
+                                                       cfg.logprob_chunk, group)
+    out = loss_lib.micro_loss_terms(logp, entropy, mb, cfg.loss)
+    if stats is None:
+        return out
+    aux = moe.aux_loss(stats) if cfg.aux_loss_coef else None
+    return out._replace(aux_loss=aux, sums=moe.router_metric_sums(
+        out.sums, stats, aux, model.cfg.num_experts_per_tok))
 
 
 def loss_and_grads(graphdef, cfg: StepConfig, params, batch: Batch,
@@ -121,7 +140,10 @@ def accumulate(micro_loss: Callable[[Any, Batch, jax.Array], loss_lib.MicroLoss]
     denominator depends on the masks only, never on the params, so it is summed over all
     micro-batches first; each micro-batch then adds numerator / denominator - entropy_coef *
     entropy_mean / k (see loss.py) to the loss and its gradient to the sum: k micro-batches give
-    one big batch's loss and gradient."""
+    one big batch's loss and gradient. A mixture of experts' load-balancing loss is added per
+    micro-batch as TRL adds it, coef * aux / k: the mean of the micro-batches' aux losses (each
+    one's own routing statistics, as transformers computes it per forward), so k micro-batches
+    give TRL's k-micro-batch loss and gradient."""
     k = micro_batches or cfg.gradient_accumulation_steps
     micro = jax.tree.map(lambda x: constrain(x.reshape(k, x.shape[0] // k, *x.shape[1:])), batch)
     dens = jax.vmap(lambda mask, trunc, items: loss_lib.loss_denominator(
@@ -134,6 +156,8 @@ def accumulate(micro_loss: Callable[[Any, Batch, jax.Array], loss_lib.MicroLoss]
         value = out.numerator / denom
         if out.entropy_mean is not None:
             value = value - coef * out.entropy_mean / k
+        if out.aux_loss is not None:  # TRL: coef * the micro-batch's aux loss / k
+            value = value + cfg.aux_loss_coef * out.aux_loss / k
         return value, loss_lib.with_step_denominator(out.sums, denom, cfg.loss)
 
     value_and_grad = jax.value_and_grad(objective, has_aux=True)
@@ -160,6 +184,8 @@ def batch_loss(graphdef, cfg: StepConfig, state: TrainState, batch: Batch, froze
     loss = out.numerator / jnp.maximum(den, 1e-8)
     if out.entropy_mean is not None:
         loss = loss - coef * out.entropy_mean
+    if out.aux_loss is not None:
+        loss = loss + cfg.aux_loss_coef * out.aux_loss
     metrics = loss_lib.finalize_metrics(out.sums)
     metrics.pop(loss_lib.ADAPTIVE_ENTROPY, None)
     return {**metrics, "loss": loss}

@@ -1,9 +1,12 @@
-"""One decoder-only transformer for the Llama, Mistral, Phi-3, Qwen2/3 and Gemma 2/3 families
-(Flax NNX): the families differ by switches in ModelConfig, read in `_block`.
+"""One decoder-only transformer for the Llama, Mistral, Phi-3, Qwen2/3 and Gemma 2/3 families and
+the mixtures of experts Qwen3-MoE, Mixtral and gpt-oss (Flax NNX): the families differ by
+switches in ModelConfig, read in `_block` (the experts: models/moe.py).
 
 Layers are stacked along a leading `layers` axis and run with `lax.scan`, so compile time does not
-grow with depth. Every parameter carries logical axis names in its `axes` metadata; `mesh.py` maps
-them to mesh axes with one rule table.
+grow with depth. A model whose dense and sparse layers mix (Qwen3-MoE's mlp_only_layers) stacks
+the dense MLPs over its dense layers and the experts over its sparse ones, and scans each run of
+same-kind layers in turn. Every parameter carries logical axis names in its `axes` metadata;
+`mesh.py` maps them to mesh axes with one rule table.
 """
 
 from __future__ import annotations
@@ -16,13 +19,20 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from grpo_jax import mesh as mesh_lib
-from grpo_jax.models import lora
+from grpo_jax.models import lora, moe
 from grpo_jax.models.config import ModelConfig
+from grpo_jax.models.moe import RouterStats
 
-# name -> (shape, logical axes). L layers, D embed, H heads, K kv heads, Dh head dim, F mlp, V vocab.
+DENSE_MLP = ("w_gate", "w_up", "w_down")
+
+
+# name -> (shape, logical axes). L layers, D embed, H heads, K kv heads, Dh head dim, F mlp,
+# V vocab, E experts, Fe an expert's hidden width; Ld, Ls: the dense and the sparse layers.
 def param_table(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
     L, D, H, K = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
     Dh, F, V = cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
+    Ls = sum(cfg.moe_layers)
+    Ld = L - Ls
     table = {
         "embed": ((V, D), ("vocab", "embed")),                          # [V, D]
         "final_norm": ((D,), ("norm",)),                                # [D]
@@ -32,14 +42,31 @@ def param_table(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str,
         "layers/wv": ((L, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim")),
         "layers/wo": ((L, H, Dh, D), ("layers", "heads", "head_dim", "embed")),
         "layers/mlp_norm": ((L, D), ("layers", "norm")),                # [L, D]
-        "layers/w_gate": ((L, D, F), ("layers", "embed", "mlp")),       # [L, D, F]
-        "layers/w_up": ((L, D, F), ("layers", "embed", "mlp")),         # [L, D, F]
-        "layers/w_down": ((L, F, D), ("layers", "mlp", "embed")),       # [L, F, D]
     }
+    if Ld:
+        table["layers/w_gate"] = ((Ld, D, F), ("layers", "embed", "mlp"))  # [Ld, D, F]
+        table["layers/w_up"] = ((Ld, D, F), ("layers", "embed", "mlp"))    # [Ld, D, F]
+        table["layers/w_down"] = ((Ld, F, D), ("layers", "mlp", "embed"))  # [Ld, F, D]
+    if Ls:
+        E, Fe = cfg.num_experts, cfg.moe_intermediate_size
+        table["layers/router"] = ((Ls, D, E), ("layers", "embed", None))
+        table["layers/we_gate"] = ((Ls, E, D, Fe), ("layers", "expert", "embed", "mlp"))
+        table["layers/we_up"] = ((Ls, E, D, Fe), ("layers", "expert", "embed", "mlp"))
+        table["layers/we_down"] = ((Ls, E, Fe, D), ("layers", "expert", "mlp", "embed"))
+        if cfg.router_bias:
+            table["layers/router_bias"] = ((Ls, E), ("layers", None))
+        if cfg.expert_bias:
+            table["layers/be_gate"] = ((Ls, E, Fe), ("layers", "expert", "mlp"))
+            table["layers/be_up"] = ((Ls, E, Fe), ("layers", "expert", "mlp"))
+            table["layers/be_down"] = ((Ls, E, D), ("layers", "expert", None))
     if cfg.qkv_bias:
         table["layers/bq"] = ((L, H, Dh), ("layers", "heads", "head_dim"))
         table["layers/bk"] = ((L, K, Dh), ("layers", "kv_heads", "head_dim"))
         table["layers/bv"] = ((L, K, Dh), ("layers", "kv_heads", "head_dim"))
+    if cfg.o_bias:
+        table["layers/bo"] = ((L, D), ("layers", None))
+    if cfg.attention_sinks:
+        table["layers/sinks"] = ((L, H), ("layers", "heads"))
     if cfg.qk_norm:
         table["layers/q_norm"] = ((L, Dh), ("layers", "head_dim"))
         table["layers/k_norm"] = ((L, Dh), ("layers", "head_dim"))
@@ -49,6 +76,29 @@ def param_table(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str,
     if not cfg.tie_word_embeddings:
         table["lm_head"] = ((D, V), ("embed", "vocab"))                 # [D, V]
     return table
+
+
+def stack_of(cfg: ModelConfig, key: str) -> bool | None:
+    """Which layers a stacked per-layer array (a `layer_params` key: weight, adapter, scale)
+    runs over: None every layer, True the sparse ones, False the dense ones (config's
+    stack_layers)."""
+    base = key.split("_lora_")[0].removesuffix("_qscale")
+    if base in moe.EXPERT_LEAVES:
+        return True
+    if base in DENSE_MLP and cfg.num_experts:
+        return False
+    return None
+
+
+def layer_runs(cfg: ModelConfig) -> list[tuple[int, int, bool]]:
+    """(first, stop, sparse) of each run of consecutive same-kind layers."""
+    runs = []
+    for i, sparse in enumerate(cfg.moe_layers):
+        if runs and runs[-1][2] == sparse:
+            runs[-1] = (runs[-1][0], i + 1, sparse)
+        else:
+            runs.append((i, i + 1, sparse))
+    return runs
 
 
 def _init_value(name: str, shape, dtype, key, norm_offset: bool):
@@ -91,6 +141,10 @@ class Decoder(nnx.Module):
     # The mesh the activations are laid out on (set by `shard_activations`; static, part of the
     # graphdef). None: no constraint, as on one device.
     mesh = None
+    # The mesh whose `expert` axis a sparse layer's experts are split over (models/moe.py; None:
+    # no expert parallelism). Set by `shard_activations`, and by the sampler, which leaves its
+    # rows unconstrained.
+    expert_mesh = None
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         """Random weights; `hf.load_model` builds the decoder abstractly (`nnx.eval_shape`) and
@@ -125,7 +179,7 @@ class Decoder(nnx.Module):
         at every layer. Without it XLA's propagation may keep the FSDP-sharded weights where
         they are and replicate the activations instead, all-reducing whole [B, T, F] matmul
         outputs: on Qwen2.5-7B over v5e-16 that was 9 GB of an update's temporaries."""
-        self.mesh = mesh
+        self.mesh = self.expert_mesh = mesh
 
     def shard_rows(self, x):
         """x [B, ...] with its rows on the batch axes (identity without a mesh)."""
@@ -161,11 +215,36 @@ class Decoder(nnx.Module):
         once, outside the loop, so no step slices weights out of the stacked arrays (the sampler
         also casts them to the compute dtype first, so no step casts either). q/k/v and gate/up
         need no manual fusion: XLA's dot merger already runs each group as one matmul."""
-        stacked = self.layer_params()
-        return [{k: v[i] for k, v in stacked.items()} for i in range(self.cfg.num_layers)]
+        cfg, stacked = self.cfg, self.layer_params()
+        rows = {s: {layer: j for j, layer in enumerate(cfg.stack_layers(s))}
+                for s in (None, True, False)}
+        return [{k: v[rows[stack_of(cfg, k)][i]] for k, v in stacked.items()
+                 if i in rows[stack_of(cfg, k)]} for i in range(cfg.num_layers)]
+
+    def scan_layers(self, body, carry):
+        """lax.scan of body(carry, (layer params, slides)) -> (carry, RouterStats or None)
+        over the layers, one scan per run of same-kind layers (a dense run's params have no
+        experts, a sparse run's no dense MLP), under the config's remat. Returns (carry,
+        RouterStats summed over the sparse layers, or None for a dense model)."""
+        cfg = self.cfg
+        if cfg.remat:
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat_policy])
+        stacked, sliding = self.layer_params(), jnp.asarray(cfg.sliding_layers)
+        stats = RouterStats.zeros(cfg.num_experts) if cfg.num_experts else None
+        for first, stop, sparse in layer_runs(cfg):
+            own = {None: (first, stop)}
+            before = sum(s == sparse for s in cfg.moe_layers[:first])
+            own[sparse] = (before, before + stop - first)
+            xs = {k: v if own[stack_of(cfg, k)] == (0, v.shape[0]) else
+                  v[own[stack_of(cfg, k)][0]:own[stack_of(cfg, k)][1]]
+                  for k, v in stacked.items() if stack_of(cfg, k) in own}
+            carry, ys = jax.lax.scan(body, carry, (xs, sliding[first:stop]))
+            if ys is not None:
+                stats = stats.plus(jax.tree.map(lambda a: a.sum(0), ys))
+        return carry, stats
 
     def __call__(self, tokens, positions, attention_mask, cache: KVCache | None = None,
-                 cache_index=None, layers: list[dict] | None = None):
+                 cache_index=None, layers: list[dict] | None = None, with_router: bool = False):
         """Run the decoder and return (hidden [B, T, D] after the final norm, new cache).
 
         tokens, positions: [B, T] int. Without a cache, attention_mask is [B, T] (1 = real token),
@@ -175,6 +254,8 @@ class Decoder(nnx.Module):
         their own; the layers are unrolled. cache_index may also be [B] (one token per row, T = 1,
         each row at its own slot: decode slots refilled as rows finish). `layers`:
         `decode_layers()`, prepared once outside a decode loop (default: computed here).
+        with_router (no cache): also return the RouterStats of the real tokens (None for a dense
+        model), for the load-balancing loss.
         """
         cfg = self.cfg
         x = self.shard_rows(self.embed_tokens(tokens))
@@ -191,12 +272,13 @@ class Decoder(nnx.Module):
             def body(x, xs):
                 p, slides = xs
                 cos, sin, m = _pick(sliding, slides, {s: (*rope[s], masks[s]) for s in rope})
-                x = _block(cfg, p, self.shard_rows(x), cos, sin, m)[0]
-                return self.shard_rows(x), None
+                x, _, _, stats = _block(cfg, p, self.shard_rows(x), cos, sin, m,
+                                        mesh=self.expert_mesh, token_mask=key_ok)
+                return self.shard_rows(x), stats
 
-            if cfg.remat:
-                body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat_policy])
-            x, _ = jax.lax.scan(body, x, (self.layer_params(), jnp.asarray(sliding)))
+            x, stats = self.scan_layers(body, x)
+            if with_router:
+                return self._final_norm(x), None, stats
             return self._final_norm(x), None
 
         S = attention_mask.shape[1]  # positions; a sliding layer's buffer may hold fewer
@@ -217,21 +299,25 @@ class Decoder(nnx.Module):
         for i, (p, ck, cv) in enumerate(zip(self.decode_layers() if layers is None else layers,
                                             *cache)):
             cos, sin = rope[sliding[i]]
-            x, ck, cv = _block(cfg, p, self.shard_rows(x), cos, sin, masks[sliding[i]],
-                               (ck, cv, cache_index),
-                               window=cfg.sliding_window if sliding[i] else None)
+            x, ck, cv, _ = _block(cfg, p, self.shard_rows(x), cos, sin, masks[sliding[i]],
+                                  (ck, cv, cache_index),
+                                  window=cfg.sliding_window if sliding[i] else None,
+                                  mesh=self.expert_mesh)
             ks.append(ck)
             vs.append(cv)
         return self._final_norm(x), KVCache(tuple(ks), tuple(vs))
 
-    def shared_prefix(self, prompt_ids, prompt_mask, ids, mask, group: int):
+    def shared_prefix(self, prompt_ids, prompt_mask, ids, mask, group: int,
+                      with_router: bool = False):
         """The forward of `group` completions per prompt with each prompt computed once (Prefix
         Grouper, arXiv 2506.05433): returns (hidden [g, P, D] of the prompts, hidden [g * group,
         C, D] of the completions), equal to running every row's prompt + completion through
         `__call__` (left-padded prompt_ids / prompt_mask [g, P]; ids / mask [g * group, C],
         row r continuing prompt r // group). The completions attend to their prompt's keys and
         values, copied to the group's rows, so the gradients reaching the prompt positions are
-        summed over the group. Training FLOPs go from N (P + C) to g P + N C token-passes."""
+        summed over the group. Training FLOPs go from N (P + C) to g P + N C token-passes.
+        with_router: also the RouterStats of every row's real tokens (a prompt's counted once
+        per row, as running the rows one by one counts them)."""
         cfg = self.cfg
         P_len, C = prompt_ids.shape[1], ids.shape[1]
         rep = lambda a: self.shard_rows(jnp.repeat(a, group, axis=0))  # noqa: E731
@@ -259,18 +345,23 @@ class Decoder(nnx.Module):
             p, slides = xs
             cos, sin, m = _pick(sliding, slides, tables["prompt"])
             q, k, v = _qkv(cfg, p, x_prompt, cos, sin)
-            x_prompt = _attn_out_and_mlp(cfg, p, x_prompt, _attend(cfg, q, k, v, m))
+            attn = _attend(cfg, q, k, v, m, _sinks(cfg, p))
+            x_prompt, prompt_stats = _attn_out_and_mlp(cfg, p, x_prompt, attn, prompt_ok,
+                                                       self.expert_mesh)
             cos, sin, m = _pick(sliding, slides, tables["completion"])
             q, kc, vc = _qkv(cfg, p, x, cos, sin)
             k = jnp.concatenate([rep(k), kc], axis=1)
             v = jnp.concatenate([rep(v), vc], axis=1)
-            x = _attn_out_and_mlp(cfg, p, x, _attend(cfg, q, k, v, m, offset=P_len))
-            return (self.shard_rows(x_prompt), self.shard_rows(x)), None
+            attn = _attend(cfg, q, k, v, m, _sinks(cfg, p), offset=P_len)
+            x, stats = _attn_out_and_mlp(cfg, p, x, attn, ok, self.expert_mesh)
+            if stats is not None:
+                stats = stats.plus(prompt_stats, weight=group)
+            return (self.shard_rows(x_prompt), self.shard_rows(x)), stats
 
-        if cfg.remat:
-            body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat_policy])
         x0 = tuple(self.shard_rows(self.embed_tokens(t)) for t in (prompt_ids, ids))
-        (x_prompt, x), _ = jax.lax.scan(body, x0, (self.layer_params(), jnp.asarray(sliding)))
+        (x_prompt, x), stats = self.scan_layers(body, x0)
+        if with_router:
+            return self._final_norm(x_prompt), self._final_norm(x), stats
         return self._final_norm(x_prompt), self._final_norm(x)
 
     def _final_norm(self, x):
@@ -349,9 +440,32 @@ def rope_tables(cfg: ModelConfig, positions, local: bool = False):
         inv_freq = _llama3_scale(inv_freq, *cfg.rope_llama3)
     elif not own and cfg.rope_linear:
         inv_freq = inv_freq / cfg.rope_linear
+    elif not own and cfg.rope_yarn:
+        inv_freq = _yarn_inv_freq(d, theta, *cfg.rope_yarn[:5])
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    scale = cfg.rope_yarn[5] if cfg.rope_yarn and not own else 1.0
+    return jnp.cos(emb) * scale, jnp.sin(emb) * scale
+
+
+def _yarn_inv_freq(d, base, factor, beta_fast, beta_slow, original_max_pos, truncate):
+    """transformers' YaRN frequencies: interpolated (divided by factor) below the correction
+    range, extrapolated (unchanged) above it, a linear ramp between."""
+    import math
+
+    def correction_dim(rotations):
+        return d * math.log(original_max_pos / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    ramp = jnp.clip((jnp.arange(d // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def _llama3_scale(inv_freq, factor, low_freq_factor, high_freq_factor, original_max_pos):
@@ -373,31 +487,42 @@ def _rope(x, cos, sin):
     return (x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]).astype(x.dtype)
 
 
-def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None, window: int | None = None):
+def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None, window: int | None = None,
+           mesh=None, token_mask=None):
     """One layer. With cache = (ck, cv, index) the new keys and values are written into ck/cv
     [B, K, S, Dh] at slot `index` and the queries attend over the cache (mask [B, T, S]); index
     None writes at slot 0 and attends among the new tokens only, as without a cache (mask
     [B, T, T]). `window`: the layer slides and its cache is a ring (slot = position % window).
-    Returns (x, ck, cv) (None, None without a cache)."""
+    `mesh`: where a sparse layer's experts live; `token_mask` [B, T]: the real tokens its
+    router statistics count. Returns (x, ck, cv, RouterStats) (ck, cv None without a cache;
+    the stats None for a dense layer or without token_mask)."""
     q, k, v = _qkv(cfg, p, x, cos, sin)
     ck = cv = None
     if cache is not None:
         ck, cv, index = cache
         ck, cv = _write(ck, k, index, window), _write(cv, v, index, window)
+    sinks = _sinks(cfg, p)
     if cache is not None and index is not None:
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         cap = cfg.attn_logit_softcapping
-        if cfg.use_cudnn_attention(decode=True) and cap is None:
+        if cfg.use_cudnn_attention(decode=True) and cap is None and sinks is None:
             # The cache's [B, K, S, Dh] viewed as cuDNN's [B, S, K, Dh]: a layout, not a copy.
             # A query always sees its own slot, so no row is fully masked.
             attn = jax.nn.dot_product_attention(q, jnp.swapaxes(ck, 1, 2),
                                                 jnp.swapaxes(cv, 1, 2), mask=mask[:, None],
                                                 scale=scale, implementation="cudnn")
         else:
-            attn = attention(q, ck, cv, mask, scale, cap)
+            attn = attention(q, ck, cv, mask, scale, cap, sinks)
     else:
-        attn = _attend(cfg, q, k, v, mask)
-    return _attn_out_and_mlp(cfg, p, x, attn), ck, cv
+        attn = _attend(cfg, q, k, v, mask, sinks)
+    x, stats = _attn_out_and_mlp(cfg, p, x, attn, token_mask, mesh)
+    return x, ck, cv, stats
+
+
+def _sinks(cfg: ModelConfig, p):
+    """gpt-oss's per-head sink logits in the compute dtype (as the sampler holds them), or
+    None."""
+    return p["sinks"].astype(cfg.dtype) if "sinks" in p else None
 
 
 def _qkv(cfg: ModelConfig, p, x, cos, sin):
@@ -415,38 +540,41 @@ def _qkv(cfg: ModelConfig, p, x, cos, sin):
     return _rope(q, cos, sin), _rope(k, cos, sin), v
 
 
-def _attend(cfg: ModelConfig, q, k, v, mask, offset: int = 0):
+def _attend(cfg: ModelConfig, q, k, v, mask, sinks=None, offset: int = 0):
     """Attention without a cache: q [B, T, H, Dh] over k, v [B, S, K, Dh], mask [B, T, S];
-    query t is key `offset + t` (S = offset + T)."""
+    query t is key `offset + t` (S = offset + T). sinks [H]: gpt-oss's per-head sink logits."""
     scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
     cap = cfg.attn_logit_softcapping
-    # cuDNN's fused attention has no soft-capping: Gemma 2 stays on XLA's.
-    if cfg.use_cudnn_attention() and cap is None:
+    # cuDNN's fused attention has no soft-capping nor sinks: Gemma 2 and gpt-oss stay on XLA's.
+    if cfg.use_cudnn_attention() and cap is None and sinks is None:
         # Each query also sees itself, so padding rows are never fully masked (NaN in cuDNN).
         own = jnp.arange(k.shape[1])[None, :] == offset + jnp.arange(q.shape[1])[:, None]
         return jax.nn.dot_product_attention(q, k, v, mask=(mask | own[None])[:, None],
                                             scale=scale, implementation="cudnn")
-    return attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask, scale, cap)
+    return attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask, scale, cap, sinks)
 
 
-def _attn_out_and_mlp(cfg: ModelConfig, p, x, attn):
-    """The rest of a layer after attention: output projection, residual, MLP, residual."""
+def _attn_out_and_mlp(cfg: ModelConfig, p, x, attn, token_mask=None, mesh=None):
+    """The rest of a layer after attention: output projection, residual, MLP (a sparse
+    layer's experts: moe.moe_mlp), residual. Returns (x, RouterStats or None)."""
     dt, eps, offset = cfg.dtype, cfg.rms_norm_eps, cfg.norm_offset
     out = lora.project(p, "wo", "bthk,hkd->btd", attn, dt)
+    if cfg.o_bias:
+        out = out + p["bo"].astype(dt)
     if cfg.sandwich_norms:
         out = rms_norm(out, p["post_attn_norm"], eps, dt, offset)
     x = x + out
     h = rms_norm(x, p["mlp_norm"], eps, dt, offset)
-    gate = lora.project(p, "w_gate", "btd,df->btf", h, dt)
-    up = lora.project(p, "w_up", "btd,df->btf", h, dt)
-    out = lora.project(p, "w_down", "btf,fd->btd", ACTIVATIONS[cfg.hidden_act](gate) * up, dt)
+    stats = None
+    if "we_gate" in p:
+        out, stats = moe.moe_mlp(cfg, p, h, token_mask, mesh)
+    else:
+        gate = lora.project(p, "w_gate", "btd,df->btf", h, dt)
+        up = lora.project(p, "w_up", "btd,df->btf", h, dt)
+        out = lora.project(p, "w_down", "btf,fd->btd", moe.gated(cfg, gate, up), dt)
     if cfg.sandwich_norms:
         out = rms_norm(out, p["post_mlp_norm"], eps, dt, offset)
-    return x + out
-
-
-ACTIVATIONS = {"silu": jax.nn.silu,
-               "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+    return x + out, stats
 
 
 def _write(buf, new, index, window: int | None):
@@ -479,10 +607,12 @@ def _write_rows(buf, new, index, window: int | None):
     return buf.at[jnp.arange(buf.shape[0]), :, slot].set(new[:, :, 0])
 
 
-def attention(q, k, v, mask, scale: float, cap: float | None = None):
+def attention(q, k, v, mask, scale: float, cap: float | None = None, sinks=None):
     """Grouped-query attention of q [B, T, H, Dh] over keys/values k, v [B, K, S, Dh];
     mask [B, T, S] says which keys each query sees; scores are scaled by `scale` and
-    soft-capped at `cap` (Gemma 2). Returns [B, T, H, Dh]."""
+    soft-capped at `cap` (Gemma 2). sinks [H] (gpt-oss): one more logit per head in each
+    softmax, whose probability is dropped (the weights then sum to less than 1).
+    Returns [B, T, H, Dh]."""
     B, T, H, Dh = q.shape
     K = k.shape[1]
     # Queries grouped by their KV head, with (b, k) leading like the keys. For one token
@@ -494,6 +624,12 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None):
     s = softcap(s, cap).reshape(B, K, H // K, T, -1)
     # A finite floor (not -inf) keeps fully masked rows (padding queries) free of NaN.
     s = jnp.where(mask[:, None, None], s, -1e30)
-    probs = jax.nn.softmax(s, axis=-1).astype(v.dtype).reshape(B, K, (H // K) * T, -1)
+    if sinks is None:
+        probs = jax.nn.softmax(s, axis=-1)
+    else:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, K, H // K, 1, 1),
+                                (*s.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
+    probs = probs.astype(v.dtype).reshape(B, K, (H // K) * T, -1)
     out = jnp.einsum("bkqs,bksd->bkqd", probs, v).reshape(B, K, H // K, T, Dh)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
