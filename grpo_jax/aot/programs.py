@@ -2,7 +2,7 @@
 
 - `update`: grpo.train_step.train_step on one window (gradient_accumulation_steps
   micro-batches), jitted as trainer.Trainer jits it (state donated, shardings from mesh.RULES);
-- `logprobs`: trainer.Trainer's reference / old log-prob program on a whole generation batch;
+- `logprobs`: trainer.Trainer's reference / old log-prob program on a micro-batch;
 - `generate`: rollout.sampler.Sampler's program on a generation batch (prefill + decode loop).
 
 Nothing is allocated: parameters, optimizer state and batches are jax.ShapeDtypeStructs that
@@ -11,11 +11,9 @@ carry NamedShardings over the target's devices.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import types
 from typing import Any
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -92,7 +90,11 @@ class Programs:
     sampler_takes_adapters: bool  # reads (adapters, base), not a merged copy of the model
 
 
-def build(run: Run) -> Programs:
+PHASES = ("generate", "logprobs", "update")
+
+
+def build(run: Run, phases: tuple[str, ...] = PHASES) -> Programs:
+    """The run's programs, lowered: those of `phases` (none: only the abstract state)."""
     mesh, step_cfg = run.mesh, run.step_config
     replicated = NamedSharding(mesh, P())
     # With LoRA the model is what peft_io.load_model builds: the base in the compute dtype
@@ -141,22 +143,21 @@ def build(run: Run) -> Programs:
     ids = _rows((sampler._prompt_rows(rows, g), width), jnp.int32, mesh)  # each prompt once
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                                sharding=replicated)
-    prefill = jax.jit(lambda p, i, m, k: sampler._prefill(p, i, m, k, g, rows)[1])
     gen_args = (weights, ids, ids, key)
     C = run.cfg.generation.max_completion_length
     cache = jax.eval_shape(lambda: KVCache.zeros(run.model, rows, width + C, sampler.cache_dtype))
     cache_sh = jax.tree.map(lambda x: mesh_lib.logical_sharding(
         mesh, "batch", "kv_heads", None, None, shape=x.shape), cache)
-    lowered = {
-        "generate": sampler._program.lower(*gen_args, num_generations=g, rows=rows),
-        "prefill": prefill.lower(*gen_args),
+    lower = {
+        "generate": lambda: sampler._program.lower(*gen_args, num_generations=g, rows=rows),
         # A micro-batch at a time, as Trainer.logps runs it.
-        "logprobs": logps.lower(state.params, _batch(run, run.plan.micro_batch_size, width,
-                                                     logps=False), frozen),
-        "update": update.lower(state, _batch(run, run.plan.micro_batch_size
-                                             * run.plan.gradient_accumulation_steps, width),
-                               frozen),
+        "logprobs": lambda: logps.lower(state.params, _batch(run, run.plan.micro_batch_size,
+                                                             width, logps=False), frozen),
+        "update": lambda: update.lower(state, _batch(run, run.plan.micro_batch_size
+                                                     * run.plan.gradient_accumulation_steps,
+                                                     width), frozen),
     }
+    lowered = {k: lower[k]() for k in phases}
     return Programs(lowered, state, frozen, _abstract(cache, cache_sh), rows, width,
                     takes_adapters)
 
@@ -177,17 +178,3 @@ def _batch(run: Run, n: int, width: int, logps: bool = True) -> Batch:
     return batch.replace(sampler_logp=per_token(), num_items=_rows((n,), jnp.float32, mesh),
                          ref_logp=per_token() if run.cfg.loss.beta else None,
                          old_logp=per_token() if run.plan.needs_old_logps else None)
-
-
-@contextlib.contextmanager
-def unrolled_scans():
-    """XLA's cost analysis counts a loop's body once, whatever its trip count. For costing,
-    every lax.scan (layers, micro-batches, log-prob chunks) is traced unrolled."""
-    from jax._src.lax.control_flow import loops
-
-    scan = loops.scan
-
-    def unrolled(f, init, xs=None, length=None, reverse=False, unroll=1, **kw):
-        return scan(f, init, xs, length, reverse=reverse, unroll=True, **kw)
-    with mock.patch.object(jax.lax, "scan", unrolled), mock.patch.object(loops, "scan", unrolled):
-        yield
