@@ -7,14 +7,16 @@ See docs/scaling.md.
 
 Own options: --topology NAME (v5e:4x4, v5p:4x4x4, v6e:8x8, v5e-16, v5p-128, h100:8),
 --num_slices N (TPU slices joined over DCN; the data axis spans them), --json PATH, --auto
-(search the layout: mesh, remat policy, micro-batch split; --top N candidates compiled, 3),
---quick (compile the sampler with 1 and 2 layers and extrapolate, instead of whole: minutes
-instead of tens of minutes for a large model), --phases generate,logprobs,update (the programs
-to compile). Without mesh flags (--dp/--fsdp/--tp) the layout is chosen as a run would need it
-(search.default_layout) and said. Every other option is a training option with TRL's name, as
-grpo-jax-train takes it (--config NAME|PATH, --set key=value, --key value); the model is
---model_name_or_path: a preset (grpo_jax.models.presets), an HF config.json or a directory.
+(search the layout: mesh, remat policy, micro-batch split; candidates are compiled until
+--top N of them fit, 2, or 1 with --quick), --quick (compile the sampler with 1 and 2 layers
+and extrapolate, instead of whole: minutes instead of tens of minutes for a large model),
+--phases generate,logprobs,update (the programs to compile). Without mesh flags
+(--dp/--fsdp/--tp) the layout is chosen as a run would need it (search.default_layout) and
+said. Every other option is a training option with TRL's name, as grpo-jax-train takes it
+(--config NAME|PATH, --set key=value, --key value); the model is --model_name_or_path: a
+preset (grpo_jax.models.presets), an HF config.json or a directory.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -228,9 +230,16 @@ def per_round(run) -> dict:
             / plan.gradient_accumulation_steps}
 
 
+def run_phases(run, phases=("generate", "logprobs", "update")) -> tuple[str, ...]:
+    """`phases` less those a round does not run (no log-prob pass: beta 0 and one update per
+    generation batch)."""
+    runs = per_round(run)
+    return tuple(p for p in phases if runs[p] > 0)
+
+
 def timing(run, target, ev: dict) -> tuple[dict | None, dict]:
     """The forecast (None without costs) and the communication per round."""
-    from grpo_jax.aot import comms
+    from grpo_jax.aot import comms, programs
 
     chip, runs = target.chip, per_round(run)
     communication = {}
@@ -258,16 +267,17 @@ def timing(run, target, ev: dict) -> tuple[dict | None, dict]:
     model_flops = report.model_flops(
         run.model, plan.prompts_per_generation, plan.generation_batch_size, progs.prompt_width,
         C, runs["logprobs"] * plan.micro_batch_size / plan.generation_batch_size,
-        runs["update"] * plan.micro_batch_size * plan.gradient_accumulation_steps)
+        runs["update"] * plan.micro_batch_size * plan.gradient_accumulation_steps,
+        programs.prompt_group(run.cfg, plan))
     chips = run.mesh.size
     for k, p in phases.items():  # each phase's own MFU, at both ends of its range
-        p["mfu"] = tuple(model_flops[k] / chips / (t * chip.peak_flops)
+        p["mfu"] = tuple(model_flops[k] / chips / (t * chip.peak_flops) if t else 0.0
                          for t in (p["overlapped_s"], p["serial_s"]))
     total = sum(model_flops[k] for k in phases) / chips
     span = (sum(p["overlapped_s"] for p in phases.values()),
             sum(p["serial_s"] for p in phases.values()))
     return {"phases": phases, "round_s": span, "model_tflop": total / 1e12,
-            "mfu": tuple(total / (t * chip.peak_flops) for t in span)}, communication
+            "mfu": tuple(total / (t * chip.peak_flops) if t else 0.0 for t in span)}, communication
 
 
 def analyze(target, cfg, quick: bool = False, phases=("generate", "logprobs", "update")) -> dict:
@@ -280,7 +290,7 @@ def analyze(target, cfg, quick: bool = False, phases=("generate", "logprobs", "u
         from grpo_jax.aot import search
         cfg, chosen = search.default_layout(target, cfg)
     run = make_run(target, cfg)
-    ev = evaluate(target, run, full_depth=not quick, phases=phases)
+    ev = evaluate(target, run, full_depth=not quick, phases=run_phases(run, phases))
     result = summarize(target, cfg, run, ev, start)
     if chosen:
         result["chosen"] = chosen
@@ -395,7 +405,7 @@ def main(argv=None) -> dict:
     p.add_argument("--json")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--auto", action="store_true")
-    p.add_argument("--top", type=int, default=3)
+    p.add_argument("--top", type=int)
     p.add_argument("--phases", default="generate,logprobs,update")
     p.add_argument("-h", "--help", action="store_true")
     args, rest = p.parse_known_args(argv)

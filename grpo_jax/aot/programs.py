@@ -12,6 +12,7 @@ carry NamedShardings over the target's devices.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 from typing import Any
 
@@ -119,12 +120,13 @@ def build(run: Run, phases: tuple[str, ...] = PHASES) -> Programs:
     def constrain(x):  # as Trainer: [k, rows, ...] micro-batch splits, rows on the batch axes
         return jax.lax.with_sharding_constraint(
             x, mesh_lib.logical_sharding(mesh, None, "batch", *[None] * (x.ndim - 2)))
+    g, group = run.cfg.grpo.num_generations, prompt_group(run.cfg, run.plan)
     update = jax.jit(
-        lambda s, b, f: train_step(graphdef, tx, schedule, step_cfg, s, b, constrain, f),
+        lambda s, b, f: train_step(graphdef, tx, schedule, step_cfg, s, b, constrain, f, group),
         out_shardings=(state_shardings(step_cfg.loss, param_sh, opt_sh, replicated),
                        replicated), donate_argnums=(0,))
     logps = jax.jit(lambda p, b, f: Trainer._logps_fn(
-        types.SimpleNamespace(cfg=step_cfg), graphdef, p, b, f), out_shardings=replicated)
+        types.SimpleNamespace(cfg=step_cfg), graphdef, p, b, f, group), out_shardings=replicated)
 
     takes_adapters = bool(peft and peft.sampler_takes_adapters)  # as engines.JaxRollout
     sampler = Sampler(run.model, run.cfg.generation, pad_id=0, mesh=mesh,
@@ -137,7 +139,6 @@ def build(run: Run, phases: tuple[str, ...] = PHASES) -> Programs:
         weights = _abstract(merged, mesh_lib.param_shardings(merged, mesh))
     else:
         weights = state.params
-    g = run.cfg.grpo.num_generations
     rows = sampler._batch_size(run.plan.generation_batch_size)
     width = sampler._bucket(run.cfg.data.max_prompt_length)
     ids = _rows((sampler._prompt_rows(rows, g), width), jnp.int32, mesh)  # each prompt once
@@ -160,6 +161,14 @@ def build(run: Run, phases: tuple[str, ...] = PHASES) -> Programs:
     lowered = {k: lower[k]() for k in phases}
     return Programs(lowered, state, frozen, _abstract(cache, cache_sh), rows, width,
                     takes_adapters)
+
+
+def prompt_group(cfg: TrainConfig, plan: BatchPlan) -> int:
+    """Rows per shared prompt in the update and log-prob programs, as Trainer.prompt_group finds
+    them in a round's batches (numerics.shared_prefix): a micro-batch holds whole groups of a
+    prompt's consecutive completions."""
+    return math.gcd(plan.num_generations, plan.micro_batch_size) if cfg.numerics.shared_prefix \
+        else 1
 
 
 def _rows(shape, dtype, mesh) -> jax.ShapeDtypeStruct:

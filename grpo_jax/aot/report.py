@@ -60,16 +60,18 @@ def forward_flops(m, tokens: float, context: float) -> float:
 
 
 def model_flops(m, prompts: int, rows: int, prompt: int, completion: int, logprob_passes: float,
-                update_rows: float) -> dict:
+                update_rows: float, group: int = 1) -> dict:
     """The model FLOPs of a round, as MFU counts them: the sampler's prefill (each prompt once)
     and decode (every row, every token), `logprob_passes` forwards over the generation batch,
-    and forward + backward (3 forwards) over `update_rows` rows; attention causal (a token sees
-    half its prefix on average)."""
-    seq = prompt + completion
+    and forward + backward (3 forwards) over `update_rows` rows, their prompts once per `group`
+    rows (numerics.shared_prefix); attention causal (a token sees half its prefix on
+    average)."""
+    def rows_of(n):  # a forward over n rows
+        return (forward_flops(m, n / group * prompt, prompt / 2)
+                + forward_flops(m, n * completion, prompt + completion / 2))
     return {"generate": forward_flops(m, prompts * prompt, prompt / 2)
             + forward_flops(m, rows * (completion - 1), prompt + completion / 2),
-            "logprobs": logprob_passes * forward_flops(m, rows * seq, seq / 2),
-            "update": 3 * forward_flops(m, update_rows * seq, seq / 2)}
+            "logprobs": logprob_passes * rows_of(rows), "update": 3 * rows_of(update_rows)}
 
 
 def phase_memory(mem, resident: float, in_resident: float) -> dict:

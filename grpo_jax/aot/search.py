@@ -174,6 +174,7 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
     from grpo_jax import mesh as mesh_lib
     from grpo_jax.aot import report
     from grpo_jax.models import param_table
+    from grpo_jax.aot.programs import prompt_group
     from grpo_jax.rollout.sampler import DEFAULT_BUCKETS
 
 
@@ -241,7 +242,7 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
                                P, C, runs["logprobs"] * plan.micro_batch_size
                                / plan.generation_batch_size,
                                runs["update"] * plan.micro_batch_size
-                               * plan.gradient_accumulation_steps)
+                               * plan.gradient_accumulation_steps, prompt_group(cfg, plan))
     flops["update"] *= (4 / 3) if lay.remat and lay.remat_policy == "full" else 1.0
     weights_chip = elems * c_bytes
     hbm = {"generate": (C - 1) * (weights_chip + kv),
@@ -351,12 +352,14 @@ def _devices(target):
     return hardware.devices(target)
 
 
-def auto(target, cfg, quick: bool = False, top: int = 3) -> dict:
+def auto(target, cfg, quick: bool = False, top: int | None = None) -> dict:
     """The search (see the module's doc). Returns analyze's report of the winner with a
     `search` section: the candidates compiled, the winner's flags, the runner-up and why it
-    lost."""
+    lost. `top`: compiled layouts that must fit before the search stops (default 2, 1 with
+    `quick`; the runner-up is then the estimate's next)."""
     from grpo_jax.aot import analyze
 
+    top = top or (1 if quick else 2)
     start = time.perf_counter()
     analyze.check_config(cfg)
     model = analyze.model_config(cfg.model.name_or_path)
@@ -393,15 +396,24 @@ def auto(target, cfg, quick: bool = False, top: int = 3) -> dict:
         result = analyze.analyze(target, best["cfg"])
     import jax
     result["jax"] = jax.__version__
-    runner = order[1] if len(order) > 1 else None
+    runner = next((t for t in order[1:] if t["fits"]), order[1] if len(order) > 1 else None)
+    runner_up = None if runner is None else {
+        "layout": runner["layout"].describe(), "flags": analyze.flags_of(runner["cfg"]),
+        "why": _why_lost(runner, best)}
+    if runner is None or not runner["fits"]:  # the estimate's next, not compiled
+        done = [t["layout"] for t in tried]
+        nxt = next(((lay, est) for lay, est in fitting if lay not in done), None)
+        if nxt is not None:
+            runner_up = {"layout": nxt[0].describe(),
+                         "flags": analyze.flags_of(nxt[0].apply(cfg, gen)),
+                         "why": f"not compiled: the estimate gives it {nxt[1]['seconds']:.1f} s "
+                                f"a round against the winner's {best['estimate']['seconds']:.1f} s"}
     result["search"] = {
         "layouts": len(ranked), "ruled_out_by_estimate": ruled_out,
         "compiled": [{"layout": t["layout"].describe(), "peak_GB": t["peak_GB"],
                       "fits": t["fits"], "round_s": t["round_s"]} for t in tried],
         "winner": best["layout"].describe(), "flags": analyze.flags_of(best["cfg"]),
-        "runner_up": None if runner is None else {
-            "layout": runner["layout"].describe(), "flags": analyze.flags_of(runner["cfg"]),
-            "why": _why_lost(runner, best)},
+        "runner_up": runner_up,
         "quick": quick, "search_s": time.perf_counter() - start}
     return result
 
@@ -413,7 +425,7 @@ def _try(target, cfg, lay: Layout, est: dict, gen: int) -> dict:
     lcfg = lay.apply(cfg, gen)
     run = analyze.make_run(target, lcfg)
     t0 = time.perf_counter()
-    ev = analyze.evaluate(target, run, full_depth=False)
+    ev = analyze.evaluate(target, run, full_depth=False, phases=analyze.run_phases(run))
     time_, _ = analyze.timing(run, target, ev)
     mem = ev["memory"]
     room = mem["peak_GB"] <= (1 - MARGIN) * mem["hbm_GB"]
