@@ -46,28 +46,42 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Sizes of the mesh axes (data, fsdp, tensor, and expert for a mixture of experts), the
-    config's `mesh` section; one may be -1 (= all remaining devices)."""
+    config's `mesh` section; one may be -1 (= all remaining devices). An unset axis is 1,
+    except `dp`, which takes the devices left when no axis is -1. With no size set at all the
+    run has given no mesh (`given` is False): train and aot then choose one
+    (`default_config`), pure data parallelism when that fits."""
 
-    dp: int = -1
-    fsdp: int = 1
-    tp: int = 1
-    ep: int = 1  # expert parallelism: a mixture of experts' experts split over ep devices
+    dp: int | None = None
+    fsdp: int | None = None
+    tp: int | None = None
+    ep: int | None = None  # expert parallelism: a mixture of experts' experts split over ep
 
     def __post_init__(self):
-        sizes = dataclasses.astuple(self)
+        sizes = [s for s in dataclasses.astuple(self) if s is not None]
         check(all(s == -1 or s >= 1 for s in sizes) and sizes.count(-1) <= 1,
-              f"mesh sizes (dp, fsdp, tp, ep) = {sizes}: each must be >= 1, and at most one -1")
+              f"mesh sizes (dp, fsdp, tp, ep) = {dataclasses.astuple(self)}: each must be >= 1, "
+              "and at most one -1")
+
+    @property
+    def given(self) -> bool:
+        return any(s is not None for s in dataclasses.astuple(self))
+
+    def sizes(self) -> tuple[int, ...]:
+        """The sizes (dp, fsdp, tp, ep) with the unset ones filled in (one may still be -1)."""
+        sizes = dataclasses.astuple(self)
+        rest = -1 if -1 not in sizes else 1
+        return tuple((rest if i == 0 else 1) if s is None else s for i, s in enumerate(sizes))
 
     @property
     def axes(self) -> tuple[str, ...]:
         """The mesh's axis names: `expert` only when ep is not 1."""
-        return AXES if self.ep == 1 else (*AXES[:2], EXPERT, AXES[2])
+        return AXES if self.sizes()[3] == 1 else (*AXES[:2], EXPERT, AXES[2])
 
     def shape(self, num_devices: int) -> tuple[int, ...]:
         """Axis sizes for `num_devices` devices (in `axes` order), the -1 axis taking what is
         left."""
-        sizes = [self.dp, self.fsdp, self.tp] if self.ep == 1 else [self.dp, self.fsdp,
-                                                                     self.ep, self.tp]
+        dp, fsdp, tp, ep = self.sizes()
+        sizes = [dp, fsdp, tp] if ep == 1 else [dp, fsdp, ep, tp]
         known = math.prod(s for s in sizes if s != -1)
         if -1 in sizes:
             check(num_devices % known == 0, f"mesh {dict(zip(self.axes, sizes))}: {num_devices} "
@@ -76,6 +90,39 @@ class MeshConfig:
         check(math.prod(sizes) == num_devices, f"mesh {dict(zip(self.axes, sizes))} needs "
               f"{math.prod(sizes)} devices but {num_devices} are in use; set one size to -1")
         return tuple(sizes)
+
+
+# MeshConfig's fields, in order, and the mesh axis each sizes
+FIELD_AXES = {"dp": "data", "fsdp": "fsdp", "tp": "tensor", "ep": EXPERT}
+
+
+def config_for(sizes: dict[str, int]) -> MeshConfig:
+    """The MeshConfig of mesh axis sizes {axis name: size} (axes left out: 1)."""
+    return MeshConfig(**{f: sizes.get(axis, 1) for f, axis in FIELD_AXES.items()})
+
+
+def flags(cfg: MeshConfig) -> list[str]:
+    """The command-line flags that set `cfg`'s sizes (`--dp 1 --fsdp 16 --tp 1`; `--ep` only
+    when the experts are split)."""
+    return [x for f, s in zip(FIELD_AXES, cfg.sizes()) if f != "ep" or s != 1
+            for x in (f"--{f}", str(s))]
+
+
+def default_config(replicated_bytes: float, device_bytes: float | None,
+                   share: float = 0.5) -> tuple[MeshConfig, str]:
+    """The mesh of a run that gives none, from a cheap estimate: pure data parallelism (params
+    replicated, today's default) while the replicated training state takes at most `share` of
+    a device's memory (or the memory is unknown, as on the CPU), else FSDP over every device
+    (MaxText's default): params, gradients and optimizer state split over all of them. Returns
+    it and the reason, to be said."""
+    if device_bytes is None:
+        return MeshConfig(dp=-1), "data parallel over every device (their memory is not known)"
+    need = f"{replicated_bytes / 1e9:.1f} GB of training state per device replicated"
+    if replicated_bytes <= share * device_bytes:
+        return MeshConfig(dp=-1), (f"data parallel over every device ({need} of "
+                                   f"{device_bytes / 1e9:.0f} GB)")
+    return MeshConfig(dp=1, fsdp=-1), (f"FSDP over every device ({need} would take over "
+                                       f"{share:.0%} of {device_bytes / 1e9:.0f} GB)")
 
 
 def make_mesh(cfg: MeshConfig = MeshConfig(), devices=None) -> Mesh:

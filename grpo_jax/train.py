@@ -26,6 +26,7 @@ from grpo_jax import config as config_lib
 from grpo_jax import data as data_lib
 from grpo_jax import distributed as dist
 from grpo_jax import evaluation
+from grpo_jax import hf
 from grpo_jax import mesh as mesh_lib
 from grpo_jax import peft_io
 from grpo_jax import rewards as rewards_lib
@@ -36,7 +37,7 @@ from grpo_jax.errors import GrpoJaxError
 from grpo_jax.grpo.train_step import StepConfig
 from grpo_jax.logger import MetricsLogger
 from grpo_jax.metrics import Logged, MetricWindow
-from grpo_jax.models import moe
+from grpo_jax.models import ModelConfig, moe
 from grpo_jax.rollout import tools as tools_lib
 from grpo_jax.rollout.engines import make_rollout
 from grpo_jax.rollout.sampler import reference_copy
@@ -60,6 +61,37 @@ def step_config(cfg: config_lib.TrainConfig, plan: config_lib.BatchPlan,
                       gradient_accumulation_steps=plan.gradient_accumulation_steps,
                       dropout_seed=cfg.data.seed, aux_loss_coef=moe.router_aux_loss_coef(
                           cfg.loss.router_aux_loss_coef, model_cfg))
+
+
+def replicated_state_bytes(cfg: config_lib.TrainConfig, model) -> float:
+    """Bytes a device would hold of the training state with params replicated: the params and
+    AdamW's two moments in the param dtype, a gradient, and the reference copy in the compute
+    dtype when beta > 0; with LoRA, the frozen base (in the compute dtype or quantized)."""
+    n = model.num_params()
+    if cfg.peft.use_peft:
+        bits = cfg.peft.quant_bits or 8 * jax.numpy.dtype(cfg.numerics.dtype).itemsize
+        return n * bits / 8
+    param = jax.numpy.dtype(cfg.numerics.param_dtype).itemsize
+    return n * (4 * param + (jax.numpy.dtype(cfg.numerics.dtype).itemsize if cfg.loss.beta else 0))
+
+
+def choose_mesh(cfg: config_lib.TrainConfig, devices) -> config_lib.TrainConfig:
+    """The run's mesh: its own, or, when it gives none, mesh.default_config's choice from the
+    model's size and the devices' memory (said on stderr). `python -m grpo_jax.aot --auto`
+    searches layouts by compiling them; this is the estimate a run can make on its own."""
+    if cfg.mesh.given:
+        return cfg
+    devices = list(jax.devices() if devices is None else devices)
+    limit = (devices[0].memory_stats() or {}).get("bytes_limit")  # None on the CPU
+    state = 0.0
+    if limit is not None:
+        model = ModelConfig.from_hf(hf.read_config(hf.resolve_model_dir(peft_io.base_name(cfg))))
+        state = replicated_state_bytes(cfg, model)
+    mesh_cfg, why = mesh_lib.default_config(state, limit)
+    if dist.is_main():
+        print(f"grpo_jax: no mesh given: {why} ({' '.join(mesh_lib.flags(mesh_cfg))})",
+              file=sys.stderr)
+    return dataclasses.replace(cfg, mesh=mesh_cfg)
 
 
 @dataclasses.dataclass
@@ -118,6 +150,7 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     # Before any work: a run that can't write its checkpoints stops now, not at the first save.
     storage.check_writable(out, "output_dir")
     check_writable(out / "checkpoints")
+    cfg = choose_mesh(cfg, devices)
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
     eval_prompts = (cfg.eval_prompts_per_batch(mesh_lib.batch_divisor(mesh)) if cfg.eval.enabled
                     else 0)
