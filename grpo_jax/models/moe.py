@@ -135,7 +135,7 @@ def experts(cfg, p, x, idx, weights, mesh=None):
     dt = cfg.dtype
     w = {k: p[k].astype(dt) for k in ("we_gate", "we_up", "we_down", "be_gate", "be_up")
          if k in p}
-    E, N = cfg.num_experts, x.shape[0]
+    E = cfg.num_experts
     ep = mesh.shape.get("expert", 1) if mesh is not None else 1
     if ep == 1:
         y = _local_experts(cfg, w, x, idx, weights, 0, E)
@@ -269,10 +269,14 @@ def router_metric_sums(sums: dict, stats: RouterStats, aux, k: int) -> dict:
     load = expert_load(stats, k)
     E = load.shape[0]
     mean = dict(sums["mean"])
+    # (sum, count) as one array, as loss.py's sums are: the step [k]-stacks them over its
+    # micro-batches and reads [..., 0] / [..., 1] (a tuple there has no [..., 0]).
+    def pair(total, count):
+        return jnp.stack([jnp.asarray(total, jnp.float32), jnp.asarray(count, jnp.float32)])
     if aux is not None:
-        mean["aux_loss"] = (jax.lax.stop_gradient(aux), jnp.ones((), jnp.float32))
+        mean["aux_loss"] = pair(jax.lax.stop_gradient(aux), 1.0)
     for e in range(E):  # summed over micro-batches: the step's assignments over its tokens
-        mean[f"router/load/{e}"] = (stats.counts[e] * E / k, stats.tokens)
+        mean[f"router/load/{e}"] = pair(stats.counts[e] * E / k, stats.tokens)
     return {**sums, "mean": mean,
             "max": {**sums["max"], "router/load_max": jax.lax.stop_gradient(load.max())},
             "min": {**sums["min"], "router/load_min": jax.lax.stop_gradient(load.min())}}
