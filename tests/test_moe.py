@@ -279,7 +279,8 @@ def test_loss_with_aux_term_matches_trl(tiny, name):
     scale = max(np.abs(v).max() for v in theirs.values())
     for key in common:
         np.testing.assert_allclose(ours[key], theirs[key], atol=1e-5 * scale, err_msg=key)
-    metrics = {k: float(v[0] / v[1]) for k, v in sums["mean"].items()}
+    # [k]-stacked per micro-batch (value, count) pairs: the step's over all of them
+    metrics = {k: float(v[..., 0].sum() / v[..., 1].sum()) for k, v in sums["mean"].items()}
     assert metrics["aux_loss"] > 0 and "router/load/3" in metrics
 
 
