@@ -279,7 +279,8 @@ def test_loss_with_aux_term_matches_trl(tiny, name):
     scale = max(np.abs(v).max() for v in theirs.values())
     for key in common:
         np.testing.assert_allclose(ours[key], theirs[key], atol=1e-5 * scale, err_msg=key)
-    metrics = {k: float(v[0] / v[1]) for k, v in sums["mean"].items()}
+    # [k]-stacked per micro-batch (value, count) pairs: the step's over all of them
+    metrics = {k: float(v[..., 0].sum() / v[..., 1].sum()) for k, v in sums["mean"].items()}
     assert metrics["aux_loss"] > 0 and "router/load/3" in metrics
 
 
@@ -380,8 +381,9 @@ def test_weight_sync_sends_the_checkpoint_names(tiny, name):
 def test_lora_adapter_on_a_moe_loads_in_peft_with_the_same_logits(tmp_path):
     """LoRA on Qwen3-MoE's attention: PEFT loads the adapter we save and gives our logits. An
     MLP module that no layer of a model has is refused, and so is PEFT's target_parameters.
-    (Not tested: the dense layer's MLP. PEFT 0.21 on transformers 5 reads gate_proj/up_proj/
-    down_proj on a MoE as the experts' fused parameters, rank 2r, and adapts no dense MLP.)"""
+    PEFT 0.21 on transformers 5 reads gate_proj/up_proj/down_proj on a MoE as the experts'
+    fused parameters (rank 2r) and adapts no dense MLP, so on a MoE those names are refused
+    and all-linear is attention only, also where a layer is dense."""
     from test_lora import _ours_and_peft
 
     from grpo_jax.cli import load_config
@@ -399,5 +401,11 @@ def test_lora_adapter_on_a_moe_loads_in_peft_with_the_same_logits(tmp_path):
                       ).model_targets(cfg)
     assert lora.PeftArgs(use_peft=True, lora_target_modules=("all-linear",)).model_targets(
         cfg) == ("wq", "wk", "wv", "wo")
+    dense_too = ModelConfig.from_hf(tiny_hf_model("qwen3_moe").config.to_dict())
+    with pytest.raises(GrpoJaxError, match="PEFT reads them as the experts' parameters"):
+        lora.PeftArgs(use_peft=True, lora_target_modules=("q_proj", "gate_proj")
+                      ).model_targets(dense_too)
+    assert lora.PeftArgs(use_peft=True, lora_target_modules=("all-linear",)).model_targets(
+        dense_too) == ("wq", "wk", "wv", "wo")
     with pytest.raises(ConfigError, match="target_parameters"):
         load_config(None, ["lora_target_parameters=[mlp.experts.gate_up_proj]"])

@@ -269,17 +269,18 @@ def router_metric_sums(sums: dict, stats: RouterStats, aux, k: int) -> dict:
     load = expert_load(stats, k)
     E = load.shape[0]
     mean = dict(sums["mean"])
-    # (sum, count) as one array, as loss.py's sums are: the step [k]-stacks them over its
-    # micro-batches and reads [..., 0] / [..., 1] (a tuple there has no [..., 0]).
-    def pair(total, count):
-        return jnp.stack([jnp.asarray(total, jnp.float32), jnp.asarray(count, jnp.float32)])
     if aux is not None:
-        mean["aux_loss"] = pair(jax.lax.stop_gradient(aux), 1.0)
-    for e in range(E):  # summed over micro-batches: the step's assignments over its tokens
-        mean[f"router/load/{e}"] = pair(stats.counts[e] * E / k, stats.tokens)
+        mean["aux_loss"] = _mean_sum(jax.lax.stop_gradient(aux), 1.0)
+    for e in range(E):  # per micro-batch, as every loss metric (TRL logs each)
+        mean[f"router/load/{e}"] = _mean_sum(stats.counts[e] * E / k, stats.tokens)
     return {**sums, "mean": mean,
             "max": {**sums["max"], "router/load_max": jax.lax.stop_gradient(load.max())},
             "min": {**sums["min"], "router/load_min": jax.lax.stop_gradient(load.min())}}
+
+
+def _mean_sum(value, count) -> jax.Array:
+    """A mean metric's (sum, count) pair as grpo/loss.py stacks it."""
+    return jnp.stack([jnp.asarray(value, jnp.float32), jnp.asarray(count, jnp.float32)])
 
 
 def router_aux_loss_coef(requested: float | None, model_cfg) -> float:
