@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -89,9 +90,16 @@ def finish(proc, timeout: float):
     return proc.returncode, err, time.monotonic() - start
 
 
+# After a failed mid-write, tensorstore's writes still in flight report "Event loop is closed"
+# from asyncio as they complete (train._quiet_closed_loop_reports drops those reaching
+# sys.excepthook; some still get through, the known gap in docs/reliability.md): not ours.
+CLOSED_LOOP = re.compile(r"Traceback \(most recent call last\):\n(?:[ \t]+.*\n)*?"
+                         r"RuntimeError: Event loop is closed\n?")
+
+
 def one_error_line(err: str) -> str:
     lines = [line for line in err.splitlines() if line.startswith(ERROR)]
-    assert len(lines) == 1 and "Traceback" not in err, err[-4000:]
+    assert len(lines) == 1 and "Traceback" not in CLOSED_LOOP.sub("", err), err[-4000:]
     return lines[0]
 
 

@@ -104,7 +104,9 @@ class VLLMClient(WeightRoutes):
                         else {"json": json})
                 r = self._session.request(method, url, **body,
                                           timeout=(10.0, timeout or self.timeout))
-            except requests.ConnectionError as e:
+            # A response cut off mid-body is a server going down while it answered (a restart):
+            # retried as a refused connection is.
+            except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as e:
                 if attempt < self.max_retries:
                     time.sleep(self.backoff_s * 2 ** attempt)
                     continue
