@@ -395,17 +395,14 @@ def test_lora_adapter_on_a_moe_loads_in_peft_with_the_same_logits(tmp_path):
     theirs = hf_logits(ref, TOKENS, MASK)
     assert np.abs(theirs - base)[real].max() > 1e-2
     assert np.abs(theirs - _logits(model))[real].max() < 1e-4
-    cfg = ModelConfig.from_hf(tiny_hf_model("mixtral").config.to_dict())
-    with pytest.raises(GrpoJaxError, match="mixtral has no dense gate_proj"):
-        lora.PeftArgs(use_peft=True, lora_target_modules=("q_proj", "gate_proj")
-                      ).model_targets(cfg)
-    assert lora.PeftArgs(use_peft=True, lora_target_modules=("all-linear",)).model_targets(
-        cfg) == ("wq", "wk", "wv", "wo")
-    dense_too = ModelConfig.from_hf(tiny_hf_model("qwen3_moe").config.to_dict())
-    with pytest.raises(GrpoJaxError, match="PEFT reads them as the experts' parameters"):
-        lora.PeftArgs(use_peft=True, lora_target_modules=("q_proj", "gate_proj")
-                      ).model_targets(dense_too)
-    assert lora.PeftArgs(use_peft=True, lora_target_modules=("all-linear",)).model_targets(
-        dense_too) == ("wq", "wk", "wv", "wo")
+    # Mixtral has no dense MLP; Qwen3-MoE has one (a dense layer) that PEFT would not adapt.
+    for name, refusal in (("mixtral", "mixtral has no dense gate_proj"),
+                          ("qwen3_moe", "PEFT reads them as the experts' parameters")):
+        cfg = ModelConfig.from_hf(tiny_hf_model(name).config.to_dict())
+        with pytest.raises(GrpoJaxError, match=refusal):
+            lora.PeftArgs(use_peft=True, lora_target_modules=("q_proj", "gate_proj")
+                          ).model_targets(cfg)
+        assert lora.PeftArgs(use_peft=True, lora_target_modules=("all-linear",)).model_targets(
+            cfg) == ("wq", "wk", "wv", "wo")
     with pytest.raises(ConfigError, match="target_parameters"):
         load_config(None, ["lora_target_parameters=[mlp.experts.gate_up_proj]"])
