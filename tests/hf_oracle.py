@@ -89,3 +89,27 @@ def char_tokenizer():
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
         unk_token="<unk>")
+
+
+def tiny_grpo_run(tmp_path, model, **mesh) -> dict:
+    """Two GRPO steps (reward_len, 8 prompts x 4, fp32) of the tiny HF `model` with
+    char_tokenizer over 4 devices laid out by `mesh` (dp, fsdp, ep...): the run's last record."""
+    import json
+
+    import jax
+
+    from grpo_jax.cli import load_config
+    from grpo_jax.train import train
+    policy = tmp_path / "policy"
+    model.save_pretrained(policy)
+    char_tokenizer().save_pretrained(policy)
+    with open(tmp_path / "p.jsonl", "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": f"Post {i}: say something.\n"}) + "\n")
+    sets = {"name_or_path": policy, "dtype": "float32", "dataset_name": tmp_path / "p.jsonl",
+            "reward_funcs": "[reward_len]", "num_generations": 4, "max_completion_length": 8,
+            "per_device_train_batch_size": 2, "learning_rate": 0.01, "beta": 0.04,
+            "output_dir": tmp_path / "out", "report_to": "[]", "max_steps": 2,
+            "num_completions_to_print": 0, **mesh}
+    cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
+    return train(cfg, devices=jax.devices()[:4])

@@ -327,24 +327,9 @@ def test_grpo_run_on_a_moe_policy(tmp_path, family):
     over 4 devices (the sampler's experts on the expert axis too), the checkpoint's aux-loss
     coefficient: the sampler's log-probs equal the train step's, and the router metrics are
     logged."""
-    from hf_oracle import char_tokenizer
-
-    from grpo_jax.cli import load_config
-    from grpo_jax.train import train
-    tok = char_tokenizer()
-    policy = tmp_path / "policy"
-    tiny_hf_model(family, vocab=len(tok)).save_pretrained(policy)
-    tok.save_pretrained(policy)
-    with open(tmp_path / "p.jsonl", "w") as f:
-        for i in range(8):
-            f.write(json.dumps({"prompt": f"Post {i}: say something.\n"}) + "\n")
-    sets = {"name_or_path": policy, "dtype": "float32", "dataset_name": tmp_path / "p.jsonl",
-            "reward_funcs": "[reward_len]", "num_generations": 4, "max_completion_length": 8,
-            "per_device_train_batch_size": 2, "learning_rate": 0.01, "beta": 0.04,
-            "output_dir": tmp_path / "out", "report_to": "[]", "max_steps": 2, "dp": 1,
-            "fsdp": 2, "ep": 2, "num_completions_to_print": 0}
-    cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
-    last = train(cfg, devices=jax.devices()[:4])
+    from hf_oracle import char_tokenizer, tiny_grpo_run
+    last = tiny_grpo_run(tmp_path, tiny_hf_model(family, vocab=len(char_tokenizer())),
+                         dp=1, fsdp=2, ep=2)
     assert np.isfinite(last["loss"])
     assert last["sampling/sampling_logp_difference/max"] < 1e-4
     assert last["aux_loss"] > 0 and "router/load/0" in last and last["router/load_max"] >= 1
