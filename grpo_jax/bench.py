@@ -1,4 +1,5 @@
-"""`python -m grpo_jax.bench {sampler,train-step,e2e,lora-sampler}`: speed vs hardware limits.
+"""`python -m grpo_jax.bench {sampler,train-step,e2e,lora-sampler,refill}`: speed vs hardware
+limits, and decode slots refilled against static sub-batches on long-tailed lengths.
 
 Defaults are the issue's workload: the Qwen2-0.5B architecture with random weights, 8 prompts x
 8 completions, 256 prompt tokens, 256 completion tokens forced (no early stop), bf16. `--tiny`
@@ -27,6 +28,7 @@ from grpo_jax.grpo.train_step import StepConfig
 from grpo_jax.models import Decoder, ModelConfig, lora, presets, quant
 from grpo_jax.models.lora import PeftArgs
 from grpo_jax.rollout.engines import JaxRollout
+from grpo_jax.rollout.refill import Refill
 from grpo_jax.rollout.sampler import Sampler
 from grpo_jax.rollout.sampling import SamplingParams
 from grpo_jax.trainer import GRPORound, Scores, Trainer
@@ -70,8 +72,9 @@ def _timed(fn, repeats):
 
 
 def train_flops(cfg: ModelConfig, batch: int, seq: int) -> float:
-    """Model FLOPs of one fwd+bwd (6 N T for the matmuls + causal attention), remat excluded."""
-    dense = cfg.num_params() - cfg.vocab_size * cfg.hidden_size  # the embedding gather is free
+    """Model FLOPs of one fwd+bwd (6 N T for the matmuls + causal attention), remat excluded;
+    N counts a mixture of experts' active parameters (each token's k experts)."""
+    dense = cfg.num_params(active=True) - cfg.vocab_size * cfg.hidden_size  # a free gather
     dense += cfg.vocab_size * cfg.hidden_size  # ...but the LM head is a matmul
     attn = 6 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq  # QK^T and PV, causal half
     return float(batch * seq * (6 * dense + attn))
@@ -143,6 +146,40 @@ def bench_lora_sampler(args, cfg, model, mesh, prompts):
             merge(base, adapters), prompts, g, 0), args.repeats),
         "lora_adapters_generate_s": _timed(lambda: adapter_sampler.generate(
             (adapters, base), prompts, g, 0), args.repeats)}
+
+
+def bench_refill(args, cfg, model, mesh, prompts):
+    """A long-tailed-length workload through `--max-num-seqs` decode slots, refilled as rows
+    finish and in static sub-batches (each until its longest row is done). Random weights
+    sample nearly uniformly, so with a stop set of `--stop-fraction` of the vocabulary a row
+    stops after each token with about that probability: geometric lengths capped at
+    --completion-len (most rows short, a few long). Both ways draw the same tokens."""
+    stops = tuple(range(3, 3 + max(1, round(args.stop_fraction * cfg.vocab_size))))
+    sp = SamplingParams(max_completion_length=args.completion_len, temperature=1.0,
+                        stop_token_ids=stops, max_num_seqs=args.max_num_seqs)
+    params = nnx.split(model, nnx.Param)[1]
+    result, outs = {}, {}
+    for name, refill in (("static", False), ("refilled", True)):
+        slots = Refill(Sampler(cfg, dataclasses.replace(sp, continuous_batching=refill),
+                               pad_id=0, mesh=mesh))
+
+        def run():
+            outs[name] = slots.generate(params, prompts, args.generations, 0)
+        sec = _timed(run, args.repeats)
+        m = outs[name].metrics
+        result.update({f"{name}_generate_s": sec,
+                       f"{name}_tokens_per_s": int(outs[name].completion_mask.sum()) / sec,
+                       f"{name}_decode_steps": m["generate/decode_steps"],
+                       f"{name}_slot_occupancy": m["generate/slot_occupancy"]})
+    lengths = outs["refilled"].completion_mask.sum(axis=1)
+    result.update({
+        "refill_speedup": result["static_generate_s"] / result["refilled_generate_s"],
+        "same_completions": bool((outs["static"].completion_ids
+                                  == outs["refilled"].completion_ids).all()),
+        "rows": len(lengths), "decode_slots": slots.slots,
+        "length_mean": float(lengths.mean()), "length_p50": float(np.median(lengths)),
+        "length_p90": float(np.percentile(lengths, 90)), "length_max": int(lengths.max())})
+    return result
 
 
 def train_batch(cfg, n, prompt_len, completion_len, seed=0) -> Batch:
@@ -217,7 +254,8 @@ def bench_e2e(args, cfg, model, mesh, prompts):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m grpo_jax.bench", description=__doc__)
-    p.add_argument("what", choices=["sampler", "train-step", "e2e", "lora-sampler", "all"])
+    p.add_argument("what", choices=["sampler", "train-step", "e2e", "lora-sampler", "refill",
+                                    "all"])
     p.add_argument("--tiny", action="store_true", help="small model (CPU)")
     p.add_argument("--preset", help="a model shape of grpo_jax.models.presets (random weights), "
                    "e.g. smollm2-135m; default: Qwen2-0.5B's")
@@ -234,12 +272,17 @@ def main(argv=None):
     p.add_argument("--no-remat", action="store_true")
     p.add_argument("--remat-policy", default="full", choices=["full", "dots"],
                    help="what remat keeps per layer: its input only, or also matmul outputs")
-    p.add_argument("--attention", default="auto", choices=["auto", "xla", "cudnn"],
+    p.add_argument("--attention", default="auto", choices=["auto", "xla", "flash", "cudnn"],
                    help="attention kernel; 'cudnn' also for the decode step, which 'auto' "
                         "leaves to XLA")
     p.add_argument("--lora-r", type=int, default=16, help="lora-sampler: the adapters' rank")
     p.add_argument("--lora-quant", default="none", choices=["none", "8", "4"],
                    help="lora-sampler: the base stored in 8 bits (int8) or 4 (NF4)")
+    p.add_argument("--max-num-seqs", type=int, default=8,
+                   help="refill: the decode slots (static sub-batches of as many rows)")
+    p.add_argument("--stop-fraction", type=float, default=1 / 64,
+                   help="refill: the share of the vocabulary that stops a row (mean length "
+                        "about its inverse)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args(argv)
@@ -258,6 +301,8 @@ def main(argv=None):
         result.update(bench_e2e(args, cfg, model, mesh, prompts))
     if args.what == "lora-sampler":  # it adds adapters to the model: not part of "all"
         result.update(bench_lora_sampler(args, cfg, model, mesh, prompts))
+    if args.what == "refill":
+        result.update(bench_refill(args, cfg, model, mesh, prompts))
     result["peak_device_memory_GiB"] = ((peak_memory() or 0) / 2**30) or None
     width = max(map(len, result))
     for k, v in result.items():

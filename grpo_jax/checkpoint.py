@@ -12,14 +12,22 @@ directory). Old steps beyond `save_total_limit` are deleted only after the new o
 Restore writes straight into the target's shardings, so a checkpoint written on one mesh loads
 onto another (or onto one device) without gathering the full state on a host.
 
+A write that fails (disk full, read-only, no permission) is a CheckpointWriteError naming the
+error, the directory and the last good checkpoint: at the next save, `wait` or `poll`, never a
+hang (Orbax's writer threads of the failed step are released; docs/reliability.md).
+
 `load_checkpoint` restores a run's params from its output_dir alone (for export).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
+import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -28,14 +36,108 @@ from pathlib import Path
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from grpo_jax import distributed as dist
+from grpo_jax import storage
 from grpo_jax.errors import GrpoJaxError
 from grpo_jax.grpo.batch import Batch
 
 
 class CheckpointError(GrpoJaxError):
     """No usable checkpoint where one was asked for."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint written by a run whose settings give the state another shape."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint that could not be written; the run must stop (the message says where the
+    last good one is)."""
+
+
+def committed_steps(directory) -> list[int]:
+    """Steps whose directory is complete on disk (Orbax renames `<step>.orbax-checkpoint-tmp`
+    to `<step>` only once every file is written), ascending."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def last_good(directory) -> str:
+    """'last good checkpoint: PATH', or that there is none: the end of a write error."""
+    steps = committed_steps(directory)
+    return (f"last good checkpoint: {Path(directory) / str(steps[-1])}" if steps
+            else "no checkpoint was written")
+
+
+def check_writable(directory) -> None:
+    """CheckpointWriteError now when `directory` can't take a checkpoint (created if missing)."""
+    try:
+        storage.check_writable(directory, "checkpoint directory")
+    except storage.StorageError as e:
+        raise CheckpointWriteError(f"{e}; {last_good(directory)}") from None
+
+
+class _QuietStorageErrors(logging.Filter):
+    """Orbax logs a failed write with its traceback from each thread that sees it (hundreds of
+    lines); the Checkpointer raises the same failure as one CheckpointWriteError, so those
+    records are dropped. Orbax's other records pass."""
+
+    def filter(self, record):
+        return not (record.exc_info and record.pathname and "orbax" in record.pathname
+                    and storage.storage_cause(record.exc_info[1]) is not None)
+
+
+_QUIET = _QuietStorageErrors()
+
+
+def _release_writers(operation_ids: set[str]) -> None:
+    """End Orbax's writer threads of failed saves: each waits (up to Orbax's 300 s coordination
+    timeout, and the interpreter joins them at exit) for a signal that the failed step directory
+    will never send. They are cancelled, then sent that signal, so they return at once. Orbax's
+    internals: with another version this may find nothing, and train's main exits regardless."""
+    try:
+        from orbax.checkpoint._src.futures import future
+        for t in threading.enumerate():
+            if (isinstance(t, future._SignalingThread) and t.is_alive()
+                    and t._operation_id in operation_ids):
+                t.cancel()
+                future.set_signals(t._receive_signals, operation_id=t._operation_id)
+    except Exception:  # noqa: BLE001 - best effort: never mask the write error itself
+        pass
+
+
+def _shapes(tree) -> dict:
+    """{key path: shape} of an Orbax tree (saved metadata or a serialized target). Dtypes are
+    left out: a restore casts them."""
+    def key(k):
+        return str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+    return {"/".join(key(k) for k in path): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+# The sections whose settings shape the checkpointed state (params, optimizer state, counters).
+STATE_SECTIONS = ("model", "peft", "numerics", "optim", "loss")
+
+
+def _mismatch(step, directory, saved: dict, wanted: dict, settings: dict,
+              saved_settings: dict | None) -> str:
+    diffs = [f"{key}: checkpoint {old!r}, this run {new!r}"
+             for section in STATE_SECTIONS
+             for key, new in settings.get(section, {}).items()
+             for old in [((saved_settings or {}).get(section) or {}).get(key, new)]
+             if old != new]
+    if not diffs:  # the same settings, another state: e.g. the model's files changed
+        key = next((k for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)))
+        diffs = [f"the state's {key} has shape {saved.get(key, 'absent')} in the checkpoint, "
+                 f"{wanted.get(key, 'absent')} in this run (did model_name_or_path's files "
+                 "change?)"]
+    return (f"checkpoint {step} in {directory} was written by a run with other settings "
+            f"({'; '.join(diffs)}): resume with the settings it was written with, or train "
+            "into another output_dir")
 
 
 def _abstract_leaf(path, leaf):
@@ -70,6 +172,23 @@ class Checkpointer:
             cleanup_tmp_directories=True,  # partial saves of a killed run
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._operations: set[str] = set()  # Orbax operation ids of this object's saves
+        self.failed: CheckpointWriteError | None = None
+        logging.getLogger("absl").addFilter(_QUIET)
+
+    def _write_error(self, e: BaseException) -> CheckpointWriteError:
+        """`e`, raised by a save or a wait, as one line; Orbax's threads of the failed save are
+        released. Later calls raise the same error."""
+        if self.failed is None:
+            cause = storage.storage_cause(e)
+            reason = (storage.describe(cause) if cause is not None
+                      else " ".join(f"{type(e).__name__}: {e}".split())[:500])
+            self.failed = CheckpointWriteError(
+                f"can't write a checkpoint to {self.directory}: {reason}; "
+                f"{last_good(self.directory)}. Free space or fix the directory, then resume "
+                "with --resume")
+            _release_writers(self._operations)
+        return self.failed
 
     def all_steps(self) -> list[int]:
         """Steps of complete checkpoints (plus one being written by this process), ascending."""
@@ -97,14 +216,46 @@ class Checkpointer:
                             f"scalars with float()/int()): {e}") from None
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   meta=ocp.args.JsonSave(meta))
-        return self._manager.save(step, args=args, force=True)
+        if self.failed is not None:
+            raise self.failed
+        self._check_space(step, state)
+        try:
+            started = self._manager.save(step, args=args, force=True)
+        except Exception as e:  # this save, or the previous one it waited for
+            self._note_operation()
+            raise self._write_error(e) from None
+        self._note_operation()
+        return started
+
+    def _check_space(self, step: int, state) -> None:
+        """CheckpointWriteError (ENOSPC) when the disk lacks room for this process's part of
+        `state`: said before a write that would fail half-way (whose writer threads then
+        print tracebacks of their own). Bytes other processes or pending saves write can
+        still fill it first; that failure surfaces at the next save, wait or poll."""
+        need = sum(shard.data.nbytes for x in jax.tree.leaves(state)
+                   if isinstance(x, jax.Array) for shard in x.addressable_shards
+                   if shard.replica_id == 0)
+        need = int(need * 1.02) + (256 << 10)  # Orbax's metadata and file rounding
+        try:
+            free = shutil.disk_usage(self.directory).free
+        except OSError:
+            return  # the write itself will say what is wrong
+        if free < need:
+            raise self._write_error(OSError(errno.ENOSPC, (
+                f"No space left on device: checkpoint {step} needs about {need / 2**20:.1f} "
+                f"MiB, {free / 2**20:.1f} MiB are free"), self.directory))
+
+    def _note_operation(self) -> None:
+        """Remember the Orbax operation id of the save just started (its threads carry it)."""
+        from orbax.checkpoint._src.futures import synchronization
+        self._operations.add(synchronization.OperationIdGenerator.get_current_operation_id())
 
     def restore(self, step: int | None, target):
         """(state, meta) of checkpoint `step` (None: the latest). `target` is the state's abstract
         pytree: leaves with shape, dtype and sharding (jax.ShapeDtypeStruct or jax.Array); arrays
         are restored onto those shardings and in those dtypes, each process reading only its
         devices' blocks. Leaves that are `ocp.PLACEHOLDER` are not read (they stay so)."""
-        self._manager.wait_until_finished()
+        self.wait()
         steps = self.all_steps()
         if step is None and steps:
             step = steps[-1]
@@ -123,15 +274,82 @@ class Checkpointer:
             state=state, meta=ocp.args.JsonRestore()))
         return restored.state, restored.meta
 
+    def restore_newest(self, target, settings: dict, saved_settings: dict | None):
+        """(step, state, meta) of the newest checkpoint that restores onto `target` (see
+        `restore`), or None when none does. One that can't be read (a truncated or missing
+        file, garbage metadata, a missing item) is renamed `<step>.corrupt`, kept for a look,
+        and skipped with one line on stderr. One whose state has another shape than `target`
+        raises CheckpointMismatchError naming the settings (`settings`, this run's
+        TrainConfig.to_dict(), against `saved_settings`, the checkpoints' run's) that differ."""
+        for step in reversed(self.all_steps()):
+            error = None
+            try:
+                saved = ocp.StandardCheckpointHandler().metadata(
+                    epath.Path(self.directory) / str(step) / "state")
+                shapes = _shapes(saved)
+            except Exception as e:  # noqa: BLE001 - any unreadable metadata: corrupt
+                error = e
+            if not dist.any_process(error is not None):
+                wanted = _shapes(ocp.tree.serialize_tree(target, keep_empty_nodes=True))
+                if shapes != wanted:
+                    raise CheckpointMismatchError(_mismatch(
+                        step, self.directory, shapes, wanted, settings, saved_settings))
+                try:
+                    state, meta = self.restore(step, target)
+                except CheckpointError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - truncated or missing data: corrupt
+                    error = e
+                if not dist.any_process(error is not None):
+                    return step, state, meta
+            self._set_aside(step, error)
+        return None
+
+    def _set_aside(self, step: int, error: BaseException | None) -> None:
+        """Rename step directory `step` to `<step>.corrupt` (process 0), saying why."""
+        path = Path(self.directory) / str(step)
+        aside = path.with_name(f"{step}.corrupt")
+        k = 1
+        while aside.exists():
+            k += 1
+            aside = path.with_name(f"{step}.corrupt{k}")
+        if dist.is_main():
+            os.rename(path, aside)
+            reason = ("unreadable on another process" if error is None else
+                      " ".join(f"{type(error).__name__}: {error}".split())[:300])
+            print(f"checkpoint {step} in {self.directory} can't be restored ({reason}); kept "
+                  f"as {aside.name} and skipped (rename it back to retry)", file=sys.stderr)
+        dist.any_process(False)  # a barrier: every process re-lists after the rename
+        self._manager.reload()
+
     def delete(self, step: int) -> None:
         """Remove checkpoint `step` (Orbax's delete: every process calls it together)."""
         self._manager.delete(step)
 
     def wait(self) -> None:
-        """Block until pending async saves are committed; raises if one failed."""
-        self._manager.wait_until_finished()
+        """Block until pending async saves are committed; CheckpointWriteError if one failed."""
+        if self.failed is not None:
+            raise self.failed
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            raise self._write_error(e) from None
+
+    def poll(self) -> None:
+        """CheckpointWriteError if a background save has failed by now; never blocks."""
+        if self.failed is not None or not self._manager.is_saving_in_progress():
+            self.wait()
 
     def close(self) -> None:
+        """Wait for pending saves and release Orbax's resources; after a failed write, only
+        what can be released (the error was raised already)."""
+        reported = self.failed is not None
+        try:
+            self.wait()
+        except CheckpointWriteError:
+            if reported:
+                return
+            raise
         self._manager.close()
 
     def __enter__(self):
@@ -141,15 +359,30 @@ class Checkpointer:
         self.close()
 
 
+class StopRun(BaseException):
+    """A run stopped by signal `signum` (a BaseException, as KeyboardInterrupt: code that catches
+    Exception lets it through). train.main exits with 128 + signum."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = int(signum)
+
+
 class StopSignal:
     """Context manager turning SIGTERM/SIGINT into a flag the train loop polls, so it can save a
     checkpoint and exit cleanly; the original handlers come back on exit. A second signal of the
-    same kind gets the original behaviour (a stuck loop can still be interrupted)."""
+    same kind gets the original behaviour (a stuck loop can still be interrupted).
 
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+    `interrupt`: a signal that arrives inside `interruptible()` (work that changes nothing the
+    checkpoint holds, such as generating and scoring) raises StopRun at once instead of waiting
+    for the flag to be polled, so a stop never waits for a long generation to end."""
+
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT), *, interrupt: bool = False):
         self.signals = tuple(signals)
         self.received: int | None = None
         self._previous = {}
+        self.interrupt = interrupt
+        self._interruptible = False
 
     def __enter__(self):
         if threading.current_thread() is not threading.main_thread():
@@ -162,6 +395,9 @@ class StopSignal:
     def _handle(self, signum, frame):
         self.received = signum
         signal.signal(signum, self._original(signum))
+        if self._interruptible:
+            self._interruptible = False
+            raise StopRun(signum)
 
     def _original(self, signum):
         # None means a handler installed outside Python; the default is the closest equivalent.
@@ -170,6 +406,21 @@ class StopSignal:
 
     def should_stop(self) -> bool:
         return self.received is not None
+
+    @contextlib.contextmanager
+    def interruptible(self):
+        """A block a signal may abort (with `interrupt`): StopRun at once, also when one
+        arrived before the block began."""
+        if not self.interrupt:
+            yield
+            return
+        if self.received is not None:
+            raise StopRun(self.received)
+        self._interruptible = True
+        try:
+            yield
+        finally:
+            self._interruptible = False
 
     def __exit__(self, *exc):
         for s in self._previous:
@@ -228,12 +479,20 @@ class BufferFiles:
     def save(self, step: int, buffer) -> None:
         if not buffer or not dist.is_main():
             return
-        self.directory.mkdir(parents=True, exist_ok=True)
         arrays = {f"{i}/{name}": np.asarray(value) for i, mb in enumerate(buffer)
                   for name, value in _fields(mb).items()}
         tmp = self.directory / f"{step}.tmp.npz"
-        np.savez(tmp, **arrays)
-        tmp.replace(self.directory / f"{step}.npz")
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            np.savez(tmp, **arrays)
+            tmp.replace(self.directory / f"{step}.npz")
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise CheckpointWriteError(
+                f"can't write checkpoint {step}'s generation buffer to {self.directory}: "
+                f"{storage.describe(e)}; {last_good(self.directory.parent / 'checkpoints')}"
+            ) from None
 
     def load(self, step: int, count: int) -> list:
         if not count:
@@ -324,6 +583,15 @@ def load_checkpoint(output_dir, step: int | None = None):
         state, _ = ckpt.restore(step, target)
     except FileNotFoundError as e:
         raise CheckpointError(str(e)) from None
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - truncated or missing files, garbage metadata
+        others = [s for s in ckpt.all_steps() if s != step]
+        raise CheckpointError(
+            f"checkpoint {step} in {ckpt.directory} can't be read, it is damaged ("
+            + " ".join(f"{type(e).__name__}: {e}".split())[:300] + "); "
+            + (f"export another with --step (complete ones: {others})" if others
+               else "no other checkpoint to export")) from None
     finally:
         ckpt.close()
     if cfg.peft.use_peft:

@@ -35,14 +35,39 @@ class Alias(NamedTuple):
     boolean: bool = False  # a bare --key means true
 
 
-_SKIP = object()  # a transform's answer for "this value sets nothing" (e.g. bf16: false)
+_SKIP = object()  # a transform's answer for "this value sets nothing"
+
+# TrainingArguments' mixed-precision flags -> the compute dtype they select. TRL's bf16 defaults
+# to `not fp16`: neither flag true computes in float32 (`bf16: false`), `fp16: false` alone
+# leaves TRL's default, bf16 (here: the config's dtype).
+_PRECISION = {"bf16": "bfloat16", "fp16": "float16"}
+_FLAGS = "_precision_flags"  # a key of the tree of settings being read, not a section
 
 
-def _flag_dtype(dtype: str):  # bf16 / fp16: true selects the compute dtype
-    def transform(v):
-        _check(isinstance(v, bool), f"expected true or false, got {v!r}")
-        return dtype if v else _SKIP
-    return transform
+def _precision(tree: dict, flag: str, value: Any) -> Any:
+    """The dtype the flags set so far select (flags are kept in the tree, so `bf16: false,
+    fp16: true` gives float16 in either order), or _SKIP."""
+    _check(isinstance(value, bool), f"{flag}: expected true or false, got {value!r}")
+    flags = tree.setdefault(_FLAGS, {})
+    flags[flag] = value
+    _check(not (flags.get("bf16") and flags.get("fp16")), "bf16 and fp16 are both true: set "
+           "one (as transformers, which refuses both)")
+    on = [f for f, v in flags.items() if v]
+    if on:
+        return _PRECISION[on[0]]
+    return "float32" if flags.get("bf16") is False else _SKIP
+
+
+# transformers' optim names for torch.optim.AdamW (or its fused / XLA / NPU / apex builds, and
+# transformers 4's own AdamW): the same update as optax.adamw here.
+ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused", "adamw_torch_xla", "adamw_torch_npu_fused",
+               "adamw_apex_fused", "adamw_hf")
+
+
+def _optim(v):  # TrainingArguments' optim: the optimizer's name
+    _check(v in ADAMW_NAMES, f"optim {v!r}: grpo-jax trains with AdamW (optax.adamw, "
+           f"transformers' adamw_torch); set optim to one of {', '.join(ADAMW_NAMES)} or drop it")
+    return _SKIP
 
 
 def _one_config(v):  # open-r1's dataset_configs: a list of dataset configs
@@ -76,10 +101,7 @@ def _main_revision(v):
 
 
 def _resume_from_checkpoint(v):  # transformers: true or a checkpoint path
-    _check(isinstance(v, bool) or _is_none(v), f"resume_from_checkpoint {v!r}: a run resumes "
-           "from the newest checkpoint in its output_dir; set output_dir to the run's directory "
-           "and resume_from_checkpoint: true (or --resume)")
-    return bool(v) if isinstance(v, bool) else False
+    return False if _is_none(v) else v
 
 
 def _head_fp32(v):  # TRL's default (false) is what happens here
@@ -113,8 +135,9 @@ ALIASES: dict[str, Alias] = {
     "warmup_ratio": Alias("warmup_steps", _warmup_ratio),
     "scale_rewards": Alias("scale_rewards", _scale_rewards),
     "report_to": Alias("report_to", lambda v: [] if _is_none(v) else v),
-    "bf16": Alias("dtype", _flag_dtype("bfloat16"), boolean=True),  # mixed precision
-    "fp16": Alias("dtype", _flag_dtype("float16"), boolean=True),
+    "bf16": Alias("dtype", boolean=True),  # mixed precision: _precision
+    "fp16": Alias("dtype", boolean=True),
+    "optim": Alias(None, _optim),
     "dataset_configs": Alias("dataset_config", _one_config),  # open-r1
     "model_revision": Alias(None, _main_revision),
     "fsdp": Alias("fsdp", _mesh_fsdp),
@@ -134,8 +157,10 @@ NO_EFFECT = {
                    "directory to upload yourself)",
     "hub_model_id": "not supported: nothing is uploaded", "hub_strategy": "not supported: "
     "nothing is uploaded", "hub_private_repo": "not supported: nothing is uploaded",
-    "log_level": "grpo-jax logs metrics at every logging_steps", "logging_first_step": "the first "
-    "step is always logged", "logging_strategy": "metrics are logged every logging_steps",
+    "log_level": "grpo-jax logs metrics at every logging_steps",
+    "logging_strategy": "metrics are logged every logging_steps",
+    "torch_empty_cache_steps": "JAX frees device buffers when their arrays go; there is no "
+                               "allocator cache to empty",
     "vllm_device": "set on the vLLM server (python -m grpo_jax.serve)",
     "vllm_gpu_memory_utilization": "set on the vLLM server (python -m grpo_jax.serve)",
     "vllm_tensor_parallel_size": "set on the vLLM server (python -m grpo_jax.serve)",
@@ -178,7 +203,7 @@ NO_EFFECT = {
     "vllm_group_port": "weights reach the server over HTTP / shared memory (see README)",
     "log_multimodal": "text models only", "log_completions_hub_repo": "not supported: nothing "
     "is uploaded (completions.jsonl holds them)", "pad_to_multiple_of": "prompts are padded to "
-    "the sampler's length buckets", "router_aux_loss_coef": "no mixture-of-experts models here",
+    "the sampler's length buckets",
 }
 _NOTED: set[str] = set()
 # A field of ours is never shadowed (accelerate's num_processes, say, is our process count).
@@ -186,11 +211,14 @@ assert not set(NO_EFFECT) & set(FIELD_SECTION), set(NO_EFFECT) & set(FIELD_SECTI
 # TRL options that have no counterpart here, and what to do instead.
 UNSUPPORTED = {
     "vllm_mode": "grpo-jax talks to a vLLM server only: set use_vllm: true and drop vllm_mode",
-    "optim": "grpo-jax always uses AdamW (optax.adamw); drop optim",
     "use_dora": "grpo-jax's adapters are LoRA (no DoRA); drop use_dora",
     "lora_modules_to_save": "only the LoRA adapters are trained; drop lora_modules_to_save",
     "use_bnb_nested_quant": "the 4-bit base keeps fp32 scales (no nested quantization); drop "
                             "use_bnb_nested_quant",
+    "lora_target_parameters": "LoRA on a mixture of experts' stacked expert parameters (PEFT's "
+                              "target_parameters, e.g. gpt-oss's mlp.experts.gate_up_proj) is "
+                              "not supported: adapt attention with lora_target_modules, or "
+                              "train the experts fully (no use_peft)",
 }
 _NONE_WORDS = ("none", "null", "~")
 
@@ -295,18 +323,23 @@ def _type_name(tp: Any) -> str:
 
 def _set(tree: dict, key: str, value: Any, raw: str | None = None) -> None:
     sec, name, alias = resolve_key(key)
+    bare = key.rpartition(".")[2]
     if sec is None:  # no field here: check the value, say why it changes nothing
         if alias.transform:
             alias.transform(value)
-        bare = key.rpartition(".")[2]
-        if bare not in _NOTED:
+        if bare in NO_EFFECT and bare not in _NOTED:
             _NOTED.add(bare)
             print(f"grpo_jax: {bare} has no effect: {NO_EFFECT[bare]}", file=sys.stderr)
         return
     tp = _TYPES[sec][name]
-    if raw is not None and isinstance(value, (int, float)) and str in (tp, *typing.get_args(tp)):
+    if (raw is not None and isinstance(value, (int, float)) and not isinstance(value, bool)
+            and str in (tp, *typing.get_args(tp))):
         value = raw  # keep '007' a string rather than the number YAML reads
-    if alias and alias.transform:
+    if bare in _PRECISION:
+        value = _precision(tree, bare, value)
+        if value is _SKIP:
+            return
+    elif alias and alias.transform:
         value = alias.transform(value)
         if value is _SKIP:
             return
@@ -321,11 +354,11 @@ def config_from_dict(mapping: dict | None, overrides: typing.Sequence[str] = (),
     tree: dict[str, dict] = {}
     try:
         for key, value in (mapping or {}).items():
-            if key in SECTIONS:
-                _check(isinstance(value, dict) or value is None,
-                       f"section {key!r} must be a mapping, got {value!r}")
+            if key in SECTIONS and (isinstance(value, dict) or value is None):
                 for sub, v in (value or {}).items():
                     _set(tree, f"{key}.{sub}", v)
+            elif key in SECTIONS and key not in ALIASES:  # `optim: adamw_torch` is TRL's key
+                raise ConfigError(f"section {key!r} must be a mapping, got {value!r}")
             else:
                 _set(tree, str(key), value)
     except ConfigError as e:
@@ -334,6 +367,7 @@ def config_from_dict(mapping: dict | None, overrides: typing.Sequence[str] = (),
         key, sep, text = item.partition("=")
         _check(bool(sep) and bool(key.strip()), f"override {item!r} must look like key=value")
         _set(tree, key.strip(), _parse_scalar(text), raw=text)
+    tree.pop(_FLAGS, None)
     return TrainConfig(**{sec: cls(**tree.get(sec, {})) for sec, cls in SECTIONS.items()})
 
 
@@ -386,8 +420,12 @@ def parse_cli(argv: typing.Sequence[str]) -> TrainConfig:
         _check(arg.startswith("--"), f"unexpected argument {arg!r}: options look like --key value")
         key, eq, val = arg[2:].partition("=")
         if not eq:
-            bare = i >= len(args) or args[i].lower() not in _BOOL_WORDS
-            if key not in ("config", "set") and _is_bool(key) and bare:
+            flag = key not in ("config", "set") and _is_bool(key)
+            # A bool-or-path field (resume) takes the next argument unless it is an option.
+            text = i < len(args) and not args[i].startswith("--")
+            bare = i >= len(args) or (args[i].lower() not in _BOOL_WORDS
+                                      and not (text and flag == "or text"))
+            if flag and bare:
                 val = "true"
             else:
                 _check(i < len(args), f"--{key} needs a value")
@@ -404,9 +442,14 @@ def parse_cli(argv: typing.Sequence[str]) -> TrainConfig:
 _BOOL_WORDS = ("true", "false", "yes", "no", "on", "off", "1", "0")
 
 
-def _is_bool(key: str) -> bool:
+def _is_bool(key: str) -> bool | str:
+    """Whether --key may stand alone for true: True, "or text" for a bool-or-string field
+    (resume: true or a checkpoint path), False."""
     sec, name, alias = resolve_key(key)
-    return (sec is not None and _TYPES[sec][name] is bool) or bool(alias and alias.boolean)
+    tp = _TYPES[sec][name] if sec is not None else None
+    if bool in typing.get_args(tp) and str in typing.get_args(tp):
+        return "or text"
+    return tp is bool or bool(alias and alias.boolean)
 
 
 def cli_help() -> str:

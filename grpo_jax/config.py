@@ -204,27 +204,45 @@ class RolloutArgs:
         return f"http://{self.vllm_server_host}:{self.vllm_server_port}"
 
 
+def _steps_or_ratio(value: float, total_steps: int) -> int:
+    """transformers' logging_steps / save_steps / eval_steps: a whole number of optimizer steps,
+    or a fraction < 1 of the run's: ceil(total_steps * fraction)."""
+    return max(math.ceil(total_steps * value) if value < 1 else int(value), 1)
+
+
 @dataclass(frozen=True)
 class RunArgs:
     output_dir: str = "outputs/grpo"
-    logging_steps: int = 10
-    save_steps: int = 500
+    # Optimizer steps per metrics record (TRL averages its metrics over them); < 1: a fraction
+    # of the run's steps, as transformers.
+    logging_steps: float = 10
+    logging_first_step: bool = False  # also a record after the first step
+    save_steps: float = 500  # < 1: a fraction of the run's steps, as transformers
     save_total_limit: int | None = None  # None: keep all checkpoints
     log_completions: bool = False  # completions.jsonl (and a W&B table), a sample printed
     num_completions_to_print: int | None = None  # of each round's; None: all (TRL)
     log_unique_prompts: bool = False  # the W&B table keeps one row per prompt (TRL)
     # TRL's default is 'none'; tensorboardX is a dependency here, so its log is on by default.
     report_to: tuple[Literal["tensorboard", "wandb"], ...] = ("tensorboard",)
-    resume: bool = False  # continue from the newest checkpoint in output_dir
+    # Continue from the newest checkpoint in output_dir (true), or from a checkpoint of this run
+    # (its directory, output_dir/checkpoints/STEP: TRL's resume_from_checkpoint PATH).
+    resume: bool | str = False
 
     def __post_init__(self):
-        _check(self.logging_steps >= 1 and self.save_steps >= 1,
-               "logging_steps and save_steps must be >= 1")
+        for name in ("logging_steps", "save_steps"):
+            v = getattr(self, name)
+            _check(v > 0 and (v < 1 or float(v).is_integer()), f"{name} must be a whole number "
+                   f"of steps, or a fraction in (0, 1) of the run's steps, got {v}")
         _check(self.save_total_limit is None or self.save_total_limit >= 1,
                f"save_total_limit must be >= 1 or null, got {self.save_total_limit}")
         _check(self.num_completions_to_print is None or self.num_completions_to_print >= 0,
                f"num_completions_to_print must be >= 0 or null, got "
                f"{self.num_completions_to_print}")
+
+    def steps_of(self, total_steps: int) -> tuple[int, int]:
+        """(logging, saving) intervals in optimizer steps for a run of total_steps."""
+        return (_steps_or_ratio(self.logging_steps, total_steps),
+                _steps_or_ratio(self.save_steps, total_steps))
 
 
 @dataclass(frozen=True)
@@ -276,19 +294,29 @@ class BatchPlan:
         rounds = num_prompts // self.prompts_per_generation
         return rounds * self.steps_per_generation * self.num_iterations
 
+    def updates_per_epoch(self, num_prompts: int) -> int:
+        """transformers' num_update_steps_per_epoch: an epoch's micro-steps in windows of
+        gradient_accumulation_steps, the last one partial when they do not divide."""
+        return max(-(-self.micro_steps_per_epoch(num_prompts)
+                     // self.gradient_accumulation_steps), 1)
+
     def total_steps(self, num_prompts: int, max_steps: int, num_train_epochs: float) -> int:
         """Optimizer steps in the run (TRL's rule: max_steps wins when > 0)."""
         if max_steps > 0:
             return max_steps
-        micro = self.micro_steps_per_epoch(num_prompts)
-        return max(1, math.ceil(num_train_epochs * micro / self.gradient_accumulation_steps))
+        return max(1, math.ceil(num_train_epochs * self.updates_per_epoch(num_prompts)))
+
+    def num_train_epochs(self, num_prompts: int, total_steps: int) -> int:
+        """transformers' state.num_train_epochs: the epochs the run's steps touch."""
+        return -(-total_steps // self.updates_per_epoch(num_prompts))
 
     def epoch(self, step: int, num_prompts: int) -> float:
-        """The fractional epoch transformers logs after optimizer step `step`: micro-steps
-        done / micro-steps per epoch (every update takes gradient_accumulation_steps of them;
-        windows run on across generation and epoch boundaries)."""
-        return step * self.gradient_accumulation_steps / max(
-            self.micro_steps_per_epoch(num_prompts), 1)
+        """The fractional epoch transformers logs after optimizer step `step`: whole epochs
+        plus micro-steps done / micro-steps of the epoch (an epoch ends with its own window,
+        partial when its micro-steps are not a multiple of gradient_accumulation_steps)."""
+        micro = max(self.micro_steps_per_epoch(num_prompts), 1)
+        done, rest = divmod(step, self.updates_per_epoch(num_prompts))
+        return done + min(rest * self.gradient_accumulation_steps, micro) / micro
 
 
 class _TrainConfig:
@@ -297,6 +325,9 @@ class _TrainConfig:
     def __post_init__(self):
         _check(self.generation.temperature > 0, "temperature must be > 0 (GRPO needs varied "
                f"samples), got {self.generation.temperature}")
+        _check(self.generation.max_num_seqs is None or self.rollout.backend == "jax",
+               "max_num_seqs sets the JAX sampler's decode slots; a vLLM server schedules its "
+               "own rows (start it with --max-num-seqs): set max_num_seqs: null")
         gbs, g = self.batch.generation_batch_size, self.grpo.num_generations
         _check(gbs is None or gbs % g == 0, f"generation_batch_size ({gbs}) must be divisible "
                f"by num_generations ({g}): a generation round holds whole prompt groups")

@@ -84,6 +84,11 @@ class PromptDataset:
         rows = self.order(epoch)[index:index + num_prompts]
         return [self.record(int(i)) for i in rows], DataPosition(epoch, index + num_prompts)
 
+    def ends_epoch(self, position: DataPosition, num_prompts: int) -> bool:
+        """Whether a batch that ended at `position` was its epoch's last (the next one of
+        num_prompts would not fit: batch_prompts skips the tail)."""
+        return position.index + num_prompts > len(self)
+
 
 def reward_inputs(records: Sequence[dict], num_generations: int) -> tuple[list, dict[str, list]]:
     """Prompts and extra columns repeated per completion (prompt i's group is consecutive)."""
@@ -98,7 +103,8 @@ def load_prompts(cfg: DataArgs, tokenizer, *, test: bool = False,
                  tools: Sequence[Any] = ()) -> PromptDataset:
     """Load, template and tokenize the prompts of `cfg`'s train split (`test`: its eval split,
     dataset_test_split of eval_dataset_name or else dataset_name); truncation is from the
-    left. `tools`: functions whose schemas the chat template shows (TRL's `tools`)."""
+    left. `tools`: functions whose schemas the chat template shows (TRL's `tools`). The eval
+    split is always shuffled with the seed, as TRL's eval sampler (RepeatSampler, shuffle on)."""
     name = (cfg.eval_dataset_name or cfg.dataset_name) if test else cfg.dataset_name
     split = cfg.dataset_test_split if test else cfg.dataset_train_split
     if test and cfg.eval_dataset_name and _single_file(name) and split == "test":
@@ -111,8 +117,7 @@ def load_prompts(cfg: DataArgs, tokenizer, *, test: bool = False,
     columns = {k: v for k, v in columns.items() if k not in NOT_REWARD_COLUMNS}
     if not prompts:
         raise DataError(f"dataset {name!r} split {split!r} is empty")
-    if cfg.chat_template:
-        tokenizer.chat_template = chat_template(cfg.chat_template)  # decoding's too
+    set_chat_template(tokenizer, cfg)  # decoding's too
     ids = tokenize_prompts(prompts, tokenizer, cfg.chat_template_kwargs, tools=tools)
     limit = cfg.max_prompt_length
     truncated = 0
@@ -132,7 +137,7 @@ def load_prompts(cfg: DataArgs, tokenizer, *, test: bool = False,
         prompts=list(prompts), columns=columns,
         token_ids=np.fromiter((t for x in ids for t in x), np.int32, int(lengths.sum())),
         offsets=np.concatenate([[0], np.cumsum(lengths)]), num_truncated=truncated,
-        shuffle=cfg.shuffle_dataset, seed=cfg.seed)
+        shuffle=cfg.shuffle_dataset or test, seed=cfg.seed)
 
 
 def with_system_prompt(prompts: Sequence[Any], system_prompt: str | None) -> list[Any]:
@@ -149,6 +154,13 @@ def with_system_prompt(prompts: Sequence[Any], system_prompt: str | None) -> lis
                             "system_prompt or the dataset's system messages")
         out.append([system, *messages])
     return out
+
+
+def set_chat_template(tokenizer, cfg: DataArgs):
+    """`tokenizer`, its chat template replaced by the chat_template setting where there is one."""
+    if cfg.chat_template:
+        tokenizer.chat_template = chat_template(cfg.chat_template)
+    return tokenizer
 
 
 def chat_template(value: str) -> str:
@@ -233,7 +245,7 @@ def _load_columns(name: str, config: str | None, split: str, seed: int) -> dict[
     path = Path(name).expanduser()
     if path.exists():
         if path.is_dir():
-            return _datasets_load(str(path), config, split=split)
+            return _load_local(path, str(path), config, split=split)
         loader = FILE_LOADERS.get(path.suffix.lower())
         if loader is None:
             raise DataError(f"can't read {path}: supported files are "
@@ -242,7 +254,9 @@ def _load_columns(name: str, config: str | None, split: str, seed: int) -> dict[
             raise DataError(f"a single file holds one split, 'train', not {split!r}: slices "
                             "split it (dataset_train_split: 'train[:90%]', dataset_test_split: "
                             "'train[90%:]'), or name an eval file in eval_dataset_name")
-        return _datasets_load(loader, data_files=str(path), split=split)
+        if path.stat().st_size == 0:
+            raise DataError(f"dataset file {path} is empty")
+        return _load_local(path, loader, data_files=str(path), split=split)
     if name.startswith((".", "/", "~")) or path.suffix.lower() in FILE_LOADERS:
         raise DataError(f"dataset file {name!r} not found")
     return _load_hub(name, config, split)
@@ -257,6 +271,27 @@ def _post_body(prompt: str) -> str:
 def _datasets_load(*args, **kwargs) -> dict[str, list]:
     import datasets
     return datasets.load_dataset(*args, **kwargs).to_dict()
+
+
+def _load_local(what: Path, *args, **kwargs) -> dict[str, list]:
+    """`_datasets_load` of the user's own file or directory `what`: one it can't read
+    (malformed JSON lines, no rows, a bad split) is a DataError with the innermost reason,
+    and datasets' own log of it is not printed too."""
+    quiet = logging.getLogger("datasets")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        return _datasets_load(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - ArrowInvalid (with the row), no rows, a bad split
+        root = e  # the reason under datasets' own wrappers ("An error occurred while ...")
+        while type(root).__module__.startswith("datasets") and (root.__cause__ or
+                                                                root.__context__):
+            root = root.__cause__ or root.__context__
+        reason = " ".join(f"{type(root).__name__}: {root}".split())[:300]
+        raise DataError(f"can't read dataset {what} (split {kwargs.get('split')!r}): "
+                        f"{reason}") from None
+    finally:
+        quiet.setLevel(level)
 
 
 def _offline() -> bool:

@@ -263,6 +263,11 @@ def _on_all(error: BaseException) -> BaseException:
     return error
 
 
+def raised_on_all(error: BaseException) -> BaseException:
+    """`error`, marked as raised by every process at the same point (not `failed_alone`)."""
+    return _on_all(error)
+
+
 def failed_alone(error: BaseException | None) -> bool:
     """Whether `error` may have been raised on this process only, with the others waiting in a
     collective for it (anything not raised through raise_together / from_main)."""

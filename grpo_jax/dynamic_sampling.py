@@ -24,6 +24,7 @@ import numpy as np
 
 from grpo_jax.errors import GrpoJaxError
 from grpo_jax.grpo import advantages as adv_lib
+from grpo_jax.rollout.sampler import RolloutBatch, merge_decode_metrics
 
 
 class NoSignalError(GrpoJaxError):
@@ -74,10 +75,13 @@ def take_rows(batch: Any, rows: np.ndarray) -> Any:
 
 
 def concat_rows(parts: Sequence[Any]) -> Any:
-    """The rows of several RolloutBatches or Scores in order; Scores' metrics are averaged."""
+    """The rows of several RolloutBatches or Scores in order; the rollouts' decode counts are
+    summed over their generate calls (the work all of them took), Scores' metrics averaged."""
     fields = {k: _concat([p._asdict()[k] for p in parts], left_pad=k.startswith("prompt_"))
               for k in parts[0]._fields if k != "metrics"}
-    if "metrics" in parts[0]._fields:
+    if isinstance(parts[0], RolloutBatch):
+        fields["metrics"] = merge_decode_metrics([p.metrics for p in parts])
+    elif "metrics" in parts[0]._fields:
         fields["metrics"] = {k: float(np.mean([p.metrics[k] for p in parts if k in p.metrics]))
                              for p in parts for k in p.metrics}
     return parts[0]._replace(**fields)

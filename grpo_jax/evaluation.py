@@ -8,7 +8,8 @@ the end of every epoch and of the run, `eval_on_start` before the first step; `e
 holds the first one back. As TRL's GRPOTrainer in eval mode: each eval batch holds
 per_device_eval_batch_size completions per data-parallel shard, num_generations_eval per
 prompt, is generated once with the current weights (no buffer, no reuse, no accumulation) and
-its loss is one micro-batch's; the eval split is gone through whole, in the data seed's order.
+its loss is one micro-batch's; the eval split is gone through whole, in an order shuffled with
+the data seed (TRL's eval sampler always shuffles, whatever shuffle_dataset says: load_prompts).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import jax
 import numpy as np
 
 from grpo_jax.errors import check as _check
+from grpo_jax.metrics import Logged, MetricWindow
 
 STRATEGIES = ("no", "steps", "epoch")
 
@@ -55,8 +57,8 @@ class EvalArgs:
 @dataclasses.dataclass(frozen=True)
 class EvalSchedule:
     """At which optimizer steps a run evaluates (transformers' DefaultFlowCallback). Epochs are
-    counted as the run counts them: step * gradient_accumulation_steps micro-steps out of
-    micro_steps_per_epoch (config.BatchPlan.epoch)."""
+    counted as the run counts them (config.BatchPlan.epoch): an epoch's micro_steps_per_epoch
+    in windows of gradient_accumulation_steps, the last one partial if need be."""
     strategy: str
     every: int  # optimizer steps between evaluations ('steps')
     delay: float
@@ -64,11 +66,17 @@ class EvalSchedule:
     gradient_accumulation_steps: int
     micro_steps_per_epoch: int
 
+    @property
+    def updates_per_epoch(self) -> int:
+        return max(-(-self.micro_steps_per_epoch // self.gradient_accumulation_steps), 1)
+
     def epoch(self, step: int) -> float:
-        return step * self.gradient_accumulation_steps / max(self.micro_steps_per_epoch, 1)
+        micro = max(self.micro_steps_per_epoch, 1)
+        done, rest = divmod(step, self.updates_per_epoch)
+        return done + min(rest * self.gradient_accumulation_steps, micro) / micro
 
     def _epochs_done(self, step: int) -> int:
-        return step * self.gradient_accumulation_steps // max(self.micro_steps_per_epoch, 1)
+        return step // self.updates_per_epoch
 
     def due(self, step: int) -> bool:
         """Whether the run evaluates right after reaching `step` (> 0)."""
@@ -87,18 +95,15 @@ class EvalSchedule:
             nxt = self.every * (step // self.every + 1)
             while nxt < self.delay:
                 nxt += self.every
-        else:
-            # The first step whose micro-steps reach the end of the next epoch.
-            e, gas = self._epochs_done(step) + 1, self.gradient_accumulation_steps
-            nxt = -(-e * self.micro_steps_per_epoch // gas)
+        else:  # the step that ends the next epoch
+            nxt = (self._epochs_done(step) + 1) * self.updates_per_epoch
             while self.epoch(nxt) < self.delay:
-                e += 1
-                nxt = -(-e * self.micro_steps_per_epoch // gas)
+                nxt += self.updates_per_epoch
         nxt = min(nxt, self.total_steps)
         return nxt if self.due(nxt) else None
 
 
-def schedule(cfg: EvalArgs, logging_steps: int, total_steps: int,
+def schedule(cfg: EvalArgs, logging_steps: float, total_steps: int,
              gradient_accumulation_steps: int, micro_steps_per_epoch: int) -> EvalSchedule:
     steps = cfg.eval_steps if cfg.eval_steps is not None else logging_steps
     every = math.ceil(total_steps * steps) if steps < 1 else int(steps)  # transformers' rule
@@ -131,6 +136,19 @@ class Evaluator:
             out.append([self.dataset.record(int(i)) for i in rows])
         return out
 
+    def loss_weights(self, batches: int) -> list[int]:
+        """transformers' eval_loss weights: each batch's loss repeated eval_batch_size (the
+        global batch's completions) times, and the last batch's cut by accelerate's
+        gather_for_metrics to len(eval dataset) % that (prompts counted against completions,
+        as accelerate does with TRL's repeating sampler) when not 0. Exact with one
+        data-parallel shard (TRL: one process); with several, each of TRL's processes has a
+        loss of its own."""
+        full = self.prompts_per_batch * self.num_generations
+        weights = [full] * batches
+        if batches and len(self.dataset) % full:
+            weights[-1] = len(self.dataset) % full
+        return weights
+
     def __call__(self, state, key, num_tokens: int = 0) -> dict:
         """The eval metrics of `state`, keyed as TRL logs them."""
         t0 = time.perf_counter()
@@ -144,9 +162,13 @@ class Evaluator:
             rows.append(gen.batch.size)
         for h, d in zip(host, jax.device_get(device)):
             h.update({k: float(v) for k, v in d.items()})
+        losses = np.asarray([h.pop("loss") for h in host])
         metrics = mean_over_batches(host)
-        # transformers' eval_loss: the mean over completions, so a short batch weighs less.
-        metrics["loss"] = float(np.average([h["loss"] for h in host], weights=rows))
+        # transformers' eval_loss: the batches' losses weighted (loss_weights), the non-finite
+        # ones left out while any is finite (logging_nan_inf_filter).
+        keep = np.isfinite(losses) if np.isfinite(losses).any() else np.ones(len(losses), bool)
+        metrics["loss"] = float(np.average(losses[keep],
+                                           weights=np.asarray(self.loss_weights(len(host)))[keep]))
         metrics["num_tokens"] = float(num_tokens)  # TRL: the training tokens seen so far
         runtime = time.perf_counter() - t0
         out = {f"eval_{k}": v for k, v in metrics.items()}
@@ -156,10 +178,9 @@ class Evaluator:
 
 
 def mean_over_batches(batches: Sequence[dict]) -> dict:
-    """TRL's eval log: each metric's mean over the batches that have a finite value of it."""
-    out = {}
-    for k in dict.fromkeys(k for m in batches for k in m):
-        values = [m[k] for m in batches if k in m and math.isfinite(m[k])]
-        if values:
-            out[k] = float(np.mean(values))
-    return out
+    """TRL's eval log: each metric appended once per eval batch, then its mean over the values
+    that are not NaN (None when there is none: grpo_jax.metrics)."""
+    window = MetricWindow()
+    for m in batches:
+        window.add(Logged(m))
+    return window.flush()

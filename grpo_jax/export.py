@@ -1,22 +1,103 @@
-"""`python -m grpo_jax.export --checkpoint OUTPUT_DIR [--step N] --out HF_DIR [--dtype D]`.
+"""`python -m grpo_jax.export --checkpoint OUTPUT_DIR [--step N] --out HF_DIR [--dtype D]
+[--overwrite]`.
 
 Writes a Hugging Face model directory (weights, config, tokenizer, chat template) that
 `transformers` loads and `vllm serve` serves. A LoRA run (use_peft) writes a PEFT adapter
 directory (`adapter_config.json`, `adapter_model.safetensors`) that
 `peft.PeftModel.from_pretrained` loads onto the base; `--merge` writes the full model instead.
+
+The export is written into a hidden directory beside HF_DIR and renamed into place when
+complete, so an interrupted export never leaves a half model. HF_DIR must be new or empty;
+`--overwrite` replaces an existing model there (its old weights and indexes go, other files
+such as a README stay). The run's base model and output_dir are never written to.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fnmatch
+import os
+import shutil
 import sys
-
+import tempfile
 from pathlib import Path
 
-from grpo_jax import hf, peft_io
+from grpo_jax import hf, peft_io, storage
 from grpo_jax.checkpoint import load_checkpoint
 from grpo_jax.cli import load_config
 from grpo_jax.errors import GrpoJaxError
+
+# Files of an old model that a new export must not leave beside its own (a loader would follow
+# a stale index to old shards).
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json",
+                "*.pt", "*.pth", "*.gguf", "adapter_config.json")
+
+
+class ExportError(GrpoJaxError, ValueError):
+    """An export destination that is refused; the message says why and what to do."""
+
+
+def check_destination(out: Path, overwrite: bool, protected: dict[str, Path]) -> None:
+    """Refuse `out` when it is (or holds) a directory in `protected` (name -> path: the run's
+    base model, its output_dir), is a file, or is a non-empty directory without `overwrite`."""
+    where = out.resolve()
+    for what, path in protected.items():
+        path = Path(path).resolve()
+        if where == path or where in path.parents:
+            raise ExportError(f"--out {out} is {'' if where == path else 'a parent of '}{what} "
+                              f"{path}: the export would overwrite it; choose another directory")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file; pass a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        some = sorted(p.name for p in out.iterdir())[:3]
+        raise ExportError(f"--out {out} is not empty (it holds {', '.join(some)}, ...): pass "
+                          "--overwrite to replace the model there, or choose a new directory")
+
+
+@contextlib.contextmanager
+def staged(out: Path):
+    """A temporary directory beside `out` to write the export into; on success it becomes
+    `out` (an existing `out` is swapped out whole, keeping its files that are not weights),
+    on failure it is removed and `out` is as it was."""
+    storage.check_writable(out.parent, "the parent of --out")
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    try:
+        yield tmp
+        if out.exists():
+            for old in out.iterdir():  # what the export does not make: a README, ...
+                if not (tmp / old.name).exists() and not any(
+                        fnmatch.fnmatch(old.name, p) for p in WEIGHT_FILES):
+                    (shutil.copytree if old.is_dir() else shutil.copy2)(old, tmp / old.name)
+            aside = tmp.with_name(f".{out.name}.old-{os.getpid()}")
+            os.rename(out, aside)
+            os.rename(tmp, out)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def export(checkpoint, out, *, step: int | None = None, dtype: str = "bfloat16",
+           merge: bool = False, overwrite: bool = False) -> tuple[Path, int]:
+    """Export checkpoint `step` (None: the latest) of the run in `checkpoint` to `out`; returns
+    (out, step)."""
+    out = Path(out)
+    model, source_dir, step = load_checkpoint(checkpoint, step)
+    check_destination(out, overwrite, {"the run's base model": Path(source_dir),
+                                       "the run's output_dir": Path(checkpoint)})
+    with staged(out) as tmp:
+        if getattr(model, "lora_scale", None) is None:
+            hf.save_hf(model, tmp, source_dir=source_dir, dtype=dtype)
+        elif merge:
+            hf.save_hf(peft_io.merged_model(model), tmp, source_dir=source_dir, dtype=dtype)
+        else:
+            cfg = load_config(str(Path(checkpoint) / "config.yaml"))
+            base = peft_io.base_name(cfg)  # PEFT can't resolve our alias: name the directory
+            peft_io.save_adapter(model, cfg.peft, tmp,
+                                 str(source_dir) if base == hf.SMOL_ALIAS else base, dtype=dtype)
+    return out, step
 
 
 def main(argv=None) -> int:
@@ -27,22 +108,22 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--merge", action="store_true",
                    help="LoRA runs: merge the adapters into the base and write the full model")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the model in a non-empty --out (its old weights and indexes "
+                        "are removed)")
     args = p.parse_args(argv)
     try:
-        model, source_dir, step = load_checkpoint(args.checkpoint, args.step)
-        if getattr(model, "lora_scale", None) is None:
-            out = hf.save_hf(model, args.out, source_dir=source_dir, dtype=args.dtype)
-        elif args.merge:
-            out = hf.save_hf(peft_io.merged_model(model), args.out, source_dir=source_dir,
-                             dtype=args.dtype)
-        else:
-            cfg = load_config(str(Path(args.checkpoint) / "config.yaml"))
-            base = peft_io.base_name(cfg)  # PEFT can't resolve our alias: name the directory
-            out = peft_io.save_adapter(model, cfg.peft, args.out,
-                                       str(source_dir) if base == hf.SMOL_ALIAS else base,
-                                       dtype=args.dtype)
+        out, step = export(args.checkpoint, args.out, step=args.step, dtype=args.dtype,
+                           merge=args.merge, overwrite=args.overwrite)
     except GrpoJaxError as e:
         print(f"grpo_jax.export: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        cause = storage.storage_cause(e)
+        if cause is None:
+            raise
+        print(f"grpo_jax.export: error: can't write {args.out}: {storage.describe(cause)}",
+              file=sys.stderr)
         return 2
     print(f"exported step {step} of {args.checkpoint} to {out}")
     return 0

@@ -5,6 +5,7 @@ Only safetensors are read: pickle-based `.bin` checkpoints can run code when loa
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -23,6 +24,8 @@ from safetensors import safe_open
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.errors import GrpoJaxError
 from grpo_jax.models import Decoder, ModelConfig, ModelConfigError, param_table, quant
+from grpo_jax.models import mxfp4 as mxfp4_lib
+from grpo_jax.models.decoder import stack_of
 
 SMOL_ALIAS = "smollm2-135m-instruct"
 TOKENIZER_FILES = (
@@ -116,7 +119,8 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
 # ---------------------------------------------------------------- name mapping
 
 def _hf_names(cfg: ModelConfig) -> dict[str, str]:
-    """table name -> HF tensor name pattern ({i} = layer index)."""
+    """table name -> HF tensor name pattern ({i} = layer index; {j} = expert index, for the
+    families that store one tensor per expert)."""
     p = "model.layers.{i}."
     names = {
         "embed": "model.embed_tokens.weight",
@@ -136,6 +140,9 @@ def _hf_names(cfg: ModelConfig) -> dict[str, str]:
         "layers/w_gate": p + "mlp.gate_proj.weight",
         "layers/w_up": p + "mlp.up_proj.weight",
         "layers/w_down": p + "mlp.down_proj.weight",
+        "layers/bo": p + "self_attn.o_proj.bias",
+        "layers/sinks": p + "self_attn.sinks",
+        **_expert_names(cfg, p),
     }
     if cfg.sandwich_norms:  # Gemma: HF's post_attention_layernorm is on the attention output
         names.update({"layers/post_attn_norm": p + "post_attention_layernorm.weight",
@@ -145,6 +152,37 @@ def _hf_names(cfg: ModelConfig) -> dict[str, str]:
         names[name] = p + ("self_attn.qkv_proj.weight" if name[-2] == "w"
                            else "mlp.gate_up_proj.weight")
     return {k: v for k, v in names.items() if k in param_table(cfg)}
+
+
+def _expert_names(cfg: ModelConfig, p: str) -> dict[str, str]:
+    """The sparse layers' tensors as each family's checkpoints (and transformers'
+    save_pretrained) name them: Qwen3-MoE and Mixtral one tensor per expert, gpt-oss the
+    experts stacked, gate and up interleaved in one tensor (see _INTERLEAVED)."""
+    if cfg.model_type == "gpt_oss":
+        e = p + "mlp.experts."
+        return {"layers/router": p + "mlp.router.weight", "layers/router_bias":
+                p + "mlp.router.bias", "layers/we_gate": e + "gate_up_proj",
+                "layers/we_up": e + "gate_up_proj", "layers/we_down": e + "down_proj",
+                "layers/be_gate": e + "gate_up_proj_bias", "layers/be_up": e + "gate_up_proj_bias",
+                "layers/be_down": e + "down_proj_bias"}
+    moe, (gate, up, down) = (("block_sparse_moe.", ("w1", "w3", "w2")) if cfg.model_type ==
+                             "mixtral" else ("mlp.", ("gate_proj", "up_proj", "down_proj")))
+    e = p + moe + "experts.{j}."
+    return {"layers/router": p + moe + "gate.weight", "layers/we_gate": e + gate + ".weight",
+            "layers/we_up": e + up + ".weight", "layers/we_down": e + down + ".weight"}
+
+
+# gpt-oss stores gate and up interleaved along the last dim (gate at even, up at odd columns).
+_INTERLEAVED = {"we_gate": 0, "we_up": 1, "be_gate": 0, "be_up": 1}
+
+
+def _interleave(cfg: ModelConfig, name: str) -> int | None:
+    """The column offset of table `name` in its interleaved HF tensor (None: not one)."""
+    return _INTERLEAVED.get(name.split("/")[-1]) if cfg.model_type == "gpt_oss" else None
+
+
+def _per_expert(pattern: str) -> bool:
+    return "{j}" in pattern
 
 
 def _fused_rows(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -158,17 +196,42 @@ def _fused_rows(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
             "layers/w_up": (f, 2 * f)}
 
 
-def _to_hf(name: str, w: np.ndarray) -> np.ndarray:
+def _to_hf(name: str, w, groups=None):
+    """One part (our layout) of an HF tensor in the HF layout (numpy or jax arrays). `groups`:
+    the part's layout (_groups; default: the leaf's own, for a whole-layer part)."""
+    groups = groups or _groups(name.split("/")[-1], w.ndim)
+    order = [d for g in groups for d in g]
+    return w.transpose(order).reshape(_hf_shape(groups, w.shape))
+
+
+def _part_groups(cfg: ModelConfig, name: str, pattern: str, ndim: int):
+    """The layout of one part of table `name`: a layer's slice, or one expert's of it."""
     leaf = name.split("/")[-1]
-    if leaf in ("wq", "wk", "wv"):  # [D, H, Dh] -> [H*Dh, D]
-        return w.reshape(w.shape[0], -1).T
-    if leaf == "wo":  # [H, Dh, D] -> [D, H*Dh]
-        return w.reshape(-1, w.shape[-1]).T
-    if leaf in ("w_gate", "w_up", "w_down", "lm_head"):
-        return w.T
-    if leaf in ("bq", "bk", "bv"):
-        return w.reshape(-1)
-    return w
+    if _per_expert(pattern):  # one expert's [D, F] or [F, D]: the Linear's transpose
+        return ((1,), (0,))
+    if leaf == "router":  # [D, E] <- [E, D]
+        return ((1,), (0,))
+    if leaf.startswith("we_") or leaf.startswith("be_"):  # gpt-oss: stored [E, in, out]
+        return tuple((d,) for d in range(ndim))
+    return _groups(leaf, ndim)
+
+
+def assemble(cfg: ModelConfig, parts, fetch):
+    """One HF tensor from its parts [(table name, layer row or None, expert or None)]
+    (_hf_tensors): fetch(name, row, expert) gives each part in our layout (numpy or jax);
+    fused parts are joined along the rows (Phi-3) or interleaved along the columns
+    (gpt-oss's gate_up)."""
+    names = _hf_names(cfg)
+    arrays = []
+    for name, row, expert in parts:
+        w = fetch(name, row, expert)
+        arrays.append(_to_hf(name, w, _part_groups(cfg, name, names[name], w.ndim)))
+    if len(arrays) == 1:
+        return arrays[0]
+    xp = np if isinstance(arrays[0], np.ndarray) else jnp
+    if _interleave(cfg, parts[0][0]) is not None:
+        return xp.stack(arrays, axis=-1).reshape(*arrays[0].shape[:-1], -1)
+    return xp.concatenate(arrays)
 
 
 # ---------------------------------------------------------------- loading
@@ -201,7 +264,16 @@ def generation_eos_ids(model_dir) -> tuple[int, ...]:
 def _weight_files(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(f"{index} is not a safetensors index ({type(e).__name__}: "
+                                 f"{e}); re-download or re-export the model") from None
+        missing = [s for s in shards if not (model_dir / s).is_file()]
+        if missing:
+            raise ModelLoadError(f"{model_dir}: {len(missing)} of the {len(shards)} shards "
+                                 f"that {index.name} lists are missing ({', '.join(missing[:3])})"
+                                 "; re-download or re-export the model")
         return [model_dir / s for s in shards]
     files = sorted(model_dir.glob("*.safetensors"))
     if files:
@@ -231,18 +303,23 @@ def _hf_shape(groups, shape) -> list[int]:
     return [math.prod(shape[d] for d in g) for g in groups]
 
 
-def _read_block(tensor, groups, shape, index, row_offset: int = 0) -> np.ndarray:
+def _read_block(tensor, groups, shape, index, row_offset: int = 0,
+                interleave: int | None = None) -> np.ndarray:
     """The block `index` (slices of our per-layer `shape`) of a memory-mapped HF tensor
     (safetensors' get_slice) laid out by `groups` (see _HF_DIMS): only the rows and columns
     that hold it are read. `index`: slices with explicit start and stop. `row_offset`: where
-    our tensor starts in a fused HF tensor's first dim."""
+    our tensor starts in a fused HF tensor's first dim. `interleave`: our tensor is every
+    other column of the HF tensor's last dim, from this one."""
     hf_index, block_shape, rest_index = [], [], []
-    for g in groups:
+    for n, g in enumerate(groups):
         # A merged HF dim: the range that covers the first dim's slice with the others whole.
         inner = math.prod(shape[d] for d in g[1:])
         first = index[g[0]]
         start = 0 if hf_index else row_offset
-        hf_index.append(slice(start + first.start * inner, start + first.stop * inner))
+        if interleave is not None and n == len(groups) - 1:
+            hf_index.append(slice(interleave + 2 * first.start, interleave + 2 * first.stop - 1, 2))
+        else:
+            hf_index.append(slice(start + first.start * inner, start + first.stop * inner))
         block_shape += [first.stop - first.start] + [shape[d] for d in g[1:]]
         rest_index += [slice(None)] + [index[d] for d in g[1:]]
     block = tensor[tuple(hf_index)].reshape(block_shape)[tuple(rest_index)]
@@ -258,32 +335,51 @@ class _Weights:
     def __init__(self, model_dir: Path):
         self.files: dict[str, Path] = {}
         for f in _weight_files(model_dir):
-            with safe_open(f, framework="numpy") as st:
-                self.files.update(dict.fromkeys(st.keys(), f))
+            try:
+                with safe_open(f, framework="numpy") as st:
+                    self.files.update(dict.fromkeys(st.keys(), f))
+            except Exception as e:  # noqa: BLE001 - SafetensorError: truncated, not safetensors
+                raise ModelLoadError(f"{f} can't be read ({type(e).__name__}: {e}): the file "
+                                     "is damaged or truncated; re-download or re-export the "
+                                     "model") from None
         self.model_dir = model_dir
         # Where the decoder sits: "model." in a causal LM; Gemma 3's multimodal checkpoints
         # nest it ("model.language_model." in transformers 5, "language_model.model." before).
         embed = [k for k in self.files if k.endswith("embed_tokens.weight")]
         self.prefix = embed[0][:-len("embed_tokens.weight")] if len(embed) == 1 else "model."
 
-    def read(self, name: str, leaf: str, shape, index, out: np.ndarray,
-             rows: tuple[int, int] | None = None) -> None:
-        """Our block `index` of HF tensor `name` into `out` (cast to its dtype). `rows`: (first
-        row, total rows) when the HF tensor is a fused one (see _fused_rows)."""
+    def read(self, name: str, groups, shape, index, out: np.ndarray,
+             rows: tuple[int, int] | None = None, interleave: int | None = None) -> None:
+        """Our block `index` of HF tensor `name` (laid out by `groups`) into `out` (cast to its
+        dtype). `rows`: (first row, total rows) when the HF tensor is a fused one (see
+        _fused_rows); `interleave`: see _read_block. gpt-oss's MXFP4 experts (`name`_blocks
+        and _scales) are dequantized as they are read."""
         if name.startswith("model."):
             name = self.prefix + name[len("model."):]
-        if name not in self.files:
+        mxfp4 = name not in self.files and name + "_blocks" in self.files
+        if name not in self.files and not mxfp4:
             raise ModelLoadError(f"{self.model_dir}: weight {name} missing from the "
                                  "safetensors files")
-        groups = _groups(leaf, len(shape))
         expected = _hf_shape(groups, shape)
         offset, expected[0] = rows or (0, expected[0])
-        with safe_open(self.files[name], framework="numpy") as st:
+        if interleave is not None:
+            expected[-1] *= 2
+        with safe_open(self.files[name + "_blocks" if mxfp4 else name], framework="numpy") as st:
+            if mxfp4:
+                with safe_open(self.files[name + "_scales"], framework="numpy") as sc:
+                    tensor = mxfp4_lib.Mxfp4Tensor(st.get_slice(name + "_blocks"),
+                                                   sc.get_slice(name + "_scales"))
+                    self._check(name, tensor, expected)
+                    out[...] = _read_block(tensor, groups, shape, index, offset, interleave)
+                return
             tensor = st.get_slice(name)
-            if list(tensor.get_shape()) != expected:
-                raise ModelLoadError(f"{self.model_dir}: weight {name} has shape "
-                                     f"{tensor.get_shape()}, config.json implies {expected}")
-            out[...] = _read_block(tensor, groups, shape, index, offset)
+            self._check(name, tensor, expected)
+            out[...] = _read_block(tensor, groups, shape, index, offset, interleave)
+
+    def _check(self, name, tensor, expected) -> None:
+        if list(tensor.get_shape()) != expected:
+            raise ModelLoadError(f"{self.model_dir}: weight {name} has shape "
+                                 f"{tensor.get_shape()}, config.json implies {expected}")
 
 
 def load_params(model_dir: Path, cfg: ModelConfig, shardings: dict) -> dict[str, jax.Array]:
@@ -298,16 +394,29 @@ def iter_params(model_dir: Path, cfg: ModelConfig, shardings: dict):
     weights = _Weights(Path(model_dir))
     table, fused = param_table(cfg), _fused_rows(cfg)
     for name, pattern in _hf_names(cfg).items():
-        shape, leaf, rows = table[name][0], name.split("/")[-1], fused.get(name)
+        shape, rows = table[name][0], fused.get(name)
+        experts = _per_expert(pattern)
+        part = shape[2:] if experts else shape[1:] if name.startswith("layers/") else shape
+        groups = _part_groups(cfg, name, pattern, len(part))
+        hf_layers = cfg.stack_layers(stack_of(cfg, name[7:]))  # row r holds HF layer hf_layers[r]
 
-        def block(index, name=name, pattern=pattern, shape=shape, leaf=leaf, rows=rows):
+        def block(index, name=name, pattern=pattern, shape=shape, rows=rows, experts=experts,
+                  groups=groups, hf_layers=hf_layers):
             index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
             buf = np.empty([s.stop - s.start for s in index], cfg.param_dtype)
+            read = functools.partial(weights.read, groups=groups, rows=rows,
+                                     interleave=_interleave(cfg, name))
             if not name.startswith("layers/"):
-                weights.read(pattern, leaf, shape, index, buf)
+                read(pattern, shape=shape, index=index, out=buf)
                 return buf
-            for j, i in enumerate(range(index[0].start, index[0].stop)):  # this block's layers
-                weights.read(pattern.format(i=i), leaf, shape[1:], index[1:], buf[j], rows)
+            for j, r in enumerate(range(index[0].start, index[0].stop)):  # this block's layers
+                i = hf_layers[r]
+                if not experts:
+                    read(pattern.format(i=i), shape=shape[1:], index=index[1:], out=buf[j])
+                    continue
+                for n, e in enumerate(range(index[1].start, index[1].stop)):
+                    read(pattern.format(i=i, j=e), shape=shape[2:], index=index[2:],
+                         out=buf[j, n])
             return buf
 
         yield name, jax.make_array_from_callback(shape, shardings[name], block)
@@ -376,10 +485,13 @@ def hf_state_dict(cfg: ModelConfig, params: dict[str, np.ndarray], *, dtype: str
     lm_head.weight even when tied (vLLM's reload keeps a separate head tensor that must be
     refreshed too)."""
     out = {}
+
+    def fetch(name, row, expert):
+        w = params[name] if row is None else params[name][row]
+        w = w if expert is None else w[expert]
+        return np.asarray(w).astype(jnp.dtype(dtype), copy=False)  # all are floats
     for key, (parts, _) in _hf_tensors(cfg, jnp.dtype(dtype)).items():
-        out[key] = np.ascontiguousarray(np.concatenate([_to_hf(name, np.asarray(
-            params[name] if layer is None else params[name][layer]).astype(
-                jnp.dtype(dtype), copy=False)) for name, layer in parts]))  # all are floats
+        out[key] = np.ascontiguousarray(assemble(cfg, parts, fetch))
     if include_tied_head and cfg.tie_word_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     return out
@@ -402,11 +514,14 @@ def save_hf(model: Decoder, out_dir, *, source_dir=None, dtype: str = "float32",
     def tensor(key):
         parts, spec = tensors[key]
 
-        def part(name, layer):
+        def fetch(name, row, expert):
             w = _get(params, name).get_value()
-            w = w if layer is None else _take_layer(w, np.int32(layer))
-            return _to_hf(name, np.asarray(jax.device_get(w)).astype(spec.dtype, copy=False))
-        return np.concatenate([part(*p) for p in parts])
+            if expert is not None:
+                w = _take_expert(w, np.int32(row), np.int32(expert))
+            elif row is not None:
+                w = _take_layer(w, np.int32(row))
+            return np.asarray(jax.device_get(w)).astype(spec.dtype, copy=False)
+        return assemble(cfg, parts, fetch)
 
     for name, keys in split.filename_to_tensors.items():
         _write_safetensors(out / name, {k: tensors[k][1] for k in keys}, tensor,
@@ -433,25 +548,32 @@ def save_hf(model: Decoder, out_dir, *, source_dir=None, dtype: str = "float32",
 
 # One program per parameter shape (the layer is an argument), gathering one layer's blocks.
 _take_layer = jax.jit(lambda w, i: w[i])
+_take_expert = jax.jit(lambda w, i, e: w[i, e])
 
 
 def _hf_tensors(cfg: ModelConfig, dtype) -> dict[str, tuple]:
-    """HF tensor name -> ([(table name, layer or None), ...] concatenated along the first dim
-    to make it (one part unless fused), its HF shape and `dtype`)."""
+    """HF tensor name -> ([(table name, layer row or None, expert or None), ...] that make it
+    (assemble: one part unless fused), its HF shape and `dtype`)."""
     table, out = param_table(cfg), {}
     for name, pattern in _hf_names(cfg).items():
-        shape, leaf = table[name][0], name.split("/")[-1]
-        layers = range(cfg.num_layers) if name.startswith("layers/") else [None]
+        shape = table[name][0]
+        rows: list = [None]
         if name.startswith("layers/"):
-            shape = shape[1:]
-        hf_shape = _hf_shape(_groups(leaf, len(shape)), shape)
-        for i in layers:
-            key = pattern.format(i=i)
-            parts, spec = out.get(key, ([], None))
-            if spec is not None:  # a fused tensor's next part
-                hf_shape = [spec.shape[0] + hf_shape[0], *hf_shape[1:]]
-            out[key] = ([*parts, (name, i)], jax.ShapeDtypeStruct(tuple(hf_shape), dtype))
-            hf_shape = _hf_shape(_groups(leaf, len(shape)), shape)
+            rows, shape = list(enumerate(cfg.stack_layers(stack_of(cfg, name[7:])))), shape[1:]
+        experts = [None]
+        if _per_expert(pattern):
+            experts, shape = list(range(shape[0])), shape[1:]
+        one = _hf_shape(_part_groups(cfg, name, pattern, len(shape)), shape)
+        fuse = 0 if _interleave(cfg, name) is None else -1  # the dim fused parts join along
+        for row in rows:
+            for e in experts:
+                r, i = row if row is not None else (None, None)
+                key = pattern.format(i=i, j=e)
+                parts, spec = out.get(key, ([], None))
+                hf_shape = list(one)
+                if spec is not None:  # a fused tensor's next part
+                    hf_shape[fuse] += spec.shape[fuse]
+                out[key] = ([*parts, (name, r, e)], jax.ShapeDtypeStruct(tuple(hf_shape), dtype))
     return out
 
 

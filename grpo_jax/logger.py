@@ -1,4 +1,8 @@
-"""Where metrics go: a progress bar, metrics.jsonl, TensorBoard, W&B (when asked), a PNG."""
+"""Where metrics go: a progress bar, metrics.jsonl, TensorBoard, W&B (when asked), a PNG.
+
+Every record (grpo_jax.metrics: one per logging window) goes to all of them alike. A metric with
+no value in its window is None, as TRL logs it: null in the JSONL, left out of TensorBoard and
+W&B, "nan" on the console."""
 
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ class MetricsLogger:
         self.run_cfg = run_cfg
         self._tb = self._wandb = None
         self._bar = None
-        self._last_logged = start_step
+        self._postfix: dict[str, str] = {}
         if not enabled:
             return
         # A resumed run replays the steps after its checkpoint: drop their old records.
@@ -43,50 +47,51 @@ class MetricsLogger:
         self._bar = tqdm(total=total_steps, initial=start_step, desc="GRPO", unit="step",
                          dynamic_ncols=True, file=sys.stderr)
 
+    def advance(self, step: int) -> None:
+        """The progress bar to optimizer step `step`."""
+        if self.enabled:
+            self._bar.update(step - self._bar.n)
+
     def log(self, step: int, metrics: dict) -> dict:
-        metrics = {k: float(v) for k, v in metrics.items()}
-        record = {"step": step, **metrics}
+        """One record (a logging window's metrics) at optimizer step `step`."""
+        metrics = {k: _number(v) for k, v in metrics.items()}
         if not self.enabled:
             return metrics
-        self._bar.update(step - self._bar.n)
-        self._bar.set_postfix(reward=f"{metrics.get('reward', math.nan):.3f}",
-                              kl=f"{metrics.get('kl', 0.0):.4f}", refresh=False)
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
-        if self._tb is not None:
-            for k, v in metrics.items():
-                self._tb.add_scalar(f"train/{k}", v, step)
-        if self._wandb is not None:
-            self._wandb.log({f"train/{k}": v for k, v in metrics.items()}, step=step)
-        every = max(int(self.run_cfg.logging_steps or 1), 1)
-        if step - self._last_logged >= every:
-            self._last_logged = step
-            keys = ("reward", "reward_std", "kl", "loss", "grad_norm", "clip_ratio/region_mean",
-                    "completions/mean_length", "step_time")
-            shown = "  ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
-            self._bar.write(f"step {step}: {shown}")
+        self.advance(step)
+        self._write(step, metrics, {f"train/{k}": v for k, v in metrics.items()})
+        for key, fmt in (("reward", ".3f"), ("kl", ".4f")):  # the latest that was logged
+            if metrics.get(key) is not None:
+                self._postfix[key] = format(metrics[key], fmt)
+        self._bar.set_postfix(self._postfix, refresh=False)
+        keys = ("reward", "reward_std", "kl", "loss", "grad_norm", "clip_ratio/region_mean",
+                "completions/mean_length", "step_time")
+        self._bar.write(f"step {step}: {_shown(metrics, keys)}")
         return metrics
 
-    def log_eval(self, step: int, metrics: dict) -> dict:
-        """An evaluation's metrics (TRL's `eval_` names): a record of their own in the JSONL,
-        TensorBoard's and W&B's "eval/" sections (as transformers' callbacks name them), a line
-        under the progress bar and a curve in the PNG."""
-        metrics = {k: float(v) for k, v in metrics.items()}
-        if not self.enabled:
-            return metrics
+    def _write(self, step: int, metrics: dict, tagged: dict) -> None:
+        """The record to metrics.jsonl, and its values (under `tagged` names) to TensorBoard
+        and W&B."""
         self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self._jsonl.flush()
-        tagged = {(f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"): v
-                  for k, v in metrics.items()}
+        tagged = {k: v for k, v in tagged.items() if v is not None}
         if self._tb is not None:
             for k, v in tagged.items():
                 self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
             self._wandb.log(tagged, step=step)
+
+    def log_eval(self, step: int, metrics: dict) -> dict:
+        """An evaluation's metrics (TRL's `eval_` names): a record of their own in the JSONL,
+        TensorBoard's and W&B's "eval/" sections (as transformers' callbacks name them), a line
+        under the progress bar and a curve in the PNG."""
+        metrics = {k: _number(v) for k, v in metrics.items()}
+        if not self.enabled:
+            return metrics
+        self._write(step, metrics, {(f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"):
+                                    v for k, v in metrics.items()})
         keys = ("eval_reward", "eval_reward_std", "eval_kl", "eval_loss",
                 "eval_completions/mean_length", "eval_runtime")
-        shown = "  ".join(f"{k}={metrics[k]:.4g}" for k in keys if k in metrics)
-        self._bar.write(f"eval at step {step}: {shown}")
+        self._bar.write(f"eval at step {step}: {_shown(metrics, keys)}")
         return metrics
 
     def log_completions(self, step: int, prompts, completions, rewards, advantages,
@@ -132,6 +137,16 @@ class MetricsLogger:
             plot_curves(history, self.out / "reward_kl.png")
 
 
+def _number(v) -> float | None:
+    """A value as a record holds it: a float, or None (no value in its window; NaN too)."""
+    return None if v is None or math.isnan(float(v)) else float(v)
+
+
+def _shown(metrics: dict, keys) -> str:
+    return "  ".join(f"{k}={math.nan if metrics[k] is None else metrics[k]:.4g}"
+                     for k in keys if k in metrics)
+
+
 def _short(x, n: int = 60) -> str:
     """A prompt or completion on one console line (chat messages: the last one's text)."""
     if isinstance(x, list) and x and isinstance(x[-1], dict):
@@ -152,8 +167,8 @@ def plot_curves(history: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    train = [h for h in history if "reward" in h]
-    evals = [h for h in history if "eval_reward" in h]
+    train = [h for h in history if h.get("reward") is not None]
+    evals = [h for h in history if h.get("eval_reward") is not None]
     steps = [h["step"] for h in train]
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
     axes[0].plot(steps, [h["reward"] for h in train], marker=".", label="train")
@@ -164,7 +179,8 @@ def plot_curves(history: list[dict], path: Path) -> None:
     axes[0].set(xlabel="step", ylabel="reward", title="mean reward")
     # With beta = 0 there is no KL to show (TRL logs none); completion length stands in.
     key = "kl" if any("kl" in h for h in train) else "completions/mean_length"
-    axes[1].plot(steps, [h.get(key, math.nan) for h in train], marker=".", color="tab:red")
+    axes[1].plot(steps, [math.nan if h.get(key) is None else h[key] for h in train], marker=".",
+                 color="tab:red")
     axes[1].set(xlabel="step", ylabel=key, title="KL to reference" if key == "kl"
                 else "mean completion length (beta = 0: no KL)")
     for ax in axes:

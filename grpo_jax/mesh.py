@@ -2,11 +2,14 @@
 
 Mesh axes: `data` (pure data parallel: params replicated), `fsdp` (data parallel with params,
 grads and optimizer state sharded over it) and `tensor` (Megatron-style: heads and MLP columns
-split). The batch is split over (`data`, `fsdp`). Long sequences may add `context` (cp > 1;
-between fsdp and tensor): a row's tokens are split over it by position (context parallelism,
-models/attention.py), and the parameters are split over it as over fsdp, since its devices hold
-the same rows. A mesh without it (cp = 1) is the 3-axis mesh: rules naming an axis the mesh lacks
-skip it.
+split). The batch is split over (`data`, `fsdp`). Two optional axes sit between fsdp and
+tensor, in this order, only when their size is not 1:
+- `expert` (ep, a mixture of experts): its experts are split over it (models/moe.py), and
+  outside the experts it is one more data-parallel axis of the batch;
+- `context` (cp, long sequences): a row's tokens are split over it by position (context
+  parallelism, models/attention.py), and the parameters are split over it as over fsdp, since
+  its devices hold the same rows.
+A mesh without them is the 3-axis mesh: rules naming an axis the mesh lacks skip it.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from grpo_jax.errors import check
 
 AXES = ("data", "fsdp", "tensor")
-CONTEXT = "context"  # only in meshes with cp > 1, between fsdp and tensor
+EXPERT = "expert"  # only in meshes with ep > 1, between fsdp and tensor
+CONTEXT = "context"  # only in meshes with cp > 1, between expert and tensor
 
 # logical axis -> mesh axis or axes (None: replicated). A dimension that the mesh axes do not
 # divide stays replicated, so one table serves every model size.
 RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("data", "fsdp"),  # rows of a batch: completions, sampler rows, KV-cache rows
+    "batch": ("data", "fsdp", "expert"),  # rows: completions, sampler rows, KV-cache rows
+    "expert": "expert",    # a mixture of experts' expert dimension
     # Positions of a row: its tokens, hidden states and queries in the update and log-prob
     # passes, and the sampler's KV-cache slots when one row's cache is too big for a device.
     "length": CONTEXT,
@@ -50,38 +55,114 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Sizes of the mesh axes (data, fsdp, tensor, and context for long sequences), the config's
-    `mesh` section; one may be -1 (= all remaining devices)."""
+    """Sizes of the mesh axes (data, fsdp, tensor; expert for a mixture of experts, context
+    for long sequences), the
+    config's `mesh` section; one may be -1 (= all remaining devices). An unset axis is 1,
+    except `dp`, which takes the devices left when no axis is -1. With no size set at all the
+    run has given no mesh (`given` is False): train and aot then choose one
+    (`default_config`), pure data parallelism when that fits."""
 
-    dp: int = -1
-    fsdp: int = 1
-    tp: int = 1
-    cp: int = 1  # context parallelism: each row's positions split over cp devices
+    dp: int | None = None
+    fsdp: int | None = None
+    tp: int | None = None
+    ep: int | None = None  # expert parallelism: a mixture of experts' experts split over ep
+    cp: int | None = None  # context parallelism: each row's positions split over cp devices
 
     def __post_init__(self):
-        sizes = dataclasses.astuple(self)
+        sizes = [s for s in dataclasses.astuple(self) if s is not None]
         check(all(s == -1 or s >= 1 for s in sizes) and sizes.count(-1) <= 1,
-              f"mesh sizes (dp, fsdp, tp, cp) = {sizes}: each must be >= 1, and at most one -1")
+              f"mesh sizes (dp, fsdp, tp, ep, cp) = {dataclasses.astuple(self)}: each must be >= 1, "
+              "and at most one -1")
+
+    @property
+    def given(self) -> bool:
+        return any(s is not None for s in dataclasses.astuple(self))
+
+    def sizes(self) -> tuple[int, ...]:
+        """The sizes (dp, fsdp, tp, ep, cp) with the unset ones filled in (one may still be -1)."""
+        sizes = dataclasses.astuple(self)
+        rest = -1 if -1 not in sizes else 1
+        return tuple((rest if i == 0 else 1) if s is None else s for i, s in enumerate(sizes))
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """The mesh's axis names: `context` only when cp is not 1."""
-        return AXES if self.cp == 1 else (*AXES[:2], CONTEXT, AXES[2])
+        """The mesh's axis names: `expert` only when ep is not 1, `context` when cp is not 1."""
+        return tuple(a for a, s in zip(_ORDER, self._ordered()) if s != 1 or a in AXES)
+
+    def _ordered(self) -> list[int]:
+        dp, fsdp, tp, ep, cp = self.sizes()
+        return [dp, fsdp, ep, cp, tp]
 
     def shape(self, num_devices: int) -> tuple[int, ...]:
         """Axis sizes for `num_devices` devices (in `axes` order), the -1 axis taking what is
         left."""
-        sizes = [self.dp, self.fsdp, self.tp] if self.cp == 1 else [self.dp, self.fsdp,
-                                                                     self.cp, self.tp]
-        axes = self.axes
+        sizes = [s for a, s in zip(_ORDER, self._ordered()) if s != 1 or a in AXES]
         known = math.prod(s for s in sizes if s != -1)
         if -1 in sizes:
-            check(num_devices % known == 0, f"mesh {dict(zip(axes, sizes))}: {num_devices} "
+            check(num_devices % known == 0, f"mesh {dict(zip(self.axes, sizes))}: {num_devices} "
                   f"devices are not divisible by the fixed axes' product {known}")
             sizes[sizes.index(-1)] = num_devices // known
-        check(math.prod(sizes) == num_devices, f"mesh {dict(zip(axes, sizes))} needs "
+        check(math.prod(sizes) == num_devices, f"mesh {dict(zip(self.axes, sizes))} needs "
               f"{math.prod(sizes)} devices but {num_devices} are in use; set one size to -1")
         return tuple(sizes)
+
+
+# MeshConfig's fields, in order, and the mesh axis each sizes
+FIELD_AXES = {"dp": "data", "fsdp": "fsdp", "tp": "tensor", "ep": EXPERT, "cp": CONTEXT}
+_ORDER = ("data", "fsdp", EXPERT, CONTEXT, "tensor")  # the mesh's axis order
+
+
+def config_for(sizes: dict[str, int]) -> MeshConfig:
+    """The MeshConfig of mesh axis sizes {axis name: size} (axes left out: 1)."""
+    return MeshConfig(**{f: sizes.get(axis, 1) for f, axis in FIELD_AXES.items()})
+
+
+def flags(cfg: MeshConfig) -> list[str]:
+    """The command-line flags that set `cfg`'s sizes (`--dp 1 --fsdp 16 --tp 1`; `--ep` and
+    `--cp` only when not 1)."""
+    return [x for f, s in zip(FIELD_AXES, cfg.sizes()) if f not in ("ep", "cp") or s != 1
+            for x in (f"--{f}", str(s))]
+
+
+def default_config(replicated_bytes: float, device_bytes: float | None,
+                   share: float = 0.5) -> tuple[MeshConfig, str]:
+    """The mesh of a run that gives none, from a cheap estimate: pure data parallelism (params
+    replicated, today's default) while the replicated training state takes at most `share` of
+    a device's memory (or the memory is unknown, as on the CPU), else FSDP over every device
+    (MaxText's default): params, gradients and optimizer state split over all of them. Returns
+    it and the reason, to be said."""
+    if device_bytes is None:
+        return MeshConfig(dp=-1), "data parallel over every device (their memory is not known)"
+    need = f"{replicated_bytes / 1e9:.1f} GB of training state per device replicated"
+    if replicated_bytes <= share * device_bytes:
+        return MeshConfig(dp=-1), (f"data parallel over every device ({need} of "
+                                   f"{device_bytes / 1e9:.0f} GB)")
+    return MeshConfig(dp=1, fsdp=-1), (f"FSDP over every device ({need} would take over "
+                                       f"{share:.0%} of {device_bytes / 1e9:.0f} GB)")
+
+
+# Tokens of one row a device holds before a run that gives no mesh splits rows over a context
+# axis: at 8k a row's activations stay a fraction of a v5e's 16 GB (docs/scaling.md's long rows).
+CONTEXT_TOKENS = 8192
+
+
+def long_row_config(prompt_length: int, completion_length: int, chips: int,
+                    slices: int = 1) -> tuple[MeshConfig, str] | None:
+    """The mesh of a run with rows longer than CONTEXT_TOKENS that gives none: data parallel
+    across slices only (the gradient all-reduce over DCN), FSDP over each slice's chips, and a
+    context axis: the fewest devices (a power of 2 dividing the completion length and the
+    slice) that bring a row's tokens per device to CONTEXT_TOKENS or fewer. Returns it and the
+    reason, to be said; None for short rows (or when no such split exists)."""
+    tokens = prompt_length + completion_length
+    per_slice, cp = chips // slices, 1
+    while (tokens > cp * CONTEXT_TOKENS and per_slice % (2 * cp) == 0
+           and completion_length % (4 * cp) == 0):
+        cp *= 2
+    if cp == 1:
+        return None
+    return MeshConfig(dp=slices, fsdp=per_slice // cp, tp=1, cp=cp), (
+        f"rows of {tokens} tokens: a context axis of {cp} brings a row to <= {CONTEXT_TOKENS} "
+        "tokens per chip; FSDP over the rest of each slice, data parallel across slices")
 
 
 def make_mesh(cfg: MeshConfig = MeshConfig(), devices=None) -> Mesh:
@@ -108,7 +189,8 @@ def _size(mesh: Mesh, axes) -> int:
 
 
 def _present(mesh: Mesh, axes):
-    """A rule's mesh axes that `mesh` has (a mesh with cp = 1 has no `context` axis)."""
+    """A rule's mesh axes that `mesh` has (a dense model's mesh has no `expert` axis, a short
+    run's no `context` axis)."""
     flat = (axes,) if isinstance(axes, str) else tuple(axes or ())
     kept = tuple(a for a in flat if a in mesh.axis_names)
     if isinstance(axes, str) or len(kept) == len(flat):

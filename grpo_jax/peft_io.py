@@ -22,6 +22,7 @@ from flax import nnx
 from grpo_jax import hf
 from grpo_jax.errors import ConfigError, GrpoJaxError
 from grpo_jax.models import Decoder, lora
+from grpo_jax.models.decoder import stack_of
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -114,6 +115,12 @@ def _keys_for(cfg, leaves) -> dict[str, str]:
             for leaf in leaves}
 
 
+def _layers(cfg, leaf: str) -> tuple[int, ...]:
+    """The layers whose module `leaf`'s stacked adapters hold, in order (a mixture of experts'
+    dense MLPs: only its dense layers)."""
+    return cfg.stack_layers(stack_of(cfg, leaf))
+
+
 def _adapted(model) -> list[str]:
     return [name[:-len("_lora_a")] for name in vars(model.layers) if name.endswith("_lora_a")]
 
@@ -133,9 +140,9 @@ def layer_adapter_tensors(cfg, layers, dtype: str = "float32") -> dict[str, np.n
         a, b = (np.asarray(jax.device_get(layers[f"{leaf}{m}"][...]))
                 for m in ("_lora_a", "_lora_b"))
         r = a.shape[-1]
-        for i in range(cfg.num_layers):
-            out[key.format(i=i, m="lora_A")] = a[i].reshape(-1, r).T.astype(dtype)
-            out[key.format(i=i, m="lora_B")] = b[i].reshape(r, -1).T.astype(dtype)
+        for row, i in enumerate(_layers(cfg, leaf)):
+            out[key.format(i=i, m="lora_A")] = a[row].reshape(-1, r).T.astype(dtype)
+            out[key.format(i=i, m="lora_B")] = b[row].reshape(r, -1).T.astype(dtype)
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
@@ -178,7 +185,7 @@ def load_adapter(model, path: Path) -> None:
             expected = (shape[-1], int(np.prod(shape[:-1]))) if m == "lora_A" else (
                 int(np.prod(shape[1:])), shape[0])
             layers = []
-            for i in range(model.cfg.num_layers):
+            for i in _layers(model.cfg, leaf):
                 name = key.format(i=i, m=m)
                 if name not in tensors:
                     raise AdapterError(f"PEFT adapter {path} has no {name}: grpo-jax adapts "
@@ -194,8 +201,8 @@ def load_adapter(model, path: Path) -> None:
                               else w.reshape(shape))
             var.set_value(jax.device_put(np.stack(layers).astype(var.dtype),
                                          var.get_value().sharding))
-    extra = set(tensors) - {k.format(i=i, m=m) for k in _keys(model).values()
-                            for i in range(model.cfg.num_layers) for m in ("lora_A", "lora_B")}
+    extra = set(tensors) - {key.format(i=i, m=m) for leaf, key in _keys(model).items()
+                            for i in _layers(model.cfg, leaf) for m in ("lora_A", "lora_B")}
     if extra:
         raise AdapterError(f"PEFT adapter {path} has weights for modules the settings don't "
                            f"adapt or the base lacks, e.g. {sorted(extra)[0]}: it was trained "

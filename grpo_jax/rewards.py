@@ -7,7 +7,7 @@ trainer_state, log_extra, log_metric, **columns) -> list[float | None]`, sync or
 transformers' TrainerState progress fields (`TrainerState`); `log_extra(column, values)` adds a
 column (one value per completion) to the completions table and `log_metric(name, value)` a
 scalar metric, averaged over the round (both collected by a `RewardLogs`). None means "no
-opinion" and becomes NaN, which the weighted sum skips.
+opinion" and becomes NaN, which the weighted sum skips; a NaN returned is the same (as in TRL).
 """
 
 from __future__ import annotations
@@ -388,5 +388,31 @@ def _as_rewards(name: str, result: Any, n: int) -> np.ndarray:
             values[i] = float(r)
         else:
             raise RewardError(f"reward function {name!r} returned {r!r} for completion {i}; "
-                              "each reward must be a finite number or None")
+                              "each reward must be a finite number or None (NaN counts as "
+                              "None: no reward for that completion)")
     return values
+
+
+def missing_rewards(per_func: np.ndarray, names: Sequence[str], prompts: Sequence[Any] = (),
+                    texts: Sequence[str] = ()) -> tuple[dict[str, str], list[str]]:
+    """What a batch's [N, F] rewards (NaN: None or NaN returned) lack, as warning lines:
+    ({name: line} of the functions that gave no reward to any completion, lines about the
+    completions no function scored). TRL
+    warns about the second (all reward functions returned None for a completion: its
+    advantage is 0); when that is every completion, the update learns nothing from rewards."""
+    missing = np.isnan(per_func)
+    funcs = {name: f"reward function {name!r} gave no reward (None or NaN) to any of the "
+                   f"{len(per_func)} completions of this batch"
+             for name, col in zip(names, missing.T) if col.all()}
+    rows = np.flatnonzero(missing.all(axis=1))
+    if not rows.size:
+        return funcs, []
+    if rows.size == len(per_func):
+        return funcs, [f"no completion of this batch has a reward: every reward function "
+                       f"returned None or NaN for all {len(per_func)}, so every advantage is 0 "
+                       "and this batch teaches the policy nothing; fix the reward functions"]
+    i = int(rows[0])
+    example = (f" (e.g. completion {i}: {str(prompts[i])[:80]!r} -> {str(texts[i])[:80]!r})"
+               if len(prompts) > i and len(texts) > i else "")
+    return funcs, [f"all reward functions returned None or NaN for {rows.size} of "
+                   f"{len(per_func)} completions{example}: their advantage is 0"]

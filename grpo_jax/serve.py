@@ -13,12 +13,14 @@ us, `grpo_jax.rollout.vllm_worker`, imports no jax and reaches it through PYTHON
 
 `--lora-rank R` turns on vLLM's own LoRA, loaded at run time: a LoRA run of rank <= R then pushes
 only its adapter after each update (`vllm_lora_sync: adapter`) instead of merged full weights.
+
+Without an API key (loopback only) the dev and weight routes take a per-server session token
+that a trainer on this host and account finds by itself (grpo_jax.rollout.server_auth).
 """
 
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import shutil
 import signal
@@ -29,6 +31,8 @@ import time
 from pathlib import Path
 
 from grpo_jax.errors import GrpoJaxError
+from grpo_jax.rollout import server_auth
+from grpo_jax.rollout.server_auth import is_loopback  # noqa: F401 (this module's API)
 
 WORKER_EXTENSION = "grpo_jax.rollout.vllm_worker.WeightReloadExtension"
 AUTH_MIDDLEWARE = "grpo_jax.rollout.vllm_worker.DevRouteAuth"
@@ -43,15 +47,6 @@ MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 class ServeError(GrpoJaxError, ValueError):
     """A server configuration that is refused; the message says how to fix it."""
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_bind(host: str, api_key: str | None) -> None:
@@ -117,9 +112,11 @@ def build_command(model_dir, *, host: str = "127.0.0.1", port: int = 8000,
                   tensor_parallel_size: int = 1, gpu_memory_utilization: float | None = None,
                   max_model_len: int | None = None, api_key: str | None = None,
                   python: str | None = None, extra_args=(), lora_rank: int | None = None,
-                  env: dict | None = None) -> tuple[list[str], dict]:
+                  env: dict | None = None, session_token: str | None = None
+                  ) -> tuple[list[str], dict]:
     """argv and environment of the vLLM server process. `lora_rank`: serve run-time LoRA
-    adapters up to that rank (lora_args)."""
+    adapters up to that rank (lora_args). `session_token` (server_auth; without an API key):
+    what the dev and weight routes require instead."""
     api_key = api_key or (os.environ if env is None else env).get("VLLM_API_KEY")
     check_bind(host, api_key)
     python = vllm_python(python)
@@ -152,6 +149,8 @@ def build_command(model_dir, *, host: str = "127.0.0.1", port: int = 8000,
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default is sized for servers
     if api_key:
         env["VLLM_API_KEY"] = api_key  # in the environment, not in argv where `ps` shows it
+    elif session_token:
+        env[server_auth.TOKEN_ENV] = session_token
     root = str(worker_pythonpath())
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     # `python -m` would put the working directory first on sys.path, and a source checkout's
@@ -164,10 +163,12 @@ class VLLMServer:
     """A running server process (own process group: vLLM forks an engine-core child)."""
 
     def __init__(self, process: subprocess.Popen, base_url: str, log_path: Path | None,
-                 api_key: str | None, pythonpath_dir: Path | None = None):
+                 api_key: str | None, pythonpath_dir: Path | None = None,
+                 session_token: tuple[int, str] | None = None):
         self.process, self.base_url, self.log_path, self.api_key = (
             process, base_url, log_path, api_key)
         self.pythonpath_dir = pythonpath_dir
+        self.session_token = session_token  # (port, token): its file goes with the server
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -197,6 +198,8 @@ class VLLMServer:
         self.kill()  # also reaps engine-core children that outlived the API process
         if self.pythonpath_dir is not None:
             shutil.rmtree(self.pythonpath_dir, ignore_errors=True)
+        if self.session_token is not None:
+            server_auth.remove(*self.session_token)
 
     def __enter__(self):
         return self
@@ -210,11 +213,15 @@ def start_server(model_dir, port: int, *, host: str = "127.0.0.1", python: str |
                  max_model_len: int | None = None, api_key: str | None = None,
                  extra_args=(), lora_rank: int | None = None, log_path=None,
                  env: dict | None = None) -> VLLMServer:
-    """Launch the server in the background; wait for it with `VLLMClient.wait_healthy`."""
+    """Launch the server in the background; wait for it with `VLLMClient.wait_healthy`.
+    Without an API key its session token is written for clients on this host (server_auth)."""
+    api_key = api_key or (os.environ if env is None else env).get("VLLM_API_KEY")
+    token = None if api_key else server_auth.create(port)
     argv, full_env = build_command(
         model_dir, host=host, port=port, tensor_parallel_size=tensor_parallel_size,
         gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-        api_key=api_key, python=python, extra_args=extra_args, lora_rank=lora_rank, env=env)
+        api_key=api_key, python=python, extra_args=extra_args, lora_rank=lora_rank, env=env,
+        session_token=token)
     log = open(log_path, "ab") if log_path else subprocess.DEVNULL
     path_dir = full_env["PYTHONPATH"].split(os.pathsep)[0]
     try:
@@ -225,7 +232,8 @@ def start_server(model_dir, port: int, *, host: str = "127.0.0.1", python: str |
             log.close()
     url_host = f"[{host}]" if ":" in host else host
     return VLLMServer(proc, f"http://{url_host}:{port}", Path(log_path) if log_path else None,
-                      full_env.get("VLLM_API_KEY"), Path(path_dir))
+                      full_env.get("VLLM_API_KEY"), Path(path_dir),
+                      None if token is None else (port, token))
 
 
 def main(argv=None) -> None:
@@ -248,22 +256,29 @@ def main(argv=None) -> None:
                    help=f"python of the venv holding vLLM (default: ${VLLM_PYTHON_ENV}, "
                         "else this python)")
     args, extra = p.parse_known_args(argv)
+    api_key = args.api_key or os.environ.get("VLLM_API_KEY")
     try:
-        check_bind(args.host, args.api_key or os.environ.get("VLLM_API_KEY"))
+        check_bind(args.host, api_key)
         from grpo_jax.hf import ModelLoadError, resolve_model_dir
         try:
             model_dir = resolve_model_dir(args.model)
         except ModelLoadError as e:
             raise ServeError(str(e)) from None
+        token = None if api_key else server_auth.create(args.port)
         cmd, env = build_command(
             model_dir, host=args.host, port=args.port,
             tensor_parallel_size=args.tensor_parallel_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
             max_model_len=args.max_model_len, api_key=args.api_key,
-            python=args.vllm_python, extra_args=extra, lora_rank=args.lora_rank)
+            python=args.vllm_python, extra_args=extra, lora_rank=args.lora_rank,
+            session_token=token)
     except ServeError as e:
         sys.exit(f"grpo_jax.serve: {e}")
     print("grpo_jax.serve:", " ".join(cmd), flush=True)
+    if token is not None:
+        print(f"grpo_jax.serve: no API key, so the dev and weight routes take the session token "
+              f"in {server_auth.token_path(args.port)} (readable by this account only; a "
+              "trainer on this host reads it, others pass it as their API key)", flush=True)
     os.execvpe(cmd[0], cmd, env)  # vLLM takes over this process: signals go straight to it
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import sys
 import time
 import traceback
@@ -24,17 +26,22 @@ from grpo_jax import config as config_lib
 from grpo_jax import data as data_lib
 from grpo_jax import distributed as dist
 from grpo_jax import evaluation
+from grpo_jax import hf
 from grpo_jax import mesh as mesh_lib
 from grpo_jax import peft_io
 from grpo_jax import rewards as rewards_lib
-from grpo_jax.checkpoint import BufferFiles, Checkpointer, RefCheckpoints, StopSignal
+from grpo_jax import storage
+from grpo_jax.checkpoint import (BufferFiles, Checkpointer, CheckpointWriteError, RefCheckpoints,
+                                 StopRun, StopSignal, check_writable, last_good)
 from grpo_jax.errors import GrpoJaxError
 from grpo_jax.grpo.train_step import StepConfig
 from grpo_jax.logger import MetricsLogger
+from grpo_jax.metrics import Logged, MetricWindow
+from grpo_jax.models import ModelConfig, moe
 from grpo_jax.rollout import tools as tools_lib
 from grpo_jax.rollout.engines import make_rollout
 from grpo_jax.rollout.sampler import reference_copy
-from grpo_jax.trainer import ADAPTERS_OFF, GRPORound, Scores, Trainer, aggregate
+from grpo_jax.trainer import ADAPTERS_OFF, GRPORound, Scores, Trainer
 
 
 EVAL_KEY_TAG = 0x4556414C  # "EVAL": evaluation's sampling keys, apart from the rounds'
@@ -44,14 +51,56 @@ class TrainError(GrpoJaxError):
     """A run that can't start or go on as asked."""
 
 
-def step_config(cfg: config_lib.TrainConfig, plan: config_lib.BatchPlan) -> StepConfig:
+def step_config(cfg: config_lib.TrainConfig, plan: config_lib.BatchPlan,
+                model_cfg) -> StepConfig:
     loss = cfg.loss
     if cfg.rollout.backend != "vllm":
         # The JAX sampler runs the trainer's own weights: its log-probs only feed the metrics.
         loss = dataclasses.replace(loss, vllm_importance_sampling_correction=False)
     return StepConfig(loss=loss, temperature=cfg.generation.temperature,
                       gradient_accumulation_steps=plan.gradient_accumulation_steps,
-                      dropout_seed=cfg.data.seed)
+                      dropout_seed=cfg.data.seed, aux_loss_coef=moe.router_aux_loss_coef(
+                          cfg.loss.router_aux_loss_coef, model_cfg))
+
+
+def replicated_state_bytes(cfg: config_lib.TrainConfig, model) -> float:
+    """Bytes a device would hold of the training state with params replicated: the params and
+    AdamW's two moments in the param dtype, a gradient, and the reference copy in the compute
+    dtype when beta > 0; with LoRA, the frozen base (in the compute dtype or quantized)."""
+    n = model.num_params()
+    if cfg.peft.use_peft:
+        bits = cfg.peft.quant_bits or 8 * jax.numpy.dtype(cfg.numerics.dtype).itemsize
+        return n * bits / 8
+    param = jax.numpy.dtype(cfg.numerics.param_dtype).itemsize
+    return n * (4 * param + (jax.numpy.dtype(cfg.numerics.dtype).itemsize if cfg.loss.beta else 0))
+
+
+def choose_mesh(cfg: config_lib.TrainConfig, devices) -> config_lib.TrainConfig:
+    """The run's mesh: its own, or, when it gives none, a context axis for long rows
+    (mesh.long_row_config), else mesh.default_config's choice from the model's size and the
+    devices' memory (said on stderr). `python -m grpo_jax.aot --auto`
+    searches layouts by compiling them; this is the estimate a run can make on its own."""
+    if cfg.mesh.given:
+        return cfg
+    devices = list(jax.devices() if devices is None else devices)
+    long = mesh_lib.long_row_config(cfg.data.max_prompt_length or 0,
+                                    cfg.generation.max_completion_length, len(devices),
+                                    len({getattr(d, "slice_index", 0) for d in devices}))
+    if long is not None:
+        if dist.is_main():
+            print(f"grpo_jax: no mesh given: {long[1]} ({' '.join(mesh_lib.flags(long[0]))})",
+                  file=sys.stderr)
+        return dataclasses.replace(cfg, mesh=long[0])
+    limit = (devices[0].memory_stats() or {}).get("bytes_limit")  # None on the CPU
+    state = 0.0
+    if limit is not None:
+        model = ModelConfig.from_hf(hf.read_config(hf.resolve_model_dir(peft_io.base_name(cfg))))
+        state = replicated_state_bytes(cfg, model)
+    mesh_cfg, why = mesh_lib.default_config(state, limit)
+    if dist.is_main():
+        print(f"grpo_jax: no mesh given: {why} ({' '.join(mesh_lib.flags(mesh_cfg))})",
+              file=sys.stderr)
+    return dataclasses.replace(cfg, mesh=mesh_cfg)
 
 
 @dataclasses.dataclass
@@ -65,6 +114,7 @@ class RewardScorer:
     num_generations: int
 
     trainer_state: Any = rewards_lib.NOT_STARTED  # set before each round (TRL's trainer_state)
+    warned: set = dataclasses.field(default_factory=set)  # functions said to give no reward
 
     @property
     def names(self) -> list[str]:
@@ -89,6 +139,13 @@ class RewardScorer:
                                                pick(ids), {k: pick(v) for k, v in columns.items()},
                                                trainer_state=self.trainer_state, logs=logs)
         per_func = dist.gather_rows(dist.together(score, rewards_lib.RewardError), rows, len(ids))
+        # As TRL: a completion no function scored is warned about (every batch); a function
+        # that scored nothing in a batch, once (a task's function may skip other tasks' rows).
+        funcs, unscored = rewards_lib.missing_rewards(per_func, self.names, prompts, texts)
+        if dist.is_main():
+            for line in [v for k, v in funcs.items() if k not in self.warned] + unscored:
+                print(f"warning: {line}", file=sys.stderr)
+        self.warned.update(funcs)
         # What the functions logged, from every process (TRL gathers both too).
         logs = rewards_lib.RewardLogs.merged(dist.gather_objects((rows.tolist(), logs)), len(ids))
         return Scores(per_func, prompts, texts, logs.extra, logs.metric_means())
@@ -99,7 +156,10 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     # A PEFT adapter directory as the model: its base, its settings, its weights to start from.
     cfg = peft_io.adapter_settings(cfg)
     out = Path(cfg.run.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    # Before any work: a run that can't write its checkpoints stops now, not at the first save.
+    storage.check_writable(out, "output_dir")
+    check_writable(out / "checkpoints")
+    cfg = choose_mesh(cfg, devices)
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
     eval_prompts = (cfg.eval_prompts_per_batch(mesh_lib.batch_divisor(mesh)) if cfg.eval.enabled
                     else 0)
@@ -107,14 +167,17 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     model, model_dir = peft_io.load_model(cfg, mesh)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tools = tools_lib.load_tools(cfg.multi_turn.tools)
-    dataset = data_lib.load_prompts(cfg.data, tokenizer, tools=tools)
-    if tools:
-        tools_lib.check_chat_template(tokenizer, cfg.data.chat_template_kwargs)
+    data_args = cfg.data
+    if tools:  # as TRL: a parser, a prefix-preserving template, which the prompts use too
+        tokenizer = tools_lib.prepare_tool_tokenizer(
+            data_lib.set_chat_template(tokenizer, data_args), data_args.chat_template_kwargs)
+        data_args = dataclasses.replace(data_args, chat_template=None)  # the tokenizer has it
+    dataset = data_lib.load_prompts(data_args, tokenizer, tools=tools)
     if dataset.num_truncated and dist.is_main():
         print(f"{dataset.num_truncated} of {len(dataset)} prompts were longer than "
               f"max_prompt_length={cfg.data.max_prompt_length} and lost their left end",
               file=sys.stderr)
-    eval_dataset = (data_lib.load_prompts(cfg.data, tokenizer, test=True, tools=tools)
+    eval_dataset = (data_lib.load_prompts(data_args, tokenizer, test=True, tools=tools)
                     if eval_prompts else None)
     # Reward models run on the trainer's mesh (in multi-process runs on this process's devices:
     # reward_model.scoring_mesh), in the run's compute dtype.
@@ -126,7 +189,7 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     plan = cfg.batch_plan(mesh_lib.batch_divisor(mesh))
     total_steps = plan.total_steps(len(dataset), cfg.batch.max_steps,
                                    cfg.batch.num_train_epochs)
-    trainer = Trainer(model, step_config(cfg, plan), cfg.optim, total_steps, mesh)
+    trainer = Trainer(model, step_config(cfg, plan, model.cfg), cfg.optim, total_steps, mesh)
     state = trainer.init_state
     del model
     rollout = make_rollout(cfg, trainer.model_config, tokenizer, mesh, model_dir, tools)
@@ -158,20 +221,36 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     if latest is not None and not cfg.run.resume:
         raise TrainError(f"{ckpt.directory} already holds checkpoints (latest step {latest}): "
                          "pass --resume to continue that run, or choose another output_dir")
+    if isinstance(cfg.run.resume, str):  # TRL's resume_from_checkpoint PATH
+        latest = _checkpoint_step(cfg.run.resume, out, ckpt)
+        for later in [s for s in ckpt.all_steps() if s > latest]:
+            ckpt.delete(later)  # transformers overwrites them when it gets there again
+            if dist.is_main():
+                print(f"resuming from step {latest}: removed the later checkpoint {later}",
+                      file=sys.stderr)
+    restored = None
+    if cfg.run.resume and latest is not None:
+        # Onto the live state's shardings, whose buffers go first: the devices never hold
+        # two training states (the initial one is of no use once a checkpoint is read).
+        target = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        jax.tree.map(lambda x: x.delete(), state)
+        # The newest that restores: corrupt ones are set aside; other settings are refused.
+        restored = ckpt.restore_newest(target, cfg.to_dict(), _saved_settings(out))
+        if restored is None:
+            raise TrainError(f"no checkpoint in {ckpt.directory} can be restored (each is kept "
+                             "as <step>.corrupt): resume from a copy, or train afresh without "
+                             "--resume into another output_dir")
     if refs is not None:
-        refs.drop_after(latest or 0)
+        refs.drop_after(restored[0] if restored else 0)
     if cfg.run.resume:
-        if latest is not None:
-            # Onto the live state's shardings, whose buffers go first: the devices never hold
-            # two training states (the initial one is of no use once a checkpoint is read).
-            target = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-            jax.tree.map(lambda x: x.delete(), state)
-            state, meta = ckpt.restore(latest, target)
+        if restored is not None:
+            latest, state, meta = restored
             position = data_lib.DataPosition(*meta["data_position"])
             round_idx = meta["round"]
             tokens_seen = int(meta.get("num_tokens", 0))
             run_round.buffer = buffers.load(latest, meta.get("buffered_micro_batches", 0))
+            run_round.epoch_end = meta.get("buffered_epoch_end", 0)
             if refs is not None:
                 run_round.ref_params = refs.restore(latest, run_round.ref_params,
                                                     meta.get("reference", False))
@@ -190,27 +269,37 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     base_key = jax.random.key(cfg.data.seed)
     eval_key = jax.random.fold_in(base_key, EVAL_KEY_TAG)
 
-    def trainer_state(step: int, position) -> rewards_lib.TrainerState:
+    def trainer_state(step: int) -> rewards_lib.TrainerState:
+        # transformers' state after `step` optimizer steps: the epoch is optimizer progress
         return rewards_lib.TrainerState(
-            global_step=step, max_steps=total_steps,
-            epoch=position.epoch + position.index / len(dataset),
-            num_train_epochs=cfg.batch.num_train_epochs)
+            global_step=step, max_steps=total_steps, epoch=plan.epoch(step, len(dataset)),
+            num_train_epochs=plan.num_train_epochs(len(dataset), total_steps))
 
     def evaluate(state):
         step = int(state.step)
-        eval_scorer.trainer_state = trainer_state(step, position)
-        metrics = evaluator(state, jax.random.fold_in(eval_key, step), tokens_seen)
+        eval_scorer.trainer_state = trainer_state(step)
+        with run_round.stop.interruptible():  # changes nothing a checkpoint holds
+            metrics = evaluator(state, jax.random.fold_in(eval_key, step), tokens_seen)
         metrics["epoch"] = plan.epoch(step, len(dataset))
         logger.log_eval(step, metrics)
 
     if evaluator is not None and cfg.eval.eval_on_start:
         evaluate(state)
     last: dict = {}
-    unlogged: list[dict] = []  # rounds without an update (steps_per_generation < accumulation)
-    saved_block = int(state.step) // max(cfg.run.save_steps, 1)
+    # TRL's metric buffer between two logs: every logging_steps optimizer steps (a fraction < 1:
+    # of the run's steps) it is averaged into one record of metrics.jsonl, TensorBoard, W&B and
+    # the console; a run's last steps are logged at its end.
+    window = MetricWindow()
+    log_every, save_every = cfg.run.steps_of(total_steps)
+    pending_time = 0.0  # of rounds without an update: TRL counts it in the next step's time
+    saved_block = int(state.step) // save_every
     failure = None
     cursor = [position]  # dynamic_sampling: where the next prompts start while a batch fills
-    with StopSignal() as stop:
+    # One process alone can't abort a round its peers are inside: with several, every process
+    # stops after the same round.
+    with StopSignal(interrupt=not dist.multi_process()) as stop:
+        run_round.stop = stop
+
         def more_records():
             if dist.any_process(stop.should_stop()):
                 return None  # the batch is dropped; a resume regenerates it from `position`
@@ -221,23 +310,25 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
             # Every process stops at the same round, also when only one got the signal.
             while int(state.step) < total_steps and not dist.any_process(stop.should_stop()):
                 t0 = time.perf_counter()
-                records = None  # whole windows still buffered: train on them first, as TRL
-                if not run_round.windows_buffered:
+                records, ends_epoch = None, False  # windows still buffered: train on them
+                if not run_round.windows_buffered:  # first, as TRL
                     records, next_position = dataset.batch_prompts(position,
                                                                    plan.prompts_per_generation)
+                    ends_epoch = dataset.ends_epoch(next_position, plan.prompts_per_generation)
                     if prefetch is not None:  # async rounds: the next round's, in the background
                         ahead, _ = dataset.batch_prompts(next_position, plan.prompts_per_generation)
                         prefetch(ahead, plan.num_generations,
                                  jax.random.fold_in(base_key, round_idx + 1))
                     cursor[0] = next_position
-                scorer.trainer_state = trainer_state(int(state.step), position)
+                first = int(state.step)
+                scorer.trainer_state = trainer_state(first)
                 # Stops at max_steps exactly, and at the next evaluation, also mid-round (the
                 # rest stays buffered).
-                stop_at = min(total_steps, schedule.next_due(int(state.step)) or total_steps)
+                stop_at = min(total_steps, schedule.next_due(first) or total_steps)
                 result = run_round(state, records, jax.random.fold_in(base_key, round_idx),
-                                   max_updates=stop_at - int(state.step),
+                                   max_updates=stop_at - first, ends_epoch=ends_epoch,
                                    more_records=more_records)
-                state, metrics = result.state, result.metrics
+                state, metrics = result.state, dict(result.metrics)
                 if records is not None and result.scores is None:
                     continue  # stopped while dynamic sampling filled the batch
                 if records is not None:  # the round is complete
@@ -247,51 +338,102 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
                     logger.log_completions(int(state.step), result.scores.prompts,
                                            result.scores.texts, result.rewards, result.advantages,
                                            extra=result.scores.extra)
-                metrics["step_time"] = time.perf_counter() - t0
-                # What the accelerator does not do: prompts, decoding text, rewards, metrics.
-                metrics["timing/host"] = metrics["step_time"] - sum(
-                    metrics.get(f"timing/{k}", 0.0)
-                    for k in ("generate", "logprobs", "update", "weight_sync"))
-                unlogged.append(metrics)
+                wall = time.perf_counter() - t0
+                update_time = metrics.pop("timing/update", 0.0)
+                if records is not None:  # the generation's metrics, once (TRL's buffer)
+                    # What the accelerator does not do: prompts, decoding text, rewards, metrics.
+                    metrics["timing/host"] = wall - update_time - sum(
+                        metrics.get(f"timing/{k}", 0.0)
+                        for k in ("generate", "logprobs", "weight_sync"))
+                    window.add(Logged(metrics, put={"num_tokens": tokens_seen}))
+                # TRL's step_time: the step's micro-steps, the generation in its first one.
+                pending_time += wall - update_time
+                for i, logged in enumerate(result.step_metrics):
+                    share = update_time / result.updates
+                    window.step(logged._replace(append={
+                        **logged.append, "step_time": share + pending_time,
+                        "timing/update": share}))
+                    pending_time, step = 0.0, first + i + 1
+                    window.add(Logged(put={"epoch": plan.epoch(step, len(dataset))}))
+                    if step % log_every == 0 or (step == 1 and cfg.run.logging_first_step):
+                        last = logger.log(step, window.flush())
+                logger.advance(int(state.step))
+                ckpt.poll()  # a background checkpoint write that failed stops the run now
                 if not result.updates:
-                    continue  # logged with the next update, as TRL logs per optimizer step
-                metrics, unlogged = aggregate(unlogged), []
-                metrics["num_tokens"] = float(tokens_seen)
-                metrics["epoch"] = plan.epoch(int(state.step), len(dataset))
-                last = logger.log(int(state.step), metrics)
+                    continue
                 if evaluator is not None and schedule.due(int(state.step)):
                     evaluate(state)
-                if cfg.run.save_steps and int(state.step) // cfg.run.save_steps > saved_block:
-                    saved_block = int(state.step) // cfg.run.save_steps
+                if int(state.step) // save_every > saved_block:
+                    saved_block = int(state.step) // save_every
                     _save(ckpt, buffers, state, position, round_idx, tokens_seen,
-                          run_round, metrics, refs)
+                          run_round, last, refs)
+            if window.steps:  # the steps since the last log (TRL: in its final summary)
+                last = logger.log(int(state.step), window.flush())
+            if int(state.step) < total_steps:  # stopped: by this process's signal or a peer's
+                raise dist.raised_on_all(StopRun(stop.received or signal.SIGTERM))
         except BaseException as e:
             failure = e
             raise
         finally:
+            final_error = None
             if dist.failed_alone(failure):
                 # A checkpoint is written by all processes together; the others are not here.
                 print("this process failed alone: no final checkpoint, the last periodic one "
                       "stands", file=sys.stderr)
             else:
                 # Ends with a checkpoint whether finished, interrupted or failed mid-round: the
-                # state saved is the last completed update, never a half-applied one.
+                # state saved is the last completed update, never a half-applied one. Not after
+                # a failed checkpoint write: the directory takes none.
                 try:
-                    if int(state.step) not in ckpt.all_steps() and int(state.step) > 0:
+                    if (ckpt.failed is None and int(state.step) not in ckpt.all_steps()
+                            and int(state.step) > 0):
                         _save(ckpt, buffers, state, position, round_idx, tokens_seen,
                               run_round, last, refs)
+                except CheckpointWriteError as e:
+                    final_error = e
                 except Exception as e:  # e.g. buffers donated to a step that failed
                     print(f"no final checkpoint ({type(e).__name__}: {e}); the last periodic "
                           "one stands", file=sys.stderr)
-                ckpt.wait()
-                ckpt.close()
+                try:
+                    ckpt.close()  # waits for the last write
+                except CheckpointWriteError as e:
+                    final_error = final_error or e
                 if refs is not None:
                     refs.close()
             logger.close()
-        if stop.should_stop():
-            print(f"stopped by signal {stop.received}; checkpoint at step {int(state.step)}",
-                  file=sys.stderr)
+            if final_error is not None and final_error is not failure:
+                raise final_error  # the run's end (or its failure) could not be checkpointed
+            if isinstance(failure, StopRun) and dist.is_main():
+                done = (f"the last completed update, step {int(state.step)}, is checkpointed in "
+                        f"{ckpt.directory}; --resume continues the run" if int(state.step)
+                        else "no update was completed, so there is nothing to checkpoint")
+                print(f"grpo_jax.train: stopped by {signal.Signals(failure.signum).name}: "
+                      f"{done}", file=sys.stderr)
     return last
+
+
+def _checkpoint_step(path: str, out: Path, ckpt: Checkpointer) -> int:
+    """The step of checkpoint directory `path` (output_dir/checkpoints/STEP), or the newest
+    one when `path` is output_dir itself."""
+    p = Path(path).expanduser().resolve()
+    if p == out.resolve() and ckpt.latest_step() is not None:
+        return ckpt.latest_step()
+    if p.parent == Path(ckpt.directory).resolve() and p.name.isdigit() and int(
+            p.name) in ckpt.all_steps():
+        return int(p.name)
+    raise TrainError(f"resume_from_checkpoint {path}: not a checkpoint of this run; its "
+                     f"checkpoints are {ckpt.directory}/STEP ({ckpt.all_steps() or 'none yet'}). "
+                     "To continue another run, set output_dir to that run's directory")
+
+
+def _saved_settings(out: Path) -> dict | None:
+    """The settings of the run whose checkpoints are in `out` (its config.yaml), or None."""
+    import yaml
+    try:
+        saved = yaml.safe_load((out / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return saved if isinstance(saved, dict) else None
 
 
 def _save(ckpt, buffers, state, position, round_idx, tokens_seen, run_round, metrics,
@@ -306,8 +448,9 @@ def _save(ckpt, buffers, state, position, round_idx, tokens_seen, run_round, met
     if refs is not None:
         refs.save(step, run_round.ref_params)  # also first, and committed before the state
     meta = {"data_position": list(position), "round": round_idx, "num_tokens": tokens_seen,
-            "buffered_micro_batches": len(buffer), "reference": refs is not None,
-            "metrics": {k: float(v) for k, v in metrics.items()}}
+            "buffered_micro_batches": len(buffer), "buffered_epoch_end": run_round.epoch_end,
+            "reference": refs is not None,
+            "metrics": {k: None if v is None else float(v) for k, v in metrics.items()}}
     ckpt.save(step, state, meta)
     buffers.prune(ckpt.all_steps())
 
@@ -315,6 +458,7 @@ def _save(ckpt, buffers, state, position, round_idx, tokens_seen, run_round, met
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     dist.default_xla_flags()
+    cfg = None
     try:
         cfg = cli.parse_cli(argv)
         dist.initialize(cfg.distributed)
@@ -322,6 +466,19 @@ def main(argv=None) -> int:
     except GrpoJaxError as e:
         print(f"grpo_jax.train: error: {e}", file=sys.stderr)
         return dist.exit_code(2, e)
+    except OSError as e:
+        cause = storage.storage_cause(e)
+        if cause is None or cfg is None:
+            raise
+        # A full or read-only disk under the logs, the buffer files, ...: the checkpoints
+        # written before it stand.
+        out = Path(cfg.run.output_dir)
+        print(f"grpo_jax.train: error: can't write the run's files in {out}: "
+              f"{storage.describe(cause)}; {last_good(out / 'checkpoints')}. Free space or fix "
+              "the directory, then resume with --resume", file=sys.stderr)
+        return dist.exit_code(2, e)
+    except StopRun as e:  # checkpointed and said so: the exit code tells schedulers it stopped
+        return dist.exit_code(128 + e.signum, e)
     except KeyboardInterrupt as e:
         print("grpo_jax.train: interrupted; the last completed step was checkpointed",
               file=sys.stderr)
@@ -332,9 +489,39 @@ def main(argv=None) -> int:
         traceback.print_exc()
         return dist.exit_code(1, e)
     if dist.is_main():
-        print(json.dumps({k: round(v, 6) for k, v in last.items()}))
+        print(json.dumps({k: v if v is None else round(v, 6) for k, v in last.items()}))
     return 0
 
 
+def _exit(code: int) -> None:
+    """Exit with `code`. After a failure, writer threads a failed checkpoint left behind (Orbax's,
+    waiting out its 300 s timeout: checkpoint._release_writers frees those it can find) must
+    not hold the process: it ends without joining them, its output flushed. Nor does it finalize
+    the interpreter then: tensorstore's writes still completing would print their reports
+    through a sys.excepthook finalization has already removed (_quiet_closed_loop_reports)."""
+    if code:  # the run's end is checkpointed (or said not to be) and its logs closed by now
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def _quiet_closed_loop_reports() -> None:
+    """When a checkpoint write fails mid-write (disk full, read-only), tensorstore's writes
+    still in flight complete after Orbax closed the failed save's event loop; tensorstore
+    reports each with PyErr_Print, i.e. sys.excepthook: a 3-line 'RuntimeError: Event loop is
+    closed' traceback per write. Those are dropped (the run reports the failure in one line);
+    every other exception is printed as before."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        frames = traceback.extract_tb(tb)
+        if not (kind is RuntimeError and str(value) == "Event loop is closed" and frames
+                and all(f"{os.sep}asyncio{os.sep}" in f.filename for f in frames)):
+            previous(kind, value, tb)
+    sys.excepthook = hook
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _quiet_closed_loop_reports()
+    _exit(main())

@@ -3,14 +3,16 @@
 
 A round: generate -> score -> advantages -> reference / old log-probs -> optimizer updates ->
 new weights to the sampler. The host never waits inside the update loop: the step metrics are
-fetched once, after the round's last update.
+fetched once, after the round's last update, and handed on per update as TRL logs them
+(grpo_jax.metrics).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, ContextManager, NamedTuple, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +30,7 @@ from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.optimizer import OptimizerConfig, make_optimizer
 from grpo_jax.grpo.train_step import (StepConfig, TrainState, batch_loss, completion_logps,
                                       init_train_state, state_shardings, train_step)
+from grpo_jax.metrics import Logged
 from grpo_jax.models import lora
 
 
@@ -87,11 +90,11 @@ class Trainer:
             return jax.lax.with_sharding_constraint(
                 x, mesh_lib.logical_sharding(mesh, None, "batch", *[None] * (x.ndim - 2)))
         self._step = jax.jit(
-            lambda state, batch, frozen, group: train_step(
+            lambda state, batch, frozen, group, k: train_step(
                 self.graphdef, self.tx, schedule, step_cfg, state, batch, constrain, frozen,
-                group),
+                group, k),
             out_shardings=(self.state_shardings, replicated), donate_argnums=(0,),
-            static_argnums=(3,))
+            static_argnums=(3, 4))
         self._logps = jax.jit(self._logps_fn, out_shardings=replicated, static_argnums=(0, 4))
         self._eval = jax.jit(lambda state, batch, frozen, group: batch_loss(
             self.graphdef, step_cfg, state, batch, frozen, group), out_shardings=replicated,
@@ -133,10 +136,14 @@ class Trainer:
         return jax.tree.map(lambda v: dist.shard_host_array(
             np.asarray(v), mesh_lib.batch_sharding(self.mesh, np.ndim(v))), batch)
 
-    def step(self, state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-        """One update; the metrics stay on the device (jax.device_get them when needed)."""
-        group = self.prompt_group(batch, batch.size // self.cfg.gradient_accumulation_steps)
-        return self._step(state, self.shard_batch(batch), self.frozen, group)
+    def step(self, state: TrainState, batch: Batch,
+             micro_batches: int | None = None) -> tuple[TrainState, dict]:
+        """One update over `batch` in `micro_batches` micro-batches (default
+        gradient_accumulation_steps; fewer in the window that ends an epoch); the metrics stay
+        on the device (jax.device_get them when needed)."""
+        k = micro_batches or self.cfg.gradient_accumulation_steps
+        group = self.prompt_group(batch, batch.size // k)
+        return self._step(state, self.shard_batch(batch), self.frozen, group, k)
 
     def eval_metrics(self, state: TrainState, batch: Batch) -> dict:
         """TRL's evaluation loss and loss metrics of `batch` (one micro-batch, no update); on
@@ -181,6 +188,23 @@ def mix_params(params, ref, alpha, keep):
     return jax.tree.map(one, params, ref)
 
 
+class Stop(Protocol):
+    """A run's stop request (checkpoint.StopSignal): polled between updates; a stop inside
+    `interruptible()` aborts the block at once (StopRun)."""
+
+    def should_stop(self) -> bool: ...
+
+    def interruptible(self) -> ContextManager: ...
+
+
+class NeverStop:
+    def should_stop(self) -> bool:
+        return False
+
+    def interruptible(self) -> ContextManager:
+        return contextlib.nullcontext()
+
+
 class Scores(NamedTuple):
     """What a round's scorer returns: [N, F] rewards (NaN: the function returned None) and what
     the completion log shows."""
@@ -193,12 +217,13 @@ class Scores(NamedTuple):
 
 class RoundResult(NamedTuple):
     state: TrainState
-    metrics: dict  # the generation's, and the updates' when it made any
+    metrics: dict  # the generation's (TRL logs them once per generation) and the round's timing
     scores: Scores | None  # None (and rewards, advantages): the call generated nothing
     rewards: np.ndarray | None
     advantages: np.ndarray | None
     updates: int = 0  # optimizer steps this call took
     num_tokens: int = 0  # prompt + completion tokens generated this round (TRL's count)
+    step_metrics: tuple[Logged, ...] = ()  # each update's, as TRL logs them (update_logged)
 
 
 class Generated(NamedTuple):
@@ -248,12 +273,20 @@ class GRPORound:
     splits them into steps_per_generation micro-batches (num_iterations times over), appended to
     `buffer`; then every whole window of gradient_accumulation_steps micro-batches in the buffer
     is one optimizer update. A window may span two generations: the micro-batches left over wait
-    in `buffer` for the next round (train.py checkpoints them).
+    in `buffer` for the next round (train.py checkpoints them). The round that ends an epoch
+    sets `epoch_end`: the window reaching it stops there, a partial one when the epoch's
+    micro-steps are not a multiple of gradient_accumulation_steps (transformers' last window of
+    an epoch; window_sizes).
 
     `filter_groups` (DAPO's dynamic sampling, grpo_jax.dynamic_sampling; verl's name): None
     off, else max_num_gen_batches (<= 0: no limit): the generation batch keeps only groups
     whose rewards differ, generating from `more_records()` until it holds
-    prompts_per_generation of them."""
+    prompts_per_generation of them.
+
+    `stop`: a stop request aborts the generation (nothing of it is kept: the caller's data
+    position stays) or ends the updates after the current one (the windows left stay in
+    `buffer`); either way the state, buffer and position a checkpoint takes agree, so resuming
+    is exact."""
     trainer: Trainer
     rollout: Any  # grpo_jax.rollout.engines: generate(...), update_weights(params)
     plan: Any
@@ -266,8 +299,10 @@ class GRPORound:
     ref_sync: tuple[int, float] | None = None
     filter_groups: int | None = None
     buffer: list = dataclasses.field(default_factory=list)  # host micro-batches not trained on
+    epoch_end: int = 0  # the buffer's first epoch_end micro-batches end an epoch (0: none)
     # Async rounds: weight version pushed -> a copy of those params, the last max_staleness + 1.
     pushed: dict = dataclasses.field(default_factory=dict)
+    stop: Stop = dataclasses.field(default_factory=NeverStop)
 
     def __post_init__(self):
         if self.ref_sync is not None and self.ref_params is None:
@@ -276,25 +311,30 @@ class GRPORound:
 
     @property
     def windows_buffered(self) -> int:
-        """Whole update windows already in the buffer: when > 0 (a run that stopped at max_steps
+        """Update windows already in the buffer: when > 0 (a run that stopped at max_steps
         mid-round), TRL trains on them before it generates again (pass records=None)."""
-        return len(self.buffer) // self.plan.gradient_accumulation_steps
+        return len(window_sizes(len(self.buffer), self.plan.gradient_accumulation_steps,
+                                self.epoch_end))
 
     def __call__(self, state: TrainState, records: Sequence[dict] | None, key,
-                 max_updates: int | None = None,
+                 max_updates: int | None = None, ends_epoch: bool = False,
                  more_records: Callable[[], Sequence[dict] | None] | None = None
                  ) -> RoundResult:
-        """Generate one batch from `records` (None: no generation), then update on every whole
-        window in the buffer, at most `max_updates` times (None: no limit). With
-        filter_groups, `more_records()` gives the next prompts while the batch fills, or None
-        to stop: the round then returns at once, with nothing generated or trained."""
+        """Generate one batch from `records` (None: no generation; `ends_epoch`: they are the
+        last of their epoch), then update on every window in the buffer, at most `max_updates`
+        times (None: no limit). With filter_groups, `more_records()` gives the next prompts
+        while the batch fills, or None to stop: the round then returns at once, with nothing
+        generated or trained."""
         plan, trainer = self.plan, self.trainer
         metrics: dict = {}
         buffer, scores, rewards, advantages, num_tokens = self.buffer, None, None, None, 0
+        epoch_end = self.epoch_end
         if records is not None:
             weights = self.rollout_weights(state.params)
-            gen = (self.generate_and_score(weights, records, key) if self.filter_groups is None
-                   else self.generate_filled(weights, records, key, more_records))
+            with self.stop.interruptible():  # changes nothing yet: a stop drops the generation
+                gen = (self.generate_and_score(weights, records, key)
+                       if self.filter_groups is None
+                       else self.generate_filled(weights, records, key, more_records))
             if gen is None:
                 return RoundResult(state, {}, None, None, None)
             batch, scores, rewards, advantages = gen.batch, gen.scores, gen.rewards, gen.advantages
@@ -304,33 +344,46 @@ class GRPORound:
             if plan.needs_old_logps:
                 batch = batch.replace(old_logp=trainer.logps(state.params, batch,
                                                              plan.micro_batch_size))
+                if batch.sampler_logp is not None:  # over the generation batch, as TRL
+                    metrics.update(self.sampling_metrics(batch))
             metrics["timing/logprobs"] += time.perf_counter() - t1
             buffer = buffer + self.split(batch, key) * plan.num_iterations
+            if ends_epoch:
+                epoch_end = len(buffer)
             num_tokens = int(batch.prompt_mask.sum() + batch.model_mask().sum())
         t3 = time.perf_counter()
 
         gas = plan.gradient_accumulation_steps
-        n = len(buffer) // gas
+        sizes = window_sizes(len(buffer), gas, epoch_end)
         if max_updates is not None:
-            n = max(min(n, max_updates), 0)
+            sizes = sizes[:max(max_updates, 0)]
+        n, bounds = len(sizes), np.cumsum([0, *sizes]).tolist()
         # Windows are assembled before the first dispatch: the loop below only enqueues work.
-        windows = [concat_rows(buffer[i * gas:(i + 1) * gas]) for i in range(n)]
+        windows = [concat_rows(buffer[a:b]) for a, b in zip(bounds, bounds[1:])]
         step_metrics, ref = [], self.ref_params
         # The step count on the host (read once; each update adds 1, a skipped one too).
         step = int(state.step) if self.ref_sync is not None and n else 0
-        for window in windows:
-            state, m = trainer.step(state, window)
+        for window, size in zip(windows, sizes):
+            if self.stop.should_stop():  # the windows left stay buffered (and checkpointed)
+                break
+            state, m = (trainer.step(state, window) if size == gas
+                        else trainer.step(state, window, micro_batches=size))
             step_metrics.append(m)
             step += 1
             if self.ref_sync is not None and step % self.ref_sync[0] == 0:
                 ref = trainer.mix_ref(state.params, ref, self.ref_sync[1])
-        if step_metrics:
-            metrics.update(aggregate(jax.device_get(step_metrics)))
+        n, done = len(step_metrics), bounds[len(step_metrics)]
+        # Without old log-probs a generation's micro-batches are all in one window: its
+        # PER_GENERATION metrics come from the step (else from sampling_metrics, above).
+        block = None if plan.needs_old_logps else plan.steps_per_generation * plan.num_iterations
+        logged = tuple(update_logged(m, block) for m in jax.device_get(step_metrics))
         # Only now: a round that fails leaves the buffer as it was (the reference's old buffers
         # are donated to a mix, as the state's to a step: no final checkpoint after a failure).
-        self.buffer, self.ref_params = buffer[n * gas:], ref
+        self.buffer, self.ref_params = buffer[done:], ref
+        self.epoch_end = max(epoch_end - done, 0)
         t4 = time.perf_counter()
-        sync_time = self.sync_weights(state.params) if n else None
+        stopping = self.stop.should_stop()  # the server's weights won't be used again
+        sync_time = self.sync_weights(state.params) if n and not stopping else None
 
         metrics.setdefault("timing/generate", 0.0)
         metrics.setdefault("timing/logprobs", 0.0)  # reference and old log-probs
@@ -342,7 +395,18 @@ class GRPORound:
         if sync_time is not None:
             metrics["timing/weight_sync"] = sync_time
             metrics.update(getattr(self.rollout, "sync_metrics", None) or {})  # bytes/s, ...
-        return RoundResult(state, metrics, scores, rewards, advantages, n, num_tokens)
+        return RoundResult(state, metrics, scores, rewards, advantages, n, num_tokens, logged)
+
+    def sampling_metrics(self, batch: Batch) -> dict:
+        """TRL's sampling/* metrics of a generation batch with old log-probs: |old - sampler|
+        and the importance weight over all its tokens (loss.PER_GENERATION)."""
+        lc = self.trainer.cfg.loss
+        m = loss_lib.loss_mask(batch.model_mask(), batch.truncated, lc)
+        w = loss_lib.sampler_is_weight(batch.old_logp, batch.sampler_logp, m, lc)
+        sums = jax.device_get(loss_lib.sampling_metric_sums(batch.old_logp, batch.sampler_logp,
+                                                             w, m))
+        per_gen = loss_lib.per_generation_metrics(jax.tree.map(lambda x: x[None], sums), 1)
+        return {k: v[0] for k, v in per_gen.items()}
 
     def rollout_weights(self, params):
         """What rollout.generate reads: the JAX sampler the full model's params (with LoRA, the
@@ -462,12 +526,13 @@ class GRPORound:
                                                               self.plan.micro_batch_size))
         metrics = dict(stats)
         for name, col in zip(self.reward_names, scores.per_func.T):
-            ok = np.isfinite(col).any()
-            metrics[f"rewards/{name}/mean"] = float(np.nanmean(col)) if ok else 0.0
-            metrics[f"rewards/{name}/std"] = (float(np.nanstd(col, ddof=1))  # TRL: unbiased
-                                              if np.isfinite(col).sum() > 1 else 0.0)
+            # NaN for a function that returned None for every completion (as TRL; the log
+            # leaves it out of its averages)
+            metrics[f"rewards/{name}/mean"], metrics[f"rewards/{name}/std"] = (
+                adv_lib.logged_mean_std(col))
         metrics.update(scores.metrics)
         metrics.update(completion_metrics(batch))
+        metrics.update(r.metrics or {})  # the JAX sampler's decode steps and slot occupancy
         if r.tool_calls is not None:  # TRL: calls per completion, failures per call
             calls = int(r.tool_calls.sum())
             metrics["tools/call_frequency"] = calls / len(r.tool_calls)
@@ -497,23 +562,35 @@ class GRPORound:
         return [batch.rows(order[i * size:(i + 1) * size]) for i in range(spg)]
 
 
-def aggregate(metrics: Sequence[dict]) -> dict:
-    """Several updates' (or rounds') metrics -> one value each: extremes by min / max, skips
-    and times summed, the rest averaged. A key missing from some is taken over those that have
-    it."""
-    out = {}
-    for k in dict.fromkeys(k for m in metrics for k in m):
-        values = np.asarray([m[k] for m in metrics if k in m], np.float64)
-        name = k.rsplit("/", 1)[-1]
-        if name.endswith("_min") or name.startswith("min_") or name == "min":
-            out[k] = float(values.min())
-        elif name.endswith("_max") or name.startswith("max_") or name == "max":
-            out[k] = float(values.max())
-        elif k in ("skipped_updates", "step_time") or k.startswith("timing/"):
-            out[k] = float(values.sum())
-        else:
-            out[k] = float(values.mean())
-    return out
+def window_sizes(buffered: int, gas: int, epoch_end: int = 0) -> list[int]:
+    """The micro-batches of each update the first `buffered` buffered ones make, in order: whole
+    windows of `gas`; the window that reaches `epoch_end` (the micro-batches up to an epoch's
+    end; 0: none buffered) stops there, partial if need be, as transformers' last window of an
+    epoch (current_gradient_accumulation_steps = the micro-batches it holds)."""
+    sizes, start = [], 0
+    while True:
+        stop = epoch_end if start < epoch_end else buffered
+        size = min(gas, stop - start)
+        if size <= 0 or (size < gas and stop != epoch_end):
+            return sizes
+        sizes.append(size)
+        start += size
+
+
+def update_logged(m: dict, block: int | None) -> Logged:
+    """One update's host metrics (train_step's) as TRL logs them: each micro-batch's loss
+    metrics appended, the step's loss and entropy_coef appended once, grad_norm and
+    learning_rate put (transformers reads them at the log), skipped_updates counted. `block`:
+    micro-batches per generation batch when the step's PER_GENERATION metric sums are to be
+    merged per generation (None: they are taken at generation, GRPORound.sampling_metrics)."""
+    m = dict(m)
+    sums = m.pop(loss_lib.GENERATION_SUMS, None)
+    put = {k: m.pop(k) for k in ("grad_norm", "learning_rate") if k in m}
+    count = {k: m.pop(k) for k in ("skipped_updates",) if k in m}
+    append = {k: np.ravel(v).tolist() for k, v in m.items()}
+    if sums is not None and block:
+        append.update(loss_lib.per_generation_metrics(sums, block))
+    return Logged(append, put, count)
 
 
 def completion_metrics(batch: Batch) -> dict:

@@ -13,6 +13,9 @@ FAMILIES = {
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
     "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
 }
 # What each family's tiny config sets beyond the shared shape: windows shorter than the test
 # sequences, a query scale other than head_dim, soft-caps low enough to bite (a tiny
@@ -33,6 +36,14 @@ FAMILY_CONFIG = {
                             "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                "rope_theta": 1e6},
                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}),
+    # Mixtures of experts: 4 experts, 2 per token, narrow experts; Qwen3-MoE with a dense layer
+    # between sparse ones (mlp_only_layers), gpt-oss with its alternating windows, YaRN RoPE
+    # and a swiglu_limit low enough to clamp a tiny model's activations.
+    "qwen3_moe": dict(head_dim=16, num_hidden_layers=3, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=5),
+    "gpt_oss": dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                    intermediate_size=32, swiglu_limit=0.05),
 }
 
 
@@ -50,7 +61,7 @@ def tiny_hf_model(family: str, *, tie: bool = False, seed: int = 0, vocab: int =
     # Random init leaves norms at 1 and biases at 0; perturb them so the test sees them.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
+            if "norm" in name or name.endswith("bias") or name.endswith("sinks"):
                 p.add_(0.1 * torch.randn_like(p))
     return model
 
@@ -78,3 +89,27 @@ def char_tokenizer():
     return transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
         unk_token="<unk>")
+
+
+def tiny_grpo_run(tmp_path, model, **mesh) -> dict:
+    """Two GRPO steps (reward_len, 8 prompts x 4, fp32) of the tiny HF `model` with
+    char_tokenizer over 4 devices laid out by `mesh` (dp, fsdp, ep...): the run's last record."""
+    import json
+
+    import jax
+
+    from grpo_jax.cli import load_config
+    from grpo_jax.train import train
+    policy = tmp_path / "policy"
+    model.save_pretrained(policy)
+    char_tokenizer().save_pretrained(policy)
+    with open(tmp_path / "p.jsonl", "w") as f:
+        for i in range(8):
+            f.write(json.dumps({"prompt": f"Post {i}: say something.\n"}) + "\n")
+    sets = {"name_or_path": policy, "dtype": "float32", "dataset_name": tmp_path / "p.jsonl",
+            "reward_funcs": "[reward_len]", "num_generations": 4, "max_completion_length": 8,
+            "per_device_train_batch_size": 2, "learning_rate": 0.01, "beta": 0.04,
+            "output_dir": tmp_path / "out", "report_to": "[]", "max_steps": 2,
+            "num_completions_to_print": 0, **mesh}
+    cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
+    return train(cfg, devices=jax.devices()[:4])

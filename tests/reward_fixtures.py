@@ -82,3 +82,27 @@ def even_tokens_odd_posts(prompts, completions, completion_ids, **kwargs):
     even = even_tokens(prompts, completions, completion_ids)
     odd = [int(re.search(r"Post number (\d+)", str(p)).group(1)) % 2 == 1 for p in prompts]
     return [e if o else 0.5 for e, o in zip(even, odd)]
+
+
+def epoch_seen(completions, trainer_state, log_metric, **kwargs):
+    """No reward at all (None for every completion: a NaN column, as TRL's); logs the
+    trainer_state.epoch it was given."""
+    log_metric("epoch_seen", trainer_state.epoch)
+    return [None] * len(completions)
+
+
+def even_tokens_then_stall(prompts, completions, completion_ids, trainer_state, **kwargs):
+    """even_tokens; with $GRPO_JAX_TEST_STALL set (a file path), a round after two updates
+    creates that file and stalls for 10 minutes first: a stop signal lands mid-round."""
+    import os
+    import time
+    marker = os.environ.get("GRPO_JAX_TEST_STALL")
+    if marker and trainer_state.global_step >= 2:
+        open(marker, "w").close()
+        time.sleep(600)
+    return even_tokens(prompts, completions, completion_ids)
+
+
+def nan_rewards(prompts, completions, completion_ids, **kwargs):
+    """No finite reward for any completion: NaN, which TRL treats as None."""
+    return [float("nan")] * len(completions)

@@ -15,3 +15,13 @@ def test_bench_all_runs_on_cpu_tiny(tmp_path):
         assert out[key] and out[key] > 0, key
     assert (tmp_path / "b.json").stat().st_size > 100
 
+
+
+@pytest.mark.slow
+def test_bench_refill_runs_on_cpu_tiny():
+    out = main(["refill", "--tiny", "--dtype", "float32", "--prompts", "4", "--generations", "4",
+                "--prompt-len", "16", "--completion-len", "16", "--max-num-seqs", "8",
+                "--stop-fraction", "0.1", "--repeats", "1"])
+    assert out["same_completions"] and out["rows"] == 16 and out["decode_slots"] == 8
+    for key in ("static_tokens_per_s", "refilled_tokens_per_s", "refill_speedup"):
+        assert out[key] > 0, key

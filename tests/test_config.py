@@ -182,6 +182,12 @@ def test_batch_plan_errors_and_total_steps():
 def test_warmup_and_mesh_helpers():
     assert config_from_dict({}, ["warmup_steps=0.1"]).optim.num_warmup_steps(95) == 10
     assert config_from_dict({}, ["warmup_steps=5"]).optim.num_warmup_steps(95) == 5
+    # transformers' logging_steps / save_steps < 1: ceil(max_steps * ratio)
+    assert config_from_dict({"logging_steps": 0.1, "save_steps": 0.25}).run.steps_of(95) == (
+        10, 24)
+    assert config_from_dict({"logging_steps": 3}).run.steps_of(95) == (3, 500)
+    with pytest.raises(ConfigError, match="whole number of steps, or a fraction"):
+        config_from_dict({"save_steps": 2.5})
     mesh = config_from_dict({}, ["fsdp=2"]).mesh
     assert mesh.shape(8) == (4, 2, 1) and mesh.shape(2) == (1, 2, 1)
     with pytest.raises(ConfigError, match="not divisible"):
@@ -314,12 +320,31 @@ def test_recipe_keys_mapped_noted_or_refused(capsys):
     assert config_from_dict({"fp16": True}).numerics.dtype == "float16"
     assert config_from_dict({"model_init_kwargs": {"torch_dtype": "float32", "use_cache": False}}
                             ).numerics.dtype == "float32"
-    assert config_from_dict({"bf16": False}).numerics.dtype == TrainConfig().numerics.dtype
+    # TRL: bf16 defaults to `not fp16`; bf16 false (and fp16 not true) computes in float32.
+    assert config_from_dict({"bf16": False}).numerics.dtype == "float32"
+    assert config_from_dict({"fp16": False}).numerics.dtype == TrainConfig().numerics.dtype
+    for flags in ({"bf16": False, "fp16": True}, {"fp16": True, "bf16": False}):
+        assert config_from_dict(flags).numerics.dtype == "float16"
+    assert config_from_dict({"bf16": False, "dtype": "bfloat16"}).numerics.dtype == "bfloat16"
+    assert cli.parse_cli(["--config", "tldr", "--bf16", "false"]).numerics.dtype == "float32"
+    assert cli.parse_cli(["--config", "tldr"]).numerics.dtype == "bfloat16"
+    # TrainingArguments' optim: the AdamW names are what runs here; others are refused.
+    for name in ("adamw_torch", "adamw_torch_fused", "adamw_hf"):
+        assert config_from_dict({"optim": name, "learning_rate": 3e-6}).optim.learning_rate == 3e-6
+    assert cli.parse_cli(["--optim", "adamw_torch"]).optim == TrainConfig().optim
+    assert config_from_dict({"optim": {"weight_decay": 0.1}}).optim.weight_decay == 0.1
+    cli._NOTED.clear()
+    config_from_dict({"torch_empty_cache_steps": 4})
+    config_from_dict({"torch_empty_cache_steps": 8})
+    assert capsys.readouterr().err.count("torch_empty_cache_steps has no effect") == 1
     for bad, needle in [({"dataset_configs": ["a", "b"]}, "loads one dataset config"),
                         ({"model_revision": "v2"}, "hf download MODEL --revision"),
                         ({"bf16": "yes"}, "expected true or false"),
                         ({"fsdp": "full_shard auto_wrap"}, "size of the mesh's FSDP axis"),
                         ({"model_init_kwargs": {"revision": "x"}}, "only dtype"),
+                        ({"optim": "adafactor"}, "optim 'adafactor': grpo-jax trains with AdamW"),
+                        ({"optim": 3}, "optim 3: grpo-jax trains with AdamW"),
+                        ({"bf16": True, "fp16": True}, "bf16 and fp16 are both true"),
                         ({"vllm_mode": "colocate"}, "vLLM server only")]:
         with pytest.raises(ConfigError, match=needle):
             config_from_dict(bad)
@@ -348,8 +373,11 @@ def test_every_trl_grpo_field_is_mapped_noted_or_refused():
     assert len(own) >= 70 and not [k for k in own if k not in known]
     cfg = config_from_dict({"resume_from_checkpoint": True, "cast_lm_head_to_fp32": False})
     assert cfg.run.resume is True
-    for bad, needle in [({"resume_from_checkpoint": "out/checkpoint-9"}, "newest checkpoint"),
-                        ({"cast_lm_head_to_fp32": True}, "dtype: float32")]:
+    # A checkpoint's path (train.py resumes from that step; tests/test_train.py)
+    assert config_from_dict({"resume_from_checkpoint": "out/checkpoints/9"}).run.resume == (
+        "out/checkpoints/9")
+    assert config_from_dict({"resume_from_checkpoint": None}).run.resume is False
+    for bad, needle in [({"cast_lm_head_to_fp32": True}, "dtype: float32")]:
         with pytest.raises(ConfigError, match=needle):
             config_from_dict(bad)
 

@@ -41,8 +41,9 @@ def test_schedule_follows_transformers():
     assert due(EvalArgs(eval_strategy="steps", eval_steps=0.25), 10) == [3, 6, 9, 10]
     assert due(EvalArgs(eval_strategy="steps", eval_steps=2, eval_delay=5), 9) == [6, 8, 9]
     assert due(EvalArgs(eval_strategy="no", eval_on_start=True), 9) == []
-    # Epochs of 4 micro-steps: with 3 per update they end within steps 2, 3, 4 (12 micro).
-    assert due(EvalArgs(eval_strategy="epoch"), 5, gas=3) == [2, 3, 4, 5]
+    # Epochs of 4 micro-steps, 3 per update: windows of 3 and 1 (transformers' partial last
+    # window), so every second step ends an epoch.
+    assert due(EvalArgs(eval_strategy="epoch"), 5, gas=3) == [2, 4, 5]
     assert due(EvalArgs(eval_strategy="epoch"), 9, gas=1) == [4, 8, 9]
     assert due(EvalArgs(eval_strategy="epoch", eval_delay=2), 9, gas=1) == [8, 9]
 
@@ -62,6 +63,9 @@ def test_bad_eval_settings_name_the_fix():
 
 def test_eval_batches_cover_the_split_and_fill_the_last():
     class Split:  # a PromptDataset's interface: its order and records
+        def __len__(self):
+            return 5
+
         def order(self, epoch):
             return np.array([4, 0, 3, 1, 2])
 
@@ -73,6 +77,28 @@ def test_eval_batches_cover_the_split_and_fill_the_last():
     assert got == [[4, 0], [3, 1], [2, 4]]
     ev.rows_multiple = 2
     assert [[r["i"] for r in b] for b in ev.batches()][-1] == [2]
+    # transformers' eval_loss: each batch's loss eval_batch_size (4) times, the last one's cut
+    # to len(dataset) % 4 = 1 by accelerate's gather_for_metrics.
+    assert ev.loss_weights(3) == [4, 4, 1]
+    ev.prompts_per_batch = 5
+    assert ev.loss_weights(1) == [5]  # 5 prompts % 10 completions: accelerate's remainder
+
+
+def test_eval_split_is_shuffled_with_the_seed_whatever_shuffle_dataset(tmp_path):
+    """TRL's eval sampler (RepeatSampler with shuffle on) shuffles the eval split with the
+    seed whatever shuffle_dataset says; the train split keeps its order when it is off."""
+    from hf_oracle import char_tokenizer
+
+    from grpo_jax.config import DataArgs
+    from grpo_jax.data import load_prompts
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(20)))
+    args = DataArgs(dataset_name=str(path), dataset_train_split="train[:10]",
+                    dataset_test_split="train[10:]", shuffle_dataset=False, seed=5)
+    tok = char_tokenizer()
+    evals = load_prompts(args, tok, test=True)
+    assert sorted(evals.order(0)) == list(range(10)) and list(evals.order(0)) != list(range(10))
+    assert list(load_prompts(args, tok).order(0)) == list(range(10))
 
 
 @pytest.fixture(scope="module")

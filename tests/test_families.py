@@ -200,26 +200,9 @@ def test_gemma2_trains_like_its_grads(tmp_path):
 def test_grpo_run_on_a_gemma_policy(tmp_path, family):
     """Two GRPO steps with a tiny Gemma policy, fsdp over 4 devices, prompts longer than its
     window: the sampler's log-probs (ring cache, soft-caps) equal the train step's."""
-    import json
-
-    from hf_oracle import char_tokenizer
-
-    from grpo_jax.cli import load_config
-    from grpo_jax.train import train
-    tok = char_tokenizer()
-    policy = tmp_path / "policy"
-    tiny_hf_model(family, tie=True, vocab=len(tok)).save_pretrained(policy)
-    tok.save_pretrained(policy)
-    with open(tmp_path / "p.jsonl", "w") as f:
-        for i in range(8):
-            f.write(json.dumps({"prompt": f"Post {i}: say something.\n"}) + "\n")
-    sets = {"name_or_path": policy, "dtype": "float32", "dataset_name": tmp_path / "p.jsonl",
-            "reward_funcs": "[reward_len]", "num_generations": 4, "max_completion_length": 8,
-            "per_device_train_batch_size": 2, "learning_rate": 0.01, "beta": 0.04,
-            "output_dir": tmp_path / "out", "report_to": "[]", "max_steps": 2, "dp": 1,
-            "fsdp": 4, "num_completions_to_print": 0}
-    cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
-    last = train(cfg, devices=jax.devices()[:4])
+    from hf_oracle import char_tokenizer, tiny_grpo_run
+    model = tiny_hf_model(family, tie=True, vocab=len(char_tokenizer()))
+    last = tiny_grpo_run(tmp_path, model, dp=1, fsdp=4)
     assert np.isfinite(last["loss"])
     assert last["sampling/sampling_logp_difference/max"] < 1e-4
 

@@ -262,7 +262,7 @@ def test_grpo_run_with_a_reward_model(tmp_path):
             "num_generations": 4, "max_completion_length": 8,
             "per_device_train_batch_size": 8, "learning_rate": 0.01, "beta": 0.0,
             "output_dir": tmp_path / "out", "report_to": "[]", "max_steps": 2, "dp": 1,
-            "log_completions": True, "num_completions_to_print": 0}
+            "log_completions": True, "num_completions_to_print": 0, "logging_steps": 1}
     cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
     last = train(cfg, devices=jax.devices()[:1])
     records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]

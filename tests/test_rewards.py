@@ -10,7 +10,8 @@ from grpo_jax.grpo.advantages import combine_rewards
 from grpo_jax import rewards as rewards_lib
 from grpo_jax.rewards import (RewardError, RewardFunc, accuracy,
                               completions_for_rewards, compute_rewards, load_reward_func,
-                              load_reward_funcs, reward_len, think_format_reward)
+                              load_reward_funcs, missing_rewards, reward_len,
+                              think_format_reward)
 
 
 def test_builtins():
@@ -295,3 +296,21 @@ def test_soft_overlong_punishment_counts_completion_ids_as_trl():
     want = get_soft_overlong_punishment(C, 6)(trl_ids)
     np.testing.assert_array_equal(scores.per_func[:, 0], np.float32(want))
     assert len(set(want)) >= 5  # the ramp's values, 0 and -1 all occur
+
+
+def test_nan_is_none_and_missing_rewards_are_said():
+    """TRL 1.16's _calculate_rewards: None becomes NaN and a NaN returned stays NaN, so both
+    mean "no reward"; TRL warns when every function gave none to a completion. Here also when a
+    function gave none to a whole batch, and loudly when no completion has any reward."""
+    nan = RewardFunc("nan", lambda completions, **kw: [float("nan"), None, 1.0])
+    none = RewardFunc("none", lambda completions, **kw: [None] * len(completions))
+    out = compute_rewards([nan, none], ["p"] * 3, ["a", "b", "c"], [[1]] * 3)
+    np.testing.assert_array_equal(np.isnan(out), [[True, True], [True, True], [False, True]])
+    funcs, rows = missing_rewards(out, ["nan", "none"], ["p0", "p1", "p2"], ["a", "b", "c"])
+    assert list(funcs) == ["none"] and "'none' gave no reward (None or NaN) to any of the 3" \
+        in funcs["none"]
+    assert len(rows) == 1 and "for 2 of 3 completions (e.g. completion 0: 'p0' -> 'a')" in rows[0]
+    funcs, rows = missing_rewards(out[:2], ["nan", "none"])
+    assert list(funcs) == ["nan", "none"]
+    assert len(rows) == 1 and "no completion of this batch has a reward" in rows[0]
+    assert missing_rewards(np.ones((2, 1), np.float32), ["f"]) == ({}, [])

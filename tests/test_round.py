@@ -16,7 +16,8 @@ from grpo_jax.config import BatchPlan
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.rollout.sampler import RolloutBatch
-from grpo_jax.trainer import GRPORound, Scores, aggregate, completion_metrics, generation_order
+from grpo_jax.trainer import (GRPORound, Scores, completion_metrics, generation_order,
+                              update_logged, window_sizes)
 
 G, MICRO, C = 4, 4, 3
 
@@ -62,10 +63,12 @@ class StubTrainer:
 
     def __init__(self):
         self.windows: list[Batch] = []
+        self.micro_batches: list[int | None] = []
         self.logps_calls = 0
 
-    def step(self, state, batch):
+    def step(self, state, batch, micro_batches=None):
         self.windows.append(batch)
+        self.micro_batches.append(micro_batches)
         return State(state.params + 1, state.step + 1), {"loss": float(batch.size)}
 
     def logps(self, params, batch, rows=None):
@@ -88,12 +91,14 @@ def make_round(p):
     return GRPORound(StubTrainer(), StubRollout(), p, scorer, ["r"], "group", None)
 
 
-def run_rounds(rnd, n, max_updates=None):
+def run_rounds(rnd, n, max_updates=None, epoch_rounds=None):
+    """n rounds; every epoch_rounds-th ends an epoch (None: none does)."""
     state, results = State(0, 0), []
     for k in range(n):
         records = [{"prompt_ids": [1, 2]}] * (rnd.plan.prompts_per_generation)
         limit = {} if max_updates is None else {"max_updates": max_updates}
-        result = rnd(state, records, jax.random.key(k), **limit)
+        ends = epoch_rounds is not None and (k + 1) % epoch_rounds == 0
+        result = rnd(state, records, jax.random.key(k), ends_epoch=ends, **limit)
         state = result.state
         results.append(result)
     return state, results
@@ -157,6 +162,50 @@ def test_max_updates_stops_mid_round_and_buffers_the_rest():
     assert len(rnd.rollout.generated) == 1 and result.num_tokens == 0
 
 
+class StopAfter:
+    """A stop request (trainer.Stop) that arrives after `updates` updates, or (`during_generation`)
+    while the round generates: what checkpoint.StopSignal does with a signal."""
+
+    def __init__(self, trainer, updates=None, during_generation=False):
+        self.trainer, self.updates, self.during_generation = trainer, updates, during_generation
+
+    def should_stop(self):
+        return self.updates is not None and len(self.trainer.windows) >= self.updates
+
+    def interruptible(self):
+        import contextlib
+
+        from grpo_jax.checkpoint import StopRun
+        if self.during_generation:
+            raise StopRun(15)
+        return contextlib.nullcontext()
+
+
+def test_stop_ends_the_updates_and_keeps_the_rest_buffered():
+    """A stop between updates: the round returns after the update in progress, its other
+    windows buffered (the checkpoint takes them), and the server is not synced."""
+    rnd = make_round(plan(4, 1))
+    synced = []
+    rnd.rollout.update_weights = synced.append
+    rnd.stop = StopAfter(rnd.trainer, updates=1)
+    state, results = run_rounds(rnd, 1)
+    assert state.step == 1 and results[0].updates == 1 and rnd.windows_buffered == 3
+    assert synced == []
+    rnd.stop = StopAfter(rnd.trainer)  # resumed: the buffered windows first, as after max_steps
+    result = rnd(state, None, jax.random.key(9))
+    assert result.updates == 3 and not rnd.buffer and len(synced) == 1
+
+
+def test_stop_during_generation_drops_it_and_changes_nothing():
+    from grpo_jax.checkpoint import StopRun
+    rnd = make_round(plan(4, 1))
+    state, _ = run_rounds(rnd, 1, max_updates=1)  # 3 windows left in the buffer
+    rnd.stop = StopAfter(rnd.trainer, during_generation=True)
+    with pytest.raises(StopRun):
+        rnd(state, [{"prompt_ids": [1, 2]}] * rnd.plan.prompts_per_generation, jax.random.key(1))
+    assert rnd.windows_buffered == 3 and len(rnd.trainer.windows) == 1
+
+
 def test_generation_batch_is_shuffled_before_it_is_split():
     """TRL shuffles the generation batch, then splits it into steps_per_generation parts: a step
     does not see whole prompt groups in order. Seeded by the round's key (exact resume)."""
@@ -201,7 +250,7 @@ def test_old_logps_follow_trl_rule(spg, gas, ni, want):
     assert p.needs_old_logps == want
 
 
-def test_completion_metrics_and_aggregate():
+def test_completion_metrics():
     batch = Batch(np.ones((4, 2), np.int32), np.ones((4, 2), np.int32),
                   np.ones((4, 5), np.int32),
                   (np.arange(5)[None] < np.array([[2], [5], [3], [4]])).astype(np.int32),
@@ -213,19 +262,73 @@ def test_completion_metrics_and_aggregate():
     assert m["completions/max_length"] == 5
     none_done = batch.replace(truncated=np.ones(4, bool))
     assert completion_metrics(none_done)["completions/min_terminated_length"] == 0
-    merged = aggregate([{"reward": 1.0, "timing/generate": 1.0, "completions/min_length": 2.0},
-                        {"reward": 3.0, "timing/generate": 2.0, "completions/min_length": 1.0,
-                         "loss": 5.0, "skipped_updates": 1.0, "clip_ratio/high_max": 0.5}])
-    assert merged == {"reward": 2.0, "timing/generate": 3.0, "completions/min_length": 1.0,
-                      "loss": 5.0, "skipped_updates": 1.0, "clip_ratio/high_max": 0.5}
 
 
-def test_epoch_is_fractional_micro_steps_over_an_epoch():
+def test_epoch_is_optimizer_progress_with_a_partial_last_window():
+    """transformers: an epoch's micro-steps in windows of gas, the last one partial (75
+    micro-steps, gas 2: 37 whole windows and one of 1, 38 updates); state.epoch after a step
+    = epoch + micro-steps done in it / its micro-steps."""
     # 100 prompts, 4 per generation: 25 generations x 3 micro-steps x 1 = 75 micro-steps / epoch
     p = BatchPlan(1, 4, 2, 3, 12, 3, 1)
-    assert p.micro_steps_per_epoch(100) == 75
+    assert p.micro_steps_per_epoch(100) == 75 and p.updates_per_epoch(100) == 38
     assert p.epoch(3, 100) == pytest.approx(6 / 75)
-    assert p.epoch(75, 100) == pytest.approx(2.0)
+    assert p.epoch(37, 100) == pytest.approx(74 / 75)
+    assert p.epoch(38, 100) == 1.0 and p.epoch(76, 100) == 2.0
+    assert p.epoch(39, 100) == pytest.approx(1 + 2 / 75)
+    assert p.total_steps(100, -1, 2.0) == 76 and p.total_steps(100, -1, 1.5) == 57
+    assert p.num_train_epochs(100, 57) == 2 and p.num_train_epochs(100, 76) == 2
+
+
+def test_window_sizes_stop_at_the_epoch_end():
+    assert window_sizes(5, 2) == [2, 2]
+    assert window_sizes(5, 2, epoch_end=5) == [2, 2, 1]
+    assert window_sizes(7, 2, epoch_end=3) == [2, 1, 2, 2]
+    assert window_sizes(3, 4, epoch_end=3) == [3] and window_sizes(3, 4) == []
+
+
+def test_the_round_that_ends_an_epoch_trains_a_partial_window():
+    """No window spans two epochs: an epoch's last is partial when its micro-steps are not a
+    multiple of gas, and is taken as that many micro-batches (transformers'
+    current_gradient_accumulation_steps). spg 3, gas 4, epochs of 2 generations (6 micro-steps):
+    windows of 4 and 2; gas 2, epochs of 1 generation: windows of 2 and 1."""
+    rnd = make_round(plan(3, 4))
+    state, results = run_rounds(rnd, 4, epoch_rounds=2)
+    assert [r.updates for r in results] == [0, 2, 0, 2] and state.step == 4
+    assert rnd.trainer.micro_batches == [None, 2] * 2 and not rnd.buffer
+    rnd = make_round(plan(3, 2))
+    state, results = run_rounds(rnd, 4, epoch_rounds=1)
+    assert [r.updates for r in results] == [2, 2, 2, 2] and state.step == 8
+    assert rnd.trainer.micro_batches == [None, 1] * 4 and not rnd.buffer
+    assert [w.size for w in rnd.trainer.windows] == [2 * MICRO, MICRO] * 4
+    # Stopped before the partial window: it waits in the buffer, then is trained alone.
+    rnd = make_round(plan(3, 2))
+    _, (result,) = run_rounds(rnd, 1, max_updates=1, epoch_rounds=1)
+    assert result.updates == 1 and rnd.windows_buffered == 1 and rnd.epoch_end == 1
+    result = rnd(result.state, None, jax.random.key(5))
+    assert result.updates == 1 and rnd.trainer.micro_batches[-1] == 1 and rnd.epoch_end == 0
+
+
+def test_update_logged_is_trls_per_micro_batch_buffer():
+    """A step's device metrics -> what TRL's buffer gets: each micro-batch's loss metrics, the
+    step's loss once, grad_norm / learning_rate as read at the log, the skips counted; the
+    PER_GENERATION metrics merged over each generation's micro-batches (block of 2 here)."""
+    from grpo_jax.grpo.loss import GENERATION_SUMS
+    sums = {"mean": {"sampling/sampling_logp_difference/mean":
+                     np.array([[1.0, 2.0], [3.0, 2.0], [0.0, 0.0], [0.0, 0.0]])},
+            "min": {"sampling/importance_sampling_ratio/min": np.array([0.5, 0.7, np.inf,
+                                                                        np.inf])},
+            "max": {}}
+    got = update_logged({"loss": 1.5, "grad_norm": 2.0, "learning_rate": 1e-3,
+                         "skipped_updates": 0, "kl": np.array([0.1, 0.3, 0.2, 0.4]),
+                         GENERATION_SUMS: sums}, block=2)
+    assert got.put == {"grad_norm": 2.0, "learning_rate": 1e-3}
+    assert got.count == {"skipped_updates": 0}
+    assert got.append["loss"] == [1.5] and got.append["kl"] == pytest.approx([0.1, 0.3, 0.2, 0.4])
+    # generation 1: (1 + 3) / 4 tokens; generation 2 has no valid token: 0, as TRL logs
+    assert got.append["sampling/sampling_logp_difference/mean"] == [1.0, 0.0]
+    assert got.append["sampling/importance_sampling_ratio/min"] == [0.5, 0.0]
+    assert "sampling/importance_sampling_ratio/min" not in update_logged(
+        {"loss": 1.0, GENERATION_SUMS: sums}, block=None).append
 
 
 def test_logged_learning_rate_is_the_applied_one_after_a_skipped_update():

@@ -123,11 +123,13 @@ import jax, jax.numpy as jnp, numpy as np, transformers
 sys.path.insert(0, {tests!r})
 from test_tools import prompt_ids, tool_rollout, _batch
 from grpo_jax import data, hf
+from grpo_jax.rollout import tools
 from grpo_jax.grpo.train_step import completion_logps
 model, path = hf.load_model(hf.SMOL_ALIAS, dtype=jnp.float64, param_dtype=jnp.float64)
 assert model.embed[...].dtype == jnp.float64
 tok = transformers.AutoTokenizer.from_pretrained(path)
 tok.chat_template = data.chat_template("chatml_tools")
+tok = tools.prepare_tool_tokenizer(tok)
 r = tool_rollout(model, tok).generate(model, prompt_ids(tok), 4, jax.random.key(0))
 batch = _batch(r)
 logp, _ = completion_logps(model, batch, 1.0, 128)

@@ -28,10 +28,11 @@ C = 80
 
 @pytest.fixture(scope="module")
 def tok(smol_dir):
-    """SmolLM2's tokenizer with the shipped ChatML tool template (its own has no tools)."""
+    """SmolLM2's tokenizer with the shipped ChatML tool template (its own has no tools),
+    prepared for tools (its Hermes parser)."""
     t = transformers.AutoTokenizer.from_pretrained(smol_dir)
     t.chat_template = data.chat_template("chatml_tools")
-    return t
+    return tools.prepare_tool_tokenizer(t)
 
 
 def prompt_ids(tok, questions=QUESTIONS):
@@ -132,6 +133,29 @@ def test_continued_turns_equal_re_prefilled_ones(rollout, reprefilled, smol_mode
     logp, _ = completion_logps(smol_model, batch, 1.0, 128)
     model = np.asarray(batch.model_mask(), bool)
     assert np.abs(np.asarray(logp) - reprefilled.sampler_logp)[model].max() < 5e-5
+
+
+@pytest.mark.slow
+def test_tool_turns_through_refilled_decode_slots(rollout, smol_model, tok):
+    """With 3 decode slots for the 8 rows (max_num_seqs), a row whose turn ends in a tool call
+    leaves its slot to the next row, and each later turn re-prefills its contexts through the
+    slots: the same turns as continuing one batch from its KV cache, log-probs at the
+    trainer's, the decode steps of every turn counted."""
+    sp = SamplingParams(max_completion_length=C, temperature=1.0,
+                        stop_token_ids=(tok.eos_token_id,), max_num_seqs=3)
+    inner = JaxRollout(smol_model.cfg, sp, pad_id=tok.pad_token_id, mesh=None)
+    assert inner.turns is None  # no row keeps its slot (and cache) while its tools run
+    slots = tools.ToolRollout(inner, tok, tools.Toolbox([calculator], 10.0), None,
+                              (tok.eos_token_id,), tok.pad_token_id).generate(
+        smol_model, prompt_ids(tok), 4, jax.random.key(0))
+    for field in ("completion_ids", "completion_mask", "tool_mask", "truncated", "tool_calls"):
+        np.testing.assert_array_equal(getattr(slots, field), getattr(rollout, field))
+    batch = _batch(slots)
+    logp, _ = completion_logps(smol_model, batch, 1.0, 128)
+    model = np.asarray(batch.model_mask(), bool)
+    assert np.abs(np.asarray(logp) - slots.sampler_logp)[model].max() < 5e-5
+    # Each turn's longest row takes as many steps in 3 slots as in one batch, the others more.
+    assert slots.metrics["generate/decode_steps"] >= rollout.metrics["generate/decode_steps"]
 
 
 def test_tool_results_carry_no_loss_and_no_gradient(rollout):

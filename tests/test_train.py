@@ -45,15 +45,19 @@ def config(tiny_dir, out, **extra):
         str(tiny_dir / "prompts.jsonl"), "reward_funcs": f"[{REWARD}]", "num_generations": 4,
         "max_completion_length": 8, "per_device_train_batch_size": 16,
         "learning_rate": 0.02, "lr_scheduler_type": "constant", "beta": 0.0,
-        "output_dir": str(out), "logging_steps": 100, "save_steps": 100, "report_to": "[]",
+        "output_dir": str(out), "logging_steps": 1, "save_steps": 100, "report_to": "[]",
         "max_steps": 14, "seed": 3, "dp": 1, "temperature": 1.0,
     }
     sets.update(extra)
     return load_config(None, [f"{k}={v}" for k, v in sets.items()])
 
 
+def records(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").open()]
+
+
 def rewards_of(out):
-    return [json.loads(line)["reward"] for line in (Path(out) / "metrics.jsonl").open()]
+    return [h["reward"] for h in records(out)]
 
 
 def test_tiny_model_learns_synthetic_reward(tiny_dir, tmp_path):
@@ -125,7 +129,8 @@ def _record_rounds(monkeypatch):
     generate, step = JaxRollout.generate, Trainer.step
     monkeypatch.setattr(JaxRollout, "generate", lambda self, *a: generated.append(
         generate(self, *a)) or generated[-1])
-    monkeypatch.setattr(Trainer, "step", lambda self, s, b: fed.append(b) or step(self, s, b))
+    monkeypatch.setattr(Trainer, "step", lambda self, s, b, **kw: fed.append(b) or step(
+        self, s, b, **kw))
     return generated, fed
 
 
@@ -140,12 +145,16 @@ def _rows(prompt_ids, prompt_mask, completion_ids, completion_mask):
 ])
 def test_every_completion_trained_on_when_spg_is_not_a_multiple_of_gas(
         tiny_dir, tmp_path, monkeypatch, per_device, gbs, gas, max_steps, rounds):
-    """TRL trains on every micro-batch; an accumulation window may span two generations."""
+    """TRL trains on every micro-batch; an accumulation window may span two generations. A
+    second reward function returns None for all (its metrics log null; the reward is the
+    first's) and logs the trainer_state.epoch it gets: TRL's, the optimizer's progress."""
     from collections import Counter
     generated, fed = _record_rounds(monkeypatch)
     train(config(tiny_dir, tmp_path / "run", max_steps=max_steps, save_steps=1,
                  per_device_train_batch_size=per_device, generation_batch_size=gbs,
-                 gradient_accumulation_steps=gas), devices=jax.devices()[:1])
+                 gradient_accumulation_steps=gas,
+                 reward_funcs=f"[{REWARD}, {HERE / 'reward_fixtures.py'}:epoch_seen]"),
+          devices=jax.devices()[:1])
     assert len(generated) == rounds and len(fed) == max_steps
     assert all(b.size == per_device * gas for b in fed)
     made = Counter(r for g in generated for r in _rows(g.prompt_ids, g.prompt_mask,
@@ -153,31 +162,62 @@ def test_every_completion_trained_on_when_spg_is_not_a_multiple_of_gas(
     used = Counter(r for b in fed for r in _rows(b.prompt_ids, b.prompt_mask, b.completion_ids,
                                                    b.completion_mask))
     assert made == used and sum(used.values()) == rounds * gbs
-    history = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
-    steps = [h["step"] for h in history]  # logged once per round that made an update
-    assert steps == sorted(set(steps)) and steps[-1] == max_steps
+    history = records(tmp_path / "run")
+    assert [h["step"] for h in history] == list(range(1, max_steps + 1))  # one per update
     tokens = sum(int(g.prompt_mask.sum() + g.completion_mask.sum()) for g in generated)
-    assert history[-1]["num_tokens"] == tokens
+    # TRL sets num_tokens at each generation: the records of steps that generated hold it
+    assert [h["num_tokens"] for h in history if "num_tokens" in h][-1] == tokens
     # transformers' epoch: micro-steps done / micro-steps per epoch (64 prompts, gbs / 4 each)
     per_epoch = 64 // (gbs // 4) * (gbs // per_device)
     assert history[-1]["epoch"] == pytest.approx(max_steps * gas / per_epoch)
     for key in ("completions/min_terminated_length", "completions/max_terminated_length"):
-        assert key in history[-1]
+        assert any(key in h for h in history)
+    # Each generation's trainer_state.epoch: the epoch after the steps done before it.
+    seen = [(h["epoch_seen"], history[i - 1]["epoch"] if i else 0.0)
+            for i, h in enumerate(history) if "epoch_seen" in h]
+    assert seen and all(a == pytest.approx(b) for a, b in seen), seen
+    generating = [h for h in history if "reward" in h]
+    assert all(h["rewards/epoch_seen/mean"] is None and h["rewards/epoch_seen/std"] is None
+               and h["rewards/even_tokens/mean"] is not None for h in generating)
+
+
+def test_an_epoch_ends_with_a_partial_window(tiny_dir, tmp_path, monkeypatch):
+    """3 prompts: an epoch is one generation of 3 micro-batches; with gas 2 transformers takes
+    windows of 2 and 1 micro-batches (none spans two epochs) and logs the epoch as optimizer
+    progress."""
+    generated, fed = _record_rounds(monkeypatch)
+    train(config(tiny_dir, tmp_path / "run", max_steps=4, per_device_train_batch_size=4,
+                 generation_batch_size=12, gradient_accumulation_steps=2,
+                 dataset_train_split="train[:3]"), devices=jax.devices()[:1])
+    assert len(generated) == 2 and [b.size for b in fed] == [8, 4, 8, 4]
+    assert [h["epoch"] for h in records(tmp_path / "run")] == pytest.approx([2 / 3, 1, 5 / 3, 2])
 
 
 def test_max_steps_is_exact_mid_round_and_resume_trains_the_rest(tiny_dir, tmp_path,
                                                                   monkeypatch):
-    """Four updates per generation, max_steps 3: exactly 3 updates and a checkpoint at 3; the
-    fourth micro-batch is checkpointed with it, so resuming to 5 equals a run to 5 (also the
-    cumulative num_tokens)."""
+    """Four updates per generation (steps_per_generation 4), max_steps 3, logging_steps 1:
+    exactly 3 updates, 3 records (steps 1, 2, 3: one per optimizer step, as TRL logs) and a
+    checkpoint at 3; the fourth micro-batch is checkpointed with it, so resuming to 5 equals a
+    run to 5 (also the cumulative num_tokens)."""
     generated, fed = _record_rounds(monkeypatch)
-    four = dict(per_device_train_batch_size=4, generation_batch_size=16)
+    four = dict(per_device_train_batch_size=4, steps_per_generation=4)
     train(config(tiny_dir, tmp_path / "cut", max_steps=3, **four), devices=jax.devices()[:1])
     assert len(fed) == 3 and len(generated) == 1
     assert Checkpointer(tmp_path / "cut" / "checkpoints", save_total_limit=None
                         ).all_steps() == [3]
-    assert rewards_of(tmp_path / "cut") and len(rewards_of(tmp_path / "cut")) == 1
-    train(config(tiny_dir, tmp_path / "cut", max_steps=5, resume=True, **four),
+    history = records(tmp_path / "cut")
+    assert [h["step"] for h in history] == [1, 2, 3]
+    for h in history:  # each step's own loss metrics, grad_norm and learning rate
+        assert {"loss", "grad_norm", "learning_rate", "entropy", "clip_ratio/region_mean",
+                "step_time", "epoch"} <= set(h), h
+    # The generation's metrics go into TRL's buffer once, so into the record of the step that
+    # generated (TRL clears its buffer at every log).
+    assert "reward" in history[0] and "num_tokens" in history[0]
+    assert not any("reward" in h or "completions/mean_length" in h for h in history[1:])
+    assert len({h["loss"] for h in history}) == 3
+    # TRL's resume_from_checkpoint PATH: that checkpoint of the run
+    train(config(tiny_dir, tmp_path / "cut", max_steps=5,
+                 resume_from_checkpoint=tmp_path / "cut" / "checkpoints" / "3", **four),
           devices=jax.devices()[:1])
     assert len(fed) == 5 and len(generated) == 2  # the buffered micro-batch first, then one more
     train(config(tiny_dir, tmp_path / "full", max_steps=5, **four), devices=jax.devices()[:1])
@@ -190,6 +230,20 @@ def test_max_steps_is_exact_mid_round_and_resume_trains_the_rest(tiny_dir, tmp_p
     last = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").open()][-1]
     full = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").open()][-1]
     assert last["step"] == full["step"] == 5 and last["num_tokens"] == full["num_tokens"] > 0
+
+
+def test_resume_from_checkpoint_path_is_a_checkpoint_of_the_run(tmp_path):
+    from grpo_jax.train import TrainError, _checkpoint_step
+    run = tmp_path / "run"
+    ckpt = Checkpointer(run / "checkpoints", save_total_limit=None, async_save=False)
+    for step in (2, 4):
+        ckpt.save(step, {"x": np.zeros(2, np.float32)}, {})
+    assert _checkpoint_step(str(run / "checkpoints" / "2"), run, ckpt) == 2
+    assert _checkpoint_step(str(run), run, ckpt) == 4  # the run's directory: its newest
+    for other in (tmp_path / "other" / "checkpoints" / "2", run / "checkpoints" / "3"):
+        with pytest.raises(TrainError, match="not a checkpoint of this run"):
+            _checkpoint_step(str(other), run, ckpt)
+    ckpt.close()
 
 
 def _run_cli(args, **kw):
@@ -435,12 +489,12 @@ def test_dynamic_sampling_constant_reward_stops_with_one_line(tiny_dir, tmp_path
 def test_dynamic_sampling_resume_mid_batch_equals_uninterrupted(tiny_dir, tmp_path,
                                                               monkeypatch, odd_posts_run):
     """Interrupted twice while a batch is half filled: by SIGTERM in batch 2's first generation
-    (the stop is seen before its second: the batch is dropped), then, resumed, by a failure in
+    (it aborts the generation at once: the batch is dropped), then, resumed, by a failure in
     batch 3's second generation (as a SIGKILL ends a run: the last checkpoint stands; the first
     generation's kept groups are lost). Each resume starts from the data position before the
     batch and regenerates it with the same keys: params and metrics equal a run straight
     through."""
-    from grpo_jax.checkpoint import load_checkpoint
+    from grpo_jax.checkpoint import StopRun, load_checkpoint
     from grpo_jax.errors import GrpoJaxError
     full, _ = odd_posts_run
     gens = [int(h["dynamic_sampling/num_gen_batches"]) for h in _history(full)]
@@ -453,8 +507,9 @@ def test_dynamic_sampling_resume_mid_batch_equals_uninterrupted(tiny_dir, tmp_pa
         if how == "raise":
             with pytest.raises(GrpoJaxError, match="interrupted by the test"):
                 train(cfg, devices=jax.devices()[:1])
-        else:
-            train(cfg, devices=jax.devices()[:1])
+        else:  # the signal aborts the generation at once: the run stops with StopRun
+            with pytest.raises(StopRun):
+                train(cfg, devices=jax.devices()[:1])
         assert int(counter.read_text()) == call
         ckpt = Checkpointer(out / "checkpoints", save_total_limit=None)
         assert ckpt.all_steps() == saved, (how, ckpt.all_steps())

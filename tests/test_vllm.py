@@ -110,7 +110,9 @@ def trainer(model_dir):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm_server")
-    env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp / "cache"))
+    # A 1 MiB cap on the guarded JSON routes' bodies (test_weight_routes_check_bodies_and_dtypes;
+    # the weights travel in raw buckets, which have their own check).
+    env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp / "cache"), GRPO_JAX_MAX_BODY_BYTES=str(1 << 20))
     srv = serve.start_server(model_dir, free_port(), python=VLLM_PYTHON, max_model_len=256,
                              api_key=API_KEY, log_path=tmp / "server.log", env=env)
     try:
@@ -142,6 +144,54 @@ def test_refuses_public_bind_without_api_key(monkeypatch, capsys):
     serve.check_bind("127.0.0.1", None)
     serve.check_bind("::1", None)
     serve.check_bind("0.0.0.0", "key")  # allowed once a key guards it
+
+
+def test_session_token_is_private_and_found_by_a_loopback_client(tmp_path, monkeypatch):
+    """grpo_jax.serve without a key: the token file only its account reads; a client of a
+    loopback server sends it by itself, and reads it again when a server restarted on the same
+    port made a new one (a 401 first). No vLLM needed: a stand-in server checks the header."""
+    import http.server
+    import threading
+
+    from grpo_jax.rollout import server_auth
+    from grpo_jax.rollout.vllm_client import VLLMClient, VLLMServerError
+    monkeypatch.setenv("GRPO_JAX_CACHE", str(tmp_path))
+    port = free_port()
+    first = server_auth.create(port)
+    path = server_auth.token_path(port)
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+    assert server_auth.read(f"http://127.0.0.1:{port}") == first
+    assert server_auth.read(f"http://localhost:{port}/") == first
+    assert server_auth.read(f"http://10.1.2.3:{port}") is None  # another host: no token
+    accepted = {"token": first}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            ok = self.headers.get("Authorization") == f"Bearer {accepted['token']}"
+            self.send_response(200 if ok else 401)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"ok": true}' if ok else b'{"error": "Unauthorized"}')
+
+        def log_message(self, *args):
+            pass
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        client = VLLMClient(f"http://127.0.0.1:{port}", max_retries=1, backoff_s=0.01)
+        assert client._request("GET", "/weight_info") == {"ok": True}
+        accepted["token"] = server_auth.create(port)  # the server restarted: a new token
+        assert client._request("GET", "/weight_info") == {"ok": True}
+        keyed = VLLMClient(f"http://127.0.0.1:{port}", api_key="a-key", max_retries=1)
+        with pytest.raises(VLLMServerError, match="HTTP 401.*session token"):
+            keyed._request("GET", "/weight_info")  # a key given is the key sent
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    server_auth.remove(port, first)  # not the file's token any more: kept
+    assert path.exists()
+    server_auth.remove(port, accepted["token"])
+    assert not path.exists()
 
 
 def _choice(index, ids, logprobs, reason="stop"):
@@ -241,6 +291,40 @@ def test_api_key_guards_all_routes_but_health(server):
         r = requests.post(server.base_url + path, json=body, timeout=30)
         assert r.status_code == 401, (path, r.status_code, r.text[:200])
     assert requests.get(server.base_url + "/health", timeout=30).status_code == 200
+
+
+@needs_vllm
+def test_weight_routes_check_bodies_and_dtypes(server, client):
+    """A raw bucket must be the bytes its header declares, with dtypes from an allow-list
+    (never getattr(torch, <request data>)) and sizes under the cap; a JSON body over the cap
+    is refused before it is parsed. The server serves on afterwards."""
+    import json as _json
+
+    from grpo_jax.rollout.http_sync import RAW_UPDATE_ROUTE
+    from grpo_jax.rollout.vllm_client import VLLMServerError
+
+    def raw(info, body):
+        return requests.post(server.base_url + RAW_UPDATE_ROUTE, data=body, timeout=60,
+                             headers={"Authorization": f"Bearer {API_KEY}",
+                                      "content-type": "application/octet-stream",
+                                      "x-grpo-update-info": _json.dumps(info)})
+    norm = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [[128]]}
+    for dtype in ("__class__", "Tensor", "int64"):
+        r = raw(dict(norm, dtype_names=[dtype]), bytes(512))
+        assert r.status_code == 400 and "is not one of" in r.text, (dtype, r.text)
+    r = raw(dict(norm, shapes=[["128"]]), bytes(512))
+    assert r.status_code == 400 and "is not a list of sizes" in r.text, r.text
+    r = raw(norm, bytes(513))  # a byte more than the tensors need
+    assert r.status_code == 413, r.text
+    r = raw(dict(norm, shapes=[[1 << 40]]), bytes(8))  # 4 TiB declared: refused unread
+    assert r.status_code == 413 and "GRPO_JAX_MAX_BUCKET_BYTES" in r.text, r.text
+    r = requests.post(server.base_url + "/update_weights", timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"update_info": {"names": ["x"] * (1 << 18)}})  # > 1 MiB of JSON
+    assert r.status_code == 413, r.text
+    with pytest.raises(VLLMServerError, match="HTTP 400.*dtype '__class__' is not one of"):
+        client.update_weights_raw(dict(norm, dtype_names=["__class__"]), bytes(512))
+    assert client.logprobs_for(PROMPTS[:1], COMPLETIONS[:1])[0].shape == (len(COMPLETIONS[0]),)
 
 
 @needs_vllm
@@ -363,6 +447,7 @@ def _train_config(model_dir, out, base_url, **extra):
             "reward_funcs": f"[{fixtures}:even_tokens]", "num_generations": 4,
             "max_completion_length": 8, "per_device_train_batch_size": 8, "dp": 1,
             "learning_rate": 1e-3, "lr_scheduler_type": "constant", "max_steps": 3,
+            "logging_steps": 1,
             "output_dir": str(out), "report_to": "[]", "backend": "vllm",
             "vllm_server_base_url": base_url, "vllm_server_api_key": API_KEY,
             "max_prompt_length": 64, "save_steps": 1, "vllm_server_timeout": 30}

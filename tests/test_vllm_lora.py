@@ -3,7 +3,9 @@
 After a LoRA update the trainer pushes either the adapter alone (loaded by the server at run
 time under a new name) or the base with the adapters merged; either way the server must then
 score completions as the trainer does. One server for the module, serving test_vllm's tiny
-random Llama (start-up ~40-70 s on 2 cores).
+random Llama (start-up ~40-70 s on 2 cores). It runs without an API key, as `grpo_jax.serve`
+does by default: its dev and weight routes take the session token the trainer (and the
+module's client) read from the token file (grpo_jax.rollout.server_auth).
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from flax import nnx
 from grpo_jax import peft_io, serve
 from grpo_jax.hf import load_model, params_numpy
 from grpo_jax.models import lora
-from test_vllm import (_SKIP, API_KEY, COMPLETIONS, LORA, PROMPTS, VLLM_PYTHON, _train_config,
+from test_vllm import (_SKIP, COMPLETIONS, LORA, PROMPTS, VLLM_PYTHON, _train_config,
                        free_port, needs_vllm, on_policy_run, tiny_llama, token_logp,
                        trainer_logp)
 
+NO_KEY = {"vllm_server_api_key": "null"}  # the session token instead
 PEFT = lora.PeftArgs(use_peft=True, lora_r=4, lora_alpha=16, lora_target_modules=("all-linear",))
 
 
@@ -37,7 +40,7 @@ def server(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm_lora_server")
     env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp / "cache"))
     srv = serve.start_server(model_dir, free_port(), python=VLLM_PYTHON, max_model_len=256,
-                             api_key=API_KEY, lora_rank=PEFT.lora_r,
+                             lora_rank=PEFT.lora_r,
                              log_path=tmp / "server.log", env=env)
     try:
         from grpo_jax.rollout.vllm_client import VLLMClient
@@ -50,7 +53,7 @@ def server(model_dir, tmp_path_factory):
 @pytest.fixture
 def client(server):
     from grpo_jax.rollout.vllm_client import VLLMClient
-    with VLLMClient(server.base_url, api_key=API_KEY, max_retries=2, backoff_s=0.2) as c:
+    with VLLMClient(server.base_url, max_retries=2, backoff_s=0.2) as c:
         yield c
 
 
@@ -138,7 +141,7 @@ def test_grpo_lora_run_syncs(server, client, model_dir, tmp_path, mode, capsys):
     the trainer's current policy, and serves the trained one after the run."""
     from grpo_jax.checkpoint import load_checkpoint
     hist = on_policy_run(model_dir, tmp_path / "run", server.base_url, vllm_lora_sync=mode,
-                         **LORA)
+                         **LORA, **NO_KEY)
     assert "merged full weights instead" not in capsys.readouterr().err
     with capsys.disabled():
         print(f"LoRA {mode} sync: {[round(h['timing/weight_sync'], 3) for h in hist]} s")
@@ -162,9 +165,33 @@ def test_quantized_base_syncs_merged(capsys, server, model_dir, tmp_path):
 
     from grpo_jax.rollout.vllm_rollout import VLLMRollout
     cfg = _train_config(model_dir, tmp_path / "run", server.base_url, load_in_8bit="true",
-                        **LORA)
+                        **LORA, **NO_KEY)
     rollout = VLLMRollout(cfg, load_model(str(model_dir))[0].cfg,
                           AutoTokenizer.from_pretrained(model_dir), model_dir)
     assert not rollout.takes_adapters
     assert ("base is quantized (load_in_8bit / load_in_4bit); pushing merged full weights "
             "instead") in capsys.readouterr().err
+
+
+@needs_vllm
+def test_session_token_guards_dev_and_weight_routes(server, client):
+    """No API key on loopback: inference stays open; the routes that replace the model, load
+    files or run RPCs answer 401 without the server's session token, whose file only its
+    account can read. The module's client (no key) found the token by itself."""
+    import requests
+
+    from grpo_jax.rollout import server_auth
+    path = server_auth.token_path(int(server.base_url.rsplit(":", 1)[1]))
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o077 == 0
+    for route, body in [("/collective_rpc", {"method": "grpo_model_info"}),
+                        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/etc"}),
+                        ("/init_weight_transfer_engine", {"init_info": {"protocol": 1}}),
+                        ("/start_weight_update", None), ("/grpo/update_weights", None),
+                        ("/pause", None), ("/reset_prefix_cache", None)]:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = requests.post(server.base_url + route, json=body, headers=headers, timeout=30)
+            assert r.status_code == 401, (route, r.status_code, r.text[:200])
+    r = requests.post(server.base_url + "/v1/completions", timeout=60,
+                      json={"prompt": PROMPTS[0], "max_tokens": 2})
+    assert r.status_code == 200 and requests.get(server.base_url + "/health").status_code == 200
+    assert client.model_info()["max_lora_rank"] == 8  # /collective_rpc with the token

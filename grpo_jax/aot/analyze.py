@@ -1,24 +1,27 @@
 """`python -m grpo_jax.aot`: compile a run's programs for a TPU slice or GPUs this machine does
-not have, and report memory per chip and roofline time. See docs/scaling.md.
+not have, and report memory per chip, communication, and a forecast of a round's time and MFU.
+See docs/scaling.md.
 
-    python -m grpo_jax.aot --topology v5e-16 --model_name_or_path qwen2.5-7b \\
-        --max_prompt_length 512 --max_completion_length 1024 --num_generations 8 \\
-        --per_device_train_batch_size 1 --gradient_accumulation_steps 8 --fsdp -1 --dp 1
+    python -m grpo_jax.aot --topology v6e:4x4 --model_name_or_path qwen2.5-7b \\
+        --max_prompt_length 512 --max_completion_length 2048 --num_generations 8 --auto
 
 Own options: --topology NAME (v5e:4x4, v5p:4x4x4, v6e:8x8, v5e-16, v5p-128, h100:8),
---num_slices N (TPU slices joined over DCN; the data axis spans them), --json PATH, --quick
-(skip the cost compiles). Every other option is a training option with TRL's name, as
-grpo-jax-train takes it (--config NAME|PATH, --set key=value, --key value); the model is
---model_name_or_path: a preset (grpo_jax.models.presets), an HF config.json or a directory.
-Without mesh settings (--dp/--fsdp/--tp/--cp or a mesh section) aot picks the layout
-(default_layout: FSDP within a slice, a context axis for long rows) and reports it.
+--num_slices N (TPU slices joined over DCN; the data axis spans them), --json PATH, --auto
+(search the layout: mesh, remat policy, micro-batch split; candidates are compiled until
+--top N of them fit, 2, or 1 with --quick), --quick (compile the sampler with 1 and 2 layers
+and extrapolate, instead of whole: minutes instead of tens of minutes for a large model),
+--phases generate,logprobs,update (the programs to compile). Without mesh flags
+(--dp/--fsdp/--tp/--ep/--cp) the layout is chosen as a run would need it
+(search.default_layout; for long rows with a context axis) and said. Every other option is a
+training option with TRL's name, as grpo-jax-train takes it (--config NAME|PATH, --set
+key=value, --key value); the model is --model_name_or_path: a preset (grpo_jax.models.presets),
+an HF config.json or a directory.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import platform
@@ -29,6 +32,7 @@ import types
 from pathlib import Path
 from unittest import mock
 
+from grpo_jax.aot import report
 from grpo_jax.errors import GrpoJaxError
 
 
@@ -70,75 +74,93 @@ def backend_of(target):
         yield
 
 
-def make_run(target, cfg, **device_kw):
-    """The run `cfg` on `target`'s devices, meshed as train.py meshes them; with no mesh
-    settings, on default_layout's mesh (train.py would replicate over a data axis)."""
-    from grpo_jax import mesh as mesh_lib
-    from grpo_jax.aot import hardware, programs
-
+def check_config(cfg) -> None:
     if cfg.data.max_prompt_length is None:
         raise GrpoJaxError("set --max_prompt_length: the programs are compiled for one prompt "
                            "length (the sampler's bucket that holds it)")
+
+
+def make_run(target, cfg, **device_kw):
+    """The run `cfg` on `target`'s devices, meshed as train.py meshes them."""
+    from grpo_jax import mesh as mesh_lib
+    from grpo_jax.aot import hardware, programs
+
+    check_config(cfg)
     model = model_config(cfg.model.name_or_path).replace(
         numerics=cfg.peft.base_numerics(cfg.numerics))
-    devices = hardware.devices(target, **device_kw)
-    if cfg.mesh == mesh_lib.MeshConfig():  # no mesh settings given: aot picks the layout
-        cfg = dataclasses.replace(cfg, mesh=default_layout(cfg, len(devices),
-                                                           target.num_slices))
-    mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+    mesh = mesh_lib.make_mesh(cfg.mesh, hardware.devices(target, **device_kw))
     return programs.Run(cfg, model, mesh, cfg.batch_plan(mesh_lib.batch_divisor(mesh)))
 
 
-# Tokens of one row a device holds before aot's default layout splits rows over a context
-# axis: at 8k a row's activations stay a fraction of a v5e's 16 GB, as in docs/scaling.md.
-CONTEXT_TOKENS = 8192
+def evaluate(target, run, *, full_depth: bool = True, phases=("generate", "logprobs", "update")
+             ) -> dict:
+    """Compile `run`'s programs and measure them: memory per chip, collectives, FLOPs and HBM
+    bytes (`hlo.cost`: every loop trip counted, the decode loop as running to
+    max_completion_length). `full_depth=False` (the layout search's shortcut) compiles the
+    sampler with 1 and 2 layers only and takes its memory, collectives and costs as linear in
+    the layers (its layers are unrolled, so a full-depth sampler compiles for minutes); the
+    update and log-prob programs, which scan their layers, are compiled whole either way.
+    `phases`: the programs to compile (the others are left out of the report). With decode
+    slots (max_num_seqs) the generate phase's memory is the `refill` program's, which a run
+    runs; its communication and costs stay the static `generate` program's (every row to
+    max_completion_length)."""
+    from grpo_jax.aot import programs
+
+    model = run.model
+    sampled = "generate" in phases and not full_depth
+    whole = tuple(p for p in phases if p != "generate" or full_depth)
+    with backend_of(target):
+        progs = programs.build(run, whole)
+        compiled = {k: _compile(k, v) for k, v in progs.lowered.items()}
+        small = {} if not sampled else {
+            n: {k: _compile(f"{k} ({n} layer{'s' * (n > 1)})", v) for k, v in programs.build(
+                run.with_layers(n), ("generate",)).lowered.items()}
+            for n in (1, 2)}
+    depth = lambda one, two: one + (two - one) * (model.num_layers - 1)  # noqa: E731
+    memory = _memory(run, progs, compiled)
+    timed = {k: c for k, c in compiled.items() if k != "refill"}
+    comm = {k: _comms(c, run, k) for k, c in timed.items()}
+    cost = {k: _cost(c, run, k) for k, c in timed.items()}
+    if sampled:  # the sampler's from its 1- and 2-layer programs
+        by_n = {n: _memory(run.with_layers(n), programs.build(run.with_layers(n), ()),
+                           small[n]) for n in (1, 2)}
+        above = {n: by_n[n]["phases"]["generate"]["peak_GB"] - by_n[n]["resident_GB"]
+                 for n in (1, 2)}
+        temp = {n: by_n[n]["phases"]["generate"]["temporaries_GB"] for n in (1, 2)}
+        memory["phases"]["generate"] = {
+            "temporaries_GB": depth(temp[1], temp[2]),
+            "peak_GB": memory["resident_GB"] + depth(above[1], above[2]),
+            "from_layers": "1 and 2"}
+        if any(hasattr(c, "refused") for n in small.values() for c in n.values()):
+            memory["phases"]["generate"]["refused_by_compiler"] = "at 1 or 2 layers"
+        one, two = (_comms(small[n]["generate"], run.with_layers(n), "generate") for n in (1, 2))
+        comm["generate"] = None if one is None or two is None else _comm_by_layers(
+            one, two, model.num_layers)
+        one, two = (_cost(small[n]["generate"], run, "generate") for n in (1, 2))
+        cost["generate"] = None if one is None or two is None else depth(one, two)
+    memory["phases"] = {k: memory["phases"][k] for k in programs.PHASES if k in phases}
+    _verdict(memory, target.chip)
+    return {"memory": memory, "comm": comm, "cost": cost, "progs": progs,
+            "unknown_trips": run.cfg.generation.max_completion_length - 1}
 
 
-def default_layout(cfg, chips: int, slices: int):
-    """The mesh aot compiles when the user gives none: data parallel across slices only (the
-    gradient all-reduce over DCN), FSDP over each slice's chips (params, gradients and AdamW
-    state split: replicated, an 8B model's alone would overflow a v5p), and for long rows a
-    context axis: the fewest devices (a power of 2 dividing the completion length and the
-    slice) that bring a row's tokens per device to CONTEXT_TOKENS or fewer."""
-    from grpo_jax import mesh as mesh_lib
-    tokens = cfg.data.max_prompt_length + cfg.generation.max_completion_length
-    per_slice, cp = chips // slices, 1
-    while (tokens > cp * CONTEXT_TOKENS and per_slice % (2 * cp) == 0
-           and cfg.generation.max_completion_length % (4 * cp) == 0):
-        cp *= 2
-    return mesh_lib.MeshConfig(dp=slices, fsdp=per_slice // cp, tp=1, cp=cp)
+def _cost(compiled, run, phase: str):
+    """FLOPs and HBM bytes of one run of a program (None when the compiler refused it)."""
+    from grpo_jax.aot import hlo
+
+    if hasattr(compiled, "refused"):
+        return None
+    C = run.cfg.generation.max_completion_length
+    c = hlo.cost(compiled.as_text(), unknown_trips=C - 1 if phase == "generate" else 1)
+    return report.Cost(c.flops, c.bytes)
 
 
-def analyze(target, cfg, quick: bool = False) -> dict:
+def _memory(run, progs, compiled: dict) -> dict:
+    """Memory per chip: resident state and each phase's peak (report.phase_memory)."""
     import jax
 
-    from grpo_jax.aot import programs, report
+    from grpo_jax.aot import programs
 
-    start = time.perf_counter()
-    run = make_run(target, cfg)
-    devices, model = run.mesh.devices.flat, run.model
-    with backend_of(target):
-        progs = programs.build(run)
-        compiled = {k: _compile(k, v) for k, v in progs.lowered.items() if k != "prefill"}
-        attention = _attention_kernel(run, progs.prompt_width)
-        costs = {}
-        # XLA's GPU compiler gives no cost analysis without a device: no roofline there.
-        if not quick and target.platform == "tpu":
-            with programs.unrolled_scans():
-                small = [programs.build(run.with_layers(n)).lowered for n in (1, 2)]
-            try:
-                for phase in ("generate", "prefill", "logprobs", "update"):
-                    one, two = (report.cost_of(lo[phase].compile()) for lo in small)
-                    costs[phase] = report.by_layers(one, two, model.num_layers)
-            except jax.errors.JaxRuntimeError as e:
-                # Unrolled loops keep more alive than the real program: XLA may refuse them.
-                if "RESOURCE_EXHAUSTED" not in str(e):
-                    raise
-                costs = {}
-                print(f"no roofline: the unrolled {phase} program does not fit in HBM",
-                      file=sys.stderr)
-
-    plan, chip = run.plan, target.chip
     params = programs.shard_bytes(progs.state.params)  # with LoRA: the adapters
     opt = programs.shard_bytes(progs.state.opt_state)
     state = programs.shard_bytes(progs.state)
@@ -146,27 +168,162 @@ def analyze(target, cfg, quick: bool = False) -> dict:
     # train.py keeps a copy of the initial params, matrices in the compute dtype (norms: tiny);
     # LoRA's reference is the base with the adapters off: no copy.
     ref = (params * jax.numpy.dtype(run.model.dtype).itemsize / run.model.param_dtype.itemsize
-           if cfg.loss.beta and not progs.frozen else 0.0)
+           if run.cfg.loss.beta and not progs.frozen else 0.0)
     resident = state + ref + base
     mem = {k: c.memory_analysis() for k, c in compiled.items()}
     # Resident buffers among each program's arguments; a LoRA sampler that does not take the
     # adapters reads a merged copy, which is not resident: it counts in the generate phase.
     gen_reads = (params + base if progs.sampler_takes_adapters
                  else 0.0 if progs.frozen else params)
-    phases = {"generate": report.phase_memory(mem["generate"], resident, gen_reads),
-              "logprobs": report.phase_memory(mem["logprobs"], resident, params + base),
-              "update": report.phase_memory(mem["update"], ref, 0.0)}
-    for phase, c in compiled.items():
-        if hasattr(c, "refused"):  # XLA's figure: a lower bound on the peak
-            phases[phase]["refused_by_compiler"] = c.refused
-    peak = max(p["peak_GB"] for p in phases.values()) * report.GB
+    reads = {"generate": (resident, gen_reads), "logprobs": (resident, params + base),
+             "update": (ref, 0.0)}
+    out = {}
+    # With decode slots the run generates with `refill`: its memory is the generate phase's.
+    for phase in sorted(mem, key=lambda k: k == "refill"):
+        at = "generate" if phase == "refill" else phase
+        out[at] = report.phase_memory(mem[phase], *reads[at])
+        if hasattr(compiled[phase], "refused"):  # XLA's figure: a lower bound on the peak
+            out[at]["refused_by_compiler"] = compiled[phase].refused
+    return {"params_GB": params / report.GB, "optimizer_state_GB": opt / report.GB,
+            "reference_params_GB": ref / report.GB, "frozen_base_GB": base / report.GB,
+            "kv_cache_GB": programs.shard_bytes(progs.kv_cache) / report.GB,
+            "resident_GB": resident / report.GB, "phases": out}
+
+
+def _verdict(memory: dict, chip) -> None:
+    peak = max(p["peak_GB"] for p in memory["phases"].values()) * report.GB
+    memory.update(peak_GB=peak / report.GB, hbm_GB=chip.hbm_bytes / report.GB,
+                  margin_GB=(chip.hbm_bytes - peak) / report.GB, fits=peak <= chip.hbm_bytes)
+
+
+def _comms(compiled, run, phase: str) -> list | None:
+    """The program's collectives (None when the compiler refused it). The sampler's decode loop
+    has no trip count XLA knows (it stops once every row is done): it counts as running to
+    max_completion_length, as the workload rows do."""
+    from grpo_jax.aot import comms
+
+    if hasattr(compiled, "refused"):
+        return None
+    C = run.cfg.generation.max_completion_length
+    colls, unknown = comms.collectives(compiled.as_text(), run.mesh,
+                                       unknown_trips=C - 1 if phase == "generate" else 1)
+    return [colls, unknown]
+
+
+def _comm_by_layers(one, two, layers: int) -> list:
+    """Collectives of a program with `layers` layers from its 1- and 2-layer programs: the
+    2-layer program's, plus (layers - 2) times what the second layer added."""
+    import dataclasses as dc
+    from collections import Counter
+
+    key = lambda c: dc.replace(c, count=0)  # noqa: E731
+    a, b = Counter(), Counter()
+    for c in one[0]:
+        a[key(c)] += c.count
+    for c in two[0]:
+        b[key(c)] += c.count
+    out = [dc.replace(k, count=b[k] + (b[k] - a[k]) * (layers - 2)) for k in b]
+    return [[c for c in out if c.count > 0], two[1]]
+
+
+def per_round(run) -> dict:
+    """Runs of each program per round: the sampler once, the log-prob program once per
+    micro-batch of the generation batch per pass (reference, old), the update once per
+    optimizer step."""
+    plan, cfg = run.plan, run.cfg
+    passes = (cfg.loss.beta > 0) + plan.needs_old_logps
+    return {"generate": 1.0, "logprobs": float(passes * plan.steps_per_generation),
+            "update": plan.steps_per_generation * plan.num_iterations
+            / plan.gradient_accumulation_steps}
+
+
+def run_phases(run, phases=("generate", "logprobs", "update")) -> tuple[str, ...]:
+    """`phases` less those a round does not run (no log-prob pass: beta 0 and one update per
+    generation batch)."""
+    runs = per_round(run)
+    return tuple(p for p in phases if runs[p] > 0)
+
+
+def timing(run, target, ev: dict) -> tuple[dict | None, dict]:
+    """The forecast (None without costs) and the communication per round."""
+    from grpo_jax.aot import comms, programs
+
+    chip, runs = target.chip, per_round(run)
+    communication = {}
+    for phase, found in ev["comm"].items():
+        if found is None:
+            communication[phase] = None
+            continue
+        s = comms.summary(found[0], chip)
+        k = runs[phase]
+        communication[phase] = {
+            "gb": s["gb"] * k, "seconds": s["seconds"] * k, "runs_per_round": k,
+            "unknown_loops": found[1], "unknown_trips": ev["unknown_trips"],
+            "by": {key: {n: v * k for n, v in e.items()} for key, e in s["by"].items()}}
+    cost = ev["cost"]
+    if not cost or any(c is None for c in cost.values()):
+        return None, communication
+    C = run.cfg.generation.max_completion_length
+    per_phase = {k: c * runs[k] for k, c in cost.items()}
+    phases = {}
+    for k, c in per_phase.items():
+        comm_s = communication[k]["seconds"] if communication.get(k) else 0.0
+        phases[k] = report.phase_time(c, comm_s, chip)
+        phases[k]["comm_gb"] = communication[k]["gb"] if communication.get(k) else 0.0
+    plan, progs = run.plan, ev["progs"]
+    model_flops = report.model_flops(
+        run.model, plan.prompts_per_generation, plan.generation_batch_size, progs.prompt_width,
+        C, runs["logprobs"] * plan.micro_batch_size / plan.generation_batch_size,
+        runs["update"] * plan.micro_batch_size * plan.gradient_accumulation_steps,
+        programs.prompt_group(run.cfg, plan))
+    chips = run.mesh.size
+    for k, p in phases.items():  # each phase's own MFU, at both ends of its range
+        p["mfu"] = tuple(model_flops[k] / chips / (t * chip.peak_flops) if t else 0.0
+                         for t in (p["overlapped_s"], p["serial_s"]))
+    total = sum(model_flops[k] for k in phases) / chips
+    span = (sum(p["overlapped_s"] for p in phases.values()),
+            sum(p["serial_s"] for p in phases.values()))
+    return {"phases": phases, "round_s": span, "model_tflop": total / 1e12,
+            "mfu": tuple(total / (t * chip.peak_flops) if t else 0.0 for t in span),
+            # 6 x active parameters x tokens (a mixture of experts: each token's k experts
+            # only; remat and attention excluded), per chip: what XLA's count compares to.
+            "update_model_tflop": 6 * run.model.num_params(active=True) * plan.micro_batch_size
+            * plan.gradient_accumulation_steps * (progs.prompt_width + C) / chips / 1e12
+            }, communication
+
+
+def analyze(target, cfg, quick: bool = False, phases=("generate", "logprobs", "update")) -> dict:
+    import jax
+
+    start = time.perf_counter()
+    chosen = None
+    check_config(cfg)
+    if not cfg.mesh.given:
+        from grpo_jax.aot import search
+        cfg, chosen = search.default_layout(target, cfg)
+    run = make_run(target, cfg)
+    ev = evaluate(target, run, full_depth=not quick, phases=run_phases(run, phases))
+    result = summarize(target, cfg, run, ev, start)
+    if chosen:
+        result["chosen"] = chosen
+    result["jax"] = jax.__version__
+    return result
+
+
+def summarize(target, cfg, run, ev: dict, start: float) -> dict:
+    """The report's dict (rendered by report.render, written by --json)."""
+    plan, chip, progs, model = run.plan, target.chip, ev["progs"], run.model
+    devices = run.mesh.devices.flat
     C = cfg.generation.max_completion_length
     updates = plan.steps_per_generation * plan.num_iterations / plan.gradient_accumulation_steps
+    memory = dict(ev["memory"])
+    memory.pop("resident_GB", None)
     result = {
         "model": cfg.model.name_or_path, "params_B": model.num_params() / 1e9,
+        "active_params_B": model.num_params(active=True) / 1e9,
         "topology": target.name, "chip": chip.name, "chips": run.mesh.size,
         "hosts": len({d.process_index for d in devices}), "mesh": dict(run.mesh.shape),
-        "mesh_chosen": run.cfg.mesh != cfg.mesh,
+        "flags": flags_of(cfg),
         "lora": (None if not cfg.peft.use_peft else {
             "r": cfg.peft.lora_r, "target_modules": list(cfg.peft.target_modules()),
             "quant_bits": cfg.peft.quant_bits, "sampler": "the adapters on the base"
@@ -174,34 +331,20 @@ def analyze(target, cfg, quick: bool = False) -> dict:
         "prompt_width": progs.prompt_width, "completion_length": C,
         "plan": {"generation_batch_size": plan.generation_batch_size,
                  "prompts": plan.prompts_per_generation, "num_generations": plan.num_generations,
-                 "sampler_rows": progs.sampler_rows, "updates_per_round": updates,
+                 "sampler_rows": progs.sampler_rows, "decode_slots": progs.decode_slots,
+                 "updates_per_round": updates,
                  "rows_per_update": plan.micro_batch_size * plan.gradient_accumulation_steps},
-        "memory_per_chip": {
-            "params_GB": params / report.GB, "optimizer_state_GB": opt / report.GB,
-            "reference_params_GB": ref / report.GB, "frozen_base_GB": base / report.GB,
-            "kv_cache_GB": programs.shard_bytes(progs.kv_cache) / report.GB,
-            "phases": phases, "peak_GB": peak / report.GB, "hbm_GB": chip.hbm_bytes / report.GB,
-            "margin_GB": (chip.hbm_bytes - peak) / report.GB, "fits": peak <= chip.hbm_bytes},
+        "memory_per_chip": memory,
     }
-    if costs:
-        decode = costs["generate"] - costs["prefill"]  # the loop's body, counted once
-        per_phase = {"generate": costs["prefill"] + decode * (C - 1),
-                     "logprobs": costs["logprobs"] * ((cfg.loss.beta > 0) + plan.needs_old_logps),
-                     "update": costs["update"] * updates}
-        seconds = {"generate": costs["prefill"].seconds(chip) + (C - 1) * decode.seconds(chip),
-                   "logprobs": per_phase["logprobs"].seconds(chip),
-                   "update": per_phase["update"].seconds(chip)}
-        result["time"] = {
-            "phases": {k: {"tflop": c.flops / 1e12, "gb": c.bytes / report.GB,
-                           "seconds": seconds[k],
-                           "bound": "compute" if c.flops / chip.peak_flops
-                           >= c.bytes / chip.hbm_bandwidth else "memory"}
-                       for k, c in per_phase.items()},
-            "round_s": sum(seconds.values()),
-            "per_update_s": costs["update"].seconds(chip)}
+    time_, communication = timing(run, target, ev)
+    result["communication"] = communication
+    if time_:
+        result["time"] = time_
+    with backend_of(target):
+        attention = _attention_kernel(run, progs.prompt_width)
     result.update(attention=attention,
-                  compile_s=time.perf_counter() - start, jax=jax.__version__,
-                  libtpu=_version("libtpu"), host=f"{platform.machine()} x{os.cpu_count()}")
+                  compile_s=time.perf_counter() - start, libtpu=_version("libtpu"),
+                  host=f"{platform.machine()} x{os.cpu_count()}")
     return result
 
 
@@ -221,7 +364,19 @@ def _attention_kernel(run, prompt_width: int) -> str:
     return kernel
 
 
-def _compile(phase: str, lowered):
+def flags_of(cfg) -> list[str]:
+    """The layout flags of `cfg`: mesh, per-device batch, accumulation, remat."""
+    from grpo_jax import mesh as mesh_lib
+    b, n = cfg.batch, cfg.numerics
+    out = mesh_lib.flags(cfg.mesh) + [
+        "--per_device_train_batch_size", str(b.per_device_train_batch_size),
+        "--gradient_accumulation_steps", str(b.gradient_accumulation_steps)]
+    if b.generation_batch_size is not None:
+        out += ["--generation_batch_size", str(b.generation_batch_size)]
+    return out + (["--remat_policy", n.remat_policy] if n.remat else ["--remat", "false"])
+
+
+def _compile(phase: str, lowered, quiet: bool = False):
     """The compiled program, or, where the TPU compiler refuses it for want of HBM, the
     temporaries it asked for (a stand-in with memory_analysis())."""
     import jax
@@ -237,7 +392,9 @@ def _compile(phase: str, lowered):
         out = types.SimpleNamespace(memory_analysis=lambda: types.SimpleNamespace(
             argument_size_in_bytes=0, output_size_in_bytes=0, alias_size_in_bytes=0,
             temp_size_in_bytes=temp), refused=str(e).splitlines()[0])
-    print(f"compiled {phase} in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    if not quiet:
+        print(f"compiled {phase} in {time.perf_counter() - start:.0f} s", file=sys.stderr,
+              flush=True)
     return out
 
 
@@ -249,12 +406,39 @@ def _version(package: str) -> str | None:
         return None
 
 
+# Training flags a layout sets (and their config keys): left out of the command to run with.
+_LAYOUT_KEYS = ("dp", "fsdp", "tp", "ep", "per_device_train_batch_size",
+                "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation",
+                "remat", "remat_policy", "gradient_checkpointing")
+
+
+def _without_layout(args: list[str]) -> list[str]:
+    out, skip = [], False
+    for i, a in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        key = a.lstrip("-").split("=")[0].replace("-", "_").rpartition(".")[2]
+        if a.startswith("--") and key in _LAYOUT_KEYS:
+            skip = "=" not in a
+            continue
+        if a == "--set" and i + 1 < len(args) and args[i + 1].split("=")[0].rpartition(
+                ".")[2] in _LAYOUT_KEYS:
+            skip = True
+            continue
+        out.append(a)
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m grpo_jax.aot", add_help=False)
     p.add_argument("--topology")
     p.add_argument("--num_slices", "--num-slices", type=int, default=1)
     p.add_argument("--json")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--auto", action="store_true")
+    p.add_argument("--top", type=int)
+    p.add_argument("--phases", default="generate,logprobs,update")
     p.add_argument("-h", "--help", action="store_true")
     args, rest = p.parse_known_args(argv)
     if args.help:
@@ -266,12 +450,18 @@ def main(argv=None) -> dict:
         import jax
         jax.config.update("jax_platforms", "cpu")  # compile only: never open an accelerator
         from grpo_jax import cli
-        from grpo_jax.aot import hardware, report
+        from grpo_jax.aot import hardware, search
         target = hardware.parse_target(args.topology, args.num_slices)
-        result = analyze(target, cli.parse_cli(rest), quick=args.quick)
+        cfg = cli.parse_cli(rest)
+        result = (search.auto(target, cfg, quick=args.quick, top=args.top) if args.auto
+                  else analyze(target, cfg, quick=args.quick,
+                               phases=tuple(args.phases.split(","))))
     except GrpoJaxError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    if result.get("chosen") or result.get("search"):
+        result["command"] = ["python -m grpo_jax.train", *_without_layout(rest),
+                             *result["flags"]]
     print(report.render(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

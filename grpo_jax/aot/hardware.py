@@ -3,6 +3,16 @@
 TPU slices come from libtpu (`jax.experimental.topologies`, with TPU_SKIP_MDS_QUERY=1 so it does
 not ask a metadata server); NVIDIA GPUs from the CUDA plugin and a GpuTargetConfigProto. Peaks
 are public dense bf16 specs; HBM is in GB (1e9 bytes), which errs on the safe side.
+
+Interconnect, per chip, as published:
+- TPU v5e: bidirectional ICI 400 GB/s over 4 ports (2-D torus); data-center network 6.4 Tbps per
+  256-chip pod, 25 Gbps a chip (cloud.google.com/tpu/docs/v5e).
+- TPU v5p: bidirectional ICI 1200 GB/s over 6 ports (3-D torus); DCN 50 Gbps a chip
+  (cloud.google.com/tpu/docs/v5p).
+- TPU v6e: bidirectional ICI 800 GB/s over 4 ports (2-D torus) (cloud.google.com/tpu/docs/v6e);
+  DCN 4 x 200 Gbps NICs per 8-chip host, 100 Gbps a chip (the same page's host table).
+- H100 SXM: NVLink 4 at 900 GB/s bidirectional to the NVSwitch (any GPU of the host at full
+  rate); one 400 Gb/s NIC per GPU between hosts (NVIDIA H100 and DGX H100 datasheets).
 """
 
 from __future__ import annotations
@@ -21,13 +31,16 @@ class Chip:
     hbm_bytes: float
     peak_flops: float  # dense bf16 FLOP/s
     hbm_bandwidth: float  # bytes/s
+    ici_bandwidth: float  # bytes/s, bidirectional, all of a chip's ICI / NVLink ports together
+    ici_ports: int | None  # torus links per chip; None: a switch (NVLink)
+    dcn_bandwidth: float  # bytes/s a chip sends between slices / hosts
 
 
 CHIPS = {
-    "v5e": Chip("TPU v5e", 16e9, 197e12, 819e9),
-    "v5p": Chip("TPU v5p", 95e9, 459e12, 2765e9),
-    "v6e": Chip("TPU v6e", 32e9, 918e12, 1640e9),
-    "h100": Chip("H100 SXM", 80e9, 989e12, 3350e9),
+    "v5e": Chip("TPU v5e", 16e9, 197e12, 819e9, 400e9, 4, 25e9 / 8),
+    "v5p": Chip("TPU v5p", 95e9, 459e12, 2765e9, 1200e9, 6, 50e9 / 8),
+    "v6e": Chip("TPU v6e", 32e9, 918e12, 1640e9, 800e9, 4, 100e9 / 8),
+    "h100": Chip("H100 SXM", 80e9, 989e12, 3350e9, 900e9, None, 400e9 / 8),
 }
 
 # Chips per slice -> the slice's shape, for names that count chips (v5e-16) or, for v5p,
@@ -58,8 +71,8 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 class Target:
     name: str  # as given
     chip: Chip
-    platform: str  # "tpu" or "cuda"
-    topology: str  # libtpu's name (v5e:4x4) or the GPU count as "1x1xN"
+    platform: str  # "tpu", "cuda" (or "cpu": this host's devices)
+    topology: str  # libtpu's name (v5e:4x4), the GPU count as "1x1xN" (CPU: the count)
     num_slices: int = 1
 
 
@@ -92,9 +105,13 @@ def parse_target(name: str, num_slices: int = 1) -> Target:
 
 
 def devices(target: Target, gpu_target_config: str = H100_TARGET) -> list:
-    """The target's devices, as the compiler sees them (no runtime is opened)."""
+    """The target's devices, as the compiler sees them (no runtime is opened). A "cpu" target
+    (tests, trying the tool out) is this host's CPU devices."""
+    import jax
     from jax.experimental import topologies
 
+    if target.platform == "cpu":
+        return jax.devices("cpu")[:int(target.topology)]
     if target.platform == "cuda":
         try:
             topo = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config,

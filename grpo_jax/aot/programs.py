@@ -2,8 +2,12 @@
 
 - `update`: grpo.train_step.train_step on one window (gradient_accumulation_steps
   micro-batches), jitted as trainer.Trainer jits it (state donated, shardings from mesh.RULES);
-- `logprobs`: trainer.Trainer's reference / old log-prob program on a whole generation batch;
-- `generate`: rollout.sampler.Sampler's program on a generation batch (prefill + decode loop).
+- `logprobs`: trainer.Trainer's reference / old log-prob program on a micro-batch;
+- `generate`: rollout.sampler.Sampler's program on a generation batch (prefill + decode loop);
+- `refill`: with `max_num_seqs` decode slots fewer than those rows, rollout.refill.Refill's
+  program, which a run then runs instead: the rows through the slots, whose KV cache is
+  slots x (prompt + completion) rather than rows x. Lowered with `generate` (phase
+  "generate"), which stays for the forecast: a static batch of every row.
 
 Nothing is allocated: parameters, optimizer state and batches are jax.ShapeDtypeStructs that
 carry NamedShardings over the target's devices.
@@ -11,11 +15,10 @@ carry NamedShardings over the target's devices.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import math
 import types
 from typing import Any
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +32,8 @@ from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.optimizer import make_optimizer
 from grpo_jax.grpo.train_step import (StepConfig, init_train_state, state_shardings,
                                       train_step)
-from grpo_jax.models import KVCache, ModelConfig, lora
+from grpo_jax.models import KVCache, ModelConfig, lora, moe
+from grpo_jax.rollout.refill import Refill
 from grpo_jax.rollout.sampler import Sampler
 from grpo_jax.trainer import Trainer
 
@@ -48,10 +52,15 @@ class Run:
         if self.cfg.rollout.backend != "vllm":  # as grpo_jax.train.step_config
             loss = dataclasses.replace(loss, vllm_importance_sampling_correction=False)
         return StepConfig(loss=loss, temperature=self.cfg.generation.temperature,
-                          gradient_accumulation_steps=self.plan.gradient_accumulation_steps)
+                          gradient_accumulation_steps=self.plan.gradient_accumulation_steps,
+                          aux_loss_coef=moe.router_aux_loss_coef(
+                              self.cfg.loss.router_aux_loss_coef, self.model))
 
     def with_layers(self, n: int) -> "Run":
-        return dataclasses.replace(self, model=self.model.replace(num_layers=n))
+        m = self.model  # per-layer settings cut to the first n layers
+        return dataclasses.replace(self, model=m.replace(
+            num_layers=n, layer_types=m.layer_types and m.layer_types[:n],
+            mlp_only_layers=tuple(i for i in m.mlp_only_layers if i < n)))
 
 
 def _abstract(tree, shardings):
@@ -90,9 +99,14 @@ class Programs:
     sampler_rows: int
     prompt_width: int
     sampler_takes_adapters: bool  # reads (adapters, base), not a merged copy of the model
+    decode_slots: int | None = None  # with a `refill` program: its slots
 
 
-def build(run: Run) -> Programs:
+PHASES = ("generate", "logprobs", "update")
+
+
+def build(run: Run, phases: tuple[str, ...] = PHASES) -> Programs:
+    """The run's programs, lowered: those of `phases` (none: only the abstract state)."""
     mesh, step_cfg = run.mesh, run.step_config
     replicated = NamedSharding(mesh, P())
     # With LoRA the model is what peft_io.load_model builds: the base in the compute dtype
@@ -117,12 +131,13 @@ def build(run: Run) -> Programs:
     def constrain(x):  # as Trainer: [k, rows, ...] micro-batch splits, rows on the batch axes
         return jax.lax.with_sharding_constraint(
             x, mesh_lib.logical_sharding(mesh, None, "batch", *[None] * (x.ndim - 2)))
+    g, group = run.cfg.grpo.num_generations, prompt_group(run.cfg, run.plan)
     update = jax.jit(
-        lambda s, b, f: train_step(graphdef, tx, schedule, step_cfg, s, b, constrain, f),
+        lambda s, b, f: train_step(graphdef, tx, schedule, step_cfg, s, b, constrain, f, group),
         out_shardings=(state_shardings(step_cfg.loss, param_sh, opt_sh, replicated),
                        replicated), donate_argnums=(0,))
     logps = jax.jit(lambda p, b, f: Trainer._logps_fn(
-        types.SimpleNamespace(cfg=step_cfg), graphdef, p, b, f), out_shardings=replicated)
+        types.SimpleNamespace(cfg=step_cfg), graphdef, p, b, f, group), out_shardings=replicated)
 
     takes_adapters = bool(peft and peft.sampler_takes_adapters)  # as engines.JaxRollout
     sampler = Sampler(run.model, run.cfg.generation, pad_id=0, mesh=mesh,
@@ -135,30 +150,44 @@ def build(run: Run) -> Programs:
         weights = _abstract(merged, mesh_lib.param_shardings(merged, mesh))
     else:
         weights = state.params
-    g = run.cfg.grpo.num_generations
     rows = sampler._batch_size(run.plan.generation_batch_size)
     width = sampler._bucket(run.cfg.data.max_prompt_length)
     ids = _rows((sampler._prompt_rows(rows, g), width), jnp.int32, mesh)  # each prompt once
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                                sharding=replicated)
-    prefill = jax.jit(lambda p, i, m, k: sampler._prefill(p, i, m, k, g, rows)[1])
     gen_args = (weights, ids, ids, key)
-    C = run.cfg.generation.max_completion_length
-    cache = jax.eval_shape(lambda: KVCache.zeros(run.model, rows, width + C, sampler.cache_dtype))
+    C, sp = run.cfg.generation.max_completion_length, run.cfg.generation
+    refill = (Refill(sampler) if sp.max_num_seqs is not None and sp.continuous_batching
+              and rows > sp.max_num_seqs else None)
+    cached = rows if refill is None else refill.slots
+    cache = jax.eval_shape(lambda: KVCache.zeros(run.model, cached, width + C,
+                                                 sampler.cache_dtype))
     cache_sh = jax.tree.map(lambda x: mesh_lib.logical_sharding(
         mesh, "batch", "kv_heads", "length", None, shape=x.shape), cache)
-    lowered = {
-        "generate": sampler._program.lower(*gen_args, num_generations=g, rows=rows),
-        "prefill": prefill.lower(*gen_args),
+    lower = {
+        "generate": lambda: sampler._program.lower(*gen_args, num_generations=g, rows=rows),
         # A micro-batch at a time, as Trainer.logps runs it.
-        "logprobs": logps.lower(state.params, _batch(run, run.plan.micro_batch_size, width,
-                                                     logps=False), frozen),
-        "update": update.lower(state, _batch(run, run.plan.micro_batch_size
-                                             * run.plan.gradient_accumulation_steps, width),
-                               frozen),
+        "logprobs": lambda: logps.lower(state.params, _batch(run, run.plan.micro_batch_size,
+                                                             width, logps=False), frozen),
+        "update": lambda: update.lower(state, _batch(run, run.plan.micro_batch_size
+                                                     * run.plan.gradient_accumulation_steps,
+                                                     width), frozen),
     }
+    lowered = {k: lower[k]() for k in phases}
+    if refill is not None and "generate" in phases:
+        rows_in_round = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+        lowered["refill"] = refill._program.lower(*gen_args, rows_in_round, num_generations=g,
+                                                  rows=rows)
     return Programs(lowered, state, frozen, _abstract(cache, cache_sh), rows, width,
-                    takes_adapters)
+                    takes_adapters, refill and refill.slots)
+
+
+def prompt_group(cfg: TrainConfig, plan: BatchPlan) -> int:
+    """Rows per shared prompt in the update and log-prob programs, as Trainer.prompt_group finds
+    them in a round's batches (numerics.shared_prefix): a micro-batch holds whole groups of a
+    prompt's consecutive completions."""
+    return math.gcd(plan.num_generations, plan.micro_batch_size) if cfg.numerics.shared_prefix \
+        else 1
 
 
 def _rows(shape, dtype, mesh) -> jax.ShapeDtypeStruct:
@@ -177,17 +206,3 @@ def _batch(run: Run, n: int, width: int, logps: bool = True) -> Batch:
     return batch.replace(sampler_logp=per_token(), num_items=_rows((n,), jnp.float32, mesh),
                          ref_logp=per_token() if run.cfg.loss.beta else None,
                          old_logp=per_token() if run.plan.needs_old_logps else None)
-
-
-@contextlib.contextmanager
-def unrolled_scans():
-    """XLA's cost analysis counts a loop's body once, whatever its trip count. For costing,
-    every lax.scan (layers, micro-batches, log-prob chunks) is traced unrolled."""
-    from jax._src.lax.control_flow import loops
-
-    scan = loops.scan
-
-    def unrolled(f, init, xs=None, length=None, reverse=False, unroll=1, **kw):
-        return scan(f, init, xs, length, reverse=reverse, unroll=True, **kw)
-    with mock.patch.object(jax.lax, "scan", unrolled), mock.patch.object(loops, "scan", unrolled):
-        yield

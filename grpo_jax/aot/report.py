@@ -1,9 +1,13 @@
-"""Per-chip memory and roofline time of a round, from the compiled programs.
+"""Per-chip memory and forecast time of a round, from the compiled programs.
 
 Memory: what stays resident (TrainState, the reference params when beta > 0) plus, per phase,
 the compiled program's own arguments, outputs and temporaries (XLA's memory_analysis); the peak
-phase decides whether it fits. Time: each program's FLOPs and HBM bytes (XLA's cost_analysis,
-per chip) over the chip's peaks, max(compute, memory): a floor that ignores communication.
+phase decides whether it fits. Time, per phase: compute (XLA's FLOPs over the chip's peak), HBM
+(XLA's bytes accessed over its bandwidth) and communication (the programs' collectives over the
+interconnect, `comms`); the forecast is a range, from everything overlapped (the largest of the
+three) to nothing overlapped (their sum). MFU: the model's FLOPs (`model_flops`: 2 per weight
+and token forward, 6 with the backward, attention included, no rematerialisation) over the
+forecast time and the chips' peak.
 """
 
 from __future__ import annotations
@@ -33,16 +37,45 @@ class Cost:
         return max(self.flops / chip.peak_flops, self.bytes / chip.hbm_bandwidth)
 
 
-def cost_of(compiled) -> Cost:
-    c = compiled.cost_analysis()
-    c = c[0] if isinstance(c, list) else c
-    return Cost(float(c.get("flops", 0.0)), float(c.get("bytes accessed", 0.0))) if c else Cost()
+def phase_time(cost: Cost, comm_s: float, chip: Chip) -> dict:
+    """A phase's compute, HBM and communication seconds and its forecast range."""
+    compute, hbm = cost.flops / chip.peak_flops, cost.bytes / chip.hbm_bandwidth
+    return {"tflop": cost.flops / 1e12, "gb": cost.bytes / GB, "compute_s": compute,
+            "hbm_s": hbm, "comm_s": comm_s, "overlapped_s": max(compute, hbm, comm_s),
+            "serial_s": compute + hbm + comm_s,
+            "bound": max((compute, "compute"), (hbm, "memory"), (comm_s, "communication"))[1]}
 
 
-def by_layers(one: Cost, two: Cost, layers: int) -> Cost:
-    """Layers are identical, so a program's cost is linear in their count: from the 1- and
-    2-layer compiles, the L-layer cost."""
-    return one + (two - one) * (layers - 1)
+def matmul_params(m) -> int:
+    """Weights a token meets in matmuls (attention and MLP projections, the LM head); in a
+    mixture of experts' sparse layers, the router and the token's k experts only."""
+    d = m.hidden_size
+    attention = d * (m.q_size + 2 * m.kv_size) + m.q_size * d
+    sparse = sum(m.moe_layers)
+    experts = d * m.num_experts + m.num_experts_per_tok * 3 * d * m.moe_intermediate_size
+    return (m.num_layers * attention + (m.num_layers - sparse) * 3 * d * m.intermediate_size
+            + sparse * experts + m.vocab_size * d)
+
+
+def forward_flops(m, tokens: float, context: float) -> float:
+    """A forward pass over `tokens` tokens that attend to `context` keys each on average: 2 FLOPs
+    per matmul weight, and 4 per (query, key, head dim) for the scores and their weighted sum."""
+    return tokens * (2 * matmul_params(m) + 4 * m.num_layers * m.q_size * context)
+
+
+def model_flops(m, prompts: int, rows: int, prompt: int, completion: int, logprob_passes: float,
+                update_rows: float, group: int = 1) -> dict:
+    """The model FLOPs of a round, as MFU counts them: the sampler's prefill (each prompt once)
+    and decode (every row, every token), `logprob_passes` forwards over the generation batch,
+    and forward + backward (3 forwards) over `update_rows` rows, their prompts once per `group`
+    rows (numerics.shared_prefix); attention causal (a token sees half its prefix on
+    average)."""
+    def rows_of(n):  # a forward over n rows
+        return (forward_flops(m, n / group * prompt, prompt / 2)
+                + forward_flops(m, n * completion, prompt + completion / 2))
+    return {"generate": forward_flops(m, prompts * prompt, prompt / 2)
+            + forward_flops(m, rows * (completion - 1), prompt + completion / 2),
+            "logprobs": logprob_passes * rows_of(rows), "update": 3 * rows_of(update_rows)}
 
 
 def phase_memory(mem, resident: float, in_resident: float) -> dict:
@@ -59,12 +92,16 @@ def render(r: dict) -> str:
     """The report as text (`r` is what __main__ also writes as JSON)."""
     m, t = r["memory_per_chip"], r.get("time")
     lines = [
-        f"{r['model']} ({r['params_B']:.2f}B params) on {r['topology']}: {r['chips']} x "
+        f"{r['model']} ({r['params_B']:.2f}B params"
+        + (f", {r['active_params_B']:.2f}B active" if r.get("active_params_B", r["params_B"])
+           < r["params_B"] else "") + f") on {r['topology']}: {r['chips']} x "
         f"{r['chip']}, mesh {r['mesh']}, {r['hosts']} hosts",
         f"round: {r['plan']['generation_batch_size']} completions ({r['plan']['prompts']} prompts"
         f" x {r['plan']['num_generations']}), prompt {r['prompt_width']} + completion "
         f"{r['completion_length']} tokens, {r['plan']['updates_per_round']:g} update(s) of "
-        f"{r['plan']['rows_per_update']} rows",
+        f"{r['plan']['rows_per_update']} rows" + (
+            f"; generated through {r['plan']['decode_slots']} decode slots (max_num_seqs), "
+            "refilled as rows finish" if r["plan"].get("decode_slots") else ""),
         "", "memory per chip (GB):",
         f"  params {m['params_GB']:.2f}  optimizer state {m['optimizer_state_GB']:.2f}  "
         f"reference params {m['reference_params_GB']:.2f}  KV cache {m['kv_cache_GB']:.2f}",
@@ -90,15 +127,64 @@ def render(r: dict) -> str:
     lines.append(f"  attention: {r['attention']}; compiled in {r['compile_s']:.0f} s on "
                  f"{r['host']} (jax {r['jax']}"
                  f"{', libtpu ' + r['libtpu'] if r.get('libtpu') else ''})")
+    if r.get("chosen"):
+        lines.insert(1, f"layout: {r['chosen']}")
+    if r.get("search"):
+        lines += render_search(r["search"])
+    if r.get("chosen") or r.get("search"):
+        lines += ["", "run with: " + " ".join(r.get("command") or [
+            "python -m grpo_jax.train", "[the other flags]", *r["flags"]])]
+    if r.get("communication"):
+        lines += render_comms(r)
     if t is None:
         return "\n".join(lines)
-    lines += ["", "roofline per chip (XLA cost analysis; communication not included):"]
+    lines += ["", "forecast per chip (compute: XLA's FLOPs at peak; HBM: its bytes at full "
+              "bandwidth; comm: collectives at ICI/DCN bandwidth):",
+              f"  {'phase':<9} {'TFLOP':>9} {'HBM GB':>9} {'comm GB':>9} {'compute s':>10} "
+              f"{'HBM s':>9} {'comm s':>9}  forecast s (overlapped - serial), MFU"]
     for phase, p in t["phases"].items():
-        lines.append(f"  {phase:<9} {p['tflop']:10.2f} TFLOP {p['gb']:10.1f} GB  "
-                     f"{p['seconds']:8.3f} s ({p['bound']}-bound)")
-    lines.append(f"  round     {t['round_s']:.3f} s  ({t['per_update_s']:.3f} s per optimizer "
-                 f"update)")
+        lines.append(f"  {phase:<9} {p['tflop']:9.2f} {p['gb']:9.1f} {p['comm_gb']:9.2f} "
+                     f"{p['compute_s']:10.3f} {p['hbm_s']:9.3f} {p['comm_s']:9.3f}  "
+                     f"{p['overlapped_s']:.3f} - {p['serial_s']:.3f} ({p['bound']}-bound), "
+                     f"{100 * p['mfu'][1]:.1f}-{100 * p['mfu'][0]:.1f}%")
+    lines.append(f"  round     {t['round_s'][0]:.3f} - {t['round_s'][1]:.3f} s; forecast MFU "
+                 f"{100 * t['mfu'][1]:.1f}% - {100 * t['mfu'][0]:.1f}% "
+                 f"({t['model_tflop']:.1f} model TFLOP per chip)")
+    if "update_model_tflop" in t:
+        lines.append(f"  an update's model FLOPs (6 x active params x tokens, per chip): "
+                     f"{t['update_model_tflop']:.2f} TFLOP")
     return "\n".join(lines)
+
+
+def render_search(s: dict) -> list[str]:
+    lines = ["", f"layout search (--auto{' --quick' if s['quick'] else ''}): {s['layouts']} "
+             f"layouts, {s['ruled_out_by_estimate']} ruled out by the estimate, "
+             f"{len(s['compiled'])} compiled in {s['search_s']:.0f} s:"]
+    for c in s["compiled"]:
+        lines.append(f"  {'fits   ' if c['fits'] else 'no room'} peak {c['peak_GB']:6.2f} GB  "
+                     f"round {c['round_s']:8.2f} s  {c['layout']}")
+    lines.append(f"  winner: {s['winner']}")
+    if s["runner_up"]:
+        lines.append(f"  runner-up: {s['runner_up']['layout']}: {s['runner_up']['why']} "
+                     f"({' '.join(s['runner_up']['flags'])})")
+    return lines
+
+
+def render_comms(r: dict) -> list[str]:
+    """Communication per phase: bytes per chip and seconds by collective and mesh axes."""
+    lines = ["", "communication per chip (collectives of the compiled programs, loops counted "
+             "by trip count):"]
+    for phase, c in r["communication"].items():
+        if c is None:
+            lines.append(f"  {phase:<9} not counted (the compiler refused the program)")
+            continue
+        lines.append(f"  {phase:<9} {c['gb']:9.2f} GB {c['seconds']:9.3f} s per round"
+                     + (f"  ({c['unknown_loops']} loop(s) of unknown length counted "
+                        f"{c['unknown_trips']:g} times)" if c["unknown_loops"] else ""))
+        for key, e in sorted(c["by"].items(), key=lambda kv: -kv[1]["seconds"])[:4]:
+            lines.append(f"     {key:<40} {e['count']:10.0f} x  {e['gb']:9.2f} GB "
+                         f"{e['seconds']:9.3f} s")
+    return lines
 
 
 def _mesh_flags(mesh: dict) -> dict:

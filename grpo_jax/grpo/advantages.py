@@ -128,13 +128,19 @@ def normalize_then_sum(per_func: np.ndarray, num_generations: int,
     return adv.astype(np.float32), stats
 
 
+def logged_mean_std(values: np.ndarray) -> tuple[float, float]:
+    """TRL's logged mean (torch.nanmean) and std (its nanstd, ddof=1) of values, NaN left out:
+    NaN where undefined (no value; fewer than 2 for the std), which the log then drops."""
+    r = np.asarray(values, np.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # all NaN
+        return float(np.nanmean(r)), float(_nanstd(r))
+
+
 def _reward_stats(rewards: np.ndarray) -> dict:
-    """TRL's logged reward (nanmean) and reward_std (nanstd, ddof=1) of the weighted sums; 0
-    where undefined."""
-    r = np.asarray(rewards, np.float64)
-    batch_std = _nanstd(r)
-    return {"reward": float(np.nanmean(r)) if np.isfinite(r).any() else 0.0,
-            "reward_std": float(batch_std) if np.isfinite(batch_std) else 0.0}
+    """TRL's logged reward and reward_std of the weighted sums (logged_mean_std)."""
+    mean, std = logged_mean_std(rewards)
+    return {"reward": mean, "reward_std": std}
 
 
 def compute_advantages(per_func: np.ndarray, num_generations: int, scale_rewards: str = "group",

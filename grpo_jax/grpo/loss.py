@@ -51,9 +51,13 @@ Clip metrics are logged for grpo, bnpo, dr_grpo, dapo and luspo, cispo_clip_rati
 vespo/phi_seq_mean for vespo and none for sapo, as TRL.
 
 Metrics come back as mergeable sums: {"mean": {name: [sum, count]}, "min": {name: v},
-"max": {name: v}}; combine micro-batches with merge_metric_sums, read with finalize_metrics.
-With the entropy bonus on, "policy_loss" is the step's policy loss (TRL logs the mean of each
-micro-batch's loss, which for dapo, cispo and vespo is that divided by k).
+"max": {name: v}}; combine micro-batches with merge_metric_sums, read with finalize_metrics. TRL
+logs the loss metrics once per micro-batch (each its own token mean, min or max) and averages
+those values over a logging window, so a step reports each micro-batch's value (step_metrics);
+the PER_GENERATION metrics TRL computes once per generation batch, so their sums are merged over
+a generation's micro-batches. With the entropy bonus on, "policy_loss" is each micro-batch's
+policy loss as TRL's: its own normaliser for grpo, bnpo, dr_grpo, luspo and sapo, the whole
+step's for dapo, cispo and vespo (with_step_denominator).
 """
 
 from __future__ import annotations
@@ -122,6 +126,10 @@ class LossConfig:
     # Drop sequences with a negative advantage whose mean KL(sampler || policy) exceeds this
     # (DeepSeek-V3.2's off-policy sequence mask); None: off.
     off_policy_mask_threshold: float | None = None
+    # Mixtures of experts: the weight of the router's load-balancing loss (transformers'
+    # load_balancing_loss_func) added to the loss; None: the checkpoint's own
+    # router_aux_loss_coef (TRL's default), 0: off. Nonzero on a dense model is an error.
+    router_aux_loss_coef: float | None = None
 
     def __post_init__(self):
         for name, choices in (("loss_type", LossType), ("importance_sampling_level", ISLevel),
@@ -272,6 +280,8 @@ class MicroLoss(NamedTuple):
     numerator: jax.Array  # scalar, differentiable
     entropy_mean: jax.Array | None  # scalar, differentiable; None without the entropy bonus
     sums: dict  # metric sums
+    # A mixture of experts' load-balancing loss (models/moe.py), differentiable; None: off.
+    aux_loss: jax.Array | None = None
 
 
 def micro_loss_terms(logp, entropy, batch: Batch, cfg: LossConfig) -> MicroLoss:
@@ -401,6 +411,17 @@ def update_entropy_coef(coef, step_entropy, cfg: LossConfig):
     return jnp.where(step_entropy <= cfg.entropy_target, up, down).astype(f32)
 
 
+# TRL computes these in _generate_and_score_completions, once per generation batch over all its
+# tokens (0 where none is valid), not per micro-batch: see per_generation_metrics.
+PER_GENERATION = ("sampling/sampling_logp_difference/mean",
+                  "sampling/sampling_logp_difference/max",
+                  "sampling/importance_sampling_ratio/min",
+                  "sampling/importance_sampling_ratio/mean",
+                  "sampling/importance_sampling_ratio/max")
+# step_metrics' entry holding the PER_GENERATION metrics' per-micro-batch sums (not logged as is).
+GENERATION_SUMS = "_generation_sums"
+
+
 def loss_metrics(t: _Terms, entropy, sampler_logp, cfg: LossConfig) -> dict:
     """TRL's loss metrics as mergeable sums (see the module docstring)."""
     means, mins, maxs = {}, {}, {}
@@ -436,20 +457,31 @@ def loss_metrics(t: _Terms, entropy, sampler_logp, cfg: LossConfig) -> dict:
             high_seq = (high * m).sum(-1) / jnp.maximum(n_seq, 1.0)
         mins["clip_ratio/low_min"] = jnp.where(has, low_seq, jnp.inf).min()
         maxs["clip_ratio/high_max"] = jnp.where(has, high_seq, -jnp.inf).max()
+    out = {"mean": means, "min": mins, "max": maxs}
     if t.is_weight is not None:
-        w = t.is_weight
-        diff = jnp.abs(t.old - sampler_logp.astype(f32))
-        valid = (m > 0) & ~jnp.isnan(diff)  # as TRL: unscorable tokens left out
-        means["sampling/sampling_logp_difference/mean"] = jnp.stack(
-            [jnp.where(valid, diff, 0.0).sum(), valid.sum().astype(f32)])
-        maxs["sampling/sampling_logp_difference/max"] = jnp.where(valid, diff, -jnp.inf).max()
-        w_valid = jnp.ones(w.shape, bool) if w.shape[1] == 1 else m > 0
-        name = "sampling/importance_sampling_ratio/"
-        means[name + "mean"] = jnp.stack([jnp.where(w_valid, w, 0.0).sum(),
-                                          w_valid.sum().astype(f32)])
-        mins[name + "min"] = jnp.where(w_valid, w, jnp.inf).min()
-        maxs[name + "max"] = jnp.where(w_valid, w, -jnp.inf).max()
-    return {"mean": means, "min": mins, "max": maxs}
+        sampling = sampling_metric_sums(t.old, sampler_logp, t.is_weight, m)
+        for kind in out:
+            out[kind].update(sampling[kind])
+    return out
+
+
+def sampling_metric_sums(old, sampler_logp, is_weight, m) -> dict:
+    """The PER_GENERATION metrics' sums over rows of old and sampler log-probs: |old - sampler|
+    over the loss tokens the sampler scored, and the importance weight (per token or per
+    sequence), as TRL's lines."""
+    w = is_weight
+    diff = jnp.abs(old - sampler_logp.astype(f32))
+    valid = (m > 0) & ~jnp.isnan(diff)  # as TRL: unscorable tokens left out
+    name = "sampling/importance_sampling_ratio/"
+    w_valid = jnp.ones(w.shape, bool) if w.shape[1] == 1 else m > 0
+    return {"mean": {"sampling/sampling_logp_difference/mean": jnp.stack(
+                [jnp.where(valid, diff, 0.0).sum(), valid.sum().astype(f32)]),
+                     name + "mean": jnp.stack([jnp.where(w_valid, w, 0.0).sum(),
+                                               w_valid.sum().astype(f32)])},
+            "min": {name + "min": jnp.where(w_valid, w, jnp.inf).min()},
+            "max": {"sampling/sampling_logp_difference/max": jnp.where(valid, diff,
+                                                                       -jnp.inf).max(),
+                    name + "max": jnp.where(w_valid, w, -jnp.inf).max()}}
 
 
 def empty_metric_sums(like):
@@ -468,11 +500,60 @@ def merge_metric_sums(a, b):
 
 
 def finalize_metrics(sums) -> dict:
-    """Metric sums (one dict, merged, or a list of per-micro-batch dicts) -> {TRL name: scalar}.
-    A mean over nothing reads 0, and so does an extreme over nothing. Works inside jit."""
+    """Metric sums (one dict, merged, or a list of per-micro-batch dicts; or [k]-stacked sums,
+    read per micro-batch) -> {TRL name: value}. A mean over nothing reads 0 (TRL clamps the
+    count to 1); an extreme over nothing NaN (TRL's nanmin / nanmax of no value), but 0 for the
+    PER_GENERATION ones (TRL logs 0 when no token is valid). Works inside jit."""
     if isinstance(sums, (list, tuple)):
         sums = functools.reduce(merge_metric_sums, sums)
-    out = {k: v[0] / jnp.maximum(v[1], 1.0) for k, v in sums["mean"].items()}
+    out = {k: v[..., 0] / jnp.maximum(v[..., 1], 1.0) for k, v in sums["mean"].items()}
     for k, v in {**sums["min"], **sums["max"]}.items():
-        out[k] = jnp.where(jnp.isfinite(v), v, 0.0)
+        out[k] = jnp.where(jnp.isfinite(v), v, 0.0 if k in PER_GENERATION else jnp.nan)
+    return out
+
+
+def with_step_denominator(sums: dict, denom, cfg: LossConfig) -> dict:
+    """One micro-batch's sums with its "policy_loss" normalised as TRL logs it: dapo, cispo and
+    vespo divide each micro-batch's sum by the whole step's normaliser (num_items_in_batch's
+    share), the other loss types by the micro-batch's own."""
+    if "policy_loss" not in sums["mean"] or cfg.loss_type not in _TOKEN_NORMALISED:
+        return sums
+    pl = sums["mean"]["policy_loss"]
+    return {**sums, "mean": {**sums["mean"], "policy_loss": jnp.stack([pl[0], denom])}}
+
+
+def step_metrics(stacked) -> dict:
+    """A step's metrics from its micro-batches' [k]-stacked sums: each loss metric as [k]
+    values, one per micro-batch (TRL appends one per micro-batch); the adaptive entropy
+    controller's input over the whole step; and, under GENERATION_SUMS, the PER_GENERATION
+    metrics' sums as they are, to be merged per generation batch (per_generation_metrics)."""
+    per_gen = {kind: {k: v for k, v in group.items() if k in PER_GENERATION}
+               for kind, group in stacked.items()}
+    kept = {kind: {k: v for k, v in group.items() if k not in PER_GENERATION
+                   and k != ADAPTIVE_ENTROPY} for kind, group in stacked.items()}
+    out = finalize_metrics(kept)
+    if ADAPTIVE_ENTROPY in stacked["mean"]:
+        total = stacked["mean"][ADAPTIVE_ENTROPY].sum(0)
+        out[ADAPTIVE_ENTROPY] = total[0] / jnp.maximum(total[1], 1.0)
+    if any(per_gen.values()):
+        out[GENERATION_SUMS] = per_gen
+    return out
+
+
+def per_generation_metrics(sums, block: int) -> dict[str, list[float]]:
+    """PER_GENERATION metrics from [k]-stacked sums (host arrays) of micro-batches in which
+    each run of `block` consecutive ones is one generation batch: one value per generation,
+    over all its tokens, as TRL computes them (0 over no valid token)."""
+    out: dict[str, list[float]] = {}
+    for kind, group in sums.items():
+        for k, v in group.items():
+            v = np.asarray(v, np.float64)
+            if kind == "mean":
+                t = v.reshape(-1, block, 2).sum(1)
+                value = np.where(t[:, 1] > 0, t[:, 0] / np.maximum(t[:, 1], 1.0), 0.0)
+            else:
+                v = v.reshape(-1, block)
+                value = v.min(1) if kind == "min" else v.max(1)
+                value = np.where(np.isfinite(value), value, 0.0)
+            out[k] = value.tolist()
     return out

@@ -22,7 +22,7 @@ from grpo_jax import mesh as mesh_lib
 from grpo_jax.grpo import loss as loss_lib
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.logprobs import token_logprobs
-from grpo_jax.models import attention, lora
+from grpo_jax.models import attention, lora, moe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,9 @@ class StepConfig:
     # LoRA dropout's masks come from this seed, the step and the micro-batch: train.py passes
     # the run's data.seed, so a resumed run draws the masks it would have drawn.
     dropout_seed: int = 0
+    # A mixture of experts' load-balancing loss coefficient as resolved by
+    # moe.router_aux_loss_coef (the loss's router_aux_loss_coef, else the checkpoint's); 0: off.
+    aux_loss_coef: float = 0.0
 
 
 class TrainState(NamedTuple):
@@ -68,10 +71,17 @@ def state_shardings(loss: loss_lib.LossConfig, params, opt_state, scalar) -> Tra
 def completion_logps(model, batch: Batch, temperature: float, chunk: int, group: int = 1):
     """Per-token log-probs (and entropies) of the completion tokens under `model`. `group` > 1:
     every block of `group` consecutive rows shares its prompt (Trainer.prompt_group checks it),
-    which then runs once per block (Decoder.shared_prefix); the same values as group 1.
-    With a context axis the positions run in the decoder's `sequence_order` (split over the
-    axis, load-balanced) through the log-prob head too: only the [N, C] results are put back in
-    sequence order."""
+    which then runs once per block (Decoder.shared_prefix); the same values as group 1."""
+    return completion_logps_and_router(model, batch, temperature, chunk, group)[:2]
+
+
+def completion_logps_and_router(model, batch: Batch, temperature: float, chunk: int,
+                                group: int = 1):
+    """completion_logps and the router statistics of every row's real prompt and completion
+    tokens (moe.RouterStats; None for a dense model): what transformers' load-balancing loss
+    counts when TRL runs the micro-batch with its attention mask. With a context axis the
+    positions run in the decoder's `sequence_order` (split over the axis, load-balanced)
+    through the log-prob head too: only the [N, C] results are put back in sequence order."""
     P_len, C = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
     head = functools.partial(token_logprobs, head_w=model.head_weight(), temperature=temperature,
                              chunk_size=chunk, softcap=model.cfg.final_logit_softcapping,
@@ -81,46 +91,54 @@ def completion_logps(model, batch: Batch, temperature: float, chunk: int, group:
     # LoRA dropout draws its masks per row: a shared prompt would share them.
     if group > 1 and getattr(model, "lora_dropout_key", None) is None:
         o_p, o_c = model.sequence_order(P_len), model.sequence_order(C)
-        prompt, hidden = model.shared_prefix(
+        prompt, hidden, stats = model.shared_prefix(
             batch.prompt_ids[::group], batch.prompt_mask[::group], batch.completion_ids,
-            batch.completion_mask, group, orders=(o_p, o_c))
+            batch.completion_mask, group, orders=(o_p, o_c), with_router=True)
         at = P_len - 1 if o_p is None else int(np.flatnonzero(o_p == P_len - 1)[0])
         last = model.shard_rows(jnp.repeat(prompt[:, at:at + 1], group, axis=0))
         if o_c is None:
             hidden = jnp.concatenate([last, hidden[:, :C - 1]], axis=1)  # t predicts t + 1
-            return head(hidden, targets=batch.completion_ids)
+            return (*head(hidden, targets=batch.completion_ids), stats)
         first = head(last, targets=batch.completion_ids[:, :1])
         rest = head(hidden, targets=shift(batch.completion_ids)[:, o_c],
                     seq_shards=mesh_lib.context_size(model.mesh))
         back = attention.inverse(o_c)
-        return tuple(jnp.concatenate([a, b[:, back][:, :C - 1]], axis=1)
-                     for a, b in zip(first, rest))
+        return (*(jnp.concatenate([a, b[:, back][:, :C - 1]], axis=1)
+                  for a, b in zip(first, rest)), stats)
     ids = jnp.concatenate([batch.prompt_ids, batch.completion_ids], axis=1)
     mask = jnp.concatenate([batch.prompt_mask, batch.completion_mask], axis=1)
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
     order = model.sequence_order(P_len + C)
-    hidden, _ = model(ids, positions, mask, order=order)
+    hidden, _, stats = model(ids, positions, mask, order=order, with_router=True)
     if order is None:
         hidden = hidden[:, P_len - 1:P_len - 1 + C]  # position t predicts token t + 1
-        return head(hidden, targets=batch.completion_ids)
+        return (*head(hidden, targets=batch.completion_ids), stats)
     out = head(hidden, targets=shift(ids)[:, order],
                seq_shards=mesh_lib.context_size(model.mesh))
     back = attention.inverse(order)
-    return tuple(x[:, back][:, P_len - 1:P_len - 1 + C] for x in out)
+    return (*(x[:, back][:, P_len - 1:P_len - 1 + C] for x in out), stats)
 
 
 def _micro_loss(params, graphdef, cfg: StepConfig, mb: Batch, frozen=(),
                 dropout_key=None, group: int = 1) -> loss_lib.MicroLoss:
     model = lora.with_dropout(nnx.merge(graphdef, params, *frozen), dropout_key)
-    logp, entropy = completion_logps(model, mb, cfg.temperature, cfg.logprob_chunk, group)
-    return loss_lib.micro_loss_terms(logp, entropy, mb, cfg.loss)
+    logp, entropy, stats = completion_logps_and_router(model, mb, cfg.temperature,
+                                                       cfg.logprob_chunk, group)
+    out = loss_lib.micro_loss_terms(logp, entropy, mb, cfg.loss)
+    if stats is None:
+        return out
+    aux = moe.aux_loss(stats) if cfg.aux_loss_coef else None
+    return out._replace(aux_loss=aux, sums=moe.router_metric_sums(
+        out.sums, stats, aux, model.cfg.num_experts_per_tok))
 
 
 def loss_and_grads(graphdef, cfg: StepConfig, params, batch: Batch,
                    constrain: Callable[[jax.Array], jax.Array] = lambda x: x,
-                   entropy_coef=None, frozen=(), dropout_key=None, group: int = 1):
-    """Exact (loss, grads, metric sums) of the model's params over `batch`, split into
-    gradient_accumulation_steps micro-batches (accumulate). `entropy_coef`: the entropy bonus's
+                   entropy_coef=None, frozen=(), dropout_key=None, group: int = 1,
+                   micro_batches: int | None = None):
+    """Exact (loss, grads, per-micro-batch metric sums) of the model's params over `batch`,
+    split into `micro_batches` (default gradient_accumulation_steps) micro-batches
+    (accumulate). `entropy_coef`: the entropy bonus's
     coefficient to apply (None: the config's). `constrain` lays out each [k, rows, ...] split
     (the trainer keeps rows on the batch axes). `frozen`: states of the model that are not
     trained (with LoRA, the base's params), merged with `params` into the model.
@@ -129,19 +147,25 @@ def loss_and_grads(graphdef, cfg: StepConfig, params, batch: Batch,
     def micro(p, mb, j):
         key = None if dropout_key is None else jax.random.fold_in(dropout_key, j)
         return _micro_loss(p, graphdef, cfg, mb, frozen, key, group)
-    return accumulate(micro, cfg, params, batch, constrain, entropy_coef)
+    return accumulate(micro, cfg, params, batch, constrain, entropy_coef, micro_batches)
 
 
 def accumulate(micro_loss: Callable[[Any, Batch, jax.Array], loss_lib.MicroLoss],
                cfg: StepConfig, params, batch: Batch,
-               constrain: Callable[[jax.Array], jax.Array] = lambda x: x, entropy_coef=None):
-    """(loss, grads w.r.t. params, metric sums) over `batch` split into k =
-    gradient_accumulation_steps micro-batches; micro_loss(params, micro_batch, j) gives the j-th
-    micro-batch's MicroLoss. The policy loss's denominator depends on the masks only, never on
-    the params, so it is summed over all micro-batches first; each micro-batch then adds
-    numerator / denominator - entropy_coef * entropy_mean / k (see loss.py) to the loss and its
-    gradient to the sum: k micro-batches give one big batch's loss and gradient."""
-    k = cfg.gradient_accumulation_steps
+               constrain: Callable[[jax.Array], jax.Array] = lambda x: x, entropy_coef=None,
+               micro_batches: int | None = None):
+    """(loss, grads w.r.t. params, metric sums stacked [k, ...], one per micro-batch) over
+    `batch` split into k micro-batches (default gradient_accumulation_steps; fewer for the
+    partial window that ends an epoch, as transformers' current_gradient_accumulation_steps);
+    micro_loss(params, micro_batch, j) gives the j-th micro-batch's MicroLoss. The policy loss's
+    denominator depends on the masks only, never on the params, so it is summed over all
+    micro-batches first; each micro-batch then adds numerator / denominator - entropy_coef *
+    entropy_mean / k (see loss.py) to the loss and its gradient to the sum: k micro-batches give
+    one big batch's loss and gradient. A mixture of experts' load-balancing loss is added per
+    micro-batch as TRL adds it, coef * aux / k: the mean of the micro-batches' aux losses (each
+    one's own routing statistics, as transformers computes it per forward), so k micro-batches
+    give TRL's k-micro-batch loss and gradient."""
+    k = micro_batches or cfg.gradient_accumulation_steps
     micro = jax.tree.map(lambda x: constrain(x.reshape(k, x.shape[0] // k, *x.shape[1:])), batch)
     dens = jax.vmap(lambda mask, trunc, items: loss_lib.loss_denominator(
         mask, trunc, cfg.loss, items))(micro.model_mask(), micro.truncated, micro.num_items)
@@ -153,21 +177,19 @@ def accumulate(micro_loss: Callable[[Any, Batch, jax.Array], loss_lib.MicroLoss]
         value = out.numerator / denom
         if out.entropy_mean is not None:
             value = value - coef * out.entropy_mean / k
-        return value, out.sums
+        if out.aux_loss is not None:  # TRL: coef * the micro-batch's aux loss / k
+            value = value + cfg.aux_loss_coef * out.aux_loss / k
+        return value, loss_lib.with_step_denominator(out.sums, denom, cfg.loss)
 
     value_and_grad = jax.value_and_grad(objective, has_aux=True)
 
     def step(carry, xs):
-        grads, loss, sums = carry
+        grads, loss = carry
         (v, s), g = value_and_grad(params, *xs)
-        return (jax.tree.map(jnp.add, grads, g), loss + v,
-                loss_lib.merge_metric_sums(sums, s)), None
+        return (jax.tree.map(jnp.add, grads, g), loss + v), s
 
-    first = jax.tree.map(lambda x: x[0], micro)
-    zero_sums = loss_lib.empty_metric_sums(jax.eval_shape(
-        lambda: objective(params, first, jnp.zeros((), jnp.int32))[1]))
-    init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), zero_sums)
-    (grads, loss, sums), _ = jax.lax.scan(step, init, (micro, jnp.arange(k)))
+    init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
+    (grads, loss), sums = jax.lax.scan(step, init, (micro, jnp.arange(k)))
     return loss, grads, sums
 
 
@@ -183,6 +205,8 @@ def batch_loss(graphdef, cfg: StepConfig, state: TrainState, batch: Batch, froze
     loss = out.numerator / jnp.maximum(den, 1e-8)
     if out.entropy_mean is not None:
         loss = loss - coef * out.entropy_mean
+    if out.aux_loss is not None:
+        loss = loss + cfg.aux_loss_coef * out.aux_loss
     metrics = loss_lib.finalize_metrics(out.sums)
     metrics.pop(loss_lib.ADAPTIVE_ENTROPY, None)
     return {**metrics, "loss": loss}
@@ -208,12 +232,15 @@ def finish_entropy_control(state: TrainState, metrics: dict, loss: loss_lib.Loss
 def train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Schedule,
                cfg: StepConfig, state: TrainState, batch: Batch,
                constrain: Callable[[jax.Array], jax.Array] = lambda x: x, frozen=(),
-               group: int = 1):
+               group: int = 1, micro_batches: int | None = None):
     """One optimizer update over `batch` ([N, ...] arrays, N = micro-batches x micro size).
     `tx` skips non-finite updates (grpo.optimizer); the step counts them all the same, as
     TRL's global_step does, and reports the skip. With use_adaptive_entropy the entropy
     coefficient moves once per step (a skipped update too, as in TRL), from the step's
-    token-mean entropy. `frozen`, `group`: see loss_and_grads; only state.params are trained."""
+    token-mean entropy. `frozen`, `group`, `micro_batches`: see loss_and_grads; only
+    state.params are trained. Metrics: the step's scalars (loss, grad_norm, learning_rate,
+    skipped_updates, entropy_coef) and each loss metric as [micro_batches] values
+    (loss.step_metrics)."""
     lc = cfg.loss
     if lc.use_adaptive_entropy and state.entropy_coef is None:
         raise ValueError("use_adaptive_entropy carries its coefficient in TrainState: build the "
@@ -222,11 +249,11 @@ def train_step(graphdef, tx: optax.GradientTransformation, schedule: optax.Sched
     # Per step (the state's count, so a resumed run continues the sequence) and micro-batch.
     dropout_key = jax.random.fold_in(jax.random.key(cfg.dropout_seed), state.step)
     loss, grads, sums = loss_and_grads(graphdef, cfg, state.params, batch, constrain, coef,
-                                       frozen, dropout_key, group)
+                                       frozen, dropout_key, group, micro_batches)
     updates, new_opt = tx.update(grads, state.opt_state, state.params)
     new_state = TrainState(optax.apply_updates(state.params, updates), new_opt, state.step + 1,
                            state.entropy_coef, state.last_entropy)
-    new_state, metrics = finish_entropy_control(new_state, loss_lib.finalize_metrics(sums), lc)
+    new_state, metrics = finish_entropy_control(new_state, loss_lib.step_metrics(sums), lc)
     metrics.update(loss=loss, grad_norm=optax.tree.norm(grads),
                    skipped_updates=(new_opt.notfinite_count > 0).astype(jnp.int32),
                    # The rate applied: the schedule inside adamw counts applied updates only (a

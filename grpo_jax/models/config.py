@@ -1,10 +1,12 @@
 """Static description of a decoder: one dataclass for the Llama, Mistral, Phi-3, Qwen2, Qwen3,
-Gemma 2 and Gemma 3 families. The families differ by switches (biases, norms, activation,
-sliding-window layers, soft-capping), each read from the HF config under its HF name."""
+Gemma 2 and Gemma 3 families and the mixtures of experts Qwen3-MoE, Mixtral and gpt-oss. The
+families differ by switches (biases, norms, activation, sliding-window layers, soft-capping,
+experts and their routing), each read from the HF config under its HF name."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 import jax
@@ -18,15 +20,27 @@ _GEMMA = dict(hidden_act="gelu_pytorch_tanh", norm_offset=True, scale_embeddings
 FAMILIES: dict[str, dict] = {
     "llama": {}, "mistral": {}, "phi3": {}, "qwen2": dict(qkv_bias=True),
     "qwen3": dict(qk_norm=True), "gemma2": _GEMMA, "gemma3_text": dict(_GEMMA, qk_norm=True),
+    "qwen3_moe": dict(qk_norm=True), "mixtral": dict(norm_topk_prob=True),
+    # gpt-oss: a softmax over the k chosen logits (= the softmax over all experts' top k
+    # renormalised), biases everywhere, a learned attention sink per head, its clamped SwiGLU.
+    "gpt_oss": dict(norm_topk_prob=True, router_bias=True, expert_bias=True,
+                    attention_sinks=True, swiglu_limit=7.0),
 }
+# Families whose attention_bias also puts a bias on o_proj (Qwen2's and Mistral's never do).
+_O_BIAS_FAMILIES = ("llama", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "gpt_oss")
+# Families whose config.json describes experts, and the key that counts them.
+_NUM_EXPERTS_KEY = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts",
+                    "gpt_oss": "num_local_experts"}
 # Families whose config's sliding_window applies (Qwen2's needs use_sliding_window, refused).
-_SLIDING_FAMILIES = ("mistral", "phi3", "gemma2", "gemma3_text")
+_SLIDING_FAMILIES = ("mistral", "phi3", "gemma2", "gemma3_text", "mixtral", "gpt_oss")
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-                  "gemma3_text": "Gemma3ForCausalLM"}
+                  "gemma3_text": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                  "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 # gemma3 is Gemma 3's multimodal wrapper (4B and up): its text_config is the decoder.
-SUPPORTED_MODEL_TYPES = (*FAMILIES, "gemma3")
+SUPPORTED_MODEL_TYPES = (*(f for f in FAMILIES if f not in _NUM_EXPERTS_KEY), "gemma3",
+                         *_NUM_EXPERTS_KEY)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ATTENTION_IMPLS = ("auto", "xla", "flash", "splash", "cudnn")
@@ -58,10 +72,17 @@ class Numerics:
     # Queries and keys per block of the blockwise attention (attention.flash, and splash's
     # blocks on TPU): scores are held one [block, block] pair at a time, never [T, S].
     attention_block: int = 512
+    # Mixture-of-experts layers: None routes every token to its k experts (dropless, a grouped
+    # matmul over the tokens sorted by expert); a number c gives each expert room for
+    # c * tokens * k / experts assignments and drops the rest (GShard's capacity factor), as
+    # transformers never does: outputs then differ from it wherever an expert overflows.
+    moe_capacity_factor: float | None = None
 
     def __post_init__(self):
         check(self.remat_policy in ("full", "dots"),
               f"remat_policy={self.remat_policy!r}: use 'full' or 'dots'")
+        check(self.moe_capacity_factor is None or self.moe_capacity_factor > 0,
+              f"moe_capacity_factor={self.moe_capacity_factor}: must be > 0, or null (dropless)")
 
 
 _NUMERICS = tuple(f.name for f in dataclasses.fields(Numerics))
@@ -103,6 +124,30 @@ class ModelConfig:
     layer_types: tuple[str, ...] | None = None
     rope_local_theta: float | None = None  # Gemma 3: sliding layers' RoPE base (None: rope_theta)
     rope_linear: float | None = None  # linear RoPE scaling of the full-attention layers
+    # YaRN RoPE (gpt-oss): (factor, beta_fast, beta_slow, original_max_pos, truncate,
+    # attention_factor); cos and sin are scaled by attention_factor.
+    rope_yarn: tuple[float, float, float, int, bool, float] | None = None
+    # Mixture of experts; num_experts 0: every MLP is dense. moe_intermediate_size: each
+    # expert's hidden width. Layers listed in mlp_only_layers keep a dense MLP of
+    # intermediate_size (Qwen3-MoE's mlp_only_layers and decoder_sparse_step).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    mlp_only_layers: tuple[int, ...] = ()
+    # Routing: softmax over all experts, then the top k, renormalised to sum 1 with
+    # norm_topk_prob (Mixtral always; gpt-oss's softmax over its top k logits is the same).
+    norm_topk_prob: bool = False
+    router_bias: bool = False  # gpt-oss: the router has a bias
+    expert_bias: bool = False  # gpt-oss: the experts' projections have biases
+    # gpt-oss's SwiGLU: gate clamped above at the limit, up to [-limit, limit], then
+    # (up + 1) * gate * sigmoid(alpha * gate). None: the plain gated activation (hidden_act).
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax
+    o_bias: bool = False  # a bias on the attention output projection (gpt-oss)
+    # The load-balancing loss's coefficient the checkpoint declares (TRL's default for
+    # router_aux_loss_coef); 0 for dense models.
+    router_aux_coef: float = 0.0
 
     def __post_init__(self):
         if self.attention_impl not in ATTENTION_IMPLS:
@@ -116,6 +161,23 @@ class ModelConfig:
                 or any(t not in LAYER_TYPES for t in self.layer_types)):
             raise ModelConfigError(f"layer_types {self.layer_types} must name one of "
                                    f"{LAYER_TYPES} for each of the {self.num_layers} layers")
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ModelConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                                   f"[1, num_experts={self.num_experts}]")
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Per layer: does it route to experts (else a dense MLP)."""
+        if not self.num_experts:
+            return (False,) * self.num_layers
+        return tuple(i not in self.mlp_only_layers for i in range(self.num_layers))
+
+    def stack_layers(self, sparse: bool | None) -> tuple[int, ...]:
+        """The layers whose weights a stacked parameter holds, in order: every layer (None),
+        the sparse ones (True: experts, router) or the dense ones (False: the dense MLP)."""
+        if sparse is None:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, s in enumerate(self.moe_layers) if s == sparse)
 
     @property
     def sliding_layers(self) -> tuple[bool, ...]:
@@ -188,17 +250,28 @@ class ModelConfig:
             kw["numerics"] = dataclasses.replace(kw.get("numerics", self.numerics), **knobs)
         return dataclasses.replace(self, **kw)
 
-    def num_params(self) -> int:
+    def num_params(self, active: bool = False) -> int:
+        """All parameters; active: those one token runs through (its k experts of each
+        sparse layer), the count a step's FLOPs scale with."""
         d, f, l, v = self.hidden_size, self.intermediate_size, self.num_layers, self.vocab_size
-        per_layer = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + 3 * d * f + 2 * d
+        per_layer = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + 2 * d
         if self.qkv_bias:
             per_layer += self.q_size + 2 * self.kv_size
+        if self.o_bias:
+            per_layer += d
+        if self.attention_sinks:
+            per_layer += self.num_heads
         if self.qk_norm:
             per_layer += 2 * self.head_dim
         if self.sandwich_norms:
             per_layer += 2 * d
+        sparse = sum(self.moe_layers)
+        fe, experts = self.moe_intermediate_size, self.num_experts
+        expert = 3 * d * fe + (2 * fe + d if self.expert_bias else 0)
+        moe = d * experts + (experts if self.router_bias else 0) + expert * (
+            self.num_experts_per_tok if active else experts)
         head = 0 if self.tie_word_embeddings else d * v
-        return v * d + l * per_layer + d + head
+        return (v * d + l * per_layer + (l - sparse) * 3 * d * f + sparse * moe + d + head)
 
     @classmethod
     def from_hf(cls, hf: dict, **overrides) -> "ModelConfig":
@@ -220,6 +293,7 @@ class ModelConfig:
         head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
         family = FAMILIES[model_type]
         window = hf.get("sliding_window") if model_type in _SLIDING_FAMILIES else None
+        _refuse_quantized(hf)
         layers = hf["num_hidden_layers"]
         rope = _rope(hf)
         kw = dict(
@@ -244,7 +318,10 @@ class ModelConfig:
         )
         kw["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings",
                                                 family.get("tie_word_embeddings", False)))
-        kw["qkv_bias"] = family.get("qkv_bias", False) or bool(hf.get("attention_bias", False))
+        attention_bias = bool(hf.get("attention_bias", model_type == "gpt_oss"))
+        kw["qkv_bias"] = family.get("qkv_bias", False) or attention_bias
+        kw["o_bias"] = attention_bias and model_type in _O_BIAS_FAMILIES
+        kw.update(_moe(hf, model_type, layers))
         return cls(**kw).replace(**overrides)
 
     def to_hf(self) -> dict:
@@ -277,6 +354,21 @@ class ModelConfig:
                        final_logit_softcapping=self.final_logit_softcapping)
         if self.model_type == "llama":
             out["mlp_bias"] = False
+        if self.num_experts:
+            out.update(self._moe_hf())
+        return out
+
+    def _moe_hf(self) -> dict:
+        out = {_NUM_EXPERTS_KEY[self.model_type]: self.num_experts,
+               "num_experts_per_tok": self.num_experts_per_tok,
+               "router_aux_loss_coef": self.router_aux_coef,
+               "output_router_logits": False}
+        if self.model_type == "qwen3_moe":
+            out.update(moe_intermediate_size=self.moe_intermediate_size,
+                       norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=1,
+                       mlp_only_layers=list(self.mlp_only_layers))
+        if self.model_type == "gpt_oss":
+            out.update(swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
         return out
 
     def _rope_hf(self) -> dict:
@@ -289,6 +381,11 @@ class ModelConfig:
                         original_max_position_embeddings=orig)
         elif self.rope_linear:
             full.update(rope_type="linear", factor=self.rope_linear)
+        elif self.rope_yarn:
+            f, fast, slow, orig, truncate, attention = self.rope_yarn
+            full.update(rope_type="yarn", factor=f, beta_fast=fast, beta_slow=slow,
+                        original_max_position_embeddings=orig, truncate=truncate,
+                        attention_factor=attention)
         out: dict = {"rope_theta": self.rope_theta, "rope_parameters": full}
         if full["rope_type"] != "default":
             out["rope_scaling"] = dict(full)
@@ -322,10 +419,65 @@ def _rope(hf: dict) -> dict:
                               int(rope["original_max_position_embeddings"]))
     elif rope_type == "linear":
         out["rope_linear"] = float(rope["factor"])
+    elif rope_type == "yarn":
+        out["rope_yarn"] = _yarn(rope, hf)
     elif rope_type not in ("default", None):
         raise ModelConfigError(
-            f"unsupported rope scaling {rope_type!r}; supported: default, linear, llama3")
+            f"unsupported rope scaling {rope_type!r}; supported: default, linear, llama3, yarn")
     return out
+
+
+def _yarn(rope: dict, hf: dict) -> tuple:
+    """transformers' _compute_yarn_parameters, its defaults included: (factor, beta_fast,
+    beta_slow, original_max_pos, truncate, attention_factor)."""
+    orig = int(rope["original_max_position_embeddings"])
+    factor = rope.get("factor") or hf["max_position_embeddings"] / orig
+    attention = rope.get("attention_factor")
+    if attention is None:
+        mscale = lambda s, m=1.0: 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0  # noqa: E731
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return (float(factor), float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1),
+            orig, bool(rope.get("truncate", True)), float(attention))
+
+
+def _moe(hf: dict, model_type: str, layers: int) -> dict:
+    """The mixture-of-experts fields of a config.json (none for a dense family)."""
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute_map).
+    experts = hf.get(_NUM_EXPERTS_KEY.get(model_type, "")) or hf.get("num_local_experts")
+    if model_type not in _NUM_EXPERTS_KEY or not experts:
+        return {}
+    out = dict(num_experts=int(experts),
+               num_experts_per_tok=int(hf["num_experts_per_tok"]),
+               moe_intermediate_size=int(hf.get("moe_intermediate_size")
+                                         or hf["intermediate_size"]),
+               router_aux_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+    if model_type == "qwen3_moe":
+        step = int(hf.get("decoder_sparse_step", 1))
+        only = set(hf.get("mlp_only_layers") or ())
+        out["mlp_only_layers"] = tuple(i for i in range(layers)
+                                       if i in only or (i + 1) % step != 0)
+        out["norm_topk_prob"] = bool(hf.get("norm_topk_prob", False))
+    if model_type == "mixtral" and hf.get("router_jitter_noise"):
+        raise ModelConfigError("Mixtral with router_jitter_noise (random router noise in "
+                               "training) is not supported; set it to 0")
+    if model_type == "gpt_oss":
+        out.update(swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+                   swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
+    return out
+
+
+def _refuse_quantized(hf: dict) -> None:
+    """Quantized checkpoints load only where the loader dequantizes them (gpt-oss's MXFP4
+    experts); anything else stops with the fix."""
+    quant = hf.get("quantization_config") or {}
+    method = quant.get("quant_method")
+    if method and not (method == "mxfp4" and hf.get("model_type") == "gpt_oss"):
+        raise ModelConfigError(
+            f"quantized checkpoint (quant_method {method!r}): grpo_jax loads bf16/fp32 weights "
+            "only (and gpt-oss's MXFP4 experts). Dequantize it once with transformers: "
+            "`AutoModelForCausalLM.from_pretrained(DIR, dtype='bfloat16')."
+            "save_pretrained(OUT)`")
 
 
 def _layer_types(hf: dict, model_type: str, layers: int) -> tuple[str, ...] | None:
@@ -333,7 +485,7 @@ def _layer_types(hf: dict, model_type: str, layers: int) -> tuple[str, ...] | No
     Gemma 2 alternates (sliding first), Gemma 3 slides except every sliding_window_pattern-th."""
     if hf.get("layer_types"):
         return tuple(hf["layer_types"])
-    if model_type == "gemma2":
+    if model_type in ("gemma2", "gpt_oss"):
         pattern = 2
     elif model_type == "gemma3_text":
         pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") or 6

@@ -1,9 +1,12 @@
-"""One decoder-only transformer for the Llama, Mistral, Phi-3, Qwen2/3 and Gemma 2/3 families
-(Flax NNX): the families differ by switches in ModelConfig, read in `_block`.
+"""One decoder-only transformer for the Llama, Mistral, Phi-3, Qwen2/3 and Gemma 2/3 families and
+the mixtures of experts Qwen3-MoE, Mixtral and gpt-oss (Flax NNX): the families differ by
+switches in ModelConfig, read in `_block` (the experts: models/moe.py).
 
 Layers are stacked along a leading `layers` axis and run with `lax.scan`, so compile time does not
-grow with depth. Every parameter carries logical axis names in its `axes` metadata; `mesh.py` maps
-them to mesh axes with one rule table.
+grow with depth. A model whose dense and sparse layers mix (Qwen3-MoE's mlp_only_layers) stacks
+the dense MLPs over its dense layers and the experts over its sparse ones, and scans each run of
+same-kind layers in turn. Every parameter carries logical axis names in its `axes` metadata;
+`mesh.py` maps them to mesh axes with one rule table.
 """
 
 from __future__ import annotations
@@ -18,14 +21,21 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import attention as attention_lib
-from grpo_jax.models import lora
+from grpo_jax.models import lora, moe
 from grpo_jax.models.attention import Mask
 from grpo_jax.models.config import ModelConfig
+from grpo_jax.models.moe import RouterStats
 
-# name -> (shape, logical axes). L layers, D embed, H heads, K kv heads, Dh head dim, F mlp, V vocab.
+DENSE_MLP = ("w_gate", "w_up", "w_down")
+
+
+# name -> (shape, logical axes). L layers, D embed, H heads, K kv heads, Dh head dim, F mlp,
+# V vocab, E experts, Fe an expert's hidden width; Ld, Ls: the dense and the sparse layers.
 def param_table(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
     L, D, H, K = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
     Dh, F, V = cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
+    Ls = sum(cfg.moe_layers)
+    Ld = L - Ls
     table = {
         "embed": ((V, D), ("vocab", "embed")),                          # [V, D]
         "final_norm": ((D,), ("norm",)),                                # [D]
@@ -35,14 +45,31 @@ def param_table(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str,
         "layers/wv": ((L, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim")),
         "layers/wo": ((L, H, Dh, D), ("layers", "heads", "head_dim", "embed")),
         "layers/mlp_norm": ((L, D), ("layers", "norm")),                # [L, D]
-        "layers/w_gate": ((L, D, F), ("layers", "embed", "mlp")),       # [L, D, F]
-        "layers/w_up": ((L, D, F), ("layers", "embed", "mlp")),         # [L, D, F]
-        "layers/w_down": ((L, F, D), ("layers", "mlp", "embed")),       # [L, F, D]
     }
+    if Ld:
+        table["layers/w_gate"] = ((Ld, D, F), ("layers", "embed", "mlp"))  # [Ld, D, F]
+        table["layers/w_up"] = ((Ld, D, F), ("layers", "embed", "mlp"))    # [Ld, D, F]
+        table["layers/w_down"] = ((Ld, F, D), ("layers", "mlp", "embed"))  # [Ld, F, D]
+    if Ls:
+        E, Fe = cfg.num_experts, cfg.moe_intermediate_size
+        table["layers/router"] = ((Ls, D, E), ("layers", "embed", None))
+        table["layers/we_gate"] = ((Ls, E, D, Fe), ("layers", "expert", "embed", "mlp"))
+        table["layers/we_up"] = ((Ls, E, D, Fe), ("layers", "expert", "embed", "mlp"))
+        table["layers/we_down"] = ((Ls, E, Fe, D), ("layers", "expert", "mlp", "embed"))
+        if cfg.router_bias:
+            table["layers/router_bias"] = ((Ls, E), ("layers", None))
+        if cfg.expert_bias:
+            table["layers/be_gate"] = ((Ls, E, Fe), ("layers", "expert", "mlp"))
+            table["layers/be_up"] = ((Ls, E, Fe), ("layers", "expert", "mlp"))
+            table["layers/be_down"] = ((Ls, E, D), ("layers", "expert", None))
     if cfg.qkv_bias:
         table["layers/bq"] = ((L, H, Dh), ("layers", "heads", "head_dim"))
         table["layers/bk"] = ((L, K, Dh), ("layers", "kv_heads", "head_dim"))
         table["layers/bv"] = ((L, K, Dh), ("layers", "kv_heads", "head_dim"))
+    if cfg.o_bias:
+        table["layers/bo"] = ((L, D), ("layers", None))
+    if cfg.attention_sinks:
+        table["layers/sinks"] = ((L, H), ("layers", "heads"))
     if cfg.qk_norm:
         table["layers/q_norm"] = ((L, Dh), ("layers", "head_dim"))
         table["layers/k_norm"] = ((L, Dh), ("layers", "head_dim"))
@@ -52,6 +79,29 @@ def param_table(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str,
     if not cfg.tie_word_embeddings:
         table["lm_head"] = ((D, V), ("embed", "vocab"))                 # [D, V]
     return table
+
+
+def stack_of(cfg: ModelConfig, key: str) -> bool | None:
+    """Which layers a stacked per-layer array (a `layer_params` key: weight, adapter, scale)
+    runs over: None every layer, True the sparse ones, False the dense ones (config's
+    stack_layers)."""
+    base = key.split("_lora_")[0].removesuffix("_qscale")
+    if base in moe.EXPERT_LEAVES:
+        return True
+    if base in DENSE_MLP and cfg.num_experts:
+        return False
+    return None
+
+
+def layer_runs(cfg: ModelConfig) -> list[tuple[int, int, bool]]:
+    """(first, stop, sparse) of each run of consecutive same-kind layers."""
+    runs = []
+    for i, sparse in enumerate(cfg.moe_layers):
+        if runs and runs[-1][2] == sparse:
+            runs[-1] = (runs[-1][0], i + 1, sparse)
+        else:
+            runs.append((i, i + 1, sparse))
+    return runs
 
 
 def _init_value(name: str, shape, dtype, key, norm_offset: bool):
@@ -94,6 +144,10 @@ class Decoder(nnx.Module):
     # The mesh the activations are laid out on (set by `shard_activations`; static, part of the
     # graphdef). None: no constraint, as on one device.
     mesh = None
+    # The mesh whose `expert` axis a sparse layer's experts are split over (models/moe.py; None:
+    # no expert parallelism). Set by `shard_activations`, and by the sampler, which leaves its
+    # rows unconstrained.
+    expert_mesh = None
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         """Random weights; `hf.load_model` builds the decoder abstractly (`nnx.eval_shape`) and
@@ -128,7 +182,7 @@ class Decoder(nnx.Module):
         at every layer. Without it XLA's propagation may keep the FSDP-sharded weights where
         they are and replicate the activations instead, all-reducing whole [B, T, F] matmul
         outputs: on Qwen2.5-7B over v5e-16 that was 9 GB of an update's temporaries."""
-        self.mesh = mesh
+        self.mesh = self.expert_mesh = mesh
 
     def shard_rows(self, x):
         """x [B, ...] with its rows on the batch axes (identity without a mesh)."""
@@ -179,21 +233,51 @@ class Decoder(nnx.Module):
         once, outside the loop, so no step slices weights out of the stacked arrays (the sampler
         also casts them to the compute dtype first, so no step casts either). q/k/v and gate/up
         need no manual fusion: XLA's dot merger already runs each group as one matmul."""
-        stacked = self.layer_params()
-        return [{k: v[i] for k, v in stacked.items()} for i in range(self.cfg.num_layers)]
+        cfg, stacked = self.cfg, self.layer_params()
+        rows = {s: {layer: j for j, layer in enumerate(cfg.stack_layers(s))}
+                for s in (None, True, False)}
+        return [{k: v[rows[stack_of(cfg, k)][i]] for k, v in stacked.items()
+                 if i in rows[stack_of(cfg, k)]} for i in range(cfg.num_layers)]
+
+    def scan_layers(self, body, carry):
+        """lax.scan of body(carry, (layer params, slides)) -> (carry, RouterStats or None)
+        over the layers, one scan per run of same-kind layers (a dense run's params have no
+        experts, a sparse run's no dense MLP), under the config's remat. Returns (carry,
+        RouterStats summed over the sparse layers, or None for a dense model)."""
+        cfg = self.cfg
+        if cfg.remat:
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat_policy])
+        stacked, sliding = self.layer_params(), jnp.asarray(cfg.sliding_layers)
+        stats = RouterStats.zeros(cfg.num_experts) if cfg.num_experts else None
+        for first, stop, sparse in layer_runs(cfg):
+            own = {None: (first, stop)}
+            before = sum(s == sparse for s in cfg.moe_layers[:first])
+            own[sparse] = (before, before + stop - first)
+            xs = {k: v if own[stack_of(cfg, k)] == (0, v.shape[0]) else
+                  v[own[stack_of(cfg, k)][0]:own[stack_of(cfg, k)][1]]
+                  for k, v in stacked.items() if stack_of(cfg, k) in own}
+            carry, ys = jax.lax.scan(body, carry, (xs, sliding[first:stop]))
+            if ys is not None:
+                stats = stats.plus(jax.tree.map(lambda a: a.sum(0), ys))
+        return carry, stats
 
     def __call__(self, tokens, positions, attention_mask, cache: KVCache | None = None,
-                 cache_index=None, layers: list[dict] | None = None, order=None):
+                 cache_index=None, layers: list[dict] | None = None, order=None,
+                 with_router: bool = False):
         """Run the decoder and return (hidden [B, T, D] after the final norm, new cache).
 
         tokens, positions: [B, T] int. Without a cache, attention_mask is [B, T] (1 = real token),
         attention is causal over the T tokens and the layers run under `lax.scan`. With a cache
         of S slots, attention_mask is [B, S] (which slots hold real tokens), the T new tokens are
         written at slots [cache_index, cache_index + T) and attend to every real slot up to
-        their own; the layers are unrolled. `layers`: `decode_layers()`, prepared once outside a
-        decode loop (default: computed here). `order` (without a cache): a permutation of the T
-        positions (`sequence_order(T)`); the tokens then go through the layers, and come back as
-        hidden states, in that order (attention still sees the sequence in its own order).
+        their own; the layers are unrolled. cache_index may also be [B] (one token per row, T = 1,
+        each row at its own slot: decode slots refilled as rows finish). `layers`:
+        `decode_layers()`, prepared once outside a decode loop (default: computed here).
+        `order` (without a cache): a permutation of the T positions (`sequence_order(T)`); the
+        tokens then go through the layers, and come back as hidden states, in that order
+        (attention still sees the sequence in its own order). with_router (no cache): also
+        return the RouterStats of the real tokens (None for a dense model), for the
+        load-balancing loss.
         """
         cfg = self.cfg
         if order is not None:
@@ -206,20 +290,22 @@ class Decoder(nnx.Module):
         B, T = tokens.shape
         key_ok = attention_mask.astype(bool)
         if cache is None:
-            mesh, inv = self.mesh, attention_lib.inverse(order)
+            mesh = self.mesh
+            token_ok = key_ok if order is None else key_ok[:, order]  # x's tokens' order
 
             def body(x, xs):
                 p, slides = xs
                 cos, sin = _pick(sliding, slides, rope)
                 mask = Mask(np.arange(T) if order is None else order, key_ok,
                             _window(cfg, slides))
-                x = _block(cfg, p, self.shard_tokens(x), cos, sin, mask, mesh=mesh,
-                           key_order=order)[0]
-                return self.shard_tokens(x), None
+                x, _, _, stats = _block(cfg, p, self.shard_tokens(x), cos, sin, mask,
+                                        mesh=mesh, key_order=order,
+                                        expert_mesh=self.expert_mesh, token_mask=token_ok)
+                return self.shard_tokens(x), stats
 
-            if cfg.remat:
-                body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat_policy])
-            x, _ = jax.lax.scan(body, x, (self.layer_params(), jnp.asarray(sliding)))
+            x, stats = self.scan_layers(body, x)
+            if with_router:
+                return self._final_norm(x), None, stats
             return self._final_norm(x), None
 
         S = attention_mask.shape[1]  # positions; a sliding layer's buffer may hold fewer
@@ -235,8 +321,9 @@ class Decoder(nnx.Module):
             masks = {False: Mask(cache_index + jnp.arange(T), key_ok)}
         else:
             # Query t sits at position cache_index + t and sees the real positions up to its own.
-            query = cache_index + jnp.arange(T)
-            masks = {False: (query[:, None] >= jnp.arange(S)[None, :])[None] & key_ok[:, None]}
+            # cache_index [B]: each row writes and reads at its own slot (_write_rows).
+            query = jnp.asarray(cache_index)[..., None] + jnp.arange(T)  # [T] or [B, T]
+            masks = {False: (query[..., None] >= jnp.arange(S)) & key_ok[:, None]}
             if any(sliding):
                 masks[True] = _ring_mask(query, key_ok, cfg.cache_length(sliding.index(True), S),
                                          cfg.sliding_window)
@@ -244,9 +331,10 @@ class Decoder(nnx.Module):
         for i, (p, ck, cv) in enumerate(zip(self.decode_layers() if layers is None else layers,
                                             *cache)):
             cos, sin = rope[sliding[i]]
-            x, ck, cv = _block(cfg, p, self.shard_rows(x), cos, sin, masks[sliding[i]],
-                               (ck, cv, cache_index),
-                               window=cfg.sliding_window if sliding[i] else None)
+            x, ck, cv, _ = _block(cfg, p, self.shard_rows(x), cos, sin, masks[sliding[i]],
+                                  (ck, cv, cache_index),
+                                  window=cfg.sliding_window if sliding[i] else None,
+                                  expert_mesh=self.expert_mesh)
             ks.append(ck)
             vs.append(cv)
         return self._final_norm(x), KVCache(tuple(ks), tuple(vs))
@@ -278,7 +366,7 @@ class Decoder(nnx.Module):
         return last[-1][:, None], cache
 
     def shared_prefix(self, prompt_ids, prompt_mask, ids, mask, group: int,
-                      orders=(None, None)):
+                      orders=(None, None), with_router: bool = False):
         """The forward of `group` completions per prompt with each prompt computed once (Prefix
         Grouper, arXiv 2506.05433): returns (hidden [g, P, D] of the prompts, hidden [g * group,
         C, D] of the completions), equal to running every row's prompt + completion through
@@ -287,7 +375,9 @@ class Decoder(nnx.Module):
         values, copied to the group's rows, so the gradients reaching the prompt positions are
         summed over the group. Training FLOPs go from N (P + C) to g P + N C token-passes.
         `orders`: (prompt order, completion order), permutations of P and C positions
-        (`sequence_order`) in which the two parts run and come back, as `__call__`'s order."""
+        (`sequence_order`) in which the two parts run and come back, as `__call__`'s order.
+        with_router: also the RouterStats of every row's real tokens (a prompt's counted once
+        per row, as running the rows one by one counts them)."""
         cfg, mesh = self.cfg, self.mesh
         P_len, C = prompt_ids.shape[1], ids.shape[1]
         rep = lambda a: self.shard_rows(jnp.repeat(a, group, axis=0))  # noqa: E731
@@ -310,6 +400,9 @@ class Decoder(nnx.Module):
         queries = {"prompt": np.arange(P_len) if o_p is None else o_p,
                    "completion": P_len + (np.arange(C) if o_c is None else o_c)}
         keys_ok = {"prompt": prompt_ok, "completion": jnp.concatenate([rep(prompt_ok), ok], 1)}
+        # The real tokens among the hidden states, in the order they run (router statistics).
+        tokens_ok = {"prompt": prompt_ok if o_p is None else prompt_ok[:, o_p],
+                     "completion": ok if o_c is None else ok[:, o_c]}
 
         def body(carry, xs):
             x_prompt, x = carry
@@ -317,19 +410,25 @@ class Decoder(nnx.Module):
             window = _window(cfg, slides)
             q, k, v = _qkv(cfg, p, x_prompt, *_pick(sliding, slides, rope["prompt"]))
             k, v = (attention_lib.gather_keys(a, o_p, mesh) for a in (k, v))
-            x_prompt = _attn_out_and_mlp(cfg, p, x_prompt, _attend(
-                cfg, q, k, v, Mask(queries["prompt"], keys_ok["prompt"], window), mesh))
+            attn = _attend(cfg, q, k, v, Mask(queries["prompt"], keys_ok["prompt"], window),
+                           mesh, sinks=_sinks(cfg, p))
+            x_prompt, prompt_stats = _attn_out_and_mlp(cfg, p, x_prompt, attn,
+                                                       tokens_ok["prompt"], self.expert_mesh)
             q, kc, vc = _qkv(cfg, p, x, *_pick(sliding, slides, rope["completion"]))
             k = jnp.concatenate([rep(k), attention_lib.gather_keys(kc, o_c, mesh)], axis=1)
             v = jnp.concatenate([rep(v), attention_lib.gather_keys(vc, o_c, mesh)], axis=1)
-            x = _attn_out_and_mlp(cfg, p, x, _attend(
-                cfg, q, k, v, Mask(queries["completion"], keys_ok["completion"], window), mesh))
-            return (self.shard_tokens(x_prompt), self.shard_tokens(x)), None
+            attn = _attend(cfg, q, k, v, Mask(queries["completion"], keys_ok["completion"],
+                                              window), mesh, sinks=_sinks(cfg, p))
+            x, stats = _attn_out_and_mlp(cfg, p, x, attn, tokens_ok["completion"],
+                                         self.expert_mesh)
+            if stats is not None:
+                stats = stats.plus(prompt_stats, weight=group)
+            return (self.shard_tokens(x_prompt), self.shard_tokens(x)), stats
 
-        if cfg.remat:
-            body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat_policy])
         x0 = tuple(self.shard_tokens(self.embed_tokens(tokens[part])) for part in tokens)
-        (x_prompt, x), _ = jax.lax.scan(body, x0, (self.layer_params(), jnp.asarray(sliding)))
+        (x_prompt, x), stats = self.scan_layers(body, x0)
+        if with_router:
+            return self._final_norm(x_prompt), self._final_norm(x), stats
         return self._final_norm(x_prompt), self._final_norm(x)
 
     def _final_norm(self, x):
@@ -371,8 +470,11 @@ def _ring_mask(query, key_ok, slots: int, window: int) -> jax.Array:
     holds the newest position p <= q with p % window == s; it is seen when p >= 0 and real
     (key_ok [B, S] by position). Within the window by construction."""
     s = jnp.arange(slots)
-    held = query[:, None] - (query[:, None] - s[None, :]) % window  # [T, slots]
-    real = jnp.take(key_ok, jnp.clip(held, 0, key_ok.shape[1] - 1), axis=1)  # [B, T, slots]
+    held = query[..., None] - (query[..., None] - s) % window  # [T, slots] or [B, T, slots]
+    where = jnp.clip(held, 0, key_ok.shape[1] - 1)
+    if held.ndim == 3:  # per-row queries (_write_rows)
+        return jnp.take_along_axis(key_ok[:, None, :], where, axis=2) & (held >= 0)
+    real = jnp.take(key_ok, where, axis=1)  # [B, T, slots]
     return real & (held >= 0)[None]
 
 
@@ -403,9 +505,32 @@ def rope_tables(cfg: ModelConfig, positions, local: bool = False):
         inv_freq = _llama3_scale(inv_freq, *cfg.rope_llama3)
     elif not own and cfg.rope_linear:
         inv_freq = inv_freq / cfg.rope_linear
+    elif not own and cfg.rope_yarn:
+        inv_freq = _yarn_inv_freq(d, theta, *cfg.rope_yarn[:5])
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    scale = cfg.rope_yarn[5] if cfg.rope_yarn and not own else 1.0
+    return jnp.cos(emb) * scale, jnp.sin(emb) * scale
+
+
+def _yarn_inv_freq(d, base, factor, beta_fast, beta_slow, original_max_pos, truncate):
+    """transformers' YaRN frequencies: interpolated (divided by factor) below the correction
+    range, extrapolated (unchanged) above it, a linear ramp between."""
+    import math
+
+    def correction_dim(rotations):
+        return d * math.log(original_max_pos / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    ramp = jnp.clip((jnp.arange(d // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
 def _llama3_scale(inv_freq, factor, low_freq_factor, high_freq_factor, original_max_pos):
@@ -428,34 +553,45 @@ def _rope(x, cos, sin):
 
 
 def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None, window: int | None = None,
-           mesh=None, key_order=None):
+           mesh=None, key_order=None, expert_mesh=None, token_mask=None):
     """One layer. With cache = (ck, cv, index) the new keys and values are written into ck/cv
     [B, K, S, Dh] at slot `index` and the queries attend over the cache (mask [B, T, S], or an
     attention.Mask over the S slots); index None writes at slot 0 and attends among the new
     tokens only, as without a cache (an attention.Mask over the T tokens). `window`: the layer
     slides and its cache is a ring (slot = position % window). `mesh`, `key_order`: see
-    _attend. Returns (x, ck, cv) (None, None without a cache)."""
+    _attend. `expert_mesh`: where a sparse layer's experts live; `token_mask` [B, T]: the real
+    tokens its router statistics count. Returns (x, ck, cv, RouterStats) (ck, cv None without
+    a cache; the stats None for a dense layer or without token_mask)."""
     q, k, v = _qkv(cfg, p, x, cos, sin)
     ck = cv = None
     if cache is not None:
         ck, cv, index = cache
         ck, cv = _write(ck, k, index, window), _write(cv, v, index, window)
+    sinks = _sinks(cfg, p)
     if cache is not None and index is not None:
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         cap = cfg.attn_logit_softcapping
         if isinstance(mask, Mask):  # a prefill chunk over the whole cache, by blocks
-            attn = attention_lib.flash(q, ck, cv, mask, scale, cap, cfg.attention_block)
-        elif cfg.use_cudnn_attention(decode=True) and cap is None:
+            attn = (attention_lib.flash(q, ck, cv, mask, scale, cap, cfg.attention_block)
+                    if sinks is None else attention(q, ck, cv, mask.dense(), scale, cap, sinks))
+        elif cfg.use_cudnn_attention(decode=True) and cap is None and sinks is None:
             # The cache's [B, K, S, Dh] viewed as cuDNN's [B, S, K, Dh]: a layout, not a copy.
             # A query always sees its own slot, so no row is fully masked.
             attn = jax.nn.dot_product_attention(q, jnp.swapaxes(ck, 1, 2),
                                                 jnp.swapaxes(cv, 1, 2), mask=mask[:, None],
                                                 scale=scale, implementation="cudnn")
         else:
-            attn = attention(q, ck, cv, mask, scale, cap)
+            attn = attention(q, ck, cv, mask, scale, cap, sinks)
     else:
-        attn = _attend(cfg, q, k, v, mask, mesh, key_order)
-    return _attn_out_and_mlp(cfg, p, x, attn), ck, cv
+        attn = _attend(cfg, q, k, v, mask, mesh, key_order, sinks)
+    x, stats = _attn_out_and_mlp(cfg, p, x, attn, token_mask, expert_mesh)
+    return x, ck, cv, stats
+
+
+def _sinks(cfg: ModelConfig, p):
+    """gpt-oss's per-head sink logits in the compute dtype (as the sampler holds them), or
+    None."""
+    return p["sinks"].astype(cfg.dtype) if "sinks" in p else None
 
 
 def _qkv(cfg: ModelConfig, p, x, cos, sin):
@@ -473,17 +609,20 @@ def _qkv(cfg: ModelConfig, p, x, cos, sin):
     return _rope(q, cos, sin), _rope(k, cos, sin), v
 
 
-def _attend(cfg: ModelConfig, q, k, v, mask: Mask, mesh=None, key_order=None):
+def _attend(cfg: ModelConfig, q, k, v, mask: Mask, mesh=None, key_order=None, sinks=None):
     """Attention without a cache: q [B, T, H, Dh] over k, v [B, S, K, Dh] as `mask` says.
     `key_order`: the keys' positions come in this order (Decoder.sequence_order; None:
     sequence order). With a context axis in `mesh` the queries stay split over it by position
-    and the keys are gathered whole (attention.context_parallel)."""
+    and the keys are gathered whole (attention.context_parallel). sinks [H]: gpt-oss's
+    per-head sink logits, which only XLA's attention takes."""
     scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
     cap = cfg.attn_logit_softcapping
     k, v = (attention_lib.gather_keys(a, key_order, mesh) for a in (k, v))
     cp = mesh_lib.context_size(mesh)
     split = cp > 1 and q.shape[1] % cp == 0
     kernel = cfg.attention_kernel(k.shape[1], context_parallel=split)
+    if sinks is not None:
+        kernel = "xla"  # neither cuDNN nor the blockwise kernels take sinks
     if kernel == "cudnn":
         # Each query also sees itself, so padding rows are never fully masked (NaN in cuDNN).
         own = jnp.arange(k.shape[1])[None, :] == jnp.asarray(mask.q_idx)[:, None]
@@ -507,31 +646,34 @@ def _attend(cfg: ModelConfig, q, k, v, mask: Mask, mesh=None, key_order=None):
             return attention_lib.flash(q, k, v, m, scale, cap, cfg.attention_block)
     else:
         def attend(q, k, v, m):
-            return attention(q, k, v, m.dense(), scale, cap)
+            return attention(q, k, v, m.dense(), scale, cap, sinks)
     k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)
     if split:
         return attention_lib.context_parallel(attend, q, k, v, mask, mesh)
     return attend(q, k, v, mask)
 
 
-def _attn_out_and_mlp(cfg: ModelConfig, p, x, attn):
-    """The rest of a layer after attention: output projection, residual, MLP, residual."""
+def _attn_out_and_mlp(cfg: ModelConfig, p, x, attn, token_mask=None, mesh=None):
+    """The rest of a layer after attention: output projection, residual, MLP (a sparse
+    layer's experts: moe.moe_mlp), residual. Returns (x, RouterStats or None)."""
     dt, eps, offset = cfg.dtype, cfg.rms_norm_eps, cfg.norm_offset
     out = lora.project(p, "wo", "bthk,hkd->btd", attn, dt)
+    if cfg.o_bias:
+        out = out + p["bo"].astype(dt)
     if cfg.sandwich_norms:
         out = rms_norm(out, p["post_attn_norm"], eps, dt, offset)
     x = x + out
     h = rms_norm(x, p["mlp_norm"], eps, dt, offset)
-    gate = lora.project(p, "w_gate", "btd,df->btf", h, dt)
-    up = lora.project(p, "w_up", "btd,df->btf", h, dt)
-    out = lora.project(p, "w_down", "btf,fd->btd", ACTIVATIONS[cfg.hidden_act](gate) * up, dt)
+    stats = None
+    if "we_gate" in p:
+        out, stats = moe.moe_mlp(cfg, p, h, token_mask, mesh)
+    else:
+        gate = lora.project(p, "w_gate", "btd,df->btf", h, dt)
+        up = lora.project(p, "w_up", "btd,df->btf", h, dt)
+        out = lora.project(p, "w_down", "btf,fd->btd", moe.gated(cfg, gate, up), dt)
     if cfg.sandwich_norms:
         out = rms_norm(out, p["post_mlp_norm"], eps, dt, offset)
-    return x + out
-
-
-ACTIVATIONS = {"silu": jax.nn.silu,
-               "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+    return x + out, stats
 
 
 def _write(buf, new, index, window: int | None):
@@ -539,6 +681,8 @@ def _write(buf, new, index, window: int | None):
     index + t (index None: 0). A sliding layer's buffer is a ring of `window` slots when it
     is shorter than the positions: of a long prefill only the last `window` tokens stay."""
     new = jnp.swapaxes(new, 1, 2).astype(buf.dtype)
+    if index is not None and jnp.ndim(index) == 1:
+        return _write_rows(buf, new, index, window)
     start, T, slots = 0 if index is None else index, new.shape[2], buf.shape[2]
     if window is None:
         return jax.lax.dynamic_update_slice_in_dim(buf, new, start, axis=2)
@@ -552,10 +696,22 @@ def _write(buf, new, index, window: int | None):
     return buf.at[:, :, (start + jnp.arange(T - keep, T)) % window].set(new[:, :, T - keep:])
 
 
-def attention(q, k, v, mask, scale: float, cap: float | None = None):
+def _write_rows(buf, new, index, window: int | None):
+    """One token per row [B, K, 1, Dh] into buf [B, K, S, Dh], row b at its own slot index[b]
+    (position index[b] % window in a sliding layer's ring): a scatter, in place in a decode
+    loop. For decode slots whose rows started at different times (rollout/refill.py)."""
+    if new.shape[2] != 1:
+        raise NotImplementedError("per-row cache indices write one token per row")
+    slot = index if window is None else index % window
+    return buf.at[jnp.arange(buf.shape[0]), :, slot].set(new[:, :, 0])
+
+
+def attention(q, k, v, mask, scale: float, cap: float | None = None, sinks=None):
     """Grouped-query attention of q [B, T, H, Dh] over keys/values k, v [B, K, S, Dh];
     mask [B, T, S] says which keys each query sees; scores are scaled by `scale` and
-    soft-capped at `cap` (Gemma 2). Returns [B, T, H, Dh]."""
+    soft-capped at `cap` (Gemma 2). sinks [H] (gpt-oss): one more logit per head in each
+    softmax, whose probability is dropped (the weights then sum to less than 1).
+    Returns [B, T, H, Dh]."""
     B, T, H, Dh = q.shape
     K = k.shape[1]
     # Queries grouped by their KV head, with (b, k) leading like the keys. For one token
@@ -567,6 +723,12 @@ def attention(q, k, v, mask, scale: float, cap: float | None = None):
     s = softcap(s, cap).reshape(B, K, H // K, T, -1)
     # A finite floor (not -inf) keeps fully masked rows (padding queries) free of NaN.
     s = jnp.where(mask[:, None, None], s, -1e30)
-    probs = jax.nn.softmax(s, axis=-1).astype(v.dtype).reshape(B, K, (H // K) * T, -1)
+    if sinks is None:
+        probs = jax.nn.softmax(s, axis=-1)
+    else:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, K, H // K, 1, 1),
+                                (*s.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
+    probs = probs.astype(v.dtype).reshape(B, K, (H // K) * T, -1)
     out = jnp.einsum("bkqs,bksd->bkqd", probs, v).reshape(B, K, H // K, T, Dh)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)

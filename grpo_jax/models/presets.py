@@ -2,11 +2,13 @@
 
 Each preset is the architecture its Hugging Face `config.json` describes (hidden size, layers,
 heads, KV heads, intermediate size, vocabulary, tied embeddings, RoPE, Qwen2.5's qkv bias,
-Qwen3's qk norm, Gemma's windows and soft-caps); the weights are not needed to compile or size
-a run.
+Qwen3's qk norm, Gemma's windows and soft-caps, the mixtures' experts and routing); the weights
+are not needed to compile or size a run.
 """
 
 from __future__ import annotations
+
+import math
 
 from grpo_jax.errors import GrpoJaxError
 from grpo_jax.models.config import ModelConfig
@@ -57,6 +59,29 @@ def _gemma2(d, layers, heads, kv, f, head_dim=256, scalar=256) -> ModelConfig:
                        max_position_embeddings=8192)
 
 
+def _qwen3_moe(d, layers, heads, expert_f, dense_f) -> ModelConfig:
+    """Qwen3-MoE: 128 experts, 8 per token (renormalised), every layer sparse."""
+    return ModelConfig("qwen3_moe", 151936, d, dense_f, layers, heads, 4, 128, rope_theta=1e6,
+                       qk_norm=True, max_position_embeddings=40960, num_experts=128,
+                       num_experts_per_tok=8, moe_intermediate_size=expert_f,
+                       norm_topk_prob=True, router_aux_coef=0.001)
+
+
+def _gpt_oss(layers, experts) -> ModelConfig:
+    """gpt-oss: sliding (128) and full layers alternating, YaRN RoPE, attention sinks, biases,
+    4 of `experts` per token with its clamped SwiGLU. Released as MXFP4 experts (dequantized
+    on load; bf16 here)."""
+    types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
+    return ModelConfig("gpt_oss", 201088, 2880, 2880, layers, 64, 8, 64, rms_norm_eps=1e-5,
+                       rope_theta=150000.0, rope_yarn=(32.0, 32.0, 1.0, 4096, False,
+                                                       0.1 * math.log(32.0) + 1.0),
+                       qkv_bias=True, o_bias=True, attention_sinks=True, sliding_window=128,
+                       layer_types=types, max_position_embeddings=131072, num_experts=experts,
+                       num_experts_per_tok=4, moe_intermediate_size=2880, norm_topk_prob=True,
+                       router_bias=True, expert_bias=True, swiglu_limit=7.0,
+                       router_aux_coef=0.9)
+
+
 PRESETS: dict[str, ModelConfig] = {
     # The embedded model (SmolLM2-135M-Instruct): `bench --preset smollm2-135m` sizes CPU runs.
     "smollm2-135m": ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, rms_norm_eps=1e-5,
@@ -79,6 +104,16 @@ PRESETS: dict[str, ModelConfig] = {
     "gemma-2-2b": _gemma2(2304, 26, 8, 4, 9216),
     "gemma-2-9b": _gemma2(3584, 42, 16, 8, 14336),
     "gemma-2-27b": _gemma2(4608, 46, 32, 16, 36864, head_dim=128, scalar=144),
+    # Mixtures of experts. Active parameters (num_params(active=True), the embedding included):
+    # 3.35B, 22.19B, 12.88B, 5.71B, 4.19B; gpt-oss's model card counts 5.1B and 3.6B without it.
+    "qwen3-30b-a3b": _qwen3_moe(2048, 48, 32, 768, 6144),
+    "qwen3-235b-a22b": _qwen3_moe(4096, 94, 64, 1536, 12288),
+    "mixtral-8x7b": ModelConfig("mixtral", 32000, 4096, 14336, 32, 32, 8, 128, rms_norm_eps=1e-5,
+                                rope_theta=1e6, max_position_embeddings=32768, num_experts=8,
+                                num_experts_per_tok=2, moe_intermediate_size=14336,
+                                norm_topk_prob=True, router_aux_coef=0.02),
+    "gpt-oss-120b": _gpt_oss(36, 128),
+    "gpt-oss-20b": _gpt_oss(24, 32),
 }
 
 

@@ -84,7 +84,9 @@ def quantize_model(model, bits: int, scales: dict | None = None) -> None:
     `scales` ({leaf: scales}): the weights are codes already (hf.load_model quantizes each as it
     is loaded, so no device holds the whole base unquantized); only the scales are added."""
     for leaf in PROJECTIONS:
-        var = getattr(model.layers, leaf)
+        var = getattr(model.layers, leaf, None)
+        if var is None:  # a mixture of experts' sparse layers: experts stay unquantized
+            continue
         if scales is None:
             codes, scale = quantize_stacked(var.get_value(), leaf, bits)
             var.set_value(codes)

@@ -33,7 +33,7 @@ import numpy as np
 from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.rollout.sampler import (RolloutBatch, Sampler, _cast_matrices, _Context, _pow2,
-                                      _State, left_pad)
+                                      _State, as_key, decode_metrics, left_pad)
 
 MIN_SUFFIX_BUCKET = 8  # suffixes pad to 8, 16, 32, ... tokens: a handful of programs
 
@@ -73,7 +73,7 @@ class Continuation:
         width = s._bucket(max(map(len, prompts)))
         ids, mask = left_pad(prompts, 1, width, s.pad_id, rows=s._prompt_rows(rows, g))
         params, (ids_d, mask_d) = self._place(params, ids, mask)
-        *out, step, cache = self._first(params, ids_d, mask_d, _as_key(rng),
+        *out, step, cache = self._first(params, ids_d, mask_d, as_key(rng),
                                         num_generations=g, rows=rows)
         tokens, cmask, logp, done, step = dist.to_host((*out, step))
         lengths = cmask.sum(axis=1)
@@ -84,7 +84,8 @@ class Continuation:
             p = prompts[r // g] if r < n else np.zeros(0, np.int32)
             held.append(np.concatenate([p, tokens[r, :fed]]))
             slots.append(np.concatenate([np.arange(width - len(p), width), width + np.arange(fed)]))
-        batch = RolloutBatch(ids, mask, tokens[:n], cmask[:n], ~done[:n], logp[:n])
+        batch = RolloutBatch(ids, mask, tokens[:n], cmask[:n], ~done[:n], logp[:n],
+                             metrics=_metrics(step, cmask))
         return batch, Session(cache, held, slots)
 
     def next_turn(self, params, session: Session, rows: Sequence[int],
@@ -135,7 +136,7 @@ class Continuation:
         cache = self._align(session.cache, *placed[:2],
                             width=width + s.sampling_params.max_completion_length)
         *out, step, cache = self._next(params, cache, *placed[2:7],
-                                       None if seen is None else placed[7], _as_key(rng))
+                                       None if seen is None else placed[7], as_key(rng))
         tokens, cmask, logp, done, step = dist.to_host((*out, step))
         held, slots = [], []
         for j in range(B):
@@ -145,7 +146,8 @@ class Continuation:
             slots.append(np.concatenate([np.arange(base - k, base),
                                          np.arange(width - (len(c) - k), width),
                                          width + np.arange(fed)]))
-        batch = RolloutBatch(ids[:n], mask[:n], tokens[:n], cmask[:n], ~done[:n], logp[:n])
+        batch = RolloutBatch(ids[:n], mask[:n], tokens[:n], cmask[:n], ~done[:n], logp[:n],
+                             metrics=_metrics(step, cmask))
         return batch, Session(cache, held, slots)
 
     def _place(self, params, *arrays):
@@ -192,7 +194,7 @@ class Continuation:
         logits = model.logits(hidden[:, -1:])[:, 0]  # left padding: the last slot is real
         ctx = _Context(cast, layers, key_mask, start + jnp.sum(mask, axis=1))
         rows = lambda x: s._constrain(x, "batch", None)  # noqa: E731
-        state = _State(step=jnp.zeros((), jnp.int32),
+        state = _State(step=jnp.zeros((), jnp.int32), rows=jnp.arange(B, dtype=jnp.int32),
                        tokens=rows(jnp.full((B, C), s.pad_id, jnp.int32)),
                        mask=rows(jnp.zeros((B, C), jnp.int32)),
                        logp=rows(jnp.zeros((B, C), jnp.float32)),
@@ -210,11 +212,10 @@ class Continuation:
                                   lambda st: cap(self.sampler._decode_step(ctx, st, key)), state)
 
 
-def _as_key(rng) -> jax.Array:
-    key = jax.random.key(rng) if isinstance(rng, (int, np.integer)) else rng
-    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.wrap_key_data(key)  # a raw uint32 jax.random.PRNGKey
-    return key
+def _metrics(step, cmask) -> dict:
+    """decode_metrics of a turn: the prefill sampled each row's first token, the loop the rest."""
+    return decode_metrics(max(int(step) - 1, 0), int(np.maximum(cmask.sum(axis=1) - 1, 0).sum()),
+                          len(cmask))
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:

@@ -7,7 +7,7 @@ import dataclasses
 from grpo_jax import distributed as dist
 from grpo_jax import hf
 from grpo_jax.errors import ConfigError
-from grpo_jax.rollout import continuation
+from grpo_jax.rollout import continuation, refill
 from grpo_jax.rollout.sampler import RolloutBatch, Sampler
 from grpo_jax.rollout.sampling import SamplingParams
 
@@ -31,7 +31,9 @@ class JaxRollout:
 
     With LoRA (`peft`) it takes the adapters and the frozen base (`takes_adapters`) where
     PeftArgs.sampler_takes_adapters says so (a quantized base); else GRPORound hands it the
-    base with the adapters merged, once per round."""
+    base with the adapters merged, once per round.
+
+    With `max_num_seqs` set, rounds run through that many decode slots (rollout/refill.py)."""
 
     syncs_weights = False  # GRPORound need not build weights for update_weights
 
@@ -39,12 +41,17 @@ class JaxRollout:
         self.takes_adapters = bool(peft and peft.sampler_takes_adapters)
         self.sampler = Sampler(model_cfg, params, pad_id=pad_id, mesh=mesh,
                                peft=peft if self.takes_adapters else None)
+        self.slots = refill.Refill(self.sampler) if params.max_num_seqs is not None else None
         # Multi-turn rollouts continue from the KV cache (None: sliding-window models, which
-        # re-prefill every turn's context).
+        # re-prefill every turn's context; and with decode slots, since continuing needs every
+        # row's cache kept between turns: there each turn re-prefills its context, and a row
+        # waiting for its tools has left its slot to the next row).
         self.turns = (continuation.Continuation(self.sampler)
-                      if continuation.supported(self.sampler) else None)
+                      if continuation.supported(self.sampler) and self.slots is None else None)
 
     def generate(self, params, prompt_ids, num_generations, key) -> RolloutBatch:
+        if self.slots is not None:
+            return self.slots.generate(params, prompt_ids, num_generations, key)
         return self.sampler.generate(params, prompt_ids, num_generations, key)
 
     def update_weights(self, params) -> float | None:

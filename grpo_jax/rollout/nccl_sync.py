@@ -46,14 +46,15 @@ def hf_parts(cfg, dtype) -> dict[str, list]:
     return {k: parts[k] for k in [*pre, *sorted(layer, key=layer.get), *post]}
 
 
-def hf_tensor(params, parts, dtype) -> jax.Array:
+def hf_tensor(cfg, params, parts, dtype) -> jax.Array:
     """One HF tensor on the device from table-layout params (as the trainer holds them)."""
-    def leaf(name, i):
+    def leaf(name, i, expert):
         node = params
         for p in name.split("/"):
             node = node[p]
-        return node[...] if i is None else node[...][i]
-    return jnp.concatenate([hf._to_hf(name, leaf(name, i)).astype(dtype) for name, i in parts])
+        w = node[...] if i is None else node[...][i]
+        return (w if expert is None else w[expert]).astype(dtype)
+    return hf.assemble(cfg, parts, leaf)
 
 
 class JaxSource:
@@ -61,7 +62,7 @@ class JaxSource:
 
     def __init__(self, cfg, dtype: str, device=None):
         import torch
-        self.parts = hf_parts(cfg, dtype)
+        self.cfg, self.parts = cfg, hf_parts(cfg, dtype)
         self.dtype, self.torch_dtype = jnp.dtype(dtype), getattr(torch, dtype)
         self.device = device or jax.devices()[0]  # the sender's GPU
         specs = hf._hf_tensors(cfg, self.dtype)
@@ -78,7 +79,7 @@ class JaxSource:
     def __iter__(self):
         import torch
         for key, parts in self.parts.items():
-            array = jax.device_put(hf_tensor(self.params, parts, self.dtype), self.device)
+            array = jax.device_put(hf_tensor(self.cfg, self.params, parts, self.dtype), self.device)
             array.block_until_ready()  # DLPack hands torch the buffer, not the pending work
             # torch does not own it, and vLLM's packer copies it on its own CUDA streams later:
             # JAX must not reuse the buffer before the send ends (costs one copy of the model in

@@ -48,10 +48,13 @@ class RolloutBatch(NamedTuple):
     tool_calls: np.ndarray | None = None   # [N] int32: tool calls made
     tool_failures: np.ndarray | None = None  # [N] int32: of those, failed ones
     extra: dict | None = None  # a rollout_func's extra fields: reward-function keywords
+    # The native sampler's counts for the metrics (decode_metrics): decode steps, slot occupancy.
+    metrics: dict | None = None
 
 
 class _State(NamedTuple):
     step: jax.Array          # [] int32: tokens sampled so far
+    rows: jax.Array          # [B] int32: the round's row each batch row is: its sampling keys
     tokens: jax.Array        # [B, C] int32
     mask: jax.Array          # [B, C] int32
     logp: jax.Array          # [B, C] fp32
@@ -101,27 +104,31 @@ class Sampler:
         # XLA lays rows out by the KV cache's sharding, and the constraint made Qwen2.5-7B's
         # generate temporaries on v5e-16 grow from 2.84 to 13.40 GB.
         self.peft = peft
-        self.graphdef, abstract_params = _split(lora.abstract_model(model_cfg, peft), peft)
+        abstract = lora.abstract_model(model_cfg, peft)
+        abstract.expert_mesh = mesh  # a sparse layer's experts on the mesh's expert axis
+        self.graphdef, abstract_params = _split(abstract, peft)
         self._param_shapes = _shapes(abstract_params)
         self._program = jax.jit(self._generate, static_argnames=("num_generations", "rows"))
 
     # ------------------------------------------------------------------ host side
 
     def generate(self, params, prompt_token_ids: Sequence[Sequence[int]],
-                 num_generations: int = 1, rng: int | jax.Array = 0) -> RolloutBatch:
+                 num_generations: int = 1, rng: int | jax.Array = 0,
+                 first_row: int = 0) -> RolloutBatch:
         """Sample `num_generations` completions per prompt.
 
         params: the model's nnx.State of nnx.Param (`nnx.split(model, nnx.Param)[1]`) or the
         Decoder itself. rng: an int seed or a jax PRNG key; the same rng gives the same output.
+        Row i's token t is drawn with the key fold_in(fold_in(rng, t), first_row + i), whatever
+        else is in the batch: a round generated in parts (first_row: where this part starts) or
+        through refilled slots (rollout/refill.py) draws what one batch does.
         """
         params, prompts, g, n, rows = self._inputs(params, prompt_token_ids, num_generations)
         # The program prefills each prompt once and copies its cache to its g rows: prompts
         # enough to cover `rows`, the ones past the real prompts all padding.
         ids, mask = left_pad(prompts, 1, self._bucket(max(map(len, prompts))), self.pad_id,
                              rows=self._prompt_rows(rows, g))
-        key = jax.random.key(rng) if isinstance(rng, (int, np.integer)) else rng
-        if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-            key = jax.random.wrap_key_data(key)  # a raw uint32 jax.random.PRNGKey
+        key = as_key(rng)
         args = (ids, mask)
         if self.mesh is not None:
             # With several processes each places only its own devices' rows, and gets every
@@ -129,10 +136,14 @@ class Sampler:
             args = tuple(dist.shard_host_array(x, mesh_lib.logical_sharding(
                 self.mesh, "batch", None, shape=x.shape)) for x in args)
             params = jax.device_put(params, mesh_lib.param_shardings(params, self.mesh))
-        tokens, cmask, logp, done = dist.to_host(self._program(params, *args, key,
-                                                               num_generations=g, rows=rows))
+        tokens, cmask, logp, done = dist.to_host(self._program(
+            params, *args, key, np.int32(first_row), num_generations=g, rows=rows))
         ids, mask = np.repeat(ids, g, axis=0)[:n], np.repeat(mask, g, axis=0)[:n]
-        return RolloutBatch(ids, mask, tokens[:n], cmask[:n], ~done[:n], logp[:n])
+        # The prefill samples each row's first token, the loop one more per step until the
+        # longest row is done.
+        decoded = np.maximum(cmask.sum(axis=1) - 1, 0)
+        return RolloutBatch(ids, mask, tokens[:n], cmask[:n], ~done[:n], logp[:n],
+                            metrics=decode_metrics(int(decoded.max()), int(decoded.sum()), rows))
 
     def _inputs(self, params, prompt_token_ids, num_generations):
         """(params, prompts, g, n, rows) of a generate call, checked: n = prompts x g rows
@@ -206,33 +217,42 @@ class Sampler:
         return jax.tree.map(lambda x: self._constrain(x, "batch", "kv_heads", "length", None),
                             cache)
 
-    def _generate(self, params, prompt_ids, prompt_mask, key, *, num_generations: int,
-                  rows: int):
-        ctx, state = self._prefill(params, prompt_ids, prompt_mask, key, num_generations, rows)
+    def _generate(self, params, prompt_ids, prompt_mask, key, first_row=0, *,
+                  num_generations: int, rows: int):
+        ctx, state = self._prefill(params, prompt_ids, prompt_mask, key, num_generations, rows,
+                                   first_row)
         C = self.sampling_params.max_completion_length
         state = jax.lax.while_loop(lambda s: (s.step < C) & ~jnp.all(s.done),
                                    lambda s: self._decode_step(ctx, s, key), state)
         return state.tokens, state.mask, state.logp, state.done
 
+    def _prompt_pass(self, params, prompt_ids, prompt_mask):
+        """The prompts' pass: (params in the compute dtype, their decode_layers(), the prompts'
+        KV cache [prompts, K, width, Dh] per layer (a sliding layer's: its window at most), the
+        last logits [prompts, V])."""
+        cfg = self.cfg
+        cast = _cast_matrices(params, cfg.dtype)
+        model = self._merge(cast)
+        layers = model.decode_layers()
+        cache = self._constrain_cache(KVCache.zeros(cfg, *prompt_ids.shape, self.cache_dtype))
+        hidden, cache = model.prefill(prompt_ids, positions_from_mask(prompt_mask), prompt_mask,
+                                      cache, layers, chunk=self.sampling_params.prefill_chunk_size)
+        logits = model.logits(hidden)[:, 0]  # left padding: the last slot is real
+        return cast, layers, cache, logits
+
     def _prefill(self, params, prompt_ids, prompt_mask, key, num_generations: int,
-                 rows: int) -> tuple[_Context, _State]:
+                 rows: int, first_row=0) -> tuple[_Context, _State]:
         """The prompts' pass that fills the KV cache, and the first token of each of `rows`
         rows (prompt i's num_generations rows are consecutive). Each prompt is run once and its
         keys, values and last logits are copied to its rows: the prefill costs 1/G of running
         every row. Separate from the decode step so that `grpo_jax.aot` can cost the two apart
         (XLA's cost analysis counts a while loop's body once)."""
         sp, cfg = self.sampling_params, self.cfg
-        cast = _cast_matrices(params, cfg.dtype)
-        model = self._merge(cast)
-        prompts, width = prompt_ids.shape
+        width = prompt_ids.shape[1]
         C = sp.max_completion_length
         prompt_ids = self._constrain(prompt_ids, "batch", None)
         prompt_mask = self._constrain(prompt_mask, "batch", None)
-        layers = model.decode_layers()
-        cache = self._constrain_cache(KVCache.zeros(cfg, prompts, width, self.cache_dtype))
-        hidden, cache = model.prefill(prompt_ids, positions_from_mask(prompt_mask), prompt_mask,
-                                      cache, layers, chunk=sp.prefill_chunk_size)
-        logits = model.logits(hidden)[:, 0]  # left padding: the last slot is real
+        cast, layers, cache, logits = self._prompt_pass(params, prompt_ids, prompt_mask)
 
         def to_rows(x):  # [prompts, ...] -> [rows, ...]: each prompt's G copies in a block
             x = jnp.repeat(x, num_generations, axis=0)[:rows]
@@ -254,6 +274,7 @@ class Sampler:
             seen = seen.at[jnp.arange(batch)[:, None], prompt_ids].max(prompt_mask.astype(bool))
         state = _State(
             step=jnp.zeros((), jnp.int32),
+            rows=first_row + jnp.arange(batch, dtype=jnp.int32),
             tokens=self._constrain(jnp.full((batch, C), self.pad_id, jnp.int32), *row_axes),
             mask=self._constrain(jnp.zeros((batch, C), jnp.int32), *row_axes),
             logp=self._constrain(jnp.zeros((batch, C), jnp.float32), *row_axes),
@@ -275,9 +296,7 @@ class Sampler:
         """Sample the token at completion index `s.step` for every row not yet done."""
         sp = self.sampling_params
         batch = logits.shape[0]
-        step_key = jax.random.fold_in(key, s.step)
-        keys = jax.vmap(jax.random.fold_in, (None, 0))(step_key, jnp.arange(batch))
-        token, logp = sampling.sample(keys, logits, sp, s.seen)
+        token, logp = sampling.sample(row_keys(key, s.step, s.rows), logits, sp, s.seen)
         live = ~s.done
         token = jnp.where(live, token, self.pad_id)
         logp = jnp.where(live, logp, 0.0)
@@ -291,6 +310,41 @@ class Sampler:
             seen = seen.at[jnp.arange(batch), token].max(live)
         return s._replace(step=s.step + 1, tokens=put(s.tokens, token),
                           mask=put(s.mask, live), logp=put(s.logp, logp), done=done, seen=seen)
+
+
+def row_keys(key, step, rows) -> jax.Array:
+    """[B] sampling keys: row rows[b]'s token step (step: [] or [B]), from the round's key
+    alone, so a row draws the same tokens whichever batch or slot it runs in."""
+    step = jnp.broadcast_to(step, rows.shape)
+    return jax.vmap(lambda t, r: jax.random.fold_in(jax.random.fold_in(key, t), r))(step, rows)
+
+
+def decode_metrics(steps: int, tokens: int, slots: int) -> dict:
+    """A generate call's counts for the round's metrics: its decode steps (each one pass over
+    every slot, the prefill not counted) and the mean fraction of slots that decoded a live row
+    in them (`tokens`: the tokens they sampled)."""
+    return {"generate/decode_steps": float(steps), "generate/slot_steps": float(steps * slots),
+            "generate/slot_occupancy": tokens / (steps * slots) if steps else 0.0}
+
+
+def merge_decode_metrics(parts: Sequence[dict | None]) -> dict | None:
+    """decode_metrics of several generate calls (sub-batches, tool turns) as of one."""
+    parts = [p for p in parts if p]
+    if not parts:
+        return None
+    steps, slot_steps = (sum(p[f"generate/{k}"] for p in parts) for k in ("decode_steps",
+                                                                          "slot_steps"))
+    live = sum(p["generate/slot_occupancy"] * p["generate/slot_steps"] for p in parts)
+    return {"generate/decode_steps": steps, "generate/slot_steps": slot_steps,
+            "generate/slot_occupancy": live / slot_steps if slot_steps else 0.0}
+
+
+def as_key(rng) -> jax.Array:
+    """A typed PRNG key from an int seed, a typed key or a raw uint32 jax.random.PRNGKey."""
+    key = jax.random.key(rng) if isinstance(rng, (int, np.integer)) else rng
+    if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.wrap_key_data(key)
+    return key
 
 
 def _cast_matrices(params, dtype, copy: bool = False):

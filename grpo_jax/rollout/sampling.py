@@ -36,6 +36,13 @@ class SamplingParams:
     # grpo-jax's own: prompts longer than this are prefilled this many tokens at a time
     # (Decoder.prefill), so a long prompt's activations are one chunk's (0: never).
     prefill_chunk_size: int = 2048
+    # The JAX sampler's decode slots (vLLM's name): at most this many rows in flight, each
+    # holding a KV cache. None: every row of a round at once, in one batch. Fewer than a
+    # round's rows: with continuous_batching a finished row's slot takes the next waiting row
+    # (rollout/refill.py); without, the round runs in sub-batches of this many rows, each
+    # until its longest row is done.
+    max_num_seqs: int | None = None
+    continuous_batching: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "top_k", int(self.top_k or 0))
@@ -52,6 +59,8 @@ class SamplingParams:
               f"prefill_chunk_size={self.prefill_chunk_size} must be >= 0 (0 = never chunk)")
         check(self.repetition_penalty > 0,
               f"repetition_penalty={self.repetition_penalty} must be > 0 (1.0 = off)")
+        check(self.max_num_seqs is None or self.max_num_seqs >= 1,
+              f"max_num_seqs={self.max_num_seqs} must be >= 1 (null: a round's rows at once)")
 
     @property
     def greedy(self) -> bool:

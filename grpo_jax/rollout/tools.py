@@ -1,14 +1,18 @@
 """Multi-turn tool calling, as TRL 1.16's `GRPOTrainer(tools=...)` runs it, for either backend.
 
-After a turn, each completion is parsed into a message (the tokenizer's `response_template`
-through transformers' `parse_response`, else the Hermes `<tool_call>{json}</tool_call>` format
-of Qwen and SmolLM chat models); its tool calls run, each with a timeout; the results become
-`tool` messages whose tokens the chat template renders (computed once per turn from a dummy
-conversation, as TRL does, so the model's own tokens are never re-tokenized); and the model
-continues from prompt + completion + results, until a turn makes no call, the completion budget
-(max_completion_length) would be exceeded, or max_tool_calling_iterations. A tool that raises,
-times out, is unknown or is called with malformed arguments returns TRL's `{"error": ...}` to the
-model and is counted in `tools/failure_frequency`; the run goes on.
+At start, `prepare_tool_tokenizer` readies the tokenizer as TRL's GRPOTrainer does: it refuses
+a chat template that can't render a tool exchange, gives it the parser of its model's tool-call
+format (`response_template`: TRL's for the templates TRL knows, Hermes for the shipped
+`chatml_tools`), and swaps in TRL's training template where the original is not
+prefix-preserving (rollout/tool_templates.py); a template whose calls nothing can parse is
+refused, never read as another format. After a turn, each completion is parsed into a message
+through transformers' `parse_response`; its tool calls run, each with a timeout; the results
+become `tool` messages whose tokens the chat template renders (computed once per turn from a
+dummy conversation, as TRL does, so the model's own tokens are never re-tokenized); and the
+model continues from prompt + completion + results, until a turn makes no call, the completion
+budget (max_completion_length) would be exceeded, or max_tool_calling_iterations. A tool that
+raises, times out, is unknown or is called with malformed arguments returns TRL's
+`{"error": ...}` to the model and is counted in `tools/failure_frequency`; the run goes on.
 
 The tool-result tokens stay in the sequence (the model attends to them) but carry no loss, KL
 or entropy: `tool_mask` 0 (TRL's name). The native sampler continues follow-up turns from its KV
@@ -20,15 +24,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import dataclasses
 import inspect
+import json
+from importlib import resources
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from grpo_jax import distributed as dist
 from grpo_jax.errors import GrpoJaxError, check
-from grpo_jax.rollout.sampler import RolloutBatch
+from grpo_jax.rollout.sampler import RolloutBatch, merge_decode_metrics
 
 
 class ToolError(GrpoJaxError, ValueError):
@@ -56,8 +63,8 @@ class MultiTurnArgs:
               "rollout_func makes the whole rollout, so run its tools inside it")
 
 
-# transformers' response-template format for Hermes-style tool calls (Qwen2.5, SmolLM's
-# ChatML): used when the tokenizer brings no response_template of its own.
+# transformers' response-template format for Hermes-style tool calls, as the shipped
+# `chatml_tools` template renders them (for ChatML models such as SmolLM2).
 HERMES_RESPONSE_TEMPLATE = {
     "start_anchor": "<|im_start|>assistant\n", "defaults": {"role": "assistant"},
     "fields": {"content": {"content": "text"},
@@ -130,28 +137,25 @@ class Toolbox:
 
 def parse_turn(tokenizer, ids: Sequence[int], context: Sequence[int],
                tools: Sequence[Callable]) -> dict:
-    """One turn's tokens as an assistant message, TRL's parse_response: tool calls parsed
-    when well-formed, else the decoded text as content. `context`: the tokens before the turn
-    (a tokenizer's own response_template may need the assistant header they end with)."""
-    template = getattr(tokenizer, "response_template", None)
-    text = tokenizer.decode(list(ids))
+    """One turn's tokens as an assistant message, as TRL's parse_response makes it with the
+    tokenizer's response_template (prepare_tool_tokenizer): tool calls parsed when well-formed,
+    else the decoded text as content. `context`: the tokens before the turn (the parser skips
+    past the last assistant header in them)."""
     try:
-        # Our Hermes template reads the model's tokens alone (prefix ""), so it also serves
-        # chat templates whose assistant header differs.
-        prefix = "" if template is None else tokenizer.decode(list(context))
-        parsed = tokenizer.parse_response(text, template or HERMES_RESPONSE_TEMPLATE,
-                                          prefix=prefix, tools=list(tools) or None)
+        parsed = tokenizer.parse_response(list(ids), prefix=list(context),
+                                          tools=list(tools) or None)
         if parsed is None:
             raise ValueError("nothing parsed")
         content = parsed.get("content")
         if isinstance(content, str) and tokenizer.eos_token:
-            content = content.replace(tokenizer.eos_token, "")
+            content = content.removesuffix(tokenizer.eos_token)
         parsed["content"] = content or ""
         for call in parsed.get("tool_calls") or ():
             function = call.get("function") if isinstance(call, dict) else None
-            if not isinstance(function, dict) or "name" not in function:
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
                 raise ValueError(f"malformed tool call {call!r}")
-            function.setdefault("arguments", {})
+            if function.get("arguments") is None:  # TRL: a call without arguments has {}
+                function["arguments"] = {}
     except (ValueError, TypeError, KeyError):
         parsed = {"role": "assistant", "content": tokenizer.decode(list(ids),
                                                                   skip_special_tokens=True)}
@@ -186,16 +190,22 @@ def _ids(out) -> list[int]:
 
 
 def check_chat_template(tokenizer, chat_template_kwargs=None) -> None:
-    """Refuse a chat template that drops a tool call or a tool result when rendering a
-    conversation (the model would never see either), naming the fix."""
-    name, key, value, result = "tool_n4m3", "arg_k3y", "arg_v4lue", "r3sult_t3xt"
+    """Refuse a chat template that can't render a tool exchange (user, assistant with a tool
+    call, tool result) with the call's name, arguments and the result all in the text: TRL's
+    supports_tool_calling rule, naming the fix."""
+    name, key, value, result = ("tool_name_a8f3e2b1", "tool_arg_key_b9d4f5c2",
+                                "tool_arg_val_d6e7a9f3", "tool_content_c4f9a8e2")  # TRL's
+    calls = [{"type": "function", "function": {"name": name, "arguments": {key: value}}}]
     messages = [{"role": "user", "content": "hi"},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"type": "function", "function": {"name": name, "arguments": {key: value}}}]},
+                {"role": "assistant", "content": "", "tool_calls": calls},
                 {"role": "tool", "name": name, "content": result}]
+    kw = dict(tokenize=False, **(chat_template_kwargs or {}))
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False,
-                                             **(chat_template_kwargs or {}))
+        try:
+            text = tokenizer.apply_chat_template(messages, **kw)
+        except TypeError:  # as TRL: templates that want JSON-string arguments (DeepSeek-V3)
+            calls[0]["function"]["arguments"] = json.dumps({key: value})
+            text = tokenizer.apply_chat_template(messages, **kw)
     except Exception as e:  # noqa: BLE001 - any failure means the same to the user
         text = f"error {e}"
     missing = [w for w in (name, key, value, result) if w not in text]
@@ -203,6 +213,92 @@ def check_chat_template(tokenizer, chat_template_kwargs=None) -> None:
         raise ToolError("the chat template can't render tool calls and tool results (it drops "
                         f"{', '.join(missing)}): set chat_template to one that can, e.g. "
                         "chatml_tools (shipped) for a ChatML model such as SmolLM2")
+
+
+def is_prefix_preserving(tokenizer) -> bool:
+    """TRL's is_chat_template_prefix_preserving: a tool call renders as the same tokens whether
+    or not a tool result and the next assistant header follow it."""
+    calls = [{"type": "function", "function": {"name": "dummy", "arguments": {}}}]
+    call = [{"role": "user", "content": "dummy"},
+            {"role": "assistant", "content": "", "tool_calls": calls}]
+    result = [{"role": "tool", "name": "dummy", "content": "dummy"}]
+
+    def both():
+        return (_ids(tokenizer.apply_chat_template(call, tokenize=True, return_dict=False)),
+                _ids(tokenizer.apply_chat_template(call + result, tokenize=True,
+                                                   return_dict=False, add_generation_prompt=True)))
+    try:
+        alone, followed = both()
+    except TypeError:  # as TRL: JSON-string arguments (DeepSeek-V3)
+        calls[0]["function"]["arguments"] = "{}"
+        alone, followed = both()
+    return followed[:len(alone)] == alone
+
+
+# The shipped chatml_tools template writes Hermes calls: its parser is ours, not TRL's.
+_OWN_PARSERS = {(resources.files("grpo_jax") / "assets" / "chatml_tools.jinja").read_text():
+                HERMES_RESPONSE_TEMPLATE}
+
+
+def prepare_tool_tokenizer(tokenizer, chat_template_kwargs=None):
+    """A copy of `tokenizer` ready for tool calling, as TRL 1.16's GRPOTrainer(tools=...)
+    prepares it at start (the tokenizer given is left as it is):
+
+    - a chat template that can't render a tool exchange is refused (TRL's supports_tool_calling);
+    - with no `response_template` of its own, it gets the parser of its template's tool-call
+      format (TRL's add_response_schema; Hermes for the shipped chatml_tools), and a template
+      nobody knows is refused: its model's calls would never be parsed;
+    - a template that is not prefix-preserving is replaced by TRL's training template for it
+      (get_training_chat_template), or refused where TRL has none;
+    - beyond TRL, the template the run will use must let tool results be appended to the
+      model's tokens (tool_suffix_ids, with `chat_template_kwargs`): refused at start where
+      TRL would fail at the first tool result.
+
+    Render the prompts with the returned tokenizer: TRL renders them with the swapped template.
+    Raises ToolError naming the fix."""
+    import transformers
+    from packaging.version import Version
+
+    from grpo_jax.rollout import tool_templates
+    if Version(transformers.__version__) < Version("5.15"):
+        raise ToolError(f"tools need transformers >= 5.15 (response templates with tools in "
+                        f"parse_response); this is {transformers.__version__}")
+    check_chat_template(tokenizer)
+    tok = copy.deepcopy(tokenizer)
+    table = tool_templates.table()
+    if getattr(tok, "response_template", None) is None:
+        own = _OWN_PARSERS.get(tok.chat_template) if isinstance(tok.chat_template, str) else None
+        tok.response_template = (copy.deepcopy(own) if own
+                                 else table.response_template(tok.chat_template))
+        if tok.response_template is None:
+            raise ToolError(
+                "TRL 1.16 knows no tool-call format for this chat template (it knows Qwen2.5/3/"
+                "3.5/3.6/3.8, Llama 3.1/3.2, gpt-oss, GLM-4-MoE, Gemma 4, LFM2, Nemotron 3), so "
+                "the model's tool calls could not be parsed: set the tokenizer's "
+                "response_template to its format (transformers' response parsing), or set "
+                "chat_template: chatml_tools (shipped; Hermes <tool_call> JSON) for a ChatML "
+                "model")
+    try:
+        preserving = is_prefix_preserving(tok)
+    except Exception as e:  # noqa: BLE001 - a template that fails on TRL's own probe
+        raise ToolError(f"the chat template fails to render a tool exchange ({type(e).__name__}"
+                        f": {e}): set chat_template to one that can, e.g. chatml_tools") from None
+    if not preserving:
+        training = table.training_template(tok)
+        if training is None:
+            raise ToolError("the chat template renders a tool call differently once its result "
+                            "follows (not prefix-preserving) and TRL has no training template "
+                            "for it: set chat_template to a prefix-preserving one")
+        tok.chat_template = training
+    try:
+        tool_suffix_ids(tok, [{"role": "tool", "name": "dummy", "content": "dummy"}],
+                        chat_template_kwargs)
+    except Exception:  # noqa: BLE001 - ToolError, or the template failing on a tool message
+        raise ToolError("with this tokenizer the chat template renders a tool call as other "
+                        "tokens once its result follows, so tool results can't be appended to "
+                        "the model's tokens: set chat_template to a prefix-preserving one "
+                        "whose special strings are this tokenizer's tokens") from None
+    return tok
 
 
 @dataclasses.dataclass
@@ -217,6 +313,11 @@ class ToolRollout:
     stop_token_ids: tuple[int, ...]  # the backend's: a completion ending in none is truncated
     pad_id: int
     template_kwargs: dict | None = None  # the run's chat_template_kwargs
+
+    def __post_init__(self):
+        if getattr(self.tokenizer, "response_template", None) is None:
+            raise ToolError("the tokenizer has no response_template to parse tool calls with: "
+                            "prepare it with grpo_jax.rollout.tools.prepare_tool_tokenizer")
 
     def __getattr__(self, name):  # update_weights, syncs_weights: the backend's
         return getattr(self.inner, name)
@@ -241,7 +342,7 @@ class ToolRollout:
         for row, prompt in zip(rows, prompts):
             row.messages.append(parse_turn(self.tokenizer, row.ids, prompt, self.toolbox.fns))
         active = [i for i, row in enumerate(rows) if row.messages[-1].get("tool_calls")]
-        turn = 0
+        turn, decoded = 0, [first.metrics]
         while active and turn < (self.max_iterations if self.max_iterations is not None
                                  else np.iinfo(np.int64).max):
             # Process 0 runs the tools and every process gets its results: a tool that answers
@@ -272,6 +373,7 @@ class ToolRollout:
                 where = {i: j for j, i in enumerate(kept)}
             else:
                 more = self.inner.generate(params, contexts, 1, turn_key)
+            decoded.append(more.metrics)
             for j, (i, context) in enumerate(zip(kept, contexts)):
                 m = more.completion_mask[j].astype(bool)
                 ids, lp = more.completion_ids[j][m].tolist(), more.sampler_logp[j][m].tolist()
@@ -282,7 +384,8 @@ class ToolRollout:
                                                        self.toolbox.fns))
             active = [i for i in kept if rows[i].messages[-1].get("tool_calls")]
             turn += 1
-        return _assemble(first, rows, self.pad_id, set(self.stop_token_ids))
+        return _assemble(first._replace(metrics=merge_decode_metrics(decoded)), rows,
+                         self.pad_id, set(self.stop_token_ids))
 
 
 @dataclasses.dataclass

@@ -28,7 +28,7 @@ import requests
 from requests.adapters import HTTPAdapter
 
 from grpo_jax.errors import GrpoJaxError
-from grpo_jax.rollout import weight_sync
+from grpo_jax.rollout import server_auth, weight_sync
 from grpo_jax.rollout.weight_routes import WeightRoutes
 
 START_HINT = "start one with `python -m grpo_jax.serve --model MODEL --port PORT`"
@@ -68,7 +68,9 @@ class VLLMClient(WeightRoutes):
         """`timeout`: seconds one HTTP request may take; `weight_sync_timeout` for requests of
         a weight update. Connection failures are retried `max_retries` times, waiting
         backoff_s * 2**k. `weights_dir`: parent of the private directory used for weight files
-        (default /dev/shm when large enough)."""
+        (default /dev/shm when large enough). Without `api_key`, a loopback server's session
+        token is sent (grpo_jax.rollout.server_auth; re-read when a restarted server has a new
+        one)."""
         self.base_url = base_url.rstrip("/")
         self.timeout, self.max_retries, self.backoff_s = timeout, max_retries, backoff_s
         self.weight_sync_timeout = weight_sync_timeout
@@ -77,8 +79,9 @@ class VLLMClient(WeightRoutes):
         adapter = HTTPAdapter(pool_maxsize=max_workers)
         self._session.mount("http://", adapter)
         self._session.mount("https://", adapter)
-        if api_key:
-            self._session.headers["Authorization"] = f"Bearer {api_key}"
+        self._session_token = None if api_key else server_auth.read(self.base_url)
+        if api_key or self._session_token:
+            self._session.headers["Authorization"] = f"Bearer {api_key or self._session_token}"
         self._weights_parent = weights_dir
         self._weights_dir: Path | None = None
         self._info: dict | None = None
@@ -101,7 +104,9 @@ class VLLMClient(WeightRoutes):
                         else {"json": json})
                 r = self._session.request(method, url, **body,
                                           timeout=(10.0, timeout or self.timeout))
-            except requests.ConnectionError as e:
+            # A response cut off mid-body is a server going down while it answered (a restart):
+            # retried as a refused connection is.
+            except (requests.ConnectionError, requests.exceptions.ChunkedEncodingError) as e:
                 if attempt < self.max_retries:
                     time.sleep(self.backoff_s * 2 ** attempt)
                     continue
@@ -115,9 +120,15 @@ class VLLMClient(WeightRoutes):
             if r.status_code in (502, 503, 504) and attempt < self.max_retries:
                 time.sleep(self.backoff_s * 2 ** attempt)
                 continue
+            if r.status_code == 401 and attempt < self.max_retries and (
+                    self._new_session_token()):
+                continue
             if r.status_code == 401:
-                raise VLLMServerError(f"{url}: API key missing or wrong (HTTP 401); pass the "
-                                      "key the server was started with as api_key")
+                raise VLLMServerError(
+                    f"{url}: API key missing or wrong (HTTP 401); pass the key the server was "
+                    "started with as api_key (a server grpo_jax.serve started without one "
+                    "takes its session token, which a trainer of the same account on its host "
+                    "reads by itself)")
             if not r.ok:
                 raise VLLMServerError(f"{method} {url} failed with HTTP {r.status_code}: "
                                       f"{r.text[:1000]}")
@@ -126,6 +137,18 @@ class VLLMClient(WeightRoutes):
             # The LoRA routes answer in plain text
             return r.json() if "json" in r.headers.get("content-type", "") else r.text
         raise AssertionError("unreachable")
+
+    def _new_session_token(self) -> bool:
+        """Whether the server's token file holds a token other than the one sent (a server
+        restarted on the same port); it is sent from now on."""
+        if self._session.headers.get("Authorization") and self._session_token is None:
+            return False  # an API key: nothing to re-read
+        token = server_auth.read(self.base_url)
+        if token is None or token == self._session_token:
+            return False
+        self._session_token = token
+        self._session.headers["Authorization"] = f"Bearer {token}"
+        return True
 
     def _map(self, fn, items):
         if len(items) <= 1:

@@ -32,6 +32,31 @@ from vllm.distributed.weight_transfer.base import (
 
 BACKEND = "grpo_http"
 PROTOCOL = 1  # bumped when the update_info layout changes: a mismatched trainer is refused
+# The dtypes a bucket may carry, by the names the trainer sends (numpy's): looked up here, never
+# with getattr(torch, <request data>).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+
+
+def update_bytes(info) -> int:
+    """The bytes a bucket's tensors need, from its names / dtype_names / shapes (an
+    HTTPUpdateInfo or its JSON dict), which are checked first: ValueError if malformed."""
+    get = info.get if isinstance(info, dict) else lambda k: getattr(info, k, None)
+    names, dtypes, shapes = get("names"), get("dtype_names"), get("shapes")
+    if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
+            and len(names) == len(dtypes) == len(shapes)
+            and all(isinstance(n, str) for n in names)):
+        raise ValueError("update_info needs names, dtype_names and shapes: lists of one entry "
+                         "per tensor")
+    total = 0
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        if dtype not in DTYPES:
+            raise ValueError(f"{name}: dtype {str(dtype)[:40]!r} is not one of {sorted(DTYPES)}")
+        if not (isinstance(shape, list) and all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+            raise ValueError(f"{name}: shape {str(shape)[:80]} is not a list of sizes >= 0")
+        total += DTYPES[dtype].itemsize * math.prod(shape)
+    return total
 
 
 @dataclass
@@ -56,17 +81,18 @@ class HTTPUpdateInfo(WeightTransferUpdateInfo):
 
 def unpack(info: HTTPUpdateInfo) -> list[tuple[str, torch.Tensor]]:
     """The bucket's tensors: views of one decoded buffer (which the views keep alive)."""
+    need = update_bytes(info)
     raw = bytearray(info.data if isinstance(info.data, (bytes, bytearray))
                     else pybase64.b64decode(info.data, validate=True))
+    if need != len(raw):
+        raise ValueError(f"bucket holds {len(raw)} bytes but its tensors need {need}")
     flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
     out, offset = [], 0
     for name, dtype_name, shape in zip(info.names, info.dtype_names, info.shapes):
-        dtype = getattr(torch, dtype_name)
+        dtype = DTYPES[dtype_name]
         n = dtype.itemsize * math.prod(shape)
         out.append((name, flat[offset:offset + n].view(dtype).reshape(shape)))
         offset += n
-    if offset != flat.numel():
-        raise ValueError(f"bucket holds {flat.numel()} bytes but its tensors need {offset}")
     return out
 
 

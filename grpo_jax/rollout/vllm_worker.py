@@ -63,38 +63,87 @@ class WeightReloadExtension:
             return {"error": f"{type(e).__name__}: {e}"}
 
 
-class DevRouteAuth:
-    """Requires the API key on every route but /health, and serves RAW_UPDATE_ROUTE behind it.
+# Without an API key (loopback), what anyone local may call: inference and status. Everything
+# else (the dev and weight routes, LoRA loading) takes the session token (server_auth).
+OPEN_ROUTES = frozenset({"/health", "/ping", "/version", "/v1/models", "/v1/completions",
+                         "/v1/chat/completions", "/tokenize", "/detokenize", "/metrics"})
+SESSION_TOKEN_ENV = "GRPO_JAX_SESSION_TOKEN"  # server_auth.TOKEN_ENV
+# Body limits of the guarded routes: a JSON body (vLLM's own weight routes carry metadata, or
+# base64 buckets of at most http_sync.BUCKET_BYTES), and one raw bucket, which holds a tensor
+# bigger than a bucket whole (an embedding).
+MAX_BODY_BYTES = int(os.environ.get("GRPO_JAX_MAX_BODY_BYTES", 1 << 30))
+MAX_BUCKET_BYTES = int(os.environ.get("GRPO_JAX_MAX_BUCKET_BYTES", 16 << 30))
 
-    vLLM's own `--api-key` check guards only /v1, /v2, /inference and /cohere, which leaves the
-    dev-mode routes (/collective_rpc, /reset_prefix_cache, /update_weights, ...) open to anyone
-    who can reach the port. The key comes from VLLM_API_KEY, which vLLM reads as well.
+
+class DevRouteAuth:
+    """Guards the routes and serves RAW_UPDATE_ROUTE behind the guard.
+
+    With an API key (VLLM_API_KEY, which vLLM reads as well): every route but /health needs
+    it. vLLM's own `--api-key` check guards only /v1, /v2, /inference and /cohere, which leaves
+    the dev-mode routes (/collective_rpc, /reset_prefix_cache, /update_weights, ...) open to
+    anyone who can reach the port. Without one, the session token (GRPO_JAX_SESSION_TOKEN,
+    set by grpo_jax.serve): every route but OPEN_ROUTES needs it. Bodies of the guarded POST
+    routes are capped (MAX_BODY_BYTES; a raw bucket: the size its header declares).
     """
 
     def __init__(self, app):
         self.app = app
         key = os.environ.get("VLLM_API_KEY") or ""
-        self.expected = f"Bearer {key}".encode() if key else None
+        secret = key or os.environ.get(SESSION_TOKEN_ENV) or ""
+        self.expected = f"Bearer {secret}".encode() if secret else None
+        self.open = frozenset({"/health"}) if key else OPEN_ROUTES
 
     async def __call__(self, scope, receive, send):
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
         if (self.expected is None or scope["type"] not in ("http", "websocket")
-                or scope.get("method") == "OPTIONS"
-                or scope["path"].removeprefix(scope.get("root_path", "")) == "/health"):
-            return await self.route(scope, receive, send)
+                or scope.get("method") == "OPTIONS" or path in self.open):
+            return await self.route(scope, receive, send, path)
         got = dict(scope.get("headers") or ()).get(b"authorization", b"")
         if hmac.compare_digest(got, self.expected):
-            return await self.route(scope, receive, send)
+            return await self.route(scope, receive, send, path)
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008})
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": b'{"error": "Unauthorized"}'})
+        await _answer(send, 401, {"error": "Unauthorized"})
 
-    async def route(self, scope, receive, send):
-        if (scope["type"] == "http" and scope.get("method") == "POST"
-                and scope["path"].removeprefix(scope.get("root_path", "")) == RAW_UPDATE_ROUTE):
-            return await raw_update_weights(scope, receive, send)
+    async def route(self, scope, receive, send, path):
+        if scope["type"] == "http" and scope.get("method") == "POST":
+            if path == RAW_UPDATE_ROUTE:
+                return await raw_update_weights(scope, receive, send)
+            if path not in OPEN_ROUTES:
+                length = _content_length(scope)
+                if length is not None and length > MAX_BODY_BYTES:
+                    return await _answer(send, 413, {"error": f"body of {length} bytes is over "
+                                                              f"the limit {MAX_BODY_BYTES}"})
+                receive = _capped(receive, MAX_BODY_BYTES)
         return await self.app(scope, receive, send)
+
+
+def _content_length(scope) -> int | None:
+    value = dict(scope.get("headers") or ()).get(b"content-length")
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _capped(receive, limit: int):
+    """`receive` that reports a disconnect once the body passes `limit` bytes (a chunked body
+    has no length to check first)."""
+    seen = 0
+
+    async def capped():
+        nonlocal seen
+        message = await receive()
+        seen += len(message.get("body", b""))
+        return {"type": "http.disconnect"} if seen > limit else message
+    return capped
+
+
+async def _answer(send, status: int, body: dict) -> None:
+    import json
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": json.dumps(body).encode()})
 
 
 RAW_UPDATE_ROUTE = "/grpo/update_weights"
@@ -105,27 +154,46 @@ async def raw_update_weights(scope, receive, send) -> None:
     its bytes as the raw body and its metadata as JSON in the X-Grpo-Update-Info header. It
     calls the engine client's own update_weights, as vLLM's route does, minus what JSON costs:
     base64 (4/3 of the bytes) and parsing a string of hundreds of MB (measured: the raw body
-    makes a 108 MB SmolLM2 bucket several times faster)."""
+    makes a 108 MB SmolLM2 bucket several times faster). The header is checked first (known
+    dtypes, sizes) and the body must be exactly the bytes it declares: no more is read."""
     import json
 
     from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-    chunks, more = [], True
-    while more:
-        message = await receive()
-        chunks.append(message.get("body", b""))
-        more = message.get("more_body", False)
+
+    from grpo_jax.rollout.vllm_http_engine import update_bytes
     try:
         meta = json.loads(dict(scope["headers"])[b"x-grpo-update-info"])
+        if not isinstance(meta, dict):
+            raise ValueError("X-Grpo-Update-Info must be a JSON object")
+        need = update_bytes(meta)
+    except (KeyError, ValueError) as e:
+        return await _answer(send, 400, {"error": f"bad X-Grpo-Update-Info: {e}"})
+    length = _content_length(scope)
+    if need > MAX_BUCKET_BYTES or (length is not None and length != need):
+        return await _answer(send, 413, {"error": (
+            f"body of {length} bytes for tensors of {need} bytes (limit {MAX_BUCKET_BYTES}: "
+            "GRPO_JAX_MAX_BUCKET_BYTES)")})
+    chunks, more, got = [], True, 0
+    while more:
+        message = await receive()
+        chunk = message.get("body", b"")
+        got += len(chunk)
+        if got > need or message["type"] == "http.disconnect":
+            return await _answer(send, 413, {"error": f"body longer than the {need} bytes its "
+                                                      "tensors need"})
+        chunks.append(chunk)
+        more = message.get("more_body", False)
+    if got != need:
+        return await _answer(send, 400, {"error": f"body of {got} bytes for tensors of {need}"})
+    try:
         info = {**meta, "data": b"".join(chunks)}
         del chunks
         await scope["app"].state.engine_client.update_weights(
             WeightTransferUpdateRequest(update_info=info))
-        status, body = 200, b'{"message": "Weights updated"}'
+        status, body = 200, {"message": "Weights updated"}
     except Exception as e:  # noqa: BLE001 - answered as JSON, as vLLM's routes answer
-        status, body = 500, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": body})
+        status, body = 500, {"error": f"{type(e).__name__}: {e}"}
+    await _answer(send, status, body)
 
 
 def register_http_engine() -> None:

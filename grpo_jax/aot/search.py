@@ -1,0 +1,466 @@
+"""`python -m grpo_jax.aot --auto`: the layout with the shortest forecast round that fits.
+
+A layout is the mesh (a size for every axis of mesh.AXES, and `expert` for a mixture of experts,
+whose product is the chip count), the
+rematerialisation policy, and the per-device batch and gradient accumulation that keep the
+round's rows per update and generation batch as the given config has them (the same updates,
+so the same training). Candidates go through two filters:
+
+1. `estimate`, no compile: memory per chip from the parameter table and the mesh rules (exact
+   for the resident state and the KV cache; activations, attention scores and gathered weights
+   from their shapes), and a rough time. A candidate whose estimate is over HBM is ruled out;
+   the rest are ranked by estimated time.
+2. The `top` best are compiled (`analyze.evaluate` with full_depth=False: the sampler with 1 and
+   2 layers, the scanned update and log-prob programs whole) and ranked by their forecast
+   round (the midpoint of its range) among those that fit with `MARGIN` of HBM to spare.
+
+The winner is compiled whole for the report (skipped with --quick, whose figures for the
+sampler are then the 1- and 2-layer extrapolation). A config with no mesh gets the estimate's
+best layout without compiling the others (`default_layout`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+
+from grpo_jax.errors import GrpoJaxError
+
+MARGIN = 0.1  # of HBM left free by a layout that "fits"
+REMAT = ((True, "full"), (True, "dots"), (False, "full"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    mesh: tuple[tuple[str, int], ...]  # (axis, size) for every axis of `mesh_axes(model)`
+    per_device: int
+    accumulation: int
+    remat: bool
+    remat_policy: str
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.mesh)
+
+    def describe(self) -> str:
+        split = " x ".join(f"{a} {s}" for a, s in self.mesh if s > 1) or "1 chip"
+        remat = f"remat {self.remat_policy}" if self.remat else "no remat"
+        return (f"{split}; {self.per_device} row(s) per chip per micro-batch x "
+                f"{self.accumulation} accumulation step(s); {remat}")
+
+    def apply(self, cfg, generation_batch_size: int):
+        """`cfg` with this layout (and the round's generation batch pinned)."""
+        from grpo_jax import mesh as mesh_lib
+        return dataclasses.replace(
+            cfg, mesh=mesh_lib.config_for(self.sizes),
+            batch=dataclasses.replace(cfg.batch, per_device_train_batch_size=self.per_device,
+                                      gradient_accumulation_steps=self.accumulation,
+                                      generation_batch_size=generation_batch_size,
+                                      steps_per_generation=None),
+            numerics=dataclasses.replace(cfg.numerics, remat=self.remat,
+                                         remat_policy=self.remat_policy))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _factorizations(n: int, k: int):
+    if k == 1:
+        yield (n,)
+        return
+    for d in _divisors(n):
+        for rest in _factorizations(n // d, k - 1):
+            yield (d, *rest)
+
+
+def mesh_axes(model) -> tuple[str, ...]:
+    """The mesh axes a layout of `model` splits: mesh.AXES, and `expert` (between fsdp and
+    tensor, as mesh.MeshConfig orders it) for a mixture of experts."""
+    from grpo_jax import mesh as mesh_lib
+    a = mesh_lib.AXES
+    return (*a[:2], mesh_lib.EXPERT, a[2]) if model.num_experts else a
+
+
+def _useful(axis: str, size: int, model) -> bool:
+    """Whether some weight of `model` is split over `axis` at `size` by mesh.RULES (an axis
+    that splits only the batch, or nothing, is data parallelism)."""
+    from grpo_jax import mesh as mesh_lib
+    from grpo_jax.models import param_table
+
+    sizes = {a: 1 for a in mesh_axes(model)} | {axis: size}
+    mesh = _AbstractMesh(sizes)
+    return any(axis in _flat(spec) for shape, names in param_table(model).values()
+               for spec in mesh_lib.spec_for(names, shape, mesh))
+
+
+def _flat(spec) -> tuple:
+    return (spec,) if isinstance(spec, str) else tuple(spec or ())
+
+
+class _AbstractMesh:
+    """Axis sizes where mesh.spec_for needs a mesh (it reads `.shape` and `.axis_names`)."""
+
+    def __init__(self, sizes: dict[str, int]):
+        self.shape = dict(sizes)
+        self.axis_names = tuple(sizes)
+
+
+def candidates(cfg, model, devices, remat=None) -> list[Layout]:
+    """Every layout of `devices` over mesh_axes(model) for `cfg`'s round (the rows per update
+    and the generation batch of `cfg` as planned on its own mesh, pure data parallelism without
+    one) whose mesh mesh.make_mesh can lay over them (jax.make_mesh maps axes onto the torus,
+    and not every split of a 4x4 slice has a mapping)."""
+    from grpo_jax import mesh as mesh_lib
+
+    chips = len(devices)
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    base = cfg.batch_plan(_batch_size(cfg, chips))
+    rows = base.micro_batch_size * base.gradient_accumulation_steps
+    batch_axes = _flat(mesh_lib.RULES["batch"])
+    out = []
+    axes = mesh_axes(model)
+    for sizes in _factorizations(chips, len(axes)):
+        named = dict(zip(axes, sizes))
+        if any(s > 1 and a not in batch_axes and not _useful(a, s, model)
+               for a, s in named.items()):
+            continue
+        if slices > 1 and named[mesh_lib.AXES[0]] % slices:
+            continue  # only the data axis crosses slices
+        dp = math.prod(named.get(a, 1) for a in batch_axes)
+        if rows % dp or base.generation_batch_size % dp or not _meshable(named, devices):
+            continue
+        for per_device in _divisors(rows // dp):
+            for on, policy in remat or REMAT:
+                lay = Layout(tuple(named.items()), per_device, rows // dp // per_device, on,
+                             policy)
+                try:
+                    lay.apply(cfg, base.generation_batch_size).batch_plan(dp)
+                except GrpoJaxError:
+                    continue
+                out.append(lay)
+    return out
+
+
+def _meshable(sizes: dict[str, int], devices) -> bool:
+    from grpo_jax import mesh as mesh_lib
+    try:
+        mesh_lib.make_mesh(mesh_lib.config_for(sizes), devices)
+    except (NotImplementedError, ValueError, GrpoJaxError):
+        return False
+    return True
+
+
+def _batch_size(cfg, chips: int) -> int:
+    """The batch axes' size of `cfg`'s own mesh on `chips` devices (all of them without one)."""
+    from grpo_jax import mesh as mesh_lib
+    shape = dict(zip(cfg.mesh.axes, cfg.mesh.shape(chips)))
+    return math.prod(shape.get(a, 1) for a in _flat(mesh_lib.RULES["batch"]))
+
+
+def current(cfg, chips: int) -> Layout:
+    b, n = cfg.batch, cfg.numerics
+    return Layout(tuple(zip(cfg.mesh.axes, cfg.mesh.shape(chips))),
+                  b.per_device_train_batch_size, b.gradient_accumulation_steps, n.remat,
+                  n.remat_policy)
+
+
+# ---------------------------------------------------------------- the estimate (no compile)
+
+def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
+    """Memory per chip (GB) and round time (s) of a layout, from shapes alone. The resident
+    state and KV cache are what the programs hold; the phases' working memory (saved layer
+    inputs or matmul outputs by remat policy, one layer's attention scores and MLP, a gathered
+    layer, the sampler's compute-dtype copy of the weights) is sized from the shapes and
+    checked against compiled programs in docs/scaling.md. Time: the model's FLOPs at peak, the
+    decode loop's weight and KV reads at HBM bandwidth, and the collectives the layout implies
+    (FSDP gathers per layer, gradient reduce-scatters and all-reduces, tensor-parallel
+    all-reduces) at the ICI bandwidth of the torus dimensions an axis spans."""
+    import jax.numpy as jnp
+
+    from grpo_jax import mesh as mesh_lib
+    from grpo_jax.aot import report
+    from grpo_jax.models import param_table
+    from grpo_jax.aot.programs import prompt_group
+    from grpo_jax.rollout.sampler import DEFAULT_BUCKETS
+
+
+    chip, sizes = target.chip, lay.sizes
+    mesh = _AbstractMesh(sizes)
+    data, f, tp = _roles(sizes)
+    dp = data * f
+    c_bytes = jnp.dtype(cfg.numerics.dtype).itemsize
+    p_bytes = jnp.dtype(cfg.numerics.param_dtype).itemsize
+    peft = cfg.peft.use_peft
+    elems = 0.0  # weights per chip
+    for shape, names in param_table(model).values():
+        spec = mesh_lib.spec_for(names, shape, mesh)
+        elems += math.prod(shape) / math.prod(sizes[a] for s in spec for a in _flat(s))
+    n_params = model.num_params()
+    if peft:
+        base = elems * ((cfg.peft.quant_bits or 8 * c_bytes) / 8)
+        state, ref = 0.0, 0.0
+    else:
+        base, state = 0.0, elems * p_bytes * 3  # params + AdamW's two moments
+        ref = elems * c_bytes if cfg.loss.beta else 0.0
+    resident = state + ref + base
+    plan = lay.apply(cfg, cfg.batch_plan(_batch_size(cfg, chips)).generation_batch_size
+                     ).batch_plan(dp)
+    L, D, F, V = model.num_layers, model.hidden_size, model.intermediate_size, model.vocab_size
+    H, K, Dh = model.num_heads, model.num_kv_heads, model.head_dim
+    h, k = (H // tp if H % tp == 0 else H), (K // tp if K % tp == 0 else K)
+    ff = F // tp if F % tp == 0 else F
+    P = next(b for b in DEFAULT_BUCKETS if b >= cfg.data.max_prompt_length)
+    C = cfg.generation.max_completion_length
+    T = P + C
+    rows = -(-(1 << (plan.generation_batch_size - 1).bit_length()) // dp) * dp
+    rows_chip = rows // dp
+    prompts_chip = -(-(-(-rows // plan.num_generations)) // dp)
+    kv = sum(2 * rows_chip * k * model.cache_length(i, T) * Dh * c_bytes for i in range(L))
+    layer = (D * (H + 2 * K) * Dh + H * Dh * D + 3 * D * F) * c_bytes / tp
+    gathered = 2 * layer if f > 1 else 0.0
+    r = lay.per_device
+    if not lay.remat:
+        saved = r * T * ((h + 2 * k) * Dh + 4 * D + 3 * ff) * 2 + r * h * T * T * c_bytes
+    elif lay.remat_policy == "dots":
+        saved = r * T * ((h + 2 * k) * Dh + 2 * D + 2 * ff) * 2
+    else:
+        saved = r * T * D * 2
+    scores = r * h * T * T * 4
+    # The log-prob head, vocabulary-parallel: a chunk of every row's logits, a 1/chips slice
+    # of the vocabulary, fp32, with its softmax and gradient.
+    logits = r * dp * min(C, 128) * V / chips * 4 * 3
+    slack = 0.02 * chip.hbm_bytes  # XLA's own buffers, scratch
+    trained = (elems if not peft else 0.0) * p_bytes
+    temps = {
+        "generate": kv + elems * c_bytes + gathered + prompts_chip * h * P * P * 4
+        + rows_chip * V * 4 * 3 + slack,
+        "logprobs": r * T * D * 2 * 2 + scores + r * T * ff * 2 * 2 + gathered + slack + logits,
+        "update": 3 * trained + gathered + saved * L + 2 * scores + r * T * ff * 2 * 3 + slack
+        + logits,
+    }
+    peak = max(resident + t for t in temps.values())
+    # Time per chip.
+    runs = {"generate": 1.0,
+            "logprobs": ((cfg.loss.beta > 0) + plan.needs_old_logps) * plan.steps_per_generation,
+            "update": plan.steps_per_generation * plan.num_iterations
+            / plan.gradient_accumulation_steps}
+    flops = report.model_flops(model, plan.prompts_per_generation, plan.generation_batch_size,
+                               P, C, runs["logprobs"] * plan.micro_batch_size
+                               / plan.generation_batch_size,
+                               runs["update"] * plan.micro_batch_size
+                               * plan.gradient_accumulation_steps, prompt_group(cfg, plan))
+    flops["update"] *= (4 / 3) if lay.remat and lay.remat_policy == "full" else 1.0
+    weights_chip = elems * c_bytes
+    hbm = {"generate": (C - 1) * (weights_chip + kv),
+           "logprobs": runs["logprobs"] * (n_params * c_bytes / tp + 4 * r * T * D * 2 * L),
+           "update": runs["update"] * (plan.gradient_accumulation_steps
+                                       * (3 * n_params * c_bytes / tp + 6 * r * T * D * 2 * L)
+                                       + 5 * trained)}
+    bw = {"data": _bandwidth(target, data, dcn=target.num_slices > 1),
+          "fsdp": _bandwidth(target, f), "model": _bandwidth(target, tp)}
+    wbytes = n_params * c_bytes / tp
+    gather = (f - 1) / f * wbytes / bw["fsdp"] if f > 1 else 0.0
+    passes = 3 if lay.remat and lay.remat_policy == "full" else 2
+    grads = ((f - 1) / f * n_params * (4 if not peft else 0) / tp / bw["fsdp"] if f > 1 else 0.0)
+    allreduce = (2 * (data - 1) / data * n_params * (4 if not peft else 0) / (f * tp)
+                 / bw["data"] if data > 1 else 0.0)
+    tp_bytes = lambda rows_, tokens: (2 * 2 * (tp - 1) / tp * rows_ * tokens * D * c_bytes  # noqa
+                                      * L / bw["model"]) if tp > 1 else 0.0
+    step_fsdp = (2 * (f - 1) * rows_chip * c_bytes * (2 * D + (H + 2 * K) * Dh / tp + 3 * F / tp)
+                 * L / bw["fsdp"] if f > 1 else 0.0)
+    comm = {"generate": (C - 1) * (step_fsdp + tp_bytes(rows_chip, 1)),
+            "logprobs": runs["logprobs"] * (gather + tp_bytes(r, T)),
+            "update": runs["update"] * (plan.gradient_accumulation_steps
+                                        * (passes * gather + grads + 2 * tp_bytes(r, T))
+                                        + allreduce)}
+    phases = {p: {"compute_s": flops[p] / chips / chip.peak_flops,
+                  "hbm_s": hbm[p] / chip.hbm_bandwidth, "comm_s": comm[p]} for p in flops}
+    seconds = sum(sum(v.values()) for v in phases.values())
+    return {"peak_GB": peak / 1e9, "resident_GB": resident / 1e9,
+            "temporaries_GB": {p: t / 1e9 for p, t in temps.items()},
+            "phases": phases, "seconds": seconds,
+            "fits": peak <= (1 - MARGIN) * chip.hbm_bytes}
+
+
+def _roles(sizes: dict[str, int]) -> tuple[int, int, int]:
+    """(data, fsdp, model) parallel sizes of a mesh, read from mesh.RULES: batch axes that split
+    no weight replicate the params (data), batch axes that do are FSDP, the others split the
+    weights and not the batch (tensor, or any axis added to the rules later)."""
+    from grpo_jax import mesh as mesh_lib
+    batch = _flat(mesh_lib.RULES["batch"])
+    weights = {a for name, v in mesh_lib.RULES.items() if name != "batch" for a in _flat(v)}
+    data = math.prod(sizes.get(a, 1) for a in batch if a not in weights)
+    fsdp = math.prod(sizes.get(a, 1) for a in batch if a in weights)
+    return data, fsdp, math.prod(s for a, s in sizes.items() if a not in batch)
+
+
+def _bandwidth(target, size: int, dcn: bool = False) -> float:
+    """Bytes/s a ring over `size` chips receives: the torus dimensions it can span (jax.make_mesh
+    lays axes along the physical ones), or NVLink, or the DCN (the data axis of several
+    slices)."""
+    chip = target.chip
+    if size <= 1:
+        return float("inf")
+    if dcn:
+        return chip.dcn_bandwidth
+    if not chip.ici_ports or target.platform != "tpu":
+        return chip.ici_bandwidth / 2
+    dims = sorted((int(d) for d in target.topology.split(":")[1].split("x")), reverse=True)
+    spanned, covered = 0, 1
+    for d in dims:
+        if covered >= size:
+            break
+        spanned, covered = spanned + 1, covered * d
+    return chip.ici_bandwidth * max(spanned, 1) / chip.ici_ports
+
+
+# ---------------------------------------------------------------- choosing
+
+def _ranked(cfg, model, target, devices, remat=None) -> list[tuple[Layout, dict]]:
+    chips = len(devices)
+    lays = candidates(cfg, model, devices, remat)
+    if not lays:
+        raise GrpoJaxError(f"no layout of {chips} chips divides the round: rows per update and "
+                           "the generation batch must split over the batch axes")
+    scored = [(lay, estimate(lay, cfg, model, target, chips)) for lay in lays]
+    return sorted(scored, key=lambda x: (not x[1]["fits"], x[1]["seconds"]))
+
+
+def default_layout(target, cfg) -> tuple:
+    """A config without a mesh, laid out as the estimate ranks best among layouts that keep its
+    remat setting (the user's, or TRL's gradient checkpointing), preferring its own per-device
+    batch and accumulation when they fit. Rows longer than mesh.CONTEXT_TOKENS get
+    mesh.long_row_config's context axis instead (the estimate sizes attention as whole [T, T]
+    scores, which the blockwise kernels never hold). Returns (cfg, what was chosen and why)."""
+    from grpo_jax import mesh as mesh_lib
+    from grpo_jax.aot import analyze
+    model = analyze.model_config(cfg.model.name_or_path)
+    devices = _devices(target)
+    chips = len(devices)
+    long = mesh_lib.long_row_config(cfg.data.max_prompt_length,
+                                    cfg.generation.max_completion_length, chips,
+                                    target.num_slices)
+    if long is not None:
+        return dataclasses.replace(cfg, mesh=long[0]), (
+            f"no mesh given: chose {' '.join(mesh_lib.flags(long[0]))} ({long[1]})")
+    mine = current(cfg, chips)
+    ranked = _ranked(cfg, model, target, devices, remat=((mine.remat, mine.remat_policy),))
+    fitting = [x for x in ranked if x[1]["fits"]]
+    same_split = [x for x in fitting if x[0].per_device * _dp(x[0]) == mine.per_device
+                  * _dp(mine) and x[0].accumulation == mine.accumulation]
+    lay, est = (same_split or fitting or ranked)[0]
+    gen = cfg.batch_plan(_batch_size(cfg, chips)).generation_batch_size
+    why = (f"no mesh given: chose {lay.describe()} (estimated peak {est['peak_GB']:.1f} GB of "
+           f"{target.chip.hbm_bytes / 1e9:.0f}; the estimate's best of {len(ranked)} layouts"
+           + ("" if same_split else ", with the micro-batch split changed to fit")
+           + "; --auto compiles the best few to choose)")
+    return lay.apply(cfg, gen), why
+
+
+def _dp(lay: Layout) -> int:
+    data, fsdp, _ = _roles(lay.sizes)
+    return data * fsdp
+
+
+def _devices(target):
+    from grpo_jax.aot import hardware
+    return hardware.devices(target)
+
+
+def auto(target, cfg, quick: bool = False, top: int | None = None) -> dict:
+    """The search (see the module's doc). Returns analyze's report of the winner with a
+    `search` section: the candidates compiled, the winner's flags, the runner-up and why it
+    lost. `top`: compiled layouts that must fit before the search stops (default 2, 1 with
+    `quick`; the runner-up is then the estimate's next)."""
+    from grpo_jax.aot import analyze
+
+    top = top or (1 if quick else 2)
+    start = time.perf_counter()
+    analyze.check_config(cfg)
+    model = analyze.model_config(cfg.model.name_or_path)
+    devices = _devices(target)
+    chips = len(devices)
+    ranked = _ranked(cfg, model, target, devices)
+    gen = cfg.batch_plan(_batch_size(cfg, chips)).generation_batch_size
+    fitting = [x for x in ranked if x[1]["fits"]]
+    ruled_out = len(ranked) - len(fitting)
+    # The estimate's order, until `top` compiled layouts fit (at most top + 2 compiled); if
+    # none does, the layout the estimate thinks smallest.
+    queue = (fitting or ranked)[:top + 2]
+    safest = min(fitting or ranked, key=lambda x: x[1]["peak_GB"])
+    print(f"--auto: {len(ranked)} layouts; the estimate rules out {ruled_out}; compiling the "
+          f"best (until {top} fit)", file=sys.stderr, flush=True)
+    tried = []
+    while queue and sum(t["fits"] for t in tried) < top:
+        lay, est = queue.pop(0)
+        tried.append(_try(target, cfg, lay, est, gen))
+        if not queue and not any(t["fits"] for t in tried) and safest[0] not in [
+                t["layout"] for t in tried]:
+            queue.append(safest)
+    order = sorted(tried, key=lambda t: (not t["fits"], t["round_s"]))
+    best = order[0]
+    if not best["fits"]:
+        raise GrpoJaxError(
+            f"no layout fits {target.name} with {MARGIN:.0%} of HBM to spare: the best tried, "
+            f"{best['layout'].describe()}, peaks at {best['peak_GB']:.1f} GB of "
+            f"{target.chip.hbm_bytes / 1e9:.0f}; use more chips, LoRA, or a shorter "
+            "completion")
+    if quick:
+        result = analyze.summarize(target, best["cfg"], best["run"], best["ev"], start)
+    else:
+        result = analyze.analyze(target, best["cfg"])
+    import jax
+    result["jax"] = jax.__version__
+    runner = next((t for t in order[1:] if t["fits"]), order[1] if len(order) > 1 else None)
+    runner_up = None if runner is None else {
+        "layout": runner["layout"].describe(), "flags": analyze.flags_of(runner["cfg"]),
+        "why": _why_lost(runner, best)}
+    if runner is None or not runner["fits"]:  # the estimate's next, not compiled
+        done = [t["layout"] for t in tried]
+        nxt = next(((lay, est) for lay, est in fitting if lay not in done), None)
+        if nxt is not None:
+            runner_up = {"layout": nxt[0].describe(),
+                         "flags": analyze.flags_of(nxt[0].apply(cfg, gen)),
+                         "why": f"not compiled: the estimate gives it {nxt[1]['seconds']:.1f} s "
+                                f"a round against the winner's {best['estimate']['seconds']:.1f} s"}
+    result["search"] = {
+        "layouts": len(ranked), "ruled_out_by_estimate": ruled_out,
+        "compiled": [{"layout": t["layout"].describe(), "peak_GB": t["peak_GB"],
+                      "fits": t["fits"], "round_s": t["round_s"]} for t in tried],
+        "winner": best["layout"].describe(), "flags": analyze.flags_of(best["cfg"]),
+        "runner_up": runner_up,
+        "quick": quick, "search_s": time.perf_counter() - start}
+    return result
+
+
+def _try(target, cfg, lay: Layout, est: dict, gen: int) -> dict:
+    """A candidate compiled (analyze.evaluate with the sampler at 1 and 2 layers)."""
+    from grpo_jax.aot import analyze
+
+    lcfg = lay.apply(cfg, gen)
+    run = analyze.make_run(target, lcfg)
+    t0 = time.perf_counter()
+    ev = analyze.evaluate(target, run, full_depth=False, phases=analyze.run_phases(run))
+    time_, _ = analyze.timing(run, target, ev)
+    mem = ev["memory"]
+    room = mem["peak_GB"] <= (1 - MARGIN) * mem["hbm_GB"]
+    refused = any("refused_by_compiler" in p for p in mem["phases"].values())
+    round_s = sum(time_["round_s"]) / 2 if time_ else est["seconds"]
+    print(f"  {lay.describe()}: peak {mem['peak_GB']:.3g} GB (estimated {est['peak_GB']:.3g}), "
+          f"round {round_s:.3g} s{'' if time_ else ' (estimated)'} "
+          f"[{time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
+    return {"layout": lay, "cfg": lcfg, "run": run, "ev": ev, "estimate": est,
+            "peak_GB": mem["peak_GB"], "fits": room and not refused, "round_s": round_s,
+            "range_s": time_["round_s"] if time_ else None,
+            "mfu": time_["mfu"] if time_ else None}
+
+
+def _why_lost(loser: dict, best: dict) -> str:
+    if not loser["fits"]:
+        return (f"does not fit with {MARGIN:.0%} to spare (peak {loser['peak_GB']:.1f} GB)")
+    ratio = loser["round_s"] / best["round_s"]
+    return (f"forecast round {loser['round_s']:.1f} s against {best['round_s']:.1f} s "
+            f"({ratio:.2f}x)")

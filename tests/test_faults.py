@@ -1,0 +1,473 @@
+"""Faults a long run meets, injected for real on the tiny model: a checkpoint directory that
+turns unwritable (chattr +i: EPERM), a file system that turns read-only (EROFS) or fills up
+(ENOSPC on a small tmpfs), a stop signal mid-round, a corrupt newest checkpoint.
+
+Each fault ends the run within a bound with one line and the exit code the docs promise
+(docs/reliability.md), and leaves the last good checkpoint restorable. Every injected fault is
+undone in a `finally` (chattr -i, umount), also when the test fails. chattr and mount need root:
+without it those tests skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from test_train import REWARD, config, tiny_dir  # noqa: F401 (fixture)
+
+HERE = Path(__file__).parent
+ERROR = "grpo_jax.train: error:"
+
+
+def _root_or_skip(tool: str) -> None:
+    if os.geteuid() != 0 or shutil.which(tool) is None:
+        pytest.skip(f"needs root and {tool} to inject the fault")
+
+
+@contextlib.contextmanager
+def immutable(path: Path):
+    """`path` immutable (chattr +i: creating, renaming or deleting inside it fails with EPERM,
+    also for root) until the block ends."""
+    _root_or_skip("chattr")
+    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode:
+        pytest.skip(f"chattr +i is not supported on the file system of {path}")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str):
+    """A tmpfs of `size` mounted on `path` (which must exist) until the block ends."""
+    _root_or_skip("mount")
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                      capture_output=True).returncode:
+        pytest.skip("can't mount a tmpfs here")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def _env():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # one device, as a user's run
+    return env
+
+
+def start_cli(tiny_dir, out, *args, **settings):  # noqa: F811
+    cfg = config(tiny_dir, out, **settings)
+    path = Path(out).parent / f"{Path(out).name}.yaml"
+    path.write_text(cfg.to_yaml())
+    return subprocess.Popen([sys.executable, "-m", "grpo_jax.train", "--config", str(path),
+                             *args], env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc, timeout: float):
+    """(exit code, stderr, seconds) of `proc`, killed (and the test failed) after `timeout`."""
+    start = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"the run hung: still running {timeout:.0f} s later; stderr tail:\n"
+                    f"{err[-3000:]}")
+    return proc.returncode, err, time.monotonic() - start
+
+
+# After a failed mid-write, tensorstore's writes still in flight report "Event loop is closed"
+# from asyncio as they complete (train._quiet_closed_loop_reports drops those reaching
+# sys.excepthook; some still get through, the known gap in docs/reliability.md): not ours.
+CLOSED_LOOP = re.compile(r"Traceback \(most recent call last\):\n(?:[ \t]+.*\n)*?"
+                         r"RuntimeError: Event loop is closed\n?")
+
+
+def one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith(ERROR)]
+    assert len(lines) == 1 and "Traceback" not in CLOSED_LOOP.sub("", err), err[-4000:]
+    return lines[0]
+
+
+def wait_for(path: Path, proc, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert path.exists(), (proc.poll(), proc.stderr.read()[-3000:] if proc.poll() is not None
+                           else "still running")
+
+
+def restorable(cfg, directory: Path, step: int) -> None:
+    from grpo_jax.checkpoint import Checkpointer, abstract_state
+    target, *_ = abstract_state(cfg)
+    with Checkpointer(directory, save_total_limit=None) as ckpt:
+        state, meta = ckpt.restore(step, target)
+    assert int(state.step) == step and meta["round"] >= 1
+
+
+# ------------------------------------------------------------------ checkpoint writes
+
+def test_unwritable_checkpoint_directory_before_the_first_save(tiny_dir, tmp_path):  # noqa: F811
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    with immutable(out / "checkpoints"):
+        rc, err, took = finish(start_cli(tiny_dir, out, max_steps=4, save_steps=1), 240)
+    line = one_error_line(err)
+    assert rc == 2 and took < 120, (took, err[-3000:])  # before loading the model, even
+    assert "checkpoints" in line and "Operation not permitted" in line, line
+    assert "no checkpoint" in line, line  # nothing good to fall back on, and it says so
+    assert not list((out / "checkpoints").iterdir())
+
+
+def test_a_failed_background_write_is_one_error_and_leaves_no_writer_waiting(tmp_path):
+    """In-process: Orbax's writer threads of the failed save would wait out its 300 s
+    coordination timeout (and hold the interpreter's exit); they end at once."""
+    import threading
+
+    import jax.numpy as jnp
+
+    from grpo_jax.checkpoint import Checkpointer, CheckpointWriteError
+    directory = tmp_path / "c"
+    ckpt = Checkpointer(directory, save_total_limit=None)
+    ckpt.save(1, {"x": jnp.ones(3)}, {})
+    ckpt.wait()
+    with immutable(directory):
+        ckpt.save(2, {"x": jnp.ones(3)}, {})  # started in the background
+        with pytest.raises(CheckpointWriteError, match=(
+                rf"can't write a checkpoint to {directory}: Operation not permitted \(.*2\."
+                rf"orbax-checkpoint-tmp.*\); last good checkpoint: {directory / '1'}\.")):
+            ckpt.wait()
+        with pytest.raises(CheckpointWriteError):  # every later call says the same
+            ckpt.poll()
+        ckpt.close()  # reported already: no second raise
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(
+            type(t).__name__ == "_SignalingThread" for t in threading.enumerate()):
+        time.sleep(0.05)
+    assert not [t.name for t in threading.enumerate() if type(t).__name__ == "_SignalingThread"]
+    assert ckpt.all_steps() == [1]
+
+
+def remount_read_only(path: Path) -> None:
+    """The kernel refuses ("mount point is busy") while a file there is open for writing, as
+    during a checkpoint write: retried between writes (a save every step leaves gaps)."""
+    deadline = time.monotonic() + 30
+    while subprocess.run(["mount", "-o", "remount,ro", str(path)],
+                         capture_output=True).returncode:
+        assert time.monotonic() < deadline, f"{path} stayed busy for 30 s"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("fault", ["immutable", "read-only", "full"])
+def test_checkpoint_writes_failing_mid_run_stop_at_once(tiny_dir, tmp_path, fault):  # noqa: F811
+    """The directory becomes unwritable (or the disk full) after some checkpoints: the run
+    stops within a bound with one line naming the error, the directory and the last good
+    checkpoint, which restores."""
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    ckpts.mkdir(parents=True)
+    # 4 MiB: three checkpoints of the tiny model (0.86 MiB each) fit, the fifth can't.
+    mounted = tmpfs(ckpts, "4m") if fault != "immutable" else contextlib.nullcontext()
+    with mounted:
+        proc = start_cli(tiny_dir, out, max_steps=400, save_steps=1, save_total_limit=None)
+        try:
+            wait_for(ckpts / "2", proc)
+            if fault == "immutable":
+                with immutable(ckpts):
+                    injected = time.monotonic()
+                    rc, err, took = finish(proc, 120)
+            else:
+                if fault == "read-only":
+                    remount_read_only(ckpts)
+                injected = time.monotonic()
+                rc, err, took = finish(proc, 120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        line = one_error_line(err)
+        after = time.monotonic() - injected
+        print(f"{fault}: exit {rc} {after:.1f} s after the fault: {line}")
+        assert rc == 2 and after < 60, (after, err[-3000:])  # Orbax alone: hangs for 300 s+
+        expected = {"immutable": "Operation not permitted", "read-only": "Read-only file system",
+                    "full": "No space left on device"}[fault]
+        assert expected in line and str(ckpts) in line, line
+        good = sorted(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
+        assert good and f"last good checkpoint: {ckpts / str(good[-1])}" in line, (good, line)
+        restorable(config(tiny_dir, out), ckpts, good[-1])
+
+
+# ------------------------------------------------------------------ stop signals
+
+STALL = f"{HERE / 'reward_fixtures.py'}:even_tokens_then_stall"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_mid_round_stops_at_once_with_128_plus_signal(
+        tiny_dir, tmp_path, monkeypatch, sig):  # noqa: F811
+    """The signal lands while round 3 is being scored (a reward that stalls for 10 minutes): the
+    run does not wait for the round. It checkpoints the last completed update (step 2), exits
+    128 + the signal, and resuming it gives the params of a run that never stopped."""
+    from grpo_jax.checkpoint import Checkpointer, load_checkpoint
+    from grpo_jax.hf import params_numpy
+    from grpo_jax.train import train
+    out, marker = tmp_path / "run", tmp_path / "stalled"
+    monkeypatch.setenv("GRPO_JAX_TEST_STALL", str(marker))
+    proc = start_cli(tiny_dir, out, max_steps=4, save_steps=100, reward_funcs=f"[{STALL}]")
+    try:
+        wait_for(marker, proc)
+        proc.send_signal(sig)
+        rc, err, took = finish(proc, 120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    print(f"{sig.name}: exit {rc} {took:.1f} s after the signal")
+    assert rc == 128 + sig, err[-3000:]
+    assert took < 30, took  # the stalled round is abandoned, not awaited
+    assert "Traceback" not in err
+    assert f"stopped by {sig.name}: the last completed update, step 2" in err, err[-2000:]
+    assert Checkpointer(out / "checkpoints", save_total_limit=None).all_steps() == [2]
+    if sig != signal.SIGTERM:
+        return
+    monkeypatch.delenv("GRPO_JAX_TEST_STALL")
+    one = jax.devices()[:1]
+    train(config(tiny_dir, out, max_steps=4, save_steps=100, reward_funcs=f"[{STALL}]",
+                 resume=True), devices=one)
+    train(config(tiny_dir, tmp_path / "full", max_steps=4, save_steps=100,
+                 reward_funcs=f"[{STALL}]"), devices=one)
+    a, _, step_a = load_checkpoint(tmp_path / "full")
+    b, _, step_b = load_checkpoint(out)
+    assert step_a == step_b == 4
+    diff = max(np.abs(x - params_numpy(b)[k]).max() for k, x in params_numpy(a).items())
+    print("max |uninterrupted - stopped and resumed| params:", diff)
+    assert diff < 1e-6
+
+
+# ------------------------------------------------------------------ resume
+
+def _corrupt(step_dir: Path, how: str) -> None:
+    state = step_dir / "state"
+    if how == "truncated data file":
+        # Every data file: which one holds the params (all export reads) varies between runs.
+        for data in [p for p in state.rglob("*") if p.is_file() and p.parent.name == "d"]:
+            with open(data, "r+b") as f:
+                f.truncate(data.stat().st_size // 2)
+    elif how == "missing _METADATA":
+        (state / "_METADATA").unlink()
+    elif how == "garbage metadata":
+        (state / "_METADATA").write_text("{not json")
+    elif how == "missing state/":
+        shutil.rmtree(state)
+
+
+CORRUPTIONS = ["truncated data file", "missing _METADATA", "garbage metadata", "missing state/"]
+
+
+def test_resume_sets_corrupt_checkpoints_aside_and_takes_the_newest_good_one(
+        tiny_dir, tmp_path, capsys):  # noqa: F811
+    """Checkpoints 2 to 5 are damaged four ways: each is named in one line, renamed (kept)
+    and skipped; the run resumes from 1 and saves new checkpoints 2 to 6 beside them."""
+    from grpo_jax.checkpoint import Checkpointer
+    from grpo_jax.train import train
+    out, one = tmp_path / "run", jax.devices()[:1]
+    train(config(tiny_dir, out, max_steps=5, save_steps=1), devices=one)
+    for step, how in zip(range(5, 1, -1), CORRUPTIONS):
+        _corrupt(out / "checkpoints" / str(step), how)
+    capsys.readouterr()
+    train(config(tiny_dir, out, max_steps=6, save_steps=1, resume=True), devices=one)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "can't be restored" in line]
+    assert len(lines) == 4 and "Traceback" not in err, err[-3000:]
+    for step, line in zip(range(5, 1, -1), lines):
+        assert line.startswith(f"checkpoint {step} in ") and f"kept as {step}.corrupt" in line
+    assert "resumed from step 1" in err
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == sorted([*map(str, range(1, 7)), *(f"{s}.corrupt" for s in range(2, 6))])
+    assert Checkpointer(out / "checkpoints", save_total_limit=None).all_steps() == [1, 2, 3, 4,
+                                                                                     5, 6]
+
+
+def test_resume_with_settings_that_change_the_state_says_which(tiny_dir, tmp_path):  # noqa: F811
+    from grpo_jax.checkpoint import CheckpointMismatchError
+    from grpo_jax.train import train
+    out, one = tmp_path / "run", jax.devices()[:1]
+    train(config(tiny_dir, out, max_steps=1), devices=one)
+    with pytest.raises(CheckpointMismatchError,
+                       match=r"checkpoint 1 in .* other settings \(use_peft: checkpoint False, "
+                             r"this run True; lora_target_modules: .*\)"):
+        train(config(tiny_dir, out, max_steps=2, resume=True, use_peft=True,
+                     lora_target_modules="[q_proj]"), devices=one)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["1"]  # untouched
+
+
+# ------------------------------------------------------------------ rewards
+
+def test_nan_rewards_for_a_whole_batch_are_said_not_trained_on_silently(
+        tiny_dir, tmp_path, capsys):  # noqa: F811
+    from grpo_jax.train import train
+    nan = f"{HERE / 'reward_fixtures.py'}:nan_rewards"
+    last = train(config(tiny_dir, tmp_path / "run", max_steps=2, reward_funcs=f"[{nan}]"),
+                 devices=jax.devices()[:1])
+    err = capsys.readouterr().err
+    # The function's warning once; the batch's every round (TRL warns every batch too).
+    assert err.count("warning: reward function 'nan_rewards' gave no reward") == 1, err[-2000:]
+    assert err.count("warning: no completion of this batch has a reward") == 2, err[-2000:]
+    # No reward at all: the logged mean is NaN, which the log leaves out (None), as TRL's.
+    assert last["reward"] is None and last["grad_norm"] == 0.0
+
+
+# ------------------------------------------------------------------ one line, exit 2
+
+def _sharded_copy(tiny_dir, dest: Path) -> Path:  # noqa: F811
+    """The tiny model saved in shards of ~100 KB (with an index)."""
+    import transformers
+    shutil.copytree(tiny_dir, dest)
+    for f in dest.glob("model*.safetensors*"):
+        f.unlink()
+    transformers.AutoModelForCausalLM.from_pretrained(tiny_dir).save_pretrained(
+        dest, max_shard_size="100KB")
+    assert (dest / "model.safetensors.index.json").exists()
+    return dest
+
+
+BAD_INPUTS = ["empty dataset", "malformed JSONL", "truncated safetensors", "missing shard",
+              "output_dir under a file", "output_dir not writable", "output_dir on a full disk"]
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_files_and_places_one_line_exit_2(tiny_dir, tmp_path, capsys, case):  # noqa: F811
+    from grpo_jax.train import main
+    settings = dict(max_steps=1, dp=-1, per_device_train_batch_size=2)  # 8 devices here
+    model = tmp_path / "model"
+    if case in ("truncated safetensors", "missing shard"):
+        _sharded_copy(tiny_dir, model)
+        shards = sorted(model.glob("model-*.safetensors"))
+        if case == "missing shard":
+            shards[-1].unlink()
+        else:
+            with open(shards[0], "r+b") as f:
+                f.truncate(shards[0].stat().st_size - 100)
+        settings["name_or_path"] = model
+    if case == "empty dataset":
+        (tmp_path / "empty.jsonl").write_text("")
+        settings["dataset_name"] = tmp_path / "empty.jsonl"
+    if case == "malformed JSONL":
+        (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"\n')
+        settings["dataset_name"] = tmp_path / "bad.jsonl"
+    out = tmp_path / "run"
+    if case == "output_dir under a file":
+        (tmp_path / "afile").write_text("x")
+        out = tmp_path / "afile" / "run"
+    cfg = config(tiny_dir, out, **settings)
+    (tmp_path / "run.yaml").write_text(cfg.to_yaml())
+    guard = contextlib.nullcontext()
+    if case == "output_dir not writable":
+        out.mkdir()
+        guard = immutable(out)
+    if case == "output_dir on a full disk":
+        out.mkdir()
+        guard = tmpfs(out, "1m")
+    with guard:
+        if case == "output_dir on a full disk":
+            with open(out / "filler", "wb") as f, pytest.raises(OSError):
+                while True:
+                    f.write(bytes(64 << 10))
+                    f.flush()
+        assert main(["--config", str(tmp_path / "run.yaml")]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    expected = {"empty dataset": "empty.jsonl is empty",
+                "malformed JSONL": "JSON parse error",
+                "truncated safetensors": "is damaged or truncated",
+                "missing shard": "shards that model.safetensors.index.json lists are missing",
+                "output_dir under a file": f"{tmp_path / 'afile'} is a file",
+                "output_dir not writable": "not writable: Operation not permitted",
+                "output_dir on a full disk": "No space left on device; no checkpoint was written"
+                }[case]
+    assert expected in line, line
+
+
+# ------------------------------------------------------------------ export
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_dir, tmp_path_factory):  # noqa: F811
+    from grpo_jax.train import train
+    out = tmp_path_factory.mktemp("export") / "run"
+    train(config(tiny_dir, out, max_steps=2, save_steps=1), devices=jax.devices()[:1])
+    return out
+
+
+def _export(run_dir, out, *extra):
+    from grpo_jax.export import main
+    return main(["--checkpoint", str(run_dir), "--out", str(out), "--dtype", "float32",
+                 *extra])
+
+
+def test_export_of_a_damaged_checkpoint_is_one_line(run_dir, tmp_path, capsys):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(run_dir, damaged)
+    _corrupt(damaged / "checkpoints" / "2", "truncated data file")
+    assert _export(damaged, tmp_path / "hf") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "checkpoint 2 in" in err and "damaged" in err, err
+    assert "--step (complete ones: [1])" in err
+    assert _export(damaged, tmp_path / "hf", "--step", "1") == 0
+
+
+def test_export_refuses_the_base_model_and_the_run(run_dir, tiny_dir, capsys):  # noqa: F811
+    before = {p.name: p.read_bytes() for p in tiny_dir.iterdir() if p.is_file()}
+    for out, what in ((tiny_dir, "is the run's base model"),
+                      (run_dir, "is the run's output_dir"),
+                      (run_dir.parent, "is a parent of the run's output_dir")):
+        for extra in ((), ("--overwrite",)):
+            assert _export(run_dir, out, *extra) == 2
+            err = capsys.readouterr().err
+            assert what in err and err.count("\n") == 1, err
+    assert {p.name: p.read_bytes() for p in tiny_dir.iterdir() if p.is_file()} == before
+
+
+def test_export_into_an_old_model_needs_overwrite_and_leaves_no_stale_shards(
+        run_dir, tiny_dir, tmp_path, capsys):  # noqa: F811
+    import transformers
+    out = _sharded_copy(tiny_dir, tmp_path / "old")
+    (out / "README.md").write_text("my notes")
+    assert _export(run_dir, out) == 2
+    assert "is not empty" in capsys.readouterr().err
+    assert (out / "model.safetensors.index.json").exists()  # untouched
+    assert _export(run_dir, out, "--overwrite") == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors" in names and "README.md" in names
+    assert not [n for n in names if n.startswith("model-") or n.endswith(".index.json")], names
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
+    fresh = tmp_path / "fresh"
+    assert _export(run_dir, fresh) == 0
+    a = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
+    b = transformers.AutoModelForCausalLM.from_pretrained(fresh).state_dict()
+    assert all((a[k] == b[k]).all() for k in b)  # the new weights, not the old shards
+
+
+def test_interrupted_export_leaves_no_half_model(run_dir, tmp_path, monkeypatch):
+    from grpo_jax import hf
+    write = hf._write_safetensors
+
+    def interrupted(path, specs, tensor, metadata):
+        write(path, specs, tensor, metadata)
+        raise KeyboardInterrupt  # Ctrl-C after the weights, before config.json
+    monkeypatch.setattr(hf, "_write_safetensors", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _export(run_dir, tmp_path / "new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither a half model nor staging

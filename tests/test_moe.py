@@ -1,0 +1,393 @@
+"""Mixtures of experts (Qwen3-MoE, Mixtral, gpt-oss) against transformers (PyTorch CPU, fp32):
+logits on a left-padded batch, the KV-cache path, greedy generation, export, gpt-oss's MXFP4
+checkpoints, expert parallelism (8 CPU devices) against one device, the router's
+load-balancing loss against transformers' and TRL's, and a GRPO run on a tiny MoE policy.
+
+One tiny random model per family for the module (tests/hf_oracle.py: 4 experts, 2 per token;
+Qwen3-MoE with a dense layer between sparse ones, gpt-oss with sliding and full layers)."""
+
+import json
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from hf_oracle import hf_logits, tiny_hf_model
+from test_families import MASK, TOKENS, _diff, _hf_greedy, _logits
+
+from grpo_jax import hf
+from grpo_jax import mesh as mesh_lib
+from grpo_jax.errors import GrpoJaxError
+from grpo_jax.models import KVCache, ModelConfig, ModelConfigError, moe, positions_from_mask
+from grpo_jax.rollout.sampler import Sampler
+from grpo_jax.rollout.sampling import SamplingParams
+
+# name -> (family, config overrides): Qwen3-MoE both ways of norm_topk_prob.
+MODELS = {"qwen3_moe": ("qwen3_moe", {}),
+          "qwen3_moe_unnormed": ("qwen3_moe", dict(norm_topk_prob=False)),
+          "mixtral": ("mixtral", {}), "gpt_oss": ("gpt_oss", {})}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """name -> (transformers model, its directory, our fp32 decoder), built on first use."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            family, kw = MODELS[name]
+            ref = tiny_hf_model(family, **kw)
+            path = tmp_path_factory.mktemp(name)
+            ref.save_pretrained(path)
+            made[name] = (ref, path, hf.load_model(str(path), dtype=jnp.float32)[0])
+        return made[name]
+    return get
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_match_transformers(tiny, name):
+    ref, _, model = tiny(name)
+    cfg = model.cfg
+    assert cfg.num_experts == 4 and cfg.num_experts_per_tok == 2
+    if name.startswith("qwen3_moe"):  # layer 1 is dense (mlp_only_layers)
+        assert cfg.moe_layers == (True, False, True)
+        assert model.layers.w_gate.shape[0] == 1 and model.layers.we_gate.shape[0] == 2
+    assert _diff(_logits(model), hf_logits(ref, TOKENS, MASK)) < 1e-4
+
+
+def test_the_switches_matter(tiny):
+    """Each MoE switch changes the logits, so the parity above tests it."""
+    for name, changes in (
+            ("gpt_oss", (dict(swiglu_limit=None), dict(attention_sinks=False, o_bias=False),
+                         dict(norm_topk_prob=False), dict(rope_yarn=None))),
+            ("qwen3_moe", (dict(norm_topk_prob=False),))):
+        _, _, model = tiny(name)
+        cfg, base = model.cfg, _logits(model)
+        for change in changes:
+            model.cfg = cfg.replace(**change)
+            try:
+                assert _diff(_logits(model), base) > 1e-3, (name, change)
+            finally:
+                model.cfg = cfg
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_kv_cache_path_matches_full_forward(tiny, name):
+    """Prefill 5 tokens, then decode the rest one at a time (the sliding layers' rings wrap):
+    every step's logits equal the full forward's."""
+    _, _, model = tiny(name)
+    cfg, S, P = model.cfg, TOKENS.shape[1], 5
+    mask = jnp.asarray(MASK)
+    pos = positions_from_mask(mask)
+    hidden, cache = model(jnp.asarray(TOKENS[:, :P]), pos[:, :P], mask[:, :P],
+                          cache=KVCache.zeros(cfg, len(TOKENS), P), cache_index=0)
+    steps = [model.logits(hidden)]
+    cache = KVCache(*(tuple(jnp.pad(x, ((0, 0), (0, 0), (0, cfg.cache_length(i, S) - x.shape[2]),
+                                        (0, 0))) for i, x in enumerate(part)) for part in cache))
+    for t in range(P, S):
+        hidden, cache = model(jnp.asarray(TOKENS[:, t:t + 1]), pos[:, t:t + 1], mask,
+                              cache=cache, cache_index=t)
+        steps.append(model.logits(hidden))
+    assert _diff(np.asarray(jnp.concatenate(steps, axis=1)), _logits(model)) < 1e-4
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_greedy_generation_matches_transformers(tiny, name):
+    ref, _, model = tiny(name)
+    prompts = [[5, 17, 99, 3, 42, 8, 77], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [120, 6]]
+    sp = SamplingParams(max_completion_length=12, temperature=0, stop_token_ids=(2,))
+    out = Sampler(model.cfg, sp, pad_id=0, buckets=(16,)).generate(model, prompts)
+    np.testing.assert_array_equal(out.completion_ids, _hf_greedy(ref, prompts, 12))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_export_round_trip(tiny, tmp_path, name):
+    """Export writes transformers' own class under its checkpoint names (per-expert tensors
+    for Qwen3-MoE and Mixtral, gpt-oss's interleaved gate_up), and reads back the same."""
+    ref, path, model = tiny(name)
+    ours = hf.hf_state_dict(model.cfg, hf.params_numpy(model))
+    sd = ref.state_dict()
+    with open(path / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    assert set(ours) == set(header) - {"__metadata__"}
+    hf.save_hf(model, tmp_path / "out", source_dir=path)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(back) is type(ref)
+    for k, v in back.state_dict().items():
+        np.testing.assert_array_equal(v.numpy(), sd[k].numpy(), err_msg=k)
+    again, _ = hf.load_model(str(tmp_path / "out"), dtype=jnp.float32)
+    assert again.cfg == model.cfg
+
+
+def test_mxfp4_experts_are_dequantized_on_load(tiny, tmp_path):
+    """gpt-oss's released checkpoints store the experts as MXFP4 blocks and scales: loading
+    dequantizes them as transformers' convert_moe_packed_tensors does."""
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    _, path, _ = tiny("gpt_oss")
+    tensors = load_file(path / "model.safetensors")
+    rng = np.random.default_rng(0)
+    want = {}
+    for key in [k for k in tensors if k.endswith(("gate_up_proj", "down_proj"))
+                and ".experts." in k]:
+        E, n_in, n_out = tensors.pop(key).shape
+        blocks = rng.integers(0, 256, (E, n_out, n_in // 32, 16), dtype=np.uint8)
+        scales = rng.integers(120, 130, (E, n_out, n_in // 32), dtype=np.uint8)
+        tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
+        want[key] = convert_moe_packed_tensors(torch.from_numpy(blocks),
+                                               torch.from_numpy(scales),
+                                               dtype=torch.float32).numpy()
+    (tmp_path / "q").mkdir()
+    save_file(tensors, tmp_path / "q" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "q" / "config.json").write_text(json.dumps(config))
+    model, _ = hf.load_model(str(tmp_path / "q"), dtype=jnp.float32)
+    got = hf.hf_state_dict(model.cfg, hf.params_numpy(model))
+    for key, value in want.items():
+        np.testing.assert_array_equal(got[key], value, err_msg=key)
+
+
+def test_capacity_factor_drops_only_what_overflows(tiny):
+    """moe_capacity_factor: room enough for every assignment gives the dropless logits; a
+    small one drops assignments and changes them."""
+    _, _, model = tiny("mixtral")
+    cfg, dropless = model.cfg, _logits(model)
+    try:
+        model.cfg = cfg.replace(moe_capacity_factor=2.0)  # E / k: room for every token
+        assert _diff(_logits(model), dropless) < 1e-5
+        model.cfg = cfg.replace(moe_capacity_factor=0.25)
+        assert _diff(_logits(model), dropless) > 1e-3
+    finally:
+        model.cfg = cfg
+
+
+def test_configs_that_cannot_load_say_so():
+    base = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                num_attention_heads=2)
+    with pytest.raises(ModelConfigError, match="quant_method 'fp8'.*save_pretrained"):
+        ModelConfig.from_hf({**base, "model_type": "qwen3_moe", "num_experts": 4,
+                             "num_experts_per_tok": 2,
+                             "quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(ModelConfigError, match="router_jitter_noise"):
+        ModelConfig.from_hf({**base, "model_type": "mixtral", "num_local_experts": 4,
+                             "num_experts_per_tok": 2, "router_jitter_noise": 0.1})
+    with pytest.raises(GrpoJaxError, match="not a mixture of experts"):
+        moe.router_aux_loss_coef(0.01, ModelConfig.from_hf({**base, "model_type": "llama"}))
+
+
+def _rows(vocab: int, rows: int = 8, width: int = 12, seed: int = 0):
+    """A left-padded batch of `rows` rows (lengths 3 to width)."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(3, width + 1, rows)
+    lengths[0] = width
+    mask = (np.arange(width)[None] >= (width - lengths)[:, None]).astype(np.int32)
+    return rng.integers(3, vocab, (rows, width)).astype(np.int32) * mask, mask
+
+
+def _grpo_batch(vocab: int, groups: int = 2, g: int = 4, seed: int = 0):
+    """groups prompts with g completions each (rows of a group consecutive), TRL's inputs."""
+    from grpo_jax.grpo.batch import Batch
+    p_ids, p_mask = _rows(vocab, groups, 10, seed)
+    c_ids, c_mask = _rows(vocab, groups * g, 6, seed + 1)
+    c_mask = c_mask[:, ::-1].copy()  # right-padded completions
+    c_ids = c_ids[:, ::-1] * c_mask
+    adv = np.random.default_rng(seed).standard_normal(groups * g).astype(np.float32)
+    return Batch(np.repeat(p_ids, g, 0), np.repeat(p_mask, g, 0), c_ids, c_mask,
+                 c_mask.sum(1) == 6, adv)
+
+
+def test_aux_loss_matches_transformers(tiny):
+    """The router statistics give transformers' load_balancing_loss_func (its aux_loss with
+    output_router_logits and the attention mask), the dense layer left out."""
+    ref, _, model = tiny("qwen3_moe")
+    ids, mask = _rows(model.cfg.vocab_size)
+    _, _, stats = model(jnp.asarray(ids), positions_from_mask(jnp.asarray(mask)),
+                        jnp.asarray(mask), with_router=True)
+    pos = torch.as_tensor((mask.cumsum(-1) - 1).clip(0), dtype=torch.long)
+    with torch.no_grad():
+        want = ref(input_ids=torch.as_tensor(ids, dtype=torch.long),
+                   attention_mask=torch.as_tensor(mask), position_ids=pos,
+                   output_router_logits=True).aux_loss
+    assert float(stats.tokens) == 2 * mask.sum()  # two sparse layers
+    np.testing.assert_allclose(float(moe.aux_loss(stats)), float(want), rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_loss_with_aux_term_matches_trl(tiny, name):
+    """TRL 1.16's own GRPOTrainer._compute_loss on the transformers model (its fused LM head,
+    the aux loss from output_router_logits) over k = 2 micro-batches against the train step's
+    accumulation on ours: the loss (policy + router_aux_loss_coef * aux / k per micro-batch)
+    and the gradients of every parameter both name alike (attention, norms, routers; gpt-oss's
+    stacked experts too)."""
+    from contextlib import nullcontext
+
+    from test_loss_trl import trl_trainer
+    from trl.trainer.utils import add_fused_lm_head
+
+    from grpo_jax.grpo.loss import LossConfig
+    from grpo_jax.grpo.train_step import StepConfig, loss_and_grads
+    _, _, model = tiny(name)
+    family, kw = MODELS[name]
+    ref = tiny_hf_model(family, **kw).train()  # the fixture's weights (same seed)
+    coef, k, temperature = 0.3, 2, 0.9  # a coefficient large enough to show in the gradients
+    loss_cfg = LossConfig(loss_type="dapo", vllm_importance_sampling_correction=False,
+                          router_aux_loss_coef=coef)
+    b = _grpo_batch(model.cfg.vocab_size)
+    n = len(b.advantages)
+
+    add_fused_lm_head(ref, temperature=temperature, outputs=("log_probs", "entropy"))
+    t = trl_trainer(loss_cfg, k, k, use_vllm=False)
+    t.accelerator.autocast = nullcontext
+    t.aux_loss_enabled, t.router_aux_loss_coef = True, coef
+    # TRL's own method on the real model, without its profiling wrapper (it needs a Trainer).
+    t._get_per_token_logps_and_entropies = types.MethodType(
+        type(t)._get_per_token_logps_and_entropies.__wrapped__, t)
+    total, size = 0.0, n // k
+    t_ = lambda a, dtype=torch.long: torch.as_tensor(np.asarray(a), dtype=dtype)  # noqa: E731
+    for j in range(k):
+        sl = slice(j * size, (j + 1) * size)
+        inputs = {"prompt_ids": t_(b.prompt_ids[sl]), "prompt_mask": t_(b.prompt_mask[sl]),
+                  "completion_ids": t_(b.completion_ids[sl]),
+                  "completion_mask": t_(b.completion_mask[sl]),
+                  "advantages": t_(b.advantages[sl], torch.float32),
+                  "num_items_in_batch": torch.tensor(float(b.completion_mask.sum()))}
+        t.accelerator.sync_gradients = j == k - 1
+        loss = t._compute_loss(ref, inputs)
+        loss.backward()
+        total += float(loss.detach())
+
+    graphdef, params = nnx.split(model, nnx.Param)
+    step = StepConfig(loss=loss_cfg, temperature=temperature, gradient_accumulation_steps=k,
+                      logprob_chunk=4, aux_loss_coef=coef)
+    batch = jax.tree.map(jnp.asarray, b)
+    got = {}
+    for group in (1, 4):  # shared prompts count their tokens once per row, as TRL's rows do
+        loss, grads, sums = jax.jit(lambda p, bt, g=group: loss_and_grads(
+            graphdef, step, p, bt, group=g))(params, batch)
+        got[group] = float(loss)
+    np.testing.assert_allclose(got[1], total, rtol=1e-5)
+    np.testing.assert_allclose(got[4], total, rtol=1e-5)
+    ours = hf.hf_state_dict(model.cfg, hf.params_from_state(model.cfg, grads))
+    theirs = {k: p.grad.numpy() for k, p in ref.named_parameters() if p.grad is not None}
+    common = set(ours) & set(theirs)
+    assert any(".gate.weight" in k or ".router.weight" in k for k in common)
+    scale = max(np.abs(v).max() for v in theirs.values())
+    for key in common:
+        np.testing.assert_allclose(ours[key], theirs[key], atol=1e-5 * scale, err_msg=key)
+    # [k]-stacked per micro-batch (value, count) pairs: the step's over all of them
+    metrics = {k: float(v[..., 0].sum() / v[..., 1].sum()) for k, v in sums["mean"].items()}
+    assert metrics["aux_loss"] > 0 and "router/load/3" in metrics
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py)")
+@pytest.mark.parametrize("name,shape", [("qwen3_moe", (1, 2, 1, 4)), ("gpt_oss", (1, 2, 2, 2))],
+                         ids=["fsdp2-ep4", "fsdp2-ep2-tp2"])
+def test_expert_parallel_equals_one_device(tiny, name, shape):
+    """Experts split over an `expert` mesh axis (tokens gathered over it, outputs
+    reduce-scattered; with a tensor axis, each expert's hidden width split too) give one
+    device's logits, router statistics, loss and gradients (shared prompts, k = 2, aux on)."""
+    from grpo_jax.grpo.loss import LossConfig
+    from grpo_jax.grpo.train_step import StepConfig, loss_and_grads
+    _, path, one = tiny(name)
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(*shape))
+    assert mesh.axis_names == ("data", "fsdp", "expert", "tensor")
+    sharded, _ = hf.load_model(str(path), mesh, dtype=jnp.float32)
+    assert sharded.layers.we_gate[...].sharding.spec[1] == "expert"
+    sharded.shard_activations(mesh)
+    ids, mask = _rows(one.cfg.vocab_size)  # 8 rows: split over fsdp x expert
+    step = StepConfig(loss=LossConfig(vllm_importance_sampling_correction=False),
+                      temperature=1.0, gradient_accumulation_steps=2, logprob_chunk=4,
+                      aux_loss_coef=0.1)
+    batch = jax.tree.map(jnp.asarray, _grpo_batch(one.cfg.vocab_size))
+
+    def run(model):
+        graphdef, params = nnx.split(model, nnx.Param)
+
+        def f(p, ids, mask, b):
+            m = nnx.merge(graphdef, p)
+            hidden, _, stats = m(ids, positions_from_mask(mask), mask, with_router=True)
+            return (m.logits(hidden), stats, *loss_and_grads(graphdef, step, p, b, group=4)[:2])
+        return jax.tree.map(np.asarray, jax.jit(f)(params, jnp.asarray(ids), jnp.asarray(mask),
+                                                   batch))
+
+    want, got = run(one), run(sharded)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * max(1.0, np.abs(a).max()))
+
+
+@pytest.mark.parametrize("family", ["gpt_oss"])
+def test_grpo_run_on_a_moe_policy(tmp_path, family):
+    """Two GRPO steps with a tiny MoE policy (gpt-oss: sinks, biases, ring caches; Qwen3-MoE's
+    mixed layers in the sampler are covered by the generation tests above), fsdp 2 x expert 2
+    over 4 devices (the sampler's experts on the expert axis too), the checkpoint's aux-loss
+    coefficient: the sampler's log-probs equal the train step's, and the router metrics are
+    logged."""
+    from hf_oracle import char_tokenizer, tiny_grpo_run
+    last = tiny_grpo_run(tmp_path, tiny_hf_model(family, vocab=len(char_tokenizer())),
+                         dp=1, fsdp=2, ep=2)
+    assert np.isfinite(last["loss"])
+    assert last["sampling/sampling_logp_difference/max"] < 1e-4
+    assert last["aux_loss"] > 0 and "router/load/0" in last and last["router/load_max"] >= 1
+
+
+def test_moe_reward_model_scores_match_trl(tmp_path):
+    """A Qwen3-MoE reward model (Qwen3MoeForSequenceClassification) scores as TRL's does."""
+    from test_reward_model import batch, ours, save_reward_model, trl_rewards
+
+    from grpo_jax.rewards import load_reward_func
+    spec = str(save_reward_model(tmp_path / "moe-rm", "qwen3_moe", seed=1))
+    func = load_reward_func(spec, dtype="float32")
+    prompts, completions = batch(True)
+    _, want = trl_rewards(spec, None, prompts, completions)
+    got = ours([func], prompts, completions)[:, 0]
+    assert np.abs(got - want).max() < 1e-4 and np.ptp(want) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+def test_weight_sync_sends_the_checkpoint_names(tiny, name):
+    """What a vLLM server is sent (the NCCL source, one tensor at a time on the device; the
+    HTTP paths use hf_state_dict) is the checkpoint's tensors under their own names."""
+    from grpo_jax.rollout.nccl_sync import JaxSource
+    _, path, model = tiny(name)
+    source = JaxSource(model.cfg, "float32")
+    source.set(nnx.split(model, nnx.Param)[1])
+    sent = {k: v.numpy() for k, v in source}
+    want = hf.hf_state_dict(model.cfg, hf.params_numpy(model), include_tied_head=True)
+    assert sent.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(sent[k], want[k], err_msg=k)
+
+
+def test_lora_adapter_on_a_moe_loads_in_peft_with_the_same_logits(tmp_path):
+    """LoRA on Qwen3-MoE's attention: PEFT loads the adapter we save and gives our logits. An
+    MLP module that no layer of a model has is refused, and so is PEFT's target_parameters.
+    PEFT 0.21 on transformers 5 reads gate_proj/up_proj/down_proj on a MoE as the experts'
+    fused parameters (rank 2r) and adapts no dense MLP, so on a MoE those names are refused
+    and all-linear is attention only, also where a layer is dense."""
+    from test_lora import _ours_and_peft
+
+    from grpo_jax.cli import load_config
+    from grpo_jax.errors import ConfigError
+    from grpo_jax.models import lora
+    model, ref = _ours_and_peft(tmp_path, "qwen3_moe", lora_target_modules=("q_proj", "v_proj"))
+    real = MASK.astype(bool)
+    base = hf_logits(tiny_hf_model("qwen3_moe"), TOKENS, MASK)
+    theirs = hf_logits(ref, TOKENS, MASK)
+    assert np.abs(theirs - base)[real].max() > 1e-2
+    assert np.abs(theirs - _logits(model))[real].max() < 1e-4
+    # Mixtral has no dense MLP; Qwen3-MoE has one (a dense layer) that PEFT would not adapt.
+    for name, refusal in (("mixtral", "mixtral has no dense gate_proj"),
+                          ("qwen3_moe", "PEFT reads them as the experts' parameters")):
+        cfg = ModelConfig.from_hf(tiny_hf_model(name).config.to_dict())
+        with pytest.raises(GrpoJaxError, match=refusal):
+            lora.PeftArgs(use_peft=True, lora_target_modules=("q_proj", "gate_proj")
+                          ).model_targets(cfg)
+        assert lora.PeftArgs(use_peft=True, lora_target_modules=("all-linear",)).model_targets(
+            cfg) == ("wq", "wk", "wv", "wo")
+    with pytest.raises(ConfigError, match="target_parameters"):
+        load_config(None, ["lora_target_parameters=[mlp.experts.gate_up_proj]"])
