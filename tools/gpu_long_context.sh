@@ -21,6 +21,7 @@ run() {  # kernel, completion length
     | tr -s ' ' | tr '\n' ' ')"
 }
 for n in $LENGTHS; do run flash "$n"; done
-for n in $LENGTHS; do run auto "$n"; done
+# auto beyond 8k keys is flash: only the shorter rows differ.
+for n in $LENGTHS; do [ "$n" -le 8192 ] && run auto "$n"; done
 for n in $LENGTHS; do [ "$n" -le 8192 ] && run xla "$n"; done
 true
