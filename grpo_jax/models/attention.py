@@ -93,6 +93,10 @@ def flash(q, k, v, mask: Mask, scale: float, cap: float | None = None, block: in
     k = jnp.pad(k, ((0, 0), (0, 0), (0, ts - S), (0, 0)))
     v = jnp.pad(v, ((0, 0), (0, 0), (0, ts - S), (0, 0)))
     window = (jnp.asarray(2 ** 30 if mask.window is None else mask.window, jnp.int32))
+    # Tied to the queries: inside a scan over layers the masks would otherwise be loop-invariant,
+    # and JAX's partial evaluation would compute every block pair's mask ahead of the loop and
+    # keep them all ([nq, nk, ..., bq, bk]: memory quadratic in length; seen on an H200).
+    qg, q_idx, key_ok, window = jax.lax.optimization_barrier((qg, q_idx, key_ok, window))
     out = _flash(qg, k, v, q_idx, key_ok, window, scale, cap, bq, bk)
     return out[:, :, :, :T].transpose(0, 3, 1, 2, 4).reshape(B, T, H, Dh)
 
