@@ -172,6 +172,34 @@ def test_default_layout_adds_a_context_axis_for_long_rows():
     assert layout(31746) is None
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not AOT_PYTHON, reason="GRPO_JAX_AOT_PYTHON is unset")
+def test_long_rows_get_a_context_axis_and_linear_memory(tmp_path):
+    """A long-row run on a TPU slice (issue 32), compiled: with no mesh flags aot chooses a
+    context axis and says so, attention is splash; on one given layout the update's
+    temporaries grow at most linearly with the row's length (no [T, T] scores)."""
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY.to_hf()))
+    shape = ["--model_name_or_path", "tiny", "--max_prompt_length", "1024", "--num_generations",
+             "2", "--per_device_train_batch_size", "1", "--phases", "update", "--quick"]
+    proc = run_aot(tmp_path, "--topology", "v5e:2x4", *shape, "--max_completion_length", "9216",
+                   "--json", "chosen.json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "chosen.json").read_text())
+    assert r["mesh"] == {"data": 1, "fsdp": 4, "context": 2, "tensor": 1}, r["mesh"]
+    assert "--cp 2" in proc.stdout and "context axis" in proc.stdout
+    assert r["attention"] == "splash"
+    temps = {}
+    for completion in (3072, 7168):  # rows of 4k and 8k tokens, fsdp 2 x context 4
+        proc = run_aot(tmp_path, "--topology", "v5e:2x4", *shape, "--max_completion_length",
+                       str(completion), "--dp", "1", "--fsdp", "2", "--cp", "4", "--json",
+                       f"{completion}.json")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        r = json.loads((tmp_path / f"{completion}.json").read_text())
+        temps[completion] = r["memory_per_chip"]["phases"]["update"]["temporaries_GB"]
+    assert temps[7168] <= 2.1 * temps[3072], temps
+
+
 def test_presets_match_published_sizes():
     billions = {"smollm2-135m": 0.13, "qwen2.5-0.5b": 0.49, "qwen2.5-1.5b": 1.54,
                 "qwen2.5-7b": 7.62,
