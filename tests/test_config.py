@@ -8,6 +8,7 @@ import yaml
 import dataclasses
 import importlib
 import inspect
+import math
 import os
 import pkgutil
 import subprocess
@@ -119,7 +120,7 @@ def test_bad_file_key_names_the_file(tmp_path):
     path.write_text("grpo:\n  num_generaions: 4\n")
     with pytest.raises(ConfigError, match=r"grpo.num_generations.*bad.yaml"):
         load_config(str(path))
-    with pytest.raises(ConfigError, match="not found.*arithmetic, calculator, smol, tldr"):
+    with pytest.raises(ConfigError, match="not found.*arithmetic, calculator, long_smol, smol, tldr"):
         load_config("nope")
 
 
@@ -207,7 +208,7 @@ def test_to_dict_round_trips(tmp_path):
 
 
 def test_builtin_configs():
-    assert builtin_configs() == ["arithmetic", "calculator", "smol", "tldr"]
+    assert builtin_configs() == ["arithmetic", "calculator", "long_smol", "smol", "tldr"]
     tldr = load_config("tldr")
     assert tldr.model.name_or_path == "Qwen/Qwen2-0.5B-Instruct"
     assert (tldr.data.dataset_name, tldr.data.dataset_train_split) == ("trl-lib/tldr", "train")
@@ -216,8 +217,9 @@ def test_builtin_configs():
     smol = load_config("smol")
     assert smol.data.dataset_name == "smol_prompts" and smol.batch.max_steps > 0
     assert load_config("arithmetic").grpo.reward_funcs == ("accuracy",)
-    for name in builtin_configs():
-        load_config(name).batch_plan(1)  # every shipped config is consistent on one device
+    for name in builtin_configs():  # every shipped config is consistent on its own mesh
+        cfg = load_config(name)
+        cfg.batch_plan(math.prod(s for s in (cfg.mesh.dp, cfg.mesh.fsdp) if s and s > 0))
     # The repo's top-level configs/ is the package's directory.
     top = Path(__file__).resolve().parents[1] / "configs"
     assert sorted(p.name for p in top.glob("*.yaml")) == [f"{n}.yaml" for n in builtin_configs()]
