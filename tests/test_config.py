@@ -120,7 +120,8 @@ def test_bad_file_key_names_the_file(tmp_path):
     path.write_text("grpo:\n  num_generaions: 4\n")
     with pytest.raises(ConfigError, match=r"grpo.num_generations.*bad.yaml"):
         load_config(str(path))
-    with pytest.raises(ConfigError, match="not found.*arithmetic, calculator, long_smol, smol, tldr"):
+    with pytest.raises(ConfigError,
+                       match="not found.*arithmetic, calculator, long_smol, smol, tldr"):
         load_config("nope")
 
 
