@@ -71,8 +71,8 @@ class MeshConfig:
     def __post_init__(self):
         sizes = [s for s in dataclasses.astuple(self) if s is not None]
         check(all(s == -1 or s >= 1 for s in sizes) and sizes.count(-1) <= 1,
-              f"mesh sizes (dp, fsdp, tp, ep, cp) = {dataclasses.astuple(self)}: each must be >= 1, "
-              "and at most one -1")
+              f"mesh sizes (dp, fsdp, tp, ep, cp) = {dataclasses.astuple(self)}: each must be "
+              ">= 1, and at most one -1")
 
     @property
     def given(self) -> bool:
