@@ -357,7 +357,9 @@ def _attention_kernel(run, prompt_width: int) -> str:
     cfg, cp = run.cfg, mesh_lib.context_size(run.mesh)
     C = cfg.generation.max_completion_length
     keys = prompt_width + C
-    kernel = run.model.attention_kernel(keys, context_parallel=cp > 1 and C % cp == 0)
+    kernel = run.model.attention_kernel(keys, context_parallel=cp > 1 and C % cp == 0,
+                                        rows=run.plan.micro_batch_size
+                                        // mesh_lib.batch_divisor(run.mesh) or 1)
     if kernel == "splash" and not attention.splash_fits(C, keys, run.model.attention_block,
                                                         cp if C % cp == 0 else 1):
         return "flash"

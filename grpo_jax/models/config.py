@@ -44,6 +44,7 @@ SUPPORTED_MODEL_TYPES = (*(f for f in FAMILIES if f not in _NUM_EXPERTS_KEY), "g
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ATTENTION_IMPLS = ("auto", "xla", "flash", "splash", "cudnn")
+CUDNN_MASK_ELEMENTS = 2 ** 30  # "auto" leaves cuDNN for the blockwise attention beyond this
 
 
 class ModelConfigError(GrpoJaxError, ValueError):
@@ -204,17 +205,22 @@ class ModelConfig:
                     and jnp.dtype(self.dtype) in (jnp.bfloat16, jnp.float16))
         return self.attention_impl == "cudnn"
 
-    def attention_kernel(self, keys: int, context_parallel: bool = False) -> str:
-        """The kernel of a pass without a KV cache (training, log-probs, prefill) over `keys`
-        keys: attention_impl, or for "auto" splash on TPU; on a GPU cuDNN (bf16/fp16) while
-        its dense [T, S] mask stays small (8k keys: 64 MB a row); else the plain scores while
-        the keys fit one block, and the blockwise attention beyond. cuDNN has no soft-capping,
-        nor a mask split over devices: with either the blockwise attention stands in."""
+    def attention_kernel(self, keys: int, context_parallel: bool = False,
+                         queries: int | None = None, rows: int = 1) -> str:
+        """The kernel of a pass without a KV cache (training, log-probs, prefill) of `queries`
+        (default: `keys`) over `keys`, `rows` rows a device: attention_impl, or for "auto"
+        splash on TPU; on a GPU cuDNN (bf16/fp16) while its dense [rows, T, S] mask stays
+        under CUDNN_MASK_ELEMENTS (2 GiB as the bf16 bias cuDNN is given: one row of 32k, two
+        of 16k); else the plain scores while the keys fit one block, and the blockwise
+        attention beyond. cuDNN has no soft-capping, nor a mask split over devices: with
+        either the blockwise attention stands in. On an H200 cuDNN's train step was 3x the
+        blockwise one's at 4k (docs/benchmarks.md)."""
         impl, block = self.attention_impl, self.numerics.attention_block
         if impl == "auto":
             if jax.default_backend() == "tpu":
                 return "splash"
-            impl = "cudnn" if self.use_cudnn_attention() and keys <= 8192 else "xla"
+            small = rows * (queries or keys) * keys <= CUDNN_MASK_ELEMENTS
+            impl = "cudnn" if self.use_cudnn_attention() and small else "xla"
         if impl == "cudnn" and (context_parallel or self.attn_logit_softcapping is not None):
             impl = "xla"
         if impl == "xla" and self.attention_impl == "auto" and (keys > block

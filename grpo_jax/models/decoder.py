@@ -620,7 +620,9 @@ def _attend(cfg: ModelConfig, q, k, v, mask: Mask, mesh=None, key_order=None, si
     k, v = (attention_lib.gather_keys(a, key_order, mesh) for a in (k, v))
     cp = mesh_lib.context_size(mesh)
     split = cp > 1 and q.shape[1] % cp == 0
-    kernel = cfg.attention_kernel(k.shape[1], context_parallel=split)
+    rows = q.shape[0] // (mesh_lib.batch_divisor(mesh) if mesh is not None else 1) or 1
+    kernel = cfg.attention_kernel(k.shape[1], context_parallel=split, queries=q.shape[1],
+                                  rows=rows)
     if sinks is not None:
         kernel = "xla"  # neither cuDNN nor the blockwise kernels take sinks
     if kernel == "cudnn":
