@@ -44,7 +44,10 @@ SUPPORTED_MODEL_TYPES = (*(f for f in FAMILIES if f not in _NUM_EXPERTS_KEY), "g
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ATTENTION_IMPLS = ("auto", "xla", "flash", "splash", "cudnn")
-CUDNN_MASK_ELEMENTS = 2 ** 30  # "auto" leaves cuDNN for the blockwise attention beyond this
+# "auto" leaves cuDNN for the blockwise attention beyond this many mask elements a device (cuDNN
+# is given the mask as a bias: on an H200 2 rows of 32k took 3.6 GiB more than the blockwise
+# attention, and the step 4.5x less time; docs/benchmarks.md).
+CUDNN_MASK_ELEMENTS = 2 ** 32
 
 
 class ModelConfigError(GrpoJaxError, ValueError):
@@ -210,11 +213,9 @@ class ModelConfig:
         """The kernel of a pass without a KV cache (training, log-probs, prefill) of `queries`
         (default: `keys`) over `keys`, `rows` rows a device: attention_impl, or for "auto"
         splash on TPU; on a GPU cuDNN (bf16/fp16) while its dense [rows, T, S] mask stays
-        under CUDNN_MASK_ELEMENTS (2 GiB as the bf16 bias cuDNN is given: one row of 32k, two
-        of 16k); else the plain scores while the keys fit one block, and the blockwise
-        attention beyond. cuDNN has no soft-capping, nor a mask split over devices: with
-        either the blockwise attention stands in. On an H200 cuDNN's train step was 3x the
-        blockwise one's at 4k (docs/benchmarks.md)."""
+        under CUDNN_MASK_ELEMENTS (2 rows of 45k, one of 64k); else the plain scores while the
+        keys fit one block, and the blockwise attention beyond. cuDNN has no soft-capping, nor
+        a mask split over devices: with either the blockwise attention stands in."""
         impl, block = self.attention_impl, self.numerics.attention_block
         if impl == "auto":
             if jax.default_backend() == "tpu":
