@@ -359,6 +359,37 @@ def test_default_mesh_when_none_is_given():
     assert mesh_lib.flags(cfg) == ["--dp", "1", "--fsdp", "-1", "--tp", "1"]
 
 
+def test_costs_of_what_the_tpu_compiler_writes():
+    """Two forms a TPU program has that the counting must read: a sharded matmul written as a
+    convolution whose window lists its dimensions by spatial number, not in dim_labels' order
+    (the q projection of SmolLM2 over fsdp 4: [8192, 288] x [288, 576]); and a Pallas kernel's
+    backend config over several lines, one of which starts with "}}" (splash attention): the
+    instructions after it still count."""
+    from grpo_jax.aot import hlo
+
+    conv = """HloModule m
+
+ENTRY %main (a: bf16[8192,2,144,1], b: bf16[2,144,9,64]) -> bf16[8192,9,64,1] {
+  %a = bf16[8192,2,144,1]{0,2,1,3} parameter(0)
+  %b = bf16[2,144,9,64]{1,3,0,2} parameter(1)
+  ROOT %c = bf16[8192,9,64,1]{0,2,3,1} convolution(%a, %b), window={size=9x2 pad=8_8x0_0 \
+rhs_reversal=1x0}, dim_labels=b1f0_1i0o->b0f1
+}
+""".replace("\\\n", "")
+    assert hlo.cost(conv).flops == 2 * 8192 * 288 * 576
+    kernel = """HloModule m
+
+ENTRY %main (x: f32[64,256], w: f32[256,256]) -> f32[64,256] {
+  %x = f32[64,256]{1,0} parameter(0)
+  %w = f32[256,256]{1,0} parameter(1)
+  %k = f32[64,256]{1,0} custom-call(%x), custom_call_target="tpu_custom_call", backend_config={"a": {"b":
+}}, metadata={op_name="splash"}
+  ROOT %d = f32[64,256]{1,0} dot(%k, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""
+    assert hlo.cost(kernel).flops == 2 * 64 * 256 * 256
+
+
 def test_costs_count_every_loop_trip():
     """hlo.cost agrees with XLA's cost analysis where a program has no loop, and where it has
     one counts its body once per trip (XLA's counts it once)."""

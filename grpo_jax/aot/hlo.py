@@ -90,7 +90,7 @@ def parse_module(text: str) -> tuple[dict[str, list[_Instr]], str]:
                 comps[current] = []
                 entry = current if m.group(1) else entry
             continue
-        if line.startswith("}"):
+        if line.rstrip() == "}":  # not "}}, ..." within a multi-line backend_config (Pallas)
             current = None
             continue
         m = _INSTR.match(line)
@@ -243,7 +243,8 @@ def _conv_flops(ins: _Instr, types: dict[str, str]) -> float:
     lhs_dil = _window(ins.attrs, "lhs_dilate", n, 1)
     rhs_dil = _window(ins.attrs, "rhs_dilate", n, 1)
     valid = 1
-    for i, d in enumerate(spatial):
+    for d in spatial:  # the window lists its dimensions by spatial number, not label order
+        i = int(d)
         o = np.arange(out[ol.index(d)])[:, None]
         k = np.arange(size[i])[None, :]
         at = o * stride[i] - low[i] + k * rhs_dil[i]
