@@ -146,11 +146,7 @@ def candidates(cfg, model, devices, remat=None) -> list[Layout]:
 
 def _meshable(sizes: dict[str, int], devices) -> bool:
     from grpo_jax import mesh as mesh_lib
-    try:
-        mesh_lib.make_mesh(mesh_lib.config_for(sizes), devices)
-    except (NotImplementedError, ValueError, GrpoJaxError):
-        return False
-    return True
+    return mesh_lib.can_lay(mesh_lib.config_for(sizes), devices)
 
 
 def _batch_size(cfg, chips: int) -> int:
