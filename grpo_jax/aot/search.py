@@ -29,6 +29,9 @@ import time
 from grpo_jax.errors import GrpoJaxError
 
 MARGIN = 0.1  # of HBM left free by a layout that "fits"
+# A candidate whose estimated round is more than FAR times the best compiled fitting one's
+# estimate is not compiled (the estimate's time is rough, but not off by that much).
+FAR = 1.25
 REMAT = ((True, "full"), (True, "dots"), (False, "full"))
 
 
@@ -383,20 +386,25 @@ def auto(target, cfg, quick: bool = False, top: int | None = None) -> dict:
     gen = cfg.batch_plan(_batch_size(cfg, chips)).generation_batch_size
     fitting = [x for x in ranked if x[1]["fits"]]
     ruled_out = len(ranked) - len(fitting)
-    # The estimate's order, until `top` compiled layouts fit (at most top + 2 compiled); if
-    # none does, the layout the estimate thinks smallest.
+    # The estimate's order, until `top` compiled layouts fit (at most top + 2 compiled), and
+    # none the estimate puts FAR behind the best that fits; if none does, the layout the
+    # estimate thinks smallest.
     queue = (fitting or ranked)[:top + 2]
     safest = min(fitting or ranked, key=lambda x: x[1]["peak_GB"])
     print(f"--auto: {len(ranked)} layouts; the estimate rules out {ruled_out}; compiling the "
           f"best (until {top} fit)", file=sys.stderr, flush=True)
-    tried = []
+    tried, samplers, skipped = [], {}, 0
     while queue and sum(t["fits"] for t in tried) < top:
         lay, est = queue.pop(0)
-        tried.append(_try(target, cfg, lay, est, gen))
+        fit = [t["estimate"]["seconds"] for t in tried if t["fits"]]
+        if fit and est["seconds"] > FAR * min(fit):
+            skipped += 1 + len(queue)
+            break
+        tried.append(_try(target, cfg, lay, est, gen, samplers))
         if not queue and not any(t["fits"] for t in tried) and safest[0] not in [
                 t["layout"] for t in tried]:
             queue.append(safest)
-    order = sorted(tried, key=lambda t: (not t["fits"], t["round_s"]))
+    order = sorted(tried, key=lambda t: (not t["fits"], t["round_s"] or math.inf))
     best = order[0]
     if not best["fits"]:
         raise GrpoJaxError(
@@ -404,10 +412,12 @@ def auto(target, cfg, quick: bool = False, top: int | None = None) -> dict:
             f"{best['layout'].describe()}, peaks at {best['peak_GB']:.1f} GB of "
             f"{target.chip.hbm_bytes / 1e9:.0f}; use more chips, LoRA, or a shorter "
             "completion")
-    if quick:
-        result = analyze.summarize(target, best["cfg"], best["run"], best["ev"], start)
-    else:
-        result = analyze.analyze(target, best["cfg"])
+    ev = best["ev"]
+    if not quick:  # the sampler whole; the update and log-prob programs as the search had them
+        phases = analyze.run_phases(best["run"])
+        ev = analyze.evaluate(target, best["run"], phases=phases, compiled={
+            k: v for k, v in ev["compiled"].items() if k not in ("generate", "refill")})
+    result = analyze.summarize(target, best["cfg"], best["run"], ev, start)
     import jax
     result["jax"] = jax.__version__
     runner = next((t for t in order[1:] if t["fits"]), order[1] if len(order) > 1 else None)
@@ -425,33 +435,50 @@ def auto(target, cfg, quick: bool = False, top: int | None = None) -> dict:
     result["search"] = {
         "layouts": len(ranked), "ruled_out_by_estimate": ruled_out,
         "compiled": [{"layout": t["layout"].describe(), "peak_GB": t["peak_GB"],
-                      "fits": t["fits"], "round_s": t["round_s"]} for t in tried],
+                      "fits": t["fits"], "round_s": t["round_s"],
+                      "programs": t["programs"]} for t in tried],
+        "skipped_as_slower": skipped, "far": FAR,
         "winner": best["layout"].describe(), "flags": analyze.flags_of(best["cfg"]),
         "runner_up": runner_up,
         "quick": quick, "search_s": time.perf_counter() - start}
     return result
 
 
-def _try(target, cfg, lay: Layout, est: dict, gen: int) -> dict:
-    """A candidate compiled (analyze.evaluate with the sampler at 1 and 2 layers)."""
+def _try(target, cfg, lay: Layout, est: dict, gen: int, samplers: dict) -> dict:
+    """A candidate compiled: its update (and log-prob) programs first, and, only when they fit,
+    the sampler at 1 and 2 layers (analyze.evaluate's shortcut), which depends on the mesh
+    alone: `samplers` keeps it per mesh for the candidates after."""
     from grpo_jax.aot import analyze
 
     lcfg = lay.apply(cfg, gen)
     run = analyze.make_run(target, lcfg)
     t0 = time.perf_counter()
-    ev = analyze.evaluate(target, run, full_depth=False, phases=analyze.run_phases(run))
-    time_, _ = analyze.timing(run, target, ev)
+    phases = analyze.run_phases(run)
+    trained = tuple(p for p in phases if p != "generate")
+    ev = analyze.evaluate(target, run, full_depth=False, phases=trained)
     mem = ev["memory"]
-    room = mem["peak_GB"] <= (1 - MARGIN) * mem["hbm_GB"]
-    refused = any("refused_by_compiler" in p for p in mem["phases"].values())
-    round_s = sum(time_["round_s"]) / 2 if time_ else est["seconds"]
+    room = lambda m: m["peak_GB"] <= (1 - MARGIN) * m["hbm_GB"]  # noqa: E731
+    refused = lambda m: any("refused_by_compiler" in p for p in m["phases"].values())  # noqa
+    done, sampled = list(trained), "generate" not in phases
+    if not sampled and room(mem) and not refused(mem):
+        reused = lay.mesh in samplers
+        ev = analyze.evaluate(target, run, full_depth=False, phases=phases,
+                              compiled=ev["compiled"], small=samplers.get(lay.mesh))
+        samplers[lay.mesh], mem, sampled = ev["small"], ev["memory"], True
+        done.append("generate at 1 and 2 layers" + (" (the same mesh's)" if reused else ""))
+    fits = sampled and room(mem) and not refused(mem)
+    time_ = analyze.timing(run, target, ev)[0] if fits else None
+    # Without XLA's costs (a GPU target) the estimate's round ranks them.
+    round_s = sum(time_["round_s"]) / 2 if time_ else est["seconds"] if fits else None
+    said = (f"round {round_s:.3g} s{'' if time_ else ' (estimated)'}" if fits
+            else "over: the sampler not compiled" if not sampled else "over")
     print(f"  {lay.describe()}: peak {mem['peak_GB']:.3g} GB (estimated {est['peak_GB']:.3g}), "
-          f"round {round_s:.3g} s{'' if time_ else ' (estimated)'} "
-          f"[{time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
+          f"{said}; compiled {', '.join(done)} [{time.perf_counter() - t0:.0f} s]",
+          file=sys.stderr, flush=True)
     return {"layout": lay, "cfg": lcfg, "run": run, "ev": ev, "estimate": est,
-            "peak_GB": mem["peak_GB"], "fits": room and not refused, "round_s": round_s,
+            "peak_GB": mem["peak_GB"], "fits": fits, "round_s": round_s,
             "range_s": time_["round_s"] if time_ else None,
-            "mfu": time_["mfu"] if time_ else None}
+            "mfu": time_["mfu"] if time_ else None, "programs": done}
 
 
 def _why_lost(loser: dict, best: dict) -> str:
