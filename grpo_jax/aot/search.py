@@ -33,6 +33,11 @@ MARGIN = 0.1  # of HBM left free by a layout that "fits"
 # estimate is not compiled (the estimate's time is rough, but not off by that much).
 FAR = 1.25
 REMAT = ((True, "full"), (True, "dots"), (False, "full"))
+# The update's working memory per row (saved activations, attention, MLP, log-prob head) from
+# shapes, times UPDATE_ROWS, plus UPDATE_SLACK of HBM: fitted to the compiled updates of a
+# Qwen2.5-14B shape on v6e:4x4 at 1 and 2 rows per chip (docs/scaling.md, "The estimate").
+UPDATE_ROWS = 1.28
+UPDATE_SLACK = 0.03
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,8 +242,9 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
         "generate": kv + elems * c_bytes + gathered + prompts_chip * h * P * P * 4
         + rows_chip * V * 4 * 3 + slack,
         "logprobs": r * T * D * 2 * 2 + scores + r * T * ff * 2 * 2 + gathered + slack + logits,
-        "update": 3 * trained + gathered + saved * L + 2 * scores + r * T * ff * 2 * 3 + slack
-        + logits,
+        # Calibrated (UPDATE_ROWS, UPDATE_SLACK) against compiled updates: docs/scaling.md.
+        "update": 3 * trained + gathered + UPDATE_SLACK * chip.hbm_bytes
+        + UPDATE_ROWS * (saved * L + 2 * scores + r * T * ff * 2 * 3 + logits),
     }
     peak = max(resident + t for t in temps.values())
     # Time per chip.
