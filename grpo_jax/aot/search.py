@@ -10,13 +10,16 @@ so the same training). Candidates go through two filters:
    for the resident state and the KV cache; activations, attention scores and gathered weights
    from their shapes), and a rough time. A candidate whose estimate is over HBM is ruled out;
    the rest are ranked by estimated time.
-2. The `top` best are compiled (`analyze.evaluate` with full_depth=False: the sampler with 1 and
-   2 layers, the scanned update and log-prob programs whole) and ranked by their forecast
-   round (the midpoint of its range) among those that fit with `MARGIN` of HBM to spare.
+2. The best are compiled, in the estimate's order, until `top` fit with `MARGIN` of HBM to
+   spare (`_try`: the scanned update and log-prob programs whole, then, only if they fit, the
+   sampler with 1 and 2 layers, once per mesh; a candidate whose estimate is FAR behind the
+   best fitting one is not compiled), and ranked by their forecast round (the midpoint of its
+   range).
 
-The winner is compiled whole for the report (skipped with --quick, whose figures for the
-sampler are then the 1- and 2-layer extrapolation). A config with no mesh gets the estimate's
-best layout without compiling the others (`default_layout`).
+Without --quick the winner's sampler is then compiled whole for the report (its update and
+log-prob programs are the search's); with --quick its sampler figures are the 1- and 2-layer
+extrapolation. A config with no mesh gets the estimate's best layout without compiling the
+others (`default_layout`).
 """
 
 from __future__ import annotations
