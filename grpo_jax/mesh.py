@@ -21,7 +21,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from grpo_jax.errors import check
+from grpo_jax.errors import ConfigError, check
 
 AXES = ("data", "fsdp", "tensor")
 EXPERT = "expert"  # only in meshes with ep > 1, between fsdp and tensor
@@ -169,9 +169,34 @@ def make_mesh(cfg: MeshConfig = MeshConfig(), devices=None) -> Mesh:
     """jax.make_mesh orders the devices by the physical topology (ICI neighbours on TPU).
     Devices of several TPU slices: the `data` axis spans the slices (DCN), so only the gradient
     all-reduce crosses them; fsdp and tensor stay within a slice. Auto axis types: jax's
-    default, Explicit, rejects sharded contractions in the model."""
+    default, Explicit, rejects sharded contractions in the model. A mesh that cannot be laid
+    over a TPU torus (an axis that is no product of its dimensions) is a ConfigError naming
+    the torus and the nearest meshes that can."""
     devices = list(jax.devices() if devices is None else devices)
     shape, axes = cfg.shape(len(devices)), cfg.axes
+    try:
+        return _lay(shape, axes, devices)
+    except NotImplementedError:  # jax: "Failed to find assignment for logical_axis_index ..."
+        pass
+    near = [" ".join(flags(c)) for c in _nearest(shape, axes, devices)]
+    raise ConfigError(
+        f"mesh {dict(zip(axes, shape))} can't be laid over {_torus(devices)}: every mesh axis "
+        "must span whole torus dimensions (its size a product of some of them)"
+        + (f"; the nearest that can: {', or '.join(near)}" if near else ""))
+
+
+def can_lay(cfg: MeshConfig, devices) -> bool:
+    """Whether make_mesh lays `cfg` over `devices` (without the error's search for the nearest
+    meshes that can: the layout search asks this of every candidate)."""
+    devices = list(devices)
+    try:
+        _lay(cfg.shape(len(devices)), cfg.axes, devices)
+    except (NotImplementedError, ValueError):  # ConfigError is a ValueError too
+        return False
+    return True
+
+
+def _lay(shape: tuple[int, ...], axes: tuple[str, ...], devices: list) -> Mesh:
     auto = (jax.sharding.AxisType.Auto,) * len(axes)
     slices = len({getattr(d, "slice_index", 0) for d in devices})
     if slices == 1:
@@ -182,6 +207,46 @@ def make_mesh(cfg: MeshConfig = MeshConfig(), devices=None) -> Mesh:
     grid = mesh_utils.create_hybrid_device_mesh((shape[0] // slices, *shape[1:]),
                                                 (slices, *[1] * (len(shape) - 1)), devices)
     return Mesh(grid, axes, axis_types=auto)
+
+
+def _torus(devices: list) -> str:
+    """`16 TPU v6 lite chips (a 4x4 torus)`; a torus per slice where there are several."""
+    first = getattr(devices[0], "slice_index", 0)
+    one = [d for d in devices if getattr(d, "slice_index", 0) == first]
+    coords = [getattr(d, "coords", None) for d in one]
+    dims = ([max(c[i] for c in coords) + 1 for i in range(len(coords[0]))] if all(coords)
+            else [len(one)])
+    while len(dims) > 2 and dims[-1] == 1:  # a 2-D torus's coords are (x, y, 0)
+        dims.pop()
+    shape, slices = "x".join(map(str, dims)), len(devices) // len(one)
+    where = f"a {shape} torus" if slices == 1 else f"{slices} slices, each a {shape} torus"
+    return f"{len(devices)} {devices[0].device_kind} chips ({where})"
+
+
+def _nearest(shape: tuple[int, ...], axes: tuple[str, ...], devices: list,
+             most: int = 2) -> list[MeshConfig]:
+    """The meshes over the same axes that can be laid over `devices`, nearest to `shape`
+    (the fewest doublings and halvings of its sizes, spread over the axes), at most `most`."""
+    def factorizations(n: int, k: int):
+        if k == 1:
+            yield (n,)
+            return
+        for d in (d for d in range(1, n + 1) if n % d == 0):
+            for rest in factorizations(n // d, k - 1):
+                yield (d, *rest)
+
+    scored = []
+    for sizes in factorizations(len(devices), len(axes)):
+        steps = [abs(math.log2(s / w)) for s, w in zip(sizes, shape)]
+        scored.append((sum(steps), max(steps), sizes))
+    out = []
+    for *_, sizes in sorted(scored):
+        cfg = config_for(dict(zip(axes, sizes)))
+        if cfg.axes == axes and can_lay(cfg, devices):
+            out.append(cfg)
+            if len(out) == most:
+                break
+    return out
 
 
 def _size(mesh: Mesh, axes) -> int:

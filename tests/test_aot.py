@@ -229,6 +229,20 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2 and "unknown model preset 'gpt-9'" in proc.stderr
 
 
+@pytest.mark.skipif(not AOT_PYTHON, reason="GRPO_JAX_AOT_PYTHON is unset")
+def test_a_mesh_the_torus_cannot_hold_is_one_line(tmp_path):
+    """--fsdp 2 --tp 8 on a 4x4 slice: jax.make_mesh finds no mapping (an axis of 2 or 8 spans
+    no whole torus dimensions). mesh.make_mesh, which train.py shares, says so in one line with
+    the nearest meshes that map, before anything compiles."""
+    proc = run_aot(tmp_path, "--topology", "v6e:4x4", "--model_name_or_path", "qwen2.5-7b",
+                   "--max_prompt_length", "64", "--dp", "1", "--fsdp", "2", "--tp", "8")
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert last.startswith("error: mesh {'data': 1, 'fsdp': 2, 'tensor': 8} can't be laid over "
+                           "16 TPU v6 lite chips (a 4x4 torus)")
+    assert "--dp 1 --fsdp 4 --tp 4" in last
+
+
 def test_collectives_counted_exactly():
     """A known all-gather (over fsdp), reduce-scatter (over data) and, in a 5-trip scan, another
     all-gather, on the suite's 8 CPU devices: kinds, bytes, mesh axes and trip counts as

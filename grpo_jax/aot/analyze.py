@@ -92,8 +92,8 @@ def make_run(target, cfg, **device_kw):
     return programs.Run(cfg, model, mesh, cfg.batch_plan(mesh_lib.batch_divisor(mesh)))
 
 
-def evaluate(target, run, *, full_depth: bool = True, phases=("generate", "logprobs", "update")
-             ) -> dict:
+def evaluate(target, run, *, full_depth: bool = True, phases=("generate", "logprobs", "update"),
+             compiled: dict | None = None, small: dict | None = None) -> dict:
     """Compile `run`'s programs and measure them: memory per chip, collectives, FLOPs and HBM
     bytes (`hlo.cost`: every loop trip counted, the decode loop as running to
     max_completion_length). `full_depth=False` (the layout search's shortcut) compiles the
@@ -103,19 +103,27 @@ def evaluate(target, run, *, full_depth: bool = True, phases=("generate", "logpr
     `phases`: the programs to compile (the others are left out of the report). With decode
     slots (max_num_seqs) the generate phase's memory is the `refill` program's, which a run
     runs; its communication and costs stay the static `generate` program's (every row to
-    max_completion_length)."""
+    max_completion_length). `compiled` (phase -> program) and `small` (the sampler at 1 and 2
+    layers, {1: {...}, 2: {...}}): programs of this run compiled before, taken as they are (the
+    search compiles a candidate's update first, and reuses its programs for the winner's
+    report); both come back in the result."""
     from grpo_jax.aot import programs
 
     model = run.model
+    compiled = dict(compiled or {})
     sampled = "generate" in phases and not full_depth
-    whole = tuple(p for p in phases if p != "generate" or full_depth)
+    whole = tuple(p for p in phases if (p != "generate" or full_depth) and p not in compiled)
     with backend_of(target):
         progs = programs.build(run, whole)
-        compiled = {k: _compile(k, v) for k, v in progs.lowered.items()}
-        small = {} if not sampled else {
+        compiled.update({k: _compile(k, v) for k, v in progs.lowered.items()})
+        compiled = {k: v for k, v in compiled.items()
+                    if (k if k != "refill" else "generate") in phases}
+        small = {} if not sampled else small or {
             n: {k: _compile(f"{k} ({n} layer{'s' * (n > 1)})", v) for k, v in programs.build(
                 run.with_layers(n), ("generate",)).lowered.items()}
             for n in (1, 2)}
+        if sampled:  # a full-depth program handed in does not stand for the extrapolation
+            compiled = {k: v for k, v in compiled.items() if k not in ("generate", "refill")}
     depth = lambda one, two: one + (two - one) * (model.num_layers - 1)  # noqa: E731
     memory = _memory(run, progs, compiled)
     timed = {k: c for k, c in compiled.items() if k != "refill"}
@@ -141,7 +149,8 @@ def evaluate(target, run, *, full_depth: bool = True, phases=("generate", "logpr
     memory["phases"] = {k: memory["phases"][k] for k in programs.PHASES if k in phases}
     _verdict(memory, target.chip)
     return {"memory": memory, "comm": comm, "cost": cost, "progs": progs,
-            "unknown_trips": run.cfg.generation.max_completion_length - 1}
+            "unknown_trips": run.cfg.generation.max_completion_length - 1,
+            "compiled": compiled, "small": small}
 
 
 def _cost(compiled, run, phase: str):

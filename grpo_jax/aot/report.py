@@ -159,10 +159,14 @@ def render(r: dict) -> str:
 def render_search(s: dict) -> list[str]:
     lines = ["", f"layout search (--auto{' --quick' if s['quick'] else ''}): {s['layouts']} "
              f"layouts, {s['ruled_out_by_estimate']} ruled out by the estimate, "
-             f"{len(s['compiled'])} compiled in {s['search_s']:.0f} s:"]
+             f"{len(s['compiled'])} compiled in {s['search_s']:.0f} s"
+             + (f", {s['skipped_as_slower']} more not compiled (their estimated round over "
+                f"{s['far']:.2f}x the best fitting one's)" if s.get("skipped_as_slower") else "")
+             + ":"]
     for c in s["compiled"]:
+        round_ = f"{c['round_s']:8.2f} s" if c["round_s"] else "       -  "
         lines.append(f"  {'fits   ' if c['fits'] else 'no room'} peak {c['peak_GB']:6.2f} GB  "
-                     f"round {c['round_s']:8.2f} s  {c['layout']}")
+                     f"round {round_}  {c['layout']} ({'; '.join(c['programs'])})")
     lines.append(f"  winner: {s['winner']}")
     if s["runner_up"]:
         lines.append(f"  runner-up: {s['runner_up']['layout']}: {s['runner_up']['why']} "

@@ -10,13 +10,16 @@ so the same training). Candidates go through two filters:
    for the resident state and the KV cache; activations, attention scores and gathered weights
    from their shapes), and a rough time. A candidate whose estimate is over HBM is ruled out;
    the rest are ranked by estimated time.
-2. The `top` best are compiled (`analyze.evaluate` with full_depth=False: the sampler with 1 and
-   2 layers, the scanned update and log-prob programs whole) and ranked by their forecast
-   round (the midpoint of its range) among those that fit with `MARGIN` of HBM to spare.
+2. The best are compiled, in the estimate's order, until `top` fit with `MARGIN` of HBM to
+   spare (`_try`: the scanned update and log-prob programs whole, then, only if they fit, the
+   sampler with 1 and 2 layers, once per mesh; a candidate whose estimate is FAR behind the
+   best fitting one is not compiled), and ranked by their forecast round (the midpoint of its
+   range).
 
-The winner is compiled whole for the report (skipped with --quick, whose figures for the
-sampler are then the 1- and 2-layer extrapolation). A config with no mesh gets the estimate's
-best layout without compiling the others (`default_layout`).
+Without --quick the winner's sampler is then compiled whole for the report (its update and
+log-prob programs are the search's); with --quick its sampler figures are the 1- and 2-layer
+extrapolation. A config with no mesh gets the estimate's best layout without compiling the
+others (`default_layout`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,15 @@ import time
 from grpo_jax.errors import GrpoJaxError
 
 MARGIN = 0.1  # of HBM left free by a layout that "fits"
+# A candidate whose estimated round is more than FAR times the best compiled fitting one's
+# estimate is not compiled (the estimate's time is rough, but not off by that much).
+FAR = 1.25
 REMAT = ((True, "full"), (True, "dots"), (False, "full"))
+# The update's working memory per row (saved activations, attention, MLP, log-prob head) from
+# shapes, times UPDATE_ROWS, plus UPDATE_SLACK of HBM: fitted to the compiled updates of a
+# Qwen2.5-14B shape on v6e:4x4 at 1 and 2 rows per chip (docs/scaling.md, "The estimate").
+UPDATE_ROWS = 1.28
+UPDATE_SLACK = 0.03
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,11 +157,7 @@ def candidates(cfg, model, devices, remat=None) -> list[Layout]:
 
 def _meshable(sizes: dict[str, int], devices) -> bool:
     from grpo_jax import mesh as mesh_lib
-    try:
-        mesh_lib.make_mesh(mesh_lib.config_for(sizes), devices)
-    except (NotImplementedError, ValueError, GrpoJaxError):
-        return False
-    return True
+    return mesh_lib.can_lay(mesh_lib.config_for(sizes), devices)
 
 
 def _batch_size(cfg, chips: int) -> int:
@@ -238,8 +245,9 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
         "generate": kv + elems * c_bytes + gathered + prompts_chip * h * P * P * 4
         + rows_chip * V * 4 * 3 + slack,
         "logprobs": r * T * D * 2 * 2 + scores + r * T * ff * 2 * 2 + gathered + slack + logits,
-        "update": 3 * trained + gathered + saved * L + 2 * scores + r * T * ff * 2 * 3 + slack
-        + logits,
+        # Calibrated (UPDATE_ROWS, UPDATE_SLACK) against compiled updates: docs/scaling.md.
+        "update": 3 * trained + gathered + UPDATE_SLACK * chip.hbm_bytes
+        + UPDATE_ROWS * (saved * L + 2 * scores + r * T * ff * 2 * 3 + logits),
     }
     peak = max(resident + t for t in temps.values())
     # Time per chip.
@@ -387,20 +395,25 @@ def auto(target, cfg, quick: bool = False, top: int | None = None) -> dict:
     gen = cfg.batch_plan(_batch_size(cfg, chips)).generation_batch_size
     fitting = [x for x in ranked if x[1]["fits"]]
     ruled_out = len(ranked) - len(fitting)
-    # The estimate's order, until `top` compiled layouts fit (at most top + 2 compiled); if
-    # none does, the layout the estimate thinks smallest.
+    # The estimate's order, until `top` compiled layouts fit (at most top + 2 compiled), and
+    # none the estimate puts FAR behind the best that fits; if none does, the layout the
+    # estimate thinks smallest.
     queue = (fitting or ranked)[:top + 2]
     safest = min(fitting or ranked, key=lambda x: x[1]["peak_GB"])
     print(f"--auto: {len(ranked)} layouts; the estimate rules out {ruled_out}; compiling the "
           f"best (until {top} fit)", file=sys.stderr, flush=True)
-    tried = []
+    tried, samplers, skipped = [], {}, 0
     while queue and sum(t["fits"] for t in tried) < top:
         lay, est = queue.pop(0)
-        tried.append(_try(target, cfg, lay, est, gen))
+        fit = [t["estimate"]["seconds"] for t in tried if t["fits"]]
+        if fit and est["seconds"] > FAR * min(fit):
+            skipped += 1 + len(queue)
+            break
+        tried.append(_try(target, cfg, lay, est, gen, samplers))
         if not queue and not any(t["fits"] for t in tried) and safest[0] not in [
                 t["layout"] for t in tried]:
             queue.append(safest)
-    order = sorted(tried, key=lambda t: (not t["fits"], t["round_s"]))
+    order = sorted(tried, key=lambda t: (not t["fits"], t["round_s"] or math.inf))
     best = order[0]
     if not best["fits"]:
         raise GrpoJaxError(
@@ -408,10 +421,12 @@ def auto(target, cfg, quick: bool = False, top: int | None = None) -> dict:
             f"{best['layout'].describe()}, peaks at {best['peak_GB']:.1f} GB of "
             f"{target.chip.hbm_bytes / 1e9:.0f}; use more chips, LoRA, or a shorter "
             "completion")
-    if quick:
-        result = analyze.summarize(target, best["cfg"], best["run"], best["ev"], start)
-    else:
-        result = analyze.analyze(target, best["cfg"])
+    ev = best["ev"]
+    if not quick:  # the sampler whole; the update and log-prob programs as the search had them
+        phases = analyze.run_phases(best["run"])
+        ev = analyze.evaluate(target, best["run"], phases=phases, compiled={
+            k: v for k, v in ev["compiled"].items() if k not in ("generate", "refill")})
+    result = analyze.summarize(target, best["cfg"], best["run"], ev, start)
     import jax
     result["jax"] = jax.__version__
     runner = next((t for t in order[1:] if t["fits"]), order[1] if len(order) > 1 else None)
@@ -429,33 +444,50 @@ def auto(target, cfg, quick: bool = False, top: int | None = None) -> dict:
     result["search"] = {
         "layouts": len(ranked), "ruled_out_by_estimate": ruled_out,
         "compiled": [{"layout": t["layout"].describe(), "peak_GB": t["peak_GB"],
-                      "fits": t["fits"], "round_s": t["round_s"]} for t in tried],
+                      "fits": t["fits"], "round_s": t["round_s"],
+                      "programs": t["programs"]} for t in tried],
+        "skipped_as_slower": skipped, "far": FAR,
         "winner": best["layout"].describe(), "flags": analyze.flags_of(best["cfg"]),
         "runner_up": runner_up,
         "quick": quick, "search_s": time.perf_counter() - start}
     return result
 
 
-def _try(target, cfg, lay: Layout, est: dict, gen: int) -> dict:
-    """A candidate compiled (analyze.evaluate with the sampler at 1 and 2 layers)."""
+def _try(target, cfg, lay: Layout, est: dict, gen: int, samplers: dict) -> dict:
+    """A candidate compiled: its update (and log-prob) programs first, and, only when they fit,
+    the sampler at 1 and 2 layers (analyze.evaluate's shortcut), which depends on the mesh
+    alone: `samplers` keeps it per mesh for the candidates after."""
     from grpo_jax.aot import analyze
 
     lcfg = lay.apply(cfg, gen)
     run = analyze.make_run(target, lcfg)
     t0 = time.perf_counter()
-    ev = analyze.evaluate(target, run, full_depth=False, phases=analyze.run_phases(run))
-    time_, _ = analyze.timing(run, target, ev)
+    phases = analyze.run_phases(run)
+    trained = tuple(p for p in phases if p != "generate")
+    ev = analyze.evaluate(target, run, full_depth=False, phases=trained)
     mem = ev["memory"]
-    room = mem["peak_GB"] <= (1 - MARGIN) * mem["hbm_GB"]
-    refused = any("refused_by_compiler" in p for p in mem["phases"].values())
-    round_s = sum(time_["round_s"]) / 2 if time_ else est["seconds"]
+    room = lambda m: m["peak_GB"] <= (1 - MARGIN) * m["hbm_GB"]  # noqa: E731
+    refused = lambda m: any("refused_by_compiler" in p for p in m["phases"].values())  # noqa
+    done, sampled = list(trained), "generate" not in phases
+    if not sampled and room(mem) and not refused(mem):
+        reused = lay.mesh in samplers
+        ev = analyze.evaluate(target, run, full_depth=False, phases=phases,
+                              compiled=ev["compiled"], small=samplers.get(lay.mesh))
+        samplers[lay.mesh], mem, sampled = ev["small"], ev["memory"], True
+        done.append("generate at 1 and 2 layers" + (" (the same mesh's)" if reused else ""))
+    fits = sampled and room(mem) and not refused(mem)
+    time_ = analyze.timing(run, target, ev)[0] if fits else None
+    # Without XLA's costs (a GPU target) the estimate's round ranks them.
+    round_s = sum(time_["round_s"]) / 2 if time_ else est["seconds"] if fits else None
+    said = (f"round {round_s:.3g} s{'' if time_ else ' (estimated)'}" if fits
+            else "over: the sampler not compiled" if not sampled else "over")
     print(f"  {lay.describe()}: peak {mem['peak_GB']:.3g} GB (estimated {est['peak_GB']:.3g}), "
-          f"round {round_s:.3g} s{'' if time_ else ' (estimated)'} "
-          f"[{time.perf_counter() - t0:.0f} s]", file=sys.stderr, flush=True)
+          f"{said}; compiled {', '.join(done)} [{time.perf_counter() - t0:.0f} s]",
+          file=sys.stderr, flush=True)
     return {"layout": lay, "cfg": lcfg, "run": run, "ev": ev, "estimate": est,
-            "peak_GB": mem["peak_GB"], "fits": room and not refused, "round_s": round_s,
+            "peak_GB": mem["peak_GB"], "fits": fits, "round_s": round_s,
             "range_s": time_["round_s"] if time_ else None,
-            "mfu": time_["mfu"] if time_ else None}
+            "mfu": time_["mfu"] if time_ else None, "programs": done}
 
 
 def _why_lost(loser: dict, best: dict) -> str:
