@@ -18,6 +18,7 @@ from grpo_jax.grpo.train_step import StepConfig, completion_logps, loss_and_grad
 from grpo_jax.models import Decoder, ModelConfig, decoder, positions_from_mask
 from grpo_jax.models.attention import Mask, flash, zigzag_order
 from grpo_jax.rollout import Sampler, SamplingParams
+from test_shared_prefix import G, grouped_batch  # G completions per prompt
 
 eight_devices = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices "
                                    "(tests/conftest.py sets XLA_FLAGS for 8 host CPU devices)")
@@ -76,24 +77,6 @@ def test_splash_blocks_tile_long_rows():
     assert not splash_fits(31744 + 64, 32768, 512, shards=4) and not splash_fits(64, 64, 512)
 
 
-G = 4  # completions per prompt
-
-
-def grouped_batch(vocab: int, groups: int, prompt: int, completion: int, seed: int = 0):
-    """`groups` left-padded prompts (one fills the width), G completions each of different
-    lengths (one fills the width), rows of a group consecutive."""
-    rng = np.random.default_rng(seed)
-    n = groups * G
-    p_len = rng.integers(2, prompt + 1, groups)
-    p_len[0] = prompt
-    p_mask = (np.arange(prompt)[None] >= (prompt - p_len)[:, None]).astype(np.int32)
-    p_ids = rng.integers(1, vocab, (groups, prompt)).astype(np.int32) * p_mask
-    c_len = rng.integers(1, completion + 1, n)
-    c_len[0] = completion
-    c_mask = (np.arange(completion)[None] < c_len[:, None]).astype(np.int32)
-    return Batch(np.repeat(p_ids, G, 0), np.repeat(p_mask, G, 0),
-                 rng.integers(1, vocab, (n, completion)).astype(np.int32) * c_mask, c_mask,
-                 c_len == completion, rng.standard_normal(n).astype(np.float32))
 
 
 def _programs(base, mesh, batch: Batch, group: int, k: int):

@@ -18,21 +18,22 @@ from grpo_jax.trainer import Trainer
 G, GROUPS, P_LEN, C_LEN = 4, 3, 12, 10
 
 
-def grouped_batch(vocab: int, seed: int = 0, groups: int = GROUPS) -> Batch:
+def grouped_batch(vocab: int, seed: int = 0, groups: int = GROUPS, prompt: int = P_LEN,
+                  completion: int = C_LEN) -> Batch:
     """`groups` left-padded prompts of different lengths, each with G completions of
     different lengths (some truncated), rows of a group consecutive."""
     rng = np.random.default_rng(seed)
     n = groups * G
-    p_len = rng.integers(2, P_LEN + 1, groups)
-    p_len[0] = P_LEN  # one prompt fills the width, the others are left-padded
-    p_mask = (np.arange(P_LEN)[None] >= (P_LEN - p_len)[:, None]).astype(np.int32)
-    p_ids = rng.integers(1, vocab, (groups, P_LEN)).astype(np.int32) * p_mask
-    c_len = rng.integers(1, C_LEN + 1, n)
-    c_len[0] = C_LEN
-    c_mask = (np.arange(C_LEN)[None] < c_len[:, None]).astype(np.int32)
+    p_len = rng.integers(2, prompt + 1, groups)
+    p_len[0] = prompt  # one prompt fills the width, the others are left-padded
+    p_mask = (np.arange(prompt)[None] >= (prompt - p_len)[:, None]).astype(np.int32)
+    p_ids = rng.integers(1, vocab, (groups, prompt)).astype(np.int32) * p_mask
+    c_len = rng.integers(1, completion + 1, n)
+    c_len[0] = completion
+    c_mask = (np.arange(completion)[None] < c_len[:, None]).astype(np.int32)
     return Batch(np.repeat(p_ids, G, 0), np.repeat(p_mask, G, 0),
-                 rng.integers(1, vocab, (n, C_LEN)).astype(np.int32) * c_mask, c_mask,
-                 c_len == C_LEN, rng.standard_normal(n).astype(np.float32))
+                 rng.integers(1, vocab, (n, completion)).astype(np.int32) * c_mask, c_mask,
+                 c_len == completion, rng.standard_normal(n).astype(np.float32))
 
 
 def loss_config():
