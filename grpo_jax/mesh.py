@@ -146,6 +146,13 @@ def default_config(replicated_bytes: float, device_bytes: float | None,
 CONTEXT_TOKENS = 8192
 
 
+def context_splits(completion_length: int, cp: int) -> bool:
+    """Whether a context axis of `cp` devices can hold rows with this completion length: a
+    power of 2 whose zig-zag order (attention.zigzag_order) cuts the completion into 2 x cp
+    equal chunks."""
+    return cp >= 1 and cp & (cp - 1) == 0 and completion_length % (2 * cp) == 0
+
+
 def long_row_config(prompt_length: int, completion_length: int, chips: int,
                     slices: int = 1) -> tuple[MeshConfig, str] | None:
     """The mesh of a run with rows longer than CONTEXT_TOKENS that gives none: data parallel
@@ -156,7 +163,7 @@ def long_row_config(prompt_length: int, completion_length: int, chips: int,
     tokens = prompt_length + completion_length
     per_slice, cp = chips // slices, 1
     while (tokens > cp * CONTEXT_TOKENS and per_slice % (2 * cp) == 0
-           and completion_length % (4 * cp) == 0):
+           and context_splits(completion_length, 2 * cp)):
         cp *= 2
     if cp == 1:
         return None

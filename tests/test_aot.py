@@ -151,6 +151,7 @@ def test_targets():
     assert hardware.parse_target("v5e-256").topology == "v5e:16x16"
     assert hardware.parse_target("v5e-1").topology == "v5e:1x1"  # one chip, as QLoRA runs
     assert hardware.parse_target("h100:8").topology == "1x1x8"
+    assert hardware.parse_target("h200:1").chip.hbm_bandwidth == 4.8e12
     for bad in ("v5e:16", "tpu-v9", "h100-8", "v5p-12"):
         with pytest.raises(GrpoJaxError, match="v5"):
             hardware.parse_target(bad)
@@ -355,6 +356,40 @@ def test_auto_finds_a_layout_that_fits_where_the_default_does_not(tmp_path):
     assert r["mesh"]["data"] < 8 and r["search"]["flags"] == r["flags"]
     assert r["plan"]["rows_per_update"] == 32  # the round of the config: 2 x 8 chips x 2
     assert "run with" in report.render(r)
+
+
+def test_auto_searches_a_context_axis_for_long_rows(tmp_path):
+    """Rows over mesh.CONTEXT_TOKENS: --auto's layouts split a row's positions over a context
+    axis (powers of 2 whose zig-zag cuts the completion evenly), and the estimate sees what
+    that buys: a device's share of a row's activations and scores, and of the KV cache."""
+    import dataclasses
+
+    import jax
+
+    from grpo_jax import cli
+    from grpo_jax.aot import search
+
+    model = TINY.replace(max_position_embeddings=32768)
+    (tmp_path / "config.json").write_text(json.dumps(model.to_hf()))
+    devices = jax.devices()[:8]
+    target = hardware.Target("cpu:8", hardware.CHIPS["v5e"], "cpu", "8")
+
+    def layouts(completion):
+        cfg = cli.parse_cli(["--model_name_or_path", str(tmp_path), "--max_prompt_length", "1024",
+                             "--max_completion_length", str(completion), "--num_generations",
+                             "8", "--per_device_train_batch_size", "1"])
+        return cfg, search.candidates(cfg, model, devices, remat=((True, "full"),))
+    _, short = layouts(1024)
+    assert {lay.sizes.get("context", 1) for lay in short} == {1}
+    cfg, long = layouts(15360)
+    assert {lay.sizes.get("context", 1) for lay in long} == {1, 2, 4, 8}
+    assert {lay.sizes.get("context", 1) for lay in layouts(15362)[1]} == {1}  # 15362 = 2 x odd
+    pick = {(lay.sizes["fsdp"], lay.sizes.get("context", 1)): lay for lay in long
+            if lay.per_device == 1 and lay.sizes["data"] == 1 and lay.sizes["tensor"] == 1}
+    fsdp, context = (search.estimate(pick[k], cfg, model, target, 8) for k in ((8, 1), (2, 4)))
+    for phase in ("logprobs", "update"):
+        assert context["temporaries_GB"][phase] < fsdp["temporaries_GB"][phase]
+    assert context["phases"]["update"]["comm_s"] > 0
 
 
 def test_default_mesh_when_none_is_given():

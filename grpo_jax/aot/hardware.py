@@ -13,6 +13,8 @@ Interconnect, per chip, as published:
   DCN 4 x 200 Gbps NICs per 8-chip host, 100 Gbps a chip (the same page's host table).
 - H100 SXM: NVLink 4 at 900 GB/s bidirectional to the NVSwitch (any GPU of the host at full
   rate); one 400 Gb/s NIC per GPU between hosts (NVIDIA H100 and DGX H100 datasheets).
+- H200 SXM: the H100's compute and NVLink with 141 GB of HBM3e at 4.8 TB/s (NVIDIA H200
+  datasheet); compiled as an H100 with that memory.
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ CHIPS = {
     "v5p": Chip("TPU v5p", 95e9, 459e12, 2765e9, 1200e9, 6, 50e9 / 8),
     "v6e": Chip("TPU v6e", 32e9, 918e12, 1640e9, 800e9, 4, 100e9 / 8),
     "h100": Chip("H100 SXM", 80e9, 989e12, 3350e9, 900e9, None, 400e9 / 8),
+    "h200": Chip("H200 SXM", 141e9, 989e12, 4800e9, 900e9, None, 400e9 / 8),
 }
+GPUS = ("h100", "h200")
 
 # Chips per slice -> the slice's shape, for names that count chips (v5e-16) or, for v5p,
 # TensorCores (v5p-128 = 64 chips; two TensorCores per chip).
@@ -65,6 +69,12 @@ platform_name: "CUDA"
 dnn_version_info { major: 9 minor: 10 }
 device_description_str: "NVIDIA H100 80GB HBM3"
 """
+# The same chip as XLA sees it, with the H200's memory (same SMs, clocks and compute capability).
+H200_TARGET = (H100_TARGET
+               .replace("memory_bandwidth: 3350000000000", "memory_bandwidth: 4800000000000")
+               .replace("device_memory_size: 85520809984", "device_memory_size: 150754820096")
+               .replace("NVIDIA H100 80GB HBM3", "NVIDIA H200"))
+_GPU_TARGETS = {CHIPS["h100"]: H100_TARGET, CHIPS["h200"]: H200_TARGET}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,17 +88,17 @@ class Target:
 
 def parse_target(name: str, num_slices: int = 1) -> Target:
     """`v5e:4x4`, `v5p:4x4x4`, `v6e:8x8` (libtpu topology names), `v5e-16`, `v5p-128` (Cloud
-    TPU names), or `h100:8` (GPUs in one host)."""
+    TPU names), or `h100:8` / `h200:8` (GPUs in one host)."""
     text = name.strip().lower()
-    m = re.fullmatch(r"(v5e|v5p|v6e|h100)([:-])(\d+(?:x\d+)*)", text)
-    if not m or (m.group(1) == "h100" and (m.group(2) != ":" or "x" in m.group(3))):
+    m = re.fullmatch(r"(v5e|v5p|v6e|h100|h200)([:-])(\d+(?:x\d+)*)", text)
+    if not m or (m.group(1) in GPUS and (m.group(2) != ":" or "x" in m.group(3))):
         raise GrpoJaxError(
             f"unknown topology {name!r}: use a TPU slice such as v5e:4x4, v5p:4x4x4, v6e:8x8, "
-            "a Cloud TPU name such as v5e-16 or v5p-128, or h100:N (N GPUs in one host)")
+            "a Cloud TPU name such as v5e-16 or v5p-128, or h100:N / h200:N (N GPUs in one host)")
     kind, sep, dims = m.groups()
-    if num_slices < 1 or (kind == "h100" and num_slices != 1):
+    if num_slices < 1 or (kind in GPUS and num_slices != 1):
         raise GrpoJaxError(f"--num-slices {num_slices}: must be >= 1, and 1 for GPUs")
-    if kind == "h100":
+    if kind in GPUS:
         return Target(name, CHIPS[kind], "cuda", f"1x1x{int(dims)}")
     if sep == "-":  # a Cloud TPU name: a count, not a shape
         count = int(dims) // (2 if kind == "v5p" else 1)
@@ -104,7 +114,7 @@ def parse_target(name: str, num_slices: int = 1) -> Target:
     return Target(name, CHIPS[kind], "tpu", f"{kind}:{dims}", num_slices)
 
 
-def devices(target: Target, gpu_target_config: str = H100_TARGET) -> list:
+def devices(target: Target, gpu_target_config: str | None = None) -> list:
     """The target's devices, as the compiler sees them (no runtime is opened). A "cpu" target
     (tests, trying the tool out) is this host's CPU devices."""
     import jax
@@ -114,7 +124,8 @@ def devices(target: Target, gpu_target_config: str = H100_TARGET) -> list:
         return jax.devices("cpu")[:int(target.topology)]
     if target.platform == "cuda":
         try:
-            topo = topologies.get_topology_desc(platform="cuda", target_config=gpu_target_config,
+            config = gpu_target_config or _GPU_TARGETS[target.chip]
+            topo = topologies.get_topology_desc(platform="cuda", target_config=config,
                                                 topology=target.topology)
         except Exception as e:  # noqa: BLE001 - jax raises several kinds here
             raise GrpoJaxError(f"can't describe {target.name}: {e}. Compiling for NVIDIA GPUs "

@@ -87,12 +87,15 @@ def _factorizations(n: int, k: int):
             yield (d, *rest)
 
 
-def mesh_axes(model) -> tuple[str, ...]:
-    """The mesh axes a layout of `model` splits: mesh.AXES, and `expert` (between fsdp and
-    tensor, as mesh.MeshConfig orders it) for a mixture of experts."""
+def mesh_axes(model, tokens: int = 0) -> tuple[str, ...]:
+    """The mesh axes a layout of `model` splits: mesh.AXES, `expert` for a mixture of experts
+    and `context` for rows of more than mesh.CONTEXT_TOKENS `tokens` (between fsdp and tensor,
+    in mesh.MeshConfig's order)."""
     from grpo_jax import mesh as mesh_lib
     a = mesh_lib.AXES
-    return (*a[:2], mesh_lib.EXPERT, a[2]) if model.num_experts else a
+    mid = (((mesh_lib.EXPERT,) if model.num_experts else ())
+           + ((mesh_lib.CONTEXT,) if tokens > mesh_lib.CONTEXT_TOKENS else ()))
+    return (*a[:2], *mid, a[2])
 
 
 def _useful(axis: str, size: int, model) -> bool:
@@ -132,11 +135,14 @@ def candidates(cfg, model, devices, remat=None) -> list[Layout]:
     rows = base.micro_batch_size * base.gradient_accumulation_steps
     batch_axes = _flat(mesh_lib.RULES["batch"])
     out = []
-    axes = mesh_axes(model)
+    completion = cfg.generation.max_completion_length
+    axes = mesh_axes(model, cfg.data.max_prompt_length + completion)
     for sizes in _factorizations(chips, len(axes)):
         named = dict(zip(axes, sizes))
         if any(s > 1 and a not in batch_axes and not _useful(a, s, model)
                for a, s in named.items()):
+            continue
+        if not mesh_lib.context_splits(completion, named.get(mesh_lib.CONTEXT, 1)):
             continue
         if slices > 1 and named[mesh_lib.AXES[0]] % slices:
             continue  # only the data axis crosses slices
@@ -196,8 +202,9 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
 
     chip, sizes = target.chip, lay.sizes
     mesh = _AbstractMesh(sizes)
-    data, f, tp = _roles(sizes)
+    data, f, tp, cp = _roles(sizes)
     dp = data * f
+    g = f * cp  # the devices a weight is split over, besides tensor (mesh.RULES' embed)
     c_bytes = jnp.dtype(cfg.numerics.dtype).itemsize
     p_bytes = jnp.dtype(cfg.numerics.param_dtype).itemsize
     peft = cfg.peft.use_peft
@@ -222,20 +229,28 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
     P = next(b for b in DEFAULT_BUCKETS if b >= cfg.data.max_prompt_length)
     C = cfg.generation.max_completion_length
     T = P + C
+    Tc = T // cp  # a row's positions on one device
     rows = -(-(1 << (plan.generation_batch_size - 1).bit_length()) // dp) * dp
     rows_chip = rows // dp
     prompts_chip = -(-(-(-rows // plan.num_generations)) // dp)
-    kv = sum(2 * rows_chip * k * model.cache_length(i, T) * Dh * c_bytes for i in range(L))
+    # The sampler's cache is split by position over the context axis.
+    kv = sum(2 * rows_chip * k * model.cache_length(i, T) * Dh * c_bytes
+             for i in range(L)) / cp
     layer = (D * (H + 2 * K) * Dh + H * Dh * D + 3 * D * F) * c_bytes / tp
-    gathered = 2 * layer if f > 1 else 0.0
+    gathered = 2 * layer if g > 1 else 0.0
     r = lay.per_device
+    # Rows over mesh.CONTEXT_TOKENS run blockwise attention (splash, flash): a block of keys
+    # at a time against a device's queries, never [T, T] scores; their keys and values are
+    # gathered over the context axis per layer.
+    long = T > mesh_lib.CONTEXT_TOKENS
+    scores = r * h * Tc * (min(T, 512) if long else T) * 4
+    kv_gathered = r * T * 2 * k * Dh * c_bytes if cp > 1 else 0.0
     if not lay.remat:
-        saved = r * T * ((h + 2 * k) * Dh + 4 * D + 3 * ff) * 2 + r * h * T * T * c_bytes
+        saved = r * Tc * ((h + 2 * k) * Dh + 4 * D + 3 * ff) * 2 + scores / 4 * c_bytes
     elif lay.remat_policy == "dots":
-        saved = r * T * ((h + 2 * k) * Dh + 2 * D + 2 * ff) * 2
+        saved = r * Tc * ((h + 2 * k) * Dh + 2 * D + 2 * ff) * 2
     else:
-        saved = r * T * D * 2
-    scores = r * h * T * T * 4
+        saved = r * Tc * D * 2
     # The log-prob head, vocabulary-parallel: a chunk of every row's logits, a 1/chips slice
     # of the vocabulary, fp32, with its softmax and gradient.
     logits = r * dp * min(C, 128) * V / chips * 4 * 3
@@ -244,10 +259,11 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
     temps = {
         "generate": kv + elems * c_bytes + gathered + prompts_chip * h * P * P * 4
         + rows_chip * V * 4 * 3 + slack,
-        "logprobs": r * T * D * 2 * 2 + scores + r * T * ff * 2 * 2 + gathered + slack + logits,
+        "logprobs": r * Tc * D * 2 * 2 + scores + r * Tc * ff * 2 * 2 + gathered + kv_gathered
+        + slack + logits,
         # Calibrated (UPDATE_ROWS, UPDATE_SLACK) against compiled updates: docs/scaling.md.
         "update": 3 * trained + gathered + UPDATE_SLACK * chip.hbm_bytes
-        + UPDATE_ROWS * (saved * L + 2 * scores + r * T * ff * 2 * 3 + logits),
+        + UPDATE_ROWS * (saved * L + 2 * scores + r * Tc * ff * 2 * 3 + logits + 2 * kv_gathered),
     }
     peak = max(resident + t for t in temps.values())
     # Time per chip.
@@ -263,26 +279,31 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
     flops["update"] *= (4 / 3) if lay.remat and lay.remat_policy == "full" else 1.0
     weights_chip = elems * c_bytes
     hbm = {"generate": (C - 1) * (weights_chip + kv),
-           "logprobs": runs["logprobs"] * (n_params * c_bytes / tp + 4 * r * T * D * 2 * L),
+           "logprobs": runs["logprobs"] * (n_params * c_bytes / tp + 4 * r * Tc * D * 2 * L),
            "update": runs["update"] * (plan.gradient_accumulation_steps
-                                       * (3 * n_params * c_bytes / tp + 6 * r * T * D * 2 * L)
+                                       * (3 * n_params * c_bytes / tp + 6 * r * Tc * D * 2 * L)
                                        + 5 * trained)}
     bw = {"data": _bandwidth(target, data, dcn=target.num_slices > 1),
-          "fsdp": _bandwidth(target, f), "model": _bandwidth(target, tp)}
+          "fsdp": _bandwidth(target, g), "model": _bandwidth(target, tp),
+          "context": _bandwidth(target, cp)}
     wbytes = n_params * c_bytes / tp
-    gather = (f - 1) / f * wbytes / bw["fsdp"] if f > 1 else 0.0
+    gather = (g - 1) / g * wbytes / bw["fsdp"] if g > 1 else 0.0
     passes = 3 if lay.remat and lay.remat_policy == "full" else 2
-    grads = ((f - 1) / f * n_params * (4 if not peft else 0) / tp / bw["fsdp"] if f > 1 else 0.0)
-    allreduce = (2 * (data - 1) / data * n_params * (4 if not peft else 0) / (f * tp)
+    grads = ((g - 1) / g * n_params * (4 if not peft else 0) / tp / bw["fsdp"] if g > 1 else 0.0)
+    allreduce = (2 * (data - 1) / data * n_params * (4 if not peft else 0) / (g * tp)
                  / bw["data"] if data > 1 else 0.0)
+    # Keys and values all-gathered over the context axis in every layer's forward, their
+    # gradients reduce-scattered back in the backward.
+    context = ((cp - 1) / cp * kv_gathered * L / bw["context"]) if cp > 1 else 0.0
     tp_bytes = lambda rows_, tokens: (2 * 2 * (tp - 1) / tp * rows_ * tokens * D * c_bytes  # noqa
                                       * L / bw["model"]) if tp > 1 else 0.0
-    step_fsdp = (2 * (f - 1) * rows_chip * c_bytes * (2 * D + (H + 2 * K) * Dh / tp + 3 * F / tp)
-                 * L / bw["fsdp"] if f > 1 else 0.0)
+    step_fsdp = (2 * (g - 1) * rows_chip * c_bytes * (2 * D + (H + 2 * K) * Dh / tp + 3 * F / tp)
+                 * L / bw["fsdp"] if g > 1 else 0.0)
     comm = {"generate": (C - 1) * (step_fsdp + tp_bytes(rows_chip, 1)),
-            "logprobs": runs["logprobs"] * (gather + tp_bytes(r, T)),
+            "logprobs": runs["logprobs"] * (gather + tp_bytes(r, Tc) + context),
             "update": runs["update"] * (plan.gradient_accumulation_steps
-                                        * (passes * gather + grads + 2 * tp_bytes(r, T))
+                                        * (passes * gather + grads + 2 * tp_bytes(r, Tc)
+                                           + (passes + 1) * context)
                                         + allreduce)}
     phases = {p: {"compute_s": flops[p] / chips / chip.peak_flops,
                   "hbm_s": hbm[p] / chip.hbm_bandwidth, "comm_s": comm[p]} for p in flops}
@@ -293,16 +314,20 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
             "fits": peak <= (1 - MARGIN) * chip.hbm_bytes}
 
 
-def _roles(sizes: dict[str, int]) -> tuple[int, int, int]:
-    """(data, fsdp, model) parallel sizes of a mesh, read from mesh.RULES: batch axes that split
-    no weight replicate the params (data), batch axes that do are FSDP, the others split the
-    weights and not the batch (tensor, or any axis added to the rules later)."""
+def _roles(sizes: dict[str, int]) -> tuple[int, int, int, int]:
+    """(data, fsdp, model, context) parallel sizes of a mesh, read from mesh.RULES: batch axes
+    that split no weight replicate the params (data), batch axes that do are FSDP, the axis of
+    a row's positions is context, the others split the weights and not the batch (tensor, or
+    any axis added to the rules later)."""
     from grpo_jax import mesh as mesh_lib
     batch = _flat(mesh_lib.RULES["batch"])
+    length = _flat(mesh_lib.RULES["length"])
     weights = {a for name, v in mesh_lib.RULES.items() if name != "batch" for a in _flat(v)}
     data = math.prod(sizes.get(a, 1) for a in batch if a not in weights)
     fsdp = math.prod(sizes.get(a, 1) for a in batch if a in weights)
-    return data, fsdp, math.prod(s for a, s in sizes.items() if a not in batch)
+    context = math.prod(sizes.get(a, 1) for a in length)
+    return data, fsdp, math.prod(s for a, s in sizes.items()
+                                 if a not in batch and a not in length), context
 
 
 def _bandwidth(target, size: int, dcn: bool = False) -> float:
@@ -369,7 +394,7 @@ def default_layout(target, cfg) -> tuple:
 
 
 def _dp(lay: Layout) -> int:
-    data, fsdp, _ = _roles(lay.sizes)
+    data, fsdp, _, _ = _roles(lay.sizes)
     return data * fsdp
 
 
