@@ -8,7 +8,7 @@ See docs/scaling.md.
 Own options: --topology NAME (v5e:4x4, v5p:4x4x4, v6e:8x8, v5e-16, v5p-128, h100:8),
 --num_slices N (TPU slices joined over DCN; the data axis spans them), --json PATH, --auto
 (search the layout: mesh, remat policy, micro-batch split; candidates are compiled until
---top N of them fit, 2, or 1 with --quick), --quick (compile the sampler with 1 and 2 layers
+--top N of them fit, 2, or 1 with --quick), --quick (compile the sampler with 2 and 3 layers
 and extrapolate, instead of whole: minutes instead of tens of minutes for a large model),
 --phases generate,logprobs,update (the programs to compile). Without mesh flags
 (--dp/--fsdp/--tp/--ep/--cp) the layout is chosen as a run would need it
@@ -35,6 +35,12 @@ from unittest import mock
 from grpo_jax.aot import report
 from grpo_jax.errors import GrpoJaxError
 
+
+# The sampler's depths --quick compiles (its layers are unrolled). Not 1: a 1-layer sampler
+# holds one gathered layer where deeper ones keep two in flight (Qwen2.5-32B on v5p-64: 1.94,
+# 3.80, 3.84, 2.08 GB of temporaries at 1, 2, 3, 4 layers), so growth read from 1 -> 2 was
+# counted once per layer.
+QUICK_LAYERS = (2, 3)
 
 def model_config(name: str):
     from grpo_jax.models import ModelConfig
@@ -97,16 +103,17 @@ def evaluate(target, run, *, full_depth: bool = True, phases=("generate", "logpr
     """Compile `run`'s programs and measure them: memory per chip, collectives, FLOPs and HBM
     bytes (`hlo.cost`: every loop trip counted, the decode loop as running to
     max_completion_length). `full_depth=False` (the layout search's shortcut) compiles the
-    sampler with 1 and 2 layers only and takes its memory, collectives and costs as linear in
-    the layers (its layers are unrolled, so a full-depth sampler compiles for minutes); the
+    sampler at QUICK_LAYERS only and takes its collectives and costs as linear in the layers
+    and its memory as growing by what the last layer added (`_grown`) (its layers are
+    unrolled, so a full-depth sampler compiles for minutes); the
     update and log-prob programs, which scan their layers, are compiled whole either way.
     `phases`: the programs to compile (the others are left out of the report). With decode
     slots (max_num_seqs) the generate phase's memory is the `refill` program's, which a run
     runs; its communication and costs stay the static `generate` program's (every row to
-    max_completion_length). `compiled` (phase -> program) and `small` (the sampler at 1 and 2
-    layers, {1: {...}, 2: {...}}): programs of this run compiled before, taken as they are (the
-    search compiles a candidate's update first, and reuses its programs for the winner's
-    report); both come back in the result."""
+    max_completion_length). `compiled` (phase -> program) and `small` (the sampler at
+    QUICK_LAYERS, {2: {...}, 3: {...}}): programs of this run compiled before, taken as they
+    are (the search compiles a candidate's update first, and reuses its programs for the
+    winner's report); both come back in the result."""
     from grpo_jax.aot import programs
 
     model = run.model
@@ -121,31 +128,33 @@ def evaluate(target, run, *, full_depth: bool = True, phases=("generate", "logpr
         small = {} if not sampled else small or {
             n: {k: _compile(f"{k} ({n} layer{'s' * (n > 1)})", v) for k, v in programs.build(
                 run.with_layers(n), ("generate",)).lowered.items()}
-            for n in (1, 2)}
+            for n in QUICK_LAYERS}
         if sampled:  # a full-depth program handed in does not stand for the extrapolation
             compiled = {k: v for k, v in compiled.items() if k not in ("generate", "refill")}
-    depth = lambda one, two: one + (two - one) * (model.num_layers - 1)  # noqa: E731
+    a, b = QUICK_LAYERS
+    depth = lambda at_a, at_b: at_a + (at_b - at_a) * (model.num_layers - a)  # noqa: E731
     memory = _memory(run, progs, compiled)
     timed = {k: c for k, c in compiled.items() if k != "refill"}
     comm = {k: _comms(c, run, k) for k, c in timed.items()}
     cost = {k: _cost(c, run, k) for k, c in timed.items()}
-    if sampled:  # the sampler's from its 1- and 2-layer programs
+    if sampled:  # the sampler's from its programs at QUICK_LAYERS
         by_n = {n: _memory(run.with_layers(n), programs.build(run.with_layers(n), ()),
-                           small[n]) for n in (1, 2)}
+                           small[n]) for n in QUICK_LAYERS}
         above = {n: by_n[n]["phases"]["generate"]["peak_GB"] - by_n[n]["resident_GB"]
-                 for n in (1, 2)}
-        temp = {n: by_n[n]["phases"]["generate"]["temporaries_GB"] for n in (1, 2)}
+                 for n in QUICK_LAYERS}
+        temp = {n: by_n[n]["phases"]["generate"]["temporaries_GB"] for n in QUICK_LAYERS}
         memory["phases"]["generate"] = {
-            "temporaries_GB": depth(temp[1], temp[2]),
-            "peak_GB": memory["resident_GB"] + depth(above[1], above[2]),
-            "from_layers": "1 and 2"}
+            "temporaries_GB": _grown(temp[a], temp[b], model.num_layers),
+            "peak_GB": memory["resident_GB"] + _grown(above[a], above[b], model.num_layers),
+            "from_layers": f"{a} and {b}"}
         if any(hasattr(c, "refused") for n in small.values() for c in n.values()):
-            memory["phases"]["generate"]["refused_by_compiler"] = "at 1 or 2 layers"
-        one, two = (_comms(small[n]["generate"], run.with_layers(n), "generate") for n in (1, 2))
-        comm["generate"] = None if one is None or two is None else _comm_by_layers(
-            one, two, model.num_layers)
-        one, two = (_cost(small[n]["generate"], run, "generate") for n in (1, 2))
-        cost["generate"] = None if one is None or two is None else depth(one, two)
+            memory["phases"]["generate"]["refused_by_compiler"] = f"at {a} or {b} layers"
+        at_a, at_b = (_comms(small[n]["generate"], run.with_layers(n), "generate")
+                      for n in QUICK_LAYERS)
+        comm["generate"] = None if at_a is None or at_b is None else _comm_by_layers(
+            at_a, at_b, model.num_layers)
+        at_a, at_b = (_cost(small[n]["generate"], run, "generate") for n in QUICK_LAYERS)
+        cost["generate"] = None if at_a is None or at_b is None else depth(at_a, at_b)
     memory["phases"] = {k: memory["phases"][k] for k in programs.PHASES if k in phases}
     _verdict(memory, target.chip)
     return {"memory": memory, "comm": comm, "cost": cost, "progs": progs,
@@ -219,20 +228,27 @@ def _comms(compiled, run, phase: str) -> list | None:
     return [colls, unknown]
 
 
-def _comm_by_layers(one, two, layers: int) -> list:
-    """Collectives of a program with `layers` layers from its 1- and 2-layer programs: the
-    2-layer program's, plus (layers - 2) times what the second layer added."""
+def _grown(at_a: float, at_b: float, layers: int) -> float:
+    """A sampler's memory at `layers` from its programs at QUICK_LAYERS: the larger, plus what
+    the last layer added for every layer after (never less: XLA reuses buffers across the
+    unrolled layers, so the temporaries are not linear in them)."""
+    return max(at_a, at_b) + max(at_b - at_a, 0.0) * max(layers - QUICK_LAYERS[1], 0)
+
+
+def _comm_by_layers(at_a, at_b, layers: int) -> list:
+    """Collectives of a program with `layers` layers from its programs at QUICK_LAYERS: the
+    deeper one's, plus what its last layer added for every layer after."""
     import dataclasses as dc
     from collections import Counter
 
     key = lambda c: dc.replace(c, count=0)  # noqa: E731
     a, b = Counter(), Counter()
-    for c in one[0]:
+    for c in at_a[0]:
         a[key(c)] += c.count
-    for c in two[0]:
+    for c in at_b[0]:
         b[key(c)] += c.count
-    out = [dc.replace(k, count=b[k] + (b[k] - a[k]) * (layers - 2)) for k in b]
-    return [[c for c in out if c.count > 0], two[1]]
+    out = [dc.replace(k, count=b[k] + (b[k] - a[k]) * (layers - QUICK_LAYERS[1])) for k in b]
+    return [[c for c in out if c.count > 0], at_b[1]]
 
 
 def per_round(run) -> dict:

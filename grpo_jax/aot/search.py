@@ -12,12 +12,12 @@ so the same training). Candidates go through two filters:
    the rest are ranked by estimated time.
 2. The best are compiled, in the estimate's order, until `top` fit with `MARGIN` of HBM to
    spare (`_try`: the scanned update and log-prob programs whole, then, only if they fit, the
-   sampler with 1 and 2 layers, once per mesh; a candidate whose estimate is FAR behind the
+   sampler at 2 and 3 layers, once per mesh; a candidate whose estimate is FAR behind the
    best fitting one is not compiled), and ranked by their forecast round (the midpoint of its
    range).
 
 Without --quick the winner's sampler is then compiled whole for the report (its update and
-log-prob programs are the search's); with --quick its sampler figures are the 1- and 2-layer
+log-prob programs are the search's); with --quick its sampler figures are the 2- and 3-layer
 extrapolation. A config with no mesh gets the estimate's best layout without compiling the
 others (`default_layout`).
 """
@@ -480,8 +480,8 @@ def auto(target, cfg, quick: bool = False, top: int | None = None) -> dict:
 
 def _try(target, cfg, lay: Layout, est: dict, gen: int, samplers: dict) -> dict:
     """A candidate compiled: its update (and log-prob) programs first, and, only when they fit,
-    the sampler at 1 and 2 layers (analyze.evaluate's shortcut), which depends on the mesh
-    alone: `samplers` keeps it per mesh for the candidates after."""
+    the sampler at analyze.QUICK_LAYERS (analyze.evaluate's shortcut), which depends on the
+    mesh alone: `samplers` keeps it per mesh for the candidates after."""
     from grpo_jax.aot import analyze
 
     lcfg = lay.apply(cfg, gen)
@@ -499,7 +499,8 @@ def _try(target, cfg, lay: Layout, est: dict, gen: int, samplers: dict) -> dict:
         ev = analyze.evaluate(target, run, full_depth=False, phases=phases,
                               compiled=ev["compiled"], small=samplers.get(lay.mesh))
         samplers[lay.mesh], mem, sampled = ev["small"], ev["memory"], True
-        done.append("generate at 1 and 2 layers" + (" (the same mesh's)" if reused else ""))
+        done.append("generate at %s and %s layers" % analyze.QUICK_LAYERS
+                    + (" (the same mesh's)" if reused else ""))
     fits = sampled and room(mem) and not refused(mem)
     time_ = analyze.timing(run, target, ev)[0] if fits else None
     # Without XLA's costs (a GPU target) the estimate's round ranks them.
