@@ -358,16 +358,17 @@ def test_auto_finds_a_layout_that_fits_where_the_default_does_not(tmp_path):
     assert "run with" in report.render(r)
 
 
-def test_auto_searches_a_context_axis_for_long_rows(tmp_path):
+def test_auto_searches_context_axis_and_decode_slots(tmp_path):
     """Rows over mesh.CONTEXT_TOKENS: --auto's layouts split a row's positions over a context
     axis (powers of 2 whose zig-zag cuts the completion evenly), and the estimate sees what
-    that buys: a device's share of a row's activations and scores, and of the KV cache."""
+    that buys: a device's share of a row's activations and scores, and of the KV cache. Decode
+    slots are searched too, for what they cost and save."""
     import dataclasses
 
     import jax
 
     from grpo_jax import cli
-    from grpo_jax.aot import search
+    from grpo_jax.aot import analyze, search
 
     model = TINY.replace(max_position_embeddings=32768)
     (tmp_path / "config.json").write_text(json.dumps(model.to_hf()))
@@ -390,6 +391,16 @@ def test_auto_searches_a_context_axis_for_long_rows(tmp_path):
     for phase in ("logprobs", "update"):
         assert context["temporaries_GB"][phase] < fsdp["temporaries_GB"][phase]
     assert context["phases"]["update"]["comm_s"] > 0
+    # Decode slots: a half or a quarter of the round's rows, where a batch shard gets whole
+    # slots; a quarter of the KV cache for four waves of decode, each reading the weights
+    # again (the KV reads are the same rows' either way).
+    quarter = next(lay for lay in long if lay.slots == 2)
+    every = dataclasses.replace(quarter, slots=None)
+    assert every in long and {lay.slots for lay in long} == {None, 4, 2}
+    few, all_ = (search.estimate(lay, cfg, model, target, 8) for lay in (quarter, every))
+    assert few["temporaries_GB"]["generate"] < all_["temporaries_GB"]["generate"]
+    assert few["phases"]["generate"]["hbm_s"] > all_["phases"]["generate"]["hbm_s"]
+    assert "--max_num_seqs 2" in " ".join(analyze.flags_of(quarter.apply(cfg, 8)))
 
 
 def test_default_mesh_when_none_is_given():

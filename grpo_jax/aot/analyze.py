@@ -273,7 +273,9 @@ def timing(run, target, ev: dict) -> tuple[dict | None, dict]:
     """The forecast (None without costs) and the communication per round."""
     from grpo_jax.aot import comms, programs
 
-    chip, runs = target.chip, per_round(run)
+    chip, runs, progs = target.chip, per_round(run), ev["progs"]
+    if progs.decode_slots:  # the rows in waves through fewer slots: each wave a static decode
+        runs["generate"] = float(-(-progs.sampler_rows // progs.decode_slots))
     communication = {}
     for phase, found in ev["comm"].items():
         if found is None:
@@ -295,7 +297,7 @@ def timing(run, target, ev: dict) -> tuple[dict | None, dict]:
         comm_s = communication[k]["seconds"] if communication.get(k) else 0.0
         phases[k] = report.phase_time(c, comm_s, chip)
         phases[k]["comm_gb"] = communication[k]["gb"] if communication.get(k) else 0.0
-    plan, progs = run.plan, ev["progs"]
+    plan = run.plan
     model_flops = report.model_flops(
         run.model, plan.prompts_per_generation, plan.generation_batch_size, progs.prompt_width,
         C, runs["logprobs"] * plan.micro_batch_size / plan.generation_batch_size,
@@ -392,7 +394,7 @@ def _attention_kernel(run, prompt_width: int) -> str:
 
 
 def flags_of(cfg) -> list[str]:
-    """The layout flags of `cfg`: mesh, per-device batch, accumulation, remat."""
+    """The layout flags of `cfg`: mesh, per-device batch, accumulation, decode slots, remat."""
     from grpo_jax import mesh as mesh_lib
     b, n = cfg.batch, cfg.numerics
     out = mesh_lib.flags(cfg.mesh) + [
@@ -400,6 +402,8 @@ def flags_of(cfg) -> list[str]:
         "--gradient_accumulation_steps", str(b.gradient_accumulation_steps)]
     if b.generation_batch_size is not None:
         out += ["--generation_batch_size", str(b.generation_batch_size)]
+    if cfg.generation.max_num_seqs is not None:
+        out += ["--max_num_seqs", str(cfg.generation.max_num_seqs)]
     return out + (["--remat_policy", n.remat_policy] if n.remat else ["--remat", "false"])
 
 
@@ -434,7 +438,7 @@ def _version(package: str) -> str | None:
 
 
 # Training flags a layout sets (and their config keys): left out of the command to run with.
-_LAYOUT_KEYS = ("dp", "fsdp", "tp", "ep", "per_device_train_batch_size",
+_LAYOUT_KEYS = ("dp", "fsdp", "tp", "ep", "cp", "max_num_seqs", "per_device_train_batch_size",
                 "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation",
                 "remat", "remat_policy", "gradient_checkpointing")
 

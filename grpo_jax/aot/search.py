@@ -1,10 +1,11 @@
 """`python -m grpo_jax.aot --auto`: the layout with the shortest forecast round that fits.
 
-A layout is the mesh (a size for every axis of mesh.AXES, and `expert` for a mixture of experts,
-whose product is the chip count), the
-rematerialisation policy, and the per-device batch and gradient accumulation that keep the
-round's rows per update and generation batch as the given config has them (the same updates,
-so the same training). Candidates go through two filters:
+A layout is the mesh (a size for every axis of mesh.AXES, `expert` for a mixture of experts and
+`context` for rows over mesh.CONTEXT_TOKENS, whose product is the chip count), the
+rematerialisation policy, the per-device batch and gradient accumulation that keep the round's
+rows per update and generation batch as the given config has them (the same updates, so the
+same training), and the decode slots (max_num_seqs: all of a round's rows, or a half or a
+quarter of them, refilled). Candidates go through two filters:
 
 1. `estimate`, no compile: memory per chip from the parameter table and the mesh rules (exact
    for the resident state and the KV cache; activations, attention scores and gathered weights
@@ -12,9 +13,9 @@ so the same training). Candidates go through two filters:
    the rest are ranked by estimated time.
 2. The best are compiled, in the estimate's order, until `top` fit with `MARGIN` of HBM to
    spare (`_try`: the scanned update and log-prob programs whole, then, only if they fit, the
-   sampler at 2 and 3 layers, once per mesh; a candidate whose estimate is FAR behind the
-   best fitting one is not compiled), and ranked by their forecast round (the midpoint of its
-   range).
+   sampler at 2 and 3 layers, once per mesh and decode slots; a candidate whose estimate is FAR
+   behind the best fitting one is not compiled), and ranked by their forecast round (the
+   midpoint of its range).
 
 Without --quick the winner's sampler is then compiled whole for the report (its update and
 log-prob programs are the search's); with --quick its sampler figures are the 2- and 3-layer
@@ -25,6 +26,7 @@ others (`default_layout`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import sys
 import time
@@ -36,6 +38,7 @@ MARGIN = 0.1  # of HBM left free by a layout that "fits"
 # estimate is not compiled (the estimate's time is rough, but not off by that much).
 FAR = 1.25
 REMAT = ((True, "full"), (True, "dots"), (False, "full"))
+SLOT_SPLITS = (2, 4)  # decode slots tried: a round's rows over 2 and over 4
 # The update's working memory per row (saved activations, attention, MLP, log-prob head) from
 # shapes, times UPDATE_ROWS, plus UPDATE_SLACK of HBM: fitted to the compiled updates of a
 # Qwen2.5-14B shape on v6e:4x4 at 1 and 2 rows per chip (docs/scaling.md, "The estimate").
@@ -50,6 +53,7 @@ class Layout:
     accumulation: int
     remat: bool
     remat_policy: str
+    slots: int | None = None  # decode slots (max_num_seqs); None: every row of a round at once
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -58,8 +62,9 @@ class Layout:
     def describe(self) -> str:
         split = " x ".join(f"{a} {s}" for a, s in self.mesh if s > 1) or "1 chip"
         remat = f"remat {self.remat_policy}" if self.remat else "no remat"
+        slots = f"; {self.slots} decode slots" if self.slots else ""
         return (f"{split}; {self.per_device} row(s) per chip per micro-batch x "
-                f"{self.accumulation} accumulation step(s); {remat}")
+                f"{self.accumulation} accumulation step(s); {remat}{slots}")
 
     def apply(self, cfg, generation_batch_size: int):
         """`cfg` with this layout (and the round's generation batch pinned)."""
@@ -70,6 +75,7 @@ class Layout:
                                       gradient_accumulation_steps=self.accumulation,
                                       generation_batch_size=generation_batch_size,
                                       steps_per_generation=None),
+            generation=dataclasses.replace(cfg.generation, max_num_seqs=self.slots),
             numerics=dataclasses.replace(cfg.numerics, remat=self.remat,
                                          remat_policy=self.remat_policy))
 
@@ -149,12 +155,17 @@ def candidates(cfg, model, devices, remat=None) -> list[Layout]:
         dp = math.prod(named.get(a, 1) for a in batch_axes)
         if rows % dp or base.generation_batch_size % dp or not _meshable(named, devices):
             continue
+        # Decode slots (the JAX sampler's): the user's, or every row at once, or a half or a
+        # quarter of them (a whole number a batch shard), refilled: less KV cache, more steps.
+        gen, given = base.generation_batch_size, cfg.generation.max_num_seqs
+        slots = ([given] if given is not None else [None] if cfg.rollout.backend != "jax"
+                 else [None] + [gen // d for d in SLOT_SPLITS if gen % (d * dp) == 0])
         for per_device in _divisors(rows // dp):
-            for on, policy in remat or REMAT:
+            for (on, policy), n in itertools.product(remat or REMAT, slots):
                 lay = Layout(tuple(named.items()), per_device, rows // dp // per_device, on,
-                             policy)
+                             policy, n)
                 try:
-                    lay.apply(cfg, base.generation_batch_size).batch_plan(dp)
+                    lay.apply(cfg, gen).batch_plan(dp)
                 except GrpoJaxError:
                     continue
                 out.append(lay)
@@ -236,6 +247,9 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
     # The sampler's cache is split by position over the context axis.
     kv = sum(2 * rows_chip * k * model.cache_length(i, T) * Dh * c_bytes
              for i in range(L)) / cp
+    # Decode slots: the cache of that many rows, the round's rows in as many waves of decode.
+    waves = -(-rows // lay.slots) if lay.slots else 1
+    kv /= waves
     layer = (D * (H + 2 * K) * Dh + H * Dh * D + 3 * D * F) * c_bytes / tp
     gathered = 2 * layer if g > 1 else 0.0
     r = lay.per_device
@@ -258,6 +272,8 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
     trained = (elems if not peft else 0.0) * p_bytes
     temps = {
         "generate": kv + elems * c_bytes + gathered + prompts_chip * h * P * P * 4
+        # refill's store of each prompt's prefilled keys and values, for the waves to come
+        + (2 * prompts_chip * k * P * Dh * c_bytes * L if lay.slots else 0.0)
         + rows_chip * V * 4 * 3 + slack,
         "logprobs": r * Tc * D * 2 * 2 + scores + r * Tc * ff * 2 * 2 + gathered + kv_gathered
         + slack + logits,
@@ -278,7 +294,7 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
                                * plan.gradient_accumulation_steps, prompt_group(cfg, plan))
     flops["update"] *= (4 / 3) if lay.remat and lay.remat_policy == "full" else 1.0
     weights_chip = elems * c_bytes
-    hbm = {"generate": (C - 1) * (weights_chip + kv),
+    hbm = {"generate": waves * (C - 1) * (weights_chip + kv),
            "logprobs": runs["logprobs"] * (n_params * c_bytes / tp + 4 * r * Tc * D * 2 * L),
            "update": runs["update"] * (plan.gradient_accumulation_steps
                                        * (3 * n_params * c_bytes / tp + 6 * r * Tc * D * 2 * L)
@@ -299,6 +315,7 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
                                       * L / bw["model"]) if tp > 1 else 0.0
     step_fsdp = (2 * (g - 1) * rows_chip * c_bytes * (2 * D + (H + 2 * K) * Dh / tp + 3 * F / tp)
                  * L / bw["fsdp"] if g > 1 else 0.0)
+    # (Slots leave the decode's collectives as they are: as many rows, over more steps.)
     comm = {"generate": (C - 1) * (step_fsdp + tp_bytes(rows_chip, 1)),
             "logprobs": runs["logprobs"] * (gather + tp_bytes(r, Tc) + context),
             "update": runs["update"] * (plan.gradient_accumulation_steps
@@ -481,7 +498,7 @@ def auto(target, cfg, quick: bool = False, top: int | None = None) -> dict:
 def _try(target, cfg, lay: Layout, est: dict, gen: int, samplers: dict) -> dict:
     """A candidate compiled: its update (and log-prob) programs first, and, only when they fit,
     the sampler at analyze.QUICK_LAYERS (analyze.evaluate's shortcut), which depends on the
-    mesh alone: `samplers` keeps it per mesh for the candidates after."""
+    mesh and the decode slots alone: `samplers` keeps it per both for the candidates after."""
     from grpo_jax.aot import analyze
 
     lcfg = lay.apply(cfg, gen)
@@ -495,10 +512,10 @@ def _try(target, cfg, lay: Layout, est: dict, gen: int, samplers: dict) -> dict:
     refused = lambda m: any("refused_by_compiler" in p for p in m["phases"].values())  # noqa
     done, sampled = list(trained), "generate" not in phases
     if not sampled and room(mem) and not refused(mem):
-        reused = lay.mesh in samplers
+        reused = (lay.mesh, lay.slots) in samplers
         ev = analyze.evaluate(target, run, full_depth=False, phases=phases,
-                              compiled=ev["compiled"], small=samplers.get(lay.mesh))
-        samplers[lay.mesh], mem, sampled = ev["small"], ev["memory"], True
+                              compiled=ev["compiled"], small=samplers.get((lay.mesh, lay.slots)))
+        samplers[lay.mesh, lay.slots], mem, sampled = ev["small"], ev["memory"], True
         done.append("generate at %s and %s layers" % analyze.QUICK_LAYERS
                     + (" (the same mesh's)" if reused else ""))
     fits = sampled and room(mem) and not refused(mem)
