@@ -448,6 +448,36 @@ ENTRY %main (x: f32[64,256], w: f32[256,256]) -> f32[64,256] {
 }
 """
     assert hlo.cost(kernel).flops == 2 * 64 * 256 * 256
+    # HBM bytes as a TPU decode step moves them (Qwen2.5-7B's sampler over 16 chips): the
+    # embedding's rows gathered, not the table; a weight sliced asynchronously into on-chip
+    # memory (S(1)) read once from HBM, and the matmul reading that copy costs no HBM; the
+    # async op's tuple type, which repeats its operand, not counted as written.
+    moves = """HloModule m
+
+%gathered (p0: bf16[152064,224], p1: s32[64,1]) -> bf16[64,224] {
+  %p0 = bf16[152064,224]{1,0:T(8,128)(2,1)} parameter(0)
+  %p1 = s32[64,1]{1,0} parameter(1)
+  ROOT %g = bf16[64,224]{1,0:T(8,128)(2,1)} gather(%p0, %p1), offset_dims={1}, \
+collapsed_slice_dims={0}, start_index_map={0}, index_vector_dim=1, slice_sizes={1,224}
+}
+
+ENTRY %main (e: bf16[152064,224], i: s32[64,1], w: bf16[224,18944]) -> bf16[64,18944] {
+  %e = bf16[152064,224]{1,0:T(8,128)(2,1)} parameter(0)
+  %i = s32[64,1]{1,0} parameter(1)
+  %w = bf16[224,18944]{1,0:T(8,128)(2,1)} parameter(2)
+  %x = bf16[64,224]{1,0:T(8,128)(2,1)} fusion(%e, %i), kind=kCustom, calls=%gathered
+  %s = ((bf16[224,18944]{1,0:T(8,128)(2,1)}), bf16[56,18944]{1,0:T(8,128)(2,1)S(1)}, \
+s32[]{:S(2)}) slice-start(%w), slice={[0:56], [0:18944]}
+  %d = bf16[56,18944]{1,0:T(8,128)(2,1)S(1)} slice-done(%s)
+  %xs = bf16[64,56]{1,0:T(8,128)(2,1)} slice(%x), slice={[0:64], [0:56]}
+  ROOT %y = bf16[64,18944]{1,0:T(8,128)(2,1)} dot(%xs, %d), lhs_contracting_dims={1}, \
+rhs_contracting_dims={0}
+}
+""".replace("\\\n", "")
+    # bf16 tiles of (8, 128) pad 224 and 56 columns to 256 and 128.
+    row, ids, part, cols = 64 * 256 * 2, 64 * 4, 56 * 18944 * 2, 64 * 128 * 2
+    gather, weight, sliced, dot = row + ids + row, part, 2 * cols, cols + 64 * 18944 * 2
+    assert hlo.cost(moves).bytes == gather + weight + sliced + dot
 
 
 def test_costs_count_every_loop_trip():

@@ -13,8 +13,11 @@ loop stops once every row is done) counts `unknown_trips` times, given by the ca
 Costs follow HloCostAnalysis: a dot is 2 FLOPs per multiply-add, an elementwise op or a
 reduction one per element (transcendentals not counted as FLOPs), a fusion the sum of its
 fused ops; bytes are each top-level op's operands read plus its result written, a fusion's
-operands counted by what it reads of them (a slice of an operand it only slices, nothing of a
-buffer it updates in place) and its in-place result by the region written.
+operands counted by what it reads of them (a slice of an operand it only slices or gathers
+from, nothing of a buffer it updates in place) and its in-place result by the region written;
+a gather reads the rows it takes, an async slice or copy (`slice-start`, `copy-start`, whose
+tuple type repeats its operands) what it moves. Only HBM counts: arrays the TPU compiler put in
+on-chip memory (layout `S(1)`) are read and written for free.
 """
 
 from __future__ import annotations
@@ -37,12 +40,16 @@ _CALLED = re.compile(r"\b(calls|body|condition|to_apply|true_computation|false_c
 _LAID_OUT = re.compile(r"\b([a-z][a-z0-9]*)\[([\d,<=]*)\](?:\{([^}]*)\})?")
 
 
-def array_bytes(type_text: str) -> int:
+def array_bytes(type_text: str, hbm_only: bool = False) -> int:
     """Bytes of every array in an HLO type (a tuple's elements summed; f8 types: 1 byte), as
     laid out: a TPU layout's tile (`{1,0:T(8,128)}`) pads its most-minor dimensions to whole
-    tiles, as the chip stores them."""
+    tiles, as the chip stores them. `hbm_only`: leave out arrays the compiler placed in
+    another memory space (`S(1)`: the TPU's on-chip VMEM, `S(2)`: scalars), whose reads and
+    writes are no HBM traffic."""
     total = 0
     for dtype, dims, layout in _LAID_OUT.findall(type_text):
+        if hbm_only and re.search(r"S\([1-9]\d*\)", layout or ""):
+            continue
         bits = _BITS.get(dtype, 8 if dtype.startswith("f8") else 0)
         shape = [int(d.split("=")[-1]) for d in dims.split(",") if d]
         tile = re.search(r"T\(([\d,]+)\)", layout or "")
@@ -302,39 +309,70 @@ def _fusion_bytes(ins: _Instr, types: dict[str, str], comps) -> float:
     for n, name in enumerate(ins.operands):
         p = params.get(n)
         use = users.get(p.name, []) if p else []
-        if use and all(u.opcode in ("dynamic-slice", "slice") and u.operands[0] == p.name
-                       for u in use):
-            total += sum(array_bytes(u.type) for u in use)
+        if use and all(u.opcode in ("dynamic-slice", "slice", "gather")
+                       and u.operands[0] == p.name for u in use):
+            total += sum(_hbm(u.type) for u in use)
         elif use and all(u.opcode == "dynamic-update-slice" and u.operands[0] == p.name
                          for u in use):
             continue  # updated in place: not read
         else:
-            total += array_bytes(types.get(name, ""))
+            total += _hbm(types.get(name, ""))
     root = next((i for i in inner if i.root), None)
     roots = ([{i.name: i for i in inner}.get(o) for o in root.operands]
              if root is not None and root.opcode == "tuple" else [root])
     local = {i.name: i.type for i in inner}
     for r in roots:
         if r is not None and r.opcode == "dynamic-update-slice" and len(r.operands) > 1:
-            total += array_bytes(local.get(r.operands[1], ""))
+            total += _hbm(local.get(r.operands[1], ""))
         elif r is not None:
-            total += array_bytes(r.type)
+            total += _hbm(r.type)
     return total
 
 
 def _bytes(ins: _Instr, types: dict[str, str], comps) -> float:
     if ins.opcode == "custom-call" and re.search(r'custom_call_target="[^"]*(gemm|matmul)',
                                                  ins.attrs):
-        return sum(array_bytes(types.get(o, "")) for o in ins.operands) + array_bytes(ins.type)
+        return sum(_hbm(types.get(o, "")) for o in ins.operands) + _hbm(ins.type)
     if ins.opcode in _FREE or ins.opcode.endswith(("-done", "-update")):
         return 0.0
     if ins.opcode == "fusion":
         return _fusion_bytes(ins, types, comps)
     if ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1:
-        return 2.0 * array_bytes(types.get(ins.operands[1], ""))
+        return 2.0 * _hbm(types.get(ins.operands[1], ""))
     if ins.opcode in ("dynamic-slice", "slice"):
-        return 2.0 * array_bytes(ins.type)
-    return sum(array_bytes(types.get(o, "")) for o in ins.operands) + array_bytes(ins.type)
+        return 2.0 * _hbm(ins.type)
+    if ins.opcode == "gather":  # the rows it takes, and its indices
+        return 2.0 * _hbm(ins.type) + sum(_hbm(types.get(o, ""))
+                                                 for o in ins.operands[1:])
+    if ins.opcode.endswith("-start") and ins.type.startswith("("):
+        # An async op's type is (its operands again, its result, context): the operands are
+        # aliased, not written. A slice reads what it takes; a copy reads and writes it.
+        parts = _tuple_parts(ins.type)
+        result = parts[1] if len(parts) > 1 else ""
+        if ins.opcode == "slice-start":  # the slice read from its operand, written where it goes
+            read = array_bytes(result) if _hbm(parts[0]) else 0
+            return float(read + _hbm(result))
+        if ins.opcode == "copy-start":  # (destination, source): the HBM side of the move
+            return float(_hbm(parts[0]) + _hbm(result))
+        return sum(_hbm(types.get(o, "")) for o in ins.operands) + _hbm(result)
+    return sum(_hbm(types.get(o, "")) for o in ins.operands) + _hbm(ins.type)
+
+
+def _hbm(type_text: str) -> int:
+    return array_bytes(type_text, hbm_only=True)
+
+
+def _tuple_parts(type_text: str) -> list[str]:
+    """The top-level elements of a tuple type, `(a, (b, c), d)` -> [a, (b, c), d]."""
+    parts, depth, cur = [], 0, []
+    for ch in type_text.strip()[1:-1]:
+        depth += (ch in "([{") - (ch in ")]}")
+        if ch == "," and depth == 0:
+            parts.append("".join(cur).strip())
+            cur = []
+        else:
+            cur.append(ch)
+    return parts + ["".join(cur).strip()]
 
 
 @dataclasses.dataclass(frozen=True)
