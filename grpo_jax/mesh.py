@@ -203,9 +203,15 @@ def can_lay(cfg: MeshConfig, devices) -> bool:
     return True
 
 
+def slice_count(devices) -> int:
+    """How many TPU slices (joined over DCN) `devices` span; 1 for GPUs and CPUs, whose
+    devices have no slice_index."""
+    return len({getattr(d, "slice_index", 0) for d in devices})
+
+
 def _lay(shape: tuple[int, ...], axes: tuple[str, ...], devices: list) -> Mesh:
     auto = (jax.sharding.AxisType.Auto,) * len(axes)
-    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    slices = slice_count(devices)
     if slices == 1:
         return jax.make_mesh(shape, axes, axis_types=auto, devices=devices)
     check(shape[0] % slices == 0, f"{slices} slices: the data axis (dp={shape[0]}) must be a "
@@ -225,7 +231,7 @@ def _torus(devices: list) -> str:
             else [len(one)])
     while len(dims) > 2 and dims[-1] == 1:  # a 2-D torus's coords are (x, y, 0)
         dims.pop()
-    shape, slices = "x".join(map(str, dims)), len(devices) // len(one)
+    shape, slices = "x".join(map(str, dims)), slice_count(devices)
     where = f"a {shape} torus" if slices == 1 else f"{slices} slices, each a {shape} torus"
     return f"{len(devices)} {devices[0].device_kind} chips ({where})"
 

@@ -85,7 +85,7 @@ def choose_mesh(cfg: config_lib.TrainConfig, devices) -> config_lib.TrainConfig:
     devices = list(jax.devices() if devices is None else devices)
     long = mesh_lib.long_row_config(cfg.data.max_prompt_length or 0,
                                     cfg.generation.max_completion_length, len(devices),
-                                    len({getattr(d, "slice_index", 0) for d in devices}))
+                                    mesh_lib.slice_count(devices))
     if long is not None:
         if dist.is_main():
             print(f"grpo_jax: no mesh given: {long[1]} ({' '.join(mesh_lib.flags(long[0]))})",

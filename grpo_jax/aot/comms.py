@@ -129,6 +129,8 @@ def collectives(text: str, mesh, unknown_trips: float = 1.0) -> tuple[list[Colle
     """The collectives of a compiled program (`compiled.as_text()`) laid out over `mesh` (the
     jax Mesh it was compiled for: device id i of the HLO is mesh.devices.flat[i]). Returns them
     and the number of loops whose trip count was taken as `unknown_trips`."""
+    from grpo_jax import mesh as mesh_lib
+
     comps, entry = parse_module(text)
     mult, unknown = multipliers(comps, entry, unknown_trips)
     flat = mesh.devices.flat
@@ -168,7 +170,7 @@ def collectives(text: str, mesh, unknown_trips: float = 1.0) -> tuple[list[Colle
             coords = np.stack(np.unravel_index(groups, grid), axis=-1)  # [g, n, axes]
             spans = (coords != coords[:, :1]).any(axis=1).any(axis=0)
             devs = [[flat[i] for i in g] for g in groups]
-            slices = max(len({getattr(d, "slice_index", 0) for d in g}) for g in devs)
+            slices = max(mesh_lib.slice_count(g) for g in devs)
             phys = [np.array([getattr(d, "coords", (0,)) for d in g]) for g in devs]
             torus = max(int((p != p[:1]).any(axis=0).sum()) for p in phys)
             out.append(Collective(kind, size, groups.shape[1],

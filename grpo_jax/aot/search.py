@@ -136,7 +136,7 @@ def candidates(cfg, model, devices, remat=None) -> list[Layout]:
     from grpo_jax import mesh as mesh_lib
 
     chips = len(devices)
-    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    slices = mesh_lib.slice_count(devices)
     base = cfg.batch_plan(_batch_size(cfg, chips))
     rows = base.micro_batch_size * base.gradient_accumulation_steps
     batch_axes = _flat(mesh_lib.RULES["batch"])
