@@ -403,6 +403,19 @@ def test_auto_searches_context_axis_and_decode_slots(tmp_path):
     assert "--max_num_seqs 2" in " ".join(analyze.flags_of(quarter.apply(cfg, 8)))
 
 
+def test_quick_sampler_depth():
+    """--quick's sampler at full depth from its 2- and 3-layer programs: costs linear in the
+    layers, or in proportion where the deeper program costs less (never negative); memory the
+    larger plus what the third layer added per layer (XLA reuses buffers across layers)."""
+    from grpo_jax.aot import analyze
+
+    assert analyze.QUICK_LAYERS == (2, 3)
+    assert analyze._deeper(10.0, 13.0, 48) == 10.0 + 3.0 * 46
+    assert analyze._deeper(10.0, 9.0, 48) == 9.0 * 48 / 3
+    assert analyze._grown(3.80, 3.84, 64) == 3.84 + (3.84 - 3.80) * 61
+    assert analyze._grown(3.84, 2.08, 64) == 3.84
+
+
 def test_default_mesh_when_none_is_given():
     """No mesh: data parallel while the replicated state takes at most half of a device (or
     the memory is unknown, as on the CPU), else FSDP over every device; a given mesh is kept,

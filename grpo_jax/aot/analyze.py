@@ -132,7 +132,10 @@ def evaluate(target, run, *, full_depth: bool = True, phases=("generate", "logpr
         if sampled:  # a full-depth program handed in does not stand for the extrapolation
             compiled = {k: v for k, v in compiled.items() if k not in ("generate", "refill")}
     a, b = QUICK_LAYERS
-    depth = lambda at_a, at_b: at_a + (at_b - at_a) * (model.num_layers - a)  # noqa: E731
+
+    def depth(at_a, at_b):
+        return report.Cost(_deeper(at_a.flops, at_b.flops, model.num_layers),
+                           _deeper(at_a.bytes, at_b.bytes, model.num_layers))
     memory = _memory(run, progs, compiled)
     timed = {k: c for k, c in compiled.items() if k != "refill"}
     comm = {k: _comms(c, run, k) for k, c in timed.items()}
@@ -228,6 +231,17 @@ def _comms(compiled, run, phase: str) -> list | None:
     return [colls, unknown]
 
 
+def _deeper(at_a: float, at_b: float, layers: int) -> float:
+    """A cost (FLOPs, bytes, a collective's count) of the sampler at `layers` from its programs
+    at QUICK_LAYERS: linear in the layers; where the deeper program costs less (the compiler
+    laid the two out differently: Qwen3-8B's long-row decode on v5p-64 went negative), in
+    proportion to the deeper one's layers instead."""
+    a, b = QUICK_LAYERS
+    if at_b >= at_a:
+        return at_a + (at_b - at_a) * (layers - a)
+    return at_b * layers / b
+
+
 def _grown(at_a: float, at_b: float, layers: int) -> float:
     """A sampler's memory at `layers` from its programs at QUICK_LAYERS: the larger, plus what
     the last layer added for every layer after (never less: XLA reuses buffers across the
@@ -247,7 +261,7 @@ def _comm_by_layers(at_a, at_b, layers: int) -> list:
         a[key(c)] += c.count
     for c in at_b[0]:
         b[key(c)] += c.count
-    out = [dc.replace(k, count=b[k] + (b[k] - a[k]) * (layers - QUICK_LAYERS[1])) for k in b]
+    out = [dc.replace(k, count=_deeper(a[k], b[k], layers)) for k in b]
     return [[c for c in out if c.count > 0], at_b[1]]
 
 
