@@ -111,7 +111,12 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
         model.config.architectures = ["LlamaForCausalLM"]
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        os.replace(tmp, dest)  # atomic: a half-written conversion is never picked up
+        try:
+            os.replace(tmp, dest)  # atomic: a half-written conversion is never picked up
+        except OSError:
+            if not (dest / "config.json").exists():
+                raise
+            # another process converted it first (parallel test workers, two runs at once)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

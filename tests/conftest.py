@@ -1,8 +1,21 @@
 """Suite-wide setup: 8 host CPU devices (sharding tests), fp32 matmuls, offline hub."""
 
 import os
+import shutil
+import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# XLA's CPU backend at -O0: most of the suite's time is compiling small programs once each, and
+# LLVM's optimisations cost a third of that without changing what a test checks (float math is
+# IEEE either way; XLA enables no fast-math on CPU).
+TEST_XLA_FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+os.environ.setdefault("XLA_FLAGS", TEST_XLA_FLAGS)
+# JAX's persistent compilation cache, one per run (made by the first process; pytest-xdist's
+# workers and every subprocess a test starts inherit it): a program compiled by any of them is
+# never compiled again in this run, and a fresh run compiles everything once.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="grpo-jax-test-jit-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -10,6 +23,67 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE and not os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+# ------------------------------------------------------------------ parallel workers
+# tests/run.sh runs two pytest-xdist workers. A module goes to one worker whole (its module
+# fixtures are made once), modules that share a session fixture go to the same one, and the
+# longest groups start first so that no worker is left with a long module at the end (the order
+# is from `--durations` of a full run).
+SHARED_GROUPS = {  # modules that use the same session-scoped vLLM server
+    "test_vllm": "vllm_tiny", "test_vllm_async": "vllm_tiny", "test_vllm_sampling_bias": "vllm_tiny",
+    "test_tools": "vllm_smol", "test_vllm_weight_sync": "vllm_smol",
+}
+LONGEST_FIRST = ("vllm_smol", "vllm_tiny", "test_aot", "test_lora", "test_train",
+                 "test_tool_continuation", "test_vllm_restart", "test_multihost", "test_moe",
+                 "test_shared_prefix", "test_faults", "test_refill", "test_context_parallel",
+                 "test_tool_templates", "test_vllm_lora")
+
+
+def _group(nodeid: str) -> str:
+    module = nodeid.split("::")[0].rpartition("/")[2].removesuffix(".py")
+    return SHARED_GROUPS.get(module, module)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
+    order = {id(item): i for i, item in enumerate(items)}
+    # A test that kills its group's shared server runs after the group's other tests.
+    items.sort(key=lambda it: (rank.get(_group(it.nodeid), len(rank)), _group(it.nodeid),
+                               it.get_closest_marker("kills_shared_server") is not None,
+                               order[id(it)]))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """With `-n N` (xdist's default `--dist load`): one work unit per group of modules, in the
+    order above. (xdist's own `loadgroup` marks do not reach its scheduler under pytest 9.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return _group(nodeid)
+
+    config.option.loadscopereorder = False
+    return ModuleGroups(config, log)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """A module's compiled programs and arrays are freed after it: a worker runs many modules
+    (two workers at ~10 GB each ran this machine out of memory). The persistent cache makes any
+    program a later module needs again cheap to get back."""
+    yield
+    import gc
+    jax.clear_caches()
+    gc.collect()
 
 
 # SmolLM2-135M-Instruct, loaded once for the session. Tests only read these objects: they must
@@ -43,3 +117,62 @@ def smol_model(smol_dir):
     from grpo_jax import hf
     model, _ = hf.load_model(str(smol_dir), dtype=jnp.float32)
     return model
+
+
+# ------------------------------------------------------------------ vLLM server, shared
+# test_vllm, test_vllm_async and test_vllm_sampling_bias share one server of a tiny Llama (each
+# module starts by pushing the model's initial weights back: test_vllm.server); test_tools and
+# test_vllm_weight_sync one of SmolLM2. Tests that kill or restart a server start their own,
+# except test_vllm's last, which kills the tiny one (marked kills_shared_server and run after the
+# group's other tests).
+
+def _start_vllm(model_dir, tmp, max_model_len, **env):
+    import time
+
+    from grpo_jax import serve
+    from grpo_jax.rollout.vllm_client import VLLMClient
+    from test_vllm import API_KEY, VLLM_PYTHON, free_port
+    if not VLLM_PYTHON:
+        pytest.skip("GRPO_JAX_VLLM_PYTHON is unset")
+    env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp / "cache"), **env)
+    srv = serve.start_server(model_dir, free_port(), python=VLLM_PYTHON,
+                             max_model_len=max_model_len, api_key=API_KEY,
+                             log_path=tmp / "server.log", env=env)
+    try:
+        start = time.monotonic()
+        VLLMClient(srv.base_url).wait_healthy(timeout=600, server=srv)
+        print(f"vLLM server healthy after {time.monotonic() - start:.0f} s")
+    except BaseException:
+        srv.stop()
+        raise
+    return srv
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """test_vllm's tiny random Llama (a word-level tokenizer vLLM can load)."""
+    from test_vllm import tiny_llama
+    return tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_vllm_server(tiny_llama_dir, tmp_path_factory):
+    """A vLLM CPU server for tiny_llama_dir, guarded by test_vllm.API_KEY; a 1 MiB cap on the
+    guarded JSON routes' bodies (test_weight_routes_check_bodies_and_dtypes; the weights travel
+    in raw buckets, which have their own check)."""
+    srv = _start_vllm(tiny_llama_dir, tmp_path_factory.mktemp("vllm_server"), 256,
+                      GRPO_JAX_MAX_BODY_BYTES=str(1 << 20))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def smol_vllm_server(smol_dir, tmp_path_factory):
+    """A vLLM CPU server for SmolLM2 (guarded by test_vllm.API_KEY) and the directories it could
+    write to: its TMPDIR, its cache and the model's (test_vllm_weight_sync checks they stay
+    unchanged)."""
+    tmp = tmp_path_factory.mktemp("smol_server")
+    (tmp / "tmp").mkdir()
+    srv = _start_vllm(smol_dir, tmp, 1024, TMPDIR=str(tmp / "tmp"))
+    yield srv, [tmp / "tmp", tmp / "cache", smol_dir]
+    srv.stop()

@@ -23,4 +23,7 @@ AOT_VENV="${GRPO_JAX_AOT_VENV:-$PWD/.venv-aot}"  # libtpu + CUDA plugin: tests/t
 bash .ci/install_aot.sh "$AOT_VENV"
 export GRPO_JAX_AOT_PYTHON="$AOT_VENV/bin/python"
 export HF_HUB_OFFLINE=1
-python -m pytest -q -p no:cacheprovider "$@"
+# Two workers (pytest-xdist): one module per worker at a time, modules that share a server
+# together, the longest first (tests/conftest.py). GRPO_JAX_TEST_WORKERS=0 runs in one process.
+workers="${GRPO_JAX_TEST_WORKERS:-2}"
+python -m pytest -q -p no:cacheprovider -n "$workers" "$@"

@@ -330,6 +330,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     assert (mult["body"], unknown) == (6.0, 0)
 
 
+@pytest.mark.slow
 def test_auto_finds_a_layout_that_fits_where_the_default_does_not(tmp_path):
     """On the suite's 8 CPU devices with a per-device memory budget that today's default
     layout (params replicated) does not fit, --auto's search compiles candidates and returns a

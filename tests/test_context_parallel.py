@@ -136,6 +136,7 @@ TINY = ModelConfig(model_type="gemma2", vocab_size=96, hidden_size=32, intermedi
 
 
 @eight_devices
+@pytest.mark.slow
 def test_context_axis_equals_one_device_tiny():
     """A Gemma-2-like model (sliding-window and full layers in one scan, soft-capped scores and
     logits) on a (data 1, fsdp 2, context 2, tensor 2) mesh, positions zig-zag over the context
@@ -172,6 +173,7 @@ def test_context_axis_equals_one_device_smollm2(smol_model):
 
 
 @eight_devices
+@pytest.mark.slow
 def test_sampler_with_cache_split_by_position():
     """The sampler on a (fsdp 2, context 4) mesh, its KV cache's slots split over the context
     axis, prompts prefilled 8 tokens at a time, against one device with unchunked prefill:

@@ -112,6 +112,7 @@ def runs(tiny_dir, tmp_path_factory):  # noqa: F811
     return root
 
 
+@pytest.mark.slow
 def test_eval_runs_on_schedule_with_trl_names(runs):
     history = records(runs / "eval")
     evals = [h for h in history if "eval_reward" in h]

@@ -60,6 +60,7 @@ def test_the_switches_matter(tmp_path):
 
 
 @pytest.mark.parametrize("family", NEW)
+@pytest.mark.slow
 def test_kv_cache_path_matches_full_forward(tmp_path, family):
     """Prefill 5 tokens, then decode the rest one at a time: the sliding layers' ring buffers
     (window 4 or 5 slots for 12 positions) wrap, and every step's logits equal the full
@@ -197,6 +198,7 @@ def test_gemma2_trains_like_its_grads(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+@pytest.mark.slow
 def test_grpo_run_on_a_gemma_policy(tmp_path, family):
     """Two GRPO steps with a tiny Gemma policy, fsdp over 4 devices, prompts longer than its
     window: the sampler's log-probs (ring cache, soft-caps) equal the train step's."""

@@ -180,6 +180,7 @@ def remount_read_only(path: Path) -> None:
 
 
 @pytest.mark.parametrize("fault", ["immutable", "read-only", "full"])
+@pytest.mark.slow
 def test_checkpoint_writes_failing_mid_run_stop_at_once(tiny_dir, tmp_path, fault):  # noqa: F811
     """The directory becomes unwritable (or the disk full) after some checkpoints: the run
     stops within a bound with one line naming the error, the directory and the last good
@@ -224,6 +225,7 @@ STALL = f"{HERE / 'reward_fixtures.py'}:even_tokens_then_stall"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+@pytest.mark.slow
 def test_signal_mid_round_stops_at_once_with_128_plus_signal(
         tiny_dir, tmp_path, monkeypatch, sig):  # noqa: F811
     """The signal lands while round 3 is being scored (a reward that stalls for 10 minutes): the
@@ -285,6 +287,7 @@ def _corrupt(step_dir: Path, how: str) -> None:
 CORRUPTIONS = ["truncated data file", "missing _METADATA", "garbage metadata", "missing state/"]
 
 
+@pytest.mark.slow
 def test_resume_sets_corrupt_checkpoints_aside_and_takes_the_newest_good_one(
         tiny_dir, tmp_path, capsys):  # noqa: F811
     """Checkpoints 2 to 5 are damaged four ways: each is named in one line, renamed (kept)
@@ -309,6 +312,7 @@ def test_resume_sets_corrupt_checkpoints_aside_and_takes_the_newest_good_one(
                                                                                      5, 6]
 
 
+@pytest.mark.slow
 def test_resume_with_settings_that_change_the_state_says_which(tiny_dir, tmp_path):  # noqa: F811
     from grpo_jax.checkpoint import CheckpointMismatchError
     from grpo_jax.train import train
@@ -324,6 +328,7 @@ def test_resume_with_settings_that_change_the_state_says_which(tiny_dir, tmp_pat
 
 # ------------------------------------------------------------------ rewards
 
+@pytest.mark.slow
 def test_nan_rewards_for_a_whole_batch_are_said_not_trained_on_silently(
         tiny_dir, tmp_path, capsys):  # noqa: F811
     from grpo_jax.train import train
@@ -424,6 +429,7 @@ def _export(run_dir, out, *extra):
                  *extra])
 
 
+@pytest.mark.slow
 def test_export_of_a_damaged_checkpoint_is_one_line(run_dir, tmp_path, capsys):
     damaged = tmp_path / "damaged"
     shutil.copytree(run_dir, damaged)

@@ -35,6 +35,7 @@ def _adapted(peft=PeftArgs(use_peft=True, lora_target_modules=ALL), seed=0, b_sc
     return model
 
 
+@pytest.mark.slow
 def test_zero_b_starts_at_the_base_and_adapters_change_the_output():
     base = Decoder(CFG, rngs=nnx.Rngs(0))
     np.testing.assert_array_equal(jax_logits(_adapted()), jax_logits(base))
@@ -90,6 +91,7 @@ def _trainer(model, mesh, lr=1e-2):
                    10, mesh)
 
 
+@pytest.mark.slow
 def test_trainer_trains_only_the_adapters_and_the_reference_is_the_base():
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=2, fsdp=2, tp=2))
     model = _adapted(b_scale=0.01)
@@ -305,6 +307,7 @@ def test_quantized_weights_and_the_dequantized_matmul(bits, rel):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.slow
 def test_trainer_on_a_quantized_base(bits):
     from grpo_jax.models import quant
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=2, fsdp=2, tp=2))
@@ -347,6 +350,7 @@ def test_load_quantizes_each_weight_as_it_is_placed(tiny_dir, bits):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.slow
 def test_sampler_runs_the_adapters_on_a_quantized_base(bits):
     """QLoRA's JAX sampler takes (adapters, quantized base), never a dequantized merged copy:
     its log-probs are the LoRA model's own (as the trainer computes them) on a mesh and off,
@@ -432,6 +436,7 @@ def test_smollm2_quantized_base_logits_within_tolerance(smol_dir, smol_model):
 
 
 @pytest.mark.parametrize("quant_key", ["load_in_8bit", "load_in_4bit"])
+@pytest.mark.slow
 def test_qlora_run_and_merged_export(tmp_path, tiny_dir, quant_key):
     import transformers
 
@@ -468,6 +473,7 @@ def _max_diff(a, b):
     return max(jax.tree.leaves(jax.tree.map(lambda x, y: float(np.abs(x - y).max()), a, b)))
 
 
+@pytest.mark.slow
 def test_lora_dropout_in_the_train_forward_only():
     batch = make_batch(with_old=False, with_ref=False)
     key = jax.random.key(7)
@@ -490,6 +496,7 @@ def test_lora_dropout_in_the_train_forward_only():
     assert _max_diff(g1, _grads(dropped, batch, jax.random.key(8))[1]) > 1e-4
 
 
+@pytest.mark.slow
 def test_trainer_with_lora_dropout_on_a_mesh():
     """Sharded over (dp, fsdp, tp): the step drops (other adapters after it than without
     dropout), while the log-prob passes (old, reference) do not."""

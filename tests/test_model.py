@@ -162,6 +162,7 @@ def test_kv_cache_path_matches_full_forward(tmp_path, family):
     assert np.asarray(cache.k[0])[:, :, 8:].max() == 0  # unwritten slots stay empty
 
 
+@pytest.mark.slow
 def test_remat_policies_give_the_same_gradient(tmp_path):
     import jax
     from flax import nnx

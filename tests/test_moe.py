@@ -59,6 +59,7 @@ def test_logits_match_transformers(tiny, name):
     assert _diff(_logits(model), hf_logits(ref, TOKENS, MASK)) < 1e-4
 
 
+@pytest.mark.slow
 def test_the_switches_matter(tiny):
     """Each MoE switch changes the logits, so the parity above tests it."""
     for name, changes in (
@@ -76,6 +77,7 @@ def test_the_switches_matter(tiny):
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.slow
 def test_kv_cache_path_matches_full_forward(tiny, name):
     """Prefill 5 tokens, then decode the rest one at a time (the sliding layers' rings wrap):
     every step's logits equal the full forward's."""
@@ -218,6 +220,7 @@ def test_aux_loss_matches_transformers(tiny):
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.slow
 def test_loss_with_aux_term_matches_trl(tiny, name):
     """TRL 1.16's own GRPOTrainer._compute_loss on the transformers model (its fused LM head,
     the aux loss from output_router_logits) over k = 2 micro-batches against the train step's
@@ -287,6 +290,7 @@ def test_loss_with_aux_term_matches_trl(tiny, name):
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py)")
 @pytest.mark.parametrize("name,shape", [("qwen3_moe", (1, 2, 1, 4)), ("gpt_oss", (1, 2, 2, 2))],
                          ids=["fsdp2-ep4", "fsdp2-ep2-tp2"])
+@pytest.mark.slow
 def test_expert_parallel_equals_one_device(tiny, name, shape):
     """Experts split over an `expert` mesh axis (tokens gathered over it, outputs
     reduce-scattered; with a tensor axis, each expert's hidden width split too) give one
@@ -321,6 +325,7 @@ def test_expert_parallel_equals_one_device(tiny, name, shape):
 
 
 @pytest.mark.parametrize("family", ["gpt_oss"])
+@pytest.mark.slow
 def test_grpo_run_on_a_moe_policy(tmp_path, family):
     """Two GRPO steps with a tiny MoE policy (gpt-oss: sinks, biases, ring caches; Qwen3-MoE's
     mixed layers in the sampler are covered by the generation tests above), fsdp 2 x expert 2

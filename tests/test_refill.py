@@ -55,6 +55,7 @@ def _model(case):
 
 @pytest.mark.parametrize("case,slots", [("plain", 2), ("plain", 8), ("mesh", 3), ("sliding", 8),
                                         ("qlora", 8)])
+@pytest.mark.slow
 def test_refilled_slots_draw_what_one_batch_does(case, slots):
     """20 rows (5 prompts x 4) through 2 or 3 slots (a group larger than the slots) and 8
     (two whole groups), refilled and in static sub-batches, give one batch's tokens; their

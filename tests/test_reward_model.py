@@ -244,6 +244,7 @@ def test_bad_reward_model_stops_the_program_with_one_line(tmp_path, capsys):
     assert "reward model" in errors[0] and "not a ...ForSequenceClassification" in errors[0]
 
 
+@pytest.mark.slow
 def test_grpo_run_with_a_reward_model(tmp_path):
     """A reward model beside a function: its column is logged under its name, and the rewards
     (weight 0 on the function) are transformers' scores of TRL's texts of the completions."""

@@ -14,6 +14,7 @@ from grpo_jax.train import train
 GAME = f"{HERE / 'reward_fixtures.py'}:two_turn_game"
 
 
+@pytest.mark.slow
 def test_a_two_turn_game_trains(tiny_dir, tmp_path):  # noqa: F811
     """The environment's tokens carry no loss (tool_mask from env_mask), the sampler's
     log-probs of both turns equal the trainer's over the whole sequence, and the function's

@@ -331,6 +331,7 @@ def test_update_logged_is_trls_per_micro_batch_buffer():
         {"loss": 1.0, GENERATION_SUMS: sums}, block=None).append
 
 
+@pytest.mark.slow
 def test_logged_learning_rate_is_the_applied_one_after_a_skipped_update():
     """apply_if_finite leaves adamw's schedule count alone on a skipped update (transformers
     does not step its scheduler either): the logged rate must follow that count, not the step."""

@@ -156,6 +156,7 @@ def test_sampled_logp_equals_trainer_and_seeds(tmp_path, compiled):
 
 
 @pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
+@pytest.mark.slow
 def test_prefill_once_per_prompt_gives_the_same_tokens(tmp_path, mesh_shape):
     """A group's prompt is prefilled once and its cache copied to the group's rows: the same
     tokens and log-probs as prefilling every row (each row its own prompt; rows draw from the

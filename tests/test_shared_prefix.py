@@ -132,6 +132,7 @@ TINY = ModelConfig(model_type="gemma3_text", vocab_size=96, hidden_size=32, inte
 
 
 @pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.slow
 def test_sliding_window_layers_and_remat(remat):
     """Gemma-3-like layers (sliding windows shorter than the prompt, mixed with full ones,
     their own RoPE base), with and without remat: log-probs and gradients as plain."""

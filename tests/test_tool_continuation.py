@@ -45,6 +45,7 @@ def _compiles(caplog, name):
             if f"Compiling jit({name})" in r.getMessage()]
 
 
+@pytest.mark.slow
 def test_turns_continue_as_re_prefills_do(smol_model, tok, caplog):  # noqa: F811
     """Two continued turns give `generate`'s tokens on the whole context, for rows picked from
     the cache in any order, a context that rewrites part of a cached turn (only its tail is
@@ -154,6 +155,7 @@ def test_multi_turn_logprobs_in_float64_meet_1e5():
 
 
 @pytest.mark.parametrize("mesh_shape", [None, (2, 2, 2)])
+@pytest.mark.slow
 def test_three_turns_with_a_repetition_penalty_on_a_small_model(mesh_shape):
     """On a small random model (fast to compile), on one device and on a (2, 2, 2) mesh: three
     continued turns with a repetition penalty and top-k sample what `generate` does on the

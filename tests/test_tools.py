@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import transformers
 
-from test_vllm import API_KEY, VLLM_PYTHON, free_port, needs_vllm
+from test_vllm import API_KEY, needs_vllm
 
 from grpo_jax import data
 from grpo_jax.calculator import SHOTS, calculator
@@ -74,6 +74,7 @@ def _batch(r):
                  sampler_logp=r.sampler_logp, tool_mask=r.tool_mask)
 
 
+@pytest.mark.slow
 def test_turns_and_tool_mask(rollout, tok):
     """A row that called the tool holds: its call, the rendered result (tool_mask 0: exactly
     the template's tokens for the tool message and the next assistant header), then the
@@ -102,6 +103,7 @@ def test_turns_and_tool_mask(rollout, tok):
         assert (rollout.tool_mask[i] == 1).all() and len(rollout.completions[i]) == 1
 
 
+@pytest.mark.slow
 def test_multi_turn_logprobs_equal_the_trainers(rollout, smol_model):
     """The trainer's per-token log-probs over prompt + calls + results + answers equal the
     sampler's at every model-written token, later turns continued from the KV cache. fp32 on
@@ -119,6 +121,7 @@ def test_multi_turn_logprobs_equal_the_trainers(rollout, smol_model):
     assert (batch.model_mask() != batch.completion_mask).any()  # tool results are in there
 
 
+@pytest.mark.slow
 def test_continued_turns_equal_re_prefilled_ones(rollout, reprefilled, smol_model):
     """Turns continued from the KV cache sample the same tokens from the same keys as turns
     that re-prefill the whole context, with log-probs within fp32 noise of each other; and the
@@ -219,6 +222,7 @@ def test_tool_failures_are_trls_error_messages(tool_call, want):
     assert failed and result == {"error": want}
 
 
+@pytest.mark.slow
 def test_timeouts_and_exceptions_go_back_to_the_model(smol_model, tok):
     """A tool that raises and one that times out: the model reads TRL's {'error': ...}, the
     failures are counted, and generation continues after them."""
@@ -257,6 +261,7 @@ def test_parse_turn(tok):
     assert plain == {"role": "assistant", "content": "It is 6."}
 
 
+@pytest.mark.slow
 def test_iteration_cap(smol_model, tok):
     """max_tool_calling_iterations 0: calls are parsed but never run (TRL's loop does not
     start), so every completion is one turn."""
@@ -313,31 +318,26 @@ def test_grpo_run_with_a_calculator(tmp_path):
 
 
 @needs_vllm
-def test_multi_turn_on_the_vllm_server(smol_dir, smol_model, tok, tmp_path):
-    """The same loop with rollouts from a real vLLM CPU server serving SmolLM2: the follow-up
-    turns are requests of prompt + completion + results, and the server's log-probs of every
-    model-written token equal the trainer's over the whole sequence (< 1e-4)."""
-    import os
-
-    from grpo_jax import serve
+def test_multi_turn_on_the_vllm_server(smol_dir, smol_model, tok, smol_vllm_server):
+    """The same loop with rollouts from a real vLLM CPU server serving SmolLM2 (the session's,
+    tests/conftest.py): the follow-up turns are requests of prompt + completion + results, and
+    the server's log-probs of every model-written token equal the trainer's over the whole
+    sequence (< 1e-4)."""
     from grpo_jax.cli import load_config
+    from grpo_jax.hf import params_numpy
     from grpo_jax.rollout.vllm_client import VLLMClient
     from grpo_jax.rollout.vllm_rollout import VLLMRollout
-    env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp_path / "cache"))
-    srv = serve.start_server(smol_dir, free_port(), python=VLLM_PYTHON, max_model_len=1024,
-                             api_key=API_KEY, log_path=tmp_path / "server.log", env=env)
-    try:
-        VLLMClient(srv.base_url).wait_healthy(timeout=400, server=srv)
-        cfg = load_config(None, [f"{k}={v}" for k, v in {
-            "name_or_path": smol_dir, "backend": "vllm", "vllm_server_base_url": srv.base_url,
-            "vllm_server_api_key": API_KEY, "max_completion_length": C,
-            "temperature": 1.0}.items()])
-        inner = VLLMRollout(cfg, smol_model.cfg, tok, smol_dir)
-        r = tools.ToolRollout(inner, tok, tools.Toolbox([calculator], 10.0), None,
-                              inner.sp.stop_token_ids, tok.pad_token_id).generate(
-            None, prompt_ids(tok), 4, jax.random.key(0))
-    finally:
-        srv.stop()
+    srv, _ = smol_vllm_server
+    with VLLMClient(srv.base_url, api_key=API_KEY) as client:  # whatever a test pushed before
+        client.sync_weights(smol_model.cfg, params_numpy(smol_model))
+    cfg = load_config(None, [f"{k}={v}" for k, v in {
+        "name_or_path": smol_dir, "backend": "vllm", "vllm_server_base_url": srv.base_url,
+        "vllm_server_api_key": API_KEY, "max_completion_length": C,
+        "temperature": 1.0}.items()])
+    inner = VLLMRollout(cfg, smol_model.cfg, tok, smol_dir)
+    r = tools.ToolRollout(inner, tok, tools.Toolbox([calculator], 10.0), None,
+                          inner.sp.stop_token_ids, tok.pad_token_id).generate(
+        None, prompt_ids(tok), 4, jax.random.key(0))
     assert any(len(turns) > 2 for turns in r.completions)  # a call, a result, another turn
     batch = _batch(r)
     logp, _ = completion_logps(smol_model, batch, 1.0, 128)

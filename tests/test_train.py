@@ -60,6 +60,7 @@ def rewards_of(out):
     return [h["reward"] for h in records(out)]
 
 
+@pytest.mark.slow
 def test_tiny_model_learns_synthetic_reward(tiny_dir, tmp_path):
     cfg = config(tiny_dir, tmp_path / "run")
     train(cfg, devices=jax.devices()[:1])
@@ -75,6 +76,7 @@ def test_tiny_model_learns_synthetic_reward(tiny_dir, tmp_path):
     assert (tmp_path / "run" / "reward_kl.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_later_rounds_compile_nothing(tiny_dir, tmp_path, monkeypatch):
     """Every program (sampler, train step, log-probs, host-side helpers) compiles during the
     first two rounds; later rounds only run them (a recompile costs seconds on a GPU)."""
@@ -99,6 +101,7 @@ def test_later_rounds_compile_nothing(tiny_dir, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.slow
 def test_reference_model_only_when_beta_positive(tiny_dir, tmp_path, monkeypatch, beta):
     """beta = 0: no reference params are kept, stored or run (TRL's behaviour)."""
     from grpo_jax.trainer import Trainer
@@ -143,6 +146,7 @@ def _rows(prompt_ids, prompt_mask, completion_ids, completion_mask):
     (4, 12, 2, 3, 2),  # steps_per_generation 3: two generations make three updates
     (4, 4, 2, 2, 4),   # steps_per_generation 1 < 2: an update every second generation
 ])
+@pytest.mark.slow
 def test_every_completion_trained_on_when_spg_is_not_a_multiple_of_gas(
         tiny_dir, tmp_path, monkeypatch, per_device, gbs, gas, max_steps, rounds):
     """TRL trains on every micro-batch; an accumulation window may span two generations. A
@@ -181,6 +185,7 @@ def test_every_completion_trained_on_when_spg_is_not_a_multiple_of_gas(
                and h["rewards/even_tokens/mean"] is not None for h in generating)
 
 
+@pytest.mark.slow
 def test_an_epoch_ends_with_a_partial_window(tiny_dir, tmp_path, monkeypatch):
     """3 prompts: an epoch is one generation of 3 micro-batches; with gas 2 transformers takes
     windows of 2 and 1 micro-batches (none spans two epochs) and logs the epoch as optimizer
@@ -193,6 +198,7 @@ def test_an_epoch_ends_with_a_partial_window(tiny_dir, tmp_path, monkeypatch):
     assert [h["epoch"] for h in records(tmp_path / "run")] == pytest.approx([2 / 3, 1, 5 / 3, 2])
 
 
+@pytest.mark.slow
 def test_max_steps_is_exact_mid_round_and_resume_trains_the_rest(tiny_dir, tmp_path,
                                                                   monkeypatch):
     """Four updates per generation (steps_per_generation 4), max_steps 3, logging_steps 1:
@@ -322,6 +328,7 @@ def test_export_loads_in_transformers(tiny_dir, tmp_path):
     (["--set", f"reward_funcs=[{HERE / 'reward_fixtures.py'}:raises]"], "raises"),
     (["--set", f"reward_funcs=[{HERE / 'reward_fixtures.py'}:wrong_length]"], "wrong_length"),
 ])
+@pytest.mark.slow
 def test_bad_input_one_clear_error_and_checkpoints_intact(tiny_dir, tmp_path, capsys, args,
                                                           message):
     from grpo_jax.train import main
@@ -361,6 +368,7 @@ def _ref_at(out, cfg, step):
     return [np.asarray(x) for x in jax.tree.leaves(ref)]
 
 
+@pytest.mark.slow
 def test_sync_ref_model_mixes_every_sync_steps(tiny_dir, tmp_path, monkeypatch):
     """TR-DPO as TRL's SyncRefModelCallback: after optimizer steps 2 and 4 (of 5; one update a
     round), ref = 0.6 * policy + 0.4 * ref, starting from the initial params; the next
@@ -409,6 +417,7 @@ def test_sync_ref_model_needs_beta(tiny_dir, tmp_path):
         config(tiny_dir, tmp_path / "run", sync_ref_model=True, beta=0.0)
 
 
+@pytest.mark.slow
 def test_sync_ref_model_resume_equals_uninterrupted(tiny_dir, tmp_path):
     """The reference is checkpointed with the state: stopping at step 3 (after the sync at 2)
     and resuming to 6 gives the params and reference of a run straight to 6."""
@@ -453,6 +462,7 @@ def _history(out):
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").open()]
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_trains_only_on_groups_with_signal(tiny_dir, odd_posts_run):
     """No group of an even-numbered post reaches an update, and every group an update sees has
     rewards that differ; the batches take more than one generation, which the metrics count."""
@@ -476,6 +486,7 @@ def test_dynamic_sampling_trains_only_on_groups_with_signal(tiny_dir, odd_posts_
     assert all(0.25 <= h["dynamic_sampling/filtered_frac"] < 1.0 for h in history), history
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_constant_reward_stops_with_one_line(tiny_dir, tmp_path):
     run = _run_cli(_cli_args(tiny_dir, tmp_path / "run", max_steps=2, dynamic_sampling=True,
                              max_num_gen_batches=2,
@@ -486,6 +497,7 @@ def test_dynamic_sampling_constant_reward_stops_with_one_line(tiny_dir, tmp_path
     assert "2 generation batches" in errors[0] and "the reward gives no signal" in errors[0]
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_resume_mid_batch_equals_uninterrupted(tiny_dir, tmp_path,
                                                               monkeypatch, odd_posts_run):
     """Interrupted twice while a batch is half filled: by SIGTERM in batch 2's first generation

