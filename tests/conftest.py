@@ -4,11 +4,7 @@ import os
 import shutil
 import tempfile
 
-# XLA's CPU backend at -O0: most of the suite's time is compiling small programs once each, and
-# LLVM's optimisations cost a third of that without changing what a test checks (float math is
-# IEEE either way; XLA enables no fast-math on CPU).
-TEST_XLA_FLAGS = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-os.environ.setdefault("XLA_FLAGS", TEST_XLA_FLAGS)
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # JAX's persistent compilation cache, one per run (made by the first process; pytest-xdist's
 # workers and every subprocess a test starts inherit it): a program compiled by any of them is
 # never compiled again in this run, and a fresh run compiles everything once.
@@ -59,6 +55,17 @@ def pytest_collection_modifyitems(config, items):
                                order[id(it)]))
 
 
+_GROUP_SERVERS: dict[str, list] = {}  # group -> the shared servers it started
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """A group's shared servers stop when its last test is done (not at the session's end: a
+    SmolLM2 server holds ~4 GB while the worker runs other modules)."""
+    if nextitem is None or _group(nextitem.nodeid) != _group(item.nodeid):
+        for srv in _GROUP_SERVERS.pop(_group(item.nodeid), []):
+            srv.stop()
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """With `-n N` (xdist's default `--dist load`): one work unit per group of modules, in the
@@ -81,9 +88,14 @@ def _release_compiled_programs():
     (two workers at ~10 GB each ran this machine out of memory). The persistent cache makes any
     program a later module needs again cheap to get back."""
     yield
+    import ctypes
     import gc
     jax.clear_caches()
     gc.collect()
+    try:  # and hand the freed heap back: glibc keeps it otherwise, and RSS only grows
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
 
 
 # SmolLM2-135M-Instruct, loaded once for the session. Tests only read these objects: they must
@@ -162,6 +174,7 @@ def tiny_vllm_server(tiny_llama_dir, tmp_path_factory):
     in raw buckets, which have their own check)."""
     srv = _start_vllm(tiny_llama_dir, tmp_path_factory.mktemp("vllm_server"), 256,
                       GRPO_JAX_MAX_BODY_BYTES=str(1 << 20))
+    _GROUP_SERVERS.setdefault("vllm_tiny", []).append(srv)
     yield srv
     srv.stop()
 
@@ -174,5 +187,6 @@ def smol_vllm_server(smol_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("smol_server")
     (tmp / "tmp").mkdir()
     srv = _start_vllm(smol_dir, tmp, 1024, TMPDIR=str(tmp / "tmp"))
+    _GROUP_SERVERS.setdefault("vllm_smol", []).append(srv)
     yield srv, [tmp / "tmp", tmp / "cache", smol_dir]
     srv.stop()
