@@ -63,6 +63,7 @@ META = {"data": {"epoch": 1, "position": 37}, "config": {"learning_rate": 1e-6, 
         "metrics": {"reward": -0.125, "kl": [0.5, 1.5]}, "note": "é"}
 
 
+@pytest.mark.slow
 def test_roundtrip_bit_exact_and_resume_continues_identically(tmp_path):
     tx, state = _train_state()
     with Checkpointer(tmp_path / "ckpt", save_total_limit=None, async_save=False) as ckpt:

@@ -283,6 +283,7 @@ RECIPES = sorted((Path(__file__).parent / "recipes").glob("openr1_*.yaml"))
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+@pytest.mark.slow
 def test_trl_recipes_load_and_stop_only_at_the_hub(recipe, tmp_path, capsys):
     """Recipes as TRL / open-r1 users write them (TrainingArguments keys included) load as they
     are: keys that change training are mapped, the others named once with the reason; offline,

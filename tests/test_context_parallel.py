@@ -27,6 +27,7 @@ eight_devices = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devic
 @pytest.mark.parametrize("window,cap,queries", [(None, None, "self"), (6, 3.0, "self"),
                                                 (None, None, "after_prompt"),
                                                 (5, None, "zigzag")])
+@pytest.mark.slow
 def test_blockwise_attention_equals_plain(window, cap, queries):
     """attention.flash (8 queries and keys per block, some pairs skipped) against the plain
     attention with the same mask as a [B, T, S] array: outputs and the gradients of q, k, v

@@ -128,6 +128,7 @@ def restorable(cfg, directory: Path, step: int) -> None:
 
 # ------------------------------------------------------------------ checkpoint writes
 
+@pytest.mark.slow
 def test_unwritable_checkpoint_directory_before_the_first_save(tiny_dir, tmp_path):  # noqa: F811
     out = tmp_path / "run"
     (out / "checkpoints").mkdir(parents=True)

@@ -188,6 +188,7 @@ def _ours_and_peft(tmp_path, family, **peft):
 @pytest.mark.parametrize("family,targets,rslora", [("llama", ALL, False),
                                                    ("qwen2", ("q_proj", "o_proj", "up_proj"),
                                                     True)])
+@pytest.mark.slow
 def test_our_adapter_loads_in_peft_with_the_same_logits(tmp_path, family, targets, rslora):
     model, ref = _ours_and_peft(tmp_path, family, lora_target_modules=targets,
                                 use_rslora=rslora)
@@ -199,6 +200,7 @@ def test_our_adapter_loads_in_peft_with_the_same_logits(tmp_path, family, target
     assert np.abs(theirs - ours)[real].max() < 1e-4
 
 
+@pytest.mark.slow
 def test_peft_adapter_is_our_starting_point_and_merge_export(tmp_path):
     import transformers
     tiny_hf_model("qwen2", tie=True).save_pretrained(tmp_path / "base")
@@ -289,6 +291,7 @@ def test_lora_run_checkpoints_adapters_only_resumes_exactly_and_exports(tmp_path
 
 
 @pytest.mark.parametrize("bits,rel", [(8, 0.01), (4, 0.1)])
+@pytest.mark.slow
 def test_quantized_weights_and_the_dequantized_matmul(bits, rel):
     from grpo_jax.models import quant
     w = jax.random.normal(jax.random.key(0), (2, 128, 4, 16))
@@ -331,6 +334,7 @@ def test_trainer_on_a_quantized_base(bits):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.slow
 def test_load_quantizes_each_weight_as_it_is_placed(tiny_dir, bits):
     """hf.load_model(quant_bits=) (a projection quantized right after it is placed, a layer at
     a time) stores what quantizing the loaded model stores, sharded as the weights are."""

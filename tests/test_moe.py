@@ -49,6 +49,7 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", MODELS)
+@pytest.mark.slow
 def test_logits_match_transformers(tiny, name):
     ref, _, model = tiny(name)
     cfg = model.cfg
@@ -368,6 +369,7 @@ def test_weight_sync_sends_the_checkpoint_names(tiny, name):
         np.testing.assert_array_equal(sent[k], want[k], err_msg=k)
 
 
+@pytest.mark.slow
 def test_lora_adapter_on_a_moe_loads_in_peft_with_the_same_logits(tmp_path):
     """LoRA on Qwen3-MoE's attention: PEFT loads the adapter we save and gives our logits. An
     MLP module that no layer of a model has is refused, and so is PEFT's target_parameters.

@@ -135,6 +135,7 @@ def trainer_logp(model, out: RolloutBatch, temperature):
     return np.asarray(completion_logps(model, batch, temperature, chunk=128)[0])
 
 
+@pytest.mark.slow
 def test_sampled_logp_equals_trainer_and_seeds(tmp_path, compiled):
     _, model = _load(tmp_path, "qwen2", tie=True)
     sp = SamplingParams(max_completion_length=C, temperature=0.7, stop_token_ids=STOPS)

@@ -136,6 +136,7 @@ def test_prepared_as_trl_prepares_it(path, templated, monkeypatch):
         assert ours["tool_calls"] == [CALL], ours
 
 
+@pytest.mark.slow
 def test_what_is_taken(templated, monkeypatch):
     """The templates (with their special tokens) the tool loop takes, and why others not."""
     outcome = {p.stem: prepare(templated(p), "trl", monkeypatch) for p in TEMPLATES}

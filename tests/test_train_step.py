@@ -104,6 +104,7 @@ def test_sharded_step_equals_single_device():
     assert int(s8.step) == 1 and int(m8["skipped_updates"]) == 0
 
 
+@pytest.mark.slow
 def test_nonfinite_gradient_skips_update():
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(1, 1, 1), jax.devices()[:1])
     batch = make_batch(2)
@@ -118,6 +119,7 @@ def test_nonfinite_gradient_skips_update():
         np.testing.assert_array_equal(a, np.asarray(b))
 
 
+@pytest.mark.slow
 def test_metrics_have_trl_names():
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(1, 1, 1), jax.devices()[:1])
     _, _, m = _step_once(mesh, make_batch(3), k=1)
@@ -129,6 +131,7 @@ def test_metrics_have_trl_names():
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "bnpo"])
+@pytest.mark.slow
 def test_eval_loss_is_one_micro_batch_of_the_train_loss(loss_type):
     """batch_loss (evaluation: TRL's loss in eval mode, no accumulation) == the step's loss over
     the same batch as one micro-batch, with KL, old log-probs and the entropy bonus on."""
@@ -145,6 +148,7 @@ def test_eval_loss_is_one_micro_batch_of_the_train_loss(loss_type):
     assert {"kl", "entropy", "policy_loss", "clip_ratio/region_mean"} <= set(got)
 
 
+@pytest.mark.slow
 def test_reference_copy_halves_memory_keeps_logps_and_chunks_agree():
     """The reference is kept with its matrices in the compute dtype: in a bf16 run its log-probs
     equal the fp32 masters' bit for bit (the forward casts them alike), its buffers are its own

@@ -45,6 +45,7 @@ def test_jax_source_announces_what_it_yields(model, dtype):
 
 
 @_SKIP
+@pytest.mark.slow
 def test_order_is_vllms_layerwise_order(model):
     from grpo_jax.rollout.nccl_sync import hf_parts
     names = list(hf_parts(model.cfg, "float32"))

@@ -4,6 +4,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from grpo_jax.grpo import optimizer as opt
@@ -26,6 +27,7 @@ def _named(tree):
             for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
+@pytest.mark.slow
 def test_decay_mask_matches_transformers_names():
     mask = _named(opt.decay_mask(_params()))
     assert {k for k, v in mask.items() if not v} == NO_DECAY
