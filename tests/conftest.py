@@ -55,15 +55,15 @@ def pytest_collection_modifyitems(config, items):
                                order[id(it)]))
 
 
-_GROUP_SERVERS: dict[str, list] = {}  # group -> the shared servers it started
+_SHARED_SERVERS: list = []  # the shared servers of the group now running (groups run whole)
 
 
 def pytest_runtest_teardown(item, nextitem):
     """A group's shared servers stop when its last test is done (not at the session's end: a
     SmolLM2 server holds ~4 GB while the worker runs other modules)."""
     if nextitem is None or _group(nextitem.nodeid) != _group(item.nodeid):
-        for srv in _GROUP_SERVERS.pop(_group(item.nodeid), []):
-            srv.stop()
+        while _SHARED_SERVERS:
+            _SHARED_SERVERS.pop().stop()
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -174,7 +174,7 @@ def tiny_vllm_server(tiny_llama_dir, tmp_path_factory):
     in raw buckets, which have their own check)."""
     srv = _start_vllm(tiny_llama_dir, tmp_path_factory.mktemp("vllm_server"), 256,
                       GRPO_JAX_MAX_BODY_BYTES=str(1 << 20))
-    _GROUP_SERVERS.setdefault("vllm_tiny", []).append(srv)
+    _SHARED_SERVERS.append(srv)
     yield srv
     srv.stop()
 
@@ -187,6 +187,6 @@ def smol_vllm_server(smol_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("smol_server")
     (tmp / "tmp").mkdir()
     srv = _start_vllm(smol_dir, tmp, 1024, TMPDIR=str(tmp / "tmp"))
-    _GROUP_SERVERS.setdefault("vllm_smol", []).append(srv)
+    _SHARED_SERVERS.append(srv)
     yield srv, [tmp / "tmp", tmp / "cache", smol_dir]
     srv.stop()
