@@ -40,21 +40,8 @@ from etils import epath
 
 from grpo_jax import distributed as dist
 from grpo_jax import storage
-from grpo_jax.errors import GrpoJaxError
+from grpo_jax.errors import CheckpointError, CheckpointMismatchError, CheckpointWriteError
 from grpo_jax.grpo.batch import Batch
-
-
-class CheckpointError(GrpoJaxError):
-    """No usable checkpoint where one was asked for."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """A checkpoint written by a run whose settings give the state another shape."""
-
-
-class CheckpointWriteError(CheckpointError):
-    """A checkpoint that could not be written; the run must stop (the message says where the
-    last good one is)."""
 
 
 def committed_steps(directory) -> list[int]:

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from grpo_jax.config import DataArgs
-from grpo_jax.errors import GrpoJaxError
+from grpo_jax.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +26,6 @@ FILE_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "p
 NOT_REWARD_COLUMNS = ("prompt", "prompt_ids", "completion", "completion_ids")
 ARITHMETIC_SIZE = 2000
 ARITHMETIC_TEST = 32  # held-out questions of the built-in 'arithmetic' (of 126)
-
-
-class DataError(GrpoJaxError, ValueError):
-    """A dataset that can't be loaded or used; the message says what to do."""
 
 
 class DataPosition(NamedTuple):

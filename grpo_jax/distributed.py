@@ -28,16 +28,12 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from grpo_jax.errors import GrpoJaxError
+from grpo_jax.errors import DistributedError
 
 ENV_COORDINATOR = ("GRPO_JAX_COORDINATOR", "JAX_COORDINATOR_ADDRESS")
 ENV_NUM_PROCESSES = "GRPO_JAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "GRPO_JAX_PROCESS_ID"
 MESSAGE_BYTES = 2048  # an error message carried to the other processes, truncated
-
-
-class DistributedError(GrpoJaxError, RuntimeError):
-    """Processes that can't be joined, or a failure on another process."""
 
 
 # ---------------------------------------------------------------- joining

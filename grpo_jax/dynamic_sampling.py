@@ -22,13 +22,10 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from grpo_jax.errors import GrpoJaxError
+from grpo_jax.errors import NoSignalError
 from grpo_jax.grpo import advantages as adv_lib
-from grpo_jax.rollout.sampler import RolloutBatch, merge_decode_metrics
-
-
-class NoSignalError(GrpoJaxError):
-    """max_num_gen_batches generations did not fill a batch with groups that have signal."""
+from grpo_jax.rollout.base import RolloutBatch
+from grpo_jax.rollout.sampler import merge_decode_metrics
 
 
 def groups_with_signal(per_func: np.ndarray, num_generations: int,

@@ -26,16 +26,12 @@ from pathlib import Path
 from grpo_jax import hf, peft_io, storage
 from grpo_jax.checkpoint import load_checkpoint
 from grpo_jax.cli import load_config
-from grpo_jax.errors import GrpoJaxError
+from grpo_jax.errors import GrpoJaxError, ExportError
 
 # Files of an old model that a new export must not leave beside its own (a loader would follow
 # a stale index to old shards).
 WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.index.json",
                 "*.pt", "*.pth", "*.gguf", "adapter_config.json")
-
-
-class ExportError(GrpoJaxError, ValueError):
-    """An export destination that is refused; the message says why and what to do."""
 
 
 def check_destination(out: Path, overwrite: bool, protected: dict[str, Path]) -> None:

@@ -22,8 +22,8 @@ from flax import nnx
 from safetensors import safe_open
 
 from grpo_jax import mesh as mesh_lib
-from grpo_jax.errors import GrpoJaxError
-from grpo_jax.models import Decoder, ModelConfig, ModelConfigError, param_table, quant
+from grpo_jax.errors import ModelConfigError, ModelLoadError
+from grpo_jax.models import Decoder, ModelConfig, param_table, quant
 from grpo_jax.models import mxfp4 as mxfp4_lib
 from grpo_jax.models.decoder import stack_of
 
@@ -33,10 +33,6 @@ TOKENIZER_FILES = (
     "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
     "chat_template.json", "generation_config.json",
 )
-
-
-class ModelLoadError(GrpoJaxError, RuntimeError):
-    """A model that can't be found or read; the message says what to do."""
 
 
 def cache_dir() -> Path:

@@ -11,6 +11,8 @@ import re
 import threading
 from typing import Any
 
+from grpo_jax.errors import RewardError
+
 _LAYOUT = re.compile(r"^<think>\n.*?\n</think>\n<answer>\n.*?\n</answer>$",
                      re.DOTALL | re.MULTILINE)
 
@@ -40,7 +42,6 @@ def math_accuracy(completions, solution, **kwargs) -> list[float | None]:
         from math_verify import LatexExtractionConfig, parse, verify
         from math_verify.parser import NormalizationConfig
     except ImportError as e:
-        from grpo_jax.rewards import RewardError
         raise RewardError("accuracy against a `solution` column needs math-verify: "
                           "pip install 'grpo-jax[math]'") from e
     # math-verify's timeout uses signals, which only the main thread may set.

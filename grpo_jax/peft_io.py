@@ -20,17 +20,13 @@ import safetensors.numpy
 from flax import nnx
 
 from grpo_jax import hf
-from grpo_jax.errors import ConfigError, GrpoJaxError
+from grpo_jax.errors import ConfigError, AdapterError
 from grpo_jax.models import Decoder, lora
 from grpo_jax.models.decoder import stack_of
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PREFIX = "base_model.model."
-
-
-class AdapterError(GrpoJaxError, ValueError):
-    """A PEFT adapter that can't be used with this model."""
 
 
 def adapter_dir(name_or_path: str) -> Path | None:

@@ -26,9 +26,9 @@ from safetensors import safe_open
 from grpo_jax import distributed as dist
 from grpo_jax import hf
 from grpo_jax import mesh as mesh_lib
-from grpo_jax.models import ModelConfig, ModelConfigError
-from grpo_jax.rewards import RewardError
-from grpo_jax.rollout.sampler import DEFAULT_BUCKETS
+from grpo_jax.errors import ModelConfigError, RewardError
+from grpo_jax.models import ModelConfig
+from grpo_jax.rollout.base import DEFAULT_BUCKETS
 
 ARCHITECTURE_SUFFIX = "ForSequenceClassification"
 SCORE_WEIGHT = "score.weight"  # transformers' GenericForSequenceClassification head, no bias

@@ -31,10 +31,7 @@ import numpy as np
 
 from grpo_jax import math_rewards
 from grpo_jax.math_rewards import completion_text as _text
-from grpo_jax.errors import GrpoJaxError
-
-class RewardError(GrpoJaxError, RuntimeError):
-    """A reward function that can't be loaded or returned something unusable."""
+from grpo_jax.errors import RewardError
 
 
 def reward_len(completions, **kwargs) -> list[float]:

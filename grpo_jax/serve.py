@@ -21,6 +21,7 @@ that a trainer on this host and account finds by itself (grpo_jax.rollout.server
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -30,23 +31,20 @@ import tempfile
 import time
 from pathlib import Path
 
-from grpo_jax.errors import GrpoJaxError
+from grpo_jax.errors import ServeError
 from grpo_jax.rollout import server_auth
 from grpo_jax.rollout.server_auth import is_loopback  # noqa: F401 (this module's API)
+from grpo_jax.rollout.wire import HTTP_BACKEND, SESSION_TOKEN_ENV
 
 WORKER_EXTENSION = "grpo_jax.rollout.vllm_worker.WeightReloadExtension"
 AUTH_MIDDLEWARE = "grpo_jax.rollout.vllm_worker.DevRouteAuth"
-WORKER_MODULES = ("vllm_worker.py", "vllm_http_engine.py")  # what the vLLM process imports of ours
+WORKER_MODULES = ("vllm_worker.py", "vllm_http_engine.py", "wire.py")  # what the vLLM process imports of ours
 # vLLM's weight-sync routes carry the weights themselves (grpo_jax.rollout.vllm_http_engine):
 # no shared filesystem, no NCCL. `--weight-transfer-config '{"backend": "nccl"}'` overrides it.
-WEIGHT_TRANSFER = '{"backend": "grpo_http"}'
+WEIGHT_TRANSFER = json.dumps({"backend": HTTP_BACKEND})
 VLLM_PYTHON_ENV = "GRPO_JAX_VLLM_PYTHON"
 # vLLM's accepted --max-lora-rank values (vllm.config.lora.MaxLoRARanks).
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-class ServeError(GrpoJaxError, ValueError):
-    """A server configuration that is refused; the message says how to fix it."""
 
 
 def check_bind(host: str, api_key: str | None) -> None:
@@ -150,7 +148,7 @@ def build_command(model_dir, *, host: str = "127.0.0.1", port: int = 8000,
     if api_key:
         env["VLLM_API_KEY"] = api_key  # in the environment, not in argv where `ps` shows it
     elif session_token:
-        env[server_auth.TOKEN_ENV] = session_token
+        env[SESSION_TOKEN_ENV] = session_token
     root = str(worker_pythonpath())
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     # `python -m` would put the working directory first on sys.path, and a source checkout's
@@ -259,7 +257,8 @@ def main(argv=None) -> None:
     api_key = args.api_key or os.environ.get("VLLM_API_KEY")
     try:
         check_bind(args.host, api_key)
-        from grpo_jax.hf import ModelLoadError, resolve_model_dir
+        from grpo_jax.errors import ModelLoadError
+        from grpo_jax.hf import resolve_model_dir
         try:
             model_dir = resolve_model_dir(args.model)
         except ModelLoadError as e:

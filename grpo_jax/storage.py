@@ -9,14 +9,10 @@ import os
 import tempfile
 from pathlib import Path
 
-from grpo_jax.errors import GrpoJaxError
+from grpo_jax.errors import StorageError
 
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
                   errno.ENOTDIR, errno.EEXIST, errno.EISDIR)
-
-
-class StorageError(GrpoJaxError, OSError):
-    """A file or directory the run needs that can't be written; the message names it."""
 
 
 def storage_cause(e: BaseException) -> OSError | None:

@@ -31,9 +31,9 @@ from grpo_jax import mesh as mesh_lib
 from grpo_jax import peft_io
 from grpo_jax import rewards as rewards_lib
 from grpo_jax import storage
-from grpo_jax.checkpoint import (BufferFiles, Checkpointer, CheckpointWriteError, RefCheckpoints,
-                                 StopRun, StopSignal, check_writable, last_good)
-from grpo_jax.errors import GrpoJaxError
+from grpo_jax.checkpoint import (BufferFiles, Checkpointer, RefCheckpoints, StopRun, StopSignal,
+                                 check_writable, last_good)
+from grpo_jax.errors import CheckpointWriteError, GrpoJaxError, TrainError
 from grpo_jax.grpo.train_step import StepConfig
 from grpo_jax.logger import MetricsLogger
 from grpo_jax.metrics import Logged, MetricWindow
@@ -45,10 +45,6 @@ from grpo_jax.trainer import ADAPTERS_OFF, GRPORound, Scores, Trainer
 
 
 EVAL_KEY_TAG = 0x4556414C  # "EVAL": evaluation's sampling keys, apart from the rounds'
-
-
-class TrainError(GrpoJaxError):
-    """A run that can't start or go on as asked."""
 
 
 def step_config(cfg: config_lib.TrainConfig, plan: config_lib.BatchPlan,
@@ -265,7 +261,6 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     logger = MetricsLogger(out, cfg.run, total_steps=total_steps, start_step=int(state.step),
                            enabled=dist.is_main())
     run_round.sync_weights(state.params)
-    prefetch = getattr(rollout, "prefetch", None)  # grpo_jax.rollout.async_rounds
     base_key = jax.random.key(cfg.data.seed)
     eval_key = jax.random.fold_in(base_key, EVAL_KEY_TAG)
 
@@ -315,10 +310,10 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
                     records, next_position = dataset.batch_prompts(position,
                                                                    plan.prompts_per_generation)
                     ends_epoch = dataset.ends_epoch(next_position, plan.prompts_per_generation)
-                    if prefetch is not None:  # async rounds: the next round's, in the background
+                    if rollout.generates_ahead:  # async rounds: the next round's, beside this one
                         ahead, _ = dataset.batch_prompts(next_position, plan.prompts_per_generation)
-                        prefetch(ahead, plan.num_generations,
-                                 jax.random.fold_in(base_key, round_idx + 1))
+                        rollout.prefetch(ahead, plan.num_generations,
+                                         jax.random.fold_in(base_key, round_idx + 1))
                     cursor[0] = next_position
                 first = int(state.step)
                 scorer.trainer_state = trainer_state(first)

@@ -32,6 +32,7 @@ from grpo_jax.grpo.train_step import (StepConfig, TrainState, batch_loss, comple
                                       init_train_state, state_shardings, train_step)
 from grpo_jax.metrics import Logged
 from grpo_jax.models import lora
+from grpo_jax.rollout.base import Rollout, WeightMode
 
 
 class AdaptersOff:
@@ -288,7 +289,7 @@ class GRPORound:
     `buffer`); either way the state, buffer and position a checkpoint takes agree, so resuming
     is exact."""
     trainer: Trainer
-    rollout: Any  # grpo_jax.rollout.engines: generate(...), update_weights(params)
+    rollout: Rollout
     plan: Any
     score: Callable[[Sequence[dict], Any], Scores]
     reward_names: Sequence[str]
@@ -300,8 +301,6 @@ class GRPORound:
     filter_groups: int | None = None
     buffer: list = dataclasses.field(default_factory=list)  # host micro-batches not trained on
     epoch_end: int = 0  # the buffer's first epoch_end micro-batches end an epoch (0: none)
-    # Async rounds: weight version pushed -> a copy of those params, the last max_staleness + 1.
-    pushed: dict = dataclasses.field(default_factory=dict)
     stop: Stop = dataclasses.field(default_factory=NeverStop)
 
     def __post_init__(self):
@@ -388,13 +387,13 @@ class GRPORound:
         metrics.setdefault("timing/generate", 0.0)
         metrics.setdefault("timing/logprobs", 0.0)  # reference and old log-probs
         metrics["timing/update"] = t4 - t3
-        if n and hasattr(self.rollout, "prefetch"):  # wall clock, to line the update up with
-            # the generation of the next round beside it (grpo_jax.rollout.async_rounds)
+        if n and self.rollout.generates_ahead:  # wall clock, to line the update up with the
+            # generation of the next round beside it (grpo_jax.rollout.async_rounds)
             metrics["timeline/update_start"] = time.time() - (time.perf_counter() - t3)
             metrics["timeline/update_end"] = metrics["timeline/update_start"] + t4 - t3
         if sync_time is not None:
             metrics["timing/weight_sync"] = sync_time
-            metrics.update(getattr(self.rollout, "sync_metrics", None) or {})  # bytes/s, ...
+            metrics.update(self.rollout.sync_metrics)  # bytes/s, ...
         return RoundResult(state, metrics, scores, rewards, advantages, n, num_tokens, logged)
 
     def sampling_metrics(self, batch: Batch) -> dict:
@@ -408,48 +407,37 @@ class GRPORound:
         per_gen = loss_lib.per_generation_metrics(jax.tree.map(lambda x: x[None], sums), 1)
         return {k: v[0] for k, v in per_gen.items()}
 
-    def rollout_weights(self, params):
-        """What rollout.generate reads: the JAX sampler the full model's params (with LoRA, the
-        adapters merged in: once, for every generate that uses them; or, for a sampler that
-        runs the adapters itself, the pair (adapters, frozen base)); a server ignores them
-        (its weights come from sync_weights)."""
-        if getattr(self.rollout, "syncs_weights", True):
-            return params
-        if self.trainer.lora_scale is not None and getattr(self.rollout, "takes_adapters",
-                                                           False):
+    def weights_for(self, params, mode: WeightMode):
+        """The trainer's params in the form `mode` names: the full model's params (with LoRA,
+        the adapters merged in: one fused program) or the pair (LoRA adapters, frozen base).
+        Without LoRA both are the params themselves."""
+        if mode.adapters and self.trainer.lora_scale is not None:
             return params, self.trainer.frozen[0]
         return self.trainer.rollout_params(params)
 
+    def rollout_weights(self, params):
+        """What rollout.generate reads, made once for every generate of a round: None for a
+        rollout that holds its own weights (they come from sync_weights)."""
+        mode = self.rollout.weight_mode
+        return None if mode.pushed else self.weights_for(params, mode)
+
     def sync_weights(self, params) -> float | None:
-        """Push `params` (with LoRA, merged, unless the rollout takes the adapters alone: then
-        the pair (adapters, frozen base)) to a rollout that holds its own weights, a vLLM
+        """Push `params` in the rollout's form to a rollout that holds its own weights, a vLLM
         server; the seconds it took. None for the JAX sampler: it reads them at generate."""
-        if not getattr(self.rollout, "syncs_weights", True):
+        mode = self.rollout.weight_mode
+        if not mode.pushed:
             return None
-        if self.trainer.lora_scale is not None and getattr(self.rollout, "takes_adapters",
-                                                           False):
-            took = self.rollout.update_weights((params, self.trainer.frozen[0]))
-        else:
-            took = self.rollout.update_weights(self.trainer.rollout_params(params))
-        if hasattr(self.rollout, "prefetch"):
-            # The next update donates these buffers; a batch generated with them is scored
-            # with this copy (engine_mismatch). With LoRA only the adapters are copied.
-            version = self.rollout.weights.count
-            self.pushed[version] = jax.tree.map(jnp.copy, params)
-            for old in [v for v in self.pushed if v < version - self.rollout.max_staleness]:
-                del self.pushed[old]
-        return took
+        return self.rollout.update_weights(self.weights_for(params, mode), params)
 
     def engine_mismatch(self, batch: Batch) -> dict:
         """Async rounds: the sampler's log-probs against the trainer's under the weights that
-        generated the batch (a one-version-old batch's, from `pushed`), so the engines'
-        numerical mismatch alone; TRL's sampling/sampling_logp_difference compares with the
-        current weights and so also holds the policy change of the updates between."""
-        if not self.pushed or batch.sampler_logp is None:
+        generated the batch (a one-version-old batch's: rollout.generated_with), so the
+        engines' numerical mismatch alone; TRL's sampling/sampling_logp_difference compares
+        with the current weights and so also holds the policy change of the updates between."""
+        generated_with = self.rollout.generated_with()
+        if generated_with is None or batch.sampler_logp is None:
             return {}
-        staleness = int(self.rollout.metrics.get("async/staleness", 0))
-        lp = self.trainer.logps(self.pushed[self.rollout.weights.count - staleness], batch,
-                                self.plan.micro_batch_size)
+        lp = self.trainer.logps(generated_with, batch, self.plan.micro_batch_size)
         diff = np.abs(lp - batch.sampler_logp)
         valid = (batch.model_mask() > 0) & np.isfinite(diff)
         if not valid.any():
@@ -503,9 +491,8 @@ class GRPORound:
         t0 = time.perf_counter()
         ids = [rec["prompt_ids"] for rec in records]
         # A rollout_func reads the raw prompts (grpo_jax.rollout.custom).
-        r = (self.rollout.generate(weights, ids, g, key, records=records)
-             if getattr(self.rollout, "takes_records", False)
-             else self.rollout.generate(weights, ids, g, key))
+        r = self.rollout.generate(weights, ids, g, key,
+                                  records=records if self.rollout.takes_records else None)
         t1, wall1 = time.perf_counter(), time.time()
         return r, (score or self.score)(records, r), t1 - t0, wall1
 
@@ -540,7 +527,7 @@ class GRPORound:
                                                   if calls else 0.0)
         metrics["timing/generate"] = took
         metrics["timing/logprobs"] = time.perf_counter() - t2
-        if hasattr(self.rollout, "prefetch"):  # the trainer's work on the batch begins: the
+        if self.rollout.generates_ahead:  # the trainer's work on the batch begins: the
             # next round generates beside it from here on (grpo_jax.rollout.async_rounds)
             metrics["timeline/train_start"] = wall1
         return Generated(batch, scores, rewards, advantages, metrics)

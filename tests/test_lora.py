@@ -1,7 +1,6 @@
 """LoRA: the adapted forward, the trainable/frozen split, PEFT's files in both directions."""
 
 import json
-import types
 
 import jax
 import jax.numpy as jnp
@@ -362,6 +361,7 @@ def test_sampler_runs_the_adapters_on_a_quantized_base(bits):
     from grpo_jax.grpo.batch import Batch
     from grpo_jax.grpo.train_step import completion_logps
     from grpo_jax.models import quant
+    from grpo_jax.rollout.base import WeightMode
     from grpo_jax.rollout.engines import JaxRollout
     from grpo_jax.rollout.sampler import Sampler
     from grpo_jax.rollout.sampling import SamplingParams
@@ -375,7 +375,7 @@ def test_sampler_runs_the_adapters_on_a_quantized_base(bits):
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [3]]
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=2, fsdp=2, tp=2))
     rollout = JaxRollout(CFG, sp, pad_id=0, mesh=mesh, peft=peft)
-    assert rollout.takes_adapters
+    assert rollout.weight_mode is WeightMode.READ_ADAPTERS
     out = rollout.generate((adapters, base), prompts, 2, 4)
     one = Sampler(CFG, sp, pad_id=0, peft=peft).generate((adapters, base), prompts, 2, rng=4)
     np.testing.assert_array_equal(out.completion_ids, one.completion_ids)
@@ -390,11 +390,11 @@ def test_sampler_runs_the_adapters_on_a_quantized_base(bits):
     with pytest.raises(ValueError, match="adapters, base"):
         Sampler(CFG, sp, pad_id=0, peft=peft).generate(nnx.state(merged, nnx.Param), prompts)
     trainer = _trainer(model, mesh)
-    weights = GRPORound.rollout_weights(types.SimpleNamespace(rollout=rollout, trainer=trainer),
-                                        trainer.init_state.params)
+    weights = GRPORound(trainer, rollout, None, None, (), "group", None).rollout_weights(
+        trainer.init_state.params)
     assert weights[1] is trainer.frozen[0]
-    assert not JaxRollout(CFG, sp, pad_id=0, mesh=mesh, peft=PeftArgs(use_peft=True)
-                          ).takes_adapters  # unquantized: the merged weights, faster to decode
+    assert JaxRollout(CFG, sp, pad_id=0, mesh=mesh, peft=PeftArgs(use_peft=True)
+                      ).weight_mode is WeightMode.READ  # unquantized: merged, faster to decode
 
 
 @pytest.mark.parametrize("kw,msg", [

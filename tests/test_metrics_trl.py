@@ -18,7 +18,7 @@ from test_round import StubTrainer, plan
 from grpo_jax.grpo import loss as L
 from grpo_jax.grpo.train_step import finish_entropy_control, init_train_state
 from grpo_jax.metrics import Logged, MetricWindow
-from grpo_jax.rollout.sampler import RolloutBatch
+from grpo_jax.rollout import base
 from grpo_jax.trainer import GRPORound, Scores, update_logged
 
 torch = pytest.importorskip("torch")
@@ -51,21 +51,24 @@ def completions(seed: int, n: int = 2 * G):
     return ids, env
 
 
-class Rollout:
+class Rollout(base.Rollout):
     """Hands grpo-jax the same completions as TRL's rollout_func."""
+
+    weight_mode = base.WeightMode.PUSH
 
     def __init__(self, ids, env):
         self.ids, self.env = ids, env
 
-    def generate(self, params, prompts, g, key):
+    def generate(self, weights, prompts, g, key, records=None):
         n = len(self.ids)
         c_ids, c_mask, tool = (np.zeros((n, T), np.int32) for _ in range(3))
         for i, (row, m) in enumerate(zip(self.ids, self.env)):
             c_ids[i, :len(row)], c_mask[i, :len(row)], tool[i, :len(row)] = row, 1, m
         truncated = np.array([row[-1] != EOS for row in self.ids])
         ones = np.ones((n, 2), np.int32)
-        return RolloutBatch(ones, ones, c_ids, c_mask, truncated, np.zeros((n, T), np.float32),
-                            tool_mask=tool)
+        return base.RolloutBatch(ones, ones, c_ids, c_mask, truncated,
+                                 np.zeros((n, T), np.float32),
+                                 tool_mask=tool)
 
 
 def trl_for_log(cfg: L.LossConfig, k: int):

@@ -15,7 +15,7 @@ from flax import nnx
 from grpo_jax.config import BatchPlan
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.loss import LossConfig
-from grpo_jax.rollout.sampler import RolloutBatch
+from grpo_jax.rollout.base import Rollout, RolloutBatch, WeightMode
 from grpo_jax.trainer import (GRPORound, Scores, completion_metrics, generation_order,
                               update_logged, window_sizes)
 
@@ -27,7 +27,7 @@ class State(NamedTuple):
     step: int
 
 
-class StubRollout:
+class StubRollout(Rollout):
     """Row r of the run (counted over all rounds) has completion token r; round k's prompts are
     padded to width 2 + 2 * (k % 2), so windows across generations mix widths."""
 
@@ -36,7 +36,9 @@ class StubRollout:
         self.rounds = 0
         self.generated: list[RolloutBatch] = []
 
-    def generate(self, params, prompts, g, key):
+    weight_mode = WeightMode.PUSH  # a server's: synced after each update
+
+    def generate(self, weights, prompts, g, key, records=None):
         n = len(prompts) * g
         width = 2 + 2 * (self.rounds % 2)
         ids = np.arange(self.rows, self.rows + n, dtype=np.int32)
@@ -51,7 +53,7 @@ class StubRollout:
         self.generated.append(r)
         return r
 
-    def update_weights(self, params):
+    def update_weights(self, weights, params):
         return None
 
 
@@ -186,7 +188,7 @@ def test_stop_ends_the_updates_and_keeps_the_rest_buffered():
     windows buffered (the checkpoint takes them), and the server is not synced."""
     rnd = make_round(plan(4, 1))
     synced = []
-    rnd.rollout.update_weights = synced.append
+    rnd.rollout.update_weights = lambda weights, params: synced.append(weights)
     rnd.stop = StopAfter(rnd.trainer, updates=1)
     state, results = run_rounds(rnd, 1)
     assert state.step == 1 and results[0].updates == 1 and rnd.windows_buffered == 3
@@ -486,9 +488,9 @@ class LengthsRollout(StubRollout):
         super().__init__()
         self.keys = []
 
-    def generate(self, params, prompts, g, key):
+    def generate(self, weights, prompts, g, key, records=None):
         self.keys.append(key)
-        r = super().generate(params, prompts, g, key)
+        r = super().generate(weights, prompts, g, key)
         lengths = 1 + r.completion_ids[:, 0] % C
         mask = (np.arange(C)[None] < lengths[:, None]).astype(np.int32)
         r = r._replace(completion_mask=mask)

@@ -163,12 +163,13 @@ def test_quantized_base_syncs_merged(capsys, server, model_dir, tmp_path):
     only merged weights make the two the same policy."""
     from transformers import AutoTokenizer
 
+    from grpo_jax.rollout.base import WeightMode
     from grpo_jax.rollout.vllm_rollout import VLLMRollout
     cfg = _train_config(model_dir, tmp_path / "run", server.base_url, load_in_8bit="true",
                         **LORA, **NO_KEY)
     rollout = VLLMRollout(cfg, load_model(str(model_dir))[0].cfg,
                           AutoTokenizer.from_pretrained(model_dir), model_dir)
-    assert not rollout.takes_adapters
+    assert rollout.weight_mode is WeightMode.PUSH
     assert ("base is quantized (load_in_8bit / load_in_4bit); pushing merged full weights "
             "instead") in capsys.readouterr().err
 

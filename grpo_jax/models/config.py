@@ -12,7 +12,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.errors import GrpoJaxError, check
+from grpo_jax.errors import check, ModelConfigError
 
 # model_type -> the switches that family always has (the rest come from its config.json).
 _GEMMA = dict(hidden_act="gelu_pytorch_tanh", norm_offset=True, scale_embeddings=True,
@@ -48,10 +48,6 @@ ATTENTION_IMPLS = ("auto", "xla", "flash", "splash", "cudnn")
 # is given the mask as a bias: on an H200 2 rows of 32k took 3.6 GiB more than the blockwise
 # attention, and the step 4.5x less time; docs/benchmarks.md).
 CUDNN_MASK_ELEMENTS = 2 ** 32
-
-
-class ModelConfigError(GrpoJaxError, ValueError):
-    """A model directory or config the decoder can't represent."""
 
 
 Dtype = Literal["bfloat16", "float16", "float32"]

@@ -22,7 +22,10 @@ import concurrent.futures as cf
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from grpo_jax.rollout.base import RolloutWrapper
 
 
 def _tag(prompt_ids, num_generations: int, key) -> tuple:
@@ -31,8 +34,12 @@ def _tag(prompt_ids, num_generations: int, key) -> tuple:
     return tuple(map(tuple, prompt_ids)), num_generations, data
 
 
-class AsyncRollout:
-    """A VLLMRollout whose next round can be generated ahead (`prefetch`)."""
+class AsyncRollout(RolloutWrapper):
+    """A VLLMRollout whose next round can be generated ahead (`prefetch`). It keeps the
+    trainer's params of each version a batch in flight may come from, so the trainer scores a
+    batch with the weights that generated it (`generated_with`)."""
+
+    generates_ahead = True
 
     def __init__(self, inner, max_staleness: int):
         self.inner, self.max_staleness = inner, max_staleness
@@ -43,9 +50,10 @@ class AsyncRollout:
         self.latest = None  # the future of the last prefetch
         self.metrics: dict = {}
         self.discarded = 0
-
-    def __getattr__(self, name):  # takes_adapters, syncs_weights, weights, ...: the inner's
-        return getattr(self.inner, name)
+        # Weight versions: updates pushed so far; the trainer's params of the recent ones (the
+        # next update donates the trainer's buffers: these are copies; with LoRA, adapters only).
+        self.version, self.pushed = 0, {}
+        self.staleness = 0
 
     def prefetch(self, records, num_generations: int, key) -> None:
         """Start generating the round of `records` in the background."""
@@ -56,21 +64,26 @@ class AsyncRollout:
             batch = self.inner.generate(None, ids, num_generations, key)
             return batch, start, time.time()
         self.latest = self.pool.submit(run)
-        self.pending[_tag(ids, num_generations, key)] = (self.inner.weights.count, self.latest)
+        self.pending[_tag(ids, num_generations, key)] = (self.version, self.latest)
 
-    def generate(self, params, prompt_ids, num_generations, key):
+    def generate(self, weights, prompt_ids, num_generations, key, records=None):
         found = self.pending.pop(_tag(prompt_ids, num_generations, key), None)
         if found is not None:
             batch, _, _ = found[1].result()
-            staleness = self.inner.weights.count - found[0]
+            staleness = self.version - found[0]
             if staleness <= self.max_staleness:
+                self.staleness = staleness
                 self.metrics["async/staleness"] = float(staleness)
                 return batch
             self.discarded += 1  # too old: generated again below, on the current weights
+        self.staleness = 0
         self.metrics["async/staleness"] = 0.0
-        return self.inner.generate(params, prompt_ids, num_generations, key)
+        return self.inner.generate(weights, prompt_ids, num_generations, key)
 
-    def update_weights(self, params) -> float:
+    def generated_with(self):
+        return self.pushed.get(self.version - self.staleness)
+
+    def update_weights(self, weights, params) -> float:
         """Push after the generation in the background is done. pause(mode=wait) alone would
         let requests that reach the server late (the background thread may send them after a
         short update began) wait out the push and run on the new weights, which would make a
@@ -85,7 +98,12 @@ class AsyncRollout:
                 self.metrics["timeline/next_generate_start"] = start
                 self.metrics["timeline/next_generate_end"] = end
             self.latest = None
-        return self.inner.update_weights(params)
+        took = self.inner.update_weights(weights, params)
+        self.version += 1
+        self.pushed[self.version] = jax.tree.map(jnp.copy, params)
+        for old in [v for v in self.pushed if v < self.version - self.max_staleness]:
+            del self.pushed[old]
+        return took
 
     @property
     def sync_metrics(self) -> dict:

@@ -18,12 +18,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from grpo_jax.errors import GrpoJaxError
-from grpo_jax.rollout.sampler import DEFAULT_BUCKETS, RolloutBatch, left_pad
-
-
-class RolloutFuncError(GrpoJaxError, ValueError):
-    """A rollout_func that can't be loaded or returned something unusable."""
+from grpo_jax.errors import RolloutFuncError
+from grpo_jax.rollout.base import RolloutBatch, RolloutWrapper, bucketed_prompts
 
 
 def load_rollout_func(spec: str) -> Callable:
@@ -65,7 +61,7 @@ class RolloutContext:
 
 
 @dataclasses.dataclass
-class CustomRollout:
+class CustomRollout(RolloutWrapper):
     """The backend driven by a rollout_func; `generate` returns its rows as a RolloutBatch."""
     inner: Any
     fn: Callable
@@ -75,12 +71,9 @@ class CustomRollout:
     pad_id: int
     takes_records = True  # GRPORound passes the raw prompts (the function reads them)
 
-    def __getattr__(self, name):  # update_weights, syncs_weights: the backend's
-        return getattr(self.inner, name)
-
-    def generate(self, params, prompt_ids, num_generations, key, records=None) -> RolloutBatch:
+    def generate(self, weights, prompt_ids, num_generations, key, records=None) -> RolloutBatch:
         prompts = [r["prompt"] for r in records for _ in range(num_generations)]
-        context = RolloutContext(self.inner, params, key, self.tokenizer, self.args)
+        context = RolloutContext(self.inner, weights, key, self.tokenizer, self.args)
         out = self.fn(prompts, context)
         return rollout_batch(out, len(prompts), self.args.generation.max_completion_length,
                              self.pad_id, set(self.stop_token_ids))
@@ -110,9 +103,7 @@ def rollout_batch(out: Any, n: int, C: int, pad: int, stops: set) -> RolloutBatc
             raise RolloutFuncError(f"rollout_func's row {i}: logprobs and env_mask need one "
                                    f"value per completion token ({len(c)})")
     prompt_ids = [list(p) for p in out["prompt_ids"]]
-    longest = max(map(len, prompt_ids))
-    width = next((b for b in DEFAULT_BUCKETS if b >= longest), longest)
-    ids, mask = left_pad(prompt_ids, 1, width, pad)
+    ids, mask = bucketed_prompts(prompt_ids, 1, pad)
     comp = np.full((n, C), pad, np.int32)
     cmask, tool_mask = np.zeros((n, C), np.int32), np.ones((n, C), np.int32)
     logp = np.zeros((n, C), np.float32)

@@ -1,46 +1,31 @@
-"""The two rollout back-ends behind one interface: `generate` and `update_weights`."""
+"""Where each rollout is built (make_rollout), and the two that run here: the JAX sampler and
+process 0's server rollout in a multi-process run. The contract: rollout/base.py."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from grpo_jax import distributed as dist
 from grpo_jax import hf
-from grpo_jax.errors import ConfigError
+from grpo_jax.errors import ConfigError, VLLMServerError
 from grpo_jax.rollout import continuation, refill
-from grpo_jax.rollout.sampler import RolloutBatch, Sampler
+from grpo_jax.rollout.base import Rollout, RolloutBatch, WeightMode, pad_id, sampling_params
+from grpo_jax.rollout.sampler import Sampler
 from grpo_jax.rollout.sampling import SamplingParams
 
 
-def sampling_params(cfg, tokenizer, model_dir=None) -> SamplingParams:
-    """The config's generation settings with TRL's EOS set added to the stop tokens: the
-    tokenizer's EOS, then every `eos_token_id` of the model's generation_config.json (when
-    `model_dir` is given), then the config's own stop_token_ids."""
-    gen_eos = hf.generation_eos_ids(model_dir) if model_dir is not None else ()
-    stops = dict.fromkeys([tokenizer.eos_token_id, *gen_eos, *cfg.generation.stop_token_ids])
-    return dataclasses.replace(cfg.generation,
-                               stop_token_ids=tuple(t for t in stops if t is not None))
-
-
-def pad_id(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
-class JaxRollout:
+class JaxRollout(Rollout):
     """The native sampler: it reads the trainer's params directly, so there is nothing to sync.
 
-    With LoRA (`peft`) it takes the adapters and the frozen base (`takes_adapters`) where
-    PeftArgs.sampler_takes_adapters says so (a quantized base); else GRPORound hands it the
-    base with the adapters merged, once per round.
+    With LoRA (`peft`) it reads the adapters and the frozen base (READ_ADAPTERS) where
+    PeftArgs.sampler_takes_adapters says so (a quantized base); else the base with the adapters
+    merged (READ), merged once per round.
 
     With `max_num_seqs` set, rounds run through that many decode slots (rollout/refill.py)."""
 
-    syncs_weights = False  # GRPORound need not build weights for update_weights
-
     def __init__(self, model_cfg, params: SamplingParams, *, pad_id: int, mesh, peft=None):
-        self.takes_adapters = bool(peft and peft.sampler_takes_adapters)
+        adapters = bool(peft and peft.sampler_takes_adapters)
+        self.weight_mode = WeightMode.READ_ADAPTERS if adapters else WeightMode.READ
         self.sampler = Sampler(model_cfg, params, pad_id=pad_id, mesh=mesh,
-                               peft=peft if self.takes_adapters else None)
+                               peft=peft if adapters else None)
         self.slots = refill.Refill(self.sampler) if params.max_num_seqs is not None else None
         # Multi-turn rollouts continue from the KV cache (None: sliding-window models, which
         # re-prefill every turn's context; and with decode slots, since continuing needs every
@@ -49,46 +34,42 @@ class JaxRollout:
         self.turns = (continuation.Continuation(self.sampler)
                       if continuation.supported(self.sampler) and self.slots is None else None)
 
-    def generate(self, params, prompt_ids, num_generations, key) -> RolloutBatch:
+    def generate(self, weights, prompt_ids, num_generations, key, records=None) -> RolloutBatch:
         if self.slots is not None:
-            return self.slots.generate(params, prompt_ids, num_generations, key)
-        return self.sampler.generate(params, prompt_ids, num_generations, key)
-
-    def update_weights(self, params) -> float | None:
-        return None
+            return self.slots.generate(weights, prompt_ids, num_generations, key)
+        return self.sampler.generate(weights, prompt_ids, num_generations, key)
 
 
-class MainProcessRollout:
+class MainProcessRollout(Rollout):
     """A server's rollouts in a multi-process run: process 0 alone talks to the server and every
     process gets the same results; a server error there is raised on every process."""
 
     def __init__(self, make):
-        from grpo_jax.rollout.vllm_client import VLLMServerError
-        self.error = VLLMServerError
-        self.inner = None
+        self.inner = None  # process 0's VLLMRollout; None on the others
 
         def build():
             self.inner = make()
-            return getattr(self.inner, "takes_adapters", False)
+            return self.inner.weight_mode.value
         # Every process must hand update_weights the same kind of params (merging is SPMD).
-        self.takes_adapters = dist.from_main(build, self.error)
+        self.weight_mode = WeightMode(dist.from_main(build, VLLMServerError))
 
-    def generate(self, params, prompt_ids, num_generations, key) -> RolloutBatch:
+    def generate(self, weights, prompt_ids, num_generations, key, records=None) -> RolloutBatch:
         return dist.from_main(
-            lambda: self.inner.generate(params, prompt_ids, num_generations, key), self.error)
+            lambda: self.inner.generate(weights, prompt_ids, num_generations, key),
+            VLLMServerError)
 
-    def update_weights(self, params) -> float:
-        host = dist.to_host(params)  # the params are spread over every process's devices
-        return dist.from_main(lambda: self.inner.update_weights(host), self.error)
+    def update_weights(self, weights, params) -> float:
+        host = dist.to_host(weights)  # the params are spread over every process's devices
+        return dist.from_main(lambda: self.inner.update_weights(host, None), VLLMServerError)
 
     @property
     def sync_metrics(self) -> dict:  # logged by process 0, the one that holds them
-        return getattr(self.inner, "sync_metrics", None) or {}
+        return self.inner.sync_metrics if self.inner is not None else {}
 
 
 def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir, tools=()):
     """The config's backend; with `tools` (functions), inside the multi-turn tool loop."""
-    sp = sampling_params(cfg, tokenizer, model_dir)
+    sp = sampling_params(cfg, tokenizer, hf.generation_eos_ids(model_dir) if model_dir else ())
     if cfg.rollout.backend == "jax":
         # SPMD over every process's devices
         rollout = JaxRollout(model_cfg, sp, pad_id=pad_id(tokenizer), mesh=mesh,

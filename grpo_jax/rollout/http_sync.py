@@ -22,16 +22,14 @@ import time
 
 import numpy as np
 
-from grpo_jax.rollout.vllm_client import ServerTimeoutError, VLLMServerError
+from grpo_jax.errors import ServerTimeoutError, VLLMServerError
+from grpo_jax.rollout.wire import HTTP_BACKEND, PROTOCOL
 
 # Bucket size bound. Each bucket is one request; the server briefly holds its body, the parsed
 # string and the decoded bytes (~3.7x the bucket), so this bounds its transient memory while
 # keeping the per-request overhead (a few ms) small against the bytes moved. A tensor bigger
 # than a bucket travels alone.
 BUCKET_BYTES = 64 << 20
-RAW_UPDATE_ROUTE = "/grpo/update_weights"  # vllm_worker.RAW_UPDATE_ROUTE
-PROTOCOL = 1  # vllm_http_engine.PROTOCOL: the layout of update_info
-BACKEND = "grpo_http"  # vllm_http_engine.BACKEND, the name vLLM's engine factory knows it by
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +71,7 @@ def encode(tensors: dict[str, np.ndarray], names: list[str], **extra) -> tuple[d
 def connect(client, keep_base: bool) -> None:
     """Initialise the server's engine; fails clearly when the server runs another backend."""
     backend = client.model_info().get("weight_transfer_backend")
-    if backend != BACKEND:
+    if backend != HTTP_BACKEND:
         raise VLLMServerError(
             f"vllm_weight_sync http needs the server's weight-transfer backend grpo_http, but "
             f"{client.base_url} runs {backend!r}; start it with `python -m grpo_jax.serve` "

@@ -24,33 +24,8 @@ from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import Decoder, KVCache, ModelConfig, lora, positions_from_mask
 from grpo_jax.rollout import sampling
+from grpo_jax.rollout.base import DEFAULT_BUCKETS, RolloutBatch, left_pad  # noqa: F401 (API)
 from grpo_jax.rollout.sampling import SamplingParams
-
-# 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, ... 16384 prompt tokens: 2^i, 1.25 x 2^i
-# and 1.5 x 2^i, so padding is at most a quarter of the width (tldr-like posts of 260-320 tokens pad
-# to 320, not 384) while a run still compiles only a handful of programs.
-DEFAULT_BUCKETS = tuple(sorted({2 ** i for i in range(5, 15)} | {3 * 2 ** i for i in range(4, 13)}
-                               | {5 * 2 ** i for i in range(4, 12)}))
-
-
-class RolloutBatch(NamedTuple):
-    """N = len(prompts) * num_generations rows; generations of one prompt are consecutive."""
-
-    prompt_ids: np.ndarray       # [N, P] int32, left-padded with pad_id (P = the length bucket)
-    prompt_mask: np.ndarray      # [N, P] int32
-    completion_ids: np.ndarray   # [N, C] int32; the stop token is kept, then pad_id
-    completion_mask: np.ndarray  # [N, C] int32; 1 up to and including the stop token
-    truncated: np.ndarray        # [N] bool: no stop token within C tokens
-    sampler_logp: np.ndarray     # [N, C] fp32 log_softmax(logits / T) of each token; 0 if masked
-    # Multi-turn tool calling (grpo_jax.rollout.tools); None for single-turn rollouts.
-    tool_mask: np.ndarray | None = None    # [N, C] int32: 0 on tool-result tokens, else 1
-    completions: list | None = None        # [N] the turns as messages (TRL's completions)
-    tool_calls: np.ndarray | None = None   # [N] int32: tool calls made
-    tool_failures: np.ndarray | None = None  # [N] int32: of those, failed ones
-    extra: dict | None = None  # a rollout_func's extra fields: reward-function keywords
-    # The native sampler's counts for the metrics (decode_metrics): decode steps, slot occupancy.
-    metrics: dict | None = None
-
 
 class _State(NamedTuple):
     step: jax.Array          # [] int32: tokens sampled so far
@@ -367,19 +342,6 @@ def reference_copy(params, dtype):
     dtype too). The forward casts matrices to that dtype anyway, so its log-probs are the same
     as from `params`."""
     return _cast_matrices(params, dtype, copy=True)
-
-
-def left_pad(prompts: Sequence[Sequence[int]], num_generations: int, width: int, pad_id: int,
-             rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """[rows, width] int32 ids and mask: each prompt left-padded, repeated num_generations
-    times in one consecutive block (extra rows are all padding)."""
-    g = num_generations
-    ids = np.full((rows or len(prompts) * g, width), pad_id, np.int32)
-    mask = np.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i * g:(i + 1) * g, width - len(p):] = p
-        mask[i * g:(i + 1) * g, width - len(p):] = 1
-    return ids, mask
 
 
 def _split(model: Decoder, peft):

@@ -17,8 +17,6 @@ import secrets
 from pathlib import Path
 from urllib.parse import urlsplit
 
-TOKEN_ENV = "GRPO_JAX_SESSION_TOKEN"  # the server's copy (vllm_worker.DevRouteAuth reads it)
-
 
 def is_loopback(host: str) -> bool:
     if host == "localhost":

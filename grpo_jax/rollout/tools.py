@@ -34,12 +34,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from grpo_jax import distributed as dist
-from grpo_jax.errors import GrpoJaxError, check
-from grpo_jax.rollout.sampler import RolloutBatch, merge_decode_metrics
-
-
-class ToolError(GrpoJaxError, ValueError):
-    """A tool that can't be loaded, or a chat template that can't render tool calls."""
+from grpo_jax.errors import check, ToolError
+from grpo_jax.rollout.base import RolloutBatch, RolloutWrapper
+from grpo_jax.rollout.sampler import merge_decode_metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -302,7 +299,7 @@ def prepare_tool_tokenizer(tokenizer, chat_template_kwargs=None):
 
 
 @dataclasses.dataclass
-class ToolRollout:
+class ToolRollout(RolloutWrapper):
     """A backend (`JaxRollout`, `VLLMRollout`, ...) with the tool loop around its `generate`.
     The RolloutBatch it returns has the whole multi-turn completion, `tool_mask`, the parsed
     messages (`completions`, what TRL passes to reward functions) and per-row call counts."""
@@ -319,19 +316,16 @@ class ToolRollout:
             raise ToolError("the tokenizer has no response_template to parse tool calls with: "
                             "prepare it with grpo_jax.rollout.tools.prepare_tool_tokenizer")
 
-    def __getattr__(self, name):  # update_weights, syncs_weights: the backend's
-        return getattr(self.inner, name)
-
-    def generate(self, params, prompt_ids, num_generations, key) -> RolloutBatch:
+    def generate(self, weights, prompt_ids, num_generations, key, records=None) -> RolloutBatch:
         import jax
 
         # The native sampler continues each turn from its KV cache (rollout/continuation.py);
         # other backends get the whole context as a new prompt (vLLM's prefix cache reuses it).
-        turns = getattr(self.inner, "turns", None)
+        turns = self.inner.turns
         if turns is not None:
-            first, session = turns.first_turn(params, prompt_ids, num_generations, key)
+            first, session = turns.first_turn(weights, prompt_ids, num_generations, key)
         else:
-            first = self.inner.generate(params, prompt_ids, num_generations, key)
+            first = self.inner.generate(weights, prompt_ids, num_generations, key)
         where = list(range(len(first.completion_ids)))  # row i's row in the session's cache
         n, C = first.completion_ids.shape
         prompts = [row[m.astype(bool)].tolist() for row, m in zip(first.prompt_ids,
@@ -367,12 +361,12 @@ class ToolRollout:
                 break
             turn_key = jax.random.fold_in(key, turn + 1)
             if turns is not None:
-                more, session = turns.next_turn(params, session, [where[i] for i in kept],
+                more, session = turns.next_turn(weights, session, [where[i] for i in kept],
                                                 contexts, [C - len(rows[i].ids) for i in kept],
                                                 turn_key)
                 where = {i: j for j, i in enumerate(kept)}
             else:
-                more = self.inner.generate(params, contexts, 1, turn_key)
+                more = self.inner.generate(weights, contexts, 1, turn_key)
             decoded.append(more.metrics)
             for j, (i, context) in enumerate(zip(kept, contexts)):
                 m = more.completion_mask[j].astype(bool)

@@ -27,27 +27,11 @@ import numpy as np
 import requests
 from requests.adapters import HTTPAdapter
 
-from grpo_jax.errors import GrpoJaxError
+from grpo_jax.errors import VLLMServerError, ServerUnreachableError, ServerTimeoutError, ModelMismatchError
 from grpo_jax.rollout import server_auth, weight_sync
 from grpo_jax.rollout.weight_routes import WeightRoutes
 
 START_HINT = "start one with `python -m grpo_jax.serve --model MODEL --port PORT`"
-
-
-class VLLMServerError(GrpoJaxError, RuntimeError):
-    """The server is unreachable, refused a request, or failed it; the message says which."""
-
-
-class ServerUnreachableError(VLLMServerError):
-    """No connection to the server (it died, or is restarting): worth waiting for."""
-
-
-class ServerTimeoutError(VLLMServerError):
-    """The server took a request but did not answer in time: hung, not worth waiting for."""
-
-
-class ModelMismatchError(VLLMServerError):
-    """The server serves a model other than the trainer's."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,8 +30,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-BACKEND = "grpo_http"
-PROTOCOL = 1  # bumped when the update_info layout changes: a mismatched trainer is refused
+from grpo_jax.rollout.wire import PROTOCOL
 # The dtypes a bucket may carry, by the names the trainer sends (numpy's): looked up here, never
 # with getattr(torch, <request data>).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

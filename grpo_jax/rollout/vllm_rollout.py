@@ -9,11 +9,11 @@ import time
 import jax
 
 from grpo_jax import hf, peft_io
-from grpo_jax.rollout.engines import pad_id, sampling_params
-from grpo_jax.rollout.sampler import DEFAULT_BUCKETS, RolloutBatch, left_pad
-from grpo_jax.rollout.vllm_client import (ServerUnreachableError, VLLMClient, VLLMServerError,
-                                          rollout_arrays)
+from grpo_jax.rollout.base import (Rollout, RolloutBatch, WeightMode, bucketed_prompts, pad_id,
+                                   sampling_params)
+from grpo_jax.rollout.vllm_client import VLLMClient, rollout_arrays
 from grpo_jax.rollout.vllm_sync import ServerWeights, resolve_transport, transfer_metrics
+from grpo_jax.errors import ServerUnreachableError, WeightsLost
 
 
 def warn_filters(sp) -> None:
@@ -29,11 +29,10 @@ def warn_filters(sp) -> None:
               "(huggingface/trl#6789; figures in docs/vllm_weight_sync.md)", file=sys.stderr)
 
 
-class WeightsLost(VLLMServerError):
-    """The server answers but holds other weights than were pushed last (it was restarted)."""
+class VLLMRollout(Rollout):
+    """Completions from a vLLM server, which holds its own weights: PUSH (LoRA: merged) or
+    PUSH_ADAPTERS (the server merges the adapters, or serves them with vLLM's LoRA)."""
 
-
-class VLLMRollout:
     def __init__(self, cfg, model_cfg, tokenizer, model_dir):
         r = cfg.rollout
         self.client = VLLMClient(r.base_url, api_key=r.vllm_server_api_key
@@ -45,23 +44,22 @@ class VLLMRollout:
         self.client.check_model(model_cfg, max_len=max_len or None)
         print(f"rollouts from the vLLM server at {r.base_url}", file=sys.stderr)
         self.model_cfg, self.pad = model_cfg, pad_id(tokenizer)
-        self.sp = sampling_params(cfg, tokenizer, model_dir)
+        self.sp = sampling_params(cfg, tokenizer, hf.generation_eos_ids(model_dir))
         self.extras = r.request_extras()
         warn_filters(self.sp)
         transport = resolve_transport(r.vllm_weight_sync, self.client)
-        # With LoRA: whether update_weights takes the adapters alone (GRPORound then passes
-        # them unmerged, with the frozen base) or the full weights with the adapters merged in.
-        # Over http the adapters alone always work (our engine merges them into the base it
-        # was given once), unless the server runs vLLM's own LoRA (`grpo_jax.serve
-        # --lora-rank R`), which then serves them.
-        self.takes_adapters = False
+        # With LoRA: whether update_weights takes the adapters alone (with the frozen base) or
+        # the full weights with the adapters merged in. Over http the adapters alone always
+        # work (our engine merges them into the base it was given once), unless the server runs
+        # vLLM's own LoRA (`grpo_jax.serve --lora-rank R`), which then serves them.
+        self.weight_mode = WeightMode.PUSH
         merge_on_server = (cfg.peft.use_peft and not cfg.peft.quant_bits and transport == "http"
                            and r.vllm_lora_sync == "adapter"
                            and not self.client.model_info().get("max_lora_rank"))
         self.weights = ServerWeights(self.client, transport, model_cfg,
                                      lora_scaling=cfg.peft.scale if merge_on_server else None)
         if self.weights.lora_scaling is not None:
-            self.takes_adapters = True
+            self.weight_mode = WeightMode.PUSH_ADAPTERS
         elif cfg.peft.use_peft and r.vllm_lora_sync == "adapter":
             # The server's base is the checkpoint as stored, the trainer's a quantized copy:
             # only merged weights (the dequantized base + adapters) make them the same policy.
@@ -72,19 +70,15 @@ class VLLMRollout:
                       f"{r.base_url}: {problem}; pushing merged full weights instead",
                       file=sys.stderr)
             else:
-                self.takes_adapters = True
+                self.weight_mode = WeightMode.PUSH_ADAPTERS
                 self.adapter_conf = peft_io.adapter_config(cfg.peft, peft_io.base_name(cfg))
 
-    def generate(self, params, prompt_ids, num_generations, key) -> RolloutBatch:
+    def generate(self, weights, prompt_ids, num_generations, key, records=None) -> RolloutBatch:
         seed = int(jax.random.randint(key, (), 0, 2**30))
         groups = self._on_current_weights(lambda: self._request(prompt_ids, num_generations, seed))
         arrays = rollout_arrays([c for g in groups for c in g], self.pad,
                                 length=self.sp.max_completion_length)
-        # Left-pad prompts to a length bucket, as the JAX sampler does, so the train step sees
-        # a bounded set of shapes.
-        longest = max(map(len, prompt_ids))
-        width = next((b for b in DEFAULT_BUCKETS if b >= longest), longest)
-        ids, mask = left_pad(prompt_ids, num_generations, width, self.pad)
+        ids, mask = bucketed_prompts(prompt_ids, num_generations, self.pad)
         return RolloutBatch(ids, mask, arrays["completion_ids"], arrays["completion_mask"],
                             arrays["truncated"], arrays["sampler_logp"])
 
@@ -127,11 +121,11 @@ class VLLMRollout:
     def sync_metrics(self) -> dict:
         return {**self.weights.metrics, "weight_sync/server_restarts": self.weights.restarts}
 
-    def update_weights(self, params) -> float:
-        """Push the trainer's params (with takes_adapters: the pair (LoRA adapters, frozen
-        base)) to the server; returns the seconds it took."""
-        if self.takes_adapters:
-            adapters, base = params
+    def update_weights(self, weights, params=None) -> float:
+        """Push `weights` (PUSH_ADAPTERS: the pair (LoRA adapters, frozen base)) to the
+        server; returns the seconds it took."""
+        if self.weight_mode is WeightMode.PUSH_ADAPTERS:
+            adapters, base = weights
             dtype = self.weights.dtype
             tensors = peft_io.layer_adapter_tensors(self.model_cfg, adapters["layers"], dtype)
             if self.weights.lora_scaling is None:  # vLLM's own LoRA, through files
@@ -142,9 +136,9 @@ class VLLMRollout:
             push = lambda: self.weights.push_adapters(  # noqa: E731
                 lambda: hf.params_from_state(self.model_cfg, base), tensors)
         elif self.weights.transport == "nccl":  # from the device, nothing on the host
-            return self.weights.push_device(params)
+            return self.weights.push_device(weights)
         else:
-            table = hf.params_from_state(self.model_cfg, params)
+            table = hf.params_from_state(self.model_cfg, weights)
             push = lambda: self.weights.push_full(table)  # noqa: E731
         try:
             return push()

@@ -17,7 +17,8 @@ import numpy as np
 
 from grpo_jax import hf, peft_io
 from grpo_jax.rollout import http_sync
-from grpo_jax.rollout.vllm_client import VLLMServerError
+from grpo_jax.errors import VLLMServerError
+from grpo_jax.rollout.wire import HTTP_BACKEND
 
 
 def resolve_transport(setting: str, client) -> str:
@@ -27,7 +28,7 @@ def resolve_transport(setting: str, client) -> str:
     if setting != "auto":
         return setting
     backend = client.model_info().get("weight_transfer_backend")
-    return {http_sync.BACKEND: "http", "nccl": "nccl"}.get(backend, "shm")
+    return {HTTP_BACKEND: "http", "nccl": "nccl"}.get(backend, "shm")
 
 
 def transfer_metrics(moved: int, seconds: float, **extra) -> dict[str, float]:

@@ -4,7 +4,7 @@
 through `POST /collective_rpc`; `DevRouteAuth` is an ASGI middleware (`--middleware`) for the API
 process. Importing the module also registers our weight-transfer engine `grpo_http`
 (`vllm_http_engine`) with vLLM. The vLLM venv has no jax, so this module imports only the standard
-library at import time and torch/safetensors/vLLM inside functions.
+library (and wire.py's constants) at import time, torch/safetensors/vLLM inside functions.
 
 Every RPC method returns a plain dict: a return value msgspec can't serialise hangs the server
 for good (only SIGKILL ends it), and an exception is turned into {"error": ...} for the same
@@ -17,6 +17,9 @@ import hmac
 import os
 import time
 import traceback
+
+from grpo_jax.rollout.wire import (HTTP_BACKEND, RAW_UPDATE_ROUTE, SESSION_TOKEN_ENV,
+                                  UPDATE_INFO_HEADER)
 
 
 class WeightReloadExtension:
@@ -67,7 +70,6 @@ class WeightReloadExtension:
 # else (the dev and weight routes, LoRA loading) takes the session token (server_auth).
 OPEN_ROUTES = frozenset({"/health", "/ping", "/version", "/v1/models", "/v1/completions",
                          "/v1/chat/completions", "/tokenize", "/detokenize", "/metrics"})
-SESSION_TOKEN_ENV = "GRPO_JAX_SESSION_TOKEN"  # server_auth.TOKEN_ENV
 # Body limits of the guarded routes: a JSON body (vLLM's own weight routes carry metadata, or
 # base64 buckets of at most http_sync.BUCKET_BYTES), and one raw bucket, which holds a tensor
 # bigger than a bucket whole (an embedding).
@@ -146,9 +148,6 @@ async def _answer(send, status: int, body: dict) -> None:
     await send({"type": "http.response.body", "body": json.dumps(body).encode()})
 
 
-RAW_UPDATE_ROUTE = "/grpo/update_weights"
-
-
 async def raw_update_weights(scope, receive, send) -> None:
     """POST /grpo/update_weights: one bucket for vLLM's /update_weights (engine grpo_http) with
     its bytes as the raw body and its metadata as JSON in the X-Grpo-Update-Info header. It
@@ -162,7 +161,7 @@ async def raw_update_weights(scope, receive, send) -> None:
 
     from grpo_jax.rollout.vllm_http_engine import update_bytes
     try:
-        meta = json.loads(dict(scope["headers"])[b"x-grpo-update-info"])
+        meta = json.loads(dict(scope["headers"])[UPDATE_INFO_HEADER.encode()])
         if not isinstance(meta, dict):
             raise ValueError("X-Grpo-Update-Info must be a JSON object")
         need = update_bytes(meta)
@@ -208,5 +207,4 @@ def register_http_engine() -> None:
             HTTP_BACKEND, "grpo_jax.rollout.vllm_http_engine", "HTTPWeightTransferEngine")
 
 
-HTTP_BACKEND = "grpo_http"
 register_http_engine()

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 
+from grpo_jax.rollout.wire import RAW_UPDATE_ROUTE, UPDATE_INFO_HEADER
+
 
 class WeightRoutes:
     def init_weight_transfer_engine(self, init_info: dict) -> None:
@@ -23,10 +25,9 @@ class WeightRoutes:
 
     def update_weights_raw(self, update_info: dict, data: bytes) -> None:
         """One grpo_http bucket through our route: `data` as the raw body (http_sync)."""
-        from grpo_jax.rollout.http_sync import RAW_UPDATE_ROUTE
         self._request("POST", RAW_UPDATE_ROUTE, data, timeout=self.weight_sync_timeout,
                       headers={"content-type": "application/octet-stream",
-                               "x-grpo-update-info": json.dumps(update_info)})
+                               UPDATE_INFO_HEADER: json.dumps(update_info)})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._weight_route("/finish_weight_update", {"weight_version": weight_version})

@@ -1,0 +1,173 @@
+"""The rollout contract: what the trainer asks of every way of generating completions.
+
+A rollout turns prompts into a `RolloutBatch`. Four kinds exist (rollout/engines.py builds them):
+the native JAX sampler (`JaxRollout`), a vLLM server (`VLLMRollout`, through process 0 alone in
+a multi-process run: `MainProcessRollout`), and wrappers around one of those: the multi-turn tool
+loop (`ToolRollout`), a user's rollout_func (`CustomRollout`) and async rounds (`AsyncRollout`).
+
+How a rollout gets the policy's weights is fixed when it is built (`WeightMode`): the trainer
+reads `weight_mode` and hands over the weights in that form, and asks nothing else of it. This
+module imports numpy only: the contract is readable without the code behind it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, NamedTuple, Protocol, Sequence
+
+import numpy as np
+
+# 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, ... 16384 prompt tokens: 2^i, 1.25 x 2^i
+# and 1.5 x 2^i, so padding is at most a quarter of the width (tldr-like posts of 260-320 tokens pad
+# to 320, not 384) while a run still compiles only a handful of programs.
+DEFAULT_BUCKETS = tuple(sorted({2 ** i for i in range(5, 15)} | {3 * 2 ** i for i in range(4, 13)}
+                               | {5 * 2 ** i for i in range(4, 12)}))
+
+
+class RolloutBatch(NamedTuple):
+    """N = len(prompts) * num_generations rows; generations of one prompt are consecutive."""
+
+    prompt_ids: np.ndarray       # [N, P] int32, left-padded with pad_id (P = the length bucket)
+    prompt_mask: np.ndarray      # [N, P] int32
+    completion_ids: np.ndarray   # [N, C] int32; the stop token is kept, then pad_id
+    completion_mask: np.ndarray  # [N, C] int32; 1 up to and including the stop token
+    truncated: np.ndarray        # [N] bool: no stop token within C tokens
+    sampler_logp: np.ndarray     # [N, C] fp32 log_softmax(logits / T) of each token; 0 if masked
+    # Multi-turn tool calling (grpo_jax.rollout.tools); None for single-turn rollouts.
+    tool_mask: np.ndarray | None = None    # [N, C] int32: 0 on tool-result tokens, else 1
+    completions: list | None = None        # [N] the turns as messages (TRL's completions)
+    tool_calls: np.ndarray | None = None   # [N] int32: tool calls made
+    tool_failures: np.ndarray | None = None  # [N] int32: of those, failed ones
+    extra: dict | None = None  # a rollout_func's extra fields: reward-function keywords
+    # The native sampler's counts for the metrics (decode_metrics): decode steps, slot occupancy.
+    metrics: dict | None = None
+
+
+def left_pad(prompts: Sequence[Sequence[int]], num_generations: int, width: int, pad_id: int,
+             rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """[rows, width] int32 ids and mask: each prompt left-padded, repeated num_generations
+    times in one consecutive block (extra rows are all padding)."""
+    g = num_generations
+    ids = np.full((rows or len(prompts) * g, width), pad_id, np.int32)
+    mask = np.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i * g:(i + 1) * g, width - len(p):] = p
+        mask[i * g:(i + 1) * g, width - len(p):] = 1
+    return ids, mask
+
+
+def bucketed_prompts(prompts: Sequence[Sequence[int]], num_generations: int, pad_id: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """left_pad to the smallest DEFAULT_BUCKETS width that fits, as the JAX sampler pads, so
+    the train step sees a bounded set of shapes whichever rollout made the batch."""
+    longest = max(map(len, prompts))
+    width = next((b for b in DEFAULT_BUCKETS if b >= longest), longest)
+    return left_pad(prompts, num_generations, width, pad_id)
+
+
+def pad_id(tokenizer) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def sampling_params(cfg, tokenizer, generation_eos: Sequence[int] = ()):
+    """The config's generation settings with TRL's EOS set added to the stop tokens: the
+    tokenizer's EOS, then `generation_eos` (every `eos_token_id` of the model's
+    generation_config.json: hf.generation_eos_ids), then the config's own stop_token_ids."""
+    stops = dict.fromkeys([tokenizer.eos_token_id, *generation_eos,
+                           *cfg.generation.stop_token_ids])
+    return dataclasses.replace(cfg.generation,
+                               stop_token_ids=tuple(t for t in stops if t is not None))
+
+
+class WeightMode(enum.Enum):
+    """How a rollout gets the policy's weights; fixed when it is built.
+
+    READ: `generate` reads the full model's params (with LoRA, the adapters merged into the base:
+    once a round). READ_ADAPTERS: `generate` reads the pair (LoRA adapters, frozen base), for a
+    sampler that runs the adapters itself (a quantized base). PUSH and PUSH_ADAPTERS: the rollout
+    holds its own weights (a server), so `update_weights` gets them after each update, full
+    (LoRA merged) or as the pair; `generate` then gets None."""
+
+    READ = "read"
+    READ_ADAPTERS = "read_adapters"
+    PUSH = "push"
+    PUSH_ADAPTERS = "push_adapters"
+
+    @property
+    def pushed(self) -> bool:
+        return self in (WeightMode.PUSH, WeightMode.PUSH_ADAPTERS)
+
+    @property
+    def adapters(self) -> bool:
+        return self in (WeightMode.READ_ADAPTERS, WeightMode.PUSH_ADAPTERS)
+
+
+class Rollout(Protocol):
+    """Every rollout. The defaults below are those of a rollout that generates when asked, on
+    the weights it was last given; an implementation subclasses this to inherit them."""
+
+    weight_mode: WeightMode
+    takes_records: bool = False  # generate also gets the raw dataset records (a rollout_func)
+    generates_ahead: bool = False  # prefetch starts the next round's generation (async rounds)
+    # A JAX sampler's KV-cache continuation of rows between tool turns (rollout/continuation.py);
+    # None: each turn's whole context is prefilled again.
+    turns: Any = None
+
+    def generate(self, weights, prompt_ids: Sequence[Sequence[int]], num_generations: int, key,
+                 records: Sequence[dict] | None = None) -> RolloutBatch:
+        """num_generations completions of each prompt, in the order of `prompt_ids`. `weights`:
+        the params in the form weight_mode names (None when they are pushed)."""
+        ...
+
+    def update_weights(self, weights, params) -> float | None:
+        """After an update: `weights` in weight_mode's form, `params` the trainer's own (what a
+        rollout that generates ahead keeps to score its batches with). The seconds a push took;
+        None when nothing is pushed (the weights are read at generate)."""
+        return None
+
+    @property
+    def sync_metrics(self) -> dict:
+        """Metrics of the last update_weights (weight_sync/*, async/*)."""
+        return {}
+
+    def prefetch(self, records: Sequence[dict], num_generations: int, key) -> None:
+        """Start generating the round of `records` before it is asked for (generates_ahead);
+        the generate of the same prompts, group size and key returns it."""
+
+    def generated_with(self) -> Any:
+        """The trainer's params that generated the last batch when they are not the current
+        ones (a batch generated ahead, on weights since updated); else None."""
+        return None
+
+
+class RolloutWrapper(Rollout):
+    """A rollout around another (`inner`) that changes how generate works: the rest of the
+    contract is the inner rollout's, forwarded here and nowhere else."""
+
+    inner: Rollout
+
+    @property
+    def weight_mode(self) -> WeightMode:
+        return self.inner.weight_mode
+
+    @property
+    def generates_ahead(self) -> bool:
+        return self.inner.generates_ahead
+
+    @property
+    def turns(self):
+        return self.inner.turns
+
+    def update_weights(self, weights, params) -> float | None:
+        return self.inner.update_weights(weights, params)
+
+    @property
+    def sync_metrics(self) -> dict:
+        return self.inner.sync_metrics
+
+    def prefetch(self, records, num_generations, key) -> None:
+        self.inner.prefetch(records, num_generations, key)
+
+    def generated_with(self):
+        return self.inner.generated_with()
