@@ -519,19 +519,16 @@ def abstract_state(cfg, device=None):
     from grpo_jax import hf, peft_io
     from grpo_jax.grpo.optimizer import make_optimizer
     from grpo_jax.grpo.train_step import init_train_state
-    from grpo_jax.models import Decoder, ModelConfig, lora
+    from grpo_jax.models import ModelConfig, build, lora
     model_dir = hf.resolve_model_dir(peft_io.base_name(cfg))
     model_cfg = ModelConfig.from_hf(hf.read_config(model_dir), numerics=cfg.numerics)
-
-    def build():
-        model = Decoder(model_cfg, rngs=nnx.Rngs(0))
-        if cfg.peft.use_peft:
-            lora.add_adapters(model, cfg.peft, jax.random.key(0))
-        return model
+    # The adapters alone are the state with use_peft: the base is left unquantized.
+    abstract = build.abstract_model(model_cfg, cfg.peft if cfg.peft.use_peft else None,
+                                    quantize=False)
     if cfg.peft.use_peft:
-        graphdef, params, _ = nnx.split(nnx.eval_shape(build), lora.LoraParam, nnx.Param)
+        graphdef, params, _ = nnx.split(abstract, lora.LoraParam, nnx.Param)
     else:
-        graphdef, params = nnx.split(nnx.eval_shape(build), nnx.Param)
+        graphdef, params = nnx.split(abstract, nnx.Param)
     tx, _ = make_optimizer(cfg.optim, 1)
     state = jax.eval_shape(lambda p: init_train_state(p, tx.init(p), cfg.loss), params)
     sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])

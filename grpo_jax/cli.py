@@ -19,6 +19,7 @@ from typing import Any, Callable, Literal, NamedTuple
 import yaml
 
 from grpo_jax.config import SECTIONS, TrainConfig
+from grpo_jax.config.fields import help_of
 from grpo_jax.errors import ConfigError, check as _check
 
 
@@ -459,5 +460,6 @@ def cli_help() -> str:
         lines.append(f"{sec}:")
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"  --{f.name} ({_type_name(_TYPES[sec][f.name])}) default {default!r}")
+            lines.append(f"  --{f.name} ({_type_name(_TYPES[sec][f.name])}, default {default!r})")
+            lines.append(f"      {help_of(f)}")
     return "\n".join(lines)

@@ -17,41 +17,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
-from grpo_jax.errors import check as _check
 from grpo_jax.metrics import Logged, MetricWindow
-
-STRATEGIES = ("no", "steps", "epoch")
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalArgs:
-    eval_strategy: Literal["no", "steps", "epoch"] = "no"
-    eval_steps: float | None = None  # None: logging_steps; < 1: that fraction of the run
-    eval_delay: float = 0.0  # steps (epochs with eval_strategy 'epoch') before the first
-    eval_on_start: bool = False  # also evaluate before the first step (a sanity check)
-    per_device_eval_batch_size: int = 8  # completions per eval batch per data-parallel shard
-    num_generations_eval: int | None = None  # completions per eval prompt; None: num_generations
-
-    def __post_init__(self):
-        _check(self.eval_strategy in STRATEGIES, f"eval_strategy must be one of {STRATEGIES}, "
-               f"got {self.eval_strategy!r}")
-        _check(self.eval_steps is None or (self.eval_steps > 0 and (
-            self.eval_steps < 1 or self.eval_steps == int(self.eval_steps))),
-            f"eval_steps must be a whole number of steps, or a fraction in (0, 1) of the run's "
-            f"steps, got {self.eval_steps}")
-        _check(self.eval_delay >= 0, f"eval_delay must be >= 0, got {self.eval_delay}")
-        _check(self.per_device_eval_batch_size >= 1, "per_device_eval_batch_size must be >= 1")
-        _check(self.num_generations_eval is None or self.num_generations_eval >= 1,
-               f"num_generations_eval must be >= 1 or null, got {self.num_generations_eval}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.eval_strategy != "no" or self.eval_on_start
+from grpo_jax.config.run import EvalArgs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.errors import ModelConfigError, ModelLoadError
-from grpo_jax.models import Decoder, ModelConfig, param_table, quant
+from grpo_jax.models import Decoder, ModelConfig, build, param_table, quant
 from grpo_jax.models import mxfp4 as mxfp4_lib
 from grpo_jax.models.decoder import stack_of
 
@@ -434,8 +434,7 @@ def load_model(name_or_path: str, mesh=None, quant_bits: int | None = None,
         cfg = ModelConfig.from_hf(read_config(model_dir), **config_overrides)
     except ModelConfigError as e:
         raise ModelLoadError(f"{model_dir}: {e}") from None
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))),
-                                 nnx.Param)
+    graphdef, params = nnx.split(build.abstract_model(cfg), nnx.Param)
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         shardings = dict.fromkeys(param_table(cfg), device)

@@ -14,7 +14,6 @@ A mesh without them is the 3-axis mesh: rules naming an axis the mesh lacks skip
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -22,10 +21,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from grpo_jax.errors import ConfigError, check
+from grpo_jax.config.run import CONTEXT, FIELD_AXES, MeshConfig
 
-AXES = ("data", "fsdp", "tensor")
-EXPERT = "expert"  # only in meshes with ep > 1, between fsdp and tensor
-CONTEXT = "context"  # only in meshes with cp > 1, between expert and tensor
 
 # logical axis -> mesh axis or axes (None: replicated). A dimension that the mesh axes do not
 # divide stays replicated, so one table serves every model size.
@@ -51,65 +48,6 @@ RULES: dict[str, str | tuple[str, ...] | None] = {
     "lora_mlp": ("tensor", "fsdp"),
     "lora_head_dim": "fsdp",
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    """Sizes of the mesh axes (data, fsdp, tensor; expert for a mixture of experts, context
-    for long sequences), the
-    config's `mesh` section; one may be -1 (= all remaining devices). An unset axis is 1,
-    except `dp`, which takes the devices left when no axis is -1. With no size set at all the
-    run has given no mesh (`given` is False): train and aot then choose one
-    (`default_config`), pure data parallelism when that fits."""
-
-    dp: int | None = None
-    fsdp: int | None = None
-    tp: int | None = None
-    ep: int | None = None  # expert parallelism: a mixture of experts' experts split over ep
-    cp: int | None = None  # context parallelism: each row's positions split over cp devices
-
-    def __post_init__(self):
-        sizes = [s for s in dataclasses.astuple(self) if s is not None]
-        check(all(s == -1 or s >= 1 for s in sizes) and sizes.count(-1) <= 1,
-              f"mesh sizes (dp, fsdp, tp, ep, cp) = {dataclasses.astuple(self)}: each must be "
-              ">= 1, and at most one -1")
-
-    @property
-    def given(self) -> bool:
-        return any(s is not None for s in dataclasses.astuple(self))
-
-    def sizes(self) -> tuple[int, ...]:
-        """The sizes (dp, fsdp, tp, ep, cp) with the unset ones filled in (one may still be -1)."""
-        sizes = dataclasses.astuple(self)
-        rest = -1 if -1 not in sizes else 1
-        return tuple((rest if i == 0 else 1) if s is None else s for i, s in enumerate(sizes))
-
-    @property
-    def axes(self) -> tuple[str, ...]:
-        """The mesh's axis names: `expert` only when ep is not 1, `context` when cp is not 1."""
-        return tuple(a for a, s in zip(_ORDER, self._ordered()) if s != 1 or a in AXES)
-
-    def _ordered(self) -> list[int]:
-        dp, fsdp, tp, ep, cp = self.sizes()
-        return [dp, fsdp, ep, cp, tp]
-
-    def shape(self, num_devices: int) -> tuple[int, ...]:
-        """Axis sizes for `num_devices` devices (in `axes` order), the -1 axis taking what is
-        left."""
-        sizes = [s for a, s in zip(_ORDER, self._ordered()) if s != 1 or a in AXES]
-        known = math.prod(s for s in sizes if s != -1)
-        if -1 in sizes:
-            check(num_devices % known == 0, f"mesh {dict(zip(self.axes, sizes))}: {num_devices} "
-                  f"devices are not divisible by the fixed axes' product {known}")
-            sizes[sizes.index(-1)] = num_devices // known
-        check(math.prod(sizes) == num_devices, f"mesh {dict(zip(self.axes, sizes))} needs "
-              f"{math.prod(sizes)} devices but {num_devices} are in use; set one size to -1")
-        return tuple(sizes)
-
-
-# MeshConfig's fields, in order, and the mesh axis each sizes
-FIELD_AXES = {"dp": "data", "fsdp": "fsdp", "tp": "tensor", "ep": EXPERT, "cp": CONTEXT}
-_ORDER = ("data", "fsdp", EXPERT, CONTEXT, "tensor")  # the mesh's axis order
 
 
 def config_for(sizes: dict[str, int]) -> MeshConfig:

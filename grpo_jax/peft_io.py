@@ -21,7 +21,7 @@ from flax import nnx
 
 from grpo_jax import hf
 from grpo_jax.errors import ConfigError, AdapterError
-from grpo_jax.models import Decoder, lora
+from grpo_jax.models import Decoder, build, lora
 from grpo_jax.models.decoder import stack_of
 
 CONFIG_NAME = "adapter_config.json"
@@ -209,5 +209,5 @@ def merged_model(model) -> Decoder:
     """A plain Decoder (no adapters) whose weights are the base with the adapters merged in."""
     graphdef, adapters, base = nnx.split(model, lora.LoraParam, nnx.Param)
     merged = lora.merge_into_base(base, adapters, model.lora_scale)
-    plain = nnx.graphdef(nnx.eval_shape(lambda: Decoder(model.cfg, rngs=nnx.Rngs(0))))
+    plain = nnx.graphdef(build.abstract_model(model.cfg))
     return nnx.merge(plain, merged)

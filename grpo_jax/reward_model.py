@@ -28,7 +28,7 @@ from grpo_jax import hf
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.errors import ModelConfigError, RewardError
 from grpo_jax.models import ModelConfig
-from grpo_jax.rollout.base import DEFAULT_BUCKETS
+from grpo_jax.shapes import bucket_width
 
 ARCHITECTURE_SUFFIX = "ForSequenceClassification"
 SCORE_WEIGHT = "score.weight"  # transformers' GenericForSequenceClassification head, no bias
@@ -171,7 +171,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def _bucket(length: int) -> int:
-    return next((b for b in DEFAULT_BUCKETS if b >= length), _pow2(length))
+    return bucket_width(length, beyond=_pow2)
 
 
 def load_reward_model(spec: str, processing_class: str | None = None, *,

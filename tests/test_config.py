@@ -242,7 +242,25 @@ def test_parse_cli(capsys):
         parse_cli(["smol"])
     with pytest.raises(SystemExit):
         parse_cli(["--help"])
-    assert "--num_generations (int) default 8" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert ("--num_generations (int, default 8)\n      Completions per prompt: a group, whose "
+            "rewards give each other's advantages." in out)
+
+
+def test_the_config_is_a_typed_class_with_help_and_no_jax():
+    """TrainConfig is written out (an editor sees cfg.loss: LossConfig); every field of every
+    section has a help line (what --help prints); reading the schema loads no jax."""
+    import typing
+    hints = typing.get_type_hints(TrainConfig)
+    assert hints == {name: cls for name, cls in config_lib.SECTIONS.items()}
+    for sec, cls in config_lib.SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert len(f.metadata.get("help", "")) >= 10, f"{sec}.{f.name} has no help line"
+    code = ("import sys, grpo_jax.config, grpo_jax.cli; cfg = grpo_jax.cli.parse_cli(['--beta', "
+            "'0.1']); assert cfg.loss.beta == 0.1; print(sorted(m for m in sys.modules "
+            "if m == 'jax' or m.startswith(('jax.', 'flax', 'optax'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def _grpo_jax_dataclasses():

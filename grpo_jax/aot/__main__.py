@@ -1,4 +1,4 @@
-from grpo_jax.aot.analyze import main
+from grpo_jax.aot.cli import main
 
 if __name__ == "__main__":
     main()

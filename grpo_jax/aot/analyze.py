@@ -20,7 +20,6 @@ an HF config.json or a directory.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -333,24 +332,6 @@ def timing(run, target, ev: dict) -> tuple[dict | None, dict]:
             }, communication
 
 
-def analyze(target, cfg, quick: bool = False, phases=("generate", "logprobs", "update")) -> dict:
-    import jax
-
-    start = time.perf_counter()
-    chosen = None
-    check_config(cfg)
-    if not cfg.mesh.given:
-        from grpo_jax.aot import search
-        cfg, chosen = search.default_layout(target, cfg)
-    run = make_run(target, cfg)
-    ev = evaluate(target, run, full_depth=not quick, phases=run_phases(run, phases))
-    result = summarize(target, cfg, run, ev, start)
-    if chosen:
-        result["chosen"] = chosen
-    result["jax"] = jax.__version__
-    return result
-
-
 def summarize(target, cfg, run, ev: dict, start: float) -> dict:
     """The report's dict (rendered by report.render, written by --json)."""
     plan, chip, progs, model = run.plan, target.chip, ev["progs"], run.model
@@ -449,65 +430,3 @@ def _version(package: str) -> str | None:
         return metadata.version(package)
     except metadata.PackageNotFoundError:
         return None
-
-
-# Training flags a layout sets (and their config keys): left out of the command to run with.
-_LAYOUT_KEYS = ("dp", "fsdp", "tp", "ep", "cp", "max_num_seqs", "per_device_train_batch_size",
-                "gradient_accumulation_steps", "generation_batch_size", "steps_per_generation",
-                "remat", "remat_policy", "gradient_checkpointing")
-
-
-def _without_layout(args: list[str]) -> list[str]:
-    out, skip = [], False
-    for i, a in enumerate(args):
-        if skip:
-            skip = False
-            continue
-        key = a.lstrip("-").split("=")[0].replace("-", "_").rpartition(".")[2]
-        if a.startswith("--") and key in _LAYOUT_KEYS:
-            skip = "=" not in a
-            continue
-        if a == "--set" and i + 1 < len(args) and args[i + 1].split("=")[0].rpartition(
-                ".")[2] in _LAYOUT_KEYS:
-            skip = True
-            continue
-        out.append(a)
-    return out
-
-
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(prog="python -m grpo_jax.aot", add_help=False)
-    p.add_argument("--topology")
-    p.add_argument("--num_slices", "--num-slices", type=int, default=1)
-    p.add_argument("--json")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--auto", action="store_true")
-    p.add_argument("--top", type=int)
-    p.add_argument("--phases", default="generate,logprobs,update")
-    p.add_argument("-h", "--help", action="store_true")
-    args, rest = p.parse_known_args(argv)
-    if args.help:
-        print(__doc__)
-        raise SystemExit(0)
-    try:
-        if not args.topology:
-            raise GrpoJaxError("--topology is required, e.g. --topology v5e:4x4 or h100:8")
-        import jax
-        jax.config.update("jax_platforms", "cpu")  # compile only: never open an accelerator
-        from grpo_jax import cli
-        from grpo_jax.aot import hardware, search
-        target = hardware.parse_target(args.topology, args.num_slices)
-        cfg = cli.parse_cli(rest)
-        result = (search.auto(target, cfg, quick=args.quick, top=args.top) if args.auto
-                  else analyze(target, cfg, quick=args.quick,
-                               phases=tuple(args.phases.split(","))))
-    except GrpoJaxError as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    if result.get("chosen") or result.get("search"):
-        result["command"] = ["python -m grpo_jax.train", *_without_layout(rest),
-                             *result["flags"]]
-    print(report.render(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    return result

@@ -33,6 +33,7 @@ from grpo_jax.grpo.optimizer import make_optimizer
 from grpo_jax.grpo.train_step import (StepConfig, init_train_state, state_shardings,
                                       train_step)
 from grpo_jax.models import KVCache, ModelConfig, lora, moe
+from grpo_jax.models.build import abstract_model
 from grpo_jax.rollout.refill import Refill
 from grpo_jax.rollout.sampler import Sampler
 from grpo_jax.trainer import Trainer
@@ -112,7 +113,7 @@ def build(run: Run, phases: tuple[str, ...] = PHASES) -> Programs:
     # With LoRA the model is what peft_io.load_model builds: the base in the compute dtype
     # (quantized with load_in_8bit / 4bit), the adapters in the param dtype.
     peft = run.cfg.peft if run.cfg.peft.use_peft else None
-    abstract = lora.abstract_model(run.model, peft, run.cfg.numerics.param_dtype)
+    abstract = abstract_model(run.model, peft, run.cfg.numerics.param_dtype)
     abstract.shard_activations(mesh)  # as Trainer does
     if peft:  # as Trainer: only the adapters are trained, the base is an argument
         graphdef, params, base = nnx.split(abstract, lora.LoraParam, nnx.Param)

@@ -208,7 +208,7 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
     from grpo_jax.aot import report
     from grpo_jax.models import param_table
     from grpo_jax.aot.programs import prompt_group
-    from grpo_jax.rollout.sampler import DEFAULT_BUCKETS
+    from grpo_jax.shapes import bucket_width
 
 
     chip, sizes = target.chip, lay.sizes
@@ -237,7 +237,7 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
     H, K, Dh = model.num_heads, model.num_kv_heads, model.head_dim
     h, k = (H // tp if H % tp == 0 else H), (K // tp if K % tp == 0 else K)
     ff = F // tp if F % tp == 0 else F
-    P = next(b for b in DEFAULT_BUCKETS if b >= cfg.data.max_prompt_length)
+    P = bucket_width(cfg.data.max_prompt_length)
     C = cfg.generation.max_completion_length
     T = P + C
     Tc = T // cp  # a row's positions on one device

@@ -62,120 +62,22 @@ step's for dapo, cispo and vespo (with_step_denominator).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-import typing
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo_jax.errors import check
 from grpo_jax.grpo.batch import Batch
+from grpo_jax.config.grpo import LOSS_KINDS, LossConfig  # noqa: F401 (this module's API)
 
 f32 = jnp.float32
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
-ISLevel = Literal["token", "sequence"]
-ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
-# Loss types whose denominator is num_items_in_batch (loss tokens), and those with clip metrics.
-_TOKEN_NORMALISED = ("dapo", "cispo", "vespo")
-_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
 # The metric-sums entry that feeds the adaptive entropy controller (not a logged metric).
 ADAPTIVE_ENTROPY = "_adaptive_entropy"
-
-
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-    """The objective's settings, with TRL GRPOConfig's (1.16) names and defaults."""
-
-    beta: float = 0.0  # KL coefficient; 0 needs no reference model
-    # Multiply the KL term by the (differentiable) importance ratio (DeepSeek-V3.2's unbiased
-    # reverse-KL gradient). Changes the KL gradient even on-policy, where the ratio's value is 1.
-    use_bias_correction_kl: bool = True
-    epsilon: float = 0.2
-    epsilon_high: float | None = None  # None: epsilon. For cispo: the cap on the ratio itself
-    delta: float | None = None  # upper bound on the unclipped ratio (INTELLECT-2); None: off
-    loss_type: LossType = "dapo"
-    sapo_temperature_neg: float = 1.05  # sapo's gate temperature for advantages <= 0
-    sapo_temperature_pos: float = 1.0  # ... and > 0
-    vespo_k_pos: float = 2.0  # vespo's Gamma weight exp(lambda) w^k exp(-lambda w), advantage >= 0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0  # ... advantage < 0
-    vespo_lambda_neg: float = 2.0
-    importance_sampling_level: ISLevel = "token"
-    mask_truncated_completions: bool = False
-    top_entropy_quantile: float = 1.0
-    # Entropy bonus: loss - entropy_coef * mean token entropy (per micro-batch, as TRL). With
-    # use_adaptive_entropy, entropy_coef is the initial value of a coefficient that each step
-    # moves by entropy_coef_delta within [entropy_coef_min, entropy_coef_max] (up when the step's
-    # entropy is <= entropy_target) and that applies only while entropy <= entropy_target.
-    entropy_coef: float = 0.0
-    use_adaptive_entropy: bool = False
-    entropy_coef_min: float = 0.0
-    entropy_coef_max: float = 1.0
-    entropy_coef_delta: float = 0.005
-    entropy_target: float = 0.2
-    # Sampler/trainer mismatch: weight tokens by exp(old_logp - sampler_logp). The trainer
-    # applies it to vLLM rollouts only: the JAX sampler runs the trainer's own weights.
-    vllm_importance_sampling_correction: bool = True
-    vllm_importance_sampling_mode: ISMode = "sequence_mask"
-    vllm_importance_sampling_clip_min: float | None = None
-    vllm_importance_sampling_clip_max: float | None = 3.0
-    # Drop sequences with a negative advantage whose mean KL(sampler || policy) exceeds this
-    # (DeepSeek-V3.2's off-policy sequence mask); None: off.
-    off_policy_mask_threshold: float | None = None
-    # Mixtures of experts: the weight of the router's load-balancing loss (transformers'
-    # load_balancing_loss_func) added to the loss; None: the checkpoint's own
-    # router_aux_loss_coef (TRL's default), 0: off. Nonzero on a dense model is an error.
-    router_aux_loss_coef: float | None = None
-
-    def __post_init__(self):
-        for name, choices in (("loss_type", LossType), ("importance_sampling_level", ISLevel),
-                              ("vllm_importance_sampling_mode", ISMode)):
-            value, choices = getattr(self, name), typing.get_args(choices)
-            check(value in choices, f"{name} must be one of {choices}, got {value!r}")
-        check(self.beta >= 0, f"beta must be >= 0, got {self.beta}")
-        check(self.epsilon > 0, f"epsilon must be > 0, got {self.epsilon}")
-        check(self.epsilon_high is None or self.epsilon_high > 0,
-              f"epsilon_high must be > 0 or null, got {self.epsilon_high}")
-        check(self.delta is None or self.delta > 1, f"delta caps the ratio from above and must "
-              f"be > 1 (TRL recommends > 1 + epsilon) or null, got {self.delta}")
-        check(self.sapo_temperature_neg > 0 and self.sapo_temperature_pos > 0,
-              f"sapo_temperature_neg and sapo_temperature_pos must be > 0, got "
-              f"{self.sapo_temperature_neg} and {self.sapo_temperature_pos}")
-        check(self.vespo_k_pos >= 0 and self.vespo_k_neg >= 0,
-              f"vespo_k_pos and vespo_k_neg must be >= 0, got {self.vespo_k_pos} and "
-              f"{self.vespo_k_neg}")
-        check(self.vespo_lambda_pos > 0 and self.vespo_lambda_neg > 0,
-              f"vespo_lambda_pos and vespo_lambda_neg must be > 0 (TRL raises smaller values to "
-              f"1e-4), got {self.vespo_lambda_pos} and {self.vespo_lambda_neg}")
-        check(0.0 <= self.top_entropy_quantile <= 1.0,
-              f"top_entropy_quantile must be in [0, 1], got {self.top_entropy_quantile}")
-        check(self.entropy_coef_min <= self.entropy_coef_max, f"entropy_coef_min "
-              f"({self.entropy_coef_min}) must be <= entropy_coef_max ({self.entropy_coef_max})")
-        check(self.entropy_coef_delta >= 0,
-              f"entropy_coef_delta must be >= 0, got {self.entropy_coef_delta}")
-        lo, hi = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
-        check(lo is None or hi is None or lo < hi, f"vllm_importance_sampling_clip_min ({lo}) "
-              f"must be < vllm_importance_sampling_clip_max ({hi})")
-        check(not (self.vllm_importance_sampling_correction and lo is None and hi is None
-                   and self.vllm_importance_sampling_mode.endswith("_truncate")),
-              "a *_truncate vllm_importance_sampling_mode needs vllm_importance_sampling_clip_min"
-              " or vllm_importance_sampling_clip_max")
-        check(self.off_policy_mask_threshold is None or self.off_policy_mask_threshold >= 0,
-              f"off_policy_mask_threshold must be >= 0 or null (TRL expects a positive value, "
-              f"e.g. 0.5), got {self.off_policy_mask_threshold}")
-
-    @property
-    def eps_high(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
-
-    @property
-    def entropy_bonus(self) -> bool:
-        """Whether the loss has the entropy term (TRL: a nonzero coefficient, or adaptive)."""
-        return self.entropy_coef != 0.0 or self.use_adaptive_entropy
 
 
 def loss_mask(completion_mask, truncated, cfg: LossConfig) -> jax.Array:
@@ -200,12 +102,10 @@ def loss_denominator(completion_mask, truncated, cfg: LossConfig, num_items=None
     """The micro-batch's share of the step's loss denominator (see the module docstring).
     num_items: the micro-batch's Batch.num_items, or None (the micro-batch's own loss tokens)."""
     m = loss_mask(completion_mask, truncated, cfg)
-    B = m.shape[0]
-    if cfg.loss_type in _TOKEN_NORMALISED:
+    kind = LOSS_KINDS[cfg.loss_type].denominator
+    if kind == "num_items":
         return m.sum() if num_items is None else jnp.asarray(num_items, f32).sum()
-    return {"grpo": lambda: jnp.asarray(B, f32), "sapo": lambda: jnp.asarray(B, f32),
-            "luspo": lambda: jnp.asarray(B, f32), "bnpo": lambda: jnp.asarray(1.0, f32),
-            "dr_grpo": lambda: jnp.asarray(B * m.shape[1], f32)}[cfg.loss_type]()
+    return jnp.asarray({"sequences": m.shape[0], "one": 1.0, "padded": m.size}[kind], f32)
 
 
 def high_entropy_mask(entropy, m, quantile: float) -> jax.Array:
@@ -320,7 +220,8 @@ def micro_loss_terms(logp, entropy, batch: Batch, cfg: LossConfig) -> MicroLoss:
         raise ValueError("vllm_importance_sampling_correction needs sampler_logp (the "
                          "sampler's per-token log-probs)")
     correction = is_weight if cfg.vllm_importance_sampling_correction else None
-    if (cfg.loss_type == "vespo" and correction is not None
+    objective = LOSS_KINDS[cfg.loss_type].objective
+    if (objective == "vespo" and correction is not None
             and cfg.vllm_importance_sampling_mode.startswith("sequence")):
         raise ValueError("vespo with vllm_importance_sampling_correction needs a token-level "
                          "vllm_importance_sampling_mode (token_truncate or token_mask), got "
@@ -336,12 +237,12 @@ def micro_loss_terms(logp, entropy, batch: Batch, cfg: LossConfig) -> MicroLoss:
             kl = kl * ratio
 
     phi = None
-    if cfg.loss_type == "cispo":  # clip the (detached) ratio, keep the log-prob's gradient
+    if objective == "cispo":  # clip the (detached) ratio, keep the log-prob's gradient
         per_token = -sg(jnp.minimum(ratio, cfg.eps_high)) * A * logp
-    elif cfg.loss_type == "sapo":  # a soft, temperature-controlled gate instead of the clip
+    elif objective == "sapo":  # a soft, temperature-controlled gate instead of the clip
         tau = jnp.where(A > 0, cfg.sapo_temperature_pos, cfg.sapo_temperature_neg)
         per_token = -jax.nn.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * A
-    elif cfg.loss_type == "vespo":  # a sequence weight (no gradient) on the log-prob's gradient
+    elif objective == "vespo":  # a sequence weight (no gradient) on the log-prob's gradient
         phi = vespo_weight(A, token_log_ratio, m, correction, cfg)
         per_token = -phi * A * logp
     else:
@@ -358,15 +259,16 @@ def micro_loss_terms(logp, entropy, batch: Batch, cfg: LossConfig) -> MicroLoss:
     if cfg.top_entropy_quantile < 1.0:
         ent_mask = high_entropy_mask(entropy, m, cfg.top_entropy_quantile)
         per_token = per_token * ent_mask
-    if correction is not None and cfg.loss_type != "vespo":  # vespo has it inside phi
+    if correction is not None and objective != "vespo":  # vespo has it inside phi
         per_token = per_token * correction
     if kl is not None:
         per_token = per_token + cfg.beta * kl
 
     masked = jnp.broadcast_to(per_token, m.shape) * m
-    if cfg.loss_type in ("grpo", "sapo"):
+    kind = LOSS_KINDS[cfg.loss_type].numerator
+    if kind == "sequence_mean":
         numerator = (masked.sum(-1) / jnp.maximum(m.sum(-1), 1.0)).sum()
-    elif cfg.loss_type == "bnpo":
+    elif kind == "token_mean":
         numerator = masked.sum() / jnp.maximum(m.sum(), 1.0)
     else:
         numerator = masked.sum()
@@ -437,12 +339,13 @@ def loss_metrics(t: _Terms, entropy, sampler_logp, cfg: LossConfig) -> dict:
     # A per-sequence ratio counts each sequence once; a per-token ratio each masked token.
     w_mean, count = (jnp.ones_like(m[:, :1]), jnp.asarray(m.shape[0], f32)) if seq_level else (
         m, tokens)
-    if cfg.loss_type == "cispo":
+    objective = LOSS_KINDS[cfg.loss_type].objective
+    if objective == "cispo":
         means["cispo_clip_ratio"] = jnp.stack([(((ratio > cfg.eps_high) & (A > 0)) * w_mean).sum(),
                                                count])
-    elif cfg.loss_type == "vespo":  # one weight per sequence, each sequence counted once
+    elif objective == "vespo":  # one weight per sequence, each sequence counted once
         means["vespo/phi_seq_mean"] = jnp.stack([t.phi.sum(), jnp.asarray(m.shape[0], f32)])
-    elif cfg.loss_type in _CLIPPED:
+    elif objective == "clip":
         low = ((ratio < 1.0 - cfg.epsilon) & (A < 0)).astype(f32)
         high = ((ratio > 1.0 + cfg.eps_high) & (A > 0)).astype(f32)
         for name, x in (("low", low), ("high", high), ("region", jnp.maximum(low, high))):
@@ -516,7 +419,8 @@ def with_step_denominator(sums: dict, denom, cfg: LossConfig) -> dict:
     """One micro-batch's sums with its "policy_loss" normalised as TRL logs it: dapo, cispo and
     vespo divide each micro-batch's sum by the whole step's normaliser (num_items_in_batch's
     share), the other loss types by the micro-batch's own."""
-    if "policy_loss" not in sums["mean"] or cfg.loss_type not in _TOKEN_NORMALISED:
+    if ("policy_loss" not in sums["mean"]
+            or LOSS_KINDS[cfg.loss_type].denominator != "num_items"):
         return sums
     pl = sums["mean"]["policy_loss"]
     return {**sums, "mean": {**sums["mean"], "policy_loss": jnp.stack([pl[0], denom])}}

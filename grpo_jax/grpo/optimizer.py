@@ -2,92 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import re
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from grpo_jax.errors import check
+from grpo_jax.config.batch import OptimizerConfig
 
 # A skipped update never makes the next one apply regardless: TRL skips every non-finite one.
 _NEVER = 2**31 - 1
-
-# The lr_scheduler_kwargs each schedule reads (transformers' schedule functions' arguments).
-SCHEDULE_KWARGS = {
-    "constant": (), "constant_with_warmup": (), "linear": (),
-    "cosine": ("num_cycles",),
-    "cosine_with_restarts": ("num_cycles",),
-    "cosine_with_min_lr": ("num_cycles", "min_lr", "min_lr_rate"),
-    "polynomial": ("lr_end", "power"),
-    "warmup_stable_decay": ("num_decay_steps", "num_stable_steps", "warmup_type", "decay_type",
-                            "min_lr_ratio", "num_cycles"),
-}
-_WSD_SHAPES = ("linear", "cosine", "1-sqrt")
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-    """transformers' TrainingArguments names and defaults (the config's `optim` section)."""
-
-    learning_rate: float = 1e-6
-    lr_scheduler_type: Literal["constant", "constant_with_warmup", "linear", "cosine",
-                               "cosine_with_restarts", "cosine_with_min_lr", "polynomial",
-                               "warmup_stable_decay"] = "linear"
-    # The schedule's own arguments, as transformers (SCHEDULE_KWARGS): e.g. cosine_with_min_lr's
-    # {min_lr_rate: 0.1}, polynomial's {lr_end: 1e-7, power: 1.0}, warmup_stable_decay's
-    # {num_decay_steps: 100}, cosine_with_restarts' {num_cycles: 2}.
-    lr_scheduler_kwargs: dict | None = None
-    # transformers 5: a value < 1 is a fraction of the total steps (TRL's old warmup_ratio).
-    warmup_steps: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0  # 0: no clipping
-
-    def __post_init__(self):
-        check(self.learning_rate >= 0, f"learning_rate must be >= 0, got {self.learning_rate}")
-        w = self.warmup_steps
-        check(w >= 0 and (w < 1 or float(w).is_integer()),
-              f"warmup_steps must be a whole number of steps or a fraction in [0, 1), got {w}")
-        check(not (self.lr_scheduler_type == "constant" and w > 0),
-              "lr_scheduler_type 'constant' has no warmup: use 'constant_with_warmup'")
-        check(0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1,
-              f"adam_beta1/adam_beta2 must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
-        check(self.weight_decay >= 0 and self.adam_epsilon > 0 and self.max_grad_norm >= 0,
-              "weight_decay and max_grad_norm must be >= 0 and adam_epsilon > 0")
-        kw, kind = self.lr_scheduler_kwargs or {}, self.lr_scheduler_type
-        known = SCHEDULE_KWARGS[kind]
-        check(set(kw) <= set(known), f"lr_scheduler_kwargs {sorted(set(kw) - set(known))}: "
-              f"lr_scheduler_type {kind} reads {', '.join(known) or 'none'}")
-        check(kind != "cosine_with_min_lr" or len({"min_lr", "min_lr_rate"} & set(kw)) == 1,
-              "cosine_with_min_lr needs lr_scheduler_kwargs: {min_lr_rate: R} or {min_lr: LR}")
-        check(kind != "warmup_stable_decay" or "num_decay_steps" in kw, "warmup_stable_decay "
-              "needs lr_scheduler_kwargs: {num_decay_steps: N} (and optionally "
-              "num_stable_steps, warmup_type, decay_type, min_lr_ratio, num_cycles)")
-        for name in ("warmup_type", "decay_type"):
-            check(kw.get(name, "linear") in _WSD_SHAPES,
-                  f"{name} must be one of {_WSD_SHAPES}, got {kw.get(name)!r}")
-        check(kind != "polynomial" or self.learning_rate > kw.get("lr_end", 1e-7),
-              f"polynomial: lr_end ({kw.get('lr_end', 1e-7)}) must be smaller than "
-              f"learning_rate ({self.learning_rate})")
-
-    def min_lr_rate(self) -> float:
-        """cosine_with_min_lr's floor as a fraction of learning_rate."""
-        kw = self.lr_scheduler_kwargs or {}
-        if "min_lr" in kw:
-            return float(kw["min_lr"]) / self.learning_rate if self.learning_rate else 0.0
-        return float(kw.get("min_lr_rate", 0.0))
-
-    def num_warmup_steps(self, total_steps: int) -> int:
-        """Warmup length in optimizer steps (transformers 5's rule)."""
-        if self.warmup_steps >= 1:
-            return int(self.warmup_steps)
-        return math.ceil(total_steps * self.warmup_steps)
 
 
 def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:

@@ -1,5 +1,5 @@
-from grpo_jax.models.config import ModelConfig, ModelConfigError, Numerics
-from grpo_jax.models.decoder import Decoder, KVCache, param_table, positions_from_mask
+from grpo_jax.models.config import ModelConfig, ModelConfigError, param_table
+from grpo_jax.models.decoder import Decoder, KVCache, positions_from_mask
 
 __all__ = ["Decoder", "KVCache", "ModelConfig", "ModelConfigError", "param_table",
            "positions_from_mask"]

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.errors import check, ModelConfigError
+from grpo_jax.errors import ModelConfigError
+from grpo_jax.config.model import Numerics  # noqa: F401 (this module's API)
 
 # model_type -> the switches that family always has (the rest come from its config.json).
 _GEMMA = dict(hidden_act="gelu_pytorch_tanh", norm_offset=True, scale_embeddings=True,
@@ -48,41 +48,6 @@ ATTENTION_IMPLS = ("auto", "xla", "flash", "splash", "cudnn")
 # is given the mask as a bias: on an H200 2 rows of 32k took 3.6 GiB more than the blockwise
 # attention, and the step 4.5x less time; docs/benchmarks.md).
 CUDNN_MASK_ELEMENTS = 2 ** 32
-
-
-Dtype = Literal["bfloat16", "float16", "float32"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Numerics:
-    """How the model runs, the config's `numerics` section: dtypes and rematerialisation."""
-
-    dtype: Dtype = "bfloat16"  # compute dtype of matmuls
-    param_dtype: Dtype = "float32"  # master weights and optimizer state
-    remat: bool = True  # TRL: gradient_checkpointing (default True)
-    # With remat, what each layer keeps for the backward pass: "full" only its input (least
-    # memory); "dots" also its matmul outputs (no matmul recomputed; more activation memory).
-    remat_policy: Literal["full", "dots"] = "full"
-    # Training and log-prob passes compute each prompt once per group of completions sharing
-    # it (Decoder.shared_prefix): same values, fewer FLOPs. A generation batch is then split
-    # into micro-batches by whole groups, shuffled group-wise (TRL shuffles rows; with
-    # steps_per_generation = gradient_accumulation_steps, TRL's default, an update sees the
-    # same rows either way). false: TRL's row shuffle, every row runs its prompt.
-    shared_prefix: bool = True
-    # Queries and keys per block of the blockwise attention (attention.flash, and splash's
-    # blocks on TPU): scores are held one [block, block] pair at a time, never [T, S].
-    attention_block: int = 512
-    # Mixture-of-experts layers: None routes every token to its k experts (dropless, a grouped
-    # matmul over the tokens sorted by expert); a number c gives each expert room for
-    # c * tokens * k / experts assignments and drops the rest (GShard's capacity factor), as
-    # transformers never does: outputs then differ from it wherever an expert overflows.
-    moe_capacity_factor: float | None = None
-
-    def __post_init__(self):
-        check(self.remat_policy in ("full", "dots"),
-              f"remat_policy={self.remat_policy!r}: use 'full' or 'dots'")
-        check(self.moe_capacity_factor is None or self.moe_capacity_factor > 0,
-              f"moe_capacity_factor={self.moe_capacity_factor}: must be > 0, or null (dropless)")
 
 
 _NUMERICS = tuple(f.name for f in dataclasses.fields(Numerics))
@@ -496,3 +461,55 @@ def _layer_types(hf: dict, model_type: str, layers: int) -> tuple[str, ...] | No
         return None  # every layer slides
     return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                  for i in range(layers))
+
+
+# name -> (shape, logical axes). L layers, D embed, H heads, K kv heads, Dh head dim, F mlp,
+# V vocab, E experts, Fe an expert's hidden width; Ld, Ls: the dense and the sparse layers.
+def param_table(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    L, D, H, K = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
+    Dh, F, V = cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
+    Ls = sum(cfg.moe_layers)
+    Ld = L - Ls
+    table = {
+        "embed": ((V, D), ("vocab", "embed")),                          # [V, D]
+        "final_norm": ((D,), ("norm",)),                                # [D]
+        "layers/attn_norm": ((L, D), ("layers", "norm")),               # [L, D]
+        "layers/wq": ((L, D, H, Dh), ("layers", "embed", "heads", "head_dim")),
+        "layers/wk": ((L, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim")),
+        "layers/wv": ((L, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim")),
+        "layers/wo": ((L, H, Dh, D), ("layers", "heads", "head_dim", "embed")),
+        "layers/mlp_norm": ((L, D), ("layers", "norm")),                # [L, D]
+    }
+    if Ld:
+        table["layers/w_gate"] = ((Ld, D, F), ("layers", "embed", "mlp"))  # [Ld, D, F]
+        table["layers/w_up"] = ((Ld, D, F), ("layers", "embed", "mlp"))    # [Ld, D, F]
+        table["layers/w_down"] = ((Ld, F, D), ("layers", "mlp", "embed"))  # [Ld, F, D]
+    if Ls:
+        E, Fe = cfg.num_experts, cfg.moe_intermediate_size
+        table["layers/router"] = ((Ls, D, E), ("layers", "embed", None))
+        table["layers/we_gate"] = ((Ls, E, D, Fe), ("layers", "expert", "embed", "mlp"))
+        table["layers/we_up"] = ((Ls, E, D, Fe), ("layers", "expert", "embed", "mlp"))
+        table["layers/we_down"] = ((Ls, E, Fe, D), ("layers", "expert", "mlp", "embed"))
+        if cfg.router_bias:
+            table["layers/router_bias"] = ((Ls, E), ("layers", None))
+        if cfg.expert_bias:
+            table["layers/be_gate"] = ((Ls, E, Fe), ("layers", "expert", "mlp"))
+            table["layers/be_up"] = ((Ls, E, Fe), ("layers", "expert", "mlp"))
+            table["layers/be_down"] = ((Ls, E, D), ("layers", "expert", None))
+    if cfg.qkv_bias:
+        table["layers/bq"] = ((L, H, Dh), ("layers", "heads", "head_dim"))
+        table["layers/bk"] = ((L, K, Dh), ("layers", "kv_heads", "head_dim"))
+        table["layers/bv"] = ((L, K, Dh), ("layers", "kv_heads", "head_dim"))
+    if cfg.o_bias:
+        table["layers/bo"] = ((L, D), ("layers", None))
+    if cfg.attention_sinks:
+        table["layers/sinks"] = ((L, H), ("layers", "heads"))
+    if cfg.qk_norm:
+        table["layers/q_norm"] = ((L, Dh), ("layers", "head_dim"))
+        table["layers/k_norm"] = ((L, Dh), ("layers", "head_dim"))
+    if cfg.sandwich_norms:  # Gemma 2/3: on the attention and MLP outputs, before the residual
+        table["layers/post_attn_norm"] = ((L, D), ("layers", "norm"))
+        table["layers/post_mlp_norm"] = ((L, D), ("layers", "norm"))
+    if not cfg.tie_word_embeddings:
+        table["lm_head"] = ((D, V), ("embed", "vocab"))                 # [D, V]
+    return table

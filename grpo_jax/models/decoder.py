@@ -23,62 +23,10 @@ from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import attention as attention_lib
 from grpo_jax.models import lora, moe
 from grpo_jax.models.attention import Mask
-from grpo_jax.models.config import ModelConfig
+from grpo_jax.models.config import ModelConfig, param_table  # noqa: F401 (this module's API)
 from grpo_jax.models.moe import RouterStats
 
 DENSE_MLP = ("w_gate", "w_up", "w_down")
-
-
-# name -> (shape, logical axes). L layers, D embed, H heads, K kv heads, Dh head dim, F mlp,
-# V vocab, E experts, Fe an expert's hidden width; Ld, Ls: the dense and the sparse layers.
-def param_table(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-    L, D, H, K = cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads
-    Dh, F, V = cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
-    Ls = sum(cfg.moe_layers)
-    Ld = L - Ls
-    table = {
-        "embed": ((V, D), ("vocab", "embed")),                          # [V, D]
-        "final_norm": ((D,), ("norm",)),                                # [D]
-        "layers/attn_norm": ((L, D), ("layers", "norm")),               # [L, D]
-        "layers/wq": ((L, D, H, Dh), ("layers", "embed", "heads", "head_dim")),
-        "layers/wk": ((L, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim")),
-        "layers/wv": ((L, D, K, Dh), ("layers", "embed", "kv_heads", "head_dim")),
-        "layers/wo": ((L, H, Dh, D), ("layers", "heads", "head_dim", "embed")),
-        "layers/mlp_norm": ((L, D), ("layers", "norm")),                # [L, D]
-    }
-    if Ld:
-        table["layers/w_gate"] = ((Ld, D, F), ("layers", "embed", "mlp"))  # [Ld, D, F]
-        table["layers/w_up"] = ((Ld, D, F), ("layers", "embed", "mlp"))    # [Ld, D, F]
-        table["layers/w_down"] = ((Ld, F, D), ("layers", "mlp", "embed"))  # [Ld, F, D]
-    if Ls:
-        E, Fe = cfg.num_experts, cfg.moe_intermediate_size
-        table["layers/router"] = ((Ls, D, E), ("layers", "embed", None))
-        table["layers/we_gate"] = ((Ls, E, D, Fe), ("layers", "expert", "embed", "mlp"))
-        table["layers/we_up"] = ((Ls, E, D, Fe), ("layers", "expert", "embed", "mlp"))
-        table["layers/we_down"] = ((Ls, E, Fe, D), ("layers", "expert", "mlp", "embed"))
-        if cfg.router_bias:
-            table["layers/router_bias"] = ((Ls, E), ("layers", None))
-        if cfg.expert_bias:
-            table["layers/be_gate"] = ((Ls, E, Fe), ("layers", "expert", "mlp"))
-            table["layers/be_up"] = ((Ls, E, Fe), ("layers", "expert", "mlp"))
-            table["layers/be_down"] = ((Ls, E, D), ("layers", "expert", None))
-    if cfg.qkv_bias:
-        table["layers/bq"] = ((L, H, Dh), ("layers", "heads", "head_dim"))
-        table["layers/bk"] = ((L, K, Dh), ("layers", "kv_heads", "head_dim"))
-        table["layers/bv"] = ((L, K, Dh), ("layers", "kv_heads", "head_dim"))
-    if cfg.o_bias:
-        table["layers/bo"] = ((L, D), ("layers", None))
-    if cfg.attention_sinks:
-        table["layers/sinks"] = ((L, H), ("layers", "heads"))
-    if cfg.qk_norm:
-        table["layers/q_norm"] = ((L, Dh), ("layers", "head_dim"))
-        table["layers/k_norm"] = ((L, Dh), ("layers", "head_dim"))
-    if cfg.sandwich_norms:  # Gemma 2/3: on the attention and MLP outputs, before the residual
-        table["layers/post_attn_norm"] = ((L, D), ("layers", "norm"))
-        table["layers/post_mlp_norm"] = ((L, D), ("layers", "norm"))
-    if not cfg.tie_word_embeddings:
-        table["lm_head"] = ((D, V), ("embed", "vocab"))                 # [D, V]
-    return table
 
 
 def stack_of(cfg: ModelConfig, key: str) -> bool | None:

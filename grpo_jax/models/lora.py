@@ -20,7 +20,6 @@ nnx.Param)` separates what is trained from the frozen base, and everything that 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -29,108 +28,7 @@ from flax import nnx
 
 from grpo_jax.errors import check
 from grpo_jax.models import quant
-
-# PEFT's module names -> the decoder's stacked weights.
-TARGETS = dict(zip(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-                   quant.PROJECTIONS))
-# PEFT's default target_modules for the llama / qwen2 / qwen3 families.
-DEFAULT_TARGETS = ("q_proj", "v_proj")
-
-
-@dataclasses.dataclass(frozen=True)
-class PeftArgs:
-    """The config's `peft` section: TRL's ModelConfig names (PEFT's LoraConfig behind them)."""
-
-    use_peft: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    # PEFT's dropout on each adapter's input, in the train step's forward only (TRL: 0.05).
-    lora_dropout: float = 0.0
-    # Names of PEFT's modules, or "all-linear"; None: PEFT's default for the model (q, v).
-    lora_target_modules: tuple[str, ...] | None = None
-    use_rslora: bool = False  # scale lora_alpha / sqrt(r) instead of lora_alpha / r
-    # QLoRA: the frozen base's projections stored as int8 or 4-bit codes (models/quant.py).
-    load_in_8bit: bool = False
-    load_in_4bit: bool = False
-    bnb_4bit_quant_type: str = "nf4"
-
-    def __post_init__(self):
-        check(not (self.load_in_8bit and self.load_in_4bit),
-              "load_in_8bit and load_in_4bit are both set: choose one")
-        check(self.use_peft or not (self.load_in_8bit or self.load_in_4bit),
-              "load_in_8bit / load_in_4bit quantize a frozen base, which only LoRA trains "
-              "around: set use_peft: true (a quantized model can't be fine-tuned itself)")
-        check(self.bnb_4bit_quant_type == "nf4", f"bnb_4bit_quant_type="
-              f"{self.bnb_4bit_quant_type!r} is not supported: grpo-jax's 4-bit base is nf4")
-        check(self.lora_r >= 1, f"lora_r must be >= 1 (the adapters' rank), got {self.lora_r}")
-        check(0 <= self.lora_dropout < 1, f"lora_dropout={self.lora_dropout}: a dropout "
-              "probability must be in [0, 1)")
-        self.targets()  # bad names fail when the config is read
-
-    @property
-    def quant_bits(self) -> int | None:
-        return 8 if self.load_in_8bit else 4 if self.load_in_4bit else None
-
-    @property
-    def sampler_takes_adapters(self) -> bool:
-        """Whether the JAX sampler runs the adapters on the frozen base rather than on a merged
-        copy: only for a quantized base, whose merged copy would be the base dequantized (2x
-        the int8 codes' memory, 4x NF4's). Unquantized, merged weights decode as fast or faster
-        (docs/benchmarks.md) and the copy is the size of the base."""
-        return self.use_peft and self.quant_bits is not None
-
-    def base_numerics(self, numerics):
-        """The numerics a run's model is built with: a LoRA run's frozen base is never updated,
-        so it is kept in the compute dtype (its adapters get the param dtype)."""
-        if not self.use_peft:
-            return numerics
-        return dataclasses.replace(numerics, param_dtype=numerics.dtype)
-
-    @property
-    def scale(self) -> float:
-        return self.lora_alpha / (math.sqrt(self.lora_r) if self.use_rslora else self.lora_r)
-
-    def target_modules(self) -> tuple[str, ...]:
-        """PEFT's names of the adapted modules, in the decoder's order."""
-        names = self.lora_target_modules or DEFAULT_TARGETS
-        if isinstance(names, str):
-            names = (names,)
-        if "all-linear" in names:
-            return tuple(TARGETS)
-        unknown = [n for n in names if n not in TARGETS]
-        check(not unknown, f"lora_target_modules {unknown} match no module of the decoder; use "
-              f"some of {', '.join(TARGETS)}, or all-linear")
-        return tuple(n for n in TARGETS if n in names)
-
-    def targets(self) -> tuple[str, ...]:
-        """The decoder's weight names of the adapted modules."""
-        return tuple(TARGETS[n] for n in self.target_modules())
-
-    def model_targets(self, cfg) -> tuple[str, ...]:
-        """targets() that the model `cfg` has. A mixture of experts has no dense MLP in its
-        sparse layers, and PEFT reads the MLP names on one as the experts' stacked parameters:
-        on a mixture of experts all-linear adapts attention only, and an MLP module named
-        outright is refused."""
-        from grpo_jax.models.decoder import param_table  # the decoder imports this module
-        have = {name[len("layers/"):] for name in param_table(cfg)}
-        missing = [n for n in self.target_modules() if TARGETS[n] not in have]
-        names = self.lora_target_modules or ()
-        check(not missing or "all-linear" in names, f"lora_target_modules {missing}: "
-              f"{cfg.model_type} has no dense {', '.join(missing)} (its MLPs are experts, "
-              "which grpo-jax's LoRA does not adapt); target attention (q_proj, k_proj, "
-              "v_proj, o_proj) or all-linear, or train without use_peft")
-        if cfg.num_experts:
-            # PEFT (0.21, transformers 5) reads these names on a mixture of experts as the
-            # experts' stacked parameters and adapts no dense MLP: an adapter of a dense layer's
-            # MLP would load into PEFT as something else. all-linear adapts attention only.
-            mlp = ("gate_proj", "up_proj", "down_proj")
-            named = [n for n in names if n in mlp]
-            check(not named, f"lora_target_modules {named}: on a mixture of experts "
-                  f"({cfg.model_type}) PEFT reads them as the experts' parameters, which "
-                  "grpo-jax's LoRA does not adapt; target attention (q_proj, k_proj, v_proj, "
-                  "o_proj) or all-linear, or train without use_peft")
-            have -= {TARGETS[n] for n in mlp}
-        return tuple(t for t in self.targets() if t in have)
+from grpo_jax.config.model import DEFAULT_TARGETS, TARGETS, PeftArgs  # noqa: F401 (API)
 
 
 class LoraParam(nnx.Variable):
@@ -169,22 +67,6 @@ def _fsdp(axes: tuple) -> tuple:
     names = {"heads": "lora_heads", "kv_heads": "lora_heads", "head_dim": "lora_head_dim",
              "mlp": "lora_mlp"}
     return tuple(names.get(a, a) for a in axes)
-
-
-def abstract_model(cfg, peft: PeftArgs | None = None, adapter_dtype=None):
-    """The abstract (nnx.eval_shape) decoder of `cfg`, with `peft` quantized and with adapters
-    in `adapter_dtype` as peft_io.load_model builds a LoRA run's model: what a program that
-    takes such a model is traced for."""
-    from grpo_jax.models.decoder import Decoder  # the decoder imports this module
-
-    def build():
-        model = Decoder(cfg, rngs=nnx.Rngs(0))
-        if peft:
-            if peft.quant_bits:
-                quant.quantize_model(model, peft.quant_bits)
-            add_adapters(model, peft, jax.random.key(0), adapter_dtype)
-        return model
-    return nnx.eval_shape(build)
 
 
 def with_dropout(model, key: jax.Array | None):

@@ -18,13 +18,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from grpo_jax.config.model import PROJECTIONS  # noqa: F401 (this module's API)
+
 # QLoRA's NF4 levels (bitsandbytes' table): quantiles of N(0, 1) scaled to [-1, 1].
 NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
        -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
        0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
        0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
 BLOCK = 64
-PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def num_inputs(leaf: str) -> int:

@@ -7,7 +7,7 @@ loop (`ToolRollout`), a user's rollout_func (`CustomRollout`) and async rounds (
 
 How a rollout gets the policy's weights is fixed when it is built (`WeightMode`): the trainer
 reads `weight_mode` and hands over the weights in that form, and asks nothing else of it. This
-module imports numpy only: the contract is readable without the code behind it.
+module imports numpy only: the contract reads without the code behind it.
 """
 
 from __future__ import annotations
@@ -18,11 +18,8 @@ from typing import Any, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
-# 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, ... 16384 prompt tokens: 2^i, 1.25 x 2^i
-# and 1.5 x 2^i, so padding is at most a quarter of the width (tldr-like posts of 260-320 tokens pad
-# to 320, not 384) while a run still compiles only a handful of programs.
-DEFAULT_BUCKETS = tuple(sorted({2 ** i for i in range(5, 15)} | {3 * 2 ** i for i in range(4, 13)}
-                               | {5 * 2 ** i for i in range(4, 12)}))
+from grpo_jax.shapes import DEFAULT_BUCKETS, bucket_width  # noqa: F401 (this module's API)
+
 
 
 class RolloutBatch(NamedTuple):
@@ -61,9 +58,7 @@ def bucketed_prompts(prompts: Sequence[Sequence[int]], num_generations: int, pad
                      ) -> tuple[np.ndarray, np.ndarray]:
     """left_pad to the smallest DEFAULT_BUCKETS width that fits, as the JAX sampler pads, so
     the train step sees a bounded set of shapes whichever rollout made the batch."""
-    longest = max(map(len, prompts))
-    width = next((b for b in DEFAULT_BUCKETS if b >= longest), longest)
-    return left_pad(prompts, num_generations, width, pad_id)
+    return left_pad(prompts, num_generations, bucket_width(max(map(len, prompts))), pad_id)
 
 
 def pad_id(tokenizer) -> int:

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
-from grpo_jax.models import Decoder, KVCache, ModelConfig, lora, positions_from_mask
+from grpo_jax.models import Decoder, KVCache, ModelConfig, build, lora, positions_from_mask
 from grpo_jax.rollout import sampling
 from grpo_jax.rollout.base import DEFAULT_BUCKETS, RolloutBatch, left_pad  # noqa: F401 (API)
 from grpo_jax.rollout.sampling import SamplingParams
@@ -79,7 +79,7 @@ class Sampler:
         # XLA lays rows out by the KV cache's sharding, and the constraint made Qwen2.5-7B's
         # generate temporaries on v5e-16 grow from 2.84 to 13.40 GB.
         self.peft = peft
-        abstract = lora.abstract_model(model_cfg, peft)
+        abstract = build.abstract_model(model_cfg, peft)
         abstract.expert_mesh = mesh  # a sparse layer's experts on the mesh's expert axis
         self.graphdef, abstract_params = _split(abstract, peft)
         self._param_shapes = _shapes(abstract_params)

@@ -12,59 +12,11 @@ instead renormalise over the kept set.) At temperature 0 it is log_softmax(raw_l
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.errors import check
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """Generation settings with TRL GRPOConfig names (the config's `generation` section).
-    0/None/1.0 switch a filter off."""
-
-    max_completion_length: int = 512
-    temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int | None = 0
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
-    # Tokens that end a completion (kept in it). The trainer adds the tokenizer's EOS.
-    stop_token_ids: tuple[int, ...] = ()
-    # grpo-jax's own: prompts longer than this are prefilled this many tokens at a time
-    # (Decoder.prefill), so a long prompt's activations are one chunk's (0: never).
-    prefill_chunk_size: int = 2048
-    # The JAX sampler's decode slots (vLLM's name): at most this many rows in flight, each
-    # holding a KV cache. None: every row of a round at once, in one batch. Fewer than a
-    # round's rows: with continuous_batching a finished row's slot takes the next waiting row
-    # (rollout/refill.py); without, the round runs in sub-batches of this many rows, each
-    # until its longest row is done.
-    max_num_seqs: int | None = None
-    continuous_batching: bool = True
-
-    def __post_init__(self):
-        object.__setattr__(self, "top_k", int(self.top_k or 0))
-        object.__setattr__(self, "min_p", float(self.min_p) if self.min_p else None)
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        check(self.max_completion_length >= 1,
-              f"max_completion_length={self.max_completion_length} must be >= 1")
-        check(self.temperature >= 0, f"temperature={self.temperature} must be >= 0 (0 = greedy)")
-        check(0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1] (1.0 = off)")
-        check(self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0 or None = off)")
-        check(self.min_p is None or 0 <= self.min_p <= 1,
-              f"min_p={self.min_p} must be in [0, 1] (None = off)")
-        check(self.prefill_chunk_size >= 0,
-              f"prefill_chunk_size={self.prefill_chunk_size} must be >= 0 (0 = never chunk)")
-        check(self.repetition_penalty > 0,
-              f"repetition_penalty={self.repetition_penalty} must be > 0 (1.0 = off)")
-        check(self.max_num_seqs is None or self.max_num_seqs >= 1,
-              f"max_num_seqs={self.max_num_seqs} must be >= 1 (null: a round's rows at once)")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from grpo_jax.config.rollout import SamplingParams  # noqa: F401 (this module's API)
 
 
 def apply_repetition_penalty(logits: jax.Array, seen: jax.Array, penalty: float) -> jax.Array:

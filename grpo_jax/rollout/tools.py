@@ -34,30 +34,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from grpo_jax import distributed as dist
-from grpo_jax.errors import check, ToolError
+from grpo_jax.errors import ToolError
 from grpo_jax.rollout.base import RolloutBatch, RolloutWrapper
 from grpo_jax.rollout.sampler import merge_decode_metrics
-
-
-@dataclasses.dataclass(frozen=True)
-class MultiTurnArgs:
-    """The config's `multi_turn` section: TRL's GRPOTrainer arguments `tools` and
-    `rollout_func`, GRPOConfig's `max_tool_calling_iterations`."""
-    # 'package.module:function' or 'path/to/file.py:function': plain functions with type hints
-    # and a Google-style docstring (their JSON schema is what the chat template shows).
-    tools: tuple[str, ...] = ()
-    max_tool_calling_iterations: int | None = None  # None: until a turn makes no call (TRL)
-    tool_timeout: float = 30.0  # seconds per call; a slower call returns an error to the model
-    # 'package.module:function' making the rollouts itself (grpo_jax.rollout.custom).
-    rollout_func: str | None = None
-
-    def __post_init__(self):
-        check(self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 0,
-              f"max_tool_calling_iterations must be >= 0 or null, got "
-              f"{self.max_tool_calling_iterations}")
-        check(self.tool_timeout > 0, f"tool_timeout must be > 0 seconds, got {self.tool_timeout}")
-        check(not (self.tools and self.rollout_func), "tools and rollout_func are both set: a "
-              "rollout_func makes the whole rollout, so run its tools inside it")
+from grpo_jax.config.rollout import MultiTurnArgs  # noqa: F401 (this module's API)
 
 
 # transformers' response-template format for Hermes-style tool calls, as the shipped

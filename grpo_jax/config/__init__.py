@@ -1,0 +1,121 @@
+"""The training configuration: one typed tree of frozen sections.
+
+TrainConfig is the whole of it, one field per section; each section is a settings class of its own
+(config/model.py, grpo.py, batch.py, rollout.py, run.py), so each field, its default, its help
+line and its check exist once. Field names are TRL's GRPOConfig / TrainingArguments names and are
+unique across sections, so a flat TRL-style YAML finds every key's section (grpo_jax.cli reads YAML
+and the command line, and prints each field's help). Defaults follow TRL 1.16 unless a help line
+says otherwise. This package imports no jax: reading a config loads no accelerator code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import yaml
+
+from grpo_jax.config.batch import BatchArgs, BatchPlan, OptimizerConfig
+from grpo_jax.config.grpo import GRPOArgs, LossConfig
+from grpo_jax.config.model import ModelArgs, Numerics, PeftArgs
+from grpo_jax.config.rollout import MultiTurnArgs, RolloutArgs, SamplingParams
+from grpo_jax.config.run import DataArgs, DistributedArgs, EvalArgs, MeshConfig, RunArgs
+from grpo_jax.errors import check
+
+
+__all__ = ["BatchArgs", "BatchPlan", "DataArgs", "DistributedArgs", "EvalArgs", "GRPOArgs",
+           "LossConfig", "MeshConfig", "ModelArgs", "MultiTurnArgs", "Numerics",
+           "OptimizerConfig", "PeftArgs", "RolloutArgs", "RunArgs", "SECTIONS", "SamplingParams",
+           "TrainConfig"]
+
+
+def _section(cls):
+    return dataclasses.field(default_factory=cls)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """A run's settings, by section (the YAML's and --help's order)."""
+
+    model: ModelArgs = _section(ModelArgs)
+    peft: PeftArgs = _section(PeftArgs)
+    numerics: Numerics = _section(Numerics)
+    data: DataArgs = _section(DataArgs)
+    grpo: GRPOArgs = _section(GRPOArgs)
+    loss: LossConfig = _section(LossConfig)
+    generation: SamplingParams = _section(SamplingParams)
+    optim: OptimizerConfig = _section(OptimizerConfig)
+    batch: BatchArgs = _section(BatchArgs)
+    eval: EvalArgs = _section(EvalArgs)
+    rollout: RolloutArgs = _section(RolloutArgs)
+    multi_turn: MultiTurnArgs = _section(MultiTurnArgs)
+    mesh: MeshConfig = _section(MeshConfig)
+    run: RunArgs = _section(RunArgs)
+    distributed: DistributedArgs = _section(DistributedArgs)
+
+    def __post_init__(self):
+        check(self.generation.temperature > 0, "temperature must be > 0 (GRPO needs varied "
+              f"samples), got {self.generation.temperature}")
+        check(self.generation.max_num_seqs is None or self.rollout.backend == "jax",
+              "max_num_seqs sets the JAX sampler's decode slots; a vLLM server schedules its "
+              "own rows (start it with --max-num-seqs): set max_num_seqs: null")
+        gbs, g = self.batch.generation_batch_size, self.grpo.num_generations
+        check(gbs is None or gbs % g == 0, f"generation_batch_size ({gbs}) must be divisible "
+              f"by num_generations ({g}): a generation round holds whole prompt groups")
+        check(not (self.grpo.sync_ref_model and not self.loss.beta),  # TRL raises it too
+              "sync_ref_model is set while beta is 0: with beta 0 no reference model is kept, "
+              "so there is nothing to synchronize. Set sync_ref_model false, or beta > 0")
+        check(not (self.grpo.sync_ref_model and self.peft.use_peft), "sync_ref_model with "
+              "use_peft: the reference is the base model with the adapters off, which never "
+              "changes; set sync_ref_model false")
+        cache = self.grpo.soft_punish_cache
+        check(cache is None or cache <= self.generation.max_completion_length,
+              f"soft_punish_cache ({cache}) must be at most max_completion_length "
+              f"({self.generation.max_completion_length}): the penalty starts that many tokens "
+              "before it")
+        check(not (self.grpo.dynamic_sampling and self.rollout.max_staleness),
+              "dynamic_sampling with max_staleness > 0: async rounds generate the next batch's "
+              "prompts before this batch knows how many prompts it takes to fill with groups "
+              "that have reward signal; set max_staleness 0 (or dynamic_sampling false)")
+
+    def batch_plan(self, data_parallel_size: int = 1) -> BatchPlan:
+        """TRL's batch relations for `data_parallel_size` shards (TRL: num_processes)."""
+        b, g = self.batch, self.grpo.num_generations
+        micro = b.per_device_train_batch_size * data_parallel_size
+        if b.generation_batch_size is not None:
+            check(b.generation_batch_size % micro == 0,
+                  f"generation_batch_size ({b.generation_batch_size}) must be divisible by the "
+                  f"global micro-batch per_device_train_batch_size * data-parallel size = {micro}")
+            spg = b.generation_batch_size // micro
+        else:
+            spg = b.steps_per_generation or b.gradient_accumulation_steps
+        gbs = micro * spg
+        check(gbs % g == 0, f"generation batch {gbs} (per_device_train_batch_size "
+              f"{b.per_device_train_batch_size} x data-parallel {data_parallel_size} x "
+              f"steps_per_generation {spg}) must be divisible by num_generations ({g}): adjust "
+              f"one of them or set generation_batch_size")
+        return BatchPlan(data_parallel_size, micro, b.gradient_accumulation_steps, spg, gbs, g,
+                         self.grpo.num_iterations)
+
+    def eval_prompts_per_batch(self, data_parallel_size: int = 1) -> int:
+        """Prompts per eval batch: per_device_eval_batch_size completions per shard, in groups
+        of num_generations_eval (TRL's check)."""
+        rows = self.eval.per_device_eval_batch_size * data_parallel_size
+        g = self.eval.num_generations_eval or self.grpo.num_generations
+        check(rows % g == 0, f"the global eval batch size (per_device_eval_batch_size "
+              f"{self.eval.per_device_eval_batch_size} x data-parallel {data_parallel_size}) "
+              f"must be divisible by the number of generations used for evaluation ({g}): "
+              "adjust per_device_eval_batch_size or num_generations_eval")
+        return rows // g
+
+    def to_dict(self) -> dict:
+        """Sectioned plain data (lists for tuples): `load_config` reads it back unchanged."""
+        return {name: {k: list(v) if isinstance(v, tuple) else v
+                       for k, v in dataclasses.asdict(getattr(self, name)).items()}
+                for name in SECTIONS}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# Section name -> its settings class, in TrainConfig's order.
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(TrainConfig)}

@@ -1,0 +1,176 @@
+"""The model's sections: which checkpoint, its numerics, and LoRA/QLoRA (TRL's ModelConfig
+names; PEFT's LoraConfig behind them)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+from grpo_jax.config.fields import arg
+from grpo_jax.errors import check
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelArgs:
+    name_or_path: str = arg(
+        "smollm2-135m-instruct",
+        "The policy: a hub id, a local Hugging Face directory, or a built-in preset name.")
+
+
+Dtype = Literal["bfloat16", "float16", "float32"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    """How the model runs, the config's `numerics` section: dtypes and rematerialisation."""
+
+    dtype: Dtype = arg("bfloat16", "The compute dtype of the matmuls.")
+    param_dtype: Dtype = arg("float32", "The dtype of the master weights and the optimizer state.")
+    remat: bool = arg(True, "TRL: gradient_checkpointing (default True)")
+    remat_policy: Literal["full", "dots"] = arg(
+        "full",
+        "With remat, what each layer keeps for the backward pass: \"full\" only its input (least "
+        "memory); \"dots\" also its matmul outputs (no matmul recomputed; more activation "
+        "memory).")
+    shared_prefix: bool = arg(
+        True,
+        "Training and log-prob passes compute each prompt once per group of completions sharing "
+        "it (Decoder.shared_prefix): same values, fewer FLOPs. A generation batch is then split "
+        "into micro-batches by whole groups, shuffled group-wise (TRL shuffles rows; with "
+        "steps_per_generation = gradient_accumulation_steps, TRL's default, an update sees the "
+        "same rows either way). false: TRL's row shuffle, every row runs its prompt.")
+    attention_block: int = arg(
+        512,
+        "Queries and keys per block of the blockwise attention (attention.flash, and splash's "
+        "blocks on TPU): scores are held one [block, block] pair at a time, never [T, S].")
+    moe_capacity_factor: float | None = arg(
+        None,
+        "Mixture-of-experts layers: None routes every token to its k experts (dropless, a grouped "
+        "matmul over the tokens sorted by expert); a number c gives each expert room for c * "
+        "tokens * k / experts assignments and drops the rest (GShard's capacity factor), as "
+        "transformers never does: outputs then differ from it wherever an expert overflows.")
+
+    def __post_init__(self):
+        check(self.remat_policy in ("full", "dots"),
+              f"remat_policy={self.remat_policy!r}: use 'full' or 'dots'")
+        check(self.moe_capacity_factor is None or self.moe_capacity_factor > 0,
+              f"moe_capacity_factor={self.moe_capacity_factor}: must be > 0, or null (dropless)")
+
+
+# The decoder's projections (models/quant.py quantizes these), in its order.
+PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# PEFT's module names -> the decoder's stacked weights.
+TARGETS = dict(zip(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                   PROJECTIONS))
+
+
+# PEFT's default target_modules for the llama / qwen2 / qwen3 families.
+DEFAULT_TARGETS = ("q_proj", "v_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class PeftArgs:
+    """The config's `peft` section: TRL's ModelConfig names (PEFT's LoraConfig behind them)."""
+
+    use_peft: bool = arg(False, "Train LoRA adapters on a frozen base instead of the whole model.")
+    lora_r: int = arg(16, "The adapters' rank.")
+    lora_alpha: int = arg(
+        32,
+        "The adapters' scale numerator: alpha / r (alpha / sqrt(r) with use_rslora).")
+    lora_dropout: float = arg(
+        0.0,
+        "PEFT's dropout on each adapter's input, in the train step's forward only (TRL: 0.05).")
+    lora_target_modules: tuple[str, ...] | None = arg(
+        None,
+        "Names of PEFT's modules, or \"all-linear\"; None: PEFT's default for the model (q, v).")
+    use_rslora: bool = arg(
+        False,
+        "Scale the adapters by lora_alpha / sqrt(r) instead of lora_alpha / r (rsLoRA).")
+    load_in_8bit: bool = arg(
+        False,
+        "QLoRA: the frozen base's projections stored as int8 or 4-bit codes (models/quant.py).")
+    load_in_4bit: bool = arg(
+        False,
+        "QLoRA: the frozen base's projections stored as 4-bit NF4 codes (models/quant.py).")
+    bnb_4bit_quant_type: str = arg("nf4", "The 4-bit code: nf4 (the only one supported).")
+
+    def __post_init__(self):
+        check(not (self.load_in_8bit and self.load_in_4bit),
+              "load_in_8bit and load_in_4bit are both set: choose one")
+        check(self.use_peft or not (self.load_in_8bit or self.load_in_4bit),
+              "load_in_8bit / load_in_4bit quantize a frozen base, which only LoRA trains "
+              "around: set use_peft: true (a quantized model can't be fine-tuned itself)")
+        check(self.bnb_4bit_quant_type == "nf4", f"bnb_4bit_quant_type="
+              f"{self.bnb_4bit_quant_type!r} is not supported: grpo-jax's 4-bit base is nf4")
+        check(self.lora_r >= 1, f"lora_r must be >= 1 (the adapters' rank), got {self.lora_r}")
+        check(0 <= self.lora_dropout < 1, f"lora_dropout={self.lora_dropout}: a dropout "
+              "probability must be in [0, 1)")
+        self.targets()  # bad names fail when the config is read
+
+    @property
+    def quant_bits(self) -> int | None:
+        return 8 if self.load_in_8bit else 4 if self.load_in_4bit else None
+
+    @property
+    def sampler_takes_adapters(self) -> bool:
+        """Whether the JAX sampler runs the adapters on the frozen base rather than on a merged
+        copy: only for a quantized base, whose merged copy would be the base dequantized (2x
+        the int8 codes' memory, 4x NF4's). Unquantized, merged weights decode as fast or faster
+        (docs/benchmarks.md) and the copy is the size of the base."""
+        return self.use_peft and self.quant_bits is not None
+
+    def base_numerics(self, numerics):
+        """The numerics a run's model is built with: a LoRA run's frozen base is never updated,
+        so it is kept in the compute dtype (its adapters get the param dtype)."""
+        if not self.use_peft:
+            return numerics
+        return dataclasses.replace(numerics, param_dtype=numerics.dtype)
+
+    @property
+    def scale(self) -> float:
+        return self.lora_alpha / (math.sqrt(self.lora_r) if self.use_rslora else self.lora_r)
+
+    def target_modules(self) -> tuple[str, ...]:
+        """PEFT's names of the adapted modules, in the decoder's order."""
+        names = self.lora_target_modules or DEFAULT_TARGETS
+        if isinstance(names, str):
+            names = (names,)
+        if "all-linear" in names:
+            return tuple(TARGETS)
+        unknown = [n for n in names if n not in TARGETS]
+        check(not unknown, f"lora_target_modules {unknown} match no module of the decoder; use "
+              f"some of {', '.join(TARGETS)}, or all-linear")
+        return tuple(n for n in TARGETS if n in names)
+
+    def targets(self) -> tuple[str, ...]:
+        """The decoder's weight names of the adapted modules."""
+        return tuple(TARGETS[n] for n in self.target_modules())
+
+    def model_targets(self, cfg) -> tuple[str, ...]:
+        """targets() that the model `cfg` has. A mixture of experts has no dense MLP in its
+        sparse layers, and PEFT reads the MLP names on one as the experts' stacked parameters:
+        on a mixture of experts all-linear adapts attention only, and an MLP module named
+        outright is refused."""
+        # The model's parameter table is asked for here only, when a model is built: the
+        # config itself never loads the model code (nor jax).
+        from grpo_jax.models.config import param_table
+        have = {name[len("layers/"):] for name in param_table(cfg)}
+        missing = [n for n in self.target_modules() if TARGETS[n] not in have]
+        names = self.lora_target_modules or ()
+        check(not missing or "all-linear" in names, f"lora_target_modules {missing}: "
+              f"{cfg.model_type} has no dense {', '.join(missing)} (its MLPs are experts, "
+              "which grpo-jax's LoRA does not adapt); target attention (q_proj, k_proj, "
+              "v_proj, o_proj) or all-linear, or train without use_peft")
+        if cfg.num_experts:
+            # PEFT (0.21, transformers 5) reads these names on a mixture of experts as the
+            # experts' stacked parameters and adapts no dense MLP: an adapter of a dense layer's
+            # MLP would load into PEFT as something else. all-linear adapts attention only.
+            mlp = ("gate_proj", "up_proj", "down_proj")
+            named = [n for n in names if n in mlp]
+            check(not named, f"lora_target_modules {named}: on a mixture of experts "
+                  f"({cfg.model_type}) PEFT reads them as the experts' parameters, which "
+                  "grpo-jax's LoRA does not adapt; target attention (q_proj, k_proj, v_proj, "
+                  "o_proj) or all-linear, or train without use_peft")
+            have -= {TARGETS[n] for n in mlp}
+        return tuple(t for t in self.targets() if t in have)

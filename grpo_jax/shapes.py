@@ -1,0 +1,17 @@
+"""The prompt widths a run compiles for, shared by everything that pads prompts (the rollouts,
+reward models, aot's forecast), so a run compiles a handful of programs, not one per length."""
+
+from __future__ import annotations
+
+# 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, ... 16384 prompt tokens: 2^i, 1.25 x 2^i
+# and 1.5 x 2^i, so padding is at most a quarter of the width (tldr-like posts of 260-320 tokens pad
+# to 320, not 384) while a run still compiles only a handful of programs.
+DEFAULT_BUCKETS = tuple(sorted({2 ** i for i in range(5, 15)} | {3 * 2 ** i for i in range(4, 13)}
+                               | {5 * 2 ** i for i in range(4, 12)}))
+
+
+def bucket_width(length: int, buckets=DEFAULT_BUCKETS, beyond=None) -> int:
+    """The smallest bucket that holds `length` tokens; past the last, beyond(length) (default:
+    the length itself)."""
+    return next((b for b in buckets if b >= length),
+                beyond(length) if beyond is not None else length)
