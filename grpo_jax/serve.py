@@ -38,7 +38,8 @@ from grpo_jax.rollout.wire import HTTP_BACKEND, SESSION_TOKEN_ENV
 
 WORKER_EXTENSION = "grpo_jax.rollout.vllm_worker.WeightReloadExtension"
 AUTH_MIDDLEWARE = "grpo_jax.rollout.vllm_worker.DevRouteAuth"
-WORKER_MODULES = ("vllm_worker.py", "vllm_http_engine.py", "wire.py")  # what the vLLM process imports of ours
+# What the vLLM process imports of ours.
+WORKER_MODULES = ("vllm_worker.py", "vllm_http_engine.py", "wire.py")
 # vLLM's weight-sync routes carry the weights themselves (grpo_jax.rollout.vllm_http_engine):
 # no shared filesystem, no NCCL. `--weight-transfer-config '{"backend": "nccl"}'` overrides it.
 WEIGHT_TRANSFER = json.dumps({"backend": HTTP_BACKEND})

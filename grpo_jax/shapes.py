@@ -3,9 +3,9 @@ reward models, aot's forecast), so a run compiles a handful of programs, not one
 
 from __future__ import annotations
 
-# 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, ... 16384 prompt tokens: 2^i, 1.25 x 2^i
-# and 1.5 x 2^i, so padding is at most a quarter of the width (tldr-like posts of 260-320 tokens pad
-# to 320, not 384) while a run still compiles only a handful of programs.
+# 32, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512, ... 16384 prompt tokens: 2^i, 1.25 x
+# 2^i and 1.5 x 2^i, so padding is at most a quarter of the width (tldr-like posts of 260-320
+# tokens pad to 320, not 384) while a run still compiles only a handful of programs.
 DEFAULT_BUCKETS = tuple(sorted({2 ** i for i in range(5, 15)} | {3 * 2 ** i for i in range(4, 13)}
                                | {5 * 2 ** i for i in range(4, 12)}))
 

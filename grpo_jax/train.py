@@ -311,7 +311,8 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
                                                                    plan.prompts_per_generation)
                     ends_epoch = dataset.ends_epoch(next_position, plan.prompts_per_generation)
                     if rollout.generates_ahead:  # async rounds: the next round's, beside this one
-                        ahead, _ = dataset.batch_prompts(next_position, plan.prompts_per_generation)
+                        ahead, _ = dataset.batch_prompts(next_position,
+                                                         plan.prompts_per_generation)
                         rollout.prefetch(ahead, plan.num_generations,
                                          jax.random.fold_in(base_key, round_idx + 1))
                     cursor[0] = next_position

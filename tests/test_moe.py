@@ -392,9 +392,9 @@ def test_lora_adapter_on_a_moe_loads_in_peft_with_the_same_logits(tmp_path):
                           ("qwen3_moe", "PEFT reads them as the experts' parameters")):
         cfg = ModelConfig.from_hf(tiny_hf_model(name).config.to_dict())
         with pytest.raises(GrpoJaxError, match=refusal):
-            lora.PeftArgs(use_peft=True, lora_target_modules=("q_proj", "gate_proj")
-                          ).model_targets(cfg)
-        assert lora.PeftArgs(use_peft=True, lora_target_modules=("all-linear",)).model_targets(
-            cfg) == ("wq", "wk", "wv", "wo")
+            lora.model_targets(lora.PeftArgs(use_peft=True,
+                                             lora_target_modules=("q_proj", "gate_proj")), cfg)
+        every = lora.PeftArgs(use_peft=True, lora_target_modules=("all-linear",))
+        assert lora.model_targets(every, cfg) == ("wq", "wk", "wv", "wo")
     with pytest.raises(ConfigError, match="target_parameters"):
         load_config(None, ["lora_target_parameters=[mlp.experts.gate_up_proj]"])

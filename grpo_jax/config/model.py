@@ -146,31 +146,3 @@ class PeftArgs:
     def targets(self) -> tuple[str, ...]:
         """The decoder's weight names of the adapted modules."""
         return tuple(TARGETS[n] for n in self.target_modules())
-
-    def model_targets(self, cfg) -> tuple[str, ...]:
-        """targets() that the model `cfg` has. A mixture of experts has no dense MLP in its
-        sparse layers, and PEFT reads the MLP names on one as the experts' stacked parameters:
-        on a mixture of experts all-linear adapts attention only, and an MLP module named
-        outright is refused."""
-        # The model's parameter table is asked for here only, when a model is built: the
-        # config itself never loads the model code (nor jax).
-        from grpo_jax.models.config import param_table
-        have = {name[len("layers/"):] for name in param_table(cfg)}
-        missing = [n for n in self.target_modules() if TARGETS[n] not in have]
-        names = self.lora_target_modules or ()
-        check(not missing or "all-linear" in names, f"lora_target_modules {missing}: "
-              f"{cfg.model_type} has no dense {', '.join(missing)} (its MLPs are experts, "
-              "which grpo-jax's LoRA does not adapt); target attention (q_proj, k_proj, "
-              "v_proj, o_proj) or all-linear, or train without use_peft")
-        if cfg.num_experts:
-            # PEFT (0.21, transformers 5) reads these names on a mixture of experts as the
-            # experts' stacked parameters and adapts no dense MLP: an adapter of a dense layer's
-            # MLP would load into PEFT as something else. all-linear adapts attention only.
-            mlp = ("gate_proj", "up_proj", "down_proj")
-            named = [n for n in names if n in mlp]
-            check(not named, f"lora_target_modules {named}: on a mixture of experts "
-                  f"({cfg.model_type}) PEFT reads them as the experts' parameters, which "
-                  "grpo-jax's LoRA does not adapt; target attention (q_proj, k_proj, v_proj, "
-                  "o_proj) or all-linear, or train without use_peft")
-            have -= {TARGETS[n] for n in mlp}
-        return tuple(t for t in self.targets() if t in have)

@@ -28,11 +28,38 @@ from flax import nnx
 
 from grpo_jax.errors import check
 from grpo_jax.models import quant
+from grpo_jax.models.config import param_table
 from grpo_jax.config.model import DEFAULT_TARGETS, TARGETS, PeftArgs  # noqa: F401 (API)
 
 
 class LoraParam(nnx.Variable):
     """An adapter matrix: trained, while the base's nnx.Param stay frozen."""
+
+
+def model_targets(peft: PeftArgs, cfg) -> tuple[str, ...]:
+    """peft.targets() that the model `cfg` has. A mixture of experts has no dense MLP in its
+    sparse layers, and PEFT reads the MLP names on one as the experts' stacked parameters:
+    on a mixture of experts all-linear adapts attention only, and an MLP module named
+    outright is refused."""
+    have = {name[len("layers/"):] for name in param_table(cfg)}
+    missing = [n for n in peft.target_modules() if TARGETS[n] not in have]
+    names = peft.lora_target_modules or ()
+    check(not missing or "all-linear" in names, f"lora_target_modules {missing}: "
+          f"{cfg.model_type} has no dense {', '.join(missing)} (its MLPs are experts, "
+          "which grpo-jax's LoRA does not adapt); target attention (q_proj, k_proj, "
+          "v_proj, o_proj) or all-linear, or train without use_peft")
+    if cfg.num_experts:
+        # PEFT (0.21, transformers 5) reads these names on a mixture of experts as the
+        # experts' stacked parameters and adapts no dense MLP: an adapter of a dense layer's
+        # MLP would load into PEFT as something else. all-linear adapts attention only.
+        mlp = ("gate_proj", "up_proj", "down_proj")
+        named = [n for n in names if n in mlp]
+        check(not named, f"lora_target_modules {named}: on a mixture of experts "
+              f"({cfg.model_type}) PEFT reads them as the experts' parameters, which "
+              "grpo-jax's LoRA does not adapt; target attention (q_proj, k_proj, v_proj, "
+              "o_proj) or all-linear, or train without use_peft")
+        have -= {TARGETS[n] for n in mlp}
+    return tuple(t for t in peft.targets() if t in have)
 
 
 def add_adapters(model, peft: PeftArgs, key: jax.Array, dtype=None) -> None:
@@ -45,7 +72,7 @@ def add_adapters(model, peft: PeftArgs, key: jax.Array, dtype=None) -> None:
     dtype = model.cfg.param_dtype if dtype is None else dtype
     model.lora_scale = peft.scale
     model.lora_dropout = peft.lora_dropout
-    for i, leaf in enumerate(peft.model_targets(model.cfg)):
+    for i, leaf in enumerate(model_targets(peft, model.cfg)):
         w = getattr(model.layers, leaf)
         n_in = quant.num_inputs(leaf)
         shape, axes = w.shape, w.axes

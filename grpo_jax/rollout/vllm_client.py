@@ -27,7 +27,8 @@ import numpy as np
 import requests
 from requests.adapters import HTTPAdapter
 
-from grpo_jax.errors import VLLMServerError, ServerUnreachableError, ServerTimeoutError, ModelMismatchError
+from grpo_jax.errors import (ModelMismatchError, ServerTimeoutError, ServerUnreachableError,
+                             VLLMServerError)
 from grpo_jax.rollout import server_auth, weight_sync
 from grpo_jax.rollout.weight_routes import WeightRoutes
 
