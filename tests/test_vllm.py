@@ -293,7 +293,7 @@ def test_weight_routes_check_bodies_and_dtypes(server, client):
     is refused before it is parsed. The server serves on afterwards."""
     import json as _json
 
-    from grpo_jax.rollout.http_sync import RAW_UPDATE_ROUTE
+    from grpo_jax.rollout.wire import RAW_UPDATE_ROUTE
     from grpo_jax.rollout.vllm_client import VLLMServerError
 
     def raw(info, body):
