@@ -43,6 +43,60 @@ class AdaptersOff:
 ADAPTERS_OFF = AdaptersOff()
 
 
+@dataclasses.dataclass(frozen=True)
+class PolicyPrograms:
+    """The jitted programs of one model graph, optimizer and mesh, and the layouts they run on.
+    build_programs makes them from concrete params (Trainer) or abstract ones (grpo_jax.aot,
+    which lowers these very programs for a target it does not have)."""
+    tx: optax.GradientTransformation
+    param_shardings: Any
+    state_shardings: Any
+    init: Callable  # params (donated) -> TrainState
+    step: Callable  # (state (donated), batch, frozen, group, k) -> (state, metrics)
+    logps: Callable  # (graphdef, params, batch, frozen, group) -> [rows, C] log-probs
+    eval: Callable  # (state, batch, frozen, group) -> loss metrics
+    mix: Callable  # (params, ref (donated), alpha, 1 - alpha) -> ref
+
+
+def build_programs(graphdef, params, step_cfg: StepConfig, optim: OptimizerConfig,
+                   total_steps: int, mesh: Mesh) -> PolicyPrograms:
+    """The programs of the model `graphdef` whose trained params are `params` (with LoRA the
+    adapters; the frozen base is an argument of each program), laid out on `mesh` by its rules."""
+    tx, schedule = make_optimizer(optim, total_steps)
+    param_sh = mesh_lib.param_shardings(params, mesh)
+    replicated = NamedSharding(mesh, P())
+
+    def init(p) -> TrainState:
+        return init_train_state(p, tx.init(p), step_cfg.loss)
+    abstract = jax.eval_shape(init, params)
+    # Optimizer moments are laid out like their params.
+    opt_sh = optax.tree_map_params(tx, lambda _, sharding: sharding, abstract.opt_state, param_sh,
+                                   transform_non_params=lambda _: replicated)
+    state_sh = state_shardings(step_cfg.loss, param_sh, opt_sh, replicated)
+
+    def constrain(x):  # [k, rows, ...] micro-batch splits: rows on the batch axes
+        return jax.lax.with_sharding_constraint(
+            x, mesh_lib.logical_sharding(mesh, None, "batch", *[None] * (x.ndim - 2)))
+
+    def logps(graphdef, params, batch: Batch, frozen=(), group: int = 1):
+        model = nnx.merge(graphdef, params, *frozen)
+        logp, _ = completion_logps(model, batch, step_cfg.temperature, step_cfg.logprob_chunk,
+                                   group)
+        return logp
+    return PolicyPrograms(
+        tx, param_sh, state_sh,
+        init=jax.jit(init, out_shardings=state_sh, donate_argnums=(0,)),
+        step=jax.jit(lambda state, batch, frozen, group, k: train_step(
+            graphdef, tx, schedule, step_cfg, state, batch, constrain, frozen, group, k),
+            out_shardings=(state_sh, replicated), donate_argnums=(0,), static_argnums=(3, 4)),
+        logps=jax.jit(logps, out_shardings=replicated, static_argnums=(0, 4)),
+        eval=jax.jit(lambda state, batch, frozen, group: batch_loss(
+            graphdef, step_cfg, state, batch, frozen, group), out_shardings=replicated,
+            static_argnums=(3,)),
+        # The reference's buffers are donated: the mix replaces them in place on the devices.
+        mix=jax.jit(mix_params, out_shardings=param_sh, donate_argnums=(1,)))
+
+
 class Trainer:
     """Holds the compiled step and log-prob programs for one model, optimizer and mesh.
 
@@ -65,8 +119,11 @@ class Trainer:
             self.frozen = (jax.device_put(base, self.base_shardings),)
             self._merge = jax.jit(lambda base, adapters: lora.merge_into_base(
                 base, adapters, self.lora_scale))
-        self.tx, schedule = make_optimizer(optim, total_steps)
-        self.param_shardings = mesh_lib.param_shardings(params, mesh)
+        self.programs = build_programs(self.graphdef, params, step_cfg, optim, total_steps,
+                                       mesh)
+        self.tx = self.programs.tx
+        self.param_shardings = self.programs.param_shardings
+        self.state_shardings = self.programs.state_shardings
         # A copy: the step donates its state, which must not free the caller's model arrays.
         # Copied after placing: device_put(may_alias=False) still hands back the caller's buffer
         # for a replicated array that already sits on one of the mesh's devices.
@@ -76,41 +133,8 @@ class Trainer:
             # The reference runs the same program with every adapter at zero: x W + (x A) 0 is
             # x W exactly, and the base (quantized or not) is shared, never copied.
             self.adapters_off = jax.tree.map(jnp.zeros_like, params)
-        replicated = NamedSharding(mesh, P())
-        abstract = jax.eval_shape(self._init, params)
-        opt_shardings = optax.tree_map_params(
-            self.tx, lambda _, sharding: sharding, abstract.opt_state, self.param_shardings,
-            transform_non_params=lambda _: replicated)
-        self.state_shardings = state_shardings(step_cfg.loss, self.param_shardings, opt_shardings,
-                                               replicated)
         # The copy is donated: the state's params take its buffers, not a third copy.
-        self.init_state = jax.jit(self._init, out_shardings=self.state_shardings,
-                                  donate_argnums=(0,))(params)
-
-        def constrain(x):  # [k, rows, ...] micro-batch splits: rows on the batch axes
-            return jax.lax.with_sharding_constraint(
-                x, mesh_lib.logical_sharding(mesh, None, "batch", *[None] * (x.ndim - 2)))
-        self._step = jax.jit(
-            lambda state, batch, frozen, group, k: train_step(
-                self.graphdef, self.tx, schedule, step_cfg, state, batch, constrain, frozen,
-                group, k),
-            out_shardings=(self.state_shardings, replicated), donate_argnums=(0,),
-            static_argnums=(3, 4))
-        self._logps = jax.jit(self._logps_fn, out_shardings=replicated, static_argnums=(0, 4))
-        self._eval = jax.jit(lambda state, batch, frozen, group: batch_loss(
-            self.graphdef, step_cfg, state, batch, frozen, group), out_shardings=replicated,
-            static_argnums=(3,))
-        # The reference's buffers are donated: the mix replaces them in place on the devices.
-        self._mix = jax.jit(mix_params, out_shardings=self.param_shardings, donate_argnums=(1,))
-
-    def _init(self, params) -> TrainState:
-        return init_train_state(params, self.tx.init(params), self.cfg.loss)
-
-    def _logps_fn(self, graphdef, params, batch: Batch, frozen=(), group: int = 1):
-        model = nnx.merge(graphdef, params, *frozen)
-        logp, _ = completion_logps(model, batch, self.cfg.temperature, self.cfg.logprob_chunk,
-                                   group)
-        return logp
+        self.init_state = self.programs.init(params)
 
     @property
     def shared_prefix(self) -> bool:
@@ -144,18 +168,18 @@ class Trainer:
         on the device (jax.device_get them when needed)."""
         k = micro_batches or self.cfg.gradient_accumulation_steps
         group = self.prompt_group(batch, batch.size // k)
-        return self._step(state, self.shard_batch(batch), self.frozen, group, k)
+        return self.programs.step(state, self.shard_batch(batch), self.frozen, group, k)
 
     def eval_metrics(self, state: TrainState, batch: Batch) -> dict:
         """TRL's evaluation loss and loss metrics of `batch` (one micro-batch, no update); on
         the device, like step's."""
-        return self._eval(state, self.shard_batch(batch), self.frozen,
+        return self.programs.eval(state, self.shard_batch(batch), self.frozen,
                           self.prompt_group(batch, batch.size))
 
     def mix_ref(self, params, ref, alpha: float):
         """TR-DPO's reference update alpha * params + (1 - alpha) * ref, on the devices with the
         params' shardings; `ref`'s buffers are donated (use the returned tree)."""
-        return self._mix(params, ref, np.float32(alpha), np.float32(1.0 - alpha))
+        return self.programs.mix(params, ref, np.float32(alpha), np.float32(1.0 - alpha))
 
     def logps(self, params, batch: Batch, rows: int | None = None) -> np.ndarray:
         """Completion log-probs without gradients: old (num_iterations > 1) or reference
@@ -169,7 +193,7 @@ class Trainer:
         step = rows if rows and n % rows == 0 else n
         # Every part is dispatched before the first is read back.
         group = self.prompt_group(seqs, step)
-        parts = [self._logps(self.graphdef, params, self.shard_batch(
+        parts = [self.programs.logps(self.graphdef, params, self.shard_batch(
             seqs.rows(slice(i, i + step))), self.frozen, group) for i in range(0, n, step)]
         return np.concatenate([np.asarray(p) for p in parts])
 

@@ -21,15 +21,14 @@ an HF config.json or a directory.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import platform
 import re
 import sys
 import time
-import types
 from pathlib import Path
-from unittest import mock
 
 from grpo_jax.aot import report
 from grpo_jax.errors import GrpoJaxError
@@ -56,11 +55,18 @@ def model_config(name: str):
 
 
 def _has_cudnn() -> bool:
-    try:
-        from jax._src.lib import cuda_versions
-        return cuda_versions is not None and bool(cuda_versions.cudnn_get_version())
-    except Exception:  # noqa: BLE001 - no cuDNN library installed
-        return False
+    """Whether jax's CUDA plugin finds a cuDNN library (the check jax itself makes)."""
+    import importlib
+    for plugin in ("jax_cuda13_plugin", "jax_cuda12_plugin"):
+        try:
+            versions = importlib.import_module(f"{plugin}._versions")
+        except ImportError:
+            continue
+        try:
+            return bool(versions.cudnn_get_version())
+        except Exception:  # noqa: BLE001 - no cuDNN library installed
+            return False
+    return False
 
 
 @contextlib.contextmanager
@@ -71,11 +77,10 @@ def backend_of(target):
     is XLA's, which holds the scores in HBM: the memory figures then err high."""
     import jax
 
-    from grpo_jax.models import config as model_config_lib
+    from grpo_jax.models.config import tracing_for
     gpu = target.platform == "cuda" and _has_cudnn()
     backend = "gpu" if gpu else "tpu" if target.platform == "tpu" else jax.default_backend()
-    with mock.patch.object(model_config_lib, "jax",
-                           types.SimpleNamespace(default_backend=lambda: backend)):
+    with tracing_for(backend):
         yield
 
 
@@ -149,7 +154,7 @@ def evaluate(target, run, *, full_depth: bool = True, phases=("generate", "logpr
             "temporaries_GB": _grown(temp[a], temp[b], model.num_layers),
             "peak_GB": memory["resident_GB"] + _grown(above[a], above[b], model.num_layers),
             "from_layers": f"{a} and {b}"}
-        if any(hasattr(c, "refused") for n in small.values() for c in n.values()):
+        if any(isinstance(c, Refused) for n in small.values() for c in n.values()):
             memory["phases"]["generate"]["refused_by_compiler"] = f"at {a} or {b} layers"
         at_a, at_b = (_comms(small[n]["generate"], run.with_layers(n), "generate")
                       for n in QUICK_LAYERS)
@@ -168,7 +173,7 @@ def _cost(compiled, run, phase: str):
     """FLOPs and HBM bytes of one run of a program (None when the compiler refused it)."""
     from grpo_jax.aot import hlo
 
-    if hasattr(compiled, "refused"):
+    if isinstance(compiled, Refused):
         return None
     C = run.cfg.generation.max_completion_length
     c = hlo.cost(compiled.as_text(), unknown_trips=C - 1 if phase == "generate" else 1)
@@ -202,7 +207,7 @@ def _memory(run, progs, compiled: dict) -> dict:
     for phase in sorted(mem, key=lambda k: k == "refill"):
         at = "generate" if phase == "refill" else phase
         out[at] = report.phase_memory(mem[phase], *reads[at])
-        if hasattr(compiled[phase], "refused"):  # XLA's figure: a lower bound on the peak
+        if isinstance(compiled[phase], Refused):  # XLA's figure: a lower bound on the peak
             out[at]["refused_by_compiler"] = compiled[phase].refused
     return {"params_GB": params / report.GB, "optimizer_state_GB": opt / report.GB,
             "reference_params_GB": ref / report.GB, "frozen_base_GB": base / report.GB,
@@ -222,7 +227,7 @@ def _comms(compiled, run, phase: str) -> list | None:
     max_completion_length, as the workload rows do."""
     from grpo_jax.aot import comms
 
-    if hasattr(compiled, "refused"):
+    if isinstance(compiled, Refused):
         return None
     C = run.cfg.generation.max_completion_length
     colls, unknown = comms.collectives(compiled.as_text(), run.mesh,
@@ -402,6 +407,25 @@ def flags_of(cfg) -> list[str]:
     return out + (["--remat_policy", n.remat_policy] if n.remat else ["--remat", "false"])
 
 
+@dataclasses.dataclass(frozen=True)
+class RefusedMemory:
+    """memory_analysis() of a program the compiler refused: the temporaries it asked for."""
+    temp_size_in_bytes: float
+    argument_size_in_bytes: int = 0
+    output_size_in_bytes: int = 0
+    alias_size_in_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """What _compile gives for a program the TPU compiler refused for want of HBM."""
+    refused: str  # the compiler's first line
+    temp_bytes: float
+
+    def memory_analysis(self) -> RefusedMemory:
+        return RefusedMemory(self.temp_bytes)
+
+
 def _compile(phase: str, lowered, quiet: bool = False):
     """The compiled program, or, where the TPU compiler refuses it for want of HBM, the
     temporaries it asked for (a stand-in with memory_analysis())."""
@@ -415,9 +439,7 @@ def _compile(phase: str, lowered, quiet: bool = False):
         if "RESOURCE_EXHAUSTED" not in str(e) or not need:
             raise
         temp = float(need.group(1)) * {"G": 2**30, "M": 2**20, "K": 2**10}[need.group(2)]
-        out = types.SimpleNamespace(memory_analysis=lambda: types.SimpleNamespace(
-            argument_size_in_bytes=0, output_size_in_bytes=0, alias_size_in_bytes=0,
-            temp_size_in_bytes=temp), refused=str(e).splitlines()[0])
+        out = Refused(str(e).splitlines()[0], temp)
     if not quiet:
         print(f"compiled {phase} in {time.perf_counter() - start:.0f} s", file=sys.stderr,
               flush=True)

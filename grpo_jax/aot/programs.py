@@ -17,26 +17,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.config import BatchPlan, TrainConfig
 from grpo_jax.grpo.batch import Batch
-from grpo_jax.grpo.optimizer import make_optimizer
-from grpo_jax.grpo.train_step import (StepConfig, init_train_state, state_shardings,
-                                      train_step)
+from grpo_jax.grpo.train_step import StepConfig
 from grpo_jax.models import KVCache, ModelConfig, lora, moe
 from grpo_jax.models.build import abstract_model
 from grpo_jax.rollout.refill import Refill
 from grpo_jax.rollout.sampler import Sampler
-from grpo_jax.trainer import Trainer
+from grpo_jax.trainer import build_programs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,25 +116,12 @@ def build(run: Run, phases: tuple[str, ...] = PHASES) -> Programs:
         frozen = (_abstract(base, mesh_lib.param_shardings(base, mesh)),)
     else:
         (graphdef, params), frozen = nnx.split(abstract, nnx.Param), ()
-    param_sh = mesh_lib.param_shardings(params, mesh)
-    params = _abstract(params, param_sh)
-    tx, schedule = make_optimizer(run.cfg.optim, 1000)
-    shapes = jax.eval_shape(lambda p: init_train_state(p, tx.init(p), step_cfg.loss), params)
-    # The same layouts as Trainer.__init__: optimizer moments like their params.
-    opt_sh = optax.tree_map_params(tx, lambda _, s: s, shapes.opt_state, param_sh,
-                                   transform_non_params=lambda _: replicated)
-    state = _abstract(shapes, state_shardings(step_cfg.loss, param_sh, opt_sh, replicated))
-
-    def constrain(x):  # as Trainer: [k, rows, ...] micro-batch splits, rows on the batch axes
-        return jax.lax.with_sharding_constraint(
-            x, mesh_lib.logical_sharding(mesh, None, "batch", *[None] * (x.ndim - 2)))
+    # The trainer's own programs, built from abstract params.
+    programs = build_programs(graphdef, params, step_cfg, run.cfg.optim, 1000, mesh)
+    params = _abstract(params, programs.param_shardings)
+    state = _abstract(jax.eval_shape(programs.init, params), programs.state_shardings)
     g, group = run.cfg.grpo.num_generations, prompt_group(run.cfg, run.plan)
-    update = jax.jit(
-        lambda s, b, f: train_step(graphdef, tx, schedule, step_cfg, s, b, constrain, f, group),
-        out_shardings=(state_shardings(step_cfg.loss, param_sh, opt_sh, replicated),
-                       replicated), donate_argnums=(0,))
-    logps = jax.jit(lambda p, b, f: Trainer._logps_fn(
-        types.SimpleNamespace(cfg=step_cfg), graphdef, p, b, f, group), out_shardings=replicated)
+    k = run.plan.gradient_accumulation_steps
 
     takes_adapters = bool(peft and peft.sampler_takes_adapters)  # as engines.JaxRollout
     sampler = Sampler(run.model, run.cfg.generation, pad_id=0, mesh=mesh,
@@ -151,9 +134,9 @@ def build(run: Run, phases: tuple[str, ...] = PHASES) -> Programs:
         weights = _abstract(merged, mesh_lib.param_shardings(merged, mesh))
     else:
         weights = state.params
-    rows = sampler._batch_size(run.plan.generation_batch_size)
-    width = sampler._bucket(run.cfg.data.max_prompt_length)
-    ids = _rows((sampler._prompt_rows(rows, g), width), jnp.int32, mesh)  # each prompt once
+    rows = sampler.batch_size(run.plan.generation_batch_size)
+    width = sampler.bucket(run.cfg.data.max_prompt_length)
+    ids = _rows((sampler.prompt_rows(rows, g), width), jnp.int32, mesh)  # each prompt once
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                                sharding=replicated)
     gen_args = (weights, ids, ids, key)
@@ -166,18 +149,18 @@ def build(run: Run, phases: tuple[str, ...] = PHASES) -> Programs:
     cache_sh = jax.tree.map(lambda x: mesh_lib.logical_sharding(
         mesh, "batch", "kv_heads", "length", None, shape=x.shape), cache)
     lower = {
-        "generate": lambda: sampler._program.lower(*gen_args, num_generations=g, rows=rows),
+        "generate": lambda: sampler.program.lower(*gen_args, num_generations=g, rows=rows),
         # A micro-batch at a time, as Trainer.logps runs it.
-        "logprobs": lambda: logps.lower(state.params, _batch(run, run.plan.micro_batch_size,
-                                                             width, logps=False), frozen),
-        "update": lambda: update.lower(state, _batch(run, run.plan.micro_batch_size
-                                                     * run.plan.gradient_accumulation_steps,
-                                                     width), frozen),
+        "logprobs": lambda: programs.logps.lower(
+            graphdef, state.params, _batch(run, run.plan.micro_batch_size, width, logps=False),
+            frozen, group),
+        "update": lambda: programs.step.lower(
+            state, _batch(run, run.plan.micro_batch_size * k, width), frozen, group, k),
     }
     lowered = {k: lower[k]() for k in phases}
     if refill is not None and "generate" in phases:
         rows_in_round = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-        lowered["refill"] = refill._program.lower(*gen_args, rows_in_round, num_generations=g,
+        lowered["refill"] = refill.program.lower(*gen_args, rows_in_round, num_generations=g,
                                                   rows=rows)
     return Programs(lowered, state, frozen, _abstract(cache, cache_sh), rows, width,
                     takes_adapters, refill and refill.slots)

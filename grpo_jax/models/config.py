@@ -5,14 +5,36 @@ experts and their routing), each read from the HF config under its HF name."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 
-from grpo_jax.errors import ModelConfigError
 from grpo_jax.config.model import Numerics  # noqa: F401 (this module's API)
+from grpo_jax.errors import ModelConfigError
+
+# The platform programs are traced for: this process's backend, unless aot traces for another
+# (tracing_for) - attention_impl "auto" picks its kernel by it.
+_TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "target_platform", default=None)
+
+
+def target_platform() -> str:
+    """"cpu", "gpu" or "tpu": the platform the programs traced now will run on."""
+    return _TARGET_PLATFORM.get() or jax.default_backend()
+
+
+@contextlib.contextmanager
+def tracing_for(platform: str):
+    """Trace as on `platform` ("gpu", "tpu", "cpu") within the block (grpo_jax.aot)."""
+    token = _TARGET_PLATFORM.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET_PLATFORM.reset(token)
 
 # model_type -> the switches that family always has (the rest come from its config.json).
 _GEMMA = dict(hidden_act="gelu_pytorch_tanh", norm_offset=True, scale_embeddings=True,
@@ -165,7 +187,7 @@ class ModelConfig:
         attention there: cuDNN's compiles for it (one kernel instead of four) but has not been
         timed on a GPU yet; "cudnn" uses it."""
         if self.attention_impl == "auto":
-            return (not decode and jax.default_backend() == "gpu"
+            return (not decode and target_platform() == "gpu"
                     and jnp.dtype(self.dtype) in (jnp.bfloat16, jnp.float16))
         return self.attention_impl == "cudnn"
 
@@ -179,7 +201,7 @@ class ModelConfig:
         a mask split over devices: with either the blockwise attention stands in."""
         impl, block = self.attention_impl, self.numerics.attention_block
         if impl == "auto":
-            if jax.default_backend() == "tpu":
+            if target_platform() == "tpu":
                 return "splash"
             small = rows * (queries or keys) * keys <= CUDNN_MASK_ELEMENTS
             impl = "cudnn" if self.use_cudnn_attention() and small else "xla"

@@ -70,8 +70,8 @@ class Continuation:
         """`Sampler.generate`'s rollout (the same tokens for the same rng), and its cache."""
         s = self.sampler
         params, prompts, g, n, rows = s._inputs(params, prompt_token_ids, num_generations)
-        width = s._bucket(max(map(len, prompts)))
-        ids, mask = left_pad(prompts, 1, width, s.pad_id, rows=s._prompt_rows(rows, g))
+        width = s.bucket(max(map(len, prompts)))
+        ids, mask = left_pad(prompts, 1, width, s.pad_id, rows=s.prompt_rows(rows, g))
         params, (ids_d, mask_d) = self._place(params, ids, mask)
         *out, step, cache = self._first(params, ids_d, mask_d, as_key(rng),
                                         num_generations=g, rows=rows)
@@ -106,14 +106,14 @@ class Continuation:
         if not len(rows) == len(contexts) == len(limits):
             raise ValueError(f"{len(rows)} rows, {len(contexts)} contexts and {len(limits)} "
                              "limits: give one row and one limit per context")
-        n, B = len(contexts), s._batch_size(len(contexts))
+        n, B = len(contexts), s.batch_size(len(contexts))
         # The context's prefix the row's cache holds; at least the last token is fed, since its
         # logits start the turn.
         cached = [min(_common_prefix(session.tokens[r], c), len(c) - 1)
                   for r, c in zip(rows, contexts)]
         suffixes = [c[k:] for c, k in zip(contexts, cached)]
         T = max(MIN_SUFFIX_BUCKET, _pow2(max(map(len, suffixes))))
-        width = s._bucket(max(cached) + T)
+        width = s.bucket(max(cached) + T)
         base = width - T
         src_row, src_slot = np.zeros(B, np.int32), np.zeros((B, base), np.int32)
         content = np.zeros((B, base), np.int32)

@@ -84,7 +84,7 @@ class Refill:
             raise ValueError("Refill needs sampling_params.max_num_seqs (the decode slots)")
         div = 1 if sampler.mesh is None else mesh_lib.batch_divisor(sampler.mesh)
         self.slots = -(-sp.max_num_seqs // div) * div
-        self._program = jax.jit(self._refill, static_argnames=("num_generations", "rows"))
+        self.program = jax.jit(self._refill, static_argnames=("num_generations", "rows"))
 
     # ------------------------------------------------------------------ host side
 
@@ -97,14 +97,14 @@ class Refill:
         if not s.sampling_params.continuous_batching:
             return self.sub_batches(params, prompt_token_ids, num_generations, rng)
         params, prompts, g, n, rows = s._inputs(params, prompt_token_ids, num_generations)
-        ids, mask = left_pad(prompts, 1, s._bucket(max(map(len, prompts))), s.pad_id,
-                             rows=s._prompt_rows(rows, g))
+        ids, mask = left_pad(prompts, 1, s.bucket(max(map(len, prompts))), s.pad_id,
+                             rows=s.prompt_rows(rows, g))
         args = (ids, mask)
         if s.mesh is not None:  # as Sampler.generate: each process places its own rows
             args = tuple(dist.shard_host_array(x, mesh_lib.logical_sharding(
                 s.mesh, "batch", None, shape=x.shape)) for x in args)
             params = jax.device_put(params, mesh_lib.param_shardings(params, s.mesh))
-        tokens, cmask, logp, steps, busy = dist.to_host(self._program(
+        tokens, cmask, logp, steps, busy = dist.to_host(self.program(
             params, *args, as_key(rng), np.int32(n), num_generations=g, rows=rows))
         tokens, cmask, logp = tokens[:n], cmask[:n], logp[:n]
         stopped = (np.isin(tokens, s.sampling_params.stop_token_ids) & (cmask > 0)).any(axis=1)
@@ -119,7 +119,7 @@ class Refill:
         done: the way without refill. Rows draw their own keys, as in one batch."""
         s, g = self.sampler, int(num_generations)
         prompts = s._check_prompts(prompt_token_ids)
-        fits = lambda rows: s._batch_size(rows) <= self.slots  # noqa: E731 - padded too
+        fits = lambda rows: s.batch_size(rows) <= self.slots  # noqa: E731 - padded too
         per = max((k for k in range(1, len(prompts) + 1) if fits(k * g)), default=0)
         if per:  # whole groups
             parts = [s.generate(params, prompts[i:i + per], g, rng, first_row=i * g)
@@ -129,7 +129,7 @@ class Refill:
             per = max(k for k in range(1, self.slots + 1) if fits(k))
             parts = [s.generate(params, each[r:r + per], 1, rng, first_row=r)
                      for r in range(0, len(each), per)]
-        width = s._bucket(max(map(len, prompts)))  # as one batch would pad the prompts
+        width = s.bucket(max(map(len, prompts)))  # as one batch would pad the prompts
         widen = lambda x: np.pad(x, ((0, 0), (width - x.shape[1], 0)))  # noqa: E731
         cat = lambda name: np.concatenate([getattr(p, name) for p in parts])  # noqa: E731
         return RolloutBatch(widen(cat("prompt_ids")), widen(cat("prompt_mask")),

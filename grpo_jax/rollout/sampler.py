@@ -83,7 +83,9 @@ class Sampler:
         abstract.expert_mesh = mesh  # a sparse layer's experts on the mesh's expert axis
         self.graphdef, abstract_params = _split(abstract, peft)
         self._param_shapes = _shapes(abstract_params)
-        self._program = jax.jit(self._generate, static_argnames=("num_generations", "rows"))
+        # (params, prompt ids, mask, key, first row; num_generations, rows) -> tokens, mask,
+        # log-probs, done: what generate runs, and what aot compiles for a target.
+        self.program = jax.jit(self._generate, static_argnames=("num_generations", "rows"))
 
     # ------------------------------------------------------------------ host side
 
@@ -101,8 +103,8 @@ class Sampler:
         params, prompts, g, n, rows = self._inputs(params, prompt_token_ids, num_generations)
         # The program prefills each prompt once and copies its cache to its g rows: prompts
         # enough to cover `rows`, the ones past the real prompts all padding.
-        ids, mask = left_pad(prompts, 1, self._bucket(max(map(len, prompts))), self.pad_id,
-                             rows=self._prompt_rows(rows, g))
+        ids, mask = left_pad(prompts, 1, self.bucket(max(map(len, prompts))), self.pad_id,
+                             rows=self.prompt_rows(rows, g))
         key = as_key(rng)
         args = (ids, mask)
         if self.mesh is not None:
@@ -111,7 +113,7 @@ class Sampler:
             args = tuple(dist.shard_host_array(x, mesh_lib.logical_sharding(
                 self.mesh, "batch", None, shape=x.shape)) for x in args)
             params = jax.device_put(params, mesh_lib.param_shardings(params, self.mesh))
-        tokens, cmask, logp, done = dist.to_host(self._program(
+        tokens, cmask, logp, done = dist.to_host(self.program(
             params, *args, key, np.int32(first_row), num_generations=g, rows=rows))
         ids, mask = np.repeat(ids, g, axis=0)[:n], np.repeat(mask, g, axis=0)[:n]
         # The prefill samples each row's first token, the loop one more per step until the
@@ -129,7 +131,7 @@ class Sampler:
         if g < 1:
             raise ValueError(f"num_generations={num_generations} must be >= 1")
         n = len(prompts) * g
-        return params, prompts, g, n, self._batch_size(n)
+        return params, prompts, g, n, self.batch_size(n)
 
     def _check_params(self, params):
         if isinstance(params, nnx.Module):
@@ -156,7 +158,8 @@ class Sampler:
             prompts.append(a.astype(np.int32))
         return prompts
 
-    def _bucket(self, length: int) -> int:
+    def bucket(self, length: int) -> int:
+        """The prompt width the program is compiled for: the smallest bucket >= `length`."""
         for b in self.buckets:
             if b >= length:
                 return b
@@ -164,14 +167,16 @@ class Sampler:
                          f"{self.buckets[-1]}; pass buckets=(..., {_pow2(length)}) or shorten "
                          "prompts (max_prompt_length)")
 
-    def _prompt_rows(self, rows: int, num_generations: int) -> int:
+    def prompt_rows(self, rows: int, num_generations: int) -> int:
         """Prompts the prefill runs on for `rows` sampled rows: enough to cover them, rounded
         up to the batch axes' size so they shard like the rows (when they divide)."""
         div = 1 if self.mesh is None else mesh_lib.batch_divisor(self.mesh)
         prompts = -(-rows // num_generations)
         return -(-prompts // div) * div
 
-    def _batch_size(self, n: int) -> int:
+    def batch_size(self, n: int) -> int:
+        """The rows the program runs for `n` sampled rows: a power of two, rounded up to the
+        batch axes' size."""
         div = 1 if self.mesh is None else mesh_lib.batch_divisor(self.mesh)
         return -(-_pow2(n) // div) * div
 
