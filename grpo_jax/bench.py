@@ -20,18 +20,15 @@ from flax import nnx
 
 from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
-from grpo_jax.config import BatchPlan
+from grpo_jax.config import BatchArgs, BatchPlan, GRPOArgs, TrainConfig
 from grpo_jax.grpo.batch import Batch
-from grpo_jax.grpo.loss import LossConfig
-from grpo_jax.grpo.optimizer import OptimizerConfig
-from grpo_jax.grpo.train_step import StepConfig
 from grpo_jax.models import Decoder, ModelConfig, lora, presets, quant
 from grpo_jax.models.lora import PeftArgs
 from grpo_jax.rollout.engines import JaxRollout
 from grpo_jax.rollout.refill import Refill
 from grpo_jax.rollout.sampler import Sampler
 from grpo_jax.rollout.sampling import SamplingParams
-from grpo_jax.trainer import GRPORound, Scores, Trainer
+from grpo_jax.trainer import GRPORound, Scores, Trainer, step_config
 
 QWEN2_0_5B = ModelConfig(model_type="qwen2", vocab_size=151936, hidden_size=896,
                          intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
@@ -193,13 +190,21 @@ def train_batch(cfg, n, prompt_len, completion_len, seed=0) -> Batch:
                  advantages=rng.standard_normal(n).astype(np.float32))
 
 
-OPTIM = OptimizerConfig(learning_rate=1e-6)
+def run_config(args, n: int) -> TrainConfig:
+    """The workload as a run's settings (TRL's defaults otherwise): n completions per round,
+    one window of args.grad_accum micro-batches, JAX rollouts."""
+    return TrainConfig(
+        grpo=GRPOArgs(num_generations=args.generations, num_iterations=args.num_iterations),
+        batch=BatchArgs(per_device_train_batch_size=n // args.grad_accum,
+                        gradient_accumulation_steps=args.grad_accum),
+        generation=SamplingParams(max_completion_length=args.completion_len))
 
 
-def step_config(args) -> StepConfig:
-    # The JAX sampler runs the trainer's weights: no importance-sampling correction (as train).
-    return StepConfig(loss=LossConfig(loss_type="dapo", vllm_importance_sampling_correction=False),
-                      temperature=1.0, gradient_accumulation_steps=args.grad_accum)
+def run_trainer(args, model, mesh, n: int) -> tuple[Trainer, BatchPlan]:
+    """The run's Trainer and batch plan, as train builds them, for n completions a round."""
+    run = run_config(args, n)
+    plan = run.batch_plan(1)
+    return Trainer(model, step_config(run, plan, model.cfg), run.optim, 1000, mesh), plan
 
 
 def bench_train_step(args, cfg, trainer):
@@ -223,12 +228,8 @@ def bench_e2e(args, cfg, model, mesh, prompts):
     """One GRPO round as the train loop runs it (grpo_jax.trainer.GRPORound), with random
     rewards in place of reward functions: generate, old log-probs under the loop's rule, then
     `num_iterations` passes of updates over the generation batch."""
-    trainer = Trainer(model, step_config(args), OPTIM, 1000, mesh)
     n = len(prompts) * args.generations
-    plan = BatchPlan(data_parallel_size=1, micro_batch_size=n // args.grad_accum,
-                     gradient_accumulation_steps=args.grad_accum,
-                     steps_per_generation=args.grad_accum, generation_batch_size=n,
-                     num_generations=args.generations, num_iterations=args.num_iterations)
+    trainer, plan = run_trainer(args, model, mesh, n)
     rollout = JaxRollout(cfg, SamplingParams(max_completion_length=args.completion_len),
                          pad_id=0, mesh=mesh)  # no stop token: every row runs the full length
     rng = np.random.default_rng(0)
@@ -293,7 +294,7 @@ def main(argv=None):
               "workload": {k: v for k, v in vars(args).items() if k not in ("what", "json")},
               "params_M": cfg.num_params() / 1e6}
     if args.what in ("train-step", "all"):
-        trainer = Trainer(model, step_config(args), OPTIM, 1000, mesh)
+        trainer, _ = run_trainer(args, model, mesh, args.prompts * args.generations)
         result.update(bench_train_step(args, cfg, trainer))
     if args.what in ("sampler", "all"):
         result.update(bench_sampler(args, cfg, model, mesh, prompts))

@@ -34,29 +34,16 @@ from grpo_jax import storage
 from grpo_jax.checkpoint import (BufferFiles, Checkpointer, RefCheckpoints, StopRun, StopSignal,
                                  check_writable, last_good)
 from grpo_jax.errors import CheckpointWriteError, GrpoJaxError, TrainError
-from grpo_jax.grpo.train_step import StepConfig
 from grpo_jax.logger import MetricsLogger
 from grpo_jax.metrics import Logged, MetricWindow
-from grpo_jax.models import ModelConfig, moe
+from grpo_jax.models import ModelConfig
 from grpo_jax.rollout import tools as tools_lib
 from grpo_jax.rollout.engines import make_rollout
 from grpo_jax.rollout.sampler import reference_copy
-from grpo_jax.trainer import ADAPTERS_OFF, GRPORound, Scores, Trainer
+from grpo_jax.trainer import ADAPTERS_OFF, GRPORound, Scores, Trainer, step_config
 
 
 EVAL_KEY_TAG = 0x4556414C  # "EVAL": evaluation's sampling keys, apart from the rounds'
-
-
-def step_config(cfg: config_lib.TrainConfig, plan: config_lib.BatchPlan,
-                model_cfg) -> StepConfig:
-    loss = cfg.loss
-    if cfg.rollout.backend != "vllm":
-        # The JAX sampler runs the trainer's own weights: its log-probs only feed the metrics.
-        loss = dataclasses.replace(loss, vllm_importance_sampling_correction=False)
-    return StepConfig(loss=loss, temperature=cfg.generation.temperature,
-                      gradient_accumulation_steps=plan.gradient_accumulation_steps,
-                      dropout_seed=cfg.data.seed, aux_loss_coef=moe.router_aux_loss_coef(
-                          cfg.loss.router_aux_loss_coef, model_cfg))
 
 
 def replicated_state_bytes(cfg: config_lib.TrainConfig, model) -> float:
@@ -147,8 +134,130 @@ class RewardScorer:
         return Scores(per_func, prompts, texts, logs.extra, logs.metric_means())
 
 
-def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
-    """Run (or resume) training on `devices` (default: all). Returns the last metrics."""
+@dataclasses.dataclass
+class RunState:
+    """Where a run stands: what a checkpoint holds and a resume restores, as one unit (the
+    generation buffer and the reference it holds too live in the round, `Run.round`)."""
+    state: Any  # grpo.train_step.TrainState
+    position: data_lib.DataPosition = data_lib.DataPosition()
+    round: int = 0  # generation rounds completed
+    tokens_seen: int = 0  # prompt + completion tokens generated (TRL's num_tokens)
+
+    @property
+    def step(self) -> int:
+        return int(self.state.step)
+
+
+@dataclasses.dataclass
+class RunCheckpoints:
+    """A run's checkpoints: the state with its meta (Orbax), the generation buffer beside each
+    and, with sync_ref_model, the reference."""
+    ckpt: Checkpointer
+    buffers: BufferFiles
+    refs: RefCheckpoints | None
+
+    @classmethod
+    def open(cls, out: Path, cfg: config_lib.TrainConfig) -> "RunCheckpoints":
+        ckpt = Checkpointer(out / "checkpoints", save_total_limit=cfg.run.save_total_limit)
+        # sync_ref_model: the reference changes during the run, so it is checkpointed too.
+        refs = (RefCheckpoints(out / "reference", cfg.run.save_total_limit)
+                if cfg.grpo.sync_ref_model else None)
+        return cls(ckpt, BufferFiles(out / "generation_buffer"), refs)
+
+    def resume(self, cfg: config_lib.TrainConfig, out: Path, at: RunState,
+               run_round: GRPORound) -> RunState:
+        """`at` as the checkpoint cfg.run.resume names left it (and the round's buffer and
+        reference); `at` itself when there is none to resume, which without --resume must be
+        so."""
+        ckpt = self.ckpt
+        latest = ckpt.latest_step()
+        if latest is not None and not cfg.run.resume:
+            raise TrainError(f"{ckpt.directory} already holds checkpoints (latest step {latest}):"
+                             " pass --resume to continue that run, or choose another output_dir")
+        if isinstance(cfg.run.resume, str):  # TRL's resume_from_checkpoint PATH
+            latest = _checkpoint_step(cfg.run.resume, out, ckpt)
+            for later in [s for s in ckpt.all_steps() if s > latest]:
+                ckpt.delete(later)  # transformers overwrites them when it gets there again
+                if dist.is_main():
+                    print(f"resuming from step {latest}: removed the later checkpoint {later}",
+                          file=sys.stderr)
+        restored = None
+        if cfg.run.resume and latest is not None:
+            # Onto the live state's shardings, whose buffers go first: the devices never hold
+            # two training states (the initial one is of no use once a checkpoint is read).
+            target = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), at.state)
+            jax.tree.map(lambda x: x.delete(), at.state)
+            # The newest that restores: corrupt ones are set aside; other settings are refused.
+            restored = ckpt.restore_newest(target, cfg.to_dict(), _saved_settings(out))
+            if restored is None:
+                raise TrainError(f"no checkpoint in {ckpt.directory} can be restored (each is "
+                                 "kept as <step>.corrupt): resume from a copy, or train afresh "
+                                 "without --resume into another output_dir")
+        if self.refs is not None:
+            self.refs.drop_after(restored[0] if restored else 0)
+        if restored is None:
+            return at
+        latest, state, meta = restored
+        run_round.buffer = self.buffers.load(latest, meta.get("buffered_micro_batches", 0))
+        run_round.epoch_end = meta.get("buffered_epoch_end", 0)
+        if self.refs is not None:
+            run_round.ref_params = self.refs.restore(latest, run_round.ref_params,
+                                                     meta.get("reference", False))
+        elif meta.get("reference") and dist.is_main():
+            print(f"checkpoint {latest} was saved with sync_ref_model; without it the "
+                  "reference is the initial model again", file=sys.stderr)
+        if dist.is_main():
+            print(f"resumed from step {latest} in {ckpt.directory}", file=sys.stderr)
+        return RunState(state, data_lib.DataPosition(*meta["data_position"]), meta["round"],
+                        int(meta.get("num_tokens", 0)))
+
+    def save(self, at: RunState, run_round: GRPORound, metrics: dict) -> None:
+        """A checkpoint of `at` and what else resumes the run exactly: the generated
+        micro-batches not yet trained on and, with sync_ref_model, the reference params."""
+        step, buffer = at.step, run_round.buffer
+        if step in self.ckpt.all_steps():
+            return
+        self.buffers.save(step, buffer)  # first: a committed checkpoint always finds its buffer
+        if self.refs is not None:
+            self.refs.save(step, run_round.ref_params)  # also first, committed before the state
+        meta = {"data_position": list(at.position), "round": at.round,
+                "num_tokens": at.tokens_seen, "buffered_micro_batches": len(buffer),
+                "buffered_epoch_end": run_round.epoch_end, "reference": self.refs is not None,
+                "metrics": {k: None if v is None else float(v) for k, v in metrics.items()}}
+        self.ckpt.save(step, at.state, meta)
+        self.buffers.prune(self.ckpt.all_steps())
+
+
+@dataclasses.dataclass
+class Run:
+    """One training run, built once (build_run): its settings, data, programs, rollout, reward
+    scoring, round, evaluation and checkpoints, and where it stands (`at`)."""
+    cfg: config_lib.TrainConfig
+    out: Path
+    plan: config_lib.BatchPlan
+    total_steps: int
+    dataset: Any  # data.Prompts
+    rollout: Any  # rollout.base.Rollout
+    scorer: "RewardScorer"
+    round: GRPORound
+    evaluator: Any  # evaluation.Evaluator, or None
+    eval_scorer: "RewardScorer"
+    schedule: Any  # evaluation.EvalSchedule
+    checkpoints: RunCheckpoints
+    at: RunState
+
+    def trainer_state(self, step: int) -> rewards_lib.TrainerState:
+        """transformers' state after `step` optimizer steps (the epoch is optimizer progress),
+        what reward functions get as trainer_state."""
+        return rewards_lib.TrainerState(
+            global_step=step, max_steps=self.total_steps,
+            epoch=self.plan.epoch(step, len(self.dataset)),
+            num_train_epochs=self.plan.num_train_epochs(len(self.dataset), self.total_steps))
+
+
+def build_run(cfg: config_lib.TrainConfig, devices=None) -> Run:
+    """Everything a run needs, built once, from the checkpoint to resume when there is one."""
     # A PEFT adapter directory as the model: its base, its settings, its weights to start from.
     cfg = peft_io.adapter_settings(cfg)
     out = Path(cfg.run.output_dir)
@@ -206,80 +315,42 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     schedule = evaluation.schedule(cfg.eval, cfg.run.logging_steps, total_steps,
                                    plan.gradient_accumulation_steps,
                                    plan.micro_steps_per_epoch(len(dataset)))
-
-    ckpt = Checkpointer(out / "checkpoints", save_total_limit=cfg.run.save_total_limit)
-    # sync_ref_model: the reference changes during the run, so it is checkpointed too.
-    refs = (RefCheckpoints(out / "reference", cfg.run.save_total_limit) if g.sync_ref_model
-            else None)
-    position, round_idx, tokens_seen = data_lib.DataPosition(), 0, 0
-    buffers = BufferFiles(out / "generation_buffer")
-    latest = ckpt.latest_step()
-    if latest is not None and not cfg.run.resume:
-        raise TrainError(f"{ckpt.directory} already holds checkpoints (latest step {latest}): "
-                         "pass --resume to continue that run, or choose another output_dir")
-    if isinstance(cfg.run.resume, str):  # TRL's resume_from_checkpoint PATH
-        latest = _checkpoint_step(cfg.run.resume, out, ckpt)
-        for later in [s for s in ckpt.all_steps() if s > latest]:
-            ckpt.delete(later)  # transformers overwrites them when it gets there again
-            if dist.is_main():
-                print(f"resuming from step {latest}: removed the later checkpoint {later}",
-                      file=sys.stderr)
-    restored = None
-    if cfg.run.resume and latest is not None:
-        # Onto the live state's shardings, whose buffers go first: the devices never hold
-        # two training states (the initial one is of no use once a checkpoint is read).
-        target = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-        jax.tree.map(lambda x: x.delete(), state)
-        # The newest that restores: corrupt ones are set aside; other settings are refused.
-        restored = ckpt.restore_newest(target, cfg.to_dict(), _saved_settings(out))
-        if restored is None:
-            raise TrainError(f"no checkpoint in {ckpt.directory} can be restored (each is kept "
-                             "as <step>.corrupt): resume from a copy, or train afresh without "
-                             "--resume into another output_dir")
-    if refs is not None:
-        refs.drop_after(restored[0] if restored else 0)
-    if cfg.run.resume:
-        if restored is not None:
-            latest, state, meta = restored
-            position = data_lib.DataPosition(*meta["data_position"])
-            round_idx = meta["round"]
-            tokens_seen = int(meta.get("num_tokens", 0))
-            run_round.buffer = buffers.load(latest, meta.get("buffered_micro_batches", 0))
-            run_round.epoch_end = meta.get("buffered_epoch_end", 0)
-            if refs is not None:
-                run_round.ref_params = refs.restore(latest, run_round.ref_params,
-                                                    meta.get("reference", False))
-            elif meta.get("reference") and dist.is_main():
-                print(f"checkpoint {latest} was saved with sync_ref_model; without it the "
-                      "reference is the initial model again", file=sys.stderr)
-            if dist.is_main():
-                print(f"resumed from step {latest} in {ckpt.directory}", file=sys.stderr)
+    checkpoints = RunCheckpoints.open(out, cfg)
+    at = checkpoints.resume(cfg, out, RunState(state), run_round)
     if dist.is_main():  # without this process's id: the file serves every process of a resume
         (out / "config.yaml").write_text(dataclasses.replace(
             cfg, distributed=dataclasses.replace(cfg.distributed, process_id=None)).to_yaml())
-    logger = MetricsLogger(out, cfg.run, total_steps=total_steps, start_step=int(state.step),
+    return Run(cfg, out, plan, total_steps, dataset, rollout, scorer, run_round, evaluator,
+               eval_scorer, schedule, checkpoints, at)
+
+
+def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
+    """Run (or resume) training on `devices` (default: all). Returns the last metrics."""
+    return run_rounds(build_run(cfg, devices))
+
+
+def run_rounds(run: Run) -> dict:
+    """The rounds until max_steps, a stop signal or an error, each of which ends with a
+    checkpoint. Returns the last metrics."""
+    cfg, plan, dataset, run_round = run.cfg, run.plan, run.dataset, run.round
+    ckpt, total_steps = run.checkpoints.ckpt, run.total_steps
+    logger = MetricsLogger(run.out, cfg.run, total_steps=total_steps, start_step=run.at.step,
                            enabled=dist.is_main())
-    run_round.sync_weights(state.params)
+    run_round.sync_weights(run.at.state.params)
     base_key = jax.random.key(cfg.data.seed)
     eval_key = jax.random.fold_in(base_key, EVAL_KEY_TAG)
 
-    def trainer_state(step: int) -> rewards_lib.TrainerState:
-        # transformers' state after `step` optimizer steps: the epoch is optimizer progress
-        return rewards_lib.TrainerState(
-            global_step=step, max_steps=total_steps, epoch=plan.epoch(step, len(dataset)),
-            num_train_epochs=plan.num_train_epochs(len(dataset), total_steps))
-
-    def evaluate(state):
-        step = int(state.step)
-        eval_scorer.trainer_state = trainer_state(step)
+    def evaluate():
+        step = run.at.step
+        run.eval_scorer.trainer_state = run.trainer_state(step)
         with run_round.stop.interruptible():  # changes nothing a checkpoint holds
-            metrics = evaluator(state, jax.random.fold_in(eval_key, step), tokens_seen)
+            metrics = run.evaluator(run.at.state, jax.random.fold_in(eval_key, step),
+                                    run.at.tokens_seen)
         metrics["epoch"] = plan.epoch(step, len(dataset))
         logger.log_eval(step, metrics)
 
-    if evaluator is not None and cfg.eval.eval_on_start:
-        evaluate(state)
+    if run.evaluator is not None and cfg.eval.eval_on_start:
+        evaluate()
     last: dict = {}
     # TRL's metric buffer between two logs: every logging_steps optimizer steps (a fraction < 1:
     # of the run's steps) it is averaged into one record of metrics.jsonl, TensorBoard, W&B and
@@ -287,9 +358,9 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     window = MetricWindow()
     log_every, save_every = cfg.run.steps_of(total_steps)
     pending_time = 0.0  # of rounds without an update: TRL counts it in the next step's time
-    saved_block = int(state.step) // save_every
+    saved_block = run.at.step // save_every
     failure = None
-    cursor = [position]  # dynamic_sampling: where the next prompts start while a batch fills
+    cursor = [run.at.position]  # dynamic_sampling: where the next prompts start while filling
     # One process alone can't abort a round its peers are inside: with several, every process
     # stops after the same round.
     with StopSignal(interrupt=not dist.multi_process()) as stop:
@@ -297,41 +368,42 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
 
         def more_records():
             if dist.any_process(stop.should_stop()):
-                return None  # the batch is dropped; a resume regenerates it from `position`
+                return None  # the batch is dropped; a resume regenerates it from the position
             more, cursor[0] = dataset.batch_prompts(cursor[0], plan.prompts_per_generation)
             return more
 
         try:
             # Every process stops at the same round, also when only one got the signal.
-            while int(state.step) < total_steps and not dist.any_process(stop.should_stop()):
+            while run.at.step < total_steps and not dist.any_process(stop.should_stop()):
                 t0 = time.perf_counter()
+                at = run.at
                 records, ends_epoch = None, False  # windows still buffered: train on them
                 if not run_round.windows_buffered:  # first, as TRL
-                    records, next_position = dataset.batch_prompts(position,
+                    records, next_position = dataset.batch_prompts(at.position,
                                                                    plan.prompts_per_generation)
                     ends_epoch = dataset.ends_epoch(next_position, plan.prompts_per_generation)
-                    if rollout.generates_ahead:  # async rounds: the next round's, beside this one
+                    if run.rollout.generates_ahead:  # async rounds: the next round's, beside
                         ahead, _ = dataset.batch_prompts(next_position,
                                                          plan.prompts_per_generation)
-                        rollout.prefetch(ahead, plan.num_generations,
-                                         jax.random.fold_in(base_key, round_idx + 1))
+                        run.rollout.prefetch(ahead, plan.num_generations,
+                                             jax.random.fold_in(base_key, at.round + 1))
                     cursor[0] = next_position
-                first = int(state.step)
-                scorer.trainer_state = trainer_state(first)
+                first = at.step
+                run.scorer.trainer_state = run.trainer_state(first)
                 # Stops at max_steps exactly, and at the next evaluation, also mid-round (the
                 # rest stays buffered).
-                stop_at = min(total_steps, schedule.next_due(first) or total_steps)
-                result = run_round(state, records, jax.random.fold_in(base_key, round_idx),
+                stop_at = min(total_steps, run.schedule.next_due(first) or total_steps)
+                result = run_round(at.state, records, jax.random.fold_in(base_key, at.round),
                                    max_updates=stop_at - first, ends_epoch=ends_epoch,
                                    more_records=more_records)
-                state, metrics = result.state, dict(result.metrics)
+                at.state, metrics = result.state, dict(result.metrics)
                 if records is not None and result.scores is None:
                     continue  # stopped while dynamic sampling filled the batch
                 if records is not None:  # the round is complete
-                    position, round_idx = cursor[0], round_idx + 1
-                tokens_seen += result.num_tokens
+                    at.position, at.round = cursor[0], at.round + 1
+                at.tokens_seen += result.num_tokens
                 if cfg.run.log_completions and result.scores is not None:
-                    logger.log_completions(int(state.step), result.scores.prompts,
+                    logger.log_completions(at.step, result.scores.prompts,
                                            result.scores.texts, result.rewards, result.advantages,
                                            extra=result.scores.extra)
                 wall = time.perf_counter() - t0
@@ -341,7 +413,7 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
                     metrics["timing/host"] = wall - update_time - sum(
                         metrics.get(f"timing/{k}", 0.0)
                         for k in ("generate", "logprobs", "weight_sync"))
-                    window.add(Logged(metrics, put={"num_tokens": tokens_seen}))
+                    window.add(Logged(metrics, put={"num_tokens": at.tokens_seen}))
                 # TRL's step_time: the step's micro-steps, the generation in its first one.
                 pending_time += wall - update_time
                 for i, logged in enumerate(result.step_metrics):
@@ -353,59 +425,62 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
                     window.add(Logged(put={"epoch": plan.epoch(step, len(dataset))}))
                     if step % log_every == 0 or (step == 1 and cfg.run.logging_first_step):
                         last = logger.log(step, window.flush())
-                logger.advance(int(state.step))
+                logger.advance(at.step)
                 ckpt.poll()  # a background checkpoint write that failed stops the run now
                 if not result.updates:
                     continue
-                if evaluator is not None and schedule.due(int(state.step)):
-                    evaluate(state)
-                if int(state.step) // save_every > saved_block:
-                    saved_block = int(state.step) // save_every
-                    _save(ckpt, buffers, state, position, round_idx, tokens_seen,
-                          run_round, last, refs)
+                if run.evaluator is not None and run.schedule.due(at.step):
+                    evaluate()
+                if at.step // save_every > saved_block:
+                    saved_block = at.step // save_every
+                    run.checkpoints.save(at, run_round, last)
             if window.steps:  # the steps since the last log (TRL: in its final summary)
-                last = logger.log(int(state.step), window.flush())
-            if int(state.step) < total_steps:  # stopped: by this process's signal or a peer's
+                last = logger.log(run.at.step, window.flush())
+            if run.at.step < total_steps:  # stopped: by this process's signal or a peer's
                 raise dist.raised_on_all(StopRun(stop.received or signal.SIGTERM))
         except BaseException as e:
             failure = e
             raise
         finally:
-            final_error = None
-            if dist.failed_alone(failure):
-                # A checkpoint is written by all processes together; the others are not here.
-                print("this process failed alone: no final checkpoint, the last periodic one "
-                      "stands", file=sys.stderr)
-            else:
-                # Ends with a checkpoint whether finished, interrupted or failed mid-round: the
-                # state saved is the last completed update, never a half-applied one. Not after
-                # a failed checkpoint write: the directory takes none.
-                try:
-                    if (ckpt.failed is None and int(state.step) not in ckpt.all_steps()
-                            and int(state.step) > 0):
-                        _save(ckpt, buffers, state, position, round_idx, tokens_seen,
-                              run_round, last, refs)
-                except CheckpointWriteError as e:
-                    final_error = e
-                except Exception as e:  # e.g. buffers donated to a step that failed
-                    print(f"no final checkpoint ({type(e).__name__}: {e}); the last periodic "
-                          "one stands", file=sys.stderr)
-                try:
-                    ckpt.close()  # waits for the last write
-                except CheckpointWriteError as e:
-                    final_error = final_error or e
-                if refs is not None:
-                    refs.close()
-            logger.close()
-            if final_error is not None and final_error is not failure:
-                raise final_error  # the run's end (or its failure) could not be checkpointed
-            if isinstance(failure, StopRun) and dist.is_main():
-                done = (f"the last completed update, step {int(state.step)}, is checkpointed in "
-                        f"{ckpt.directory}; --resume continues the run" if int(state.step)
-                        else "no update was completed, so there is nothing to checkpoint")
-                print(f"grpo_jax.train: stopped by {signal.Signals(failure.signum).name}: "
-                      f"{done}", file=sys.stderr)
+            _finish(run, failure, last, logger)
     return last
+
+
+def _finish(run: Run, failure: BaseException | None, last: dict, logger) -> None:
+    """A run's end, however it ends: the final checkpoint (whether finished, interrupted or
+    failed mid-round: the state saved is the last completed update, never a half-applied one;
+    not after a failed checkpoint write, nor by a process that failed alone), the writes waited
+    for, the logs closed; a stop said on one line."""
+    ckpt, refs, step = run.checkpoints.ckpt, run.checkpoints.refs, run.at.step
+    final_error = None
+    if dist.failed_alone(failure):
+        # A checkpoint is written by all processes together; the others are not here.
+        print("this process failed alone: no final checkpoint, the last periodic one "
+              "stands", file=sys.stderr)
+    else:
+        try:
+            if ckpt.failed is None and step not in ckpt.all_steps() and step > 0:
+                run.checkpoints.save(run.at, run.round, last)
+        except CheckpointWriteError as e:
+            final_error = e
+        except Exception as e:  # e.g. buffers donated to a step that failed
+            print(f"no final checkpoint ({type(e).__name__}: {e}); the last periodic "
+                  "one stands", file=sys.stderr)
+        try:
+            ckpt.close()  # waits for the last write
+        except CheckpointWriteError as e:
+            final_error = final_error or e
+        if refs is not None:
+            refs.close()
+    logger.close()
+    if final_error is not None and final_error is not failure:
+        raise final_error  # the run's end (or its failure) could not be checkpointed
+    if isinstance(failure, StopRun) and dist.is_main():
+        done = (f"the last completed update, step {step}, is checkpointed in "
+                f"{ckpt.directory}; --resume continues the run" if step
+                else "no update was completed, so there is nothing to checkpoint")
+        print(f"grpo_jax.train: stopped by {signal.Signals(failure.signum).name}: "
+              f"{done}", file=sys.stderr)
 
 
 def _checkpoint_step(path: str, out: Path, ckpt: Checkpointer) -> int:
@@ -430,25 +505,6 @@ def _saved_settings(out: Path) -> dict | None:
     except (OSError, yaml.YAMLError):
         return None
     return saved if isinstance(saved, dict) else None
-
-
-def _save(ckpt, buffers, state, position, round_idx, tokens_seen, run_round, metrics,
-          refs=None):
-    """A checkpoint of the state and what resumes the run exactly: the data position, the
-    round, the tokens seen, the generated micro-batches not yet trained on and, with
-    sync_ref_model, the reference params."""
-    step, buffer = int(state.step), run_round.buffer
-    if step in ckpt.all_steps():
-        return
-    buffers.save(step, buffer)  # first: a committed checkpoint always finds its buffer
-    if refs is not None:
-        refs.save(step, run_round.ref_params)  # also first, and committed before the state
-    meta = {"data_position": list(position), "round": round_idx, "num_tokens": tokens_seen,
-            "buffered_micro_batches": len(buffer), "buffered_epoch_end": run_round.epoch_end,
-            "reference": refs is not None,
-            "metrics": {k: None if v is None else float(v) for k, v in metrics.items()}}
-    ckpt.save(step, state, meta)
-    buffers.prune(ckpt.all_steps())
 
 
 def main(argv=None) -> int:

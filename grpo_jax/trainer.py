@@ -31,7 +31,8 @@ from grpo_jax.grpo.optimizer import OptimizerConfig, make_optimizer
 from grpo_jax.grpo.train_step import (StepConfig, TrainState, batch_loss, completion_logps,
                                       init_train_state, state_shardings, train_step)
 from grpo_jax.metrics import Logged
-from grpo_jax.models import lora
+from grpo_jax.config import BatchPlan, TrainConfig
+from grpo_jax.models import lora, moe
 from grpo_jax.rollout.base import Rollout, WeightMode
 
 
@@ -41,6 +42,18 @@ class AdaptersOff:
 
 
 ADAPTERS_OFF = AdaptersOff()
+
+
+def step_config(cfg: TrainConfig, plan: BatchPlan, model_cfg) -> StepConfig:
+    """The step's math settings of a run (train, bench and aot alike)."""
+    loss = cfg.loss
+    if cfg.rollout.backend != "vllm":
+        # The JAX sampler runs the trainer's own weights: its log-probs only feed the metrics.
+        loss = dataclasses.replace(loss, vllm_importance_sampling_correction=False)
+    return StepConfig(loss=loss, temperature=cfg.generation.temperature,
+                      gradient_accumulation_steps=plan.gradient_accumulation_steps,
+                      dropout_seed=cfg.data.seed, aux_loss_coef=moe.router_aux_loss_coef(
+                          cfg.loss.router_aux_loss_coef, model_cfg))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,11 +28,11 @@ from grpo_jax import mesh as mesh_lib
 from grpo_jax.config import BatchPlan, TrainConfig
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.train_step import StepConfig
-from grpo_jax.models import KVCache, ModelConfig, lora, moe
+from grpo_jax.models import KVCache, ModelConfig, lora
 from grpo_jax.models.build import abstract_model
 from grpo_jax.rollout.refill import Refill
 from grpo_jax.rollout.sampler import Sampler
-from grpo_jax.trainer import build_programs
+from grpo_jax.trainer import build_programs, step_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,13 +45,7 @@ class Run:
 
     @property
     def step_config(self) -> StepConfig:
-        loss = self.cfg.loss
-        if self.cfg.rollout.backend != "vllm":  # as grpo_jax.train.step_config
-            loss = dataclasses.replace(loss, vllm_importance_sampling_correction=False)
-        return StepConfig(loss=loss, temperature=self.cfg.generation.temperature,
-                          gradient_accumulation_steps=self.plan.gradient_accumulation_steps,
-                          aux_loss_coef=moe.router_aux_loss_coef(
-                              self.cfg.loss.router_aux_loss_coef, self.model))
+        return step_config(self.cfg, self.plan, self.model)
 
     def with_layers(self, n: int) -> "Run":
         m = self.model  # per-layer settings cut to the first n layers
