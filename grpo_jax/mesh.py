@@ -21,7 +21,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from grpo_jax.errors import ConfigError, check
-from grpo_jax.config.run import CONTEXT, FIELD_AXES, MeshConfig
+from grpo_jax.config.run import (AXES, CONTEXT, EXPERT, FIELD_AXES,  # noqa: F401 (API)
+                                 MeshConfig)
 
 
 # logical axis -> mesh axis or axes (None: replicated). A dimension that the mesh axes do not

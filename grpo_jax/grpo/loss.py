@@ -71,7 +71,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax.grpo.batch import Batch
-from grpo_jax.config.grpo import LOSS_KINDS, LossConfig  # noqa: F401 (this module's API)
+from grpo_jax.config.grpo import (LOSS_KINDS, ISLevel, ISMode, LossConfig,  # noqa: F401 (API)
+                                  LossType)
 
 f32 = jnp.float32
 
