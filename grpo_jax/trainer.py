@@ -529,7 +529,7 @@ class GRPORound:
         ids = [rec["prompt_ids"] for rec in records]
         # A rollout_func reads the raw prompts (grpo_jax.rollout.custom).
         r = self.rollout.generate(weights, ids, g, key,
-                                  records=records if self.rollout.takes_records else None)
+                                  records if self.rollout.takes_records else None)
         t1, wall1 = time.perf_counter(), time.time()
         return r, (score or self.score)(records, r), t1 - t0, wall1
 
