@@ -19,6 +19,7 @@ timeline/update_start and _end).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 import time
 
 import jax
@@ -56,15 +57,21 @@ class AsyncRollout(RolloutWrapper):
         self.staleness = 0
 
     def prefetch(self, records, num_generations: int, key) -> None:
-        """Start generating the round of `records` in the background."""
+        """Start generating the round of `records` in the background; returns once it has
+        begun. (The generation before it, which the round about to run needs, ends first: one
+        thread. Waiting here costs that round nothing, and the next generation is under way
+        before the trainer's work on it starts, however busy the host's CPUs are.)"""
         ids = [rec["prompt_ids"] for rec in records]
+        started = threading.Event()
 
         def run():
             start = time.time()
+            started.set()
             batch = self.inner.generate(None, ids, num_generations, key)
             return batch, start, time.time()
         self.latest = self.pool.submit(run)
         self.pending[_tag(ids, num_generations, key)] = (self.version, self.latest)
+        started.wait()
 
     def generate(self, weights, prompt_ids, num_generations, key, records=None):
         found = self.pending.pop(_tag(prompt_ids, num_generations, key), None)
