@@ -451,14 +451,15 @@ def _finish(run: Run, failure: BaseException | None, last: dict, logger) -> None
     failed mid-round: the state saved is the last completed update, never a half-applied one;
     not after a failed checkpoint write, nor by a process that failed alone), the writes waited
     for, the logs closed; a stop said on one line."""
-    ckpt, refs, step = run.checkpoints.ckpt, run.checkpoints.refs, run.at.step
+    ckpt, refs = run.checkpoints.ckpt, run.checkpoints.refs
     final_error = None
     if dist.failed_alone(failure):
         # A checkpoint is written by all processes together; the others are not here.
         print("this process failed alone: no final checkpoint, the last periodic one "
               "stands", file=sys.stderr)
     else:
-        try:
+        try:  # the step is read here: a step that failed may have taken the state's buffers
+            step = run.at.step
             if ckpt.failed is None and step not in ckpt.all_steps() and step > 0:
                 run.checkpoints.save(run.at, run.round, last)
         except CheckpointWriteError as e:
@@ -475,7 +476,8 @@ def _finish(run: Run, failure: BaseException | None, last: dict, logger) -> None
     logger.close()
     if final_error is not None and final_error is not failure:
         raise final_error  # the run's end (or its failure) could not be checkpointed
-    if isinstance(failure, StopRun) and dist.is_main():
+    if isinstance(failure, StopRun) and dist.is_main():  # a stop leaves the state whole
+        step = run.at.step
         done = (f"the last completed update, step {step}, is checkpointed in "
                 f"{ckpt.directory}; --resume continues the run" if step
                 else "no update was completed, so there is nothing to checkpoint")
