@@ -134,20 +134,21 @@ class Trainer:
                 base, adapters, self.lora_scale))
         self.programs = build_programs(self.graphdef, params, step_cfg, optim, total_steps,
                                        mesh)
-        self.tx = self.programs.tx
-        self.param_shardings = self.programs.param_shardings
-        self.state_shardings = self.programs.state_shardings
         # A copy: the step donates its state, which must not free the caller's model arrays.
         # Copied after placing: device_put(may_alias=False) still hands back the caller's buffer
         # for a replicated array that already sits on one of the mesh's devices.
         params = jax.tree.map(lambda x, s: jax.device_put(x, s).copy(), params,
-                              self.param_shardings)
+                              self.programs.param_shardings)
         if self.lora_scale is not None:
             # The reference runs the same program with every adapter at zero: x W + (x A) 0 is
             # x W exactly, and the base (quantized or not) is shared, never copied.
             self.adapters_off = jax.tree.map(jnp.zeros_like, params)
         # The copy is donated: the state's params take its buffers, not a third copy.
         self.init_state = self.programs.init(params)
+
+    @property
+    def param_shardings(self):
+        return self.programs.param_shardings
 
     @property
     def shared_prefix(self) -> bool:
