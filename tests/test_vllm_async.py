@@ -70,8 +70,16 @@ def test_async_rounds_overlap_generation_with_update(server, model_dir, tmp_path
     # LENGTH tokens takes ~110-260 ms here, the scoring's three forwards 10-240 ms: the generation
     # may end before the update begins, so the update alone overlaps it in most steps, not all.)
     # A synchronous run generates round n+1 only after the push that follows the update: no
-    # overlap at all.
-    assert sum(o > 0 for o in work) >= len(work) - 1, work
+    # overlap at all. Each generation begins before the trainer has its batch in hand (prefetch
+    # returns once it has begun); on a loaded 2-core host (CI: the other test worker compiling,
+    # the server's threads busy) the trainer's thread can still lose the CPU for a whole
+    # generation now and then (2 rounds of 19 once): so most rounds, and over all rounds most of
+    # the time the shorter of the two (the generation, or the trainer's work) could overlap.
+    shorter = [min(h["timeline/next_generate_end"] - h["timeline/next_generate_start"],
+                   h["timeline/update_end"] - h["timeline/train_start"]) for h in hist[1:]]
+    assert all(h["timeline/next_generate_start"] <= h["timeline/train_start"] for h in hist[1:])
+    assert sum(o > 0 for o in work) >= len(work) - 3, work
+    assert sum(max(o, 0.0) for o in work) > 0.5 * sum(shorter), (work, shorter)
     assert sum(o > 0 for o in updates) >= len(updates) // 3, updates
 
     def rise(h):
