@@ -6,10 +6,10 @@ from __future__ import annotations
 from grpo_jax import distributed as dist
 from grpo_jax import hf
 from grpo_jax.errors import ConfigError, VLLMServerError
-from grpo_jax.rollout import continuation, refill
+from grpo_jax.rollout.native import continuation, refill
 from grpo_jax.rollout.base import Rollout, RolloutBatch, WeightMode, pad_id, sampling_params
-from grpo_jax.rollout.sampler import Sampler
-from grpo_jax.rollout.sampling import SamplingParams
+from grpo_jax.rollout.native.sampler import Sampler
+from grpo_jax.rollout.native.sampling import SamplingParams
 
 
 class JaxRollout(Rollout):
@@ -19,7 +19,8 @@ class JaxRollout(Rollout):
     PeftArgs.sampler_takes_adapters says so (a quantized base); else the base with the adapters
     merged (READ), merged once per round.
 
-    With `max_num_seqs` set, rounds run through that many decode slots (rollout/refill.py)."""
+    With `max_num_seqs` set, rounds run through that many decode slots
+    (rollout/native/refill.py)."""
 
     def __init__(self, model_cfg, params: SamplingParams, *, pad_id: int, mesh, peft=None):
         adapters = bool(peft and peft.sampler_takes_adapters)
@@ -75,13 +76,13 @@ def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir, tools=()):
         rollout = JaxRollout(model_cfg, sp, pad_id=pad_id(tokenizer), mesh=mesh,
                              peft=cfg.peft)
     else:
-        from grpo_jax.rollout.vllm_rollout import VLLMRollout
+        from grpo_jax.rollout.vllm.rollout import VLLMRollout
 
         def make():
-            return VLLMRollout(cfg, model_cfg, tokenizer, model_dir)
+            return VLLMRollout(cfg, model_cfg, sp, pad_id(tokenizer))
         rollout = MainProcessRollout(make) if dist.multi_process() else make()
         if cfg.rollout.max_staleness:
-            from grpo_jax.rollout.async_rounds import AsyncRollout
+            from grpo_jax.rollout.vllm.async_rounds import AsyncRollout
             if dist.multi_process() or tools or cfg.multi_turn.rollout_func:
                 raise ConfigError("max_staleness (async rounds) is built for single-process runs "
                                   "without tools or rollout_func; set max_staleness: 0")

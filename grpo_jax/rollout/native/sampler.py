@@ -23,11 +23,12 @@ from jax.sharding import Mesh
 from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import Decoder, KVCache, ModelConfig, build, lora, positions_from_mask
-from grpo_jax.rollout import sampling
+from grpo_jax.rollout.native import sampling
 from grpo_jax.rollout.base import DEFAULT_BUCKETS, RolloutBatch, left_pad  # noqa: F401 (API)
-from grpo_jax.rollout.sampling import SamplingParams
+from grpo_jax.rollout.native.sampling import SamplingParams
+from grpo_jax.shapes import next_pow2
 
-class _State(NamedTuple):
+class DecodeState(NamedTuple):
     step: jax.Array          # [] int32: tokens sampled so far
     rows: jax.Array          # [B] int32: the round's row each batch row is: its sampling keys
     tokens: jax.Array        # [B, C] int32
@@ -38,7 +39,7 @@ class _State(NamedTuple):
     seen: jax.Array | None   # [B, V] bool, only with a repetition penalty
 
 
-class _Context(NamedTuple):
+class DecodeContext(NamedTuple):
     """What every decode step reads, prepared once by the prefill."""
     params: Any              # the weights in the compute dtype (norm scales as they are)
     layers: list             # Decoder.decode_layers() of those: unstacked once, outside the loop
@@ -98,7 +99,7 @@ class Sampler:
         Decoder itself. rng: an int seed or a jax PRNG key; the same rng gives the same output.
         Row i's token t is drawn with the key fold_in(fold_in(rng, t), first_row + i), whatever
         else is in the batch: a round generated in parts (first_row: where this part starts) or
-        through refilled slots (rollout/refill.py) draws what one batch does.
+        through refilled slots (rollout/native/refill.py) draws what one batch does.
         """
         params, prompts, g, n, rows = self._inputs(params, prompt_token_ids, num_generations)
         # The program prefills each prompt once and copies its cache to its g rows: prompts
@@ -164,7 +165,7 @@ class Sampler:
             if b >= length:
                 return b
         raise ValueError(f"a prompt of {length} tokens exceeds the largest bucket "
-                         f"{self.buckets[-1]}; pass buckets=(..., {_pow2(length)}) or shorten "
+                         f"{self.buckets[-1]}; pass buckets=(..., {next_pow2(length)}) or shorten "
                          "prompts (max_prompt_length)")
 
     def prompt_rows(self, rows: int, num_generations: int) -> int:
@@ -178,7 +179,7 @@ class Sampler:
         """The rows the program runs for `n` sampled rows: a power of two, rounded up to the
         batch axes' size."""
         div = 1 if self.mesh is None else mesh_lib.batch_divisor(self.mesh)
-        return -(-_pow2(n) // div) * div
+        return -(-next_pow2(n) // div) * div
 
     # ------------------------------------------------------------------ compiled program
 
@@ -211,7 +212,7 @@ class Sampler:
         KV cache [prompts, K, width, Dh] per layer (a sliding layer's: its window at most), the
         last logits [prompts, V])."""
         cfg = self.cfg
-        cast = _cast_matrices(params, cfg.dtype)
+        cast = cast_matrices(params, cfg.dtype)
         model = self._merge(cast)
         layers = model.decode_layers()
         cache = self._constrain_cache(KVCache.zeros(cfg, *prompt_ids.shape, self.cache_dtype))
@@ -221,7 +222,7 @@ class Sampler:
         return cast, layers, cache, logits
 
     def _prefill(self, params, prompt_ids, prompt_mask, key, num_generations: int,
-                 rows: int, first_row=0) -> tuple[_Context, _State]:
+                 rows: int, first_row=0) -> tuple[DecodeContext, DecodeState]:
         """The prompts' pass that fills the KV cache, and the first token of each of `rows`
         rows (prompt i's num_generations rows are consecutive). Each prompt is run once and its
         keys, values and last logits are copied to its rows: the prefill costs 1/G of running
@@ -247,12 +248,12 @@ class Sampler:
         batch, row_axes = rows, ("batch", None)
         # Generated slots are all valid keys; the causal mask hides the ones not yet written.
         key_mask = jnp.concatenate([prompt_mask, jnp.ones((batch, C), jnp.int32)], axis=1)
-        ctx = _Context(cast, layers, key_mask, jnp.sum(prompt_mask, axis=1))
+        ctx = DecodeContext(cast, layers, key_mask, jnp.sum(prompt_mask, axis=1))
         seen = None
         if sp.repetition_penalty != 1.0:
             seen = jnp.zeros((batch, cfg.vocab_size), bool)
             seen = seen.at[jnp.arange(batch)[:, None], prompt_ids].max(prompt_mask.astype(bool))
-        state = _State(
+        state = DecodeState(
             step=jnp.zeros((), jnp.int32),
             rows=first_row + jnp.arange(batch, dtype=jnp.int32),
             tokens=self._constrain(jnp.full((batch, C), self.pad_id, jnp.int32), *row_axes),
@@ -262,7 +263,7 @@ class Sampler:
             cache=cache, seen=seen)
         return ctx, self._emit(state, logits, key)
 
-    def _decode_step(self, ctx: _Context, s: _State, key) -> _State:
+    def _decode_step(self, ctx: DecodeContext, s: DecodeState, key) -> DecodeState:
         """Feed the last token, sample the next."""
         model = self._merge(ctx.params)
         width = ctx.key_mask.shape[1] - self.sampling_params.max_completion_length
@@ -272,7 +273,7 @@ class Sampler:
         s = s._replace(cache=self._constrain_cache(cache))
         return self._emit(s, model.logits(hidden)[:, 0], key)
 
-    def _emit(self, s: _State, logits, key) -> _State:
+    def _emit(self, s: DecodeState, logits, key) -> DecodeState:
         """Sample the token at completion index `s.step` for every row not yet done."""
         sp = self.sampling_params
         batch = logits.shape[0]
@@ -327,7 +328,7 @@ def as_key(rng) -> jax.Array:
     return key
 
 
-def _cast_matrices(params, dtype, copy: bool = False):
+def cast_matrices(params, dtype, copy: bool = False):
     """Cast weights to the compute dtype once, before the loop, instead of on every decode step
     (the decoder casts them the same way; norm scales stay as they are, it reads them in fp32).
     `copy`: every leaf in new buffers, also where nothing is cast (eager, outside jit)."""
@@ -346,7 +347,7 @@ def reference_copy(params, dtype):
     (half the memory of fp32 masters in a bf16 run; TRL's reference model is in the model's
     dtype too). The forward casts matrices to that dtype anyway, so its log-probs are the same
     as from `params`."""
-    return _cast_matrices(params, dtype, copy=True)
+    return cast_matrices(params, dtype, copy=True)
 
 
 def _split(model: Decoder, peft):
@@ -356,10 +357,6 @@ def _split(model: Decoder, peft):
         return nnx.split(model, nnx.Param)
     graphdef, adapters, base = nnx.split(model, lora.LoraParam, nnx.Param)
     return graphdef, (adapters, base)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def _shapes(tree) -> list:

@@ -32,8 +32,9 @@ import numpy as np
 
 from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
-from grpo_jax.rollout.sampler import (RolloutBatch, Sampler, _cast_matrices, _Context, _pow2,
-                                      _State, as_key, decode_metrics, left_pad)
+from grpo_jax.rollout.native.sampler import (DecodeContext, DecodeState, RolloutBatch, Sampler,
+                                             as_key, cast_matrices, decode_metrics, left_pad)
+from grpo_jax.shapes import next_pow2
 
 MIN_SUFFIX_BUCKET = 8  # suffixes pad to 8, 16, 32, ... tokens: a handful of programs
 
@@ -112,7 +113,7 @@ class Continuation:
         cached = [min(_common_prefix(session.tokens[r], c), len(c) - 1)
                   for r, c in zip(rows, contexts)]
         suffixes = [c[k:] for c, k in zip(contexts, cached)]
-        T = max(MIN_SUFFIX_BUCKET, _pow2(max(map(len, suffixes))))
+        T = max(MIN_SUFFIX_BUCKET, next_pow2(max(map(len, suffixes))))
         width = s.bucket(max(cached) + T)
         base = width - T
         src_row, src_slot = np.zeros(B, np.int32), np.zeros((B, base), np.int32)
@@ -183,7 +184,7 @@ class Continuation:
         position); limit: the most tokens each row may write."""
         s = self.sampler
         cfg, C = s.cfg, s.sampling_params.max_completion_length
-        cast = _cast_matrices(params, cfg.dtype)
+        cast = cast_matrices(params, cfg.dtype)
         model = s._merge(cast)
         layers = model.decode_layers()
         B = ids.shape[0]
@@ -192,9 +193,9 @@ class Continuation:
         hidden, cache = model(ids, positions, key_mask, cache=cache,
                               cache_index=content_mask.shape[1], layers=layers)
         logits = model.logits(hidden[:, -1:])[:, 0]  # left padding: the last slot is real
-        ctx = _Context(cast, layers, key_mask, start + jnp.sum(mask, axis=1))
+        ctx = DecodeContext(cast, layers, key_mask, start + jnp.sum(mask, axis=1))
         rows = lambda x: s._constrain(x, "batch", None)  # noqa: E731
-        state = _State(step=jnp.zeros((), jnp.int32), rows=jnp.arange(B, dtype=jnp.int32),
+        state = DecodeState(step=jnp.zeros((), jnp.int32), rows=jnp.arange(B, dtype=jnp.int32),
                        tokens=rows(jnp.full((B, C), s.pad_id, jnp.int32)),
                        mask=rows(jnp.zeros((B, C), jnp.int32)),
                        logp=rows(jnp.zeros((B, C), jnp.float32)),
@@ -206,7 +207,7 @@ class Continuation:
         state = self._decode(ctx, cap(s._emit(state, logits, key)), key, cap)
         return state.tokens, state.mask, state.logp, state.done, state.step, state.cache
 
-    def _decode(self, ctx: _Context, state: _State, key, cap) -> _State:
+    def _decode(self, ctx: DecodeContext, state: DecodeState, key, cap) -> DecodeState:
         C = self.sampler.sampling_params.max_completion_length
         return jax.lax.while_loop(lambda st: (st.step < C) & ~jnp.all(st.done),
                                   lambda st: cap(self.sampler._decode_step(ctx, st, key)), state)

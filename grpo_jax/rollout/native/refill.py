@@ -40,9 +40,9 @@ import numpy as np
 from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import KVCache
-from grpo_jax.rollout import sampling
-from grpo_jax.rollout.sampler import (RolloutBatch, Sampler, as_key, decode_metrics, left_pad,
-                                      merge_decode_metrics, row_keys)
+from grpo_jax.rollout.native import sampling
+from grpo_jax.rollout.native.sampler import (RolloutBatch, Sampler, as_key, decode_metrics,
+                                             left_pad, merge_decode_metrics, row_keys)
 
 
 class _Store(NamedTuple):
