@@ -24,7 +24,7 @@ from grpo_jax.config import BatchArgs, BatchPlan, GRPOArgs, TrainConfig
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.models import Decoder, ModelConfig, lora, presets, quant
 from grpo_jax.models.lora import PeftArgs
-from grpo_jax.rollout.engines import JaxRollout
+from grpo_jax.rollout.native.rollout import JaxRollout
 from grpo_jax.rollout.native.refill import Refill
 from grpo_jax.rollout.native.sampler import Sampler
 from grpo_jax.rollout.native.sampling import SamplingParams

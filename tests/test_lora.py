@@ -362,7 +362,7 @@ def test_sampler_runs_the_adapters_on_a_quantized_base(bits):
     from grpo_jax.grpo.train_step import completion_logps
     from grpo_jax.models import quant
     from grpo_jax.rollout.base import WeightMode
-    from grpo_jax.rollout.engines import JaxRollout
+    from grpo_jax.rollout.native.rollout import JaxRollout
     from grpo_jax.rollout.native.sampler import Sampler
     from grpo_jax.rollout.native.sampling import SamplingParams
     from grpo_jax.trainer import GRPORound

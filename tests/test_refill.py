@@ -17,7 +17,7 @@ from grpo_jax.config import TrainConfig
 from grpo_jax.errors import ConfigError
 from grpo_jax.models import Decoder, ModelConfig, lora, quant
 from grpo_jax.models.lora import PeftArgs
-from grpo_jax.rollout.engines import JaxRollout
+from grpo_jax.rollout.native.rollout import JaxRollout
 from grpo_jax.rollout.native.refill import Refill
 from grpo_jax.rollout.native.sampler import Sampler
 from grpo_jax.rollout.native.sampling import SamplingParams

@@ -16,7 +16,7 @@ from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import Decoder, ModelConfig
 from grpo_jax.rollout import tools
 from grpo_jax.rollout.native import continuation
-from grpo_jax.rollout.engines import JaxRollout
+from grpo_jax.rollout.native.rollout import JaxRollout
 from grpo_jax.rollout.native.sampler import Sampler
 from grpo_jax.rollout.native.sampling import SamplingParams
 

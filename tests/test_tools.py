@@ -19,7 +19,7 @@ from grpo_jax.grpo import loss as loss_lib
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.train_step import completion_logps
 from grpo_jax.rollout import tools
-from grpo_jax.rollout.engines import JaxRollout
+from grpo_jax.rollout.native.rollout import JaxRollout
 from grpo_jax.rollout.native.sampling import SamplingParams
 
 QUESTIONS = ["What is 48213 * 9177?", "What is 66011 - 4589?"]

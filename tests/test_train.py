@@ -126,7 +126,7 @@ def test_reference_model_only_when_beta_positive(tiny_dir, tmp_path, monkeypatch
 
 def _record_rounds(monkeypatch):
     """Rows generated (by the JAX sampler) and windows fed to Policy.step, as host arrays."""
-    from grpo_jax.rollout.engines import JaxRollout
+    from grpo_jax.rollout.native.rollout import JaxRollout
     from grpo_jax.trainer import Policy
     generated, fed = [], []
     generate, step = JaxRollout.generate, Policy.step

@@ -3,8 +3,9 @@
 - `update`: grpo.train_step.train_step on one window (gradient_accumulation_steps
   micro-batches), jitted as trainer.Policy jits it (state donated, shardings from mesh.RULES);
 - `logprobs`: trainer.Policy's reference / old log-prob program on a micro-batch;
-- `generate`: rollout.sampler.Sampler's program on a generation batch (prefill + decode loop);
-- `refill`: with `max_num_seqs` decode slots fewer than those rows, rollout.refill.Refill's
+- `generate`: the run's JaxRollout's sampler program on a generation batch (prefill + decode
+  loop);
+- `refill`: with `max_num_seqs` decode slots fewer than those rows, rollout.native.refill.Refill's
   program, which a run then runs instead: the rows through the slots, whose KV cache is
   slots x (prompt + completion) rather than rows x. Lowered with `generate` (phase
   "generate"), which stays for the forecast: a static batch of every row.
@@ -29,8 +30,8 @@ from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.train_step import StepConfig
 from grpo_jax.models import KVCache, ModelConfig, lora
 from grpo_jax.models.build import abstract_model
-from grpo_jax.rollout.native.refill import Refill
-from grpo_jax.rollout.native.sampler import Sampler
+from grpo_jax.rollout.base import WeightMode
+from grpo_jax.rollout.native.rollout import JaxRollout
 from grpo_jax.trainer import build_programs, split_policy, step_config
 
 
@@ -112,9 +113,10 @@ def build(run: Run, phases: tuple[str, ...] = PHASES) -> Programs:
     g, group = run.cfg.grpo.num_generations, prompt_group(run.cfg, run.plan)
     k = run.plan.gradient_accumulation_steps
 
-    takes_adapters = bool(peft and peft.sampler_takes_adapters)  # as engines.JaxRollout
-    sampler = Sampler(run.model, run.cfg.generation, pad_id=0, mesh=mesh,
-                      peft=peft if takes_adapters else None)
+    # The run's own rollout: its sampler, its decode slots, how it reads the policy's weights.
+    rollout = JaxRollout(run.model, run.cfg.generation, pad_id=0, mesh=mesh, peft=peft)
+    sampler = rollout.sampler
+    takes_adapters = rollout.weight_mode is WeightMode.READ_ADAPTERS
     if takes_adapters:
         weights = (state.params, frozen[0])
     elif peft:  # GRPORound hands the sampler the base with the adapters merged (a new copy)
@@ -130,7 +132,9 @@ def build(run: Run, phases: tuple[str, ...] = PHASES) -> Programs:
                                sharding=replicated)
     gen_args = (weights, ids, ids, key)
     C, sp = run.cfg.generation.max_completion_length, run.cfg.generation
-    refill = (Refill(sampler) if sp.max_num_seqs is not None and sp.continuous_batching
+    # The refill program, where the round's rows outnumber max_num_seqs (else one batch, or
+    # sub-batches of the sampler's own program without continuous_batching).
+    refill = (rollout.slots if rollout.slots is not None and sp.continuous_batching
               and rows > sp.max_num_seqs else None)
     cached = rows if refill is None else refill.slots
     cache = jax.eval_shape(lambda: KVCache.zeros(run.model, cached, width + C,

@@ -57,6 +57,10 @@ class Sampler:
     `peft`: a LoRA run's PeftArgs (models/lora.py) when the sampler runs the adapters on the
     frozen base itself instead of a merged copy: its params are then the pair
     (adapters, base) of `nnx.split(model, LoraParam, nnx.Param)`, the base possibly quantized.
+
+    Refilled decode slots (refill.py) and KV-cache continuation (continuation.py) build their
+    programs from this one's parts: `inputs`, `prompt_pass`, `prefill`, `decode_step`, `emit`,
+    `decoder`, `constrain`.
     """
 
     def __init__(self, model_cfg: ModelConfig, sampling_params: SamplingParams, *, pad_id: int,
@@ -101,7 +105,7 @@ class Sampler:
         else is in the batch: a round generated in parts (first_row: where this part starts) or
         through refilled slots (rollout/native/refill.py) draws what one batch does.
         """
-        params, prompts, g, n, rows = self._inputs(params, prompt_token_ids, num_generations)
+        params, prompts, g, n, rows = self.inputs(params, prompt_token_ids, num_generations)
         # The program prefills each prompt once and copies its cache to its g rows: prompts
         # enough to cover `rows`, the ones past the real prompts all padding.
         ids, mask = left_pad(prompts, 1, self.bucket(max(map(len, prompts))), self.pad_id,
@@ -123,18 +127,18 @@ class Sampler:
         return RolloutBatch(ids, mask, tokens[:n], cmask[:n], ~done[:n], logp[:n],
                             metrics=decode_metrics(int(decoded.max()), int(decoded.sum()), rows))
 
-    def _inputs(self, params, prompt_token_ids, num_generations):
+    def inputs(self, params, prompt_token_ids, num_generations):
         """(params, prompts, g, n, rows) of a generate call, checked: n = prompts x g rows
         sampled, padded to `rows`."""
-        params = self._check_params(params)
-        prompts = self._check_prompts(prompt_token_ids)
+        params = self.check_params(params)
+        prompts = self.check_prompts(prompt_token_ids)
         g = int(num_generations)
         if g < 1:
             raise ValueError(f"num_generations={num_generations} must be >= 1")
         n = len(prompts) * g
         return params, prompts, g, n, self.batch_size(n)
 
-    def _check_params(self, params):
+    def check_params(self, params):
         if isinstance(params, nnx.Module):
             params = _split(params, self.peft)[1]
         if _shapes(params) != self._param_shapes:
@@ -144,7 +148,7 @@ class Sampler:
                              "(or the Decoder) of a model built from the same ModelConfig")
         return params
 
-    def _check_prompts(self, prompt_token_ids) -> list[np.ndarray]:
+    def check_prompts(self, prompt_token_ids) -> list[np.ndarray]:
         if isinstance(prompt_token_ids, (str, bytes)) or not len(prompt_token_ids):
             raise ValueError("prompt_token_ids must be a non-empty list of token-id lists")
         prompts = []
@@ -183,45 +187,45 @@ class Sampler:
 
     # ------------------------------------------------------------------ compiled program
 
-    def _merge(self, params) -> Decoder:
+    def decoder(self, params) -> Decoder:
         return nnx.merge(self.graphdef, *(params if self.peft else (params,)))
 
-    def _constrain(self, x, *names):
+    def constrain(self, x, *names):
         """x laid out by logical axis names (see grpo_jax.mesh.RULES)."""
         if self.mesh is None:
             return x
         return jax.lax.with_sharding_constraint(
             x, mesh_lib.logical_sharding(self.mesh, *names, shape=x.shape))
 
-    def _constrain_cache(self, cache: KVCache) -> KVCache:
+    def constrain_cache(self, cache: KVCache) -> KVCache:
         # Slots over the context axis (mesh.RULES' length): a row's cache split by position.
-        return jax.tree.map(lambda x: self._constrain(x, "batch", "kv_heads", "length", None),
+        return jax.tree.map(lambda x: self.constrain(x, "batch", "kv_heads", "length", None),
                             cache)
 
     def _generate(self, params, prompt_ids, prompt_mask, key, first_row=0, *,
                   num_generations: int, rows: int):
-        ctx, state = self._prefill(params, prompt_ids, prompt_mask, key, num_generations, rows,
+        ctx, state = self.prefill(params, prompt_ids, prompt_mask, key, num_generations, rows,
                                    first_row)
         C = self.sampling_params.max_completion_length
         state = jax.lax.while_loop(lambda s: (s.step < C) & ~jnp.all(s.done),
-                                   lambda s: self._decode_step(ctx, s, key), state)
+                                   lambda s: self.decode_step(ctx, s, key), state)
         return state.tokens, state.mask, state.logp, state.done
 
-    def _prompt_pass(self, params, prompt_ids, prompt_mask):
+    def prompt_pass(self, params, prompt_ids, prompt_mask):
         """The prompts' pass: (params in the compute dtype, their decode_layers(), the prompts'
         KV cache [prompts, K, width, Dh] per layer (a sliding layer's: its window at most), the
         last logits [prompts, V])."""
         cfg = self.cfg
         cast = cast_matrices(params, cfg.dtype)
-        model = self._merge(cast)
+        model = self.decoder(cast)
         layers = model.decode_layers()
-        cache = self._constrain_cache(KVCache.zeros(cfg, *prompt_ids.shape, self.cache_dtype))
+        cache = self.constrain_cache(KVCache.zeros(cfg, *prompt_ids.shape, self.cache_dtype))
         hidden, cache = model.prefill(prompt_ids, positions_from_mask(prompt_mask), prompt_mask,
                                       cache, layers, chunk=self.sampling_params.prefill_chunk_size)
         logits = model.logits(hidden)[:, 0]  # left padding: the last slot is real
         return cast, layers, cache, logits
 
-    def _prefill(self, params, prompt_ids, prompt_mask, key, num_generations: int,
+    def prefill(self, params, prompt_ids, prompt_mask, key, num_generations: int,
                  rows: int, first_row=0) -> tuple[DecodeContext, DecodeState]:
         """The prompts' pass that fills the KV cache, and the first token of each of `rows`
         rows (prompt i's num_generations rows are consecutive). Each prompt is run once and its
@@ -231,19 +235,19 @@ class Sampler:
         sp, cfg = self.sampling_params, self.cfg
         width = prompt_ids.shape[1]
         C = sp.max_completion_length
-        prompt_ids = self._constrain(prompt_ids, "batch", None)
-        prompt_mask = self._constrain(prompt_mask, "batch", None)
-        cast, layers, cache, logits = self._prompt_pass(params, prompt_ids, prompt_mask)
+        prompt_ids = self.constrain(prompt_ids, "batch", None)
+        prompt_mask = self.constrain(prompt_mask, "batch", None)
+        cast, layers, cache, logits = self.prompt_pass(params, prompt_ids, prompt_mask)
 
         def to_rows(x):  # [prompts, ...] -> [rows, ...]: each prompt's G copies in a block
             x = jnp.repeat(x, num_generations, axis=0)[:rows]
-            return self._constrain(x, "batch", *[None] * (x.ndim - 1))
+            return self.constrain(x, "batch", *[None] * (x.ndim - 1))
         prompt_ids, prompt_mask, logits = map(to_rows, (prompt_ids, prompt_mask, logits))
         # The generated tokens' slots follow the prompt's (a sliding-window layer's ring
         # grows to its window at most).
         grow = lambda i, x: jnp.pad(to_rows(x), (  # noqa: E731
             (0, 0), (0, 0), (0, cfg.cache_length(i, width + C) - x.shape[2]), (0, 0)))
-        cache = self._constrain_cache(KVCache(*(tuple(grow(i, x) for i, x in enumerate(part))
+        cache = self.constrain_cache(KVCache(*(tuple(grow(i, x) for i, x in enumerate(part))
                                                 for part in cache)))
         batch, row_axes = rows, ("batch", None)
         # Generated slots are all valid keys; the causal mask hides the ones not yet written.
@@ -256,24 +260,24 @@ class Sampler:
         state = DecodeState(
             step=jnp.zeros((), jnp.int32),
             rows=first_row + jnp.arange(batch, dtype=jnp.int32),
-            tokens=self._constrain(jnp.full((batch, C), self.pad_id, jnp.int32), *row_axes),
-            mask=self._constrain(jnp.zeros((batch, C), jnp.int32), *row_axes),
-            logp=self._constrain(jnp.zeros((batch, C), jnp.float32), *row_axes),
+            tokens=self.constrain(jnp.full((batch, C), self.pad_id, jnp.int32), *row_axes),
+            mask=self.constrain(jnp.zeros((batch, C), jnp.int32), *row_axes),
+            logp=self.constrain(jnp.zeros((batch, C), jnp.float32), *row_axes),
             done=~jnp.any(prompt_mask.astype(bool), axis=1),  # batch-padding rows
             cache=cache, seen=seen)
-        return ctx, self._emit(state, logits, key)
+        return ctx, self.emit(state, logits, key)
 
-    def _decode_step(self, ctx: DecodeContext, s: DecodeState, key) -> DecodeState:
+    def decode_step(self, ctx: DecodeContext, s: DecodeState, key) -> DecodeState:
         """Feed the last token, sample the next."""
-        model = self._merge(ctx.params)
+        model = self.decoder(ctx.params)
         width = ctx.key_mask.shape[1] - self.sampling_params.max_completion_length
         last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
         hidden, cache = model(last, (ctx.prompt_len + s.step - 1)[:, None], ctx.key_mask,
                               cache=s.cache, cache_index=width + s.step - 1, layers=ctx.layers)
-        s = s._replace(cache=self._constrain_cache(cache))
-        return self._emit(s, model.logits(hidden)[:, 0], key)
+        s = s._replace(cache=self.constrain_cache(cache))
+        return self.emit(s, model.logits(hidden)[:, 0], key)
 
-    def _emit(self, s: DecodeState, logits, key) -> DecodeState:
+    def emit(self, s: DecodeState, logits, key) -> DecodeState:
         """Sample the token at completion index `s.step` for every row not yet done."""
         sp = self.sampling_params
         batch = logits.shape[0]
