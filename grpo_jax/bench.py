@@ -24,11 +24,12 @@ from grpo_jax.config import BatchArgs, BatchPlan, GRPOArgs, TrainConfig
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.models import Decoder, ModelConfig, lora, presets, quant
 from grpo_jax.models.lora import PeftArgs
-from grpo_jax.rollout.engines import JaxRollout
-from grpo_jax.rollout.refill import Refill
-from grpo_jax.rollout.sampler import Sampler
-from grpo_jax.rollout.sampling import SamplingParams
-from grpo_jax.trainer import GRPORound, Scores, Trainer, step_config
+from grpo_jax.rollout.native.rollout import JaxRollout
+from grpo_jax.rollout.native.refill import Refill
+from grpo_jax.rollout.native.sampler import Sampler
+from grpo_jax.rollout.native.sampling import SamplingParams
+from grpo_jax.scoring import Scores
+from grpo_jax.trainer import GRPORound, Policy, step_config
 
 QWEN2_0_5B = ModelConfig(model_type="qwen2", vocab_size=151936, hidden_size=896,
                          intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
@@ -200,20 +201,20 @@ def run_config(args, n: int) -> TrainConfig:
         generation=SamplingParams(max_completion_length=args.completion_len))
 
 
-def run_trainer(args, model, mesh, n: int) -> tuple[Trainer, BatchPlan]:
-    """The run's Trainer and batch plan, as train builds them, for n completions a round."""
+def run_policy(args, model, mesh, n: int) -> tuple[Policy, BatchPlan]:
+    """The run's Policy and batch plan, as train builds them, for n completions a round."""
     run = run_config(args, n)
     plan = run.batch_plan(1)
-    return Trainer(model, step_config(run, plan, model.cfg), run.optim, 1000, mesh), plan
+    return Policy(model, step_config(run, plan, model.cfg), run.optim, 1000, mesh), plan
 
 
-def bench_train_step(args, cfg, trainer):
+def bench_train_step(args, cfg, policy):
     n = args.prompts * args.generations
     batch = train_batch(cfg, n, args.prompt_len, args.completion_len)
-    box = {"state": trainer.init_state}
+    box = {"state": policy.init_state}
 
     def run():
-        box["state"], m = trainer.step(box["state"], batch)
+        box["state"], m = policy.step(box["state"], batch)
         jax.block_until_ready(m)
     sec = _timed(run, args.repeats)
     tokens = n * (args.prompt_len + args.completion_len)
@@ -229,15 +230,15 @@ def bench_e2e(args, cfg, model, mesh, prompts):
     rewards in place of reward functions: generate, old log-probs under the loop's rule, then
     `num_iterations` passes of updates over the generation batch."""
     n = len(prompts) * args.generations
-    trainer, plan = run_trainer(args, model, mesh, n)
+    policy, plan = run_policy(args, model, mesh, n)
     rollout = JaxRollout(cfg, SamplingParams(max_completion_length=args.completion_len),
                          pad_id=0, mesh=mesh)  # no stop token: every row runs the full length
     rng = np.random.default_rng(0)
-    round_ = GRPORound(trainer, rollout, plan,
+    round_ = GRPORound(policy, rollout, plan,
                        lambda records, r: Scores(rng.standard_normal((n, 1)).astype(np.float32)),
                        reward_names=["random"], scale_rewards="group", reward_weights=None)
     records = [{"prompt_ids": p} for p in prompts]
-    box = {"state": trainer.init_state}
+    box = {"state": policy.init_state}
     parts = {"generate": [], "logprobs": [], "update": []}
 
     def run(record=True):
@@ -294,8 +295,8 @@ def main(argv=None):
               "workload": {k: v for k, v in vars(args).items() if k not in ("what", "json")},
               "params_M": cfg.num_params() / 1e6}
     if args.what in ("train-step", "all"):
-        trainer, _ = run_trainer(args, model, mesh, args.prompts * args.generations)
-        result.update(bench_train_step(args, cfg, trainer))
+        policy, _ = run_policy(args, model, mesh, args.prompts * args.generations)
+        result.update(bench_train_step(args, cfg, policy))
     if args.what in ("sampler", "all"):
         result.update(bench_sampler(args, cfg, model, mesh, prompts))
     if args.what in ("e2e", "all"):

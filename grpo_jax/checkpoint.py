@@ -514,23 +514,16 @@ def abstract_state(cfg, device=None):
     """The TrainState's shapes on one device for `cfg` (a TrainConfig): a restore target that
     needs no training setup. Returns (state, graphdef, model config, model dir); with use_peft
     the state's params are the LoRA adapters (graphdef: of the model with adapters)."""
-    from flax import nnx
-
     from grpo_jax import hf, peft_io
-    from grpo_jax.grpo.optimizer import make_optimizer
-    from grpo_jax.grpo.train_step import init_train_state
-    from grpo_jax.models import ModelConfig, build, lora
+    from grpo_jax.models import ModelConfig, build
+    from grpo_jax.trainer import split_policy, state_init
     model_dir = hf.resolve_model_dir(peft_io.base_name(cfg))
     model_cfg = ModelConfig.from_hf(hf.read_config(model_dir), numerics=cfg.numerics)
     # The adapters alone are the state with use_peft: the base is left unquantized.
-    abstract = build.abstract_model(model_cfg, cfg.peft if cfg.peft.use_peft else None,
-                                    quantize=False)
-    if cfg.peft.use_peft:
-        graphdef, params, _ = nnx.split(abstract, lora.LoraParam, nnx.Param)
-    else:
-        graphdef, params = nnx.split(abstract, nnx.Param)
-    tx, _ = make_optimizer(cfg.optim, 1)
-    state = jax.eval_shape(lambda p: init_train_state(p, tx.init(p), cfg.loss), params)
+    split = split_policy(build.abstract_model(model_cfg, cfg.peft if cfg.peft.use_peft else None,
+                                              quantize=False))
+    graphdef = split.graphdef
+    state = jax.eval_shape(state_init(cfg.loss, cfg.optim, 1)[2], split.params)
     sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                          state)

@@ -17,13 +17,13 @@ import numpy as np
 
 from grpo_jax.config import DataArgs
 from grpo_jax.errors import DataError
+from grpo_jax.scoring import NOT_REWARD_COLUMNS
 
 logger = logging.getLogger(__name__)
 
 BUILTIN_DATASETS = ("smol_prompts", "arithmetic", "calculator", "calculator_plain")
 FILE_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 # Columns that are never passed to reward functions (TRL drops the same ones).
-NOT_REWARD_COLUMNS = ("prompt", "prompt_ids", "completion", "completion_ids")
 ARITHMETIC_SIZE = 2000
 ARITHMETIC_TEST = 32  # held-out questions of the built-in 'arithmetic' (of 126)
 
@@ -84,13 +84,6 @@ class PromptDataset:
         """Whether a batch that ended at `position` was its epoch's last (the next one of
         num_prompts would not fit: batch_prompts skips the tail)."""
         return position.index + num_prompts > len(self)
-
-
-def reward_inputs(records: Sequence[dict], num_generations: int) -> tuple[list, dict[str, list]]:
-    """Prompts and extra columns repeated per completion (prompt i's group is consecutive)."""
-    prompts = [r["prompt"] for r in records for _ in range(num_generations)]
-    keys = [k for k in records[0] if k not in NOT_REWARD_COLUMNS] if records else []
-    return prompts, {k: [r[k] for r in records for _ in range(num_generations)] for k in keys}
 
 
 # ---------------------------------------------------------------- loading

@@ -25,7 +25,7 @@ import numpy as np
 from grpo_jax.errors import NoSignalError
 from grpo_jax.grpo import advantages as adv_lib
 from grpo_jax.rollout.base import RolloutBatch
-from grpo_jax.rollout.sampler import merge_decode_metrics
+from grpo_jax.rollout.native.sampler import merge_decode_metrics
 
 
 def groups_with_signal(per_func: np.ndarray, num_generations: int,

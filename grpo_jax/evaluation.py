@@ -129,7 +129,7 @@ class Evaluator:
         for b, records in enumerate(self.batches()):
             gen = self.round.generate_and_score(weights, records, jax.random.fold_in(key, b),
                                                 self.num_generations, self.score)
-            device.append(self.round.trainer.eval_metrics(state, gen.batch))
+            device.append(self.round.policy.eval_metrics(state, gen.batch))
             host.append({k: v for k, v in gen.metrics.items() if not k.startswith("timing/")})
             rows.append(gen.batch.size)
         for h, d in zip(host, jax.device_get(device)):

@@ -119,7 +119,7 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
 
 # ---------------------------------------------------------------- name mapping
 
-def _hf_names(cfg: ModelConfig) -> dict[str, str]:
+def hf_names(cfg: ModelConfig) -> dict[str, str]:
     """table name -> HF tensor name pattern ({i} = layer index; {j} = expert index, for the
     families that store one tensor per expert)."""
     p = "model.layers.{i}."
@@ -219,10 +219,10 @@ def _part_groups(cfg: ModelConfig, name: str, pattern: str, ndim: int):
 
 def assemble(cfg: ModelConfig, parts, fetch):
     """One HF tensor from its parts [(table name, layer row or None, expert or None)]
-    (_hf_tensors): fetch(name, row, expert) gives each part in our layout (numpy or jax);
+    (hf_tensor_parts): fetch(name, row, expert) gives each part in our layout (numpy or jax);
     fused parts are joined along the rows (Phi-3) or interleaved along the columns
     (gpt-oss's gate_up)."""
-    names = _hf_names(cfg)
+    names = hf_names(cfg)
     arrays = []
     for name, row, expert in parts:
         w = fetch(name, row, expert)
@@ -394,7 +394,7 @@ def iter_params(model_dir: Path, cfg: ModelConfig, shardings: dict):
     """load_params' (table name, jax.Array) pairs, one weight placed at a time."""
     weights = _Weights(Path(model_dir))
     table, fused = param_table(cfg), _fused_rows(cfg)
-    for name, pattern in _hf_names(cfg).items():
+    for name, pattern in hf_names(cfg).items():
         shape, rows = table[name][0], fused.get(name)
         experts = _per_expert(pattern)
         part = shape[2:] if experts else shape[1:] if name.startswith("layers/") else shape
@@ -490,7 +490,7 @@ def hf_state_dict(cfg: ModelConfig, params: dict[str, np.ndarray], *, dtype: str
         w = params[name] if row is None else params[name][row]
         w = w if expert is None else w[expert]
         return np.asarray(w).astype(jnp.dtype(dtype), copy=False)  # all are floats
-    for key, (parts, _) in _hf_tensors(cfg, jnp.dtype(dtype)).items():
+    for key, (parts, _) in hf_tensor_parts(cfg, jnp.dtype(dtype)).items():
         out[key] = np.ascontiguousarray(assemble(cfg, parts, fetch))
     if include_tied_head and cfg.tie_word_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
@@ -504,7 +504,7 @@ def save_hf(model: Decoder, out_dir, *, source_dir=None, dtype: str = "float32",
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
-    tensors = _hf_tensors(cfg, jnp.dtype(dtype))
+    tensors = hf_tensor_parts(cfg, jnp.dtype(dtype))
     split = huggingface_hub.split_state_dict_into_shards_factory(
         {k: spec for k, (_, spec) in tensors.items()},
         get_storage_size=lambda s: s.size * s.dtype.itemsize, max_shard_size=max_shard_bytes,
@@ -551,11 +551,11 @@ _take_layer = jax.jit(lambda w, i: w[i])
 _take_expert = jax.jit(lambda w, i, e: w[i, e])
 
 
-def _hf_tensors(cfg: ModelConfig, dtype) -> dict[str, tuple]:
+def hf_tensor_parts(cfg: ModelConfig, dtype) -> dict[str, tuple]:
     """HF tensor name -> ([(table name, layer row or None, expert or None), ...] that make it
     (assemble: one part unless fused), its HF shape and `dtype`)."""
     table, out = param_table(cfg), {}
-    for name, pattern in _hf_names(cfg).items():
+    for name, pattern in hf_names(cfg).items():
         shape = table[name][0]
         rows: list = [None]
         if name.startswith("layers/"):

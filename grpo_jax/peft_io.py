@@ -106,7 +106,7 @@ def _keys(model) -> dict[str, str]:
 
 
 def _keys_for(cfg, leaves) -> dict[str, str]:
-    names = hf._hf_names(cfg)
+    names = hf.hf_names(cfg)
     return {leaf: PREFIX + names[f"layers/{leaf}"][:-len("weight")] + "{m}.weight"
             for leaf in leaves}
 

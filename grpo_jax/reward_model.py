@@ -28,7 +28,7 @@ from grpo_jax import hf
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.errors import ModelConfigError, RewardError
 from grpo_jax.models import ModelConfig
-from grpo_jax.shapes import bucket_width
+from grpo_jax.shapes import bucket_width, next_pow2
 
 ARCHITECTURE_SUFFIX = "ForSequenceClassification"
 SCORE_WEIGHT = "score.weight"  # transformers' GenericForSequenceClassification head, no bias
@@ -133,7 +133,7 @@ class RewardModel:
             width = _bucket(max(rows[order[start]].size, 1))
             room = _round_up(max(TOKENS_PER_BATCH // width, 1), div)
             take = order[start:start + room]
-            n = min(_round_up(_pow2(len(take)), div), room)
+            n = min(_round_up(next_pow2(len(take)), div), room)
             tokens = np.full((n, width), pad, np.int32)
             mask = np.zeros((n, width), np.int32)
             for j, i in enumerate(take):
@@ -162,16 +162,12 @@ def _score_program(graphdef, params, head, tokens, mask, pad_id):
     return jnp.einsum("bd,d->b", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
 def _bucket(length: int) -> int:
-    return bucket_width(length, beyond=_pow2)
+    return bucket_width(length, beyond=next_pow2)
 
 
 def load_reward_model(spec: str, processing_class: str | None = None, *,

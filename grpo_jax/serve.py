@@ -9,13 +9,13 @@ routes), our weight-transfer engine `grpo_http` (weights in the bodies of those 
 extension (weight reload from a safetensors file: `vllm_weight_sync: shm`) and sampler log-probs
 taken after temperature. vLLM may
 live in its own venv (`--vllm-python` or GRPO_JAX_VLLM_PYTHON): the one module it loads from
-us, `grpo_jax.rollout.vllm_worker`, imports no jax and reaches it through PYTHONPATH.
+us, `grpo_jax.rollout.server.worker`, imports no jax and reaches it through PYTHONPATH.
 
 `--lora-rank R` turns on vLLM's own LoRA, loaded at run time: a LoRA run of rank <= R then pushes
 only its adapter after each update (`vllm_lora_sync: adapter`) instead of merged full weights.
 
 Without an API key (loopback only) the dev and weight routes take a per-server session token
-that a trainer on this host and account finds by itself (grpo_jax.rollout.server_auth).
+that a trainer on this host and account finds by itself (grpo_jax.rollout.vllm.server_auth).
 """
 
 from __future__ import annotations
@@ -32,15 +32,14 @@ import time
 from pathlib import Path
 
 from grpo_jax.errors import ServeError
-from grpo_jax.rollout import server_auth
-from grpo_jax.rollout.server_auth import is_loopback  # noqa: F401 (this module's API)
-from grpo_jax.rollout.wire import HTTP_BACKEND, SESSION_TOKEN_ENV
+from grpo_jax.rollout.vllm import server_auth
+from grpo_jax.rollout.vllm.server_auth import is_loopback  # noqa: F401 (this module's API)
+from grpo_jax.rollout.server.wire import HTTP_BACKEND, SESSION_TOKEN_ENV
 
-WORKER_EXTENSION = "grpo_jax.rollout.vllm_worker.WeightReloadExtension"
-AUTH_MIDDLEWARE = "grpo_jax.rollout.vllm_worker.DevRouteAuth"
+WORKER_EXTENSION = "grpo_jax.rollout.server.worker.WeightReloadExtension"
+AUTH_MIDDLEWARE = "grpo_jax.rollout.server.worker.DevRouteAuth"
 # What the vLLM process imports of ours.
-WORKER_MODULES = ("vllm_worker.py", "vllm_http_engine.py", "wire.py")
-# vLLM's weight-sync routes carry the weights themselves (grpo_jax.rollout.vllm_http_engine):
+# vLLM's weight-sync routes carry the weights themselves (grpo_jax.rollout.server.http_engine):
 # no shared filesystem, no NCCL. `--weight-transfer-config '{"backend": "nccl"}'` overrides it.
 WEIGHT_TRANSFER = json.dumps({"backend": HTTP_BACKEND})
 VLLM_PYTHON_ENV = "GRPO_JAX_VLLM_PYTHON"
@@ -81,9 +80,10 @@ def vllm_build(python: str) -> str:
 
 
 def worker_pythonpath() -> Path:
-    """A fresh private directory holding `grpo_jax.rollout.vllm_worker` and nothing else.
+    """A fresh private directory holding `grpo_jax.rollout.server` (what runs inside vLLM) and
+    nothing else.
 
-    The vLLM process must import that one module without our package `__init__`s (which pull
+    The vLLM process must import those modules without our package `__init__`s (which pull
     in jax, absent from the vLLM venv), and putting the trainer's site-packages on its path would
     shadow vLLM's own torch/transformers.
     """
@@ -92,8 +92,8 @@ def worker_pythonpath() -> Path:
     pkg.mkdir(parents=True)
     (root / "grpo_jax" / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
-    for name in WORKER_MODULES:
-        shutil.copy(Path(__file__).resolve().parent / "rollout" / name, pkg)
+    shutil.copytree(Path(__file__).resolve().parent / "rollout" / "server", pkg / "server",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     return root
 
 

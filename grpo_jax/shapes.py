@@ -15,3 +15,8 @@ def bucket_width(length: int, buckets=DEFAULT_BUCKETS, beyond=None) -> int:
     the length itself)."""
     return next((b for b in buckets if b >= length),
                 beyond(length) if beyond is not None else length)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(int(n) - 1, 0).bit_length()

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 from transformers import AutoTokenizer
 
 from grpo_jax import cli
@@ -39,8 +38,9 @@ from grpo_jax.metrics import Logged, MetricWindow
 from grpo_jax.models import ModelConfig
 from grpo_jax.rollout import tools as tools_lib
 from grpo_jax.rollout.engines import make_rollout
-from grpo_jax.rollout.sampler import reference_copy
-from grpo_jax.trainer import ADAPTERS_OFF, GRPORound, Scores, Trainer, step_config
+from grpo_jax.rollout.native.sampler import reference_copy
+from grpo_jax.scoring import RewardScorer
+from grpo_jax.trainer import ADAPTERS_OFF, GRPORound, Policy, step_config
 
 
 EVAL_KEY_TAG = 0x4556414C  # "EVAL": evaluation's sampling keys, apart from the rounds'
@@ -84,54 +84,6 @@ def choose_mesh(cfg: config_lib.TrainConfig, devices) -> config_lib.TrainConfig:
         print(f"grpo_jax: no mesh given: {why} ({' '.join(mesh_lib.flags(mesh_cfg))})",
               file=sys.stderr)
     return dataclasses.replace(cfg, mesh=mesh_cfg)
-
-
-@dataclasses.dataclass
-class RewardScorer:
-    """Decodes a round's completions and scores them. Each process scores the rows its devices
-    hold in the train batch; the scores are then gathered, since advantages compare a prompt's
-    whole group. A reward function that fails on one process fails the round on all."""
-    funcs: list
-    tokenizer: Any
-    mesh: Any
-    num_generations: int
-
-    trainer_state: Any = rewards_lib.NOT_STARTED  # set before each round (TRL's trainer_state)
-    warned: set = dataclasses.field(default_factory=set)  # functions said to give no reward
-
-    @property
-    def names(self) -> list[str]:
-        return rewards_lib.reward_names(self.funcs)
-
-    def __call__(self, records, r) -> Scores:
-        ids = [row[m.astype(bool)].tolist() for row, m in zip(r.completion_ids, r.completion_mask)]
-        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        prompts, columns = data_lib.reward_inputs(records, self.num_generations)
-        columns.update(r.extra or {})  # a rollout_func's fields, as TRL passes them
-        # With tools, TRL's completions: each row's turns as messages (calls and results too).
-        completions = (r.completions if r.completions is not None
-                       else rewards_lib.completions_for_rewards(prompts, texts))
-        rows = dist.owned_rows(mesh_lib.batch_sharding(self.mesh, 1), len(ids))
-        logs = rewards_lib.RewardLogs()
-
-        def score():
-            if not rows.size:
-                return np.zeros((0, len(self.funcs)), np.float32)
-            pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
-            return rewards_lib.compute_rewards(self.funcs, pick(prompts), pick(completions),
-                                               pick(ids), {k: pick(v) for k, v in columns.items()},
-                                               trainer_state=self.trainer_state, logs=logs)
-        per_func = dist.gather_rows(dist.together(score, rewards_lib.RewardError), rows, len(ids))
-        # As TRL: a completion no function scored is warned about (every batch); a function
-        # that scored nothing in a batch, once (a task's function may skip other tasks' rows).
-        funcs, unscored = rewards_lib.missing_rewards(per_func, self.names, prompts, texts)
-        if dist.is_main():
-            for line in [v for k, v in funcs.items() if k not in self.warned] + unscored:
-                print(f"warning: {line}", file=sys.stderr)
-        self.warned.update(funcs)
-        # What the functions logged, from every process (TRL gathers both too).
-        logs = rewards_lib.RewardLogs.merged(dist.gather_objects((rows.tolist(), logs)), len(ids))
-        return Scores(per_func, prompts, texts, logs.extra, logs.metric_means())
 
 
 @dataclasses.dataclass
@@ -239,10 +191,10 @@ class Run:
     total_steps: int
     dataset: Any  # data.Prompts
     rollout: Any  # rollout.base.Rollout
-    scorer: "RewardScorer"
+    scorer: RewardScorer
     round: GRPORound
     evaluator: Any  # evaluation.Evaluator, or None
-    eval_scorer: "RewardScorer"
+    eval_scorer: RewardScorer
     schedule: Any  # evaluation.EvalSchedule
     checkpoints: RunCheckpoints
     at: RunState
@@ -294,17 +246,17 @@ def build_run(cfg: config_lib.TrainConfig, devices=None) -> Run:
     plan = cfg.batch_plan(mesh_lib.batch_divisor(mesh))
     total_steps = plan.total_steps(len(dataset), cfg.batch.max_steps,
                                    cfg.batch.num_train_epochs)
-    trainer = Trainer(model, step_config(cfg, plan, model.cfg), cfg.optim, total_steps, mesh)
-    state = trainer.init_state
+    policy = Policy(model, step_config(cfg, plan, model.cfg), cfg.optim, total_steps, mesh)
+    state = policy.init_state
     del model
-    rollout = make_rollout(cfg, trainer.model_config, tokenizer, mesh, model_dir, tools)
+    rollout = make_rollout(cfg, policy.model_config, tokenizer, mesh, model_dir, tools)
     scorer = RewardScorer(funcs, tokenizer, mesh, cfg.grpo.num_generations)
     g = cfg.grpo
     run_round = GRPORound(
-        trainer, rollout, plan, scorer, scorer.names, g.scale_rewards, g.reward_weights,
+        policy, rollout, plan, scorer, scorer.names, g.scale_rewards, g.reward_weights,
         # beta = 0: no reference model is kept at all.
         ref_params=(None if not cfg.loss.beta else ADAPTERS_OFF if cfg.peft.use_peft
-                    else reference_copy(state.params, trainer.model_config.dtype)),
+                    else reference_copy(state.params, policy.model_config.dtype)),
         aggregation=g.multi_objective_aggregation,
         ref_sync=(g.ref_model_sync_steps, g.ref_model_mixup_alpha) if g.sync_ref_model else None,
         filter_groups=g.max_num_gen_batches if g.dynamic_sampling else None)

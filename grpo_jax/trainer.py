@@ -1,4 +1,4 @@
-"""The compiled, sharded programs of one run (`Trainer`) and the one owner of a round
+"""The compiled, sharded programs of one run (`Policy`) and the one owner of a round
 (`GRPORound`), shared by `train` and `bench e2e`.
 
 A round: generate -> score -> advantages -> reference / old log-probs -> optimizer updates ->
@@ -34,6 +34,7 @@ from grpo_jax.metrics import Logged
 from grpo_jax.config import BatchPlan, TrainConfig
 from grpo_jax.models import lora, moe
 from grpo_jax.rollout.base import Rollout, WeightMode
+from grpo_jax.scoring import Scores
 
 
 class AdaptersOff:
@@ -57,9 +58,45 @@ def step_config(cfg: TrainConfig, plan: BatchPlan, model_cfg) -> StepConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SplitPolicy:
+    """A model as the programs take it: its graph, the params that train and what stays
+    frozen."""
+    graphdef: Any
+    params: Any  # the trained params: the model's; with LoRA, its adapters
+    frozen: tuple  # with LoRA (the frozen base, quantized or not,); else ()
+    lora_scale: float | None
+
+
+def split_policy(model, mesh: Mesh | None = None) -> SplitPolicy:
+    """`model` (concrete, or abstract from models.build) split into the trained params and the
+    frozen base, its activations laid out on `mesh`: the one split of Policy, aot and a
+    checkpoint's restore target. A model with LoRA adapters (models/lora.py) trains only them:
+    the state's params (and so the optimizer state, gradients and checkpoints) are the
+    adapters."""
+    if mesh is not None:
+        model.shard_activations(mesh)
+    scale = lora.scale_of(model)
+    if scale is None:
+        graphdef, params = nnx.split(model, nnx.Param)
+        return SplitPolicy(graphdef, params, (), None)
+    graphdef, params, base = nnx.split(model, lora.LoraParam, nnx.Param)
+    return SplitPolicy(graphdef, params, (base,), scale)
+
+
+def state_init(loss: loss_lib.LossConfig, optim: OptimizerConfig, total_steps: int):
+    """(optimizer, schedule, params -> TrainState): the one definition of a fresh state, for
+    the programs and for a checkpoint's restore target."""
+    tx, schedule = make_optimizer(optim, total_steps)
+
+    def init(params) -> TrainState:
+        return init_train_state(params, tx.init(params), loss)
+    return tx, schedule, init
+
+
+@dataclasses.dataclass(frozen=True)
 class PolicyPrograms:
     """The jitted programs of one model graph, optimizer and mesh, and the layouts they run on.
-    build_programs makes them from concrete params (Trainer) or abstract ones (grpo_jax.aot,
+    build_programs makes them from concrete params (Policy) or abstract ones (grpo_jax.aot,
     which lowers these very programs for a target it does not have)."""
     tx: optax.GradientTransformation
     param_shardings: Any
@@ -75,12 +112,9 @@ def build_programs(graphdef, params, step_cfg: StepConfig, optim: OptimizerConfi
                    total_steps: int, mesh: Mesh) -> PolicyPrograms:
     """The programs of the model `graphdef` whose trained params are `params` (with LoRA the
     adapters; the frozen base is an argument of each program), laid out on `mesh` by its rules."""
-    tx, schedule = make_optimizer(optim, total_steps)
+    tx, schedule, init = state_init(step_cfg.loss, optim, total_steps)
     param_sh = mesh_lib.param_shardings(params, mesh)
     replicated = NamedSharding(mesh, P())
-
-    def init(p) -> TrainState:
-        return init_train_state(p, tx.init(p), step_cfg.loss)
     abstract = jax.eval_shape(init, params)
     # Optimizer moments are laid out like their params.
     opt_sh = optax.tree_map_params(tx, lambda _, sharding: sharding, abstract.opt_state, param_sh,
@@ -110,34 +144,30 @@ def build_programs(graphdef, params, step_cfg: StepConfig, optim: OptimizerConfi
         mix=jax.jit(mix_params, out_shardings=param_sh, donate_argnums=(1,)))
 
 
-class Trainer:
-    """Holds the compiled step and log-prob programs for one model, optimizer and mesh.
-
-    A model with LoRA adapters (models/lora.py) trains only them: the state's params (and so the
-    optimizer state, gradients and checkpoints) are the adapters; the base's params stay frozen
-    in `self.frozen`, an argument of the programs that is never donated or updated."""
+class Policy:
+    """The policy being trained: its programs (PolicyPrograms) for one model, optimizer and
+    mesh, its initial train state and, with LoRA, the frozen base (`self.frozen`, an argument of
+    the programs that is never donated or updated); its step, log-prob, evaluation and
+    reference-mix calls on host batches."""
 
     def __init__(self, model, step_cfg: StepConfig, optim: OptimizerConfig, total_steps: int,
                  mesh: Mesh):
         self.cfg, self.mesh = step_cfg, mesh
         self.model_config = model.cfg
-        self.lora_scale = getattr(model, "lora_scale", None)
+        split = split_policy(model, mesh)
+        self.graphdef, self.lora_scale = split.graphdef, split.lora_scale
         self.frozen: tuple = ()
-        model.shard_activations(mesh)
-        if self.lora_scale is None:
-            self.graphdef, params = nnx.split(model, nnx.Param)
-        else:
-            self.graphdef, params, base = nnx.split(model, lora.LoraParam, nnx.Param)
-            self.base_shardings = mesh_lib.param_shardings(base, mesh)
-            self.frozen = (jax.device_put(base, self.base_shardings),)
+        if split.frozen:
+            self.base_shardings = mesh_lib.param_shardings(split.frozen[0], mesh)
+            self.frozen = (jax.device_put(split.frozen[0], self.base_shardings),)
             self._merge = jax.jit(lambda base, adapters: lora.merge_into_base(
                 base, adapters, self.lora_scale))
-        self.programs = build_programs(self.graphdef, params, step_cfg, optim, total_steps,
-                                       mesh)
+        self.programs = build_programs(self.graphdef, split.params, step_cfg, optim,
+                                       total_steps, mesh)
         # A copy: the step donates its state, which must not free the caller's model arrays.
         # Copied after placing: device_put(may_alias=False) still hands back the caller's buffer
         # for a replicated array that already sits on one of the mesh's devices.
-        params = jax.tree.map(lambda x, s: jax.device_put(x, s).copy(), params,
+        params = jax.tree.map(lambda x, s: jax.device_put(x, s).copy(), split.params,
                               self.programs.param_shardings)
         if self.lora_scale is not None:
             # The reference runs the same program with every adapter at zero: x W + (x A) 0 is
@@ -244,16 +274,6 @@ class NeverStop:
         return contextlib.nullcontext()
 
 
-class Scores(NamedTuple):
-    """What a round's scorer returns: [N, F] rewards (NaN: the function returned None) and what
-    the completion log shows."""
-    per_func: np.ndarray
-    prompts: Sequence[Any] = ()
-    texts: Sequence[str] = ()
-    extra: dict = {}    # reward functions' log_extra columns, one value per completion
-    metrics: dict = {}  # their log_metric values, averaged
-
-
 class RoundResult(NamedTuple):
     state: TrainState
     metrics: dict  # the generation's (TRL logs them once per generation) and the round's timing
@@ -326,7 +346,7 @@ class GRPORound:
     position stays) or ends the updates after the current one (the windows left stay in
     `buffer`); either way the state, buffer and position a checkpoint takes agree, so resuming
     is exact."""
-    trainer: Trainer
+    policy: Policy
     rollout: Rollout
     plan: Any
     score: Callable[[Sequence[dict], Any], Scores]
@@ -362,7 +382,7 @@ class GRPORound:
         times (None: no limit). With filter_groups, `more_records()` gives the next prompts
         while the batch fills, or None to stop: the round then returns at once, with nothing
         generated or trained."""
-        plan, trainer = self.plan, self.trainer
+        plan, policy = self.plan, self.policy
         metrics: dict = {}
         buffer, scores, rewards, advantages, num_tokens = self.buffer, None, None, None, 0
         epoch_end = self.epoch_end
@@ -379,7 +399,7 @@ class GRPORound:
             t1 = time.perf_counter()
             metrics.update(self.engine_mismatch(batch))
             if plan.needs_old_logps:
-                batch = batch.replace(old_logp=trainer.logps(state.params, batch,
+                batch = batch.replace(old_logp=policy.logps(state.params, batch,
                                                              plan.micro_batch_size))
                 if batch.sampler_logp is not None:  # over the generation batch, as TRL
                     metrics.update(self.sampling_metrics(batch))
@@ -403,12 +423,12 @@ class GRPORound:
         for window, size in zip(windows, sizes):
             if self.stop.should_stop():  # the windows left stay buffered (and checkpointed)
                 break
-            state, m = (trainer.step(state, window) if size == gas
-                        else trainer.step(state, window, micro_batches=size))
+            state, m = (policy.step(state, window) if size == gas
+                        else policy.step(state, window, micro_batches=size))
             step_metrics.append(m)
             step += 1
             if self.ref_sync is not None and step % self.ref_sync[0] == 0:
-                ref = trainer.mix_ref(state.params, ref, self.ref_sync[1])
+                ref = policy.mix_ref(state.params, ref, self.ref_sync[1])
         n, done = len(step_metrics), bounds[len(step_metrics)]
         # Without old log-probs a generation's micro-batches are all in one window: its
         # PER_GENERATION metrics come from the step (else from sampling_metrics, above).
@@ -426,7 +446,7 @@ class GRPORound:
         metrics.setdefault("timing/logprobs", 0.0)  # reference and old log-probs
         metrics["timing/update"] = t4 - t3
         if n and self.rollout.generates_ahead:  # wall clock, to line the update up with the
-            # generation of the next round beside it (grpo_jax.rollout.async_rounds)
+            # generation of the next round beside it (grpo_jax.rollout.vllm.async_rounds)
             metrics["timeline/update_start"] = time.time() - (time.perf_counter() - t3)
             metrics["timeline/update_end"] = metrics["timeline/update_start"] + t4 - t3
         if sync_time is not None:
@@ -437,7 +457,7 @@ class GRPORound:
     def sampling_metrics(self, batch: Batch) -> dict:
         """TRL's sampling/* metrics of a generation batch with old log-probs: |old - sampler|
         and the importance weight over all its tokens (loss.PER_GENERATION)."""
-        lc = self.trainer.cfg.loss
+        lc = self.policy.cfg.loss
         m = loss_lib.loss_mask(batch.model_mask(), batch.truncated, lc)
         w = loss_lib.sampler_is_weight(batch.old_logp, batch.sampler_logp, m, lc)
         sums = jax.device_get(loss_lib.sampling_metric_sums(batch.old_logp, batch.sampler_logp,
@@ -449,9 +469,9 @@ class GRPORound:
         """The trainer's params in the form `mode` names: the full model's params (with LoRA,
         the adapters merged in: one fused program) or the pair (LoRA adapters, frozen base).
         Without LoRA both are the params themselves."""
-        if mode.adapters and self.trainer.lora_scale is not None:
-            return params, self.trainer.frozen[0]
-        return self.trainer.rollout_params(params)
+        if mode.adapters and self.policy.lora_scale is not None:
+            return params, self.policy.frozen[0]
+        return self.policy.rollout_params(params)
 
     def rollout_weights(self, params):
         """What rollout.generate reads, made once for every generate of a round: None for a
@@ -475,7 +495,7 @@ class GRPORound:
         generated_with = self.rollout.generated_with()
         if generated_with is None or batch.sampler_logp is None:
             return {}
-        lp = self.trainer.logps(generated_with, batch, self.plan.micro_batch_size)
+        lp = self.policy.logps(generated_with, batch, self.plan.micro_batch_size)
         diff = np.abs(lp - batch.sampler_logp)
         valid = (batch.model_mask() > 0) & np.isfinite(diff)
         if not valid.any():
@@ -544,10 +564,10 @@ class GRPORound:
                       r.truncated, np.asarray(advantages, np.float32),
                       sampler_logp=r.sampler_logp, tool_mask=r.tool_mask)
         batch = batch.replace(num_items=loss_lib.num_items_per_row(
-            batch.model_mask(), r.truncated, self.trainer.cfg.loss))
+            batch.model_mask(), r.truncated, self.policy.cfg.loss))
         t2 = time.perf_counter()
         if self.ref_params is not None:
-            batch = batch.replace(ref_logp=self.trainer.logps(self.ref_params, batch,
+            batch = batch.replace(ref_logp=self.policy.logps(self.ref_params, batch,
                                                               self.plan.micro_batch_size))
         metrics = dict(stats)
         for name, col in zip(self.reward_names, scores.per_func.T):
@@ -566,7 +586,7 @@ class GRPORound:
         metrics["timing/generate"] = took
         metrics["timing/logprobs"] = time.perf_counter() - t2
         if self.rollout.generates_ahead:  # the trainer's work on the batch begins: the
-            # next round generates beside it from here on (grpo_jax.rollout.async_rounds)
+            # next round generates beside it from here on (grpo_jax.rollout.vllm.async_rounds)
             metrics["timeline/train_start"] = wall1
         return Generated(batch, scores, rewards, advantages, metrics)
 
@@ -578,7 +598,7 @@ class GRPORound:
         if spg == 1:
             return [batch]
         g = self.plan.num_generations
-        if self.trainer.shared_prefix:
+        if self.policy.shared_prefix:
             # Whole groups shuffled, so micro-batches hold whole groups (or, when smaller than
             # a group, parts of one) and each prompt runs once per micro-batch.
             order = (generation_order(key, batch.size // g)[:, None] * g + np.arange(g)).ravel()

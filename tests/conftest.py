@@ -146,7 +146,7 @@ def _start_vllm(model_dir, tmp, max_model_len, **env):
     import time
 
     from grpo_jax import serve
-    from grpo_jax.rollout.vllm_client import VLLMClient
+    from grpo_jax.rollout.vllm.client import VLLMClient
     from test_vllm import API_KEY, VLLM_PYTHON, free_port
     if not VLLM_PYTHON:
         pytest.skip("GRPO_JAX_VLLM_PYTHON is unset")

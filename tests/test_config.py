@@ -266,7 +266,7 @@ def test_the_config_is_a_typed_class_with_help_and_no_jax():
 
 def _grpo_jax_dataclasses():
     for info in pkgutil.walk_packages(grpo_jax.__path__, "grpo_jax."):
-        if info.name.endswith(("serve", "vllm_worker", "vllm_http_engine")):
+        if info.name == "grpo_jax.serve" or info.name.startswith("grpo_jax.rollout.server"):
             continue  # the vLLM side: no settings of the trainer
         module = importlib.import_module(info.name)
         for _, cls in inspect.getmembers(module, dataclasses.is_dataclass):
@@ -483,9 +483,27 @@ def test_the_package_imports_in_layers_without_circles():
 # below it.
 LAYERS = (("errors", "config", "shapes", "metrics", "logger", "calculator"),
           ("mesh", "distributed", "storage"), ("models",), ("grpo", "hf", "peft_io"),
-          ("math_rewards", "reward_model", "rewards"), ("rollout",),
+          ("math_rewards", "reward_model", "rewards", "scoring"), ("rollout",),
           ("trainer", "dynamic_sampling", "data", "evaluation"),
           ("checkpoint", "train", "export", "bench", "aot", "serve", "cli"))
+
+
+def test_rollout_parts_import_by_where_they_run():
+    """rollout/server runs inside vLLM (no jax): it imports only itself; the native sampler and
+    the vLLM client import neither each other nor the rollouts composed above them."""
+    graph = _package_imports()
+    part = lambda m: m.split(".")[2] if m.count(".") >= 3 else None  # noqa: E731
+    for m, deps in graph.items():
+        if m.startswith("grpo_jax.rollout.server"):
+            assert all(d.startswith("grpo_jax.rollout.server") for d in deps), (m, deps)
+        if part(m) in ("native", "vllm"):
+            other = {"native": "vllm", "vllm": "native"}[part(m)]
+            bad = [d for d in deps if d.startswith("grpo_jax.rollout.") and part(d) != part(m)
+                   and (part(d) == other or d.count(".") == 2
+                        and d.split(".")[2] in ("engines", "tools", "custom"))]
+            assert not bad, (m, bad)
+    assert {part(m) for m in graph if m.startswith("grpo_jax.rollout.")} >= {
+        "native", "vllm", "server"}
 
 
 def test_imports_go_up_the_layers():

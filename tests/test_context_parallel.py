@@ -82,7 +82,7 @@ def test_splash_blocks_tile_long_rows():
 
 def _programs(base, mesh, batch: Batch, group: int, k: int):
     """(logits [N, P + C, V] in sequence order, (log-probs, entropies) [N, C], loss, gradient
-    leaves) of `base` laid out on `mesh` as the Trainer lays it out, with `group` rows per
+    leaves) of `base` laid out on `mesh` as the Policy lays it out, with `group` rows per
     shared prompt and k accumulated micro-batches."""
     model = nnx.merge(*nnx.split(base))
     model.shard_activations(mesh)
@@ -94,7 +94,7 @@ def _programs(base, mesh, batch: Batch, group: int, k: int):
                                       loss_type="dapo", beta=0.0),
                       temperature=0.9, gradient_accumulation_steps=k, logprob_chunk=4)
 
-    def constrain(x):  # as Trainer: [k, rows, ...] splits, rows on the batch axes
+    def constrain(x):  # as Policy: [k, rows, ...] splits, rows on the batch axes
         return jax.lax.with_sharding_constraint(
             x, mesh_lib.logical_sharding(mesh, None, "batch", *[None] * (x.ndim - 2)))
 

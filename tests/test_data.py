@@ -11,7 +11,8 @@ from transformers import PreTrainedTokenizerFast
 
 from grpo_jax.config import DataArgs
 from grpo_jax.data import (ARITHMETIC_TEST, DataError, DataPosition, arithmetic_columns,
-                           arithmetic_questions, load_prompts, reward_inputs)
+                           arithmetic_questions, load_prompts)
+from grpo_jax.scoring import reward_inputs
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -13,8 +13,8 @@ from test_model import _max_diff_real, jax_logits
 
 from grpo_jax import hf
 from grpo_jax.models import KVCache, ModelConfig, ModelConfigError, positions_from_mask
-from grpo_jax.rollout.sampler import Sampler
-from grpo_jax.rollout.sampling import SamplingParams
+from grpo_jax.rollout.native.sampler import Sampler
+from grpo_jax.rollout.native.sampling import SamplingParams
 
 NEW = ["mistral", "phi3", "gemma2", "gemma3_text"]
 # 12 tokens: three times the Gemma windows (4), past Mistral's and Phi-3's (5).

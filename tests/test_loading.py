@@ -32,7 +32,7 @@ def old_load(model_dir, cfg) -> dict[str, np.ndarray]:
         tensors.update({k: v.astype(np.float32) for k, v in
                         safetensors.numpy.load_file(f).items()})
     out = {}
-    for name, pattern in hf._hf_names(cfg).items():
+    for name, pattern in hf.hf_names(cfg).items():
         shape, leaf = param_table(cfg)[name][0], name.split("/")[-1]
         one = lambda w, shape: (w.T if leaf in LINEAR else w).reshape(shape)  # noqa: E731
         value = (np.stack([one(tensors[pattern.format(i=i)], shape[1:])

@@ -15,7 +15,7 @@ from grpo_jax.grpo.optimizer import OptimizerConfig
 from grpo_jax.grpo.train_step import StepConfig
 from grpo_jax.models import Decoder, lora
 from grpo_jax.models.lora import PeftArgs
-from grpo_jax.trainer import ADAPTERS_OFF, Trainer
+from grpo_jax.trainer import ADAPTERS_OFF, Policy
 from test_model import MASK, TOKENS, jax_logits
 from test_train import config, tiny_dir  # noqa: F401 (a fixture)
 from test_train_step import CFG, loss_config, make_batch
@@ -86,7 +86,7 @@ def test_lora_settings_from_the_command_line():
 def _trainer(model, mesh, lr=1e-2):
     step_cfg = StepConfig(loss=loss_config(beta=0.04), temperature=0.9,
                           gradient_accumulation_steps=2, logprob_chunk=4)
-    return Trainer(model, step_cfg, OptimizerConfig(learning_rate=lr, lr_scheduler_type="constant"),
+    return Policy(model, step_cfg, OptimizerConfig(learning_rate=lr, lr_scheduler_type="constant"),
                    10, mesh)
 
 
@@ -362,9 +362,9 @@ def test_sampler_runs_the_adapters_on_a_quantized_base(bits):
     from grpo_jax.grpo.train_step import completion_logps
     from grpo_jax.models import quant
     from grpo_jax.rollout.base import WeightMode
-    from grpo_jax.rollout.engines import JaxRollout
-    from grpo_jax.rollout.sampler import Sampler
-    from grpo_jax.rollout.sampling import SamplingParams
+    from grpo_jax.rollout.native.rollout import JaxRollout
+    from grpo_jax.rollout.native.sampler import Sampler
+    from grpo_jax.rollout.native.sampling import SamplingParams
     from grpo_jax.trainer import GRPORound
     peft = PeftArgs(use_peft=True, lora_target_modules=ALL, load_in_8bit=bits == 8,
                     load_in_4bit=bits == 4)

@@ -23,8 +23,8 @@ from grpo_jax import hf
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.errors import GrpoJaxError
 from grpo_jax.models import KVCache, ModelConfig, ModelConfigError, moe, positions_from_mask
-from grpo_jax.rollout.sampler import Sampler
-from grpo_jax.rollout.sampling import SamplingParams
+from grpo_jax.rollout.native.sampler import Sampler
+from grpo_jax.rollout.native.sampling import SamplingParams
 
 # name -> (family, config overrides): Qwen3-MoE both ways of norm_topk_prob.
 MODELS = {"qwen3_moe": ("qwen3_moe", {}),
@@ -358,7 +358,7 @@ def test_moe_reward_model_scores_match_trl(tmp_path):
 def test_weight_sync_sends_the_checkpoint_names(tiny, name):
     """What a vLLM server is sent (the NCCL source, one tensor at a time on the device; the
     HTTP paths use hf_state_dict) is the checkpoint's tensors under their own names."""
-    from grpo_jax.rollout.nccl_sync import JaxSource
+    from grpo_jax.rollout.vllm.nccl_sync import JaxSource
     _, path, model = tiny(name)
     source = JaxSource(model.cfg, "float32")
     source.set(nnx.split(model, nnx.Param)[1])

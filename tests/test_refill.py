@@ -1,4 +1,4 @@
-"""Decode slots refilled as rows finish (grpo_jax.rollout.refill) against one static batch of
+"""Decode slots refilled as rows finish (grpo_jax.rollout.native.refill) against one static batch of
 the whole round and against static sub-batches: the same tokens from the same keys (a row draws
 with its own key wherever it runs), log-probs equal the trainer's, fewer decode steps, no new
 program for later rounds; with a repetition penalty, sliding windows, QLoRA and a mesh."""
@@ -17,10 +17,10 @@ from grpo_jax.config import TrainConfig
 from grpo_jax.errors import ConfigError
 from grpo_jax.models import Decoder, ModelConfig, lora, quant
 from grpo_jax.models.lora import PeftArgs
-from grpo_jax.rollout.engines import JaxRollout
-from grpo_jax.rollout.refill import Refill
-from grpo_jax.rollout.sampler import Sampler
-from grpo_jax.rollout.sampling import SamplingParams
+from grpo_jax.rollout.native.rollout import JaxRollout
+from grpo_jax.rollout.native.refill import Refill
+from grpo_jax.rollout.native.sampler import Sampler
+from grpo_jax.rollout.native.sampling import SamplingParams
 
 CFG = ModelConfig("llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
                   num_heads=2, num_kv_heads=2, head_dim=16).replace(dtype="float32")

@@ -274,8 +274,8 @@ def test_soft_overlong_punishment_counts_completion_ids_as_trl():
 
     from hf_oracle import char_tokenizer
     from grpo_jax import mesh as mesh_lib
-    from grpo_jax.rollout.sampler import RolloutBatch
-    from grpo_jax.train import RewardScorer
+    from grpo_jax.rollout.native.sampler import RolloutBatch
+    from grpo_jax.scoring import RewardScorer
     from trl.rewards import get_soft_overlong_punishment
     tok, C, eos = char_tokenizer(), 8, 2
     raw = np.random.default_rng(0).integers(4, 99, (8, C)).astype(np.int32)

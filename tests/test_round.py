@@ -16,7 +16,8 @@ from grpo_jax.config import BatchPlan
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.rollout.base import Rollout, RolloutBatch, WeightMode
-from grpo_jax.trainer import (GRPORound, Scores, completion_metrics, generation_order,
+from grpo_jax.scoring import Scores
+from grpo_jax.trainer import (GRPORound, completion_metrics, generation_order,
                               update_logged, window_sizes)
 
 G, MICRO, C = 4, 4, 3
@@ -60,7 +61,7 @@ class StubRollout(Rollout):
 class StubTrainer:
     # The round reads the loss settings (dapo's normaliser) from the trainer's step config.
     cfg = types.SimpleNamespace(loss=LossConfig(vllm_importance_sampling_correction=False))
-    lora_scale = None  # a full model, as Trainer's without LoRA
+    lora_scale = None  # a full model, as Policy's without LoRA
     shared_prefix = False  # TRL's row shuffle (test_split_by_groups_with_shared_prefix: on)
 
     def __init__(self):
@@ -120,7 +121,7 @@ def test_every_completion_is_trained_on_in_windows_of_gas(spg, gas, ni):
     rnd = make_round(p)
     rounds = int(np.lcm(spg * ni, gas)) // (spg * ni) * 2  # ends with an empty buffer
     state, results = run_rounds(rnd, rounds)
-    fed = rnd.trainer.windows
+    fed = rnd.policy.windows
     assert all(w.size == gas * MICRO for w in fed)
     assert state.step == len(fed) == rounds * spg * ni // gas
     # The micro-step sequence: each generation's shuffled micro-batches, ni times, in order.
@@ -144,7 +145,7 @@ def test_windows_span_generations_with_the_expected_rows():
     rnd = make_round(plan(3, 2))
     _, results = run_rounds(rnd, 2)
     assert [r.updates for r in results] == [1, 2]
-    w = rnd.trainer.windows
+    w = rnd.policy.windows
     gen0 = generation_order(jax.random.key(0), 12)
     gen1 = generation_order(jax.random.key(1), 12) + 12
     assert row_ids(w[0]) == gen0[:8].tolist()
@@ -189,11 +190,11 @@ def test_stop_ends_the_updates_and_keeps_the_rest_buffered():
     rnd = make_round(plan(4, 1))
     synced = []
     rnd.rollout.update_weights = lambda weights, params: synced.append(weights)
-    rnd.stop = StopAfter(rnd.trainer, updates=1)
+    rnd.stop = StopAfter(rnd.policy, updates=1)
     state, results = run_rounds(rnd, 1)
     assert state.step == 1 and results[0].updates == 1 and rnd.windows_buffered == 3
     assert synced == []
-    rnd.stop = StopAfter(rnd.trainer)  # resumed: the buffered windows first, as after max_steps
+    rnd.stop = StopAfter(rnd.policy)  # resumed: the buffered windows first, as after max_steps
     result = rnd(state, None, jax.random.key(9))
     assert result.updates == 3 and not rnd.buffer and len(synced) == 1
 
@@ -202,10 +203,10 @@ def test_stop_during_generation_drops_it_and_changes_nothing():
     from grpo_jax.checkpoint import StopRun
     rnd = make_round(plan(4, 1))
     state, _ = run_rounds(rnd, 1, max_updates=1)  # 3 windows left in the buffer
-    rnd.stop = StopAfter(rnd.trainer, during_generation=True)
+    rnd.stop = StopAfter(rnd.policy, during_generation=True)
     with pytest.raises(StopRun):
         rnd(state, [{"prompt_ids": [1, 2]}] * rnd.plan.prompts_per_generation, jax.random.key(1))
-    assert rnd.windows_buffered == 3 and len(rnd.trainer.windows) == 1
+    assert rnd.windows_buffered == 3 and len(rnd.policy.windows) == 1
 
 
 def test_generation_batch_is_shuffled_before_it_is_split():
@@ -213,7 +214,7 @@ def test_generation_batch_is_shuffled_before_it_is_split():
     does not see whole prompt groups in order. Seeded by the round's key (exact resume)."""
     rnd = make_round(plan(2, 1))
     run_rounds(rnd, 1)
-    first, second = (row_ids(w) for w in rnd.trainer.windows)
+    first, second = (row_ids(w) for w in rnd.policy.windows)
     assert first != list(range(MICRO)) and sorted(first + second) == list(range(2 * MICRO))
     groups = [first[i:i + G] for i in range(0, MICRO, G)]
     assert not all(gr == list(range(gr[0], gr[0] + G)) for gr in groups)
@@ -232,11 +233,11 @@ def test_split_by_groups_with_shared_prefix(micro):
                   steps_per_generation=16 // micro, generation_batch_size=16, num_generations=G,
                   num_iterations=1)
     rnd = make_round(p)
-    rnd.trainer.shared_prefix = True
+    rnd.policy.shared_prefix = True
     run_rounds(rnd, 1)
     groups = generation_order(jax.random.key(0), 16 // G)
     want = (groups[:, None] * G + np.arange(G)).ravel().reshape(-1, micro).tolist()
-    assert [row_ids(w) for w in rnd.trainer.windows] == want
+    assert [row_ids(w) for w in rnd.policy.windows] == want
     assert groups.tolist() != list(range(16 // G))  # shuffled
 
 
@@ -248,7 +249,7 @@ def test_old_logps_follow_trl_rule(spg, gas, ni, want):
     p = plan(spg, gas, ni)
     rnd = make_round(p)
     run_rounds(rnd, 1)
-    assert (rnd.trainer.logps_calls > 0) == want
+    assert (rnd.policy.logps_calls > 0) == want
     assert p.needs_old_logps == want
 
 
@@ -296,18 +297,18 @@ def test_the_round_that_ends_an_epoch_trains_a_partial_window():
     rnd = make_round(plan(3, 4))
     state, results = run_rounds(rnd, 4, epoch_rounds=2)
     assert [r.updates for r in results] == [0, 2, 0, 2] and state.step == 4
-    assert rnd.trainer.micro_batches == [None, 2] * 2 and not rnd.buffer
+    assert rnd.policy.micro_batches == [None, 2] * 2 and not rnd.buffer
     rnd = make_round(plan(3, 2))
     state, results = run_rounds(rnd, 4, epoch_rounds=1)
     assert [r.updates for r in results] == [2, 2, 2, 2] and state.step == 8
-    assert rnd.trainer.micro_batches == [None, 1] * 4 and not rnd.buffer
-    assert [w.size for w in rnd.trainer.windows] == [2 * MICRO, MICRO] * 4
+    assert rnd.policy.micro_batches == [None, 1] * 4 and not rnd.buffer
+    assert [w.size for w in rnd.policy.windows] == [2 * MICRO, MICRO] * 4
     # Stopped before the partial window: it waits in the buffer, then is trained alone.
     rnd = make_round(plan(3, 2))
     _, (result,) = run_rounds(rnd, 1, max_updates=1, epoch_rounds=1)
     assert result.updates == 1 and rnd.windows_buffered == 1 and rnd.epoch_end == 1
     result = rnd(result.state, None, jax.random.key(5))
-    assert result.updates == 1 and rnd.trainer.micro_batches[-1] == 1 and rnd.epoch_end == 0
+    assert result.updates == 1 and rnd.policy.micro_batches[-1] == 1 and rnd.epoch_end == 0
 
 
 def test_update_logged_is_trls_per_micro_batch_buffer():
@@ -341,7 +342,7 @@ def test_logged_learning_rate_is_the_applied_one_after_a_skipped_update():
     from grpo_jax.grpo.optimizer import OptimizerConfig, make_schedule
     from grpo_jax.grpo.train_step import StepConfig
     from grpo_jax.models import Decoder, ModelConfig
-    from grpo_jax.trainer import Trainer
+    from grpo_jax.trainer import Policy
 
     cfg = ModelConfig(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=24,
                       num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
@@ -357,10 +358,10 @@ def test_logged_learning_rate_is_the_applied_one_after_a_skipped_update():
     bad = good.replace(advantages=np.array([np.nan, 1, 1, 1], np.float32))
     schedule = make_schedule(optim, 10)
 
-    skipped = Trainer(Decoder(cfg, rngs=nnx.Rngs(0)), step_cfg, optim, 10, mesh)
+    skipped = Policy(Decoder(cfg, rngs=nnx.Rngs(0)), step_cfg, optim, 10, mesh)
     s, m0 = skipped.step(skipped.init_state, bad)
     s, m1 = skipped.step(s, good)
-    fresh = Trainer(Decoder(cfg, rngs=nnx.Rngs(0)), step_cfg, optim, 10, mesh)
+    fresh = Policy(Decoder(cfg, rngs=nnx.Rngs(0)), step_cfg, optim, 10, mesh)
     f, n0 = fresh.step(fresh.init_state, good)
     assert int(m0["skipped_updates"]) == 1 and int(s.step) == 2
     assert float(m1["learning_rate"]) == pytest.approx(float(schedule(0)))
@@ -411,9 +412,9 @@ def test_ref_sync_after_every_step_reaching_a_multiple(spg, gas, start):
                 want_mixes.append((s - start, s, ref))
                 ref = 0.25 * s + 0.75 * ref
         state = result.state
-    assert rnd.trainer.mixes == want_mixes and len(want_mixes) >= 2
+    assert rnd.policy.mixes == want_mixes and len(want_mixes) >= 2
     assert rnd.ref_params == ref
-    assert rnd.trainer.ref_seen == want_seen
+    assert rnd.policy.ref_seen == want_seen
 
 
 def test_ref_sync_needs_a_reference():
@@ -425,14 +426,14 @@ def test_ref_sync_needs_a_reference():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_mix_ref_is_trls_rule_on_the_params_shardings(dtype):
-    """Trainer.mix_ref = TRL's `ref.mul_(1 - alpha).add_(policy, alpha=alpha)` in the params'
+    """Policy.mix_ref = TRL's `ref.mul_(1 - alpha).add_(policy, alpha=alpha)` in the params'
     dtype, jitted on the params' shardings (an FSDP mesh here), the old reference donated."""
     torch = pytest.importorskip("torch")
     from grpo_jax import mesh as mesh_lib
     from grpo_jax.grpo.optimizer import OptimizerConfig
     from grpo_jax.grpo.train_step import StepConfig
     from grpo_jax.models import Decoder, ModelConfig
-    from grpo_jax.trainer import Trainer
+    from grpo_jax.trainer import Policy
 
     cfg = ModelConfig(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=24,
                       num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
@@ -441,7 +442,7 @@ def test_mix_ref_is_trls_rule_on_the_params_shardings(dtype):
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(1, n, 1), jax.devices()[:n])
     step_cfg = StepConfig(loss=LossConfig(vllm_importance_sampling_correction=False),
                           temperature=1.0, gradient_accumulation_steps=1)
-    t = Trainer(Decoder(cfg, rngs=nnx.Rngs(0)), step_cfg, OptimizerConfig(), 10, mesh)
+    t = Policy(Decoder(cfg, rngs=nnx.Rngs(0)), step_cfg, OptimizerConfig(), 10, mesh)
     cast = lambda tree: jax.tree.map(lambda x: x.astype(dtype), tree)  # noqa: E731
     params = cast(t.init_state.params)
     ref = cast(jax.tree.map(lambda x: x * 0.5 + 0.3, t.init_state.params))
@@ -475,7 +476,7 @@ def test_round_uses_multi_objective_aggregation(aggregation):
     _, want, stats = compute_advantages(per_func, G, "batch", [1.0, 2.0], aggregation)
     np.testing.assert_array_equal(result.advantages, want)
     np.testing.assert_array_equal(result.rewards, combine_rewards(per_func, [1.0, 2.0]))
-    fed = np.concatenate([w.advantages for w in rnd.trainer.windows])
+    fed = np.concatenate([w.advantages for w in rnd.policy.windows])
     assert sorted(fed.tolist()) == sorted(want.tolist())
     for k, v in stats.items():
         assert result.metrics[k] == v
@@ -529,7 +530,7 @@ def test_dynamic_sampling_fills_the_batch_with_groups_with_signal(scale):
     for k, want_groups in enumerate([[1, 2, 3, 5], [9, 10, 11, 13]]):
         result = rnd(state, more(), jax.random.key(k), more_records=more)
         state = result.state
-        fed = np.concatenate([row_ids(w) for w in rnd.trainer.windows[-4:]])
+        fed = np.concatenate([row_ids(w) for w in rnd.policy.windows[-4:]])
         assert sorted(set((fed // G).tolist())) == want_groups
         assert sorted(fed.tolist()) == [q * G + i for q in want_groups for i in range(G)]
         rows = np.array([q * G + i for q in want_groups for i in range(G)])
@@ -537,13 +538,13 @@ def test_dynamic_sampling_fills_the_batch_with_groups_with_signal(scale):
             completion_ids=np.repeat(rows[:, None], C, 1))).per_func
         _, want_adv, stats = compute_advantages(kept, G, scale)
         np.testing.assert_array_equal(result.advantages, want_adv)
-        by_row = {int(r): a for w in rnd.trainer.windows[-4:]
+        by_row = {int(r): a for w in rnd.policy.windows[-4:]
                   for r, a in zip(row_ids(w), w.advantages)}
         assert [by_row[int(r)] for r in rows] == want_adv.tolist()
         lengths = 1 + rows % C
         mask = (np.arange(C)[None] < lengths[:, None]).astype(np.int32)
-        want_items = num_items_per_row(mask, np.zeros(rows.size, bool), rnd.trainer.cfg.loss)
-        for w in rnd.trainer.windows[-4:]:
+        want_items = num_items_per_row(mask, np.zeros(rows.size, bool), rnd.policy.cfg.loss)
+        for w in rnd.policy.windows[-4:]:
             np.testing.assert_array_equal(w.num_items, want_items[:w.size])
         assert result.metrics["frac_reward_zero_std"] == 0.0
         assert result.metrics["reward"] == stats["reward"]
@@ -571,7 +572,7 @@ def test_dynamic_sampling_with_signal_everywhere_is_the_plain_round():
         rb = b(State(k, k), more(), jax.random.key(k))
         assert ra.metrics["dynamic_sampling/num_gen_batches"] == 1
         np.testing.assert_array_equal(ra.advantages, rb.advantages)
-    for wa, wb in zip(a.trainer.windows, b.trainer.windows, strict=True):
+    for wa, wb in zip(a.policy.windows, b.policy.windows, strict=True):
         assert jax.tree.all(jax.tree.map(np.array_equal, wa, wb))
 
 
@@ -581,7 +582,7 @@ def test_dynamic_sampling_gives_up_after_max_num_gen_batches():
     with pytest.raises(NoSignalError, match="3 generation batches .* gave 0 of the 4 prompt "
                        "groups .* the reward gives no signal"):
         rnd(State(0, 0), more(), jax.random.key(0), more_records=more)
-    assert len(rnd.rollout.generated) == 3 and not rnd.trainer.windows and not rnd.buffer
+    assert len(rnd.rollout.generated) == 3 and not rnd.policy.windows and not rnd.buffer
     # 0: no limit (verl's). Groups 0-19 (five generations) have none, the sixth fills it.
     rnd, more = filling_round(lambda q: q < 20, max_gen_batches=0)
     result = rnd(State(0, 0), more(), jax.random.key(0), more_records=more)
@@ -595,5 +596,5 @@ def test_dynamic_sampling_stopped_mid_fill_changes_nothing():
     rnd, more = filling_round(lambda q: q % 2 == 0)
     result = rnd(State(3, 3), more(), jax.random.key(0), more_records=lambda: None)
     assert result.state == State(3, 3) and result.scores is None and result.updates == 0
-    assert result.num_tokens == 0 and not rnd.buffer and not rnd.trainer.windows
+    assert result.num_tokens == 0 and not rnd.buffer and not rnd.policy.windows
     assert len(rnd.rollout.generated) == 1

@@ -18,7 +18,8 @@ from grpo_jax import hf
 from grpo_jax.config import TrainConfig
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import Decoder, ModelConfig
-from grpo_jax.rollout import RolloutBatch, Sampler, SamplingParams, sampling
+from grpo_jax.rollout import RolloutBatch, Sampler, SamplingParams
+from grpo_jax.rollout.native import sampling
 from grpo_jax.rollout.engines import make_rollout
 
 PROMPTS = [[5, 17, 99, 3, 42], [7, 8, 9, 10, 11, 12, 13, 14, 15], [120, 6, 3]]

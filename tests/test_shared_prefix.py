@@ -13,7 +13,7 @@ from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.grpo.optimizer import OptimizerConfig
 from grpo_jax.grpo.train_step import StepConfig, completion_logps, loss_and_grads
 from grpo_jax.models import Decoder, ModelConfig, decoder, positions_from_mask
-from grpo_jax.trainer import Trainer
+from grpo_jax.trainer import Policy
 
 G, GROUPS, P_LEN, C_LEN = 4, 3, 12, 10
 
@@ -165,7 +165,7 @@ def test_cudnn_branch_masks(monkeypatch):
 def _trainer(model, mesh, k):
     step = StepConfig(loss=loss_config(), temperature=0.9, gradient_accumulation_steps=k,
                       logprob_chunk=4)
-    return Trainer(model, step, OptimizerConfig(learning_rate=1e-3,
+    return Policy(model, step, OptimizerConfig(learning_rate=1e-3,
                                                 lr_scheduler_type="constant"), 10, mesh)
 
 
@@ -187,7 +187,7 @@ def test_prompt_group_reads_the_batch():
 @pytest.mark.slow
 def test_sharded_shared_prefix_equals_plain_single_device(smol_model):
     """SmolLM2 on a (2,2,2) mesh, 2 accumulated micro-batches of 2 groups with shared prefixes
-    (the Trainer's programs: its micro-batch layout and activation constraints) vs one device
+    (the Policy's programs: its micro-batch layout and activation constraints) vs one device
     with numerics.shared_prefix off, in fp32: the same loss and gradients within fp32
     summation noise, and one update's loss and gradient norm."""
     batch = grouped_batch(smol_model.cfg.vocab_size, seed=4, groups=4)

@@ -1,4 +1,4 @@
-"""Turns continued from the native sampler's KV cache (grpo_jax.rollout.continuation) against
+"""Turns continued from the native sampler's KV cache (grpo_jax.rollout.native.continuation) against
 `Sampler.generate` re-prefilling the whole context, on SmolLM2 (fp32): the same tokens from the
 same keys, prefills of the uncached tokens only, a bounded number of programs."""
 
@@ -14,10 +14,11 @@ from test_tools import prompt_ids, tok  # noqa: F401  (tok: a fixture)
 
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import Decoder, ModelConfig
-from grpo_jax.rollout import continuation, tools
-from grpo_jax.rollout.engines import JaxRollout
-from grpo_jax.rollout.sampler import Sampler
-from grpo_jax.rollout.sampling import SamplingParams
+from grpo_jax.rollout import tools
+from grpo_jax.rollout.native import continuation
+from grpo_jax.rollout.native.rollout import JaxRollout
+from grpo_jax.rollout.native.sampler import Sampler
+from grpo_jax.rollout.native.sampling import SamplingParams
 
 C = 24
 

@@ -19,8 +19,8 @@ from grpo_jax.grpo import loss as loss_lib
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.train_step import completion_logps
 from grpo_jax.rollout import tools
-from grpo_jax.rollout.engines import JaxRollout
-from grpo_jax.rollout.sampling import SamplingParams
+from grpo_jax.rollout.native.rollout import JaxRollout
+from grpo_jax.rollout.native.sampling import SamplingParams
 
 QUESTIONS = ["What is 48213 * 9177?", "What is 66011 - 4589?"]
 C = 80
@@ -325,8 +325,8 @@ def test_multi_turn_on_the_vllm_server(smol_dir, smol_model, tok, smol_vllm_serv
     sequence (< 1e-4)."""
     from grpo_jax.cli import load_config
     from grpo_jax.hf import params_numpy
-    from grpo_jax.rollout.vllm_client import VLLMClient
-    from grpo_jax.rollout.vllm_rollout import VLLMRollout
+    from grpo_jax.rollout.vllm.client import VLLMClient
+    from grpo_jax.rollout.engines import make_rollout
     srv, _ = smol_vllm_server
     with VLLMClient(srv.base_url, api_key=API_KEY) as client:  # whatever a test pushed before
         client.sync_weights(smol_model.cfg, params_numpy(smol_model))
@@ -334,10 +334,9 @@ def test_multi_turn_on_the_vllm_server(smol_dir, smol_model, tok, smol_vllm_serv
         "name_or_path": smol_dir, "backend": "vllm", "vllm_server_base_url": srv.base_url,
         "vllm_server_api_key": API_KEY, "max_completion_length": C,
         "temperature": 1.0}.items()])
-    inner = VLLMRollout(cfg, smol_model.cfg, tok, smol_dir)
-    r = tools.ToolRollout(inner, tok, tools.Toolbox([calculator], 10.0), None,
-                          inner.sp.stop_token_ids, tok.pad_token_id).generate(
-        None, prompt_ids(tok), 4, jax.random.key(0))
+    rollout = make_rollout(cfg, smol_model.cfg, tok, None, smol_dir, tools=[calculator])
+    assert isinstance(rollout, tools.ToolRollout)
+    r = rollout.generate(None, prompt_ids(tok), 4, jax.random.key(0))
     assert any(len(turns) > 2 for turns in r.completions)  # a call, a result, another turn
     batch = _batch(r)
     logp, _ = completion_logps(smol_model, batch, 1.0, 128)

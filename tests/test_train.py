@@ -80,10 +80,10 @@ def test_tiny_model_learns_synthetic_reward(tiny_dir, tmp_path):
 def test_later_rounds_compile_nothing(tiny_dir, tmp_path, monkeypatch):
     """Every program (sampler, train step, log-probs, host-side helpers) compiles during the
     first two rounds; later rounds only run them (a recompile costs seconds on a GPU)."""
-    from grpo_jax.trainer import Trainer
+    from grpo_jax.trainer import Policy
     log = []
-    original = Trainer.step
-    monkeypatch.setattr(Trainer, "step", lambda self, s, b: log.append("step") or original(
+    original = Policy.step
+    monkeypatch.setattr(Policy, "step", lambda self, s, b: log.append("step") or original(
         self, s, b))
 
     def on_event(event, duration, **kw):
@@ -104,11 +104,11 @@ def test_later_rounds_compile_nothing(tiny_dir, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_reference_model_only_when_beta_positive(tiny_dir, tmp_path, monkeypatch, beta):
     """beta = 0: no reference params are kept, stored or run (TRL's behaviour)."""
-    from grpo_jax.trainer import Trainer
+    from grpo_jax.trainer import Policy
     from grpo_jax.checkpoint import abstract_state
     calls = []
-    original = Trainer.logps
-    monkeypatch.setattr(Trainer, "logps", lambda self, p, b, rows=None: calls.append(1) or
+    original = Policy.logps
+    monkeypatch.setattr(Policy, "logps", lambda self, p, b, rows=None: calls.append(1) or
                         original(self, p, b, rows))
     cfg = config(tiny_dir, tmp_path / "run", max_steps=2, beta=beta)
     last = train(cfg, devices=jax.devices()[:1])
@@ -125,14 +125,14 @@ def test_reference_model_only_when_beta_positive(tiny_dir, tmp_path, monkeypatch
 
 
 def _record_rounds(monkeypatch):
-    """Rows generated (by the JAX sampler) and windows fed to Trainer.step, as host arrays."""
-    from grpo_jax.rollout.engines import JaxRollout
-    from grpo_jax.trainer import Trainer
+    """Rows generated (by the JAX sampler) and windows fed to Policy.step, as host arrays."""
+    from grpo_jax.rollout.native.rollout import JaxRollout
+    from grpo_jax.trainer import Policy
     generated, fed = [], []
-    generate, step = JaxRollout.generate, Trainer.step
+    generate, step = JaxRollout.generate, Policy.step
     monkeypatch.setattr(JaxRollout, "generate", lambda self, *a: generated.append(
         generate(self, *a)) or generated[-1])
-    monkeypatch.setattr(Trainer, "step", lambda self, s, b, **kw: fed.append(b) or step(
+    monkeypatch.setattr(Policy, "step", lambda self, s, b, **kw: fed.append(b) or step(
         self, s, b, **kw))
     return generated, fed
 
@@ -373,9 +373,9 @@ def test_sync_ref_model_mixes_every_sync_steps(tiny_dir, tmp_path, monkeypatch):
     """TR-DPO as TRL's SyncRefModelCallback: after optimizer steps 2 and 4 (of 5; one update a
     round), ref = 0.6 * policy + 0.4 * ref, starting from the initial params; the next
     generation's reference log-probs come from the mixed reference."""
-    from grpo_jax.trainer import Trainer
+    from grpo_jax.trainer import Policy
     after, mixes, refs_used = [], [], []
-    step, mix, logps = Trainer.step, Trainer.mix_ref, Trainer.logps
+    step, mix, logps = Policy.step, Policy.mix_ref, Policy.logps
 
     def record_step(self, s, b):
         if not after:
@@ -387,10 +387,10 @@ def test_sync_ref_model_mixes_every_sync_steps(tiny_dir, tmp_path, monkeypatch):
     def record_logps(self, p, b, rows=None):
         refs_used.append([np.asarray(x) for x in jax.tree.leaves(p)])
         return logps(self, p, b, rows)
-    monkeypatch.setattr(Trainer, "step", record_step)
-    monkeypatch.setattr(Trainer, "mix_ref", lambda self, p, r, a: mixes.append(
+    monkeypatch.setattr(Policy, "step", record_step)
+    monkeypatch.setattr(Policy, "mix_ref", lambda self, p, r, a: mixes.append(
         (len(after) - 1, a)) or mix(self, p, r, a))
-    monkeypatch.setattr(Trainer, "logps", record_logps)
+    monkeypatch.setattr(Policy, "logps", record_logps)
     cfg = config(tiny_dir, tmp_path / "run", max_steps=5, beta=0.04, sync_ref_model=True,
                  ref_model_sync_steps=2, ref_model_mixup_alpha=0.6)
     train(cfg, devices=jax.devices()[:1])
@@ -449,11 +449,11 @@ ODD_POSTS = dict(reward_funcs=f"[{HERE / 'reward_fixtures.py'}:even_tokens_odd_p
 def odd_posts_run(tiny_dir, tmp_path_factory):
     """A dynamic_sampling run of 3 steps where posts with an even number score 0.5 whatever
     the completion (their groups have no signal): (output_dir, the windows its updates saw)."""
-    from grpo_jax.trainer import Trainer
+    from grpo_jax.trainer import Policy
     out, fed = tmp_path_factory.mktemp("odd_posts") / "run", []
-    step = Trainer.step
+    step = Policy.step
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(Trainer, "step", lambda self, s, b: fed.append(b) or step(self, s, b))
+        m.setattr(Policy, "step", lambda self, s, b: fed.append(b) or step(self, s, b))
         train(config(tiny_dir, out, **ODD_POSTS), devices=jax.devices()[:1])
     return out, fed
 

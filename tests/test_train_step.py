@@ -11,7 +11,7 @@ from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.grpo.optimizer import OptimizerConfig
 from grpo_jax.grpo.train_step import StepConfig, TrainState, batch_loss, loss_and_grads
-from grpo_jax.trainer import Trainer
+from grpo_jax.trainer import Policy
 from grpo_jax.models import Decoder, ModelConfig
 
 CFG = ModelConfig(model_type="qwen2", vocab_size=96, hidden_size=32, intermediate_size=48,
@@ -76,7 +76,7 @@ def test_gradient_accumulation_is_exact(loss_type):
 def _step_once(mesh, batch, k=2):
     cfg = StepConfig(loss=loss_config(loss_type="dapo", beta=0.04), temperature=1.0,
                      gradient_accumulation_steps=k, logprob_chunk=4)
-    trainer = Trainer(model(), cfg, OptimizerConfig(learning_rate=LR,
+    trainer = Policy(model(), cfg, OptimizerConfig(learning_rate=LR,
                                                     lr_scheduler_type="constant"), 10, mesh)
     state, metrics = trainer.step(trainer.init_state, batch)
     return trainer, state, jax.device_get(metrics)
@@ -109,7 +109,7 @@ def test_nonfinite_gradient_skips_update():
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(1, 1, 1), jax.devices()[:1])
     batch = make_batch(2)
     batch.advantages[0] = np.nan
-    trainer = Trainer(model(), StepConfig(loss=loss_config(), temperature=1.0,
+    trainer = Policy(model(), StepConfig(loss=loss_config(), temperature=1.0,
                                           gradient_accumulation_steps=1),
                       OptimizerConfig(learning_rate=LR, lr_scheduler_type="constant"), 10, mesh)
     before = jax.tree.map(np.asarray, trainer.init_state.params)
@@ -152,11 +152,11 @@ def test_eval_loss_is_one_micro_batch_of_the_train_loss(loss_type):
 def test_reference_copy_halves_memory_keeps_logps_and_chunks_agree():
     """The reference is kept with its matrices in the compute dtype: in a bf16 run its log-probs
     equal the fp32 masters' bit for bit (the forward casts them alike), its buffers are its own
-    (the step donates the params), and Trainer.logps gives the same a micro-batch at a time."""
-    from grpo_jax.rollout.sampler import reference_copy
+    (the step donates the params), and Policy.logps gives the same a micro-batch at a time."""
+    from grpo_jax.rollout.native.sampler import reference_copy
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=1, fsdp=-1), jax.devices()[:2])
     bf16 = Decoder(CFG.replace(dtype=jnp.bfloat16), rngs=nnx.Rngs(0))
-    trainer = Trainer(bf16, StepConfig(loss=loss_config(), temperature=0.9,
+    trainer = Policy(bf16, StepConfig(loss=loss_config(), temperature=0.9,
                                        gradient_accumulation_steps=1), OptimizerConfig(), 10, mesh)
     params = trainer.init_state.params
     ref = reference_copy(params, jnp.bfloat16)

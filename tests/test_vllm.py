@@ -111,7 +111,7 @@ def trainer(model_dir):
 def server(tiny_vllm_server, model_dir):
     """The session's server (tests/conftest.py), serving the model's initial weights: an
     earlier module's runs trained it."""
-    from grpo_jax.rollout.vllm_client import VLLMClient
+    from grpo_jax.rollout.vllm.client import VLLMClient
     model, _ = load_model(str(model_dir), dtype=jnp.float32)
     with VLLMClient(tiny_vllm_server.base_url, api_key=API_KEY) as c:
         c.sync_weights(model.cfg, params_numpy(model))
@@ -120,7 +120,7 @@ def server(tiny_vllm_server, model_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    from grpo_jax.rollout.vllm_client import VLLMClient
+    from grpo_jax.rollout.vllm.client import VLLMClient
     with VLLMClient(server.base_url, api_key=API_KEY, max_retries=2, backoff_s=0.2) as c:
         yield c
 
@@ -146,8 +146,8 @@ def test_session_token_is_private_and_found_by_a_loopback_client(tmp_path, monke
     import http.server
     import threading
 
-    from grpo_jax.rollout import server_auth
-    from grpo_jax.rollout.vllm_client import VLLMClient, VLLMServerError
+    from grpo_jax.rollout.vllm import server_auth
+    from grpo_jax.rollout.vllm.client import VLLMClient, VLLMServerError
     monkeypatch.setenv("GRPO_JAX_CACHE", str(tmp_path))
     port = free_port()
     first = server_auth.create(port)
@@ -197,7 +197,7 @@ def _choice(index, ids, logprobs, reason="stop"):
 def _offline_client(monkeypatch, responses, sent=None):
     """A VLLMClient whose HTTP requests are answered from `responses` (JSON text, parsed as
     requests' r.json() does: NaN literals and nulls included)."""
-    from grpo_jax.rollout.vllm_client import VLLMClient
+    from grpo_jax.rollout.vllm.client import VLLMClient
     c = VLLMClient("http://127.0.0.1:1", max_workers=1)
     answers = iter(responses)
 
@@ -213,7 +213,7 @@ def test_unscorable_vllm_logprobs_are_nan_not_a_crash(monkeypatch):
     """vLLM's server writes a NaN log-prob as null (or NaN): TRL maps both to NaN and gives such
     a token an importance ratio of exactly 1 (nan_to_num of the log-ratio). The client must
     parse them, never crash or turn them into a number."""
-    from grpo_jax.rollout.vllm_client import rollout_arrays
+    from grpo_jax.rollout.vllm.client import rollout_arrays
     body = {"choices": [_choice(1, [5, 6, 2], [-0.5, None, -1.0]),
                         _choice(0, [7, 8], [float("nan"), -2.0], "length")]}
     c = _offline_client(monkeypatch, [json.dumps(body)])  # json writes NaN as the NaN literal
@@ -238,8 +238,9 @@ def test_unscorable_vllm_logprobs_are_nan_not_a_crash(monkeypatch):
 def test_vllm_rollout_stops_on_generation_config_eos(monkeypatch, tmp_path):
     """The server gets TRL's stop set: the tokenizer's EOS plus generation_config's."""
     from grpo_jax.config import TrainConfig
-    from grpo_jax.rollout import SamplingParams, vllm_rollout
-    from grpo_jax.rollout.vllm_client import Completion
+    from grpo_jax.rollout import SamplingParams
+    from grpo_jax.rollout.vllm import rollout as vllm_rollout
+    from grpo_jax.rollout.vllm.client import Completion
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
     calls = []
 
@@ -260,10 +261,14 @@ def test_vllm_rollout_stops_on_generation_config_eos(monkeypatch, tmp_path):
             calls.append(kw)
             return [[Completion([4, 9], [-1.0, -2.0], "stop")] * n for _ in prompts]
     monkeypatch.setattr(vllm_rollout, "VLLMClient", FakeClient)
-    cfg = dataclasses.replace(TrainConfig(), generation=SamplingParams(
-        max_completion_length=4, stop_token_ids=(5,)))
+    from grpo_jax.rollout.engines import make_rollout
+    cfg = TrainConfig()
+    cfg = dataclasses.replace(cfg, generation=SamplingParams(
+        max_completion_length=4, stop_token_ids=(5,)), rollout=dataclasses.replace(
+            cfg.rollout, backend="vllm"))
     tok = SimpleNamespace(eos_token_id=2, pad_token_id=0)
-    r = vllm_rollout.VLLMRollout(cfg, None, tok, tmp_path)
+    r = make_rollout(cfg, None, tok, None, tmp_path)
+    assert isinstance(r, vllm_rollout.VLLMRollout)
     out = r.generate(None, [[1, 3]], 2, jax.random.key(0))
     assert tuple(calls[0]["stop_token_ids"]) == (2, 7, 9, 5)
     np.testing.assert_array_equal(out.completion_mask, [[1, 1, 0, 0]] * 2)
@@ -293,8 +298,8 @@ def test_weight_routes_check_bodies_and_dtypes(server, client):
     is refused before it is parsed. The server serves on afterwards."""
     import json as _json
 
-    from grpo_jax.rollout.wire import RAW_UPDATE_ROUTE
-    from grpo_jax.rollout.vllm_client import VLLMServerError
+    from grpo_jax.rollout.server.wire import RAW_UPDATE_ROUTE
+    from grpo_jax.rollout.vllm.client import VLLMServerError
 
     def raw(info, body):
         return requests.post(server.base_url + RAW_UPDATE_ROUTE, data=body, timeout=60,
@@ -365,7 +370,7 @@ def test_weight_sync_after_sgd_step(client, trainer):
 
 @needs_vllm
 def test_generate_matches_trainer_and_sampler_arrays(client, trainer):
-    from grpo_jax.rollout.vllm_client import rollout_arrays
+    from grpo_jax.rollout.vllm.client import rollout_arrays
 
     client.sync_weights(trainer.cfg, params_numpy(trainer))  # independent of test order
     n, max_tokens, stops = 4, 8, list(range(4, 68))  # 1/8 of the vocab stops a completion
@@ -408,7 +413,7 @@ def test_generate_matches_trainer_and_sampler_arrays(client, trainer):
 
 @needs_vllm
 def test_different_model_is_refused(client, trainer):
-    from grpo_jax.rollout.vllm_client import ModelMismatchError
+    from grpo_jax.rollout.vllm.client import ModelMismatchError
 
     info = client.check_model(trainer.cfg, max_len=200)
     assert info["vocab_size"] == VOCAB and info["dtype"] == "float32"
@@ -515,7 +520,7 @@ def test_server_killed_mid_run_checkpoints_and_exits_clearly(model_dir, tmp_path
                              api_key=API_KEY, log_path=tmp / "server.log",
                              env=dict(os.environ, VLLM_CACHE_ROOT=str(tmp / "cache")))
     try:
-        from grpo_jax.rollout.vllm_client import VLLMClient
+        from grpo_jax.rollout.vllm.client import VLLMClient
         VLLMClient(srv.base_url).wait_healthy(timeout=400, server=srv)
         cfg = _train_config(model_dir, tmp_path / "run", srv.base_url, max_steps=200)
         (tmp_path / "run.yaml").write_text(cfg.to_yaml())
@@ -579,7 +584,7 @@ def running_requests(server) -> float:
 @pytest.mark.kills_shared_server
 def test_killed_server_raises_after_bounded_retries(client, server):
     """It kills the session's shared server: tests/conftest.py runs it after the others."""
-    from grpo_jax.rollout.vllm_client import VLLMServerError
+    from grpo_jax.rollout.vllm.client import VLLMServerError
 
     with cf.ThreadPoolExecutor(1) as pool:
         # A long generation (~10 s warm) that is running when the server dies: killed once

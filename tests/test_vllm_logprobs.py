@@ -1,4 +1,4 @@
-"""Tokens vLLM could not score (log-prob null/NaN, parsed to NaN by grpo_jax.rollout.vllm_client)
+"""Tokens vLLM could not score (log-prob null/NaN, parsed to NaN by grpo_jax.rollout.vllm.client)
 must get an importance ratio of exactly 1, as in TRL 1.16 (`nan_to_num(old - sampler, nan=0)`
 before the exp; the sampling_logp_difference metrics leave them out).
 

@@ -5,7 +5,7 @@ time under a new name) or the base with the adapters merged; either way the serv
 score completions as the trainer does. One server for the module, serving test_vllm's tiny
 random Llama (start-up ~40-70 s on 2 cores). It runs without an API key, as `grpo_jax.serve`
 does by default: its dev and weight routes take the session token the trainer (and the
-module's client) read from the token file (grpo_jax.rollout.server_auth).
+module's client) read from the token file (grpo_jax.rollout.vllm.server_auth).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def server(model_dir, tmp_path_factory):
                              lora_rank=PEFT.lora_r,
                              log_path=tmp / "server.log", env=env)
     try:
-        from grpo_jax.rollout.vllm_client import VLLMClient
+        from grpo_jax.rollout.vllm.client import VLLMClient
         VLLMClient(srv.base_url).wait_healthy(timeout=400, server=srv)
         yield srv
     finally:
@@ -52,7 +52,7 @@ def server(model_dir, tmp_path_factory):
 
 @pytest.fixture
 def client(server):
-    from grpo_jax.rollout.vllm_client import VLLMClient
+    from grpo_jax.rollout.vllm.client import VLLMClient
     with VLLMClient(server.base_url, max_retries=2, backoff_s=0.2) as c:
         yield c
 
@@ -99,7 +99,7 @@ def served_vs(client, model):
 
 @needs_vllm
 def test_adapter_and_merged_sync_match_trainer(client, model_dir):
-    from grpo_jax.rollout import weight_sync
+    from grpo_jax.rollout.vllm import shm_sync
     model, adapters, base = lora_step(model_dir)
     assert client.adapter_problem(PEFT.lora_r) is None
     assert "--max-lora-rank 8 is below lora_r 9" in client.adapter_problem(9)
@@ -127,7 +127,7 @@ def test_adapter_and_merged_sync_match_trainer(client, model_dir):
     assert served_vs(client, base) < 1e-4
 
     adapter_bytes = sum(v.nbytes for v in tensors.values())
-    merged_bytes = weight_sync.param_bytes(merged)
+    merged_bytes = shm_sync.param_bytes(merged)
     print(json.dumps({"adapter_sync_s": adapter_s, "adapter_bytes": adapter_bytes,
                       "adapter_max_logp_err": adapter_err, "merged_sync_s": merged_s,
                       "merged_bytes": merged_bytes, "merged_max_logp_err": merged_err}))
@@ -164,11 +164,13 @@ def test_quantized_base_syncs_merged(capsys, server, model_dir, tmp_path):
     from transformers import AutoTokenizer
 
     from grpo_jax.rollout.base import WeightMode
-    from grpo_jax.rollout.vllm_rollout import VLLMRollout
+    from grpo_jax.rollout.engines import make_rollout
+    from grpo_jax.rollout.vllm.rollout import VLLMRollout
     cfg = _train_config(model_dir, tmp_path / "run", server.base_url, load_in_8bit="true",
                         **LORA, **NO_KEY)
-    rollout = VLLMRollout(cfg, load_model(str(model_dir))[0].cfg,
-                          AutoTokenizer.from_pretrained(model_dir), model_dir)
+    rollout = make_rollout(cfg, load_model(str(model_dir))[0].cfg,
+                           AutoTokenizer.from_pretrained(model_dir), None, model_dir)
+    assert isinstance(rollout, VLLMRollout)
     assert rollout.weight_mode is WeightMode.PUSH
     assert ("base is quantized (load_in_8bit / load_in_4bit); pushing merged full weights "
             "instead") in capsys.readouterr().err
@@ -181,7 +183,7 @@ def test_session_token_guards_dev_and_weight_routes(server, client):
     account can read. The module's client (no key) found the token by itself."""
     import requests
 
-    from grpo_jax.rollout import server_auth
+    from grpo_jax.rollout.vllm import server_auth
     path = server_auth.token_path(int(server.base_url.rsplit(":", 1)[1]))
     assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o077 == 0
     for route, body in [("/collective_rpc", {"method": "grpo_model_info"}),

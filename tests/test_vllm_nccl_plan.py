@@ -1,5 +1,5 @@
 """`vllm_weight_sync: nccl`, the parts that run without a GPU: what the trainer hands vLLM's NCCL
-trainer engine (grpo_jax.rollout.nccl_sync.JaxSource) must announce exactly what it then yields,
+trainer engine (rollout/vllm/nccl_sync.py: JaxSource) must announce exactly what it then yields,
 hold the same values as the checkpoint-format tensors the other transports send, come out as
 torch tensors through DLPack, and keep the order vLLM's own `layerwise_groups` gives (the worker
 cuts its packed receive buffers from that announcement). The broadcast itself needs CUDA:
@@ -30,7 +30,7 @@ def model(tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_jax_source_announces_what_it_yields(model, dtype):
-    from grpo_jax.rollout.nccl_sync import JaxSource
+    from grpo_jax.rollout.vllm.nccl_sync import JaxSource
     source = JaxSource(model.cfg, dtype)
     source.set(nnx.split(model, nnx.Param)[1])  # the params as the trainer holds them
     meta, got = source.metadata(), list(source)
@@ -47,7 +47,7 @@ def test_jax_source_announces_what_it_yields(model, dtype):
 @_SKIP
 @pytest.mark.slow
 def test_order_is_vllms_layerwise_order(model):
-    from grpo_jax.rollout.nccl_sync import hf_parts
+    from grpo_jax.rollout.vllm.nccl_sync import hf_parts
     names = list(hf_parts(model.cfg, "float32"))
     code = ("import json, sys\nfrom vllm.distributed.weight_transfer.base import "
             "layerwise_groups\nnames = json.load(sys.stdin)\n"

@@ -42,7 +42,7 @@ class Servers:
         self.current = None
 
     def start(self):
-        from grpo_jax.rollout.vllm_client import VLLMClient
+        from grpo_jax.rollout.vllm.client import VLLMClient
         self.count += 1
         tmp = self.tmp / f"server{self.count}"
         tmp.mkdir()
@@ -83,7 +83,7 @@ def wait_for_checkpoint(run, tmp_path, step: int) -> None:
 def test_server_restarted_mid_run_is_resynced(servers, model_dir, tmp_path):
     from grpo_jax.checkpoint import load_checkpoint
     from grpo_jax.hf import load_model
-    from grpo_jax.rollout.vllm_client import VLLMClient
+    from grpo_jax.rollout.vllm.client import VLLMClient
     run = start_run(model_dir, tmp_path, servers.current.base_url, max_steps=6,
                     vllm_server_timeout=400)
     wait_for_checkpoint(run, tmp_path, 2)

@@ -7,7 +7,7 @@ The trainer scores log_softmax(logits / T) over the whole vocabulary. With a fil
 sampled token's two log-probs differ by -log Z, Z the mass the filters kept (repetition penalty
 shifts it either way), so the importance ratio exp(trainer - sampler) is Z < 1 instead of 1.
 This test measures that per setting (printed; docs/vllm_weight_sync.md has the figures), checks
-it against the trainer's own filters (grpo_jax.rollout.sampling, the JAX sampler's), and checks
+it against the trainer's own filters (rollout/native/sampling.py, the JAX sampler's), and checks
 that VLLMRollout warns about it.
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from grpo_jax.models import positions_from_mask
-from grpo_jax.rollout import sampling
+from grpo_jax.rollout.native import sampling
 from test_vllm import PROMPTS, model_dir, needs_vllm, server, trainer  # noqa: F401 (fixtures)
 from test_vllm import client  # noqa: F401
 
@@ -83,7 +83,7 @@ def test_vllm_rollout_warns_about_filters(server, model_dir, capsys):  # noqa: F
 
     from grpo_jax.config import TrainConfig
     from grpo_jax.hf import load_model
-    from grpo_jax.rollout.vllm_rollout import VLLMRollout
+    from grpo_jax.rollout.engines import make_rollout
     from test_vllm import API_KEY
     cfg = TrainConfig()
     cfg = dataclasses.replace(
@@ -92,6 +92,6 @@ def test_vllm_rollout_warns_about_filters(server, model_dir, capsys):  # noqa: F
         generation=dataclasses.replace(cfg.generation, top_p=0.9, max_completion_length=8),
         data=dataclasses.replace(cfg.data, max_prompt_length=64))
     tok = type("Tok", (), {"eos_token_id": 2, "pad_token_id": 0})()
-    VLLMRollout(cfg, load_model(str(model_dir))[0].cfg, tok, model_dir)
+    make_rollout(cfg, load_model(str(model_dir))[0].cfg, tok, None, model_dir)
     err = capsys.readouterr().err
     assert "top_p" in err and "importance" in err and "docs/vllm_weight_sync.md" in err, err

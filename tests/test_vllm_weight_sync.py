@@ -59,8 +59,8 @@ def chat(tok, text: str) -> list[int]:
 
 @needs_vllm
 def test_http_sync_smollm2_writes_no_file(smol_server, smol_model, smol_tok):
-    from grpo_jax.rollout.vllm_client import VLLMClient
-    from grpo_jax.rollout.vllm_sync import ServerWeights
+    from grpo_jax.rollout.vllm.client import VLLMClient
+    from grpo_jax.rollout.vllm.sync import ServerWeights
     srv, server_dirs = smol_server
     prompts = [chat(smol_tok, "What is 2+3?"), chat(smol_tok, "Name a colour.")]
     completions = [smol_tok.encode("2 + 3 = 5. The answer is five.<|im_end|>"),

@@ -30,8 +30,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from grpo_jax import hf, serve  # noqa: E402
-from grpo_jax.rollout.vllm_client import VLLMClient  # noqa: E402
-from grpo_jax.rollout.vllm_sync import ServerWeights  # noqa: E402
+from grpo_jax.rollout.vllm.client import VLLMClient  # noqa: E402
+from grpo_jax.rollout.vllm.sync import ServerWeights  # noqa: E402
 
 BACKEND = {"nccl": '{"backend": "nccl"}', "http": serve.WEIGHT_TRANSFER,
            "shm": serve.WEIGHT_TRANSFER}

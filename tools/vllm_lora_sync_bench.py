@@ -32,8 +32,8 @@ import numpy as np
 
 from grpo_jax import hf, peft_io, serve
 from grpo_jax.models import lora, positions_from_mask
-from grpo_jax.rollout import weight_sync
-from grpo_jax.rollout.vllm_client import VLLMClient
+from grpo_jax.rollout.vllm import shm_sync
+from grpo_jax.rollout.vllm.client import VLLMClient
 
 
 def free_port() -> int:
@@ -118,7 +118,7 @@ def main(argv=None) -> None:
             merged = peft_io.merged_model(model)
             table = hf.params_numpy(merged)
             merged_s = [client.sync_weights(model.cfg, table) for _ in range(args.repeats)]
-            out["merged_bytes"] = (client._weights_dir / weight_sync.FILE_NAME).stat().st_size
+            out["merged_bytes"] = (client._weights_dir / shm_sync.FILE_NAME).stat().st_size
             out["merged_err"] = max_err(client, model, prompts, completions)
             gen_seconds(client, *gen_shape)
             out["generate_merged_s"] = round(gen_seconds(client, *gen_shape), 2)

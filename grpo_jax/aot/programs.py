@@ -1,10 +1,11 @@
 """The run's three device programs, lowered with abstract arguments laid out as a run lays them.
 
 - `update`: grpo.train_step.train_step on one window (gradient_accumulation_steps
-  micro-batches), jitted as trainer.Trainer jits it (state donated, shardings from mesh.RULES);
-- `logprobs`: trainer.Trainer's reference / old log-prob program on a micro-batch;
-- `generate`: rollout.sampler.Sampler's program on a generation batch (prefill + decode loop);
-- `refill`: with `max_num_seqs` decode slots fewer than those rows, rollout.refill.Refill's
+  micro-batches), jitted as trainer.Policy jits it (state donated, shardings from mesh.RULES);
+- `logprobs`: trainer.Policy's reference / old log-prob program on a micro-batch;
+- `generate`: the run's JaxRollout's sampler program on a generation batch (prefill + decode
+  loop);
+- `refill`: with `max_num_seqs` decode slots fewer than those rows, rollout.native.refill.Refill's
   program, which a run then runs instead: the rows through the slots, whose KV cache is
   slots x (prompt + completion) rather than rows x. Lowered with `generate` (phase
   "generate"), which stays for the forecast: a static batch of every row.
@@ -21,7 +22,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from grpo_jax import mesh as mesh_lib
@@ -30,9 +30,9 @@ from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.train_step import StepConfig
 from grpo_jax.models import KVCache, ModelConfig, lora
 from grpo_jax.models.build import abstract_model
-from grpo_jax.rollout.refill import Refill
-from grpo_jax.rollout.sampler import Sampler
-from grpo_jax.trainer import build_programs, step_config
+from grpo_jax.rollout.base import WeightMode
+from grpo_jax.rollout.native.rollout import JaxRollout
+from grpo_jax.trainer import build_programs, split_policy, step_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +85,7 @@ class Programs:
     """Lowered programs and the abstract state they run on."""
     lowered: dict[str, Any]  # phase -> jax.stages.Lowered
     state: Any  # abstract TrainState
-    frozen: tuple  # with LoRA, (the frozen base,) as Trainer.frozen; else ()
+    frozen: tuple  # with LoRA, (the frozen base,) as Policy.frozen; else ()
     kv_cache: Any  # abstract KVCache of the sampler, as laid out inside its program
     sampler_rows: int
     prompt_width: int
@@ -103,27 +103,24 @@ def build(run: Run, phases: tuple[str, ...] = PHASES) -> Programs:
     # With LoRA the model is what peft_io.load_model builds: the base in the compute dtype
     # (quantized with load_in_8bit / 4bit), the adapters in the param dtype.
     peft = run.cfg.peft if run.cfg.peft.use_peft else None
-    abstract = abstract_model(run.model, peft, run.cfg.numerics.param_dtype)
-    abstract.shard_activations(mesh)  # as Trainer does
-    if peft:  # as Trainer: only the adapters are trained, the base is an argument
-        graphdef, params, base = nnx.split(abstract, lora.LoraParam, nnx.Param)
-        frozen = (_abstract(base, mesh_lib.param_shardings(base, mesh)),)
-    else:
-        (graphdef, params), frozen = nnx.split(abstract, nnx.Param), ()
+    split = split_policy(abstract_model(run.model, peft, run.cfg.numerics.param_dtype), mesh)
+    graphdef, frozen = split.graphdef, tuple(
+        _abstract(base, mesh_lib.param_shardings(base, mesh)) for base in split.frozen)
     # The trainer's own programs, built from abstract params.
-    programs = build_programs(graphdef, params, step_cfg, run.cfg.optim, 1000, mesh)
-    params = _abstract(params, programs.param_shardings)
+    programs = build_programs(graphdef, split.params, step_cfg, run.cfg.optim, 1000, mesh)
+    params = _abstract(split.params, programs.param_shardings)
     state = _abstract(jax.eval_shape(programs.init, params), programs.state_shardings)
     g, group = run.cfg.grpo.num_generations, prompt_group(run.cfg, run.plan)
     k = run.plan.gradient_accumulation_steps
 
-    takes_adapters = bool(peft and peft.sampler_takes_adapters)  # as engines.JaxRollout
-    sampler = Sampler(run.model, run.cfg.generation, pad_id=0, mesh=mesh,
-                      peft=peft if takes_adapters else None)
+    # The run's own rollout: its sampler, its decode slots, how it reads the policy's weights.
+    rollout = JaxRollout(run.model, run.cfg.generation, pad_id=0, mesh=mesh, peft=peft)
+    sampler = rollout.sampler
+    takes_adapters = rollout.weight_mode is WeightMode.READ_ADAPTERS
     if takes_adapters:
         weights = (state.params, frozen[0])
     elif peft:  # GRPORound hands the sampler the base with the adapters merged (a new copy)
-        merged = jax.eval_shape(lambda b, a: lora.merge_into_base(b, a, abstract.lora_scale),
+        merged = jax.eval_shape(lambda b, a: lora.merge_into_base(b, a, split.lora_scale),
                                 frozen[0], state.params)
         weights = _abstract(merged, mesh_lib.param_shardings(merged, mesh))
     else:
@@ -135,7 +132,9 @@ def build(run: Run, phases: tuple[str, ...] = PHASES) -> Programs:
                                sharding=replicated)
     gen_args = (weights, ids, ids, key)
     C, sp = run.cfg.generation.max_completion_length, run.cfg.generation
-    refill = (Refill(sampler) if sp.max_num_seqs is not None and sp.continuous_batching
+    # The refill program, where the round's rows outnumber max_num_seqs (else one batch, or
+    # sub-batches of the sampler's own program without continuous_batching).
+    refill = (rollout.slots if rollout.slots is not None and sp.continuous_batching
               and rows > sp.max_num_seqs else None)
     cached = rows if refill is None else refill.slots
     cache = jax.eval_shape(lambda: KVCache.zeros(run.model, cached, width + C,
@@ -144,7 +143,7 @@ def build(run: Run, phases: tuple[str, ...] = PHASES) -> Programs:
         mesh, "batch", "kv_heads", "length", None, shape=x.shape), cache)
     lower = {
         "generate": lambda: sampler.program.lower(*gen_args, num_generations=g, rows=rows),
-        # A micro-batch at a time, as Trainer.logps runs it.
+        # A micro-batch at a time, as Policy.logps runs it.
         "logprobs": lambda: programs.logps.lower(
             graphdef, state.params, _batch(run, run.plan.micro_batch_size, width, logps=False),
             frozen, group),
@@ -161,7 +160,7 @@ def build(run: Run, phases: tuple[str, ...] = PHASES) -> Programs:
 
 
 def prompt_group(cfg: TrainConfig, plan: BatchPlan) -> int:
-    """Rows per shared prompt in the update and log-prob programs, as Trainer.prompt_group finds
+    """Rows per shared prompt in the update and log-prob programs, as Policy.prompt_group finds
     them in a round's batches (numerics.shared_prefix): a micro-batch holds whole groups of a
     prompt's consecutive completions."""
     return math.gcd(plan.num_generations, plan.micro_batch_size) if cfg.numerics.shared_prefix \

@@ -41,8 +41,8 @@ class SamplingParams:
         "The JAX sampler's decode slots (vLLM's name): at most this many rows in flight, each "
         "holding a KV cache. None: every row of a round at once, in one batch. Fewer than a "
         "round's rows: with continuous_batching a finished row's slot takes the next waiting row "
-        "(rollout/refill.py); without, the round runs in sub-batches of this many rows, each "
-        "until its longest row is done.")
+        "(rollout/native/refill.py); without, the round runs in sub-batches of this many rows, "
+        "each until its longest row is done.")
     continuous_batching: bool = arg(
         True,
         "With max_num_seqs: a finished row's slot takes the next waiting row (false: "
@@ -112,7 +112,7 @@ class RolloutArgs:
         "TRL AsyncGRPOConfig: seconds a weight update may take")
     max_staleness: int = arg(
         0,
-        "Async rounds (grpo_jax.rollout.async_rounds): 0 generates each round with the weights of "
+        "Async rounds (rollout/vllm/async_rounds.py): 0 generates each round with the weights of "
         "the update just before it (TRL GRPOTrainer); >= 1 generates round n+1 during round n's "
         "update and discards a batch more than this many weight versions old (TRL "
         "AsyncGRPOConfig: max_staleness, 4 there).")

@@ -70,7 +70,7 @@ def state_shardings(loss: loss_lib.LossConfig, params, opt_state, scalar) -> Tra
 
 def completion_logps(model, batch: Batch, temperature: float, chunk: int, group: int = 1):
     """Per-token log-probs (and entropies) of the completion tokens under `model`. `group` > 1:
-    every block of `group` consecutive rows shares its prompt (Trainer.prompt_group checks it),
+    every block of `group` consecutive rows shares its prompt (Policy.prompt_group checks it),
     which then runs once per block (Decoder.shared_prefix); the same values as group 1."""
     return completion_logps_and_router(model, batch, temperature, chunk, group)[:2]
 

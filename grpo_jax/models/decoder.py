@@ -649,7 +649,7 @@ def _write(buf, new, index, window: int | None):
 def _write_rows(buf, new, index, window: int | None):
     """One token per row [B, K, 1, Dh] into buf [B, K, S, Dh], row b at its own slot index[b]
     (position index[b] % window in a sliding layer's ring): a scatter, in place in a decode
-    loop. For decode slots whose rows started at different times (rollout/refill.py)."""
+    loop. For decode slots whose rows started at different times (rollout/native/refill.py)."""
     if new.shape[2] != 1:
         raise NotImplementedError("per-row cache indices write one token per row")
     slot = index if window is None else index % window

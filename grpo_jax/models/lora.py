@@ -106,12 +106,18 @@ def with_dropout(model, key: jax.Array | None):
     return model
 
 
+def scale_of(model) -> float | None:
+    """The adapters' scale (PEFT's lora_alpha / r, or / sqrt(r) with rsLoRA) of a model that
+    apply() gave adapters; None for a plain model."""
+    return getattr(model, "lora_scale", None)
+
+
 def layer_extras(model) -> dict[str, jax.Array]:
     """What the layer scan needs beyond the param table: the stacked adapters
     {leaf_lora_a: A, leaf_lora_b: scale * B}, a quantized base's `leaf_qscale` scales and,
     under with_dropout, one dropout key and the rate per layer ({} for a plain model). B is
     scaled here, once per forward, so the scan body needs no static scale."""
-    scale = getattr(model, "lora_scale", None)
+    scale = scale_of(model)
     out = {}
     for name, var in vars(model.layers).items():
         if name.endswith("_qscale"):

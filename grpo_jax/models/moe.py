@@ -96,8 +96,8 @@ def gated(cfg, gate, up):
 def route(cfg, p, x):
     """x [N, D] -> (router logits [N, E] fp32, chosen experts [N, k], their weights [N, k]).
     The router's weights are rounded to the compute dtype first, as the sampler holds them
-    (rollout/sampler.py casts every matrix once): the trainer and the sampler then route every
-    token alike; the product and everything after it are fp32."""
+    (rollout/native/sampler.py casts every matrix once): the trainer and the sampler then route
+    every token alike; the product and everything after it are fp32."""
     f32 = lambda w: w.astype(cfg.dtype).astype(jnp.float32)  # noqa: E731
     logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), f32(p["router"]))
     if cfg.router_bias:

@@ -1,8 +1,8 @@
 """Rollout generation: the contract (base.py), the native JAX sampler, the vLLM client."""
 
 from grpo_jax.rollout.base import DEFAULT_BUCKETS, Rollout, RolloutBatch, WeightMode
-from grpo_jax.rollout.sampler import Sampler
-from grpo_jax.rollout.sampling import SamplingParams
+from grpo_jax.rollout.native.sampler import Sampler
+from grpo_jax.rollout.native.sampling import SamplingParams
 
 __all__ = ["DEFAULT_BUCKETS", "Rollout", "RolloutBatch", "Sampler", "SamplingParams",
            "WeightMode"]

@@ -105,8 +105,8 @@ class Rollout(Protocol):
     weight_mode: WeightMode
     takes_records: bool = False  # generate also gets the raw dataset records (a rollout_func)
     generates_ahead: bool = False  # prefetch starts the next round's generation (async rounds)
-    # A JAX sampler's KV-cache continuation of rows between tool turns (rollout/continuation.py);
-    # None: each turn's whole context is prefilled again.
+    # A JAX sampler's KV-cache continuation of rows between tool turns
+    # (rollout/native/continuation.py); None: each turn's whole context is prefilled again.
     turns: Any = None
 
     def generate(self, weights, prompt_ids: Sequence[Sequence[int]], num_generations: int, key,

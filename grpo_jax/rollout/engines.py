@@ -1,43 +1,13 @@
-"""Where each rollout is built (make_rollout), and the two that run here: the JAX sampler and
-process 0's server rollout in a multi-process run. The contract: rollout/base.py."""
+"""Where each rollout is built (make_rollout), and process 0's server rollout in a multi-process
+run. The contract: rollout/base.py."""
 
 from __future__ import annotations
 
 from grpo_jax import distributed as dist
 from grpo_jax import hf
 from grpo_jax.errors import ConfigError, VLLMServerError
-from grpo_jax.rollout import continuation, refill
 from grpo_jax.rollout.base import Rollout, RolloutBatch, WeightMode, pad_id, sampling_params
-from grpo_jax.rollout.sampler import Sampler
-from grpo_jax.rollout.sampling import SamplingParams
-
-
-class JaxRollout(Rollout):
-    """The native sampler: it reads the trainer's params directly, so there is nothing to sync.
-
-    With LoRA (`peft`) it reads the adapters and the frozen base (READ_ADAPTERS) where
-    PeftArgs.sampler_takes_adapters says so (a quantized base); else the base with the adapters
-    merged (READ), merged once per round.
-
-    With `max_num_seqs` set, rounds run through that many decode slots (rollout/refill.py)."""
-
-    def __init__(self, model_cfg, params: SamplingParams, *, pad_id: int, mesh, peft=None):
-        adapters = bool(peft and peft.sampler_takes_adapters)
-        self.weight_mode = WeightMode.READ_ADAPTERS if adapters else WeightMode.READ
-        self.sampler = Sampler(model_cfg, params, pad_id=pad_id, mesh=mesh,
-                               peft=peft if adapters else None)
-        self.slots = refill.Refill(self.sampler) if params.max_num_seqs is not None else None
-        # Multi-turn rollouts continue from the KV cache (None: sliding-window models, which
-        # re-prefill every turn's context; and with decode slots, since continuing needs every
-        # row's cache kept between turns: there each turn re-prefills its context, and a row
-        # waiting for its tools has left its slot to the next row).
-        self.turns = (continuation.Continuation(self.sampler)
-                      if continuation.supported(self.sampler) and self.slots is None else None)
-
-    def generate(self, weights, prompt_ids, num_generations, key, records=None) -> RolloutBatch:
-        if self.slots is not None:
-            return self.slots.generate(weights, prompt_ids, num_generations, key)
-        return self.sampler.generate(weights, prompt_ids, num_generations, key)
+from grpo_jax.rollout.native.rollout import JaxRollout
 
 
 class MainProcessRollout(Rollout):
@@ -75,13 +45,13 @@ def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir, tools=()):
         rollout = JaxRollout(model_cfg, sp, pad_id=pad_id(tokenizer), mesh=mesh,
                              peft=cfg.peft)
     else:
-        from grpo_jax.rollout.vllm_rollout import VLLMRollout
+        from grpo_jax.rollout.vllm.rollout import VLLMRollout
 
         def make():
-            return VLLMRollout(cfg, model_cfg, tokenizer, model_dir)
+            return VLLMRollout(cfg, model_cfg, sp, pad_id(tokenizer))
         rollout = MainProcessRollout(make) if dist.multi_process() else make()
         if cfg.rollout.max_staleness:
-            from grpo_jax.rollout.async_rounds import AsyncRollout
+            from grpo_jax.rollout.vllm.async_rounds import AsyncRollout
             if dist.multi_process() or tools or cfg.multi_turn.rollout_func:
                 raise ConfigError("max_staleness (async rounds) is built for single-process runs "
                                   "without tools or rollout_func; set max_staleness: 0")

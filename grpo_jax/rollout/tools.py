@@ -16,7 +16,7 @@ raises, times out, is unknown or is called with malformed arguments returns TRL'
 
 The tool-result tokens stay in the sequence (the model attends to them) but carry no loss, KL
 or entropy: `tool_mask` 0 (TRL's name). The native sampler continues follow-up turns from its KV
-cache, prefilling only the tool-result tokens (rollout/continuation.py); other backends get
+cache, prefilling only the tool-result tokens (rollout/native/continuation.py); other backends get
 prompt + completion so far as a new prompt through their own `generate`.
 """
 
@@ -36,7 +36,7 @@ import numpy as np
 from grpo_jax import distributed as dist
 from grpo_jax.errors import ToolError
 from grpo_jax.rollout.base import RolloutBatch, RolloutWrapper
-from grpo_jax.rollout.sampler import merge_decode_metrics
+from grpo_jax.rollout.native.sampler import merge_decode_metrics
 from grpo_jax.config.rollout import MultiTurnArgs  # noqa: F401 (this module's API)
 
 
@@ -299,7 +299,7 @@ class ToolRollout(RolloutWrapper):
     def generate(self, weights, prompt_ids, num_generations, key, records=None) -> RolloutBatch:
         import jax
 
-        # The native sampler continues each turn from its KV cache (rollout/continuation.py);
+        # The native sampler continues each turn from its KV cache (rollout/native/continuation.py);
         # other backends get the whole context as a new prompt (vLLM's prefix cache reuses it).
         turns = self.inner.turns
         if turns is not None:

@@ -37,7 +37,7 @@ def hf_parts(cfg, dtype) -> dict[str, list]:
     """HF tensor name -> its parts [(table name, layer or None)], in vLLM's layerwise order
     (`layerwise_groups`): embeddings, layer 0 .. L-1, then the final norm and the head (the tied
     head too: vLLM keeps its own copy)."""
-    parts = {k: v[0] for k, v in hf._hf_tensors(cfg, jnp.dtype(dtype)).items()}
+    parts = {k: v[0] for k, v in hf.hf_tensor_parts(cfg, jnp.dtype(dtype)).items()}
     if cfg.tie_word_embeddings:
         parts["lm_head.weight"] = parts["model.embed_tokens.weight"]
     layer = {k: int(m.group(1)) for k in parts if (m := re.search(r"\.(\d+)\.", k))}
@@ -65,7 +65,7 @@ class JaxSource:
         self.cfg, self.parts = cfg, hf_parts(cfg, dtype)
         self.dtype, self.torch_dtype = jnp.dtype(dtype), getattr(torch, dtype)
         self.device = device or jax.devices()[0]  # the sender's GPU
-        specs = hf._hf_tensors(cfg, self.dtype)
+        specs = hf.hf_tensor_parts(cfg, self.dtype)
         self.shapes = {k: tuple(specs[k if k in specs else "model.embed_tokens.weight"][1].shape)
                        for k in self.parts}
         self.params, self.alive = None, []

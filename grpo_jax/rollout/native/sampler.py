@@ -23,11 +23,12 @@ from jax.sharding import Mesh
 from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import Decoder, KVCache, ModelConfig, build, lora, positions_from_mask
-from grpo_jax.rollout import sampling
+from grpo_jax.rollout.native import sampling
 from grpo_jax.rollout.base import DEFAULT_BUCKETS, RolloutBatch, left_pad  # noqa: F401 (API)
-from grpo_jax.rollout.sampling import SamplingParams
+from grpo_jax.rollout.native.sampling import SamplingParams
+from grpo_jax.shapes import next_pow2
 
-class _State(NamedTuple):
+class DecodeState(NamedTuple):
     step: jax.Array          # [] int32: tokens sampled so far
     rows: jax.Array          # [B] int32: the round's row each batch row is: its sampling keys
     tokens: jax.Array        # [B, C] int32
@@ -38,7 +39,7 @@ class _State(NamedTuple):
     seen: jax.Array | None   # [B, V] bool, only with a repetition penalty
 
 
-class _Context(NamedTuple):
+class DecodeContext(NamedTuple):
     """What every decode step reads, prepared once by the prefill."""
     params: Any              # the weights in the compute dtype (norm scales as they are)
     layers: list             # Decoder.decode_layers() of those: unstacked once, outside the loop
@@ -56,6 +57,10 @@ class Sampler:
     `peft`: a LoRA run's PeftArgs (models/lora.py) when the sampler runs the adapters on the
     frozen base itself instead of a merged copy: its params are then the pair
     (adapters, base) of `nnx.split(model, LoraParam, nnx.Param)`, the base possibly quantized.
+
+    Refilled decode slots (refill.py) and KV-cache continuation (continuation.py) build their
+    programs from this one's parts: `inputs`, `prompt_pass`, `prefill`, `decode_step`, `emit`,
+    `decoder`, `constrain`.
     """
 
     def __init__(self, model_cfg: ModelConfig, sampling_params: SamplingParams, *, pad_id: int,
@@ -98,9 +103,9 @@ class Sampler:
         Decoder itself. rng: an int seed or a jax PRNG key; the same rng gives the same output.
         Row i's token t is drawn with the key fold_in(fold_in(rng, t), first_row + i), whatever
         else is in the batch: a round generated in parts (first_row: where this part starts) or
-        through refilled slots (rollout/refill.py) draws what one batch does.
+        through refilled slots (rollout/native/refill.py) draws what one batch does.
         """
-        params, prompts, g, n, rows = self._inputs(params, prompt_token_ids, num_generations)
+        params, prompts, g, n, rows = self.inputs(params, prompt_token_ids, num_generations)
         # The program prefills each prompt once and copies its cache to its g rows: prompts
         # enough to cover `rows`, the ones past the real prompts all padding.
         ids, mask = left_pad(prompts, 1, self.bucket(max(map(len, prompts))), self.pad_id,
@@ -122,18 +127,18 @@ class Sampler:
         return RolloutBatch(ids, mask, tokens[:n], cmask[:n], ~done[:n], logp[:n],
                             metrics=decode_metrics(int(decoded.max()), int(decoded.sum()), rows))
 
-    def _inputs(self, params, prompt_token_ids, num_generations):
+    def inputs(self, params, prompt_token_ids, num_generations):
         """(params, prompts, g, n, rows) of a generate call, checked: n = prompts x g rows
         sampled, padded to `rows`."""
-        params = self._check_params(params)
-        prompts = self._check_prompts(prompt_token_ids)
+        params = self.check_params(params)
+        prompts = self.check_prompts(prompt_token_ids)
         g = int(num_generations)
         if g < 1:
             raise ValueError(f"num_generations={num_generations} must be >= 1")
         n = len(prompts) * g
         return params, prompts, g, n, self.batch_size(n)
 
-    def _check_params(self, params):
+    def check_params(self, params):
         if isinstance(params, nnx.Module):
             params = _split(params, self.peft)[1]
         if _shapes(params) != self._param_shapes:
@@ -143,7 +148,7 @@ class Sampler:
                              "(or the Decoder) of a model built from the same ModelConfig")
         return params
 
-    def _check_prompts(self, prompt_token_ids) -> list[np.ndarray]:
+    def check_prompts(self, prompt_token_ids) -> list[np.ndarray]:
         if isinstance(prompt_token_ids, (str, bytes)) or not len(prompt_token_ids):
             raise ValueError("prompt_token_ids must be a non-empty list of token-id lists")
         prompts = []
@@ -164,7 +169,7 @@ class Sampler:
             if b >= length:
                 return b
         raise ValueError(f"a prompt of {length} tokens exceeds the largest bucket "
-                         f"{self.buckets[-1]}; pass buckets=(..., {_pow2(length)}) or shorten "
+                         f"{self.buckets[-1]}; pass buckets=(..., {next_pow2(length)}) or shorten "
                          "prompts (max_prompt_length)")
 
     def prompt_rows(self, rows: int, num_generations: int) -> int:
@@ -178,50 +183,50 @@ class Sampler:
         """The rows the program runs for `n` sampled rows: a power of two, rounded up to the
         batch axes' size."""
         div = 1 if self.mesh is None else mesh_lib.batch_divisor(self.mesh)
-        return -(-_pow2(n) // div) * div
+        return -(-next_pow2(n) // div) * div
 
     # ------------------------------------------------------------------ compiled program
 
-    def _merge(self, params) -> Decoder:
+    def decoder(self, params) -> Decoder:
         return nnx.merge(self.graphdef, *(params if self.peft else (params,)))
 
-    def _constrain(self, x, *names):
+    def constrain(self, x, *names):
         """x laid out by logical axis names (see grpo_jax.mesh.RULES)."""
         if self.mesh is None:
             return x
         return jax.lax.with_sharding_constraint(
             x, mesh_lib.logical_sharding(self.mesh, *names, shape=x.shape))
 
-    def _constrain_cache(self, cache: KVCache) -> KVCache:
+    def constrain_cache(self, cache: KVCache) -> KVCache:
         # Slots over the context axis (mesh.RULES' length): a row's cache split by position.
-        return jax.tree.map(lambda x: self._constrain(x, "batch", "kv_heads", "length", None),
+        return jax.tree.map(lambda x: self.constrain(x, "batch", "kv_heads", "length", None),
                             cache)
 
     def _generate(self, params, prompt_ids, prompt_mask, key, first_row=0, *,
                   num_generations: int, rows: int):
-        ctx, state = self._prefill(params, prompt_ids, prompt_mask, key, num_generations, rows,
+        ctx, state = self.prefill(params, prompt_ids, prompt_mask, key, num_generations, rows,
                                    first_row)
         C = self.sampling_params.max_completion_length
         state = jax.lax.while_loop(lambda s: (s.step < C) & ~jnp.all(s.done),
-                                   lambda s: self._decode_step(ctx, s, key), state)
+                                   lambda s: self.decode_step(ctx, s, key), state)
         return state.tokens, state.mask, state.logp, state.done
 
-    def _prompt_pass(self, params, prompt_ids, prompt_mask):
+    def prompt_pass(self, params, prompt_ids, prompt_mask):
         """The prompts' pass: (params in the compute dtype, their decode_layers(), the prompts'
         KV cache [prompts, K, width, Dh] per layer (a sliding layer's: its window at most), the
         last logits [prompts, V])."""
         cfg = self.cfg
-        cast = _cast_matrices(params, cfg.dtype)
-        model = self._merge(cast)
+        cast = cast_matrices(params, cfg.dtype)
+        model = self.decoder(cast)
         layers = model.decode_layers()
-        cache = self._constrain_cache(KVCache.zeros(cfg, *prompt_ids.shape, self.cache_dtype))
+        cache = self.constrain_cache(KVCache.zeros(cfg, *prompt_ids.shape, self.cache_dtype))
         hidden, cache = model.prefill(prompt_ids, positions_from_mask(prompt_mask), prompt_mask,
                                       cache, layers, chunk=self.sampling_params.prefill_chunk_size)
         logits = model.logits(hidden)[:, 0]  # left padding: the last slot is real
         return cast, layers, cache, logits
 
-    def _prefill(self, params, prompt_ids, prompt_mask, key, num_generations: int,
-                 rows: int, first_row=0) -> tuple[_Context, _State]:
+    def prefill(self, params, prompt_ids, prompt_mask, key, num_generations: int,
+                 rows: int, first_row=0) -> tuple[DecodeContext, DecodeState]:
         """The prompts' pass that fills the KV cache, and the first token of each of `rows`
         rows (prompt i's num_generations rows are consecutive). Each prompt is run once and its
         keys, values and last logits are copied to its rows: the prefill costs 1/G of running
@@ -230,49 +235,49 @@ class Sampler:
         sp, cfg = self.sampling_params, self.cfg
         width = prompt_ids.shape[1]
         C = sp.max_completion_length
-        prompt_ids = self._constrain(prompt_ids, "batch", None)
-        prompt_mask = self._constrain(prompt_mask, "batch", None)
-        cast, layers, cache, logits = self._prompt_pass(params, prompt_ids, prompt_mask)
+        prompt_ids = self.constrain(prompt_ids, "batch", None)
+        prompt_mask = self.constrain(prompt_mask, "batch", None)
+        cast, layers, cache, logits = self.prompt_pass(params, prompt_ids, prompt_mask)
 
         def to_rows(x):  # [prompts, ...] -> [rows, ...]: each prompt's G copies in a block
             x = jnp.repeat(x, num_generations, axis=0)[:rows]
-            return self._constrain(x, "batch", *[None] * (x.ndim - 1))
+            return self.constrain(x, "batch", *[None] * (x.ndim - 1))
         prompt_ids, prompt_mask, logits = map(to_rows, (prompt_ids, prompt_mask, logits))
         # The generated tokens' slots follow the prompt's (a sliding-window layer's ring
         # grows to its window at most).
         grow = lambda i, x: jnp.pad(to_rows(x), (  # noqa: E731
             (0, 0), (0, 0), (0, cfg.cache_length(i, width + C) - x.shape[2]), (0, 0)))
-        cache = self._constrain_cache(KVCache(*(tuple(grow(i, x) for i, x in enumerate(part))
+        cache = self.constrain_cache(KVCache(*(tuple(grow(i, x) for i, x in enumerate(part))
                                                 for part in cache)))
         batch, row_axes = rows, ("batch", None)
         # Generated slots are all valid keys; the causal mask hides the ones not yet written.
         key_mask = jnp.concatenate([prompt_mask, jnp.ones((batch, C), jnp.int32)], axis=1)
-        ctx = _Context(cast, layers, key_mask, jnp.sum(prompt_mask, axis=1))
+        ctx = DecodeContext(cast, layers, key_mask, jnp.sum(prompt_mask, axis=1))
         seen = None
         if sp.repetition_penalty != 1.0:
             seen = jnp.zeros((batch, cfg.vocab_size), bool)
             seen = seen.at[jnp.arange(batch)[:, None], prompt_ids].max(prompt_mask.astype(bool))
-        state = _State(
+        state = DecodeState(
             step=jnp.zeros((), jnp.int32),
             rows=first_row + jnp.arange(batch, dtype=jnp.int32),
-            tokens=self._constrain(jnp.full((batch, C), self.pad_id, jnp.int32), *row_axes),
-            mask=self._constrain(jnp.zeros((batch, C), jnp.int32), *row_axes),
-            logp=self._constrain(jnp.zeros((batch, C), jnp.float32), *row_axes),
+            tokens=self.constrain(jnp.full((batch, C), self.pad_id, jnp.int32), *row_axes),
+            mask=self.constrain(jnp.zeros((batch, C), jnp.int32), *row_axes),
+            logp=self.constrain(jnp.zeros((batch, C), jnp.float32), *row_axes),
             done=~jnp.any(prompt_mask.astype(bool), axis=1),  # batch-padding rows
             cache=cache, seen=seen)
-        return ctx, self._emit(state, logits, key)
+        return ctx, self.emit(state, logits, key)
 
-    def _decode_step(self, ctx: _Context, s: _State, key) -> _State:
+    def decode_step(self, ctx: DecodeContext, s: DecodeState, key) -> DecodeState:
         """Feed the last token, sample the next."""
-        model = self._merge(ctx.params)
+        model = self.decoder(ctx.params)
         width = ctx.key_mask.shape[1] - self.sampling_params.max_completion_length
         last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
         hidden, cache = model(last, (ctx.prompt_len + s.step - 1)[:, None], ctx.key_mask,
                               cache=s.cache, cache_index=width + s.step - 1, layers=ctx.layers)
-        s = s._replace(cache=self._constrain_cache(cache))
-        return self._emit(s, model.logits(hidden)[:, 0], key)
+        s = s._replace(cache=self.constrain_cache(cache))
+        return self.emit(s, model.logits(hidden)[:, 0], key)
 
-    def _emit(self, s: _State, logits, key) -> _State:
+    def emit(self, s: DecodeState, logits, key) -> DecodeState:
         """Sample the token at completion index `s.step` for every row not yet done."""
         sp = self.sampling_params
         batch = logits.shape[0]
@@ -327,7 +332,7 @@ def as_key(rng) -> jax.Array:
     return key
 
 
-def _cast_matrices(params, dtype, copy: bool = False):
+def cast_matrices(params, dtype, copy: bool = False):
     """Cast weights to the compute dtype once, before the loop, instead of on every decode step
     (the decoder casts them the same way; norm scales stay as they are, it reads them in fp32).
     `copy`: every leaf in new buffers, also where nothing is cast (eager, outside jit)."""
@@ -346,7 +351,7 @@ def reference_copy(params, dtype):
     (half the memory of fp32 masters in a bf16 run; TRL's reference model is in the model's
     dtype too). The forward casts matrices to that dtype anyway, so its log-probs are the same
     as from `params`."""
-    return _cast_matrices(params, dtype, copy=True)
+    return cast_matrices(params, dtype, copy=True)
 
 
 def _split(model: Decoder, peft):
@@ -356,10 +361,6 @@ def _split(model: Decoder, peft):
         return nnx.split(model, nnx.Param)
     graphdef, adapters, base = nnx.split(model, lora.LoraParam, nnx.Param)
     return graphdef, (adapters, base)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def _shapes(tree) -> list:

@@ -16,9 +16,9 @@ import uuid
 import numpy as np
 
 from grpo_jax import hf, peft_io
-from grpo_jax.rollout import http_sync
+from grpo_jax.rollout.vllm import http_sync
 from grpo_jax.errors import VLLMServerError
-from grpo_jax.rollout.wire import HTTP_BACKEND
+from grpo_jax.rollout.server.wire import HTTP_BACKEND
 
 
 def resolve_transport(setting: str, client) -> str:
@@ -64,7 +64,7 @@ class ServerWeights:
         if transport == "http":
             http_sync.connect(client, keep_base=lora_scaling is not None)
         if transport == "nccl":
-            from grpo_jax.rollout import nccl_sync
+            from grpo_jax.rollout.vllm import nccl_sync
             self.source = nccl_sync.JaxSource(model_cfg, self.dtype)
             self.engine = nccl_sync.connect(client, self.source)
 
@@ -108,7 +108,7 @@ class ServerWeights:
     def push_device(self, params) -> float:
         """nccl: the params as the trainer holds them, broadcast from its GPU (nothing kept for
         a re-sync: a restarted server would need a new NCCL group, not built)."""
-        from grpo_jax.rollout import nccl_sync
+        from grpo_jax.rollout.vllm import nccl_sync
         start = time.perf_counter()
         self.count += 1
         nccl_sync.push(self.client, self.engine, self.source, params, self.version)

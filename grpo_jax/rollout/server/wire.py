@@ -6,11 +6,11 @@ WORKER_MODULES), in a venv without jax: standard library only, constants only.
 
 from __future__ import annotations
 
-# vLLM's weight-transfer engine factory knows our engine (rollout/vllm_http_engine.py) by this.
+# vLLM's weight-transfer engine factory knows our engine (rollout/server/http_engine.py) by this.
 HTTP_BACKEND = "grpo_http"
 # The layout of update_info; bumped when it changes, so a mismatched trainer is refused.
 PROTOCOL = 1
-# One bucket's bytes as a raw body, its metadata as JSON in UPDATE_INFO_HEADER (vllm_worker).
+# One bucket's bytes as a raw body, its metadata as JSON in UPDATE_INFO_HEADER (worker.py).
 RAW_UPDATE_ROUTE = "/grpo/update_weights"
 UPDATE_INFO_HEADER = "x-grpo-update-info"
 # The session token the dev and weight routes require when the server has no API key: the

@@ -4,9 +4,9 @@ One update is: `POST /pause?mode=wait` (requests in flight finish first, then th
 which holds KV of the old weights, is dropped; nothing runs while layers are half loaded),
 `/start_weight_update`, one bucket per request, `/finish_weight_update` with the trainer step as
 the weight version, `/resume`. The server runs our engine `grpo_http`
-(grpo_jax.rollout.vllm_http_engine), which reads the tensors out of each bucket, so nothing is
+(grpo_jax.rollout.server.http_engine), which reads the tensors out of each bucket, so nothing is
 written to any filesystem on either side. A bucket goes to our route `/grpo/update_weights`
-(vllm_worker.RAW_UPDATE_ROUTE) as raw bytes, which hands it to the engine client's own
+(worker.RAW_UPDATE_ROUTE) as raw bytes, which hands it to the engine client's own
 `update_weights` exactly as vLLM's `/update_weights` would: that route takes JSON only, and
 base64 plus parsing cost more than the transfer (docs/vllm_weight_sync.md). With LoRA only the
 adapters travel (`kind: lora`): the server merges them into the base it kept from the last full
@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from grpo_jax.errors import ServerTimeoutError, VLLMServerError
-from grpo_jax.rollout.wire import HTTP_BACKEND, PROTOCOL
+from grpo_jax.rollout.server.wire import HTTP_BACKEND, PROTOCOL
 
 # Bucket size bound. Each bucket is one request; the server briefly holds its body, the parsed
 # string and the decoded bytes (~3.7x the bucket), so this bounds its transient memory while
@@ -91,7 +91,7 @@ def push(client, tensors: dict[str, np.ndarray], version: str, kind: str = "full
         client.finish_weight_update(version)
     except ServerTimeoutError as e:
         # Hung (a stalled network, a frozen server): the routes would hang again, so no clean-up;
-        # a restarted server is re-synced in full (vllm_sync.ServerWeights.resync).
+        # a restarted server is re-synced in full (vllm.sync.ServerWeights.resync).
         raise ServerTimeoutError(f"weight sync to {client.base_url} hung: {e} "
                                  "(weight_sync_timeout)") from None
     except VLLMServerError:

@@ -29,8 +29,9 @@ from requests.adapters import HTTPAdapter
 
 from grpo_jax.errors import (ModelMismatchError, ServerTimeoutError, ServerUnreachableError,
                              VLLMServerError)
-from grpo_jax.rollout import server_auth, weight_sync
-from grpo_jax.rollout.weight_routes import WeightRoutes
+from grpo_jax.rollout.vllm import server_auth
+from grpo_jax.rollout.vllm import shm_sync
+from grpo_jax.rollout.vllm.routes import WeightRoutes
 
 START_HINT = "start one with `python -m grpo_jax.serve --model MODEL --port PORT`"
 
@@ -54,7 +55,7 @@ class VLLMClient(WeightRoutes):
         a weight update. Connection failures are retried `max_retries` times, waiting
         backoff_s * 2**k. `weights_dir`: parent of the private directory used for weight files
         (default /dev/shm when large enough). Without `api_key`, a loopback server's session
-        token is sent (grpo_jax.rollout.server_auth; re-read when a restarted server has a new
+        token is sent (grpo_jax.rollout.vllm.server_auth; re-read when a restarted server has a new
         one)."""
         self.base_url = base_url.rstrip("/")
         self.timeout, self.max_retries, self.backoff_s = timeout, max_retries, backoff_s
@@ -281,17 +282,17 @@ class VLLMClient(WeightRoutes):
         seconds it took (log it as a metric). `dtype` defaults to the server's."""
         dtype = dtype or self.model_info()["dtype"]
         if self._weights_dir is None:
-            need = 2.2 * weight_sync.param_bytes(params, dtype)  # old file + new one, briefly
-            self._weights_dir = weight_sync.private_dir(self._weights_parent, int(need))
-        return weight_sync.sync_weights(self, cfg, params, self._weights_dir, dtype)
+            need = 2.2 * shm_sync.param_bytes(params, dtype)  # old file + new one, briefly
+            self._weights_dir = shm_sync.private_dir(self._weights_parent, int(need))
+        return shm_sync.sync_weights(self, cfg, params, self._weights_dir, dtype)
 
     def sync_tensors(self, tensors: dict[str, np.ndarray]) -> None:
         """`vllm_weight_sync: shm`: HF-named tensors (in the server's dtype) through a file in a
         private directory, which the server (same machine) reloads."""
         if self._weights_dir is None:
             need = 2.2 * sum(v.nbytes for v in tensors.values())  # old file + new one, briefly
-            self._weights_dir = weight_sync.private_dir(self._weights_parent, int(need))
-        weight_sync.reload_file(self, weight_sync.write_tensors(tensors, self._weights_dir))
+            self._weights_dir = shm_sync.private_dir(self._weights_parent, int(need))
+        shm_sync.reload_file(self, shm_sync.write_tensors(tensors, self._weights_dir))
 
     def adapter_problem(self, rank: int) -> str | None:
         """Why the server can't take rank-`rank` LoRA adapters at run time (None: it can)."""
@@ -321,9 +322,9 @@ class VLLMClient(WeightRoutes):
         returns the seconds it took."""
         if self._weights_dir is None:
             need = 2.2 * sum(v.nbytes for v in tensors.values())
-            self._weights_dir = weight_sync.private_dir(self._weights_parent, int(need))
+            self._weights_dir = shm_sync.private_dir(self._weights_parent, int(need))
         self._adapter_version += 1
-        return weight_sync.sync_adapter(self, tensors, conf, self._weights_dir,
+        return shm_sync.sync_adapter(self, tensors, conf, self._weights_dir,
                                         f"{self._adapter_prefix}-{self._adapter_version}")
 
     def close(self) -> None:
@@ -361,7 +362,7 @@ def _logprob(x) -> float:
 
 def rollout_arrays(completions: list[Completion], pad_id: int, length: int | None = None
                    ) -> dict[str, np.ndarray]:
-    """The JAX sampler's completion arrays (see `grpo_jax.rollout.sampler.RolloutBatch`) for a
+    """The JAX sampler's completion arrays (see `grpo_jax.rollout.base.RolloutBatch`) for a
     flat list of completions (prompt-major, as `generate` returns them once flattened).
 
     `length`: padded width, normally max_completion_length so shapes (and compiles) stay fixed.

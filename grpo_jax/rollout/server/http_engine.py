@@ -30,7 +30,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from grpo_jax.rollout.wire import PROTOCOL
+from grpo_jax.rollout.server.wire import PROTOCOL
 # The dtypes a bucket may carry, by the names the trainer sends (numpy's): looked up here, never
 # with getattr(torch, <request data>).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -70,7 +70,7 @@ class HTTPUpdateInfo(WeightTransferUpdateInfo):
     dtype_names: list[str]
     shapes: list[list[int]]
     # The tensors' little-endian bytes, concatenated in `names` order: raw (our route,
-    # vllm_worker.RAW_UPDATE_ROUTE) or base64 (a JSON body to vLLM's /update_weights).
+    # worker.RAW_UPDATE_ROUTE) or base64 (a JSON body to vLLM's /update_weights).
     data: bytes | str
     kind: str = "full"  # or "lora": names are "<weight>.lora_A" / "<weight>.lora_B" pairs
     lora_scaling: float = 1.0

@@ -5,7 +5,7 @@ wait in a queue (prompt i's G rows consecutive). When a row stops, its slot take
 waiting row, so no slot idles until the round's longest row is done, as in a static batch.
 
 One compiled program per (rows bucket, prompt bucket), shapes fixed by the number of slots:
-1. the prompts' pass (Sampler._prompt_pass): each prompt once, its keys and values, last
+1. the prompts' pass (Sampler.prompt_pass): each prompt once, its keys and values, last
    logits and (with a repetition penalty) token set kept as a store of [prompts, ...];
 2. one while loop, each iteration
    - admitting rows when a slot is free and a row waits (a `lax.cond`, skipped otherwise): the
@@ -40,9 +40,9 @@ import numpy as np
 from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import KVCache
-from grpo_jax.rollout import sampling
-from grpo_jax.rollout.sampler import (RolloutBatch, Sampler, as_key, decode_metrics, left_pad,
-                                      merge_decode_metrics, row_keys)
+from grpo_jax.rollout.native import sampling
+from grpo_jax.rollout.native.sampler import (RolloutBatch, Sampler, as_key, decode_metrics,
+                                             left_pad, merge_decode_metrics, row_keys)
 
 
 class _Store(NamedTuple):
@@ -96,7 +96,7 @@ class Refill:
             return s.generate(params, prompt_token_ids, num_generations, rng)
         if not s.sampling_params.continuous_batching:
             return self.sub_batches(params, prompt_token_ids, num_generations, rng)
-        params, prompts, g, n, rows = s._inputs(params, prompt_token_ids, num_generations)
+        params, prompts, g, n, rows = s.inputs(params, prompt_token_ids, num_generations)
         ids, mask = left_pad(prompts, 1, s.bucket(max(map(len, prompts))), s.pad_id,
                              rows=s.prompt_rows(rows, g))
         args = (ids, mask)
@@ -118,7 +118,7 @@ class Refill:
         they fit, so each prompt is prefilled once), each decoding until its longest row is
         done: the way without refill. Rows draw their own keys, as in one batch."""
         s, g = self.sampler, int(num_generations)
-        prompts = s._check_prompts(prompt_token_ids)
+        prompts = s.check_prompts(prompt_token_ids)
         fits = lambda rows: s.batch_size(rows) <= self.slots  # noqa: E731 - padded too
         per = max((k for k in range(1, len(prompts) + 1) if fits(k * g)), default=0)
         if per:  # whole groups
@@ -142,16 +142,16 @@ class Refill:
     def _refill(self, params, prompt_ids, prompt_mask, key, n, *, num_generations: int,
                   rows: int):
         s, sp, cfg = self.sampler, self.sampler.sampling_params, self.sampler.cfg
-        prompt_ids = s._constrain(prompt_ids, "batch", None)
-        prompt_mask = s._constrain(prompt_mask, "batch", None)
-        cast, layers, cache, logits = s._prompt_pass(params, prompt_ids, prompt_mask)
+        prompt_ids = s.constrain(prompt_ids, "batch", None)
+        prompt_mask = s.constrain(prompt_mask, "batch", None)
+        cast, layers, cache, logits = s.prompt_pass(params, prompt_ids, prompt_mask)
         seen = None
         if sp.repetition_penalty != 1.0:
             seen = jnp.zeros((prompt_ids.shape[0], cfg.vocab_size), bool)
             seen = seen.at[jnp.arange(prompt_ids.shape[0])[:, None], prompt_ids].max(
                 prompt_mask.astype(bool))
         store = _Store(cache, logits, prompt_mask, seen)
-        model = s._merge(cast)
+        model = s.decoder(cast)
         state = self._empty(prompt_ids.shape[1], rows, seen is not None)
 
         def admit(st):
@@ -166,16 +166,16 @@ class Refill:
     def _empty(self, width: int, rows: int, penalty: bool) -> _Slots:
         s = self.sampler
         S, C, cfg = self.slots, s.sampling_params.max_completion_length, s.cfg
-        slot = lambda x: s._constrain(x, "batch", *[None] * (x.ndim - 1))  # noqa: E731
+        slot = lambda x: s.constrain(x, "batch", *[None] * (x.ndim - 1))  # noqa: E731
         zeros = lambda shape, dtype=jnp.int32: slot(jnp.zeros(shape, dtype))  # noqa: E731
-        out = lambda x: s._constrain(x, None, None)  # noqa: E731 - rows from every slot
+        out = lambda x: s.constrain(x, None, None)  # noqa: E731 - rows from every slot
         return _Slots(
             step=jnp.zeros((), jnp.int32), queued=jnp.zeros((), jnp.int32),
             busy=jnp.zeros((), jnp.int32), row=zeros((S,)), length=zeros((S,)),
             free=slot(jnp.ones((S,), bool)), last=zeros((S,)), prompt_len=zeros((S,)),
             key_mask=slot(jnp.concatenate([jnp.zeros((S, width), jnp.int32),
                                            jnp.ones((S, C), jnp.int32)], axis=1)),
-            cache=s._constrain_cache(KVCache.zeros(cfg, S, width + C, s.cache_dtype)),
+            cache=s.constrain_cache(KVCache.zeros(cfg, S, width + C, s.cache_dtype)),
             seen=zeros((S, cfg.vocab_size), bool) if penalty else None,
             tokens=out(jnp.full((rows, C), s.pad_id, jnp.int32)),
             mask=out(jnp.zeros((rows, C), jnp.int32)),
@@ -201,7 +201,7 @@ class Refill:
             length=jnp.where(admit, 0, st.length),
             prompt_len=jnp.where(admit, jnp.sum(store.mask, axis=1)[prompt], st.prompt_len),
             key_mask=st.key_mask.at[at, :width].set(store.mask[prompt], mode="drop"),
-            cache=s._constrain_cache(cache), seen=seen)
+            cache=s.constrain_cache(cache), seen=seen)
         token, logp = sampling.sample(row_keys(key, 0, row), store.logits[prompt],
                                       s.sampling_params, seen)
         return self._record(st, admit, token, logp)
@@ -217,7 +217,7 @@ class Refill:
         token, logp = sampling.sample(row_keys(key, st.length, st.row),
                                       model.logits(hidden)[:, 0], s.sampling_params, st.seen)
         st = st._replace(step=st.step + 1, busy=st.busy + jnp.sum(live),
-                         cache=s._constrain_cache(cache))
+                         cache=s.constrain_cache(cache))
         return self._record(st, live, token, logp)
 
     def _record(self, st: _Slots, live, token, logp) -> _Slots:

@@ -9,10 +9,10 @@ import time
 import jax
 
 from grpo_jax import hf, peft_io
-from grpo_jax.rollout.base import (Rollout, RolloutBatch, WeightMode, bucketed_prompts, pad_id,
-                                   sampling_params)
-from grpo_jax.rollout.vllm_client import VLLMClient, rollout_arrays
-from grpo_jax.rollout.vllm_sync import ServerWeights, resolve_transport, transfer_metrics
+from grpo_jax.rollout.base import Rollout, RolloutBatch, WeightMode, bucketed_prompts
+from grpo_jax.config.rollout import SamplingParams
+from grpo_jax.rollout.vllm.client import VLLMClient, rollout_arrays
+from grpo_jax.rollout.vllm.sync import ServerWeights, resolve_transport, transfer_metrics
 from grpo_jax.errors import ServerUnreachableError, WeightsLost
 
 
@@ -33,7 +33,9 @@ class VLLMRollout(Rollout):
     """Completions from a vLLM server, which holds its own weights: PUSH (LoRA: merged) or
     PUSH_ADAPTERS (the server merges the adapters, or serves them with vLLM's LoRA)."""
 
-    def __init__(self, cfg, model_cfg, tokenizer, model_dir):
+    def __init__(self, cfg, model_cfg, sp: SamplingParams, pad: int):
+        """`sp`: the run's sampling settings (engines.make_rollout makes them, with TRL's stop
+        set); `pad`: the tokenizer's pad id."""
         r = cfg.rollout
         self.client = VLLMClient(r.base_url, api_key=r.vllm_server_api_key
                                  or os.environ.get("VLLM_API_KEY"),
@@ -43,8 +45,7 @@ class VLLMRollout(Rollout):
         max_len = (cfg.data.max_prompt_length or 0) + cfg.generation.max_completion_length
         self.client.check_model(model_cfg, max_len=max_len or None)
         print(f"rollouts from the vLLM server at {r.base_url}", file=sys.stderr)
-        self.model_cfg, self.pad = model_cfg, pad_id(tokenizer)
-        self.sp = sampling_params(cfg, tokenizer, hf.generation_eos_ids(model_dir))
+        self.model_cfg, self.pad, self.sp = model_cfg, pad, sp
         self.extras = r.request_extras()
         warn_filters(self.sp)
         transport = resolve_transport(r.vllm_weight_sync, self.client)

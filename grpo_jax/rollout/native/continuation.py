@@ -32,8 +32,9 @@ import numpy as np
 
 from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
-from grpo_jax.rollout.sampler import (RolloutBatch, Sampler, _cast_matrices, _Context, _pow2,
-                                      _State, as_key, decode_metrics, left_pad)
+from grpo_jax.rollout.native.sampler import (DecodeContext, DecodeState, RolloutBatch, Sampler,
+                                             as_key, cast_matrices, decode_metrics, left_pad)
+from grpo_jax.shapes import next_pow2
 
 MIN_SUFFIX_BUCKET = 8  # suffixes pad to 8, 16, 32, ... tokens: a handful of programs
 
@@ -69,7 +70,7 @@ class Continuation:
                    rng) -> tuple[RolloutBatch, Session]:
         """`Sampler.generate`'s rollout (the same tokens for the same rng), and its cache."""
         s = self.sampler
-        params, prompts, g, n, rows = s._inputs(params, prompt_token_ids, num_generations)
+        params, prompts, g, n, rows = s.inputs(params, prompt_token_ids, num_generations)
         width = s.bucket(max(map(len, prompts)))
         ids, mask = left_pad(prompts, 1, width, s.pad_id, rows=s.prompt_rows(rows, g))
         params, (ids_d, mask_d) = self._place(params, ids, mask)
@@ -101,8 +102,8 @@ class Continuation:
         a row that wrote its limit counts as done (not truncated).
         """
         s = self.sampler
-        params = s._check_params(params)
-        contexts = s._check_prompts(contexts)
+        params = s.check_params(params)
+        contexts = s.check_prompts(contexts)
         if not len(rows) == len(contexts) == len(limits):
             raise ValueError(f"{len(rows)} rows, {len(contexts)} contexts and {len(limits)} "
                              "limits: give one row and one limit per context")
@@ -112,7 +113,7 @@ class Continuation:
         cached = [min(_common_prefix(session.tokens[r], c), len(c) - 1)
                   for r, c in zip(rows, contexts)]
         suffixes = [c[k:] for c, k in zip(contexts, cached)]
-        T = max(MIN_SUFFIX_BUCKET, _pow2(max(map(len, suffixes))))
+        T = max(MIN_SUFFIX_BUCKET, next_pow2(max(map(len, suffixes))))
         width = s.bucket(max(cached) + T)
         base = width - T
         src_row, src_slot = np.zeros(B, np.int32), np.zeros((B, base), np.int32)
@@ -165,7 +166,7 @@ class Continuation:
     def _first_program(self, params, prompt_ids, prompt_mask, key, *, num_generations: int,
                        rows: int):
         s = self.sampler
-        ctx, state = s._prefill(params, prompt_ids, prompt_mask, key, num_generations, rows)
+        ctx, state = s.prefill(params, prompt_ids, prompt_mask, key, num_generations, rows)
         state = self._decode(ctx, state, key, lambda st: st)
         return state.tokens, state.mask, state.logp, state.done, state.step, state.cache
 
@@ -175,7 +176,7 @@ class Continuation:
         def one(x):
             x = jnp.take_along_axis(x[src_row], src_slot[:, None, :, None], axis=2)
             return jnp.pad(x, ((0, 0), (0, 0), (0, width - x.shape[2]), (0, 0)))
-        return self.sampler._constrain_cache(jax.tree.map(one, cache))
+        return self.sampler.constrain_cache(jax.tree.map(one, cache))
 
     def _next_program(self, params, cache, content_mask, ids, mask, start, limit, seen, key):
         """Prefill the suffix ids [B, T] into the re-aligned cache at slot base =
@@ -183,8 +184,8 @@ class Continuation:
         position); limit: the most tokens each row may write."""
         s = self.sampler
         cfg, C = s.cfg, s.sampling_params.max_completion_length
-        cast = _cast_matrices(params, cfg.dtype)
-        model = s._merge(cast)
+        cast = cast_matrices(params, cfg.dtype)
+        model = s.decoder(cast)
         layers = model.decode_layers()
         B = ids.shape[0]
         positions = start[:, None] + jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
@@ -192,24 +193,24 @@ class Continuation:
         hidden, cache = model(ids, positions, key_mask, cache=cache,
                               cache_index=content_mask.shape[1], layers=layers)
         logits = model.logits(hidden[:, -1:])[:, 0]  # left padding: the last slot is real
-        ctx = _Context(cast, layers, key_mask, start + jnp.sum(mask, axis=1))
-        rows = lambda x: s._constrain(x, "batch", None)  # noqa: E731
-        state = _State(step=jnp.zeros((), jnp.int32), rows=jnp.arange(B, dtype=jnp.int32),
+        ctx = DecodeContext(cast, layers, key_mask, start + jnp.sum(mask, axis=1))
+        rows = lambda x: s.constrain(x, "batch", None)  # noqa: E731
+        state = DecodeState(step=jnp.zeros((), jnp.int32), rows=jnp.arange(B, dtype=jnp.int32),
                        tokens=rows(jnp.full((B, C), s.pad_id, jnp.int32)),
                        mask=rows(jnp.zeros((B, C), jnp.int32)),
                        logp=rows(jnp.zeros((B, C), jnp.float32)),
                        done=~jnp.any(mask.astype(bool), axis=1) | (limit <= 0),
-                       cache=s._constrain_cache(cache), seen=seen)
+                       cache=s.constrain_cache(cache), seen=seen)
         # A row that has written its budget is done: the loop ends when the longest allowed
         # row does, not after C tokens.
         cap = lambda st: st._replace(done=st.done | (st.step >= limit))  # noqa: E731
-        state = self._decode(ctx, cap(s._emit(state, logits, key)), key, cap)
+        state = self._decode(ctx, cap(s.emit(state, logits, key)), key, cap)
         return state.tokens, state.mask, state.logp, state.done, state.step, state.cache
 
-    def _decode(self, ctx: _Context, state: _State, key, cap) -> _State:
+    def _decode(self, ctx: DecodeContext, state: DecodeState, key, cap) -> DecodeState:
         C = self.sampler.sampling_params.max_completion_length
         return jax.lax.while_loop(lambda st: (st.step < C) & ~jnp.all(st.done),
-                                  lambda st: cap(self.sampler._decode_step(ctx, st, key)), state)
+                                  lambda st: cap(self.sampler.decode_step(ctx, st, key)), state)
 
 
 def _metrics(step, cmask) -> dict:

@@ -3,7 +3,7 @@
 The server (started by `grpo_jax.serve`, same machine) is asked over /collective_rpc to load an
 HF-named safetensors file into its running model; then its prefix cache, which holds KV computed
 with the old weights, is dropped (`vllm_weight_sync: shm`). The transport with no shared
-filesystem is grpo_jax.rollout.http_sync; both are documented in docs/vllm_weight_sync.md.
+filesystem is grpo_jax.rollout.vllm.http_sync; both are documented in docs/vllm_weight_sync.md.
 
 With LoRA the server may instead run vLLM's own LoRA (`grpo_jax.serve --lora-rank R`): only the
 PEFT adapter is written, and the server loads it under a new name each time (`sync_adapter`).

@@ -3,7 +3,7 @@
 `WeightReloadExtension` is mixed into every vLLM worker (`--worker-extension-cls`) and is reached
 through `POST /collective_rpc`; `DevRouteAuth` is an ASGI middleware (`--middleware`) for the API
 process. Importing the module also registers our weight-transfer engine `grpo_http`
-(`vllm_http_engine`) with vLLM. The vLLM venv has no jax, so this module imports only the standard
+(`http_engine`) with vLLM. The vLLM venv has no jax, so this module imports only the standard
 library (and wire.py's constants) at import time, torch/safetensors/vLLM inside functions.
 
 Every RPC method returns a plain dict: a return value msgspec can't serialise hangs the server
@@ -18,7 +18,7 @@ import os
 import time
 import traceback
 
-from grpo_jax.rollout.wire import (HTTP_BACKEND, RAW_UPDATE_ROUTE, SESSION_TOKEN_ENV,
+from grpo_jax.rollout.server.wire import (HTTP_BACKEND, RAW_UPDATE_ROUTE, SESSION_TOKEN_ENV,
                                   UPDATE_INFO_HEADER)
 
 
@@ -159,7 +159,7 @@ async def raw_update_weights(scope, receive, send) -> None:
 
     from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-    from grpo_jax.rollout.vllm_http_engine import update_bytes
+    from grpo_jax.rollout.server.http_engine import update_bytes
     try:
         meta = json.loads(dict(scope["headers"])[UPDATE_INFO_HEADER.encode()])
         if not isinstance(meta, dict):
@@ -204,7 +204,7 @@ def register_http_engine() -> None:
         return
     if HTTP_BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
-            HTTP_BACKEND, "grpo_jax.rollout.vllm_http_engine", "HTTPWeightTransferEngine")
+            HTTP_BACKEND, "grpo_jax.rollout.server.http_engine", "HTTPWeightTransferEngine")
 
 
 register_http_engine()

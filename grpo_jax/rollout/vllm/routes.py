@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from grpo_jax.rollout.wire import RAW_UPDATE_ROUTE, UPDATE_INFO_HEADER
+from grpo_jax.rollout.server.wire import RAW_UPDATE_ROUTE, UPDATE_INFO_HEADER
 
 
 class WeightRoutes:

@@ -1,0 +1,1 @@
+"""The native JAX sampler: runs in the trainer's processes, on its devices."""
