@@ -522,12 +522,12 @@ def abstract_state(cfg, device=None):
     # The adapters alone are the state with use_peft: the base is left unquantized.
     split = split_policy(build.abstract_model(model_cfg, cfg.peft if cfg.peft.use_peft else None,
                                               quantize=False))
-    graphdef = split.graphdef
-    state = jax.eval_shape(state_init(cfg.loss, cfg.optim, 1)[2], split.params)
+    _, _, init = state_init(cfg.loss, cfg.optim, 1)
+    state = jax.eval_shape(init, split.params)
     sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                          state)
-    return state, graphdef, model_cfg, model_dir
+    return state, split.graphdef, model_cfg, model_dir
 
 
 def load_checkpoint(output_dir, step: int | None = None):

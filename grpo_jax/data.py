@@ -23,7 +23,6 @@ logger = logging.getLogger(__name__)
 
 BUILTIN_DATASETS = ("smol_prompts", "arithmetic", "calculator", "calculator_plain")
 FILE_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
-# Columns that are never passed to reward functions (TRL drops the same ones).
 ARITHMETIC_SIZE = 2000
 ARITHMETIC_TEST = 32  # held-out questions of the built-in 'arithmetic' (of 126)
 

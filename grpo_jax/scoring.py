@@ -15,7 +15,7 @@ from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
 from grpo_jax import rewards as rewards_lib
 
-# A record's fields that are not dataset columns for the reward functions.
+# A record's fields never passed to reward functions as columns (TRL drops the same ones).
 NOT_REWARD_COLUMNS = ("prompt", "prompt_ids", "completion", "completion_ids")
 
 

@@ -400,7 +400,7 @@ class GRPORound:
             metrics.update(self.engine_mismatch(batch))
             if plan.needs_old_logps:
                 batch = batch.replace(old_logp=policy.logps(state.params, batch,
-                                                             plan.micro_batch_size))
+                                                            plan.micro_batch_size))
                 if batch.sampler_logp is not None:  # over the generation batch, as TRL
                     metrics.update(self.sampling_metrics(batch))
             metrics["timing/logprobs"] += time.perf_counter() - t1
@@ -568,7 +568,7 @@ class GRPORound:
         t2 = time.perf_counter()
         if self.ref_params is not None:
             batch = batch.replace(ref_logp=self.policy.logps(self.ref_params, batch,
-                                                              self.plan.micro_batch_size))
+                                                             self.plan.micro_batch_size))
         metrics = dict(stats)
         for name, col in zip(self.reward_names, scores.per_func.T):
             # NaN for a function that returned None for every completion (as TRL; the log
