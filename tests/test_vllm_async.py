@@ -68,19 +68,21 @@ def test_async_rounds_overlap_generation_with_update(server, model_dir, tmp_path
           f"{np.median([h['step_time'] for h in hist[1:]]):.3f} s (medians)")
     # The server generated round n+1 while the trainer scored and updated on round n. (Generating
     # LENGTH tokens takes ~110-260 ms here, the scoring's three forwards 10-240 ms: the generation
-    # may end before the update begins, so the update alone overlaps it in most steps, not all.)
+    # may end before the update begins, so the update alone overlaps it in some steps, not all.)
     # A synchronous run generates round n+1 only after the push that follows the update: no
-    # overlap at all. Each generation begins before the trainer has its batch in hand (prefetch
-    # returns once it has begun); on a loaded 2-core host (CI: the other test worker compiling,
-    # the server's threads busy) the trainer's thread can still lose the CPU for a whole
-    # generation now and then (2 rounds of 19 once): so most rounds, and over all rounds most of
-    # the time the shorter of the two (the generation, or the trainer's work) could overlap.
+    # overlap at all, in any round. What the design guarantees, whatever the host's load, is the
+    # order: each generation begins before the trainer has its batch in hand (prefetch returns
+    # once it has begun). How long they then share the CPU is the scheduler's: on the loaded
+    # 2-core CI host (the other test worker compiling, the server's OpenMP threads on both cores)
+    # the trainer's thread lost the CPU for a whole generation in 2 rounds of 19 in one run and
+    # 4 in another. So the timing checks ask for overlap in half the rounds and a quarter of the
+    # time that could overlap, which a synchronous run (zero) can't meet.
     shorter = [min(h["timeline/next_generate_end"] - h["timeline/next_generate_start"],
                    h["timeline/update_end"] - h["timeline/train_start"]) for h in hist[1:]]
     assert all(h["timeline/next_generate_start"] <= h["timeline/train_start"] for h in hist[1:])
-    assert sum(o > 0 for o in work) >= len(work) - 3, work
-    assert sum(max(o, 0.0) for o in work) > 0.5 * sum(shorter), (work, shorter)
-    assert sum(o > 0 for o in updates) >= len(updates) // 3, updates
+    assert sum(o > 0 for o in work) >= len(work) // 2, work
+    assert sum(max(o, 0.0) for o in work) > 0.25 * sum(shorter), (work, shorter)
+    assert sum(o > 0 for o in updates) >= len(updates) // 4, updates
 
     def rise(h):
         r = [x["reward"] for x in h]
