@@ -16,6 +16,13 @@ _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="grpo-jax-test-jit-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+# One directory per run for what the run's processes share besides compiled JAX programs: vLLM's
+# compile cache (each tiny-Llama server after the first loads its torch.compile artifacts instead
+# of ~20-30 s of compiling) and the tiny Llama those servers serve (vLLM's cache key holds the
+# model's path, so every module's servers serve the one copy).
+_OWN_RUN_DIR = "GRPO_JAX_TEST_RUN_DIR" not in os.environ
+if _OWN_RUN_DIR:
+    os.environ["GRPO_JAX_TEST_RUN_DIR"] = tempfile.mkdtemp(prefix="grpo-jax-test-run-")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -26,8 +33,12 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def pytest_unconfigure(config):
-    if _OWN_CACHE and not os.environ.get("PYTEST_XDIST_WORKER"):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if _OWN_CACHE:
         shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+    if _OWN_RUN_DIR:
+        shutil.rmtree(os.environ["GRPO_JAX_TEST_RUN_DIR"], ignore_errors=True)
 
 
 # ------------------------------------------------------------------ parallel workers
@@ -147,10 +158,10 @@ def _start_vllm(model_dir, tmp, max_model_len, **env):
 
     from grpo_jax import serve
     from grpo_jax.rollout.vllm.client import VLLMClient
-    from test_vllm import API_KEY, VLLM_PYTHON, free_port
+    from test_vllm import API_KEY, VLLM_PYTHON, free_port, server_env
     if not VLLM_PYTHON:
         pytest.skip("GRPO_JAX_VLLM_PYTHON is unset")
-    env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp / "cache"), **env)
+    env = server_env(**env)
     srv = serve.start_server(model_dir, free_port(), python=VLLM_PYTHON,
                              max_model_len=max_model_len, api_key=API_KEY,
                              log_path=tmp / "server.log", env=env)
@@ -165,10 +176,10 @@ def _start_vllm(model_dir, tmp, max_model_len, **env):
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory):
-    """test_vllm's tiny random Llama (a word-level tokenizer vLLM can load)."""
-    from test_vllm import tiny_llama
-    return tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+def tiny_llama_dir():
+    """test_vllm's tiny random Llama (a word-level tokenizer vLLM can load), one copy per run."""
+    from test_vllm import run_tiny_llama
+    return run_tiny_llama()
 
 
 @pytest.fixture(scope="session")
@@ -190,7 +201,8 @@ def smol_vllm_server(smol_dir, tmp_path_factory):
     unchanged)."""
     tmp = tmp_path_factory.mktemp("smol_server")
     (tmp / "tmp").mkdir()
-    srv = _start_vllm(smol_dir, tmp, 1024, TMPDIR=str(tmp / "tmp"))
+    srv = _start_vllm(smol_dir, tmp, 1024, TMPDIR=str(tmp / "tmp"),
+                      VLLM_CACHE_ROOT=str(tmp / "cache"))  # its own: checked to stay unchanged
     _SHARED_SERVERS.append(srv)
     yield srv, [tmp / "tmp", tmp / "cache", smol_dir]
     srv.stop()

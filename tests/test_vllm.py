@@ -17,6 +17,7 @@ import math
 import os
 import socket
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import jax
@@ -71,6 +72,27 @@ def tiny_llama(out_dir):
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def run_tiny_llama() -> Path:
+    """tiny_llama in the run's directory (tests/conftest.py), made by the first process that
+    asks (the others wait on the lock)."""
+    import fcntl
+    run = Path(os.environ["GRPO_JAX_TEST_RUN_DIR"])
+    out = run / "tiny_llama"
+    with open(run / "tiny_llama.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "done").exists():
+            tiny_llama(out)
+            (out / "done").touch()
+    return out
+
+
+def server_env(**extra) -> dict:
+    """A vLLM server's environment: the run's compile cache (vLLM saves its artifacts
+    atomically, and a server that finds its model's loads them)."""
+    cache = Path(os.environ["GRPO_JAX_TEST_RUN_DIR"]) / "vllm-cache"
+    return dict(os.environ, **{"VLLM_CACHE_ROOT": str(cache), **extra})
 
 
 def free_port() -> int:
@@ -518,7 +540,7 @@ def test_server_killed_mid_run_checkpoints_and_exits_clearly(model_dir, tmp_path
     tmp.mkdir()
     srv = serve.start_server(model_dir, free_port(), python=VLLM_PYTHON, max_model_len=256,
                              api_key=API_KEY, log_path=tmp / "server.log",
-                             env=dict(os.environ, VLLM_CACHE_ROOT=str(tmp / "cache")))
+                             env=server_env())
     try:
         from grpo_jax.rollout.vllm.client import VLLMClient
         VLLMClient(srv.base_url).wait_healthy(timeout=400, server=srv)

@@ -23,7 +23,7 @@ from grpo_jax import peft_io, serve
 from grpo_jax.hf import load_model, params_numpy
 from grpo_jax.models import lora
 from test_vllm import (_SKIP, COMPLETIONS, LORA, PROMPTS, VLLM_PYTHON, _train_config,
-                       free_port, needs_vllm, on_policy_run, tiny_llama, token_logp,
+                       free_port, needs_vllm, on_policy_run, server_env, token_logp,
                        trainer_logp)
 
 NO_KEY = {"vllm_server_api_key": "null"}  # the session token instead
@@ -31,14 +31,14 @@ PEFT = lora.PeftArgs(use_peft=True, lora_r=4, lora_alpha=16, lora_target_modules
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+def model_dir(tiny_llama_dir):
+    return tiny_llama_dir
 
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm_lora_server")
-    env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp / "cache"))
+    env = server_env()
     srv = serve.start_server(model_dir, free_port(), python=VLLM_PYTHON, max_model_len=256,
                              lora_rank=PEFT.lora_r,
                              log_path=tmp / "server.log", env=env)

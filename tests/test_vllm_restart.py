@@ -26,12 +26,12 @@ import pytest
 
 from grpo_jax import serve
 from test_vllm import (API_KEY, COMPLETIONS, PROMPTS, VLLM_PYTHON, _train_config, free_port,
-                       needs_vllm, tiny_llama, trainer_logp)
+                       needs_vllm, server_env, trainer_logp)
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_llama(tmp_path_factory.mktemp("tiny_llama"))
+def model_dir(tiny_llama_dir):
+    return tiny_llama_dir
 
 
 class Servers:
@@ -48,7 +48,7 @@ class Servers:
         tmp.mkdir()
         self.current = serve.start_server(
             self.model_dir, self.port, python=VLLM_PYTHON, max_model_len=256, api_key=API_KEY,
-            log_path=tmp / "server.log", env=dict(os.environ, VLLM_CACHE_ROOT=str(tmp / "c")))
+            log_path=tmp / "server.log", env=server_env())
         VLLMClient(self.current.base_url).wait_healthy(timeout=400, server=self.current)
         return self.current
 
