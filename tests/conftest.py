@@ -149,9 +149,10 @@ def smol_model(smol_dir):
 # ------------------------------------------------------------------ vLLM server, shared
 # test_vllm, test_vllm_async and test_vllm_sampling_bias share one server of a tiny Llama (each
 # module starts by pushing the model's initial weights back: test_vllm.server); test_tools and
-# test_vllm_weight_sync one of SmolLM2. Tests that kill or restart a server start their own,
-# except test_vllm's last, which kills the tiny one (marked kills_shared_server and run after the
-# group's other tests).
+# test_vllm_weight_sync one of SmolLM2. test_vllm's last test kills the tiny one (marked
+# kills_shared_server and run after the group's other tests); test_vllm_restart's module server is
+# its own (its tests hang a transfer to it, restart it mid-run, then kill it mid-run), as is
+# test_vllm_lora's (LoRA enabled, no API key).
 
 def _start_vllm(model_dir, tmp, max_model_len, **env):
     import time
