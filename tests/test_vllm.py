@@ -95,6 +95,14 @@ def server_env(**extra) -> dict:
     return dict(os.environ, **{"VLLM_CACHE_ROOT": str(cache), **extra})
 
 
+def push_initial_weights(base_url: str, model_dir) -> None:
+    """Give a server the weights of `model_dir` back (a run before trained it)."""
+    from grpo_jax.rollout.vllm.client import VLLMClient
+    model, _ = load_model(str(model_dir), dtype=jnp.float32)
+    with VLLMClient(base_url, api_key=API_KEY) as c:
+        c.sync_weights(model.cfg, params_numpy(model))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -133,10 +141,7 @@ def trainer(model_dir):
 def server(tiny_vllm_server, model_dir):
     """The session's server (tests/conftest.py), serving the model's initial weights: an
     earlier module's runs trained it."""
-    from grpo_jax.rollout.vllm.client import VLLMClient
-    model, _ = load_model(str(model_dir), dtype=jnp.float32)
-    with VLLMClient(tiny_vllm_server.base_url, api_key=API_KEY) as c:
-        c.sync_weights(model.cfg, params_numpy(model))
+    push_initial_weights(tiny_vllm_server.base_url, model_dir)
     return tiny_vllm_server
 
 

@@ -28,7 +28,7 @@ import pytest
 
 from grpo_jax import serve
 from test_vllm import (API_KEY, COMPLETIONS, PROMPTS, VLLM_PYTHON, _train_config, free_port,
-                       needs_vllm, server_env, trainer_logp)
+                       needs_vllm, push_initial_weights, server_env, trainer_logp)
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +68,15 @@ def servers(model_dir, tmp_path_factory):
 def start_run(model_dir, tmp_path, base_url, **extra):
     cfg = _train_config(model_dir, tmp_path / "run", base_url, **extra)
     (tmp_path / "run.yaml").write_text(cfg.to_yaml())
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     return subprocess.Popen([sys.executable, "-m", "grpo_jax.train", "--config",
-                             str(tmp_path / "run.yaml")], env=dict(env, JAX_PLATFORMS="cpu"),
+                             str(tmp_path / "run.yaml")], env=train_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def train_env() -> dict:
+    """A training subprocess's environment: one CPU device (not the suite's eight)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return dict(env, JAX_PLATFORMS="cpu")
 
 
 def wait_for_checkpoint(run, tmp_path, step: int) -> None:
@@ -146,13 +151,11 @@ def test_hung_transfer_stops_with_one_line_and_a_checkpoint(servers, model_dir, 
     # A hung sync does no clean-up (grpo_jax.rollout.vllm.http_sync): the server is left
     # paused. Opened again for the next test, as an operator would, with the initial weights
     # (the restart test's run is on-policy from its first step).
-    from grpo_jax.hf import load_model, params_numpy
     from grpo_jax.rollout.vllm.client import VLLMClient
-    model, _ = load_model(str(model_dir), dtype=jnp.float32)
     with VLLMClient(servers.current.base_url, api_key=API_KEY) as client:
         client.finish_weight_update(None)
         client.resume()
-        client.sync_weights(model.cfg, params_numpy(model))
+    push_initial_weights(servers.current.base_url, model_dir)
 
 
 @needs_vllm
@@ -206,11 +209,9 @@ def test_server_killed_mid_run_checkpoints_and_exits_clearly(servers, model_dir,
 
     # The server is gone: resuming fails fast, after the configured wait, with the same advice.
     start = time.monotonic()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     again = subprocess.run([sys.executable, "-m", "grpo_jax.train", "--config",
                             str(tmp_path / "run.yaml"), "--resume", "--vllm_server_timeout", "3"],
-                           env=dict(env, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
-                           timeout=300)
+                           env=train_env(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "grpo_jax.serve" in again.stderr, again.stderr[-2000:]
     assert time.monotonic() - start < 120
     assert Checkpointer(ckpts, save_total_limit=None).all_steps() == steps
