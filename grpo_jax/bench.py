@@ -86,6 +86,8 @@ def decode_bytes(cfg: ModelConfig, batch: int, cache_len: int, param_bytes: int)
 
 def make_workload(args):
     base = TINY if args.tiny else presets.preset(args.preset) if args.preset else QWEN2_0_5B
+    if args.num_layers:
+        base = base.with_layers(args.num_layers)
     cfg = base.replace(dtype=jnp.dtype(args.dtype), remat=not args.no_remat,
                        remat_policy=args.remat_policy, attention_impl=args.attention,
                        shared_prefix=not args.no_shared_prefix)
@@ -261,6 +263,8 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="small model (CPU)")
     p.add_argument("--preset", help="a model shape of grpo_jax.models.presets (random weights), "
                    "e.g. smollm2-135m; default: Qwen2-0.5B's")
+    p.add_argument("--num-layers", type=int,
+                   help="the model's first N layers only (a big model's shape on one device)")
     p.add_argument("--no-shared-prefix", action="store_true",
                    help="numerics.shared_prefix off: every row runs its prompt in training")
     p.add_argument("--prompts", type=int, default=8)

@@ -48,10 +48,7 @@ class Run:
         return step_config(self.cfg, self.plan, self.model)
 
     def with_layers(self, n: int) -> "Run":
-        m = self.model  # per-layer settings cut to the first n layers
-        return dataclasses.replace(self, model=m.replace(
-            num_layers=n, layer_types=m.layer_types and m.layer_types[:n],
-            mlp_only_layers=tuple(i for i in m.mlp_only_layers if i < n)))
+        return dataclasses.replace(self, model=self.model.with_layers(n))
 
 
 def _abstract(tree, shardings):

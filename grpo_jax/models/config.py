@@ -240,6 +240,12 @@ class ModelConfig:
             kw["numerics"] = dataclasses.replace(kw.get("numerics", self.numerics), **knobs)
         return dataclasses.replace(self, **kw)
 
+    def with_layers(self, n: int) -> "ModelConfig":
+        """The first n layers, their per-layer settings cut to match (a shallower copy for
+        compiling or timing a few layers of a big model)."""
+        return self.replace(num_layers=n, layer_types=self.layer_types and self.layer_types[:n],
+                            mlp_only_layers=tuple(i for i in self.mlp_only_layers if i < n))
+
     def num_params(self, active: bool = False) -> int:
         """All parameters; active: those one token runs through (its k experts of each
         sparse layer), the count a step's FLOPs scale with."""
