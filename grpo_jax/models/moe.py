@@ -9,7 +9,9 @@ router's logits are the statistics transformers' load-balancing loss is computed
 
 Dropless by default: each token's k assignments are sorted by expert and every projection runs
 as one grouped matmul over the sorted rows: megablox's gmm (Pallas) on TPU, `jax.lax.ragged_dot`
-elsewhere (XLA's grouped matmul on GPU; on CPU a masked dense matmul, fine for tests). Why not
+elsewhere (a masked dense matmul in XLA, on CPU and on GPU: every row times every expert, E times
+the memory and work of the routed rows; fine for tests, too big for a GPU's training rows, see
+docs/benchmarks.md, 2026-11-26; Pallas' ragged_dot_mgpu would be the GPU's gmm). Why not
 ragged_dot on TPU too: its gradient w.r.t. the experts' weights is a contraction over every row
 for every expert, which XLA's TPU cost analysis counts at E times the work (measured: a 4096 x
 1024 @ 8 x 1024 x 2048 grad, 155 GFLOP where 34 are needed); megablox's tgmm visits each
