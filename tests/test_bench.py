@@ -3,7 +3,7 @@ its figures are not asserted."""
 
 import pytest
 
-from grpo_jax.bench import main
+from grpo_jax.bench import TINY, main
 
 
 @pytest.mark.slow
@@ -19,9 +19,10 @@ def test_bench_all_runs_on_cpu_tiny(tmp_path):
 
 @pytest.mark.slow
 def test_bench_refill_runs_on_cpu_tiny():
-    out = main(["refill", "--tiny", "--dtype", "float32", "--prompts", "4", "--generations", "4",
-                "--prompt-len", "16", "--completion-len", "16", "--max-num-seqs", "8",
-                "--stop-fraction", "0.1", "--repeats", "1"])
+    out = main(["refill", "--tiny", "--num-layers", "1", "--dtype", "float32", "--prompts", "4",
+                "--generations", "4", "--prompt-len", "16", "--completion-len", "16",
+                "--max-num-seqs", "8", "--stop-fraction", "0.1", "--repeats", "1"])
+    assert out["params_M"] == TINY.with_layers(1).num_params() / 1e6 < TINY.num_params() / 1e6
     assert out["same_completions"] and out["rows"] == 16 and out["decode_slots"] == 8
     for key in ("static_tokens_per_s", "refilled_tokens_per_s", "refill_speedup"):
         assert out[key] > 0, key
