@@ -25,8 +25,9 @@ def _listen(event: str, duration: float, **kw) -> None:
     name = event.rsplit("/", 1)[-1]
     _seconds[name] += duration
     if name == "backend_compile_duration":
-        _by_function[kw.get("fun_name", "?")] += duration
-        _compiles[kw.get("fun_name", "?")] += 1
+        function = kw.get("fun_name", "?")
+        _by_function[function] += duration
+        _compiles[function] += 1
 
 
 monitoring.register_event_duration_secs_listener(_listen)
@@ -34,7 +35,8 @@ monitoring.register_event_duration_secs_listener(_listen)
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    _seconds.clear(), _by_function.clear(), _compiles.clear()
+    for totals in (_seconds, _by_function, _compiles):
+        totals.clear()
     start = time.time()
     yield
     top = sorted(((round(s, 2), f, _compiles[f]) for f, s in _by_function.items()), reverse=True)
