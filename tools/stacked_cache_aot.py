@@ -95,9 +95,9 @@ def main(target: str) -> None:
                      in_shardings=sharding, out_shardings=sharding)
         compiled = fn.lower(ws, spec(B, D), cache).compile()
         hlo, mem = compiled.as_text(), compiled.memory_analysis()
-        cache, one = f"{L},{B},{K},{S},{Dh}]", f"{B},{K},{S},{Dh}]"
+        whole, one = f"{L},{B},{K},{S},{Dh}]", f"{B},{K},{S},{Dh}]"
         ops = re.findall(r"^\s*(?:ROOT )?%\S+ = (.*?) ([a-z-]+)\((.*)$", hlo, re.M)
-        copies = [t for t, op, _ in ops if op in ("copy", "copy-start") and cache in t]
+        copies = [t for t, op, _ in ops if op in ("copy", "copy-start") and whole in t]
         # A layer's keys or values written to a buffer of their own before attention reads them
         # (a loop fusion of a dynamic slice), where an address computation would do.
         slices = [t for t, op, rest in ops if op == "fusion" and one in t
