@@ -90,7 +90,8 @@ def make_workload(args):
         base = base.with_layers(args.num_layers)
     cfg = base.replace(dtype=jnp.dtype(args.dtype), remat=not args.no_remat,
                        remat_policy=args.remat_policy, attention_impl=args.attention,
-                       shared_prefix=not args.no_shared_prefix)
+                       shared_prefix=not args.no_shared_prefix,
+                       sampler_layers=args.sampler_layers)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=1, fsdp=-1))
     rng = np.random.default_rng(0)
@@ -103,6 +104,9 @@ def bench_sampler(args, cfg, model, mesh, prompts):
                         stop_token_ids=())  # no stop token: every row runs the full length
     sampler = Sampler(cfg, sp, pad_id=0, mesh=mesh)
     params = nnx.split(model, nnx.Param)[1]
+    t0 = time.perf_counter()
+    sampler.generate(params, prompts, args.generations, 0)  # returns host arrays: finished
+    first_call = time.perf_counter() - t0  # compiling included
     sec = _timed(lambda: sampler.generate(params, prompts, args.generations, 0), args.repeats)
     # The same program with one completion token: prefill, first token and the call's fixed
     # costs, so the rest is the decode loop alone.
@@ -115,6 +119,7 @@ def bench_sampler(args, cfg, model, mesh, prompts):
                          jnp.dtype(cfg.dtype).itemsize) / bw if bw else None
     per_step = max(sec - prefill, 0.0) / max(args.completion_len - 1, 1)
     return {"generate_s": sec, "generated_tokens_per_s": n * args.completion_len / sec,
+            "generate_first_call_s": first_call,
             "prefill_and_first_token_s": prefill,
             "decode_ms_per_step": per_step * 1e3,
             "decode_floor_ms": floor * 1e3 if floor else None,
@@ -276,6 +281,9 @@ def main(argv=None):
                    help="optimizer updates per generation batch (TRL's num_iterations)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--no-remat", action="store_true")
+    p.add_argument("--sampler-layers", default="auto", choices=["auto", "scan", "unroll"],
+                   help="numerics.sampler_layers: the sampler's layers under lax.scan or "
+                        "unrolled")
     p.add_argument("--remat-policy", default="full", choices=["full", "dots"],
                    help="what remat keeps per layer: its input only, or also matmul outputs")
     p.add_argument("--attention", default="auto", choices=["auto", "xla", "flash", "cudnn"],

@@ -64,24 +64,30 @@ def test_the_switches_matter(tmp_path):
 def test_kv_cache_path_matches_full_forward(tmp_path, family):
     """Prefill 5 tokens, then decode the rest one at a time: the sliding layers' ring buffers
     (window 4 or 5 slots for 12 positions) wrap, and every step's logits equal the full
-    forward's at that position."""
+    forward's at that position, with the layers scanned (runs of like layers: Gemma 3's two
+    sliding ones, Mistral's and Phi-3's all) and unrolled."""
     _, model = _load(tmp_path, family)
-    cfg, S, P = model.cfg, TOKENS.shape[1], 5
-    cache = KVCache.zeros(cfg, len(TOKENS), P)
-    assert {c.shape[2] for c, slides in zip(cache.k, cfg.sliding_layers) if slides} <= {4, 5}
-    mask = jnp.asarray(MASK)
-    pos = positions_from_mask(mask)
-    hidden, cache = model(jnp.asarray(TOKENS[:, :P]), pos[:, :P], mask[:, :P], cache=cache,
-                          cache_index=0)
-    steps = [model.logits(hidden)]
-    cache = KVCache(*(tuple(jnp.pad(x, ((0, 0), (0, 0), (0, cfg.cache_length(i, S) - x.shape[2]),
-                                        (0, 0))) for i, x in enumerate(part)) for part in cache))
-    for t in range(P, S):
-        hidden, cache = model(jnp.asarray(TOKENS[:, t:t + 1]), pos[:, t:t + 1], mask,
-                              cache=cache, cache_index=t)
-        steps.append(model.logits(hidden))
-    got = np.asarray(jnp.concatenate(steps, axis=1))
-    assert _diff(got, _logits(model)) < 1e-4
+    full = _logits(model)
+    for layers in ("scan", "unroll"):
+        model.cfg = cfg = model.cfg.replace(sampler_layers=layers)
+        S, P = TOKENS.shape[1], 5
+        cache = KVCache.zeros(cfg, len(TOKENS), P)
+        assert len(cache.k) == (cfg.num_layers if layers == "unroll" else
+                                {"gemma2": 3, "gemma3_text": 2}.get(family, 1))
+        assert {c.shape[3] for c, (first, _) in zip(cache.k, cfg.cache_runs())
+                if cfg.sliding_layers[first]} <= {4, 5}
+        mask = jnp.asarray(MASK)
+        pos = positions_from_mask(mask)
+        hidden, cache = model(jnp.asarray(TOKENS[:, :P]), pos[:, :P], mask[:, :P], cache=cache,
+                              cache_index=0)
+        steps = [model.logits(hidden)]
+        cache = cache.grown(cfg, S)
+        for t in range(P, S):
+            hidden, cache = model(jnp.asarray(TOKENS[:, t:t + 1]), pos[:, t:t + 1], mask,
+                                  cache=cache, cache_index=t)
+            steps.append(model.logits(hidden))
+        got = np.asarray(jnp.concatenate(steps, axis=1))
+        assert _diff(got, full) < 1e-4, layers
 
 
 def _hf_greedy(ref, prompts, n, pad=0):

@@ -136,13 +136,14 @@ def test_real_smollm2_matches_transformers(smol_tok, smol_ref, smol_model):
     assert (np.take_along_axis(want, top5, -1) >= fifth[:, None] - 5e-4).all()
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_kv_cache_path_matches_full_forward(tmp_path, family):
+@pytest.mark.parametrize("family,mode", [("qwen2", "scan"), ("qwen3", "unroll")])
+def test_kv_cache_path_matches_full_forward(tmp_path, family, mode):
     """Prefill 5 tokens into a cache, then feed the other 3 one at a time: the hidden states
-    equal one causal pass over all 8."""
+    equal one causal pass over all 8, with the layers scanned over one stacked cache or
+    unrolled (numerics.sampler_layers)."""
     from grpo_jax.models import KVCache
     tiny_hf_model(family, seed=1).save_pretrained(tmp_path)
-    model, _ = hf.load_model(str(tmp_path), dtype=jnp.float32)
+    model, _ = hf.load_model(str(tmp_path), dtype=jnp.float32, sampler_layers=mode)
     tokens, mask = jnp.asarray(TOKENS), jnp.asarray(MASK)
     positions = positions_from_mask(mask)
     full, _ = model(tokens, positions, mask)
@@ -159,7 +160,8 @@ def test_kv_cache_path_matches_full_forward(tmp_path, family):
     got = np.asarray(jnp.concatenate(steps, axis=1))
     real = MASK.astype(bool)
     assert np.abs(got - np.asarray(full))[real].max() < 1e-5
-    assert np.asarray(cache.k[0])[:, :, 8:].max() == 0  # unwritten slots stay empty
+    assert len(cache.k) == (1 if mode == "scan" else model.cfg.num_layers)
+    assert np.asarray(cache.k[0])[:, :, :, 8:].max() == 0  # unwritten slots stay empty
 
 
 @pytest.mark.slow

@@ -89,8 +89,7 @@ def test_kv_cache_path_matches_full_forward(tiny, name):
     hidden, cache = model(jnp.asarray(TOKENS[:, :P]), pos[:, :P], mask[:, :P],
                           cache=KVCache.zeros(cfg, len(TOKENS), P), cache_index=0)
     steps = [model.logits(hidden)]
-    cache = KVCache(*(tuple(jnp.pad(x, ((0, 0), (0, 0), (0, cfg.cache_length(i, S) - x.shape[2]),
-                                        (0, 0))) for i, x in enumerate(part)) for part in cache))
+    cache = cache.grown(cfg, S)
     for t in range(P, S):
         hidden, cache = model(jnp.asarray(TOKENS[:, t:t + 1]), pos[:, t:t + 1], mask,
                               cache=cache, cache_index=t)

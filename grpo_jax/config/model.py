@@ -44,6 +44,15 @@ class Numerics:
         512,
         "Queries and keys per block of the blockwise attention (attention.flash, and splash's "
         "blocks on TPU): scores are held one [block, block] pair at a time, never [T, S].")
+    sampler_layers: Literal["auto", "scan", "unroll"] = arg(
+        "auto",
+        "How the native sampler's prefill and decode steps run the layers: \"scan\" under "
+        "lax.scan, as training does (one layer compiled, whatever the depth; the KV cache one "
+        "buffer per run of like layers), \"unroll\" one copy of each layer (a buffer per layer). "
+        "\"auto\": scan on TPUs and on CPUs in float32; unroll on GPUs, where XLA copies each "
+        "layer's keys and values out of the stacked cache every step (decode 1.8x slower on an "
+        "H100), and on CPUs in 16 bits, where XLA:CPU widens the whole buffer around each write "
+        "(docs/benchmarks.md).")
     moe_capacity_factor: float | None = arg(
         None,
         "Mixture-of-experts layers: None routes every token to its k experts (dropless, a grouped "
@@ -54,6 +63,8 @@ class Numerics:
     def __post_init__(self):
         check(self.remat_policy in ("full", "dots"),
               f"remat_policy={self.remat_policy!r}: use 'full' or 'dots'")
+        check(self.sampler_layers in ("auto", "scan", "unroll"),
+              f"sampler_layers={self.sampler_layers!r}: use 'auto', 'scan' or 'unroll'")
         check(self.moe_capacity_factor is None or self.moe_capacity_factor > 0,
               f"moe_capacity_factor={self.moe_capacity_factor}: must be > 0, or null (dropless)")
 

@@ -182,6 +182,25 @@ class ModelConfig:
             return min(length, self.sliding_window)
         return length
 
+    def cache_runs(self) -> tuple[tuple[int, int], ...]:
+        """(first, stop) of each run of layers the sampler scans together, their KV caches
+        stacked in one buffer (numerics.sampler_layers): consecutive layers alike in their MLP
+        (dense or sparse) and attention (sliding or not); each layer alone when unrolled."""
+        mode, platform = self.numerics.sampler_layers, target_platform()
+        if mode == "auto":
+            fp32_cpu = platform == "cpu" and self.dtype == jnp.float32
+            mode = "scan" if platform == "tpu" or fp32_cpu else "unroll"
+        if mode == "unroll":
+            return tuple((i, i + 1) for i in range(self.num_layers))
+        kinds = list(zip(self.moe_layers, self.sliding_layers))
+        runs: list[tuple[int, int]] = []
+        for i, kind in enumerate(kinds):
+            if runs and kinds[runs[-1][0]] == kind:
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
+        return tuple(runs)
+
     def use_cudnn_attention(self, decode: bool = False) -> bool:
         """decode: the step that attends from new tokens over a KV cache. "auto" keeps XLA's
         attention there: cuDNN's compiles for it (one kernel instead of four) but has not been

@@ -3,7 +3,8 @@ the mixtures of experts Qwen3-MoE, Mixtral and gpt-oss (Flax NNX): the families 
 switches in ModelConfig, read in `_block` (the experts: models/moe.py).
 
 Layers are stacked along a leading `layers` axis and run with `lax.scan`, so compile time does not
-grow with depth. A model whose dense and sparse layers mix (Qwen3-MoE's mlp_only_layers) stacks
+grow with depth; the sampler's passes over a KV cache scan them too, unless the config unrolls
+them (numerics.sampler_layers). A model whose dense and sparse layers mix (Qwen3-MoE's mlp_only_layers) stacks
 the dense MLPs over its dense layers and the experts over its sparse ones, and scans each run of
 same-kind layers in turn. Every parameter carries logical axis names in its `axes` metadata;
 `mesh.py` maps them to mesh axes with one rule table.
@@ -52,6 +53,17 @@ def layer_runs(cfg: ModelConfig) -> list[tuple[int, int, bool]]:
     return runs
 
 
+def _run_params(cfg: ModelConfig, stacked: dict, first: int, stop: int) -> dict:
+    """The stacked per-layer arrays of layers [first, stop) (one kind: dense or sparse), cut
+    out of `layer_params()` (sliced only where the run is not the whole stack)."""
+    sparse = cfg.moe_layers[first]
+    before = sum(s == sparse for s in cfg.moe_layers[:first])
+    own = {None: (first, stop), sparse: (before, before + stop - first)}
+    return {k: v if own[stack_of(cfg, k)] == (0, v.shape[0]) else
+            v[own[stack_of(cfg, k)][0]:own[stack_of(cfg, k)][1]]
+            for k, v in stacked.items() if stack_of(cfg, k) in own}
+
+
 def _init_value(name: str, shape, dtype, key, norm_offset: bool):
     leaf = name.split("/")[-1]
     if leaf.endswith("norm"):  # a scale of 1 (Gemma stores it as 1 + w)
@@ -62,13 +74,14 @@ def _init_value(name: str, shape, dtype, key, norm_offset: bool):
 
 
 class KVCache(NamedTuple):
-    """One key and one value buffer per layer, each [B, K, S, Dh] in the compute dtype.
+    """One key and one value buffer per run of layers (ModelConfig.cache_runs), each
+    [L, B, K, S, Dh] in the compute dtype (L: the run's layers; 1 where the sampler unrolls).
 
-    Separate buffers (not one stacked [L, ...] array) let each layer write its new keys in place
-    and then read the written buffer: a read of the old value after the write was scheduled
-    would make XLA copy the whole cache every decode step. KV heads come before slots so that
-    attention's batch dims (b, k) lead, as a batched matmul wants them; slot-major buffers were
-    transposed (copied) twice per layer per step.
+    A layer writes its new keys into the run's buffer and then reads its slice of the written
+    buffer: a read of the old value after the write would make XLA copy the whole buffer every
+    decode step. KV heads come before slots so that attention's batch dims (b, k) lead, as a
+    batched matmul wants them; slot-major buffers were transposed (copied) twice per layer per
+    step.
     """
 
     k: tuple[jax.Array, ...]
@@ -78,10 +91,19 @@ class KVCache(NamedTuple):
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype=None) -> "KVCache":
         """For `length` positions; a sliding-window layer's buffer holds only its window."""
         dtype = cfg.dtype if dtype is None else dtype
-        shapes = [(batch, cfg.num_kv_heads, cfg.cache_length(i, length), cfg.head_dim)
-                  for i in range(cfg.num_layers)]
+        shapes = [(stop - first, batch, cfg.num_kv_heads, cfg.cache_length(first, length),
+                   cfg.head_dim) for first, stop in cfg.cache_runs()]
         zeros = lambda: tuple(jnp.zeros(shape, dtype) for shape in shapes)  # noqa: E731
         return cls(zeros(), zeros())
+
+    def grown(self, cfg: ModelConfig, length: int) -> "KVCache":
+        """The same keys and values in buffers for `length` positions: empty slots appended
+        (a sliding layer's ring up to its window)."""
+        def grow(first, x):
+            extra = cfg.cache_length(first, length) - x.shape[3]
+            return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, extra), (0, 0)))
+        firsts = [first for first, _ in cfg.cache_runs()]
+        return KVCache(*(tuple(map(grow, firsts, part)) for part in self))
 
 
 class _Layers(nnx.Module):
@@ -177,15 +199,14 @@ class Decoder(nnx.Module):
         return x
 
     def decode_layers(self) -> list[dict[str, jax.Array]]:
-        """Per-layer weights for `__call__(..., layers=)`, unstacked. A decode loop calls this
-        once, outside the loop, so no step slices weights out of the stacked arrays (the sampler
-        also casts them to the compute dtype first, so no step casts either). q/k/v and gate/up
-        need no manual fusion: XLA's dot merger already runs each group as one matmul."""
-        cfg, stacked = self.cfg, self.layer_params()
-        rows = {s: {layer: j for j, layer in enumerate(cfg.stack_layers(s))}
-                for s in (None, True, False)}
-        return [{k: v[rows[stack_of(cfg, k)][i]] for k, v in stacked.items()
-                 if i in rows[stack_of(cfg, k)]} for i in range(cfg.num_layers)]
+        """The weights of each run of cache_runs(), stacked [L, ...], for `__call__(...,
+        layers=)`. A decode loop calls this once, outside the loop, so no step slices a run out
+        of the stacked arrays (the sampler also casts them to the compute dtype first, so no
+        step casts either). q/k/v and gate/up need no manual fusion: XLA's dot merger already
+        runs each group as one matmul."""
+        stacked = self.layer_params()
+        return [_run_params(self.cfg, stacked, first, stop)
+                for first, stop in self.cfg.cache_runs()]
 
     def scan_layers(self, body, carry):
         """lax.scan of body(carry, (layer params, slides)) -> (carry, RouterStats or None)
@@ -197,13 +218,8 @@ class Decoder(nnx.Module):
             body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat_policy])
         stacked, sliding = self.layer_params(), jnp.asarray(cfg.sliding_layers)
         stats = RouterStats.zeros(cfg.num_experts) if cfg.num_experts else None
-        for first, stop, sparse in layer_runs(cfg):
-            own = {None: (first, stop)}
-            before = sum(s == sparse for s in cfg.moe_layers[:first])
-            own[sparse] = (before, before + stop - first)
-            xs = {k: v if own[stack_of(cfg, k)] == (0, v.shape[0]) else
-                  v[own[stack_of(cfg, k)][0]:own[stack_of(cfg, k)][1]]
-                  for k, v in stacked.items() if stack_of(cfg, k) in own}
+        for first, stop, _ in layer_runs(cfg):
+            xs = _run_params(cfg, stacked, first, stop)
             carry, ys = jax.lax.scan(body, carry, (xs, sliding[first:stop]))
             if ys is not None:
                 stats = stats.plus(jax.tree.map(lambda a: a.sum(0), ys))
@@ -218,9 +234,10 @@ class Decoder(nnx.Module):
         attention is causal over the T tokens and the layers run under `lax.scan`. With a cache
         of S slots, attention_mask is [B, S] (which slots hold real tokens), the T new tokens are
         written at slots [cache_index, cache_index + T) and attend to every real slot up to
-        their own; the layers are unrolled. cache_index may also be [B] (one token per row, T = 1,
-        each row at its own slot: decode slots refilled as rows finish). `layers`:
-        `decode_layers()`, prepared once outside a decode loop (default: computed here).
+        their own; each run of cache_runs() goes under a `lax.scan` of its own (a run of one
+        layer: unrolled). cache_index may also be [B] (one token per row, T = 1, each row at
+        its own slot: decode slots refilled as rows finish). `layers`: `decode_layers()`,
+        prepared once outside a decode loop (default: computed here).
         `order` (without a cache): a permutation of the T positions (`sequence_order(T)`); the
         tokens then go through the layers, and come back as hidden states, in that order
         (attention still sees the sequence in its own order). with_router (no cache): also
@@ -276,15 +293,28 @@ class Decoder(nnx.Module):
                 masks[True] = _ring_mask(query, key_ok, cfg.cache_length(sliding.index(True), S),
                                          cfg.sliding_window)
         ks, vs = [], []
-        for i, (p, ck, cv) in enumerate(zip(self.decode_layers() if layers is None else layers,
-                                            *cache)):
-            cos, sin = rope[sliding[i]]
-            x, ck, cv, _ = _block(cfg, p, self.shard_rows(x), cos, sin, masks[sliding[i]],
-                                  (ck, cv, cache_index),
-                                  window=cfg.sliding_window if sliding[i] else None,
-                                  expert_mesh=self.expert_mesh)
-            ks.append(ck)
-            vs.append(cv)
+        runs = zip(cfg.cache_runs(), self.decode_layers() if layers is None else layers, *cache)
+        for (first, stop), params, kbuf, vbuf in runs:
+            slides = sliding[first]
+            cos, sin = rope[slides]
+
+            def body(carry, xs, slides=slides, cos=cos, sin=sin):
+                x, kbuf, vbuf = carry
+                p, layer = xs
+                x, kbuf, vbuf, _ = _block(
+                    cfg, p, self.shard_rows(x), cos, sin, masks[slides],
+                    (kbuf, vbuf, layer, cache_index), window=cfg.sliding_window if slides else None,
+                    expert_mesh=self.expert_mesh)
+                return (x, kbuf, vbuf), None
+
+            if stop - first == 1:  # unrolled: the layer's buffer is the run's, at a static 0
+                (x, kbuf, vbuf), _ = body((x, kbuf, vbuf),
+                                          (jax.tree.map(lambda a: a[0], params), 0))
+            else:
+                (x, kbuf, vbuf), _ = jax.lax.scan(body, (x, kbuf, vbuf),
+                                                  (params, jnp.arange(stop - first)))
+            ks.append(kbuf)
+            vs.append(vbuf)
         return self._final_norm(x), KVCache(tuple(ks), tuple(vs))
 
     def prefill(self, tokens, positions, attention_mask, cache: KVCache, layers=None,
@@ -502,19 +532,22 @@ def _rope(x, cos, sin):
 
 def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None, window: int | None = None,
            mesh=None, key_order=None, expert_mesh=None, token_mask=None):
-    """One layer. With cache = (ck, cv, index) the new keys and values are written into ck/cv
-    [B, K, S, Dh] at slot `index` and the queries attend over the cache (mask [B, T, S], or an
+    """One layer. With cache = (kbuf, vbuf, layer, index) the new keys and values are written
+    into layer `layer` of the run's buffers [L, B, K, S, Dh] at slot `index` and the queries
+    attend over that layer's cache (mask [B, T, S], or an
     attention.Mask over the S slots); index None writes at slot 0 and attends among the new
     tokens only, as without a cache (an attention.Mask over the T tokens). `window`: the layer
     slides and its cache is a ring (slot = position % window). `mesh`, `key_order`: see
     _attend. `expert_mesh`: where a sparse layer's experts live; `token_mask` [B, T]: the real
-    tokens its router statistics count. Returns (x, ck, cv, RouterStats) (ck, cv None without
-    a cache; the stats None for a dense layer or without token_mask)."""
+    tokens its router statistics count. Returns (x, kbuf, vbuf, RouterStats) (the buffers None
+    without a cache; the stats None for a dense layer or without token_mask)."""
     q, k, v = _qkv(cfg, p, x, cos, sin)
-    ck = cv = None
+    kbuf = vbuf = None
     if cache is not None:
-        ck, cv, index = cache
-        ck, cv = _write(ck, k, index, window), _write(cv, v, index, window)
+        kbuf, vbuf, layer, index = cache
+        kbuf, vbuf = (_write(kbuf, layer, k, index, window),
+                      _write(vbuf, layer, v, index, window))
+        ck, cv = kbuf[layer], vbuf[layer]  # read after the write: no copy of the buffer
     sinks = _sinks(cfg, p)
     if cache is not None and index is not None:
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
@@ -533,7 +566,7 @@ def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None, window: int | Non
     else:
         attn = _attend(cfg, q, k, v, mask, mesh, key_order, sinks)
     x, stats = _attn_out_and_mlp(cfg, p, x, attn, token_mask, expert_mesh)
-    return x, ck, cv, stats
+    return x, kbuf, vbuf, stats
 
 
 def _sinks(cfg: ModelConfig, p):
@@ -626,34 +659,37 @@ def _attn_out_and_mlp(cfg: ModelConfig, p, x, attn, token_mask=None, mesh=None):
     return x + out, stats
 
 
-def _write(buf, new, index, window: int | None):
-    """New keys or values [B, T, K, Dh] into the cache buffer [B, K, S, Dh] at positions
-    index + t (index None: 0). A sliding layer's buffer is a ring of `window` slots when it
-    is shorter than the positions: of a long prefill only the last `window` tokens stay."""
+def _write(buf, layer, new, index, window: int | None):
+    """New keys or values [B, T, K, Dh] into layer `layer` of the run's cache buffer
+    [L, B, K, S, Dh] at positions index + t (index None: 0). A sliding layer's buffer is a ring
+    of `window` slots when it is shorter than the positions: of a long prefill only the last
+    `window` tokens stay."""
     new = jnp.swapaxes(new, 1, 2).astype(buf.dtype)
     if index is not None and jnp.ndim(index) == 1:
-        return _write_rows(buf, new, index, window)
-    start, T, slots = 0 if index is None else index, new.shape[2], buf.shape[2]
-    if window is None:
-        return jax.lax.dynamic_update_slice_in_dim(buf, new, start, axis=2)
-    if T == 1:
-        return jax.lax.dynamic_update_slice_in_dim(buf, new, start % window, axis=2)
-    if index is not None and slots >= window:
-        # Several tokens into a ring at once: a later one would overwrite a key an earlier
-        # query still sees. The sampler only prefills (index None) or decodes one token.
-        raise NotImplementedError("writing several tokens into a sliding-window ring cache")
-    keep = min(T, slots)
-    return buf.at[:, :, (start + jnp.arange(T - keep, T)) % window].set(new[:, :, T - keep:])
+        return _write_rows(buf, layer, new, index, window)
+    start, T, slots = 0 if index is None else index, new.shape[2], buf.shape[3]
+    if window is not None:
+        if T == 1:
+            start = start % window
+        elif index is not None and slots >= window:
+            # Several tokens into a ring at once: a later one would overwrite a key an earlier
+            # query still sees. The sampler only prefills (index None) or decodes one token.
+            raise NotImplementedError("writing several tokens into a sliding-window ring cache")
+        elif T > slots:  # a prefill longer than the ring: its last `slots` tokens, wrapped
+            at = (start + jnp.arange(T - slots, T)) % window
+            return buf.at[layer].set(buf[layer].at[:, :, at].set(new[:, :, T - slots:]))
+    return jax.lax.dynamic_update_slice(buf, new[None], (layer, 0, 0, start, 0))
 
 
-def _write_rows(buf, new, index, window: int | None):
-    """One token per row [B, K, 1, Dh] into buf [B, K, S, Dh], row b at its own slot index[b]
-    (position index[b] % window in a sliding layer's ring): a scatter, in place in a decode
-    loop. For decode slots whose rows started at different times (rollout/native/refill.py)."""
+def _write_rows(buf, layer, new, index, window: int | None):
+    """One token per row [B, K, 1, Dh] into layer `layer` of buf [L, B, K, S, Dh], row b at
+    its own slot index[b] (position index[b] % window in a sliding layer's ring): a scatter, in
+    place in a decode loop. For decode slots whose rows started at different times
+    (rollout/native/refill.py)."""
     if new.shape[2] != 1:
         raise NotImplementedError("per-row cache indices write one token per row")
     slot = index if window is None else index % window
-    return buf.at[jnp.arange(buf.shape[0]), :, slot].set(new[:, :, 0])
+    return buf.at[layer, jnp.arange(buf.shape[1]), :, slot].set(new[:, :, 0])
 
 
 def attention(q, k, v, mask, scale: float, cap: float | None = None, sinks=None):

@@ -41,7 +41,7 @@ MIN_SUFFIX_BUCKET = 8  # suffixes pad to 8, 16, 32, ... tokens: a handful of pro
 
 class Session(NamedTuple):
     """The device cache after a turn and, per cache row, which tokens it holds where."""
-    cache: object               # KVCache [B, K, S, Dh] per layer
+    cache: object               # KVCache [L, B, K, S, Dh] per run of layers
     tokens: list[np.ndarray]    # [row] the tokens whose keys and values are cached, in order
     slots: list[np.ndarray]     # [row] the cache slot of each of those tokens
 
@@ -173,9 +173,9 @@ class Continuation:
     def _align_program(self, cache, src_row, src_slot, *, width: int):
         """Row j of the new cache: old row src_row[j]'s slots src_slot[j] (right-aligned real
         keys; masked filler elsewhere), then zeros up to `width` slots."""
-        def one(x):
-            x = jnp.take_along_axis(x[src_row], src_slot[:, None, :, None], axis=2)
-            return jnp.pad(x, ((0, 0), (0, 0), (0, width - x.shape[2]), (0, 0)))
+        def one(x):  # [L, B, K, S, Dh]
+            x = jnp.take_along_axis(x[:, src_row], src_slot[None, :, None, :, None], axis=3)
+            return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, width - x.shape[3]), (0, 0)))
         return self.sampler.constrain_cache(jax.tree.map(one, cache))
 
     def _next_program(self, params, cache, content_mask, ids, mask, start, limit, seen, key):

@@ -47,7 +47,7 @@ from grpo_jax.rollout.native.sampler import (RolloutBatch, Sampler, as_key, deco
 
 class _Store(NamedTuple):
     """What the prompts' pass leaves for admissions, one entry per prompt."""
-    cache: KVCache           # [prompts, K, P (a sliding layer's: min(window, P)), Dh]
+    cache: KVCache           # [L, prompts, K, P (a sliding layer's: min(window, P)), Dh] per run
     logits: jax.Array        # [prompts, V] fp32: the first token's
     mask: jax.Array          # [prompts, P] int32
     seen: jax.Array | None   # [prompts, V] bool: its tokens, with a repetition penalty
@@ -64,7 +64,7 @@ class _Slots(NamedTuple):
     last: jax.Array          # [S] int32: the row's last token, fed next
     prompt_len: jax.Array    # [S] int32: real prompt tokens of the row
     key_mask: jax.Array      # [S, P + C] int32: which cache slots hold real keys
-    cache: KVCache           # [S, K, P + C (sliding: at most the window), Dh] per layer
+    cache: KVCache           # [L, S, K, P + C (sliding: at most the window), Dh] per run
     seen: jax.Array | None   # [S, V] bool, with a repetition penalty
     tokens: jax.Array        # [N, C] int32: the round's completions, pad after the end
     mask: jax.Array          # [N, C] int32
@@ -192,8 +192,8 @@ class Refill:
         at = jnp.where(admit, jnp.arange(S), S)  # S: out of range, the write is dropped
         width = store.mask.shape[1]
 
-        def copy(buf, src):  # the prompt's slots of one layer's buffer
-            return buf.at[at, :, :src.shape[2]].set(src[prompt], mode="drop")
+        def copy(buf, src):  # the prompt's slots of one run's buffer
+            return buf.at[:, at, :, :src.shape[3]].set(src[:, prompt], mode="drop")
         cache = KVCache(*(tuple(map(copy, part, src)) for part, src in zip(st.cache, store.cache)))
         seen = None if st.seen is None else st.seen.at[at].set(store.seen[prompt], mode="drop")
         st = st._replace(

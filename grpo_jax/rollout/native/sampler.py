@@ -4,8 +4,9 @@ Prompts are left-padded to the smallest length bucket that fits and the batch is
 power of two, so a run compiles a bounded number of programs. The weights are an argument of the
 program (never a closed-over constant), so loading new weights never recompiles.
 
-The program is a prefill over the prompt that writes the KV cache (L x [B, K, P + C, Dh]; a
-sliding-window layer's holds its window) and samples
+The program is a prefill over the prompt that writes the KV cache ([L, B, K, P + C, Dh] per run
+of layers the prefill and decode steps scan, models.KVCache; a sliding-window layer's holds its
+window) and samples
 the first token, then one `lax.while_loop` that feeds the last token, samples the next, and stops
 as soon as every row has emitted a stop token or C = max_completion_length tokens exist.
 """
@@ -42,7 +43,7 @@ class DecodeState(NamedTuple):
 class DecodeContext(NamedTuple):
     """What every decode step reads, prepared once by the prefill."""
     params: Any              # the weights in the compute dtype (norm scales as they are)
-    layers: list             # Decoder.decode_layers() of those: unstacked once, outside the loop
+    layers: list             # Decoder.decode_layers() of those: cut into runs once, outside the loop
     key_mask: jax.Array      # [B, P + C] int32: which cache slots hold real keys
     prompt_len: jax.Array    # [B] int32: real prompt tokens per row
 
@@ -199,8 +200,8 @@ class Sampler:
 
     def constrain_cache(self, cache: KVCache) -> KVCache:
         # Slots over the context axis (mesh.RULES' length): a row's cache split by position.
-        return jax.tree.map(lambda x: self.constrain(x, "batch", "kv_heads", "length", None),
-                            cache)
+        return jax.tree.map(
+            lambda x: self.constrain(x, None, "batch", "kv_heads", "length", None), cache)
 
     def _generate(self, params, prompt_ids, prompt_mask, key, first_row=0, *,
                   num_generations: int, rows: int):
@@ -213,7 +214,7 @@ class Sampler:
 
     def prompt_pass(self, params, prompt_ids, prompt_mask):
         """The prompts' pass: (params in the compute dtype, their decode_layers(), the prompts'
-        KV cache [prompts, K, width, Dh] per layer (a sliding layer's: its window at most), the
+        KV cache [L, prompts, K, width, Dh] per run (a sliding layer's: its window at most), the
         last logits [prompts, V])."""
         cfg = self.cfg
         cast = cast_matrices(params, cfg.dtype)
@@ -245,10 +246,8 @@ class Sampler:
         prompt_ids, prompt_mask, logits = map(to_rows, (prompt_ids, prompt_mask, logits))
         # The generated tokens' slots follow the prompt's (a sliding-window layer's ring
         # grows to its window at most).
-        grow = lambda i, x: jnp.pad(to_rows(x), (  # noqa: E731
-            (0, 0), (0, 0), (0, cfg.cache_length(i, width + C) - x.shape[2]), (0, 0)))
-        cache = self.constrain_cache(KVCache(*(tuple(grow(i, x) for i, x in enumerate(part))
-                                                for part in cache)))
+        cache = jax.tree.map(lambda x: jnp.repeat(x, num_generations, axis=1)[:, :rows], cache)
+        cache = self.constrain_cache(cache.grown(cfg, width + C))
         batch, row_axes = rows, ("batch", None)
         # Generated slots are all valid keys; the causal mask hides the ones not yet written.
         key_mask = jnp.concatenate([prompt_mask, jnp.ones((batch, C), jnp.int32)], axis=1)
