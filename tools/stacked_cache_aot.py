@@ -8,9 +8,9 @@ A toy layer at Qwen2-0.5B's widths (24 layers, 64 rows, 512 slots, bf16), 64 dec
 one fori_loop, two ways: the cache as one [L, B, K, S, Dh] buffer per K and V carried through a
 lax.scan over the layers (each layer writes its token with dynamic_update_slice, then reads its
 slice: read after write, so the update can stay in place), and as one buffer per layer with the
-layers unrolled (what grpo_jax.models.decoder.KVCache does). Prints the compiled program's
-temporaries and the copies of cache-sized and layer-sized buffers it holds. Not part of the
-test suite.
+layers unrolled (what the sampler does on a GPU: numerics.sampler_layers "auto"; the first way
+is what it does on a TPU and on a CPU in float32). Prints the compiled program's temporaries and
+the copies of cache-sized and layer-sized buffers it holds. Not part of the test suite.
 """
 
 from __future__ import annotations

@@ -188,8 +188,7 @@ class ModelConfig:
         (dense or sparse) and attention (sliding or not); each layer alone when unrolled."""
         mode, platform = self.numerics.sampler_layers, target_platform()
         if mode == "auto":
-            fp32_cpu = platform == "cpu" and self.dtype == jnp.float32
-            mode = "scan" if platform == "tpu" or fp32_cpu else "unroll"
+            mode = "scan" if platform == "cpu" and self.dtype == jnp.float32 else "unroll"
         if mode == "unroll":
             return tuple((i, i + 1) for i in range(self.num_layers))
         kinds = list(zip(self.moe_layers, self.sliding_layers))
