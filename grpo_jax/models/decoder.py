@@ -678,7 +678,8 @@ def _write(buf, layer, new, index, window: int | None):
         elif T > slots:  # a prefill longer than the ring: its last `slots` tokens, wrapped
             at = (start + jnp.arange(T - slots, T)) % window
             return buf.at[layer].set(buf[layer].at[:, :, at].set(new[:, :, T - slots:]))
-    return jax.lax.dynamic_update_slice(buf, new[None], (layer, 0, 0, start, 0))
+    at = [jnp.asarray(i, jnp.int32) for i in (layer, 0, 0, start, 0)]  # one dtype, also in x64
+    return jax.lax.dynamic_update_slice(buf, new[None], at)
 
 
 def _write_rows(buf, layer, new, index, window: int | None):
