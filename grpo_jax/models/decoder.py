@@ -3,10 +3,10 @@ the mixtures of experts Qwen3-MoE, Mixtral and gpt-oss (Flax NNX): the families 
 switches in ModelConfig, read in `_block` (the experts: models/moe.py).
 
 Layers are stacked along a leading `layers` axis and run with `lax.scan`, so compile time does not
-grow with depth; the sampler's passes over a KV cache scan them too, unless the config unrolls
-them (numerics.sampler_layers). A model whose dense and sparse layers mix (Qwen3-MoE's mlp_only_layers) stacks
-the dense MLPs over its dense layers and the experts over its sparse ones, and scans each run of
-same-kind layers in turn. Every parameter carries logical axis names in its `axes` metadata;
+grow with depth (the sampler's passes over a KV cache too, unless numerics.sampler_layers unrolls
+them). A model whose dense and sparse layers mix (Qwen3-MoE's mlp_only_layers) stacks the dense
+MLPs over its dense layers and the experts over its sparse ones, and scans each run of same-kind
+layers in turn. Every parameter carries logical axis names in its `axes` metadata;
 `mesh.py` maps them to mesh axes with one rule table.
 """
 
@@ -534,11 +534,10 @@ def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None, window: int | Non
            mesh=None, key_order=None, expert_mesh=None, token_mask=None):
     """One layer. With cache = (kbuf, vbuf, layer, index) the new keys and values are written
     into layer `layer` of the run's buffers [L, B, K, S, Dh] at slot `index` and the queries
-    attend over that layer's cache (mask [B, T, S], or an
-    attention.Mask over the S slots); index None writes at slot 0 and attends among the new
-    tokens only, as without a cache (an attention.Mask over the T tokens). `window`: the layer
-    slides and its cache is a ring (slot = position % window). `mesh`, `key_order`: see
-    _attend. `expert_mesh`: where a sparse layer's experts live; `token_mask` [B, T]: the real
+    attend over that layer's cache (mask [B, T, S], or an attention.Mask over the S slots);
+    index None writes at slot 0 and attends among the new tokens only, as without a cache (an
+    attention.Mask over the T tokens). `window`: the layer slides and its cache is a ring
+    (slot = position % window). `mesh`, `key_order`: see _attend. `expert_mesh`: where a sparse layer's experts live; `token_mask` [B, T]: the real
     tokens its router statistics count. Returns (x, kbuf, vbuf, RouterStats) (the buffers None
     without a cache; the stats None for a dense layer or without token_mask)."""
     q, k, v = _qkv(cfg, p, x, cos, sin)

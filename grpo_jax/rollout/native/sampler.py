@@ -43,7 +43,7 @@ class DecodeState(NamedTuple):
 class DecodeContext(NamedTuple):
     """What every decode step reads, prepared once by the prefill."""
     params: Any              # the weights in the compute dtype (norm scales as they are)
-    layers: list             # Decoder.decode_layers() of those: cut into runs once, outside the loop
+    layers: list             # Decoder.decode_layers() of those: cut into runs once, outside a loop
     key_mask: jax.Array      # [B, P + C] int32: which cache slots hold real keys
     prompt_len: jax.Array    # [B] int32: real prompt tokens per row
 
