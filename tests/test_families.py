@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 from hf_oracle import hf_logits, tiny_hf_model
 from test_model import _max_diff_real, jax_logits
 
@@ -82,12 +83,17 @@ def test_kv_cache_path_matches_full_forward(tmp_path, family):
                               cache_index=0)
         steps = [model.logits(hidden)]
         cache = cache.grown(cfg, S)
-        for t in range(P, S):
-            hidden, cache = model(jnp.asarray(TOKENS[:, t:t + 1]), pos[:, t:t + 1], mask,
-                                  cache=cache, cache_index=t)
+        for t in range(P, S):  # one compiled step for all of them (the index traced)
+            hidden, cache = _decode_step(model, jnp.asarray(TOKENS[:, t:t + 1]),
+                                         pos[:, t:t + 1], mask, cache, jnp.int32(t))
             steps.append(model.logits(hidden))
         got = np.asarray(jnp.concatenate(steps, axis=1))
         assert _diff(got, full) < 1e-4, layers
+
+
+@nnx.jit
+def _decode_step(model, tokens, positions, mask, cache, index):
+    return model(tokens, positions, mask, cache=cache, cache_index=index)
 
 
 def _hf_greedy(ref, prompts, n, pad=0):

@@ -17,7 +17,7 @@ import torch
 import transformers
 from flax import nnx
 from hf_oracle import hf_logits, tiny_hf_model
-from test_families import MASK, TOKENS, _diff, _hf_greedy, _logits
+from test_families import MASK, TOKENS, _decode_step, _diff, _hf_greedy, _logits
 
 from grpo_jax import hf
 from grpo_jax import mesh as mesh_lib
@@ -90,9 +90,9 @@ def test_kv_cache_path_matches_full_forward(tiny, name):
                           cache=KVCache.zeros(cfg, len(TOKENS), P), cache_index=0)
     steps = [model.logits(hidden)]
     cache = cache.grown(cfg, S)
-    for t in range(P, S):
-        hidden, cache = model(jnp.asarray(TOKENS[:, t:t + 1]), pos[:, t:t + 1], mask,
-                              cache=cache, cache_index=t)
+    for t in range(P, S):  # one compiled step for all of them (the index traced)
+        hidden, cache = _decode_step(model, jnp.asarray(TOKENS[:, t:t + 1]), pos[:, t:t + 1],
+                                     mask, cache, jnp.int32(t))
         steps.append(model.logits(hidden))
     assert _diff(np.asarray(jnp.concatenate(steps, axis=1)), _logits(model)) < 1e-4
 

@@ -49,10 +49,10 @@ class Numerics:
         "How the native sampler's prefill and decode steps run the layers: \"scan\" under "
         "lax.scan, as training does (one layer compiled, whatever the depth; the KV cache one "
         "buffer per run of like layers), \"unroll\" one copy of each layer (a buffer per layer). "
-        "\"auto\": scan on CPUs in float32 (compiles sooner, decodes no slower); unroll on GPUs, "
-        "where XLA copies each layer's keys and values out of the stacked cache every step "
-        "(decode 1.8x slower on an H100), on CPUs in 16 bits, where XLA:CPU widens the whole "
-        "buffer around each write, and on TPUs (not timed there; MaxText decodes unscanned) "
+        "\"auto\": scan on CPUs in float32 or 64 (compiles sooner, decodes no slower); unroll "
+        "on GPUs, where XLA copies each layer's keys and values out of the stacked cache every "
+        "step (decode 1.8x slower on an H100), on CPUs in 16 bits, where XLA:CPU widens the "
+        "whole buffer around each write, and on TPUs (not timed there; MaxText decodes unscanned) "
         "(docs/benchmarks.md).")
     moe_capacity_factor: float | None = arg(
         None,

@@ -188,7 +188,8 @@ class ModelConfig:
         (dense or sparse) and attention (sliding or not); each layer alone when unrolled."""
         mode, platform = self.numerics.sampler_layers, target_platform()
         if mode == "auto":
-            mode = "scan" if platform == "cpu" and self.dtype == jnp.float32 else "unroll"
+            wide = jnp.dtype(self.dtype).itemsize >= 4  # float32, or float64 under x64
+            mode = "scan" if platform == "cpu" and wide else "unroll"
         if mode == "unroll":
             return tuple((i, i + 1) for i in range(self.num_layers))
         kinds = list(zip(self.moe_layers, self.sliding_layers))
