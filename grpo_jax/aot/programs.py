@@ -137,7 +137,7 @@ def build(run: Run, phases: tuple[str, ...] = PHASES) -> Programs:
     cache = jax.eval_shape(lambda: KVCache.zeros(run.model, cached, width + C,
                                                  sampler.cache_dtype))
     cache_sh = jax.tree.map(lambda x: mesh_lib.logical_sharding(
-        mesh, None, "batch", "kv_heads", "length", None, shape=x.shape), cache)
+        mesh, *KVCache.AXES, shape=x.shape), cache)
     lower = {
         "generate": lambda: sampler.program.lower(*gen_args, num_generations=g, rows=rows),
         # A micro-batch at a time, as Policy.logps runs it.

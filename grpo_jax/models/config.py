@@ -22,6 +22,17 @@ _TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "target_platform", default=None)
 
 
+def runs_of(kinds) -> tuple[tuple[int, int], ...]:
+    """(first, stop) of each run of consecutive equal items of `kinds` (one per layer)."""
+    runs: list[tuple[int, int]] = []
+    for i, kind in enumerate(kinds):
+        if runs and kinds[runs[-1][0]] == kind:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return tuple(runs)
+
+
 def target_platform() -> str:
     """"cpu", "gpu" or "tpu": the platform the programs traced now will run on."""
     return _TARGET_PLATFORM.get() or jax.default_backend()
@@ -192,14 +203,7 @@ class ModelConfig:
             mode = "scan" if platform == "cpu" and wide else "unroll"
         if mode == "unroll":
             return tuple((i, i + 1) for i in range(self.num_layers))
-        kinds = list(zip(self.moe_layers, self.sliding_layers))
-        runs: list[tuple[int, int]] = []
-        for i, kind in enumerate(kinds):
-            if runs and kinds[runs[-1][0]] == kind:
-                runs[-1] = (runs[-1][0], i + 1)
-            else:
-                runs.append((i, i + 1))
-        return tuple(runs)
+        return runs_of(list(zip(self.moe_layers, self.sliding_layers)))
 
     def use_cudnn_attention(self, decode: bool = False) -> bool:
         """decode: the step that attends from new tokens over a KV cache. "auto" keeps XLA's

@@ -24,7 +24,7 @@ from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import attention as attention_lib
 from grpo_jax.models import lora, moe
 from grpo_jax.models.attention import Mask
-from grpo_jax.models.config import ModelConfig, param_table  # noqa: F401 (this module's API)
+from grpo_jax.models.config import ModelConfig, param_table, runs_of  # noqa: F401 (API)
 from grpo_jax.models.moe import RouterStats
 
 DENSE_MLP = ("w_gate", "w_up", "w_down")
@@ -44,13 +44,7 @@ def stack_of(cfg: ModelConfig, key: str) -> bool | None:
 
 def layer_runs(cfg: ModelConfig) -> list[tuple[int, int, bool]]:
     """(first, stop, sparse) of each run of consecutive same-kind layers."""
-    runs = []
-    for i, sparse in enumerate(cfg.moe_layers):
-        if runs and runs[-1][2] == sparse:
-            runs[-1] = (runs[-1][0], i + 1, sparse)
-        else:
-            runs.append((i, i + 1, sparse))
-    return runs
+    return [(first, stop, cfg.moe_layers[first]) for first, stop in runs_of(cfg.moe_layers)]
 
 
 def _run_params(cfg: ModelConfig, stacked: dict, first: int, stop: int) -> dict:
@@ -86,6 +80,10 @@ class KVCache(NamedTuple):
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
+
+    # Each buffer's logical axes (mesh.RULES): rows over the batch axes, KV heads over tensor,
+    # slots over the context axis (a row's cache split by position).
+    AXES = (None, "batch", "kv_heads", "length", None)
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype=None) -> "KVCache":

@@ -199,9 +199,7 @@ class Sampler:
             x, mesh_lib.logical_sharding(self.mesh, *names, shape=x.shape))
 
     def constrain_cache(self, cache: KVCache) -> KVCache:
-        # Slots over the context axis (mesh.RULES' length): a row's cache split by position.
-        return jax.tree.map(
-            lambda x: self.constrain(x, None, "batch", "kv_heads", "length", None), cache)
+        return jax.tree.map(lambda x: self.constrain(x, *KVCache.AXES), cache)
 
     def _generate(self, params, prompt_ids, prompt_mask, key, first_row=0, *,
                   num_generations: int, rows: int):
