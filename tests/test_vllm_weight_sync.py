@@ -45,11 +45,15 @@ def files(dirs) -> dict:
 def perturbed(model, seed: int):
     """The model after a stand-in update: every tensor moved by 1% of its spread."""
     graphdef, params = nnx.split(model, nnx.Param)
-    leaves, tree = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(seed), len(leaves))
-    new = [x + 0.01 * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype)
-           for x, k in zip(leaves, keys)]
-    return nnx.merge(graphdef, jax.tree.unflatten(tree, new))
+
+    @jax.jit  # one program (each shape's draw was one of its own to compile)
+    def move(params):
+        leaves, tree = jax.tree.flatten(params)
+        keys = jax.random.split(jax.random.key(seed), len(leaves))
+        return jax.tree.unflatten(tree, [x + 0.01 * jnp.std(x) * jax.random.normal(k, x.shape,
+                                                                                     x.dtype)
+                                         for x, k in zip(leaves, keys)])
+    return nnx.merge(graphdef, move(params))
 
 
 def chat(tok, text: str) -> list[int]:

@@ -12,6 +12,7 @@ layers in turn. Every parameter carries logical axis names in its `axes` metadat
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -58,13 +59,24 @@ def _run_params(cfg: ModelConfig, stacked: dict, first: int, stop: int) -> dict:
             for k, v in stacked.items() if stack_of(cfg, k) in own}
 
 
-def _init_value(name: str, shape, dtype, key, norm_offset: bool):
+def _init_value(name: str, shape, dtype, key, norm_offset: bool, barrier: bool = False):
     leaf = name.split("/")[-1]
     if leaf.endswith("norm"):  # a scale of 1 (Gemma stores it as 1 + w)
         return (jnp.zeros if norm_offset else jnp.ones)(shape, dtype)
     if leaf.startswith("b"):
         return jnp.zeros(shape, dtype)
-    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+    z = jax.random.normal(key, shape, jnp.float32)
+    if barrier:  # the scaling not fused into the draw: the values of one drawn eagerly
+        z = jax.lax.optimization_barrier(z)
+    return (0.02 * z).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _init_values(shapes, dtype, norm_offset: bool, keys) -> list[jax.Array]:
+    """Every weight's random value in one program: drawn one by one, each shape was a program of
+    its own to compile (a tiny model's ~10 of them took seconds on a CPU)."""
+    return [_init_value(name, shape, dtype, key, norm_offset, barrier=True)
+            for (name, shape), key in zip(shapes, keys)]
 
 
 class KVCache(NamedTuple):
@@ -122,8 +134,11 @@ class Decoder(nnx.Module):
         loads its weights straight onto their shardings instead."""
         self.cfg = cfg
         self.layers = _Layers()
-        for name, (shape, axes) in param_table(cfg).items():
-            value = _init_value(name, shape, cfg.param_dtype, rngs.params(), cfg.norm_offset)
+        table = param_table(cfg)
+        keys = [rngs.params() for _ in table]
+        values = _init_values(tuple((n, tuple(s)) for n, (s, _) in table.items()),
+                              cfg.param_dtype, cfg.norm_offset, keys)
+        for (name, (_, axes)), value in zip(table.items(), values):
             owner, leaf = (self.layers, name[7:]) if name.startswith("layers/") else (self, name)
             setattr(owner, leaf, nnx.Param(value, axes=axes))
 

@@ -20,6 +20,7 @@ nnx.Param)` separates what is trained from the frozen base, and everything that 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -72,18 +73,29 @@ def add_adapters(model, peft: PeftArgs, key: jax.Array, dtype=None) -> None:
     dtype = model.cfg.param_dtype if dtype is None else dtype
     model.lora_scale = peft.scale
     model.lora_dropout = peft.lora_dropout
-    for i, leaf in enumerate(model_targets(peft, model.cfg)):
-        w = getattr(model.layers, leaf)
-        n_in = quant.num_inputs(leaf)
-        shape, axes = w.shape, w.axes
-        a_shape = (*shape[:1 + n_in], peft.lora_r)
-        bound = 1.0 / math.sqrt(math.prod(shape[1:1 + n_in]))
-        a = jax.random.uniform(jax.random.fold_in(key, i), a_shape, jnp.float32, -bound, bound)
+    leaves = model_targets(peft, model.cfg)
+    shapes, bounds = [], []
+    for leaf in leaves:
+        shape, n_in = getattr(model.layers, leaf).shape, quant.num_inputs(leaf)
+        shapes.append(((*shape[:1 + n_in], peft.lora_r),
+                       (shape[0], peft.lora_r, *shape[1 + n_in:])))
+        bounds.append(1.0 / math.sqrt(math.prod(shape[1:1 + n_in])))
+    drawn = _draw_adapters(key, tuple(shapes), tuple(bounds), jnp.dtype(dtype))
+    for leaf, (a, b) in zip(leaves, drawn):
+        axes, n_in = getattr(model.layers, leaf).axes, quant.num_inputs(leaf)
         setattr(model.layers, f"{leaf}_lora_a",
-                LoraParam(a.astype(dtype), axes=_fsdp((*axes[:1 + n_in], None))))
-        setattr(model.layers, f"{leaf}_lora_b", LoraParam(
-            jnp.zeros((shape[0], peft.lora_r, *shape[1 + n_in:]), dtype),
-            axes=_fsdp((axes[0], None, *axes[1 + n_in:]))))
+                LoraParam(a, axes=_fsdp((*axes[:1 + n_in], None))))
+        setattr(model.layers, f"{leaf}_lora_b",
+                LoraParam(b, axes=_fsdp((axes[0], None, *axes[1 + n_in:]))))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _draw_adapters(key, shapes, bounds, dtype):
+    """Every target's (A, B) in one program: drawn one by one, each shape was a program of its
+    own to compile (a LoRA run's start-up paid for seven)."""
+    return [(jax.random.uniform(jax.random.fold_in(key, i), a, jnp.float32, -bound,
+                                bound).astype(dtype), jnp.zeros(b, dtype))
+            for i, ((a, b), bound) in enumerate(zip(shapes, bounds))]
 
 
 def _fsdp(axes: tuple) -> tuple:
