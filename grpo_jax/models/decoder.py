@@ -59,24 +59,24 @@ def _run_params(cfg: ModelConfig, stacked: dict, first: int, stop: int) -> dict:
             for k, v in stacked.items() if stack_of(cfg, k) in own}
 
 
-def _init_value(name: str, shape, dtype, key, norm_offset: bool, barrier: bool = False):
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _init_values(shapes, dtype, norm_offset: bool, keys) -> list[jax.Array]:
+    """Every weight's random value in one program: drawn one by one, each shape was a program of
+    its own to compile (a tiny model's ~10 of them took seconds on a CPU)."""
+    return [_init_value(name, shape, dtype, key, norm_offset)
+            for (name, shape), key in zip(shapes, keys)]
+
+
+def _init_value(name: str, shape, dtype, key, norm_offset: bool):
     leaf = name.split("/")[-1]
     if leaf.endswith("norm"):  # a scale of 1 (Gemma stores it as 1 + w)
         return (jnp.zeros if norm_offset else jnp.ones)(shape, dtype)
     if leaf.startswith("b"):
         return jnp.zeros(shape, dtype)
-    z = jax.random.normal(key, shape, jnp.float32)
-    if barrier:  # the scaling not fused into the draw: the values of one drawn eagerly
-        z = jax.lax.optimization_barrier(z)
+    # The barrier keeps the scaling out of the draw's fusion: the values stay those the draws
+    # had when each ran as a program of its own (fused, they moved in the last bit).
+    z = jax.lax.optimization_barrier(jax.random.normal(key, shape, jnp.float32))
     return (0.02 * z).astype(dtype)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _init_values(shapes, dtype, norm_offset: bool, keys) -> list[jax.Array]:
-    """Every weight's random value in one program: drawn one by one, each shape was a program of
-    its own to compile (a tiny model's ~10 of them took seconds on a CPU)."""
-    return [_init_value(name, shape, dtype, key, norm_offset, barrier=True)
-            for (name, shape), key in zip(shapes, keys)]
 
 
 class KVCache(NamedTuple):
