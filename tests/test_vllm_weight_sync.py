@@ -50,9 +50,9 @@ def perturbed(model, seed: int):
     def move(params):
         leaves, tree = jax.tree.flatten(params)
         keys = jax.random.split(jax.random.key(seed), len(leaves))
-        return jax.tree.unflatten(tree, [x + 0.01 * jnp.std(x) * jax.random.normal(k, x.shape,
-                                                                                     x.dtype)
-                                         for x, k in zip(leaves, keys)])
+        new = [x + 0.01 * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype)
+               for x, k in zip(leaves, keys)]
+        return jax.tree.unflatten(tree, new)
     return nnx.merge(graphdef, move(params))
 
 

@@ -73,20 +73,16 @@ def add_adapters(model, peft: PeftArgs, key: jax.Array, dtype=None) -> None:
     dtype = model.cfg.param_dtype if dtype is None else dtype
     model.lora_scale = peft.scale
     model.lora_dropout = peft.lora_dropout
-    leaves = model_targets(peft, model.cfg)
-    shapes, bounds = [], []
-    for leaf in leaves:
-        shape, n_in = getattr(model.layers, leaf).shape, quant.num_inputs(leaf)
-        shapes.append(((*shape[:1 + n_in], peft.lora_r),
-                       (shape[0], peft.lora_r, *shape[1 + n_in:])))
-        bounds.append(1.0 / math.sqrt(math.prod(shape[1:1 + n_in])))
-    drawn = _draw_adapters(key, tuple(shapes), tuple(bounds), jnp.dtype(dtype))
-    for leaf, (a, b) in zip(leaves, drawn):
-        axes, n_in = getattr(model.layers, leaf).axes, quant.num_inputs(leaf)
-        setattr(model.layers, f"{leaf}_lora_a",
-                LoraParam(a, axes=_fsdp((*axes[:1 + n_in], None))))
+    targets = [(leaf, getattr(model.layers, leaf), quant.num_inputs(leaf))
+               for leaf in model_targets(peft, model.cfg)]
+    shapes = tuple(((*w.shape[:1 + n], peft.lora_r), (w.shape[0], peft.lora_r, *w.shape[1 + n:]))
+                   for _, w, n in targets)  # (A, B) of each
+    bounds = tuple(1.0 / math.sqrt(math.prod(w.shape[1:1 + n])) for _, w, n in targets)
+    drawn = _draw_adapters(key, shapes, bounds, jnp.dtype(dtype))
+    for (leaf, w, n), (a, b) in zip(targets, drawn):
+        setattr(model.layers, f"{leaf}_lora_a", LoraParam(a, axes=_fsdp((*w.axes[:1 + n], None))))
         setattr(model.layers, f"{leaf}_lora_b",
-                LoraParam(b, axes=_fsdp((axes[0], None, *axes[1 + n_in:]))))
+                LoraParam(b, axes=_fsdp((w.axes[0], None, *w.axes[1 + n:]))))
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
