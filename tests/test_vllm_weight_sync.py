@@ -42,18 +42,19 @@ def files(dirs) -> dict:
     return out
 
 
+@jax.jit  # one program for every seed (each shape's draw was one of its own to compile)
+def _moved(params, seed):
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    new = [x + 0.01 * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype)
+           for x, k in zip(leaves, keys)]
+    return jax.tree.unflatten(tree, new)
+
+
 def perturbed(model, seed: int):
     """The model after a stand-in update: every tensor moved by 1% of its spread."""
     graphdef, params = nnx.split(model, nnx.Param)
-
-    @jax.jit  # one program (each shape's draw was one of its own to compile)
-    def move(params):
-        leaves, tree = jax.tree.flatten(params)
-        keys = jax.random.split(jax.random.key(seed), len(leaves))
-        new = [x + 0.01 * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype)
-               for x, k in zip(leaves, keys)]
-        return jax.tree.unflatten(tree, new)
-    return nnx.merge(graphdef, move(params))
+    return nnx.merge(graphdef, _moved(params, seed))
 
 
 def chat(tok, text: str) -> list[int]:
