@@ -68,6 +68,21 @@ def reprefilled(smol_model, tok):
                                                                    jax.random.key(0))
 
 
+@pytest.fixture(scope="module")
+def trainer_logp(rollout, smol_model):
+    """The trainer's per-token log-probs of `rollout`'s sequences (one SmolLM2 forward for the
+    tests whose other rollouts are asserted to hold the same tokens: the values are theirs too)."""
+    logp, _ = completion_logps(smol_model, _batch(rollout), 1.0, 128)
+    return np.asarray(logp)
+
+
+def _same_sequences(r, ref):
+    """`r` holds `ref`'s tokens and masks: the trainer's log-probs of one are the other's."""
+    for field in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tool_mask",
+                  "truncated", "tool_calls"):
+        np.testing.assert_array_equal(getattr(r, field), getattr(ref, field))
+
+
 def _batch(r):
     return Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.truncated,
                  np.linspace(-1, 1, len(r.truncated)).astype(np.float32),
@@ -104,7 +119,7 @@ def test_turns_and_tool_mask(rollout, tok):
 
 
 @pytest.mark.slow
-def test_multi_turn_logprobs_equal_the_trainers(rollout, smol_model):
+def test_multi_turn_logprobs_equal_the_trainers(rollout, trainer_logp):
     """The trainer's per-token log-probs over prompt + calls + results + answers equal the
     sampler's at every model-written token, later turns continued from the KV cache. fp32 on
     SmolLM2: the sampler's single-turn tokens already differ by up to ~3e-5 where log-probs
@@ -112,9 +127,8 @@ def test_multi_turn_logprobs_equal_the_trainers(rollout, smol_model):
     that of one turn: the turns after a tool result add no error of their own. In float64 the
     difference is below 1e-5 (test_tool_continuation)."""
     batch = _batch(rollout)
-    logp, _ = completion_logps(smol_model, batch, 1.0, 128)
     model = np.asarray(batch.model_mask(), bool)
-    diff = np.abs(np.asarray(logp) - rollout.sampler_logp)
+    diff = np.abs(trainer_logp - rollout.sampler_logp)
     assert diff[model].max() < 5e-5, diff[model].max()
     after = model & (np.cumsum(rollout.tool_mask == 0, axis=1) > 0)  # later turns' tokens
     assert after.any() and diff[after].max() < 5e-5
@@ -122,24 +136,21 @@ def test_multi_turn_logprobs_equal_the_trainers(rollout, smol_model):
 
 
 @pytest.mark.slow
-def test_continued_turns_equal_re_prefilled_ones(rollout, reprefilled, smol_model):
+def test_continued_turns_equal_re_prefilled_ones(rollout, reprefilled, trainer_logp):
     """Turns continued from the KV cache sample the same tokens from the same keys as turns
     that re-prefill the whole context, with log-probs within fp32 noise of each other; and the
     re-prefilled ones (the sliding-window models' path) meet the trainer's as well."""
-    for field in ("completion_ids", "completion_mask", "tool_mask", "truncated", "tool_calls",
-                  "tool_failures"):
-        np.testing.assert_array_equal(getattr(rollout, field), getattr(reprefilled, field))
+    _same_sequences(reprefilled, rollout)
+    np.testing.assert_array_equal(rollout.tool_failures, reprefilled.tool_failures)
     assert rollout.completions == reprefilled.completions
     assert (rollout.tool_mask == 0).any()  # a result and a turn after it are in there
     np.testing.assert_allclose(rollout.sampler_logp, reprefilled.sampler_logp, rtol=0, atol=5e-5)
-    batch = _batch(reprefilled)
-    logp, _ = completion_logps(smol_model, batch, 1.0, 128)
-    model = np.asarray(batch.model_mask(), bool)
-    assert np.abs(np.asarray(logp) - reprefilled.sampler_logp)[model].max() < 5e-5
+    model = np.asarray(_batch(reprefilled).model_mask(), bool)
+    assert np.abs(trainer_logp - reprefilled.sampler_logp)[model].max() < 5e-5
 
 
 @pytest.mark.slow
-def test_tool_turns_through_refilled_decode_slots(rollout, smol_model, tok):
+def test_tool_turns_through_refilled_decode_slots(rollout, smol_model, tok, trainer_logp):
     """With 3 decode slots for the 8 rows (max_num_seqs), a row whose turn ends in a tool call
     leaves its slot to the next row, and each later turn re-prefills its contexts through the
     slots: the same turns as continuing one batch from its KV cache, log-probs at the
@@ -151,12 +162,9 @@ def test_tool_turns_through_refilled_decode_slots(rollout, smol_model, tok):
     slots = tools.ToolRollout(inner, tok, tools.Toolbox([calculator], 10.0), None,
                               (tok.eos_token_id,), tok.pad_token_id).generate(
         smol_model, prompt_ids(tok), 4, jax.random.key(0))
-    for field in ("completion_ids", "completion_mask", "tool_mask", "truncated", "tool_calls"):
-        np.testing.assert_array_equal(getattr(slots, field), getattr(rollout, field))
-    batch = _batch(slots)
-    logp, _ = completion_logps(smol_model, batch, 1.0, 128)
-    model = np.asarray(batch.model_mask(), bool)
-    assert np.abs(np.asarray(logp) - slots.sampler_logp)[model].max() < 5e-5
+    _same_sequences(slots, rollout)
+    model = np.asarray(_batch(slots).model_mask(), bool)
+    assert np.abs(trainer_logp - slots.sampler_logp)[model].max() < 5e-5
     # Each turn's longest row takes as many steps in 3 slots as in one batch, the others more.
     assert slots.metrics["generate/decode_steps"] >= rollout.metrics["generate/decode_steps"]
 
