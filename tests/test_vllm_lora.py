@@ -185,8 +185,6 @@ def test_session_token_guards_dev_and_weight_routes(server, client):
     """No API key on loopback: inference stays open; the routes that replace the model, load
     files or run RPCs answer 401 without the server's session token, whose file only its
     account can read. The module's client (no key) found the token by itself."""
-    import requests
-
     from grpo_jax.rollout.vllm import server_auth
     path = server_auth.token_path(int(server.base_url.rsplit(":", 1)[1]))
     assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o077 == 0
