@@ -84,7 +84,7 @@ def export(checkpoint, out, *, step: int | None = None, dtype: str = "bfloat16",
     check_destination(out, overwrite, {"the run's base model": Path(source_dir),
                                        "the run's output_dir": Path(checkpoint)})
     with staged(out) as tmp:
-        if getattr(model, "lora_scale", None) is None:
+        if model.lora_scale is None:
             hf.save_hf(model, tmp, source_dir=source_dir, dtype=dtype)
         elif merge:
             hf.save_hf(peft_io.merged_model(model), tmp, source_dir=source_dir, dtype=dtype)

@@ -89,7 +89,7 @@ def completion_logps_and_router(model, batch: Batch, temperature: float, chunk: 
     # Position t predicts token t + 1: targets shifted left (the last one predicts nothing).
     shift = lambda ids: jnp.pad(ids[:, 1:], ((0, 0), (0, 1)))  # noqa: E731
     # LoRA dropout draws its masks per row: a shared prompt would share them.
-    if group > 1 and getattr(model, "lora_dropout_key", None) is None:
+    if group > 1 and model.lora_dropout_key is None:
         o_p, o_c = model.sequence_order(P_len), model.sequence_order(C)
         prompt, hidden, stats = model.shared_prefix(
             batch.prompt_ids[::group], batch.prompt_mask[::group], batch.completion_ids,

@@ -128,6 +128,12 @@ class Decoder(nnx.Module):
     # no expert parallelism). Set by `shard_activations`, and by the sampler, which leaves its
     # rows unconstrained.
     expert_mesh = None
+    # LoRA (models/lora.py, which alone sets them): the adapters' scale (PEFT's lora_alpha / r;
+    # None: no adapters), the dropout rate on their inputs, and, inside a traced train step
+    # only, the key its masks are drawn from (None: no dropout, as PEFT in eval mode).
+    lora_scale: float | None = None
+    lora_dropout: float = 0.0
+    lora_dropout_key: jax.Array | None = None
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         """Random weights; `hf.load_model` builds the decoder abstractly (`nnx.eval_shape`) and

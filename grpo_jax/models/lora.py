@@ -109,7 +109,7 @@ def with_dropout(model, key: jax.Array | None):
     its forward passes; unchanged when it has no adapters, lora_dropout 0 or key None.
     Everything else (sampler, reference and old log-probs, evaluation) never sets a key, so
     it runs the adapters without dropout, as PEFT in eval mode."""
-    if key is not None and getattr(model, "lora_dropout", 0.0) > 0:
+    if key is not None and model.lora_dropout > 0:
         model.lora_dropout_key = key
     return model
 
@@ -117,7 +117,7 @@ def with_dropout(model, key: jax.Array | None):
 def scale_of(model) -> float | None:
     """The adapters' scale (PEFT's lora_alpha / r, or / sqrt(r) with rsLoRA) of a model that
     apply() gave adapters; None for a plain model."""
-    return getattr(model, "lora_scale", None)
+    return model.lora_scale
 
 
 def layer_extras(model) -> dict[str, jax.Array]:
@@ -132,7 +132,7 @@ def layer_extras(model) -> dict[str, jax.Array]:
             out[name] = var[...]
         elif isinstance(var, LoraParam) and scale is not None:
             out[name] = var[...] * scale if name.endswith("_lora_b") else var[...]
-    key = getattr(model, "lora_dropout_key", None)
+    key = model.lora_dropout_key
     if key is not None and scale is not None:
         L = model.cfg.num_layers
         out[DROPOUT_KEY] = jax.random.split(key, L)

@@ -12,14 +12,12 @@ module imports numpy only: the contract reads without the code behind it.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import enum
-from typing import Any, NamedTuple, Protocol, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
-
-from grpo_jax.shapes import DEFAULT_BUCKETS, bucket_width  # noqa: F401 (this module's API)
-
 
 
 class RolloutBatch(NamedTuple):
@@ -39,30 +37,6 @@ class RolloutBatch(NamedTuple):
     extra: dict | None = None  # a rollout_func's extra fields: reward-function keywords
     # The native sampler's counts for the metrics (decode_metrics): decode steps, slot occupancy.
     metrics: dict | None = None
-
-
-def left_pad(prompts: Sequence[Sequence[int]], num_generations: int, width: int, pad_id: int,
-             rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """[rows, width] int32 ids and mask: each prompt left-padded, repeated num_generations
-    times in one consecutive block (extra rows are all padding)."""
-    g = num_generations
-    ids = np.full((rows or len(prompts) * g, width), pad_id, np.int32)
-    mask = np.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i * g:(i + 1) * g, width - len(p):] = p
-        mask[i * g:(i + 1) * g, width - len(p):] = 1
-    return ids, mask
-
-
-def bucketed_prompts(prompts: Sequence[Sequence[int]], num_generations: int, pad_id: int
-                     ) -> tuple[np.ndarray, np.ndarray]:
-    """left_pad to the smallest DEFAULT_BUCKETS width that fits, as the JAX sampler pads, so
-    the train step sees a bounded set of shapes whichever rollout made the batch."""
-    return left_pad(prompts, num_generations, bucket_width(max(map(len, prompts))), pad_id)
-
-
-def pad_id(tokenizer) -> int:
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
 def sampling_params(cfg, tokenizer, generation_eos: Sequence[int] = ()):
@@ -98,9 +72,11 @@ class WeightMode(enum.Enum):
         return self in (WeightMode.READ_ADAPTERS, WeightMode.PUSH_ADAPTERS)
 
 
-class Rollout(Protocol):
-    """Every rollout. The defaults below are those of a rollout that generates when asked, on
-    the weights it was last given; an implementation subclasses this to inherit them."""
+class Rollout(abc.ABC):
+    """Every rollout. `generate` is abstract, so a rollout that lacks it can't be built; the
+    other methods' defaults are those of a rollout that generates when asked, on the weights it
+    was last given. An implementation sets `weight_mode` in its constructor (engines.make_rollout
+    checks it is a WeightMode before the run starts)."""
 
     weight_mode: WeightMode
     takes_records: bool = False  # generate also gets the raw dataset records (a rollout_func)
@@ -109,11 +85,11 @@ class Rollout(Protocol):
     # (rollout/native/continuation.py); None: each turn's whole context is prefilled again.
     turns: Any = None
 
+    @abc.abstractmethod
     def generate(self, weights, prompt_ids: Sequence[Sequence[int]], num_generations: int, key,
                  records: Sequence[dict] | None = None) -> RolloutBatch:
         """num_generations completions of each prompt, in the order of `prompt_ids`. `weights`:
         the params in the form weight_mode names (None when they are pushed)."""
-        ...
 
     def update_weights(self, weights, params) -> float | None:
         """After an update: `weights` in weight_mode's form, `params` the trainer's own (what a
@@ -128,7 +104,9 @@ class Rollout(Protocol):
 
     def prefetch(self, records: Sequence[dict], num_generations: int, key) -> None:
         """Start generating the round of `records` before it is asked for (generates_ahead);
-        the generate of the same prompts, group size and key returns it."""
+        the generate of the same prompts, group size and key returns it. Nothing to start for a
+        rollout that generates when asked."""
+        return None
 
     def generated_with(self) -> Any:
         """The trainer's params that generated the last batch when they are not the current

@@ -19,7 +19,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from grpo_jax.errors import RolloutFuncError
-from grpo_jax.rollout.base import RolloutBatch, RolloutWrapper, bucketed_prompts
+from grpo_jax.rollout.base import RolloutBatch, RolloutWrapper
+from grpo_jax.rollout.padding import bucketed_prompts
 
 
 def load_rollout_func(spec: str) -> Callable:

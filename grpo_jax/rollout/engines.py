@@ -6,22 +6,32 @@ from __future__ import annotations
 from grpo_jax import distributed as dist
 from grpo_jax import hf
 from grpo_jax.errors import ConfigError, VLLMServerError
-from grpo_jax.rollout.base import Rollout, RolloutBatch, WeightMode, pad_id, sampling_params
+from grpo_jax.rollout.base import Rollout, RolloutBatch, RolloutWrapper, WeightMode, sampling_params
 from grpo_jax.rollout.native.rollout import JaxRollout
+from grpo_jax.rollout.padding import pad_id
 
 
-class MainProcessRollout(Rollout):
-    """A server's rollouts in a multi-process run: process 0 alone talks to the server and every
-    process gets the same results; a server error there is raised on every process."""
+class MainProcessRollout(RolloutWrapper):
+    """A server's rollouts in a multi-process run: process 0 alone talks to the server (`inner`,
+    its VLLMRollout; None on the other processes) and every process gets the same results; a
+    server error there is raised on every process. What the wrapper forwards is answered here
+    for every process alike: a server's rollout generates when asked, on the weights pushed."""
+
+    generates_ahead = False  # async rounds wrap this one (AsyncRollout), never the reverse
+    turns = None
 
     def __init__(self, make):
-        self.inner = None  # process 0's VLLMRollout; None on the others
+        self.inner = None
 
         def build():
             self.inner = make()
             return self.inner.weight_mode.value
         # Every process must hand update_weights the same kind of params (merging is SPMD).
-        self.weight_mode = WeightMode(dist.from_main(build, VLLMServerError))
+        self._weight_mode = WeightMode(dist.from_main(build, VLLMServerError))
+
+    @property
+    def weight_mode(self) -> WeightMode:
+        return self._weight_mode
 
     def generate(self, weights, prompt_ids, num_generations, key, records=None) -> RolloutBatch:
         return dist.from_main(
@@ -36,9 +46,25 @@ class MainProcessRollout(Rollout):
     def sync_metrics(self) -> dict:  # logged by process 0, the one that holds them
         return self.inner.sync_metrics if self.inner is not None else {}
 
+    def prefetch(self, records, num_generations, key) -> None:
+        return None
 
-def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir, tools=()):
-    """The config's backend; with `tools` (functions), inside the multi-turn tool loop."""
+    def generated_with(self):
+        return None
+
+
+def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir, tools=()) -> Rollout:
+    """The config's backend; with `tools` (functions), inside the multi-turn tool loop. The
+    part of the contract an ABC can't check (weight_mode is set by the constructor) is checked
+    here, before the run starts."""
+    rollout = _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools)
+    if not isinstance(rollout.weight_mode, WeightMode):
+        raise TypeError(f"{type(rollout).__name__}.weight_mode is {rollout.weight_mode!r}, "
+                        "not a rollout.base.WeightMode")
+    return rollout
+
+
+def _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools):
     sp = sampling_params(cfg, tokenizer, hf.generation_eos_ids(model_dir) if model_dir else ())
     if cfg.rollout.backend == "jax":
         # SPMD over every process's devices

@@ -24,10 +24,11 @@ from jax.sharding import Mesh
 from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import Decoder, KVCache, ModelConfig, build, lora, positions_from_mask
+from grpo_jax.rollout.base import RolloutBatch
 from grpo_jax.rollout.native import sampling
-from grpo_jax.rollout.base import DEFAULT_BUCKETS, RolloutBatch, left_pad  # noqa: F401 (API)
 from grpo_jax.rollout.native.sampling import SamplingParams
-from grpo_jax.shapes import next_pow2
+from grpo_jax.rollout.padding import left_pad
+from grpo_jax.shapes import DEFAULT_BUCKETS, next_pow2
 
 class DecodeState(NamedTuple):
     step: jax.Array          # [] int32: tokens sampled so far

@@ -10,7 +10,8 @@ import jax
 
 from grpo_jax import hf, peft_io
 from grpo_jax.config.rollout import SamplingParams
-from grpo_jax.rollout.base import Rollout, RolloutBatch, WeightMode, bucketed_prompts
+from grpo_jax.rollout.base import Rollout, RolloutBatch, WeightMode
+from grpo_jax.rollout.padding import bucketed_prompts
 from grpo_jax.rollout.vllm.client import VLLMClient, rollout_arrays
 from grpo_jax.rollout.vllm.sync import ServerWeights, resolve_transport, transfer_metrics
 from grpo_jax.errors import ServerUnreachableError, WeightsLost
