@@ -5,7 +5,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-import ast
 import dataclasses
 import importlib
 import inspect
@@ -418,99 +417,3 @@ def test_dapo_settings():
                          "async rounds")]:
         with pytest.raises(ConfigError, match=needle):
             config_from_dict(bad)
-
-
-def _package_imports() -> dict[str, set[str]]:
-    """grpo_jax's modules -> the grpo_jax modules each imports (anywhere in it, functions too);
-    `from pkg import name` counts as importing pkg.name when that is a module, else pkg."""
-    root = Path(grpo_jax.__file__).parent
-    names = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
-             for p in root.rglob("*.py")}
-    graph = {}
-    for path in root.rglob("*.py"):
-        name = ".".join(path.relative_to(root.parent).with_suffix("").parts)
-        name = name.removesuffix(".__init__")
-        out = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                out |= {a.name for a in node.names if a.name in names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module in names:
-                for a in node.names:
-                    sub = f"{node.module}.{a.name}"
-                    out.add(sub if sub in names else node.module)
-        graph[name] = out - {name}
-    return graph
-
-
-def test_the_package_imports_in_layers_without_circles():
-    """No module imports one that (through others) imports it back; a package's __init__
-    counts as the modules it names."""
-    graph = _package_imports()
-    inits = {m for m in graph if (Path(grpo_jax.__file__).parent.parent
-                                  / m.replace(".", "/") / "__init__.py").exists()}
-    # Through a package's __init__ to what it hands on, not a dependency of its own.
-    edges = {m: {t for d in deps for t in (graph[d] if d in inits else {d})} - {m}
-             for m, deps in graph.items() if m not in inits}
-    index, low, stack, on, circles = {}, {}, [], set(), []
-
-    def visit(v):  # Tarjan's strongly connected components
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in edges.get(v, ()):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            scc = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                scc.append(w)
-                if w == v:
-                    break
-            if len(scc) > 1:
-                circles.append(sorted(scc))
-    for v in sorted(edges):
-        if v not in index:
-            visit(v)
-    assert not circles, circles
-
-
-# docs/architecture.md's layers, bottom first: a module imports from its own layer or those
-# below it.
-LAYERS = (("errors", "config", "shapes", "metrics", "logger", "calculator"),
-          ("mesh", "distributed", "storage"), ("models",), ("grpo", "hf", "peft_io"),
-          ("math_rewards", "reward_model", "rewards", "scoring"), ("rollout",),
-          ("trainer", "dynamic_sampling", "data", "evaluation"),
-          ("checkpoint", "train", "export", "bench", "aot", "serve", "cli"))
-
-
-def test_rollout_parts_import_by_where_they_run():
-    """rollout/server runs inside vLLM (no jax): it imports only itself; the native sampler and
-    the vLLM client import neither each other nor the rollouts composed above them."""
-    graph = _package_imports()
-    part = lambda m: m.split(".")[2] if m.count(".") >= 3 else None  # noqa: E731
-    for m, deps in graph.items():
-        if m.startswith("grpo_jax.rollout.server"):
-            assert all(d.startswith("grpo_jax.rollout.server") for d in deps), (m, deps)
-        if part(m) in ("native", "vllm"):
-            other = {"native": "vllm", "vllm": "native"}[part(m)]
-            bad = [d for d in deps if d.startswith("grpo_jax.rollout.") and part(d) != part(m)
-                   and (part(d) == other or d.count(".") == 2
-                        and d.split(".")[2] in ("engines", "tools", "custom"))]
-            assert not bad, (m, bad)
-    assert {part(m) for m in graph if m.startswith("grpo_jax.rollout.")} >= {
-        "native", "vllm", "server"}
-
-
-def test_imports_go_up_the_layers():
-    layer = {name: i for i, names in enumerate(LAYERS) for name in names}
-    of = lambda module: layer[module.split(".")[1]]  # noqa: E731
-    graph = _package_imports()
-    assert {m.split(".")[1] for m in graph if m != "grpo_jax"} == set(layer)
-    up = [(m, d) for m, deps in graph.items() if m != "grpo_jax"
-          for d in deps if d != "grpo_jax" and of(d) > of(m)]
-    assert not up, up
