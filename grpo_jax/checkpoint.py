@@ -532,23 +532,23 @@ def abstract_state(cfg, device=None):
 
 @contextlib.contextmanager
 def _quiet_restore():
-    """While load_checkpoint reads a checkpoint, what Orbax, absl and TensorStore print goes to
-    a file that is then dropped: their logging, warnings and native logs (fd 2 itself, where
-    native code writes). A damaged checkpoint is one line, load_checkpoint's CheckpointError.
+    """While load_checkpoint reads a checkpoint, what Orbax, absl and TensorStore print is
+    dropped: their logging, warnings and native logs (fd 2 itself, where native code writes). A damaged checkpoint is one line, load_checkpoint's CheckpointError.
     Reads still in flight when one failed report 'Event loop is closed' through
     sys.excepthook when they complete, also after this: those are dropped from then on."""
-    import tempfile
     import traceback
     import warnings
 
     def hook(kind, value, tb, previous=sys.excepthook):
-        if not (kind is RuntimeError and str(value) == "Event loop is closed" and all(
-                f"{os.sep}asyncio{os.sep}" in f.filename for f in traceback.extract_tb(tb))):
+        frames = traceback.extract_tb(tb)
+        if not (kind is RuntimeError and str(value) == "Event loop is closed" and frames and all(
+                f"{os.sep}asyncio{os.sep}" in f.filename for f in frames)):
             previous(kind, value, tb)
+    disabled = logging.root.manager.disable
     sys.stderr.flush()
     saved = os.dup(2)
-    with tempfile.TemporaryFile() as sink, open(os.devnull, "w") as devnull:
-        os.dup2(sink.fileno(), 2)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
         try:
             with contextlib.redirect_stderr(devnull), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -558,7 +558,7 @@ def _quiet_restore():
             sys.excepthook = hook
             raise
         finally:
-            logging.disable(logging.NOTSET)
+            logging.disable(disabled)
             os.dup2(saved, 2)
             os.close(saved)
 
