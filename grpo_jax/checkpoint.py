@@ -533,9 +533,11 @@ def abstract_state(cfg, device=None):
 @contextlib.contextmanager
 def _quiet_restore():
     """While load_checkpoint reads a checkpoint, what Orbax, absl and TensorStore print is
-    dropped: their logging, warnings and native logs (fd 2 itself, where native code writes). A damaged checkpoint is one line, load_checkpoint's CheckpointError.
-    Reads still in flight when one failed report 'Event loop is closed' through
-    sys.excepthook when they complete, also after this: those are dropped from then on."""
+    dropped: their logging, warnings and native logs (fd 2 itself, where native code writes).
+    A damaged checkpoint is one line, load_checkpoint's CheckpointError. Reads still in flight
+    when one failed report 'Event loop is closed' through sys.excepthook when they complete,
+    also after this: those are dropped, by a hook set before the read (one set later could
+    catch a report half printed) and kept after a failure."""
     import traceback
     import warnings
 
@@ -544,7 +546,8 @@ def _quiet_restore():
         if not (kind is RuntimeError and str(value) == "Event loop is closed" and frames and all(
                 f"{os.sep}asyncio{os.sep}" in f.filename for f in frames)):
             previous(kind, value, tb)
-    disabled = logging.root.manager.disable
+    disabled, previous = logging.root.manager.disable, sys.excepthook
+    sys.excepthook = hook
     sys.stderr.flush()
     saved = os.dup(2)
     with open(os.devnull, "w") as devnull:
@@ -554,9 +557,7 @@ def _quiet_restore():
                 warnings.simplefilter("ignore")
                 logging.disable(logging.CRITICAL)
                 yield
-        except BaseException:
-            sys.excepthook = hook
-            raise
+            sys.excepthook = previous
         finally:
             logging.disable(disabled)
             os.dup2(saved, 2)
