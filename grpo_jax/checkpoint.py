@@ -530,6 +530,40 @@ def abstract_state(cfg, device=None):
     return state, split.graphdef, model_cfg, model_dir
 
 
+@contextlib.contextmanager
+def _quiet_restore():
+    """While load_checkpoint reads a checkpoint, what Orbax, absl and TensorStore print is
+    dropped: their logging, warnings and native logs (fd 2 itself, where native code writes).
+    A damaged checkpoint is one line, load_checkpoint's CheckpointError. Reads still in flight
+    when one failed report 'Event loop is closed' through sys.excepthook when they complete,
+    also after this: those are dropped, by a hook set before the read (one set later could
+    catch a report half printed) and kept after a failure."""
+    import traceback
+    import warnings
+
+    def hook(kind, value, tb, previous=sys.excepthook):
+        frames = traceback.extract_tb(tb)
+        if not (kind is RuntimeError and str(value) == "Event loop is closed" and frames and all(
+                f"{os.sep}asyncio{os.sep}" in f.filename for f in frames)):
+            previous(kind, value, tb)
+    disabled, previous = logging.root.manager.disable, sys.excepthook
+    sys.excepthook = hook
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as devnull:
+        os.dup2(devnull.fileno(), 2)
+        try:
+            with contextlib.redirect_stderr(devnull), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                logging.disable(logging.CRITICAL)
+                yield
+            sys.excepthook = previous
+        finally:
+            logging.disable(disabled)
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def load_checkpoint(output_dir, step: int | None = None):
     """(model with the checkpoint's params, source model dir, step) from a run's output_dir.
     Only the params are read (not the optimizer state), each device's block onto an FSDP mesh
@@ -551,26 +585,30 @@ def load_checkpoint(output_dir, step: int | None = None):
                           target.params, mesh_lib.param_shardings(target.params, mesh))
     target = target._replace(params=params, opt_state=jax.tree.map(
         lambda _: ocp.PLACEHOLDER, target.opt_state))
-    ckpt = Checkpointer(Path(output_dir) / "checkpoints", save_total_limit=None)
-    try:
-        step = ckpt.latest_step() if step is None else step
-        if step is None:
-            raise CheckpointError(f"no checkpoint in {ckpt.directory}: train first, or pass the "
-                                  "output_dir of a run that saved one")
-        state, _ = ckpt.restore(step, target)
-    except FileNotFoundError as e:
-        raise CheckpointError(str(e)) from None
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001 - truncated or missing files, garbage metadata
-        others = [s for s in ckpt.all_steps() if s != step]
-        raise CheckpointError(
-            f"checkpoint {step} in {ckpt.directory} can't be read, it is damaged ("
-            + " ".join(f"{type(e).__name__}: {e}".split())[:300] + "); "
-            + (f"export another with --step (complete ones: {others})" if others
-               else "no other checkpoint to export")) from None
-    finally:
-        ckpt.close()
+    with _quiet_restore():
+        ckpt = Checkpointer(Path(output_dir) / "checkpoints", save_total_limit=None)
+        try:
+            step = ckpt.latest_step() if step is None else step
+            if step is None:
+                raise CheckpointError(f"no checkpoint in {ckpt.directory}: train first, or pass "
+                                      "the output_dir of a run that saved one")
+            state, _ = ckpt.restore(step, target)
+        except FileNotFoundError as e:
+            raise CheckpointError(str(e)) from None
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - truncated or missing files, garbage metadata
+            others = [s for s in ckpt.all_steps() if s != step]
+            # TensorStore's messages end in a pointer to details not printed: left out
+            why = " ".join(f"{type(e).__name__}: {e}".split()).split(
+                " See full TensorStore details")[0]
+            raise CheckpointError(
+                f"checkpoint {step} in {ckpt.directory} can't be read, it is damaged ("
+                + why[:300] + "); "
+                + (f"export another with --step (complete ones: {others})" if others
+                   else "no other checkpoint to export")) from None
+        finally:
+            ckpt.close()
     if cfg.peft.use_peft:
         from grpo_jax import peft_io
         model, model_dir = peft_io.load_model(cfg, mesh)

@@ -7,18 +7,26 @@ directory (`adapter_config.json`, `adapter_model.safetensors`) that
 `peft.PeftModel.from_pretrained` loads onto the base; `--merge` writes the full model instead.
 
 The export is written into a hidden directory beside HF_DIR and renamed into place when
-complete, so an interrupted export never leaves a half model. HF_DIR must be new or empty;
+complete, so an interrupted export never leaves a half model (a killed export's hidden
+directory is removed by the next export). A directory that can't be renamed (a mount point, the
+working directory) is written in place instead, file by file. HF_DIR must be new or empty;
 `--overwrite` replaces an existing model there (its old weights and indexes go, other files
-such as a README stay). The run's base model and output_dir are never written to.
+such as a README stay, and so does its mode; a new HF_DIR gets the umask's mode). The run's
+base model, its output_dir and the state directories in it are never written to.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import fnmatch
+import glob
 import os
+import re
 import shutil
+import socket
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -34,15 +42,27 @@ WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "*.bin", "*.bin.ind
                 "*.pt", "*.pth", "*.gguf", "adapter_config.json")
 
 
-def check_destination(out: Path, overwrite: bool, protected: dict[str, Path]) -> None:
+# The directories of a run's output_dir that hold its state: an export never goes inside them.
+RUN_DIRS = ("checkpoints", "reference", "generation_buffer")
+
+
+def check_destination(out: Path, overwrite: bool, protected: dict[str, Path],
+                      run_dir: Path | None = None) -> None:
     """Refuse `out` when it is (or holds) a directory in `protected` (name -> path: the run's
-    base model, its output_dir), is a file, or is a non-empty directory without `overwrite`."""
+    base model, its output_dir), lies inside one of `run_dir`'s RUN_DIRS, is a file, or is a
+    non-empty directory without `overwrite`."""
     where = out.resolve()
     for what, path in protected.items():
         path = Path(path).resolve()
         if where == path or where in path.parents:
             raise ExportError(f"--out {out} is {'' if where == path else 'a parent of '}{what} "
                               f"{path}: the export would overwrite it; choose another directory")
+    for name in RUN_DIRS if run_dir is not None else ():
+        path = Path(run_dir).resolve() / name
+        if where == path or path in where.parents:
+            raise ExportError(f"--out {out} is inside the run's {name} directory {path}: the "
+                              "export would mix model files into the run's state; choose a "
+                              "directory outside it")
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file; pass a directory")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
@@ -51,23 +71,113 @@ def check_destination(out: Path, overwrite: bool, protected: dict[str, Path]) ->
                           "--overwrite to replace the model there, or choose a new directory")
 
 
+def _mount_points() -> set[str]:
+    try:  # Linux: every mount, bind mounts of a directory on the same device included
+        with open("/proc/self/mountinfo") as f:
+            return {re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), line.split()[4])
+                    for line in f}  # spaces and such are written as octal escapes
+    except OSError:
+        return set()
+
+
+def _fixed(out: Path) -> bool:
+    """Whether `out` can't be swapped by a rename: a mount point (EBUSY), or the working
+    directory or one above it (the shell would be left in the removed old directory)."""
+    cwd = Path.cwd().resolve()
+    where = out.resolve()
+    return (where == cwd or where in cwd.parents or os.path.ismount(where)
+            or str(where) in _mount_points())
+
+
+def _partial_prefix(out: Path) -> str:
+    """Staging directories name their host and pid, so a later export can tell a killed
+    export's (its pid gone) from a running one's."""
+    return f".{out.name}.partial-{socket.gethostname()}-"
+
+
+def remove_stale_partials(parent: Path, out: Path) -> None:
+    """Remove staging directories of `out` in `parent` left by exports on this host that were
+    killed (their pid is no longer running)."""
+    prefix = _partial_prefix(out)
+    for p in parent.glob(f"{glob.escape(prefix)}*"):
+        pid = p.name[len(prefix):].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except PermissionError:  # running, as another user
+            pass
+
+
+def _new_mode(out: Path) -> int:
+    """The mode the export directory ends with: an existing one's (--overwrite), else what
+    mkdir gives under the umask (mkdtemp's 0700 is for the staging only)."""
+    if out.is_dir():
+        return stat.S_IMODE(out.stat().st_mode)
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o777 & ~umask
+
+
+def _keep_others(out: Path, tmp: Path) -> None:
+    """Copy what the export does not make (a README, ...) from the old `out` into `tmp`."""
+    for old in out.iterdir():
+        if old.name != tmp.name and not (tmp / old.name).exists() and not any(
+                fnmatch.fnmatch(old.name, p) for p in WEIGHT_FILES):
+            (shutil.copytree if old.is_dir() else shutil.copy2)(old, tmp / old.name)
+
+
+def _move_in(tmp: Path, out: Path) -> None:
+    """Write `tmp`'s files into `out` in place (a directory that can't be renamed): the old
+    weights go first (a loader must not follow an old index to old shards), then each new file
+    replaces its old one whole."""
+    made = {p.name for p in tmp.iterdir()}
+    for old in out.iterdir():
+        if old.name != tmp.name and old.name not in made and any(
+                fnmatch.fnmatch(old.name, p) for p in WEIGHT_FILES):
+            (shutil.rmtree if old.is_dir() and not old.is_symlink() else os.unlink)(old)
+    for new in tmp.iterdir():
+        dest = out / new.name
+        if dest.is_dir() and not dest.is_symlink():
+            shutil.rmtree(dest)
+        shutil.move(new, dest)  # a rename, or a copy across file systems
+
+
 @contextlib.contextmanager
 def staged(out: Path):
-    """A temporary directory beside `out` to write the export into; on success it becomes
-    `out` (an existing `out` is swapped out whole, keeping its files that are not weights),
-    on failure it is removed and `out` is as it was."""
+    """A temporary directory to write the export into; on success it becomes `out` (an
+    existing `out` is swapped out whole, keeping its files that are not weights), on failure it
+    is removed and `out` is as it was. A directory that can't be renamed (a mount point, the
+    working directory) is staged inside and written in place instead."""
+    out = Path(os.path.abspath(out))
     storage.check_writable(out.parent, "the parent of --out")
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    mode = _new_mode(out)
+    in_place = out.is_dir() and _fixed(out)
+    stage = out if in_place else out.parent
+    remove_stale_partials(stage, out)
+    tmp = Path(tempfile.mkdtemp(dir=stage, prefix=f"{_partial_prefix(out)}{os.getpid()}-"))
     try:
         yield tmp
-        if out.exists():
-            for old in out.iterdir():  # what the export does not make: a README, ...
-                if not (tmp / old.name).exists() and not any(
-                        fnmatch.fnmatch(old.name, p) for p in WEIGHT_FILES):
-                    (shutil.copytree if old.is_dir() else shutil.copy2)(old, tmp / old.name)
+        os.chmod(tmp, mode)
+        if in_place:
+            _move_in(tmp, out)
+        elif out.exists():
+            _keep_others(out, tmp)
             aside = tmp.with_name(f".{out.name}.old-{os.getpid()}")
-            os.rename(out, aside)
-            os.rename(tmp, out)
+            try:
+                os.rename(out, aside)
+            except OSError as e:
+                if e.errno != errno.EBUSY:  # a mount point _fixed did not see
+                    raise
+                _move_in(tmp, out)
+                return
+            try:
+                os.rename(tmp, out)
+            except BaseException:
+                os.rename(aside, out)  # as it was
+                raise
             shutil.rmtree(aside, ignore_errors=True)
         else:
             os.rename(tmp, out)
@@ -82,7 +192,8 @@ def export(checkpoint, out, *, step: int | None = None, dtype: str = "bfloat16",
     out = Path(out)
     model, source_dir, step = load_checkpoint(checkpoint, step)
     check_destination(out, overwrite, {"the run's base model": Path(source_dir),
-                                       "the run's output_dir": Path(checkpoint)})
+                                       "the run's output_dir": Path(checkpoint)},
+                      run_dir=Path(checkpoint))
     with staged(out) as tmp:
         if model.lora_scale is None:
             hf.save_hf(model, tmp, source_dir=source_dir, dtype=dtype)
@@ -126,4 +237,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code:  # a failed read's TensorStore reads may still be completing: don't wait on them,
+        sys.stdout.flush()  # nor let them report through an interpreter being finalized
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -24,6 +24,7 @@ import math
 import numbers
 import re
 import sys
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -331,7 +332,7 @@ def compute_rewards(funcs: Sequence[RewardFunc | Callable], prompts: Sequence[An
         except Exception as e:
             for c in pending.values():  # don't leave started coroutines un-awaited
                 getattr(c, "close", lambda: None)()
-            raise _call_error(f.name, e, columns) from e
+            raise _call_error(f, e, kwargs, columns) from e
         if inspect.isawaitable(result):
             pending[j] = result
         else:
@@ -339,7 +340,7 @@ def compute_rewards(funcs: Sequence[RewardFunc | Callable], prompts: Sequence[An
     if pending:
         for j, result in zip(pending, _run_async(list(pending.values()))):
             if isinstance(result, BaseException):
-                raise _call_error(funcs[j].name, result, columns) from result
+                raise _call_error(funcs[j], result, kwargs, columns) from result
             out[:, j] = _as_rewards(funcs[j].name, result, n)
     for column, values in logs.extra.items():
         got = len(values) - before.get(column, 0)
@@ -349,13 +350,33 @@ def compute_rewards(funcs: Sequence[RewardFunc | Callable], prompts: Sequence[An
     return out
 
 
-def _call_error(name: str, e: BaseException, columns: dict) -> RewardError:
-    return RewardError(
-        f"reward function {name!r} raised {type(e).__name__}: {e}. It is called as "
-        f"f(prompts=..., completions=..., completion_ids=..., trainer_state=..., "
-        f"log_extra=..., log_metric=..., **columns) with dataset columns "
-        f"{sorted(columns) or 'none'}; fix the function, or give it **kwargs to accept "
-        "columns it doesn't use")
+def _call_error(f: RewardFunc, e: BaseException, kwargs: dict, columns: dict) -> RewardError:
+    """One line naming the function and its own exception (and where it was raised). The
+    advice to add **kwargs only when the call itself failed: the function's signature does
+    not take the arguments it is called with (a TypeError raised inside it is its own bug)."""
+    what = " ".join(f"{type(e).__name__}: {e}".split())
+    if isinstance(e, TypeError) and not _binds(f.fn, kwargs):
+        return RewardError(
+            f"reward function {f.name!r} raised {what}: it is called as "
+            f"f(prompts=..., completions=..., completion_ids=..., trainer_state=..., "
+            f"log_extra=..., log_metric=..., **columns) with dataset columns "
+            f"{sorted(columns) or 'none'}; give it **kwargs to accept the arguments it "
+            "doesn't use")
+    frames = traceback.extract_tb(e.__traceback__)
+    where = (f" at {frames[-1].filename}:{frames[-1].lineno}"
+             if frames and frames[-1].filename != __file__ else "")
+    return RewardError(f"reward function {f.name!r} raised {what}{where}; fix the function")
+
+
+def _binds(fn: Callable, kwargs: dict) -> bool:
+    """Whether `fn`'s signature takes `kwargs` (True where it has none to check)."""
+    try:
+        inspect.signature(fn).bind(**kwargs)
+    except TypeError:
+        return False
+    except ValueError:  # no signature (some builtins)
+        return True
+    return True
 
 
 def _run_async(awaitables: list) -> list:

@@ -21,6 +21,7 @@ that a trainer on this host and account finds by itself (grpo_jax.rollout.vllm.s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -235,7 +236,7 @@ def start_server(model_dir, port: int, *, host: str = "127.0.0.1", python: str |
                       None if token is None else (port, token))
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m grpo_jax.serve", description=__doc__.split("\n\n")[0],
         epilog="Arguments not listed here are passed to vLLM unchanged.")
@@ -256,6 +257,7 @@ def main(argv=None) -> None:
                         "else this python)")
     args, extra = p.parse_known_args(argv)
     api_key = args.api_key or os.environ.get("VLLM_API_KEY")
+    token = None
     try:
         check_bind(args.host, api_key)
         from grpo_jax.errors import ModelLoadError
@@ -273,14 +275,52 @@ def main(argv=None) -> None:
             python=args.vllm_python, extra_args=extra, lora_rank=args.lora_rank,
             session_token=token)
     except ServeError as e:
-        sys.exit(f"grpo_jax.serve: {e}")
+        if token is not None:
+            server_auth.remove(args.port, token)
+        print(f"grpo_jax.serve: error: {e}", file=sys.stderr)  # as train and export
+        return 2
     print("grpo_jax.serve:", " ".join(cmd), flush=True)
     if token is not None:
         print(f"grpo_jax.serve: no API key, so the dev and weight routes take the session token "
               f"in {server_auth.token_path(args.port)} (readable by this account only; a "
               "trainer on this host reads it, others pass it as their API key)", flush=True)
-    os.execvpe(cmd[0], cmd, env)  # vLLM takes over this process: signals go straight to it
+    return run_server(cmd, env, None if token is None else (args.port, token))
+
+
+def run_server(cmd: list[str], env: dict, session_token: tuple[int, str] | None) -> int:
+    """Run vLLM in the foreground until it exits; its exit code (128 + N for signal N). vLLM
+    runs as a child, not in place of this process, so that its session token file and worker
+    path go with it however it ends: SIGINT, SIGTERM and SIGHUP are passed on to its process
+    group (its own: the engine core it forks gets them too, and a terminal's Ctrl-C reaches it
+    once, through here)."""
+    path_dir = Path(env["PYTHONPATH"].split(os.pathsep)[0])
+    procs, early = [], []  # a signal before vLLM started is passed on once it has
+
+    def forward(signum, _frame):
+        if not procs:
+            return early.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(procs[0].pid, signum)
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, forward) for s in handled}
+    try:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        procs.append(proc)
+        for signum in early:
+            forward(signum, None)
+        rc = proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):  # children that outlived the server
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        shutil.rmtree(path_dir, ignore_errors=True)
+        if session_token is not None:
+            server_auth.remove(*session_token)
+    return rc if rc >= 0 else 128 - rc
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

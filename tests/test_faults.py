@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -430,18 +431,6 @@ def _export(run_dir, out, *extra):
                  *extra])
 
 
-@pytest.mark.slow
-def test_export_of_a_damaged_checkpoint_is_one_line(run_dir, tmp_path, capsys):
-    damaged = tmp_path / "damaged"
-    shutil.copytree(run_dir, damaged)
-    _corrupt(damaged / "checkpoints" / "2", "truncated data file")
-    assert _export(damaged, tmp_path / "hf") == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "checkpoint 2 in" in err and "damaged" in err, err
-    assert "--step (complete ones: [1])" in err
-    assert _export(damaged, tmp_path / "hf", "--step", "1") == 0
-
-
 def test_export_refuses_the_base_model_and_the_run(run_dir, tiny_dir, capsys):  # noqa: F811
     before = {p.name: p.read_bytes() for p in tiny_dir.iterdir() if p.is_file()}
     for out, what in ((tiny_dir, "is the run's base model"),
@@ -485,3 +474,118 @@ def test_interrupted_export_leaves_no_half_model(run_dir, tmp_path, monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         _export(run_dir, tmp_path / "new")
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither a half model nor staging
+
+
+def _export_cli(run_dir, out, *extra, cwd=None):
+    """`python -m grpo_jax.export` as a user runs it: (exit code, stderr)."""
+    proc = subprocess.run([sys.executable, "-m", "grpo_jax.export", "--checkpoint", str(run_dir),
+                           "--out", str(out), "--dtype", "float32", *extra], env=_env(),
+                          cwd=cwd, capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stderr
+
+
+def _damage_data_files(step_dir: Path, how: str) -> None:
+    """Every data file of the state (which one holds the params varies between runs): cut to
+    10 bytes, removed, or overwritten with random bytes of its size."""
+    rng = np.random.default_rng(0)
+    for data in [p for p in (step_dir / "state").rglob("*") if p.is_file()
+                 and p.parent.name == "d"]:
+        if how == "truncated":
+            os.truncate(data, 10)
+        elif how == "missing":
+            data.unlink()
+        else:
+            data.write_bytes(rng.bytes(data.stat().st_size))
+
+
+@pytest.mark.slow
+def test_export_of_a_damaged_checkpoint_prints_only_its_line(run_dir, tmp_path, capfd):
+    """Three damages, each in its own process as a user meets it: stderr is the one line (it
+    was 30-60 lines of TensorStore's reads reporting 'Event loop is closed', some after the
+    line); the complete checkpoint 1 it names exports. A garbage _CHECKPOINT_METADATA (Orbax
+    reads the step without it) exports without absl's ERROR line."""
+    for how in ("truncated", "missing", "garbage"):
+        damaged = tmp_path / how
+        shutil.copytree(run_dir, damaged)
+        _damage_data_files(damaged / "checkpoints" / "2", how)
+        rc, err = _export_cli(damaged, tmp_path / "hf")
+        assert rc == 2 and err.count("\n") == 1, (how, err[-3000:])
+        assert err.startswith("grpo_jax.export: error: checkpoint 2 in ") and (
+            "damaged" in err and "--step (complete ones: [1])" in err), (how, err)
+        assert "TensorStore details" not in err, err  # a pointer to details not shown
+    assert not (tmp_path / "hf").exists()
+    capfd.readouterr()
+    assert _export(tmp_path / "garbage", tmp_path / "hf", "--step", "1") == 0
+    (tmp_path / "garbage" / "checkpoints" / "2" / "_CHECKPOINT_METADATA").write_text("{garbage")
+    assert _export(tmp_path / "garbage", tmp_path / "hf2", "--step", "1") == 0
+    assert capfd.readouterr().err == ""
+
+
+def test_export_into_the_working_directory_writes_in_place(run_dir, tmp_path, monkeypatch,
+                                                           capsys):
+    """`--out .` (an empty working directory; then again with --overwrite): the model is
+    written there, not swapped in by a rename that would leave the shell in a removed
+    directory. The directory keeps its inode and mode."""
+    out = tmp_path / "here"
+    out.mkdir()
+    out.chmod(0o751)
+    inode = out.stat().st_ino
+    monkeypatch.chdir(out)
+    assert _export(run_dir, ".") == 0, capsys.readouterr().err
+    (out / "README.md").write_text("my notes")
+    assert _export(run_dir, ".", "--overwrite") == 0, capsys.readouterr().err
+    names = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors" in names and "config.json" in names and "README.md" in names
+    assert not [n for n in names if n.startswith(".")], names  # no staging left
+    assert out.stat().st_ino == inode and out.stat().st_mode & 0o777 == 0o751
+
+
+def test_export_onto_a_bind_mount_writes_in_place(run_dir, tmp_path, capsys):
+    """A bind-mounted --out can't be renamed (EBUSY): written in place, one line on failure."""
+    _root_or_skip("mount")
+    src, out = tmp_path / "src", tmp_path / "mnt"
+    src.mkdir()
+    out.mkdir()
+    (src / "model-00001-of-00002.safetensors").write_bytes(b"old")
+    if subprocess.run(["mount", "--bind", str(src), str(out)], capture_output=True).returncode:
+        pytest.skip("can't bind-mount here")
+    try:
+        assert _export(run_dir, out, "--overwrite") == 0, capsys.readouterr().err
+        names = sorted(p.name for p in out.iterdir())
+        assert "model.safetensors" in names and "model-00001-of-00002.safetensors" not in names
+        assert not [n for n in names if n.startswith(".")], names
+    finally:
+        subprocess.run(["umount", "-l", str(out)], check=True)
+    assert sorted(p.name for p in src.iterdir()) == names
+
+
+def test_export_refuses_the_runs_state_directories(run_dir, capsys):
+    before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    for out in (run_dir / "checkpoints", run_dir / "checkpoints" / "hf",
+                run_dir / "checkpoints" / "1"):
+        assert _export(run_dir, out, "--overwrite") == 2
+        err = capsys.readouterr().err
+        assert "is inside the run's checkpoints directory" in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
+
+
+def test_export_modes_and_a_killed_exports_staging(run_dir, tmp_path, capsys):
+    """A new directory gets the umask's mode (not mkdtemp's 0700), --overwrite keeps the old
+    one's; a killed export's hidden staging directory (its pid gone) is removed by the next."""
+    killed = subprocess.Popen(["sleep", "0"])
+    killed.wait()
+    stale = tmp_path / f".new.partial-{socket.gethostname()}-{killed.pid}-abc123"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    running = tmp_path / f".new.partial-{socket.gethostname()}-{os.getpid()}-def456"
+    running.mkdir()  # an export still running: kept
+    old = os.umask(0o027)
+    try:
+        assert _export(run_dir, tmp_path / "new") == 0, capsys.readouterr().err
+    finally:
+        os.umask(old)
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o750
+    assert not stale.exists() and running.exists()
+    (tmp_path / "new").chmod(0o755)
+    assert _export(run_dir, tmp_path / "new", "--overwrite") == 0
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o755

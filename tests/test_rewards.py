@@ -160,6 +160,29 @@ def test_bad_reward_functions_raise_reward_error(fn, needle):
         compute_rewards([fn], ["p", "q"], ["a", "b"], [[1], [2]], {"answer": ["1", "2"]})
 
 
+def _length(text):
+    return float(len(text))
+
+
+def _calls_a_helper_wrongly(completions, **kwargs):
+    return [_length(c, strict=True) for c in completions]  # a TypeError of its own
+
+
+@pytest.mark.parametrize("fn,needle", [
+    (_raises, r"^reward function '_raises' raised KeyError: 'answer' at .*test_rewards\.py:\d+; "
+              r"fix the function$"),
+    (_async_raises, r"^reward function '_async_raises' raised ValueError: judge offline at "
+                    r".*test_rewards\.py:\d+; fix the function$"),
+    (_calls_a_helper_wrongly, r"^reward function '_calls_a_helper_wrongly' raised TypeError: "
+                              r"_length\(\) got an unexpected keyword argument 'strict' at .*"),
+])
+def test_a_reward_function_that_raises_is_named_with_its_own_error(fn, needle):
+    """Functions that have **kwargs are not told to add them: one line, their own error."""
+    with pytest.raises(RewardError, match=needle) as e:
+        compute_rewards([fn], ["p", "q"], ["a", "b"], [[1], [2]], {"answer": ["1", "2"]})
+    assert "kwargs" not in str(e.value) and "\n" not in str(e.value)
+
+
 def test_numpy_results_and_input_checks():
     arr = RewardFunc("np", lambda completions, **kw: np.arange(len(completions), dtype=np.int64))
     np.testing.assert_array_equal(compute_rewards([arr], ["p"] * 3, ["a"] * 3, [[1]] * 3),

@@ -195,6 +195,42 @@ def test_unknown_templates_are_refused_with_the_fix(templated, smol_tok):
         tools.ToolRollout(None, smol_tok, tools.Toolbox([], 1.0), None, (2,), 2)
 
 
+def test_a_legacy_response_schema_is_taken_as_trl_takes_it(smol_tok, monkeypatch):
+    """A tokenizer with only a legacy response_schema (one of TRL's) on a template TRL doesn't
+    know: TRL 1.16 keeps it with a FutureWarning, so does this, and its calls are parsed with
+    the response template TRL pairs with the schema (transformers parses nothing else now), from
+    the installed trl and the vendored copy alike. A schema TRL doesn't ship: one line."""
+    from grpo_jax import data
+    tok = copy.deepcopy(smol_tok)
+    tok.chat_template = data.chat_template("chatml_tools") + "\n"  # Hermes calls, as Qwen3's
+    tok.response_schema = ctu.qwen3_schema
+    for source in ("trl", "vendored"):
+        with pytest.warns(FutureWarning, match="legacy `response_schema`"):
+            prepared = prepare(tok, source, monkeypatch)
+        assert not isinstance(prepared, str), prepared
+        assert prepared.response_template == ctu.qwen3_template
+        assert prepared.response_schema == ctu.qwen3_schema  # kept, as TRL keeps it
+        prompt, turn = rendered_call(prepared, "Let me look.")
+        assert tools.parse_turn(prepared, turn, prompt, [get_weather])["tool_calls"] == [CALL]
+    tok.response_schema = {"x-regex": "(?P<content>.*)", "type": "object"}
+    for source in ("trl", "vendored"):
+        refused = prepare(tok, source, monkeypatch)
+        assert "legacy response_schema, not one of TRL's" in refused and "\n" not in refused
+
+
+def test_the_unknown_template_error_lists_formats_as_taken(templated, smol_tok):
+    """The formats the refusal names are taken (with their special tokens): Llama 3.1/3.2
+    too. Without their special tokens Llama's are refused, so the line says so."""
+    from grpo_jax import data
+    tok = copy.deepcopy(smol_tok)
+    tok.chat_template = data.chat_template("chatml_tools") + "\n"
+    with pytest.raises(tools.ToolError, match="Llama 3.1/3.2.* with their tokenizers' special "
+                                              "tokens"):
+        tools.prepare_tool_tokenizer(tok)
+    for name in ("llama3_1", "llama3_2"):
+        tools.prepare_tool_tokenizer(templated(ctu._CHAT_TEMPLATES_DIR / f"{name}.jinja"))
+
+
 @pytest.mark.slow
 def test_grpo_run_on_a_qwen3_template_goes_past_its_first_tool_call(tmp_path, smol_tok):
     """SmolLM2 with Qwen3's chat template, which is not prefix-preserving (the loop died with a

@@ -155,14 +155,102 @@ def client(server):
 
 def test_refuses_public_bind_without_api_key(monkeypatch, capsys):
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
-    with pytest.raises(SystemExit) as e:
-        serve.main(["--model", "/nonexistent", "--host", "0.0.0.0"])
-    assert "refusing to bind 0.0.0.0" in str(e.value) and "--api-key" in str(e.value)
+    assert serve.main(["--model", "/nonexistent", "--host", "0.0.0.0"]) == 2  # as train's
+    err = capsys.readouterr().err
+    assert err.startswith("grpo_jax.serve: error: refusing to bind 0.0.0.0") and (
+        "--api-key" in err and err.count("\n") == 1), err
+    assert serve.main(["--model", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("grpo_jax.serve: error: model '/nonexistent' not found") and (
+        err.count("\n") == 1), err
     with pytest.raises(serve.ServeError, match="refusing to bind 192.168.1.5"):
         serve.build_command("/m", host="192.168.1.5", python="/bin/false", env={})
     serve.check_bind("127.0.0.1", None)
     serve.check_bind("::1", None)
     serve.check_bind("0.0.0.0", "key")  # allowed once a key guards it
+
+
+# A stand-in for vLLM's python: it answers serve's probe as the CPU build, and as the server it
+# waits for a signal, writing down which one reached it.
+FAKE_VLLM_PYTHON = """#!/bin/sh
+if [ "$1" = "-c" ]; then echo cpu; exit 0; fi
+trap 'echo TERM > "$GRPO_JAX_TEST_MARK.signal"; exit 0' TERM
+touch "$GRPO_JAX_TEST_MARK"
+while :; do sleep 0.05; done
+"""
+
+
+def test_serve_removes_its_session_token_when_stopped(tmp_path):
+    """`python -m grpo_jax.serve` without a key on SIGTERM: vLLM gets the signal, and the
+    token file and the worker's path directory go with the server (they outlived it)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_VLLM_PYTHON)
+    fake.chmod(0o755)
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "model").mkdir()
+    mark, port = tmp_path / "started", free_port()
+    env = {**os.environ, "GRPO_JAX_CACHE": str(tmp_path / "cache"), "TMPDIR": str(tmp_path / "tmp"),
+           "GRPO_JAX_TEST_MARK": str(mark)}
+    env.pop("VLLM_API_KEY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_jax.serve", "--model",
+                             str(tmp_path / "model"), "--port", str(port), "--vllm-python",
+                             str(fake)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    token = tmp_path / "cache" / "serve" / f"port-{port}.token"
+    try:
+        deadline = time.monotonic() + 60
+        while not mark.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert mark.exists() and token.exists(), proc.communicate(timeout=5) if (
+            proc.poll() is not None) else "the stand-in server did not start in 60 s"
+        assert list((tmp_path / "tmp").iterdir())  # the worker's path, while it runs
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and "Traceback" not in err, (out, err)
+    assert (tmp_path / "started.signal").read_text().strip() == "TERM"
+    assert not token.exists() and not list((tmp_path / "tmp").iterdir())
+
+
+def test_session_token_scheme_is_case_insensitive(monkeypatch):
+    """RFC 7235: "bearer" is "Bearer". The server's guard itself, as an ASGI app before a
+    stand-in for vLLM's."""
+    import asyncio
+
+    from grpo_jax.rollout.server.wire import SESSION_TOKEN_ENV
+    from grpo_jax.rollout.server.worker import DevRouteAuth
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    monkeypatch.setenv(SESSION_TOKEN_ENV, "tok3n")
+
+    async def vllm(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+    guard = DevRouteAuth(vllm)
+
+    def status(authorization):
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+        headers = [(b"authorization", authorization)] if authorization is not None else []
+        asyncio.run(guard({"type": "http", "method": "GET", "path": "/collective_rpc",
+                           "headers": headers}, receive, send))
+        return sent[0]["status"]
+    for ok in (b"Bearer tok3n", b"bearer tok3n", b"BEARER tok3n", b"Bearer  tok3n"):
+        assert status(ok) == 200, ok
+    for refused in (None, b"", b"Bearer", b"Bearer tok3", b"Basic tok3n", b"tok3n",
+                    b"Bearer tok3n x", b"bearertok3n"):
+        assert status(refused) == 401, refused
 
 
 def test_session_token_is_private_and_found_by_a_loopback_client(tmp_path, monkeypatch):

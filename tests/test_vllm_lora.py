@@ -200,6 +200,10 @@ def test_session_token_guards_dev_and_weight_routes(server, client):
                       json={"prompt": PROMPTS[0], "max_tokens": 2})
     assert r.status_code == 200 and requests.get(server.base_url + "/health").status_code == 200
     assert client.model_info()["max_lora_rank"] == 8  # /collective_rpc with the token
+    r = requests.post(server.base_url + "/collective_rpc", json={"method": "grpo_model_info"},
+                      headers={"Authorization": f"bearer {path.read_text().strip()}"},
+                      timeout=60)  # RFC 7235: the scheme is case-insensitive
+    assert r.status_code == 200, r.text[:200]
 
 
 def running_requests(server) -> float:

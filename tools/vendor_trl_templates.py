@@ -5,7 +5,8 @@ TRL (grpo_jax.rollout.tool_templates reads it there; with TRL importable it read
 
 Writes index.json (each of TRL's original chat templates by the sha256 of its text: its name,
 the name of its tool-call parser as TRL's `add_response_schema` sets it, and its training
-template file as `get_training_chat_template` swaps it in), the training templates of those
+template file as `get_training_chat_template` swaps it in; and TRL's legacy `response_schema`s
+by the name of the parser TRL pairs each with), the training templates of those
 originals that can render a tool exchange (TRL's `supports_tool_calling`; the others are
 refused before a swap), TRL's LICENSE and a README naming the source. tests/test_tool_templates.py
 checks that the copy prepares every template as TRL itself does.
@@ -61,9 +62,15 @@ def main() -> None:
         index[hashlib.sha256(text.encode()).hexdigest()] = {
             "name": path.stem, "response_template": parser, "training": name}
         used.add(parser)
+    # TRL's legacy response_schemas (transformers < 5.13), by the name of the parser TRL pairs
+    # each with (`<name>_schema` -> `<name>_template`).
+    legacy = {k.removesuffix("_schema"): v for k, v in vars(ctu).items()
+              if k.endswith("_schema") and isinstance(v, dict)}
+    used |= set(legacy)
     data = {"trl_version": version, "transformers_version": transformers.__version__,
             "response_templates": {n: parsers[n] for n in sorted(used - {None})},
-            "chat_templates": index}
+            "chat_templates": index,
+            "legacy_schemas": {n: legacy[n] for n in sorted(legacy)}}
     (OUT / "index.json").write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n",
                                     encoding="utf-8")
     dist = importlib.metadata.distribution("trl")

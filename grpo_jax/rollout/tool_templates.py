@@ -28,6 +28,11 @@ class TemplateTable(Protocol):
         """The prefix-preserving template TRL trains with in place of the tokenizer's
         (get_training_chat_template), None where TRL has none."""
 
+    def legacy_response_template(self, schema: dict) -> dict | None:
+        """The response template TRL pairs with `schema`, one of its legacy `response_schema`s
+        (add_response_schema sets `<name>_schema` on transformers < 5.13, `<name>_template`
+        after): None for a schema TRL doesn't ship."""
+
 
 class TrlTable:
     """The installed TRL's own functions."""
@@ -49,6 +54,12 @@ class TrlTable:
         except ValueError:  # "patching is not supported for this template"
             return None
 
+    def legacy_response_template(self, schema):
+        for name, value in vars(self.ctu).items():
+            if name.endswith("_schema") and value == schema:
+                return copy.deepcopy(vars(self.ctu).get(name.removesuffix("_schema") + "_template"))
+        return None
+
 
 class VendoredTable:
     """TRL's data as copied into grpo_jax/assets/trl/."""
@@ -57,6 +68,7 @@ class VendoredTable:
         self.dir = resources.files("grpo_jax") / "assets" / "trl"
         data = json.loads((self.dir / "index.json").read_text(encoding="utf-8"))
         self.parsers, self.known = data["response_templates"], data["chat_templates"]
+        self.legacy = data["legacy_schemas"]
 
     def _entry(self, chat_template) -> dict:
         if not isinstance(chat_template, str):
@@ -73,6 +85,10 @@ class VendoredTable:
             chat_template = chat_template["default"]
         name = self._entry(chat_template).get("training")
         return (self.dir / name).read_text(encoding="utf-8") if name else None
+
+    def legacy_response_template(self, schema):
+        name = next((n for n, s in self.legacy.items() if s == schema), None)
+        return copy.deepcopy(self.parsers[name]) if name else None
 
 
 def table() -> TemplateTable:

@@ -28,6 +28,7 @@ import copy
 import dataclasses
 import inspect
 import json
+import warnings
 from importlib import resources
 from typing import Any, Callable, Sequence
 
@@ -243,18 +244,23 @@ def prepare_tool_tokenizer(tokenizer, chat_template_kwargs=None):
     check_chat_template(tokenizer)
     tok = copy.deepcopy(tokenizer)
     table = tool_templates.table()
+    # TRL's own checks (GRPOTrainer.__init__): the legacy response_schema is no attribute of
+    # transformers' tokenizers any more, only set by hand.
+    legacy = getattr(tok, "response_schema", None)
     if getattr(tok, "response_template", None) is None:
         own = _OWN_PARSERS.get(tok.chat_template) if isinstance(tok.chat_template, str) else None
         tok.response_template = (copy.deepcopy(own) if own
                                  else table.response_template(tok.chat_template))
+        if legacy is not None:
+            tok.response_template = _from_legacy(table, legacy, tok.response_template)
         if tok.response_template is None:
             raise ToolError(
-                "TRL 1.16 knows no tool-call format for this chat template (it knows Qwen2.5/3/"
-                "3.5/3.6/3.8, Llama 3.1/3.2, gpt-oss, GLM-4-MoE, Gemma 4, LFM2, Nemotron 3), so "
-                "the model's tool calls could not be parsed: set the tokenizer's "
-                "response_template to its format (transformers' response parsing), or set "
-                "chat_template: chatml_tools (shipped; Hermes <tool_call> JSON) for a ChatML "
-                "model")
+                "TRL 1.16 knows no tool-call format for this chat template (it knows those of "
+                "Qwen2.5/3/3.5/3.6/3.8, Llama 3.1/3.2, gpt-oss, GLM-4-MoE, Gemma 4, LFM2 and "
+                "Nemotron 3, with their tokenizers' special tokens), so the model's tool calls "
+                "could not be parsed: set the tokenizer's response_template to its format "
+                "(transformers' response parsing), or set chat_template: chatml_tools "
+                "(shipped; Hermes <tool_call> JSON) for a ChatML model")
     try:
         preserving = is_prefix_preserving(tok)
     except Exception as e:  # noqa: BLE001 - a template that fails on TRL's own probe
@@ -276,6 +282,29 @@ def prepare_tool_tokenizer(tokenizer, chat_template_kwargs=None):
                         "the model's tokens: set chat_template to a prefix-preserving one "
                         "whose special strings are this tokenizer's tokens") from None
     return tok
+
+
+def _from_legacy(table, schema: dict, known: dict | None) -> dict:
+    """The response template to parse with for a tokenizer that has only a legacy
+    `response_schema` (`known`: its chat template's parser, if TRL knows the template). TRL
+    1.16 keeps such a tokenizer with a FutureWarning, but transformers >= 5.13 parses only
+    response templates (TRL's parse_response then fails on every turn): the template TRL pairs
+    with the schema parses instead (add_response_schema's pairs), else the chat template's.
+    Refused when neither exists: nothing here could read the model's calls."""
+    import transformers
+    template = table.legacy_response_template(schema)
+    if template is None and known is None:
+        raise ToolError(f"the tokenizer has only a legacy response_schema, not one of TRL's, and "
+                        f"transformers {transformers.__version__} parses only response_template: "
+                        "set the tokenizer's response_template to its format (transformers' "
+                        "response parsing)")
+    which = ("the response_template TRL pairs with it" if template is not None
+             else "its chat template's response_template (the schema is not one of TRL's)")
+    warnings.warn(f"The tokenizer has a legacy `response_schema` set but no `response_template`;"
+                  f" tool calls are parsed with {which}. Consider migrating, as "
+                  "`response_schema` support will eventually be removed (TRL 1.16's warning).",
+                  FutureWarning, stacklevel=3)
+    return template if template is not None else known
 
 
 @dataclasses.dataclass

@@ -92,7 +92,7 @@ class DevRouteAuth:
         self.app = app
         key = os.environ.get("VLLM_API_KEY") or ""
         secret = key or os.environ.get(SESSION_TOKEN_ENV) or ""
-        self.expected = f"Bearer {secret}".encode() if secret else None
+        self.expected = secret.encode() if secret else None
         self.open = frozenset({"/health"}) if key else OPEN_ROUTES
 
     async def __call__(self, scope, receive, send):
@@ -101,7 +101,10 @@ class DevRouteAuth:
                 or scope.get("method") == "OPTIONS" or path in self.open):
             return await self.route(scope, receive, send, path)
         got = dict(scope.get("headers") or ()).get(b"authorization", b"")
-        if hmac.compare_digest(got, self.expected):
+        # "Bearer <secret>"; the scheme is case-insensitive (RFC 7235 section 2.1)
+        scheme, _, credentials = got.strip().partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(credentials.lstrip(b" "),
+                                                                self.expected):
             return await self.route(scope, receive, send, path)
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008})
