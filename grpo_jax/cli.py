@@ -159,7 +159,6 @@ NO_EFFECT = {
     "hub_model_id": "not supported: nothing is uploaded", "hub_strategy": "not supported: "
     "nothing is uploaded", "hub_private_repo": "not supported: nothing is uploaded",
     "log_level": "grpo-jax logs metrics at every logging_steps",
-    "logging_strategy": "metrics are logged every logging_steps",
     "torch_empty_cache_steps": "JAX frees device buffers when their arrays go; there is no "
                                "allocator cache to empty",
     "vllm_device": "set on the vLLM server (python -m grpo_jax.serve)",
@@ -195,7 +194,6 @@ NO_EFFECT = {
     "dataloader_drop_last": "an epoch's tail too short for a generation batch "
     "is skipped, as TRL's sampler does",
     "eval_accumulation_steps": "eval metrics are reduced per eval batch",
-    "save_strategy": "checkpoints are written every save_steps, on a stop signal and at the end",
     "deepspeed": "JAX shards params, gradients and optimizer state with the mesh (dp, fsdp, tp)",
     "fsdp_config": "JAX shards params, gradients and optimizer state with the mesh (fsdp)",
     "use_transformers_continuous_batching": "generation runs in the JAX sampler or a vLLM "
