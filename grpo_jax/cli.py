@@ -269,7 +269,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 pass
         raise bad
     if origin is Literal:
-        if value in args:
+        if value is False and "no" in args:  # YAML 1.1 reads a bare `no` as false
+            return "no"
+        if value in args and not isinstance(value, bool):
             return value
         close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
         raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, args))}"

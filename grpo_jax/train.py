@@ -308,9 +308,10 @@ def build_run(cfg: config_lib.TrainConfig, devices=None) -> Run:
     schedule = evaluation.schedule(cfg.eval, cfg.run.logging_steps, total_steps,
                                    plan.gradient_accumulation_steps,
                                    plan.micro_steps_per_epoch(len(dataset)))
-    schedule = {"num_prompts": len(dataset), **{k: v for k, v in dataclasses.asdict(plan).items()
-                                                 if k != "data_parallel_size"}}
-    checkpoints = RunCheckpoints.open(out, cfg, schedule)
+    # What a data position means, kept in each checkpoint (the data-parallel size is free).
+    positions = {"num_prompts": len(dataset), **{
+        k: v for k, v in dataclasses.asdict(plan).items() if k != "data_parallel_size"}}
+    checkpoints = RunCheckpoints.open(out, cfg, positions)
     at = checkpoints.resume(cfg, out, RunState(state), run_round)
     if dist.is_main():  # without this process's id: the file serves every process of a resume
         _write_settings(out, dataclasses.replace(
