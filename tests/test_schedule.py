@@ -81,29 +81,24 @@ def test_resume_from_another_runs_mid_round_checkpoint_is_exact(tiny_dir, mid_ro
 
 def test_epoch_strategies_resume_with_safe_changes_and_refused_ones(tiny_dir, tmp_path,  # noqa
                                                                      capsys):
-    """save_strategy / logging_strategy 'epoch' checkpoint and log at each epoch's end; the
-    final summary keeps a learning rate of 3.3e-7. A resume with other run settings says once
-    which (config.yaml's previous settings kept); one with another num_generations and a
-    dataset of another size is refused with one line naming both, exit 2, nothing touched."""
+    """save_strategy / logging_strategy 'epoch' checkpoint and log at each epoch's end. A resume
+    with other run settings says once which (config.yaml's previous settings kept); one with
+    another num_generations and a dataset of another size is refused naming both, nothing
+    touched."""
+    from grpo_jax.errors import TrainError
     prompts = _prompts(tmp_path / "prompts.jsonl", 8)  # 2 generation batches, 2 updates each epoch
-    out, cfg_file = tmp_path / "run", tmp_path / "run.yaml"
+    out, one = tmp_path / "run", jax.devices()[:1]
 
-    def run(*args, **settings) -> tuple[int, str, str]:
-        cfg_file.write_text(config(tiny_dir, out, dp=-1, per_device_train_batch_size=2,
-                                   dataset_name=prompts, max_steps=-1, learning_rate=3.3e-7,
-                                   **settings).to_yaml())  # 8 host devices here
-        rc = main(["--config", str(cfg_file), *args])
-        got = capsys.readouterr()
-        return rc, got.out, got.err
+    def cfg(**settings):
+        return config(tiny_dir, out, dataset_name=prompts, max_steps=-1, **settings)
 
-    rc, stdout, err = run(num_train_epochs=2, save_strategy="epoch", logging_strategy="epoch")
-    assert rc == 0, err[-3000:]
+    train(cfg(num_train_epochs=2, save_strategy="epoch", logging_strategy="epoch"), devices=one)
     assert _steps(out) == [2, 4] and [h["step"] for h in _records(out)] == [2, 4]
-    assert json.loads(stdout.splitlines()[-1])["learning_rate"] == pytest.approx(3.3e-7)
+    capsys.readouterr()
 
-    rc, _, err = run("--resume", num_train_epochs=3, save_strategy="no",
-                     logging_strategy="epoch")
-    assert rc == 0, err[-3000:]
+    train(cfg(resume=True, num_train_epochs=3, save_strategy="no", logging_strategy="epoch"),
+          devices=one)
+    err = capsys.readouterr().err
     assert err.count("save_strategy 'no': no periodic checkpoints") == 1
     changed = [line for line in err.splitlines() if "settings changed since checkpoint 4" in line]
     assert len(changed) == 1 and "num_train_epochs: checkpoint 4 2.0, this run 3.0" in changed[0]
@@ -113,13 +108,23 @@ def test_epoch_strategies_resume_with_safe_changes_and_refused_ones(tiny_dir, tm
 
     saved = (out / "config.yaml").read_text()
     _prompts(prompts, 12)  # the dataset's file grew
-    rc, _, err = run("--resume", num_train_epochs=3, num_generations=8, save_strategy="no",
-                     logging_strategy="epoch")
-    errors = [line for line in err.splitlines() if line.startswith(ERROR)]
-    assert rc == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
-    assert "num_generations: checkpoint 6 4, this run 8" in errors[0], errors[0]
-    assert "the dataset's prompts: checkpoint 6 8, this run 12" in errors[0], errors[0]
+    with pytest.raises(TrainError) as refused:
+        train(cfg(resume=True, num_train_epochs=3, num_generations=8, save_strategy="no",
+                  logging_strategy="epoch"), devices=one)
+    line = str(refused.value)
+    assert "\n" not in line and "num_generations: checkpoint 6 4, this run 8" in line, line
+    assert "the dataset's prompts: checkpoint 6 8, this run 12" in line, line
     assert (out / "config.yaml").read_text() == saved and _steps(out) == [2, 4, 6]
+
+
+def test_final_summary_keeps_significant_digits(tmp_path, capsys, monkeypatch):
+    """The CLI's last line, the run's last metrics: a learning rate of 3.3e-7 is not 0.0."""
+    from grpo_jax import train as train_lib
+    monkeypatch.setattr(train_lib, "train", lambda cfg: {"learning_rate": 3.3e-7, "loss": None,
+                                                         "reward": 0.123456789})
+    assert main(["--output_dir", str(tmp_path / "run")]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])
+    assert summary == {"learning_rate": 3.3e-7, "loss": None, "reward": 0.123457}
 
 
 GUARD = """
@@ -136,29 +141,37 @@ def constant_guarded(prompts, completions, **kwargs):
 """
 
 
-def test_dynamic_sampling_ends_with_the_runs_epochs(tiny_dir, tmp_path, capsys,  # noqa: F811
-                                                    monkeypatch):
-    """8 prompts, 2 a generation batch, num_train_epochs 1 (4 steps), max_num_gen_batches 0
-    (endless, verl's semantics): with half the prompts giving no signal the batches fill at most
-    twice, then the run ends with its epoch (one line, its end checkpointed, never reading the
-    next epoch); with no signal at all it stops with one error after the epoch's 4 batches."""
-    prompts = _prompts(tmp_path / "prompts.jsonl", 8)
-    settings = dict(dataset_name=prompts, per_device_train_batch_size=8, max_steps=-1,
-                    num_train_epochs=1, dynamic_sampling=True, max_num_gen_batches=0)
-    out = tmp_path / "odd"
-    train(config(tiny_dir, out, reward_funcs=f"[{HERE / 'reward_fixtures.py'}:"
-                 "even_tokens_odd_posts]", **settings), devices=jax.devices()[:1])
+DYNAMIC = dict(max_steps=-1, num_train_epochs=1, dynamic_sampling=True, max_num_gen_batches=0)
+
+
+def test_dynamic_sampling_ends_with_the_runs_epochs(tiny_dir, tmp_path, capsys):  # noqa: F811
+    """12 prompts, 4 a generation batch, num_train_epochs 1 (3 steps), max_num_gen_batches 0
+    (endless, verl's semantics): with half the prompts giving no signal the batches fill fewer
+    than 3 times, then the run ends with its epoch, as verl's with its data: one line, its end
+    checkpointed, the next epoch's prompts never read."""
+    out = tmp_path / "run"
+    train(config(tiny_dir, out, dataset_name=_prompts(tmp_path / "prompts.jsonl", 12),
+                 reward_funcs=f"[{HERE / 'reward_fixtures.py'}:even_tokens_odd_posts]",
+                 **DYNAMIC), devices=jax.devices()[:1])
     lines = [line for line in capsys.readouterr().err.splitlines()
              if "dynamic_sampling used up the run's 1 epoch(s) of prompts" in line]
     steps = _steps(out)
-    assert len(lines) == 1 and steps and steps[-1] < 4, (lines, steps)
-    assert f"at step {steps[-1]} of 4" in lines[0]
+    assert len(lines) == 1 and steps and steps[-1] < 3, (lines, steps)
+    assert f"at step {steps[-1]} of 3" in lines[0]
     assert _meta(out, steps[-1])["data_position"][0] == 0  # never the next epoch's prompts
 
+
+def test_dynamic_sampling_without_signal_stops_at_the_data_end(tiny_dir, tmp_path,  # noqa
+                                                                monkeypatch):
+    """The same run with a constant reward, endless mode: no batch ever fills. It stops with one
+    error after the epoch's 3 generation batches (it went on forever: the reward's guard ends it
+    after 40), with nothing to checkpoint."""
     (tmp_path / "guard.py").write_text(GUARD)
     monkeypatch.setenv("GRPO_TEST_CALLS", str(tmp_path / "calls"))
     with pytest.raises(NoSignalError, match="without filling one batch"):
-        train(config(tiny_dir, tmp_path / "none", reward_funcs=f"[{tmp_path / 'guard.py'}:"
-                     "constant_guarded]", **settings), devices=jax.devices()[:1])
-    assert (tmp_path / "calls").read_text() == "4"  # the epoch's 4 generation batches
-    assert not _steps(tmp_path / "none")
+        train(config(tiny_dir, tmp_path / "run",
+                     dataset_name=_prompts(tmp_path / "prompts.jsonl", 12),
+                     reward_funcs=f"[{tmp_path / 'guard.py'}:constant_guarded]", **DYNAMIC),
+              devices=jax.devices()[:1])
+    assert (tmp_path / "calls").read_text() == "3"  # the epoch's 3 generation batches
+    assert not _steps(tmp_path / "run")
