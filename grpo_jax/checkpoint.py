@@ -127,15 +127,15 @@ def _mismatch(step, directory, saved: dict, wanted: dict, settings: dict,
             "into another output_dir")
 
 
-# The settings that fix what a checkpoint's data position, epoch and buffered micro-batches
-# mean: resumed with other values, the run would skip or repeat prompts, jump epochs, or train
-# buffered completions of another shape. Run-time settings (where it runs and writes, and how
+# The settings that fix what a checkpoint's data position and epoch mean: resumed with other
+# values, the run would skip or repeat prompts and jump epochs. The batch's shape is compared
+# as the checkpoint's batch plan (its meta), so that the same batch on other devices (another
+# per_device_train_batch_size and dp) resumes. Run-time settings (where the run writes and how
 # it resumes) are not compared at all.
 DATA_SETTINGS = {"data": ("dataset_name", "dataset_config", "dataset_train_split",
                           "prompt_column", "shuffle_dataset", "seed"),
-                 "grpo": ("num_generations", "num_iterations"),
-                 "batch": ("per_device_train_batch_size", "gradient_accumulation_steps",
-                           "generation_batch_size", "steps_per_generation")}
+                 "grpo": ("num_generations",)}
+BATCH_SECTIONS = ("batch", "mesh", "grpo")  # settings that may change the batch plan
 RUN_TIME_SETTINGS = (("run", "resume"), ("run", "output_dir"), ("distributed", None))
 
 
@@ -152,18 +152,27 @@ def settings_diff(old: dict | None, new: dict) -> list[tuple[str, str, object, o
 def resume_changes(step: int, saved_settings: dict | None, settings: dict,
                    saved_schedule: dict | None, schedule: dict) -> tuple[list[str], list[str]]:
     """(refused, changed) between checkpoint `step`'s run and this one, each 'key: checkpoint
-    X, this run Y': refused, the data and batch settings (DATA_SETTINGS) and the data's size or
+    X, this run Y'. Refused: the data settings (DATA_SETTINGS), the dataset's size and the
     batch plan (`schedule`: `num_prompts` and BatchPlan's fields, kept in each checkpoint's
-    meta); changed, every other setting (they apply from the resumed step on)."""
-    refused, changed = [], []
-    for section, key, was, value in settings_diff(saved_settings, settings):
-        text = f"{key}: checkpoint {step} {was!r}, this run {value!r}"
-        (refused if key in DATA_SETTINGS.get(section, ()) else changed).append(text)
-    for key, value in schedule.items():
-        was = (saved_schedule or {}).get(key, value)
-        if was != value and (key == "num_prompts" or not refused):  # else explained above
-            name = "the dataset's prompts" if key == "num_prompts" else f"the batch's {key}"
-            refused.append(f"{name}: checkpoint {step} {was}, this run {value}")
+    meta; with the settings that changed it). Changed: every other setting (it applies from
+    the resumed step on)."""
+    diffs = settings_diff(saved_settings, settings)
+    text = {(sec, key): f"{key}: checkpoint {step} {was!r}, this run {value!r}"
+            for sec, key, was, value in diffs}
+    refused = [text[sec, key] for sec, key, *_ in diffs if key in DATA_SETTINGS.get(sec, ())]
+    changed = [t for t in text.values() if t not in refused]
+    saved_schedule = saved_schedule or {}
+    plan = [f"the batch's {key}: checkpoint {step} {saved_schedule[key]}, this run {value}"
+            for key, value in schedule.items() if key != "num_prompts"
+            and saved_schedule.get(key, value) != value]
+    if plan and not refused:  # else num_generations explains it
+        causes = [text[sec, key] for sec, key, *_ in diffs if sec in BATCH_SECTIONS]
+        refused += causes + plan
+        changed = [t for t in changed if t not in causes]
+    if saved_schedule.get("num_prompts", schedule.get("num_prompts")) != schedule.get(
+            "num_prompts"):
+        refused.append(f"the dataset's prompts: checkpoint {step} "
+                       f"{saved_schedule['num_prompts']}, this run {schedule['num_prompts']}")
     return refused, changed
 
 

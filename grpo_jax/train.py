@@ -198,9 +198,11 @@ class RunCheckpoints:
                   "reference is the initial model again", file=sys.stderr)
         if dist.is_main():
             print(f"resumed from step {latest} in {ckpt.directory}", file=sys.stderr)
-            if changed:
+            if changed:  # said once; config.yaml gets this run's (_write_settings)
+                kept = (f"; the previous config.yaml is kept as config.step-{latest}.yaml"
+                        if source is self else "")
                 print(f"resumed with settings changed since checkpoint {latest} (" +
-                      "; ".join(changed) + "): they apply from here on", file=sys.stderr)
+                      "; ".join(changed) + f"): they apply from here on{kept}", file=sys.stderr)
         return RunState(state, data_lib.DataPosition(*meta["data_position"]), meta["round"],
                         int(meta.get("num_tokens", 0)))
 
@@ -478,8 +480,8 @@ def _data_used_up(run: Run, epochs: int) -> None:
             "prompt scores the same. Check the reward functions and the data's difficulty")
     if dist.is_main():
         print(f"grpo_jax.train: {why} at step {step} of {total}: the run ends here with its "
-              "data, as verl's does (the batch being filled is dropped); raise "
-              "num_train_epochs to train on more", file=sys.stderr)
+              "data, as verl's does (step checkpointed; the batch being filled is dropped); "
+              "raise num_train_epochs to train on more", file=sys.stderr)
 
 
 def interval_schedules(run_args: config_lib.RunArgs, plan: config_lib.BatchPlan,
@@ -551,12 +553,13 @@ def _checkpoint_source(path: str, out: Path, ckpt: Checkpointer) -> tuple[Path, 
 
 
 def _write_settings(out: Path, cfg: config_lib.TrainConfig, step: int) -> None:
-    """The run's config.yaml. A resume with other settings keeps the previous file as
-    config.step-<STEP>.yaml (the settings the run had up to that step) and says so once."""
+    """The run's config.yaml. One with other settings is kept as config.step-<STEP>.yaml (the
+    settings the run had up to that step; a resume has said so, a fresh run says it here)."""
     path = out / "config.yaml"
     if settings_diff(_saved_settings(out), cfg.to_dict()):
         kept = path.replace(out / f"config.step-{step}.yaml")
-        print(f"the previous config.yaml is kept as {kept}", file=sys.stderr)
+        if not step:
+            print(f"{path} held another run's settings: kept as {kept}", file=sys.stderr)
     path.write_text(cfg.to_yaml())
 
 

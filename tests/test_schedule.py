@@ -175,3 +175,20 @@ def test_dynamic_sampling_without_signal_stops_at_the_data_end(tiny_dir, tmp_pat
               devices=jax.devices()[:1])
     assert (tmp_path / "calls").read_text() == "3"  # the epoch's 3 generation batches
     assert not _steps(tmp_path / "run")
+
+
+def test_resume_checks_the_batch_plan_not_the_per_device_split():
+    """The same global batch on twice the devices (per_device_train_batch_size halved) resumes,
+    saying what changed; another micro-batch is refused, naming the setting and its effect."""
+    from grpo_jax.checkpoint import resume_changes
+    saved = {"batch": {"per_device_train_batch_size": 16}, "mesh": {"dp": 1}}
+    plan = {"num_prompts": 64, "micro_batch_size": 16, "num_generations": 4}
+    refused, changed = resume_changes(3, saved, {"batch": {"per_device_train_batch_size": 8},
+                                                 "mesh": {"dp": 2}}, plan, plan)
+    assert not refused and changed == ["per_device_train_batch_size: checkpoint 3 16, this run 8",
+                                       "dp: checkpoint 3 1, this run 2"]
+    refused, _ = resume_changes(3, saved, {"batch": {"per_device_train_batch_size": 8},
+                                           "mesh": {"dp": 1}}, plan,
+                                {**plan, "micro_batch_size": 8})
+    assert refused == ["per_device_train_batch_size: checkpoint 3 16, this run 8",
+                       "the batch's micro_batch_size: checkpoint 3 16, this run 8"]

@@ -201,8 +201,9 @@ class RunArgs:
         "TRL's default is 'none'; tensorboardX is a dependency here, so its log is on by default.")
     resume: bool | str = arg(
         False,
-        "Continue from the newest checkpoint in output_dir (true), or from a checkpoint of this "
-        "run (its directory, output_dir/checkpoints/STEP: TRL's resume_from_checkpoint PATH).")
+        "Continue from the newest checkpoint in output_dir (true), or from a checkpoint "
+        "directory (RUN/checkpoints/STEP, TRL's resume_from_checkpoint PATH; another run's is "
+        "read, never changed, and this run goes on in output_dir) or a run's output_dir.")
 
     def __post_init__(self):
         for name in ("logging_strategy", "save_strategy"):
