@@ -36,7 +36,7 @@ def _meta(out: Path, step: int) -> dict:
 
 
 def _prompts(path: Path, n: int) -> Path:
-    path.write_text("".join(json.dumps({"prompt": f"Post number {i}: write something short."
+    path.write_text("".join(json.dumps({"prompt": f"Post number {10 + i}: write something short."
                                                   "\nTL;DR:"}) + "\n" for i in range(n)))
     return path
 
