@@ -127,6 +127,55 @@ def _mismatch(step, directory, saved: dict, wanted: dict, settings: dict,
             "into another output_dir")
 
 
+# The settings that fix what a checkpoint's data position and epoch mean: resumed with other
+# values, the run would skip or repeat prompts and jump epochs. The batch's shape is compared
+# as the checkpoint's batch plan (its meta), so that the same batch on other devices (another
+# per_device_train_batch_size and dp) resumes. Run-time settings (where the run writes and how
+# it resumes) are not compared at all.
+DATA_SETTINGS = {"data": ("dataset_name", "dataset_config", "dataset_train_split",
+                          "prompt_column", "shuffle_dataset", "seed"),
+                 "grpo": ("num_generations",)}
+BATCH_SECTIONS = ("batch", "mesh", "grpo")  # settings that may change the batch plan
+RUN_TIME_SETTINGS = (("run", "resume"), ("run", "output_dir"), ("distributed", None))
+
+
+def settings_diff(old: dict | None, new: dict) -> list[tuple[str, str, object, object]]:
+    """(section, key, old, new) for each setting of `new` (TrainConfig.to_dict) whose value in
+    `old` (a config.yaml's) differs, run-time settings left out; [] when `old` is None."""
+    return [(section, key, was, value)
+            for section, values in new.items() for key, value in values.items()
+            for was in [((old or {}).get(section) or {}).get(key, value)]
+            if was != value and (section, key) not in RUN_TIME_SETTINGS
+            and (section, None) not in RUN_TIME_SETTINGS]
+
+
+def resume_changes(step: int, saved_settings: dict | None, settings: dict,
+                   saved_schedule: dict | None, schedule: dict) -> tuple[list[str], list[str]]:
+    """(refused, changed) between checkpoint `step`'s run and this one, each 'key: checkpoint
+    X, this run Y'. Refused: the data settings (DATA_SETTINGS), the dataset's size and the
+    batch plan (`schedule`: `num_prompts` and BatchPlan's fields, kept in each checkpoint's
+    meta; with the settings that changed it). Changed: every other setting (it applies from
+    the resumed step on)."""
+    diffs = settings_diff(saved_settings, settings)
+    text = {(sec, key): f"{key}: checkpoint {step} {was!r}, this run {value!r}"
+            for sec, key, was, value in diffs}
+    refused = [text[sec, key] for sec, key, *_ in diffs if key in DATA_SETTINGS.get(sec, ())]
+    changed = [t for t in text.values() if t not in refused]
+    saved_schedule = saved_schedule or {}
+    plan = [f"the batch's {key}: checkpoint {step} {saved_schedule[key]}, this run {value}"
+            for key, value in schedule.items() if key != "num_prompts"
+            and saved_schedule.get(key, value) != value]
+    if plan and not refused:  # else num_generations explains it
+        causes = [text[sec, key] for sec, key, *_ in diffs if sec in BATCH_SECTIONS]
+        refused += causes + plan
+        changed = [t for t in changed if t not in causes]
+    if saved_schedule.get("num_prompts", schedule.get("num_prompts")) != schedule.get(
+            "num_prompts"):
+        refused.append(f"the dataset's prompts: checkpoint {step} "
+                       f"{saved_schedule['num_prompts']}, this run {schedule['num_prompts']}")
+    return refused, changed
+
+
 def _abstract_leaf(path, leaf):
     if leaf is ocp.PLACEHOLDER:  # a leaf left unrestored
         return leaf
@@ -143,12 +192,14 @@ class Checkpointer:
     """Numbered checkpoints of (state, meta) in `directory`.
 
     save_total_limit: keep only the newest N steps (None keeps all), as in TRL.
+    read_only: nothing in `directory` is written or deleted (another run's checkpoints).
     async_save: `save` returns once the arrays are copied off the accelerator; files are written
       in the background. The state's buffers may then be donated or deleted. Call `wait()` to
       block until the write is committed; the next `save`, `restore` and `close` wait too.
     """
 
-    def __init__(self, directory, *, save_total_limit: int | None, async_save: bool = True):
+    def __init__(self, directory, *, save_total_limit: int | None, async_save: bool = True,
+                 read_only: bool = False):
         if save_total_limit is not None and save_total_limit < 1:
             raise ValueError(f"save_total_limit must be None (keep all) or >= 1, "
                              f"got {save_total_limit}")
@@ -156,7 +207,9 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(
             max_to_keep=save_total_limit,
             enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True,  # partial saves of a killed run
+            # partial saves of a killed run; read_only: another run's, which may be running
+            cleanup_tmp_directories=not read_only,
+            read_only=read_only,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._operations: set[str] = set()  # Orbax operation ids of this object's saves
@@ -261,14 +314,16 @@ class Checkpointer:
             state=state, meta=ocp.args.JsonRestore()))
         return restored.state, restored.meta
 
-    def restore_newest(self, target, settings: dict, saved_settings: dict | None):
+    def restore_newest(self, target, settings: dict, saved_settings: dict | None,
+                       at_most: int | None = None):
         """(step, state, meta) of the newest checkpoint that restores onto `target` (see
         `restore`), or None when none does. One that can't be read (a truncated or missing
         file, garbage metadata, a missing item) is renamed `<step>.corrupt`, kept for a look,
         and skipped with one line on stderr. One whose state has another shape than `target`
         raises CheckpointMismatchError naming the settings (`settings`, this run's
-        TrainConfig.to_dict(), against `saved_settings`, the checkpoints' run's) that differ."""
-        for step in reversed(self.all_steps()):
+        TrainConfig.to_dict(), against `saved_settings`, the checkpoints' run's) that differ.
+        `at_most`: only checkpoints up to that step are tried."""
+        for step in reversed([s for s in self.all_steps() if at_most is None or s <= at_most]):
             error = None
             try:
                 saved = ocp.StandardCheckpointHandler().metadata(
@@ -422,8 +477,9 @@ class RefCheckpoints:
     step, so a committed state checkpoint always finds its reference; a reference a killed run
     wrote for a step whose state never committed is deleted on resume."""
 
-    def __init__(self, directory: Path, save_total_limit: int | None):
-        self.ckpt = Checkpointer(directory, save_total_limit=save_total_limit, async_save=False)
+    def __init__(self, directory: Path, save_total_limit: int | None, read_only: bool = False):
+        self.ckpt = Checkpointer(directory, save_total_limit=save_total_limit, async_save=False,
+                                 read_only=read_only)
 
     def save(self, step: int, ref_params) -> None:
         self.ckpt.save(step, ref_params, {"step": int(step)})

@@ -159,7 +159,6 @@ NO_EFFECT = {
     "hub_model_id": "not supported: nothing is uploaded", "hub_strategy": "not supported: "
     "nothing is uploaded", "hub_private_repo": "not supported: nothing is uploaded",
     "log_level": "grpo-jax logs metrics at every logging_steps",
-    "logging_strategy": "metrics are logged every logging_steps",
     "torch_empty_cache_steps": "JAX frees device buffers when their arrays go; there is no "
                                "allocator cache to empty",
     "vllm_device": "set on the vLLM server (python -m grpo_jax.serve)",
@@ -195,7 +194,6 @@ NO_EFFECT = {
     "dataloader_drop_last": "an epoch's tail too short for a generation batch "
     "is skipped, as TRL's sampler does",
     "eval_accumulation_steps": "eval metrics are reduced per eval batch",
-    "save_strategy": "checkpoints are written every save_steps, on a stop signal and at the end",
     "deepspeed": "JAX shards params, gradients and optimizer state with the mesh (dp, fsdp, tp)",
     "fsdp_config": "JAX shards params, gradients and optimizer state with the mesh (fsdp)",
     "use_transformers_continuous_batching": "generation runs in the JAX sampler or a vLLM "
@@ -271,7 +269,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 pass
         raise bad
     if origin is Literal:
-        if value in args:
+        if value is False and "no" in args:  # YAML 1.1 reads a bare `no` as false
+            return "no"
+        if value in args and not isinstance(value, bool):
             return value
         close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
         raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, args))}"

@@ -31,8 +31,9 @@ from grpo_jax import peft_io
 from grpo_jax import rewards as rewards_lib
 from grpo_jax import storage
 from grpo_jax.checkpoint import (BufferFiles, Checkpointer, RefCheckpoints, StopRun, StopSignal,
-                                 check_writable, last_good)
-from grpo_jax.errors import CheckpointWriteError, GrpoJaxError, TrainError
+                                 check_writable, committed_steps, last_good, resume_changes,
+                                 settings_diff)
+from grpo_jax.errors import CheckpointWriteError, GrpoJaxError, NoSignalError, TrainError
 from grpo_jax.logger import MetricsLogger
 from grpo_jax.metrics import Logged, MetricWindow
 from grpo_jax.models import ModelConfig
@@ -103,37 +104,65 @@ class RunState:
 @dataclasses.dataclass
 class RunCheckpoints:
     """A run's checkpoints: the state with its meta (Orbax), the generation buffer beside each
-    and, with sync_ref_model, the reference."""
+    and, with sync_ref_model, the reference. `schedule`: what a data position means (the
+    dataset's size and the batch plan), kept in each checkpoint's meta and checked on resume."""
     ckpt: Checkpointer
     buffers: BufferFiles
     refs: RefCheckpoints | None
+    schedule: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def open(cls, out: Path, cfg: config_lib.TrainConfig) -> "RunCheckpoints":
-        ckpt = Checkpointer(out / "checkpoints", save_total_limit=cfg.run.save_total_limit)
+    def open(cls, out: Path, cfg: config_lib.TrainConfig, schedule: dict | None = None,
+             read_only: bool = False) -> "RunCheckpoints":
+        """`read_only`: another run's, restored from and never changed."""
+        limit = None if read_only else cfg.run.save_total_limit
+        ckpt = Checkpointer(out / "checkpoints", save_total_limit=limit, read_only=read_only)
         # sync_ref_model: the reference changes during the run, so it is checkpointed too.
-        refs = (RefCheckpoints(out / "reference", cfg.run.save_total_limit)
-                if cfg.grpo.sync_ref_model else None)
-        return cls(ckpt, BufferFiles(out / "generation_buffer"), refs)
+        refs = (RefCheckpoints(out / "reference", limit, read_only) if cfg.grpo.sync_ref_model
+                else None)
+        return cls(ckpt, BufferFiles(out / "generation_buffer"), refs, dict(schedule or {}))
 
     def resume(self, cfg: config_lib.TrainConfig, out: Path, at: RunState,
                run_round: GRPORound) -> RunState:
         """`at` as the checkpoint cfg.run.resume names left it (and the round's buffer and
         reference); `at` itself when there is none to resume, which without --resume must be
-        so."""
+        so. A checkpoint of another run (resume_from_checkpoint into its directory) is read
+        from there, and this run goes on in `out`, as transformers does."""
         ckpt = self.ckpt
         latest = ckpt.latest_step()
         if latest is not None and not cfg.run.resume:
             raise TrainError(f"{ckpt.directory} already holds checkpoints (latest step {latest}):"
                              " pass --resume to continue that run, or choose another output_dir")
+        source, source_out = self, out
         if isinstance(cfg.run.resume, str):  # TRL's resume_from_checkpoint PATH
-            latest = _checkpoint_step(cfg.run.resume, out, ckpt)
+            source_out, latest = _checkpoint_source(cfg.run.resume, out, ckpt)
+            if source_out != out.resolve():
+                if ckpt.latest_step() is not None:  # which would this run continue?
+                    raise TrainError(
+                        f"resume_from_checkpoint {cfg.run.resume} is another run's checkpoint, "
+                        f"but output_dir {out} already holds checkpoints (latest step "
+                        f"{ckpt.latest_step()}): resume from those, or choose an output_dir "
+                        "without checkpoints")
+                # Read only: nothing in the other run's directory is deleted or rotated.
+                source = RunCheckpoints.open(source_out, cfg, read_only=True)
             for later in [s for s in ckpt.all_steps() if s > latest]:
                 ckpt.delete(later)  # transformers overwrites them when it gets there again
                 if dist.is_main():
                     print(f"resuming from step {latest}: removed the later checkpoint {later}",
                           file=sys.stderr)
+        try:
+            return self._restore(cfg, out, at, run_round, source, source_out, latest)
+        finally:
+            if source is not self:
+                source.ckpt.close()
+                if source.refs is not None:
+                    source.refs.close()
+
+    def _restore(self, cfg, out: Path, at: RunState, run_round: GRPORound,
+                 source: "RunCheckpoints", source_out: Path, latest: int | None) -> RunState:
         restored = None
+        ckpt = source.ckpt
+        saved_settings = _saved_settings(source_out)
         if cfg.run.resume and latest is not None:
             # Onto the live state's shardings, whose buffers go first: the devices never hold
             # two training states (the initial one is of no use once a checkpoint is read).
@@ -141,7 +170,7 @@ class RunCheckpoints:
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), at.state)
             jax.tree.map(lambda x: x.delete(), at.state)
             # The newest that restores: corrupt ones are set aside; other settings are refused.
-            restored = ckpt.restore_newest(target, cfg.to_dict(), _saved_settings(out))
+            restored = ckpt.restore_newest(target, cfg.to_dict(), saved_settings, latest)
             if restored is None:
                 raise TrainError(f"no checkpoint in {ckpt.directory} can be restored (each is "
                                  "kept as <step>.corrupt): resume from a copy, or train afresh "
@@ -151,16 +180,29 @@ class RunCheckpoints:
         if restored is None:
             return at
         latest, state, meta = restored
-        run_round.buffer = self.buffers.load(latest, meta.get("buffered_micro_batches", 0))
+        refused, changed = resume_changes(latest, saved_settings, cfg.to_dict(),
+                                          meta.get("schedule"), self.schedule)
+        if refused:
+            raise TrainError(
+                f"checkpoint {latest} in {ckpt.directory} was written with other data or batch "
+                f"settings ({'; '.join(refused)}): its data position and buffered completions "
+                "belong to those. Resume with the settings it was written with, or train afresh "
+                "into another output_dir")
+        run_round.buffer = source.buffers.load(latest, meta.get("buffered_micro_batches", 0))
         run_round.epoch_end = meta.get("buffered_epoch_end", 0)
         if self.refs is not None:
-            run_round.ref_params = self.refs.restore(latest, run_round.ref_params,
-                                                     meta.get("reference", False))
+            run_round.ref_params = source.refs.restore(latest, run_round.ref_params,
+                                                       meta.get("reference", False))
         elif meta.get("reference") and dist.is_main():
             print(f"checkpoint {latest} was saved with sync_ref_model; without it the "
                   "reference is the initial model again", file=sys.stderr)
         if dist.is_main():
             print(f"resumed from step {latest} in {ckpt.directory}", file=sys.stderr)
+            if changed:  # said once; config.yaml gets this run's (_write_settings)
+                kept = (f"; the previous config.yaml is kept as config.step-{latest}.yaml"
+                        if source is self else "")
+                print(f"resumed with settings changed since checkpoint {latest} (" +
+                      "; ".join(changed) + f"): they apply from here on{kept}", file=sys.stderr)
         return RunState(state, data_lib.DataPosition(*meta["data_position"]), meta["round"],
                         int(meta.get("num_tokens", 0)))
 
@@ -176,6 +218,7 @@ class RunCheckpoints:
         meta = {"data_position": list(at.position), "round": at.round,
                 "num_tokens": at.tokens_seen, "buffered_micro_batches": len(buffer),
                 "buffered_epoch_end": run_round.epoch_end, "reference": self.refs is not None,
+                "schedule": self.schedule,
                 "metrics": {k: None if v is None else float(v) for k, v in metrics.items()}}
         self.ckpt.save(step, at.state, meta)
         self.buffers.prune(self.ckpt.all_steps())
@@ -267,11 +310,14 @@ def build_run(cfg: config_lib.TrainConfig, devices=None) -> Run:
     schedule = evaluation.schedule(cfg.eval, cfg.run.logging_steps, total_steps,
                                    plan.gradient_accumulation_steps,
                                    plan.micro_steps_per_epoch(len(dataset)))
-    checkpoints = RunCheckpoints.open(out, cfg)
+    # What a data position means, kept in each checkpoint (the data-parallel size is free).
+    positions = {"num_prompts": len(dataset), **{
+        k: v for k, v in dataclasses.asdict(plan).items() if k != "data_parallel_size"}}
+    checkpoints = RunCheckpoints.open(out, cfg, positions)
     at = checkpoints.resume(cfg, out, RunState(state), run_round)
     if dist.is_main():  # without this process's id: the file serves every process of a resume
-        (out / "config.yaml").write_text(dataclasses.replace(
-            cfg, distributed=dataclasses.replace(cfg.distributed, process_id=None)).to_yaml())
+        _write_settings(out, dataclasses.replace(
+            cfg, distributed=dataclasses.replace(cfg.distributed, process_id=None)), at.step)
     return Run(cfg, out, plan, total_steps, dataset, rollout, scorer, run_round, evaluator,
                eval_scorer, schedule, checkpoints, at)
 
@@ -308,11 +354,24 @@ def run_rounds(run: Run) -> dict:
     # of the run's steps) it is averaged into one record of metrics.jsonl, TensorBoard, W&B and
     # the console; a run's last steps are logged at its end.
     window = MetricWindow()
-    log_every, save_every = cfg.run.steps_of(total_steps)
+    logs, saves = interval_schedules(cfg.run, plan, total_steps, len(dataset))
+    if cfg.run.save_strategy == "no" and dist.is_main():
+        print("grpo_jax: save_strategy 'no': no periodic checkpoints; the run's end and a stop "
+              "are still checkpointed (export and --resume read the state from there)",
+              file=sys.stderr)
     pending_time = 0.0  # of rounds without an update: TRL counts it in the next step's time
-    saved_block = run.at.step // save_every
     failure = None
     cursor = [run.at.position]  # dynamic_sampling: where the next prompts start while filling
+    # dynamic_sampling reads prompts until a batch fills, but never past the run's epochs
+    # (transformers' num_train_epochs; with max_steps, the epochs its steps touch): there the
+    # run ends, as verl's ends with its dataloader, endless mode (max_num_gen_batches 0) too.
+    data_epochs = (plan.num_train_epochs(len(dataset), total_steps) if cfg.grpo.dynamic_sampling
+                   else None)
+    used_up = [False]
+
+    def past_data(position: data_lib.DataPosition) -> bool:
+        used_up[0] = used_up[0] or (data_epochs is not None and position.epoch >= data_epochs)
+        return used_up[0]
     # One process alone can't abort a round its peers are inside: with several, every process
     # stops after the same round.
     with StopSignal(interrupt=not dist.multi_process()) as stop:
@@ -321,18 +380,24 @@ def run_rounds(run: Run) -> dict:
         def more_records():
             if dist.any_process(stop.should_stop()):
                 return None  # the batch is dropped; a resume regenerates it from the position
-            more, cursor[0] = dataset.batch_prompts(cursor[0], plan.prompts_per_generation)
+            more, after = dataset.batch_prompts(cursor[0], plan.prompts_per_generation)
+            if past_data(after):
+                return None  # the batch being filled is dropped: the run ends with its data
+            cursor[0] = after
             return more
 
         try:
             # Every process stops at the same round, also when only one got the signal.
-            while run.at.step < total_steps and not dist.any_process(stop.should_stop()):
+            while (run.at.step < total_steps and not used_up[0]
+                   and not dist.any_process(stop.should_stop())):
                 t0 = time.perf_counter()
                 at = run.at
                 records, ends_epoch = None, False  # windows still buffered: train on them
                 if not run_round.windows_buffered:  # first, as TRL
                     records, next_position = dataset.batch_prompts(at.position,
                                                                    plan.prompts_per_generation)
+                    if past_data(next_position):
+                        break
                     ends_epoch = dataset.ends_epoch(next_position, plan.prompts_per_generation)
                     if run.rollout.generates_ahead:  # async rounds: the next round's, beside
                         ahead, _ = dataset.batch_prompts(next_position,
@@ -342,9 +407,10 @@ def run_rounds(run: Run) -> dict:
                     cursor[0] = next_position
                 first = at.step
                 run.scorer.trainer_state = run.trainer_state(first)
-                # Stops at max_steps exactly, and at the next evaluation, also mid-round (the
-                # rest stays buffered).
-                stop_at = min(total_steps, run.schedule.next_due(first) or total_steps)
+                # Stops at max_steps exactly, and at the next evaluation or checkpoint, also
+                # mid-round (the rest stays buffered, and goes into the checkpoint).
+                stop_at = min(total_steps, run.schedule.next_due(first) or total_steps,
+                              saves.next_due(first) or total_steps)
                 result = run_round(at.state, records, jax.random.fold_in(base_key, at.round),
                                    max_updates=stop_at - first, ends_epoch=ends_epoch,
                                    more_records=more_records)
@@ -375,7 +441,7 @@ def run_rounds(run: Run) -> dict:
                         "timing/update": share}))
                     pending_time, step = 0.0, first + i + 1
                     window.add(Logged(put={"epoch": plan.epoch(step, len(dataset))}))
-                    if step % log_every == 0 or (step == 1 and cfg.run.logging_first_step):
+                    if logs.due(step) or (step == 1 and cfg.run.logging_first_step):
                         last = logger.log(step, window.flush())
                 logger.advance(at.step)
                 ckpt.poll()  # a background checkpoint write that failed stops the run now
@@ -383,12 +449,13 @@ def run_rounds(run: Run) -> dict:
                     continue
                 if run.evaluator is not None and run.schedule.due(at.step):
                     evaluate()
-                if at.step // save_every > saved_block:
-                    saved_block = at.step // save_every
+                if saves.due(at.step):
                     run.checkpoints.save(at, run_round, last)
             if window.steps:  # the steps since the last log (TRL: in its final summary)
                 last = logger.log(run.at.step, window.flush())
-            if run.at.step < total_steps:  # stopped: by this process's signal or a peer's
+            if used_up[0] and run.at.step < total_steps:
+                _data_used_up(run, data_epochs)
+            elif run.at.step < total_steps:  # stopped: by this process's signal or a peer's
                 raise dist.raised_on_all(StopRun(stop.received or signal.SIGTERM))
         except BaseException as e:
             failure = e
@@ -396,6 +463,37 @@ def run_rounds(run: Run) -> dict:
         finally:
             _finish(run, failure, last, logger)
     return last
+
+
+def _data_used_up(run: Run, epochs: int) -> None:
+    """dynamic_sampling read the run's last prompts before max_steps: as verl, the run ends
+    there (exit 0, its end checkpointed), said once; with no update at all the reward gave no
+    signal in the whole data: NoSignalError."""
+    step, total, cfg = run.at.step, run.total_steps, run.cfg
+    why = (f"dynamic_sampling used up the run's {epochs} epoch(s) of prompts "
+           f"({len(run.dataset)} prompts each; num_train_epochs"
+           f"{', or the epochs max_steps takes unfiltered' if cfg.batch.max_steps > 0 else ''})")
+    if not step:
+        raise NoSignalError(
+            f"{why} without filling one batch with {run.plan.prompts_per_generation} prompt "
+            "groups with reward std > 0: the reward gives no signal, every completion of a "
+            "prompt scores the same. Check the reward functions and the data's difficulty")
+    if dist.is_main():
+        print(f"grpo_jax.train: {why} at step {step} of {total}: the run ends here with its "
+              "data, as verl's does (step checkpointed; the batch being filled is dropped); "
+              "raise num_train_epochs to train on more", file=sys.stderr)
+
+
+def interval_schedules(run_args: config_lib.RunArgs, plan: config_lib.BatchPlan,
+                       total_steps: int, num_prompts: int):
+    """(logging, saving) schedules: transformers' logging_strategy / save_strategy with
+    logging_steps / save_steps, epochs counted as evaluation's are (EvalSchedule)."""
+    log_every, save_every = run_args.steps_of(total_steps)
+    gas, micro = plan.gradient_accumulation_steps, plan.micro_steps_per_epoch(num_prompts)
+    return (evaluation.EvalSchedule(run_args.logging_strategy, log_every, 0.0, total_steps, gas,
+                                    micro),
+            evaluation.EvalSchedule(run_args.save_strategy, save_every, 0.0, total_steps, gas,
+                                    micro))
 
 
 def _finish(run: Run, failure: BaseException | None, last: dict, logger) -> None:
@@ -437,18 +535,32 @@ def _finish(run: Run, failure: BaseException | None, last: dict, logger) -> None
               f"{done}", file=sys.stderr)
 
 
-def _checkpoint_step(path: str, out: Path, ckpt: Checkpointer) -> int:
-    """The step of checkpoint directory `path` (output_dir/checkpoints/STEP), or the newest
-    one when `path` is output_dir itself."""
+def _checkpoint_source(path: str, out: Path, ckpt: Checkpointer) -> tuple[Path, int]:
+    """(the run directory, step) of resume_from_checkpoint `path`: a checkpoint directory
+    RUN/checkpoints/STEP of this run or another, or a run's output_dir (its newest)."""
     p = Path(path).expanduser().resolve()
     if p == out.resolve() and ckpt.latest_step() is not None:
-        return ckpt.latest_step()
-    if p.parent == Path(ckpt.directory).resolve() and p.name.isdigit() and int(
-            p.name) in ckpt.all_steps():
-        return int(p.name)
-    raise TrainError(f"resume_from_checkpoint {path}: not a checkpoint of this run; its "
-                     f"checkpoints are {ckpt.directory}/STEP ({ckpt.all_steps() or 'none yet'}). "
-                     "To continue another run, set output_dir to that run's directory")
+        return p, ckpt.latest_step()
+    if p.parent.name == "checkpoints" and p.name.isdigit() and int(p.name) in committed_steps(
+            p.parent):
+        return p.parent.parent, int(p.name)
+    if p != out.resolve() and committed_steps(p / "checkpoints"):
+        return p, committed_steps(p / "checkpoints")[-1]
+    raise TrainError(f"resume_from_checkpoint {path}: not a checkpoint; give a checkpoint "
+                     "directory (OUTPUT_DIR/checkpoints/STEP, of this run or another) or a run's "
+                     f"output_dir (its newest). This run's checkpoints: {ckpt.directory}/STEP "
+                     f"({ckpt.all_steps() or 'none yet'})")
+
+
+def _write_settings(out: Path, cfg: config_lib.TrainConfig, step: int) -> None:
+    """The run's config.yaml. One with other settings is kept as config.step-<STEP>.yaml (the
+    settings the run had up to that step; a resume has said so, a fresh run says it here)."""
+    path = out / "config.yaml"
+    if settings_diff(_saved_settings(out), cfg.to_dict()):
+        kept = path.replace(out / f"config.step-{step}.yaml")
+        if not step:
+            print(f"{path} held another run's settings: kept as {kept}", file=sys.stderr)
+    path.write_text(cfg.to_yaml())
 
 
 def _saved_settings(out: Path) -> dict | None:
@@ -495,7 +607,8 @@ def main(argv=None) -> int:
         traceback.print_exc()
         return dist.exit_code(1, e)
     if dist.is_main():
-        print(json.dumps({k: v if v is None else round(v, 6) for k, v in last.items()}))
+        # Significant digits, not decimals: a learning rate of 3.3e-7 is not 0.0.
+        print(json.dumps({k: v if v is None else float(f"{v:.6g}") for k, v in last.items()}))
     return 0
 
 

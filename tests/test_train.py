@@ -238,17 +238,23 @@ def test_max_steps_is_exact_mid_round_and_resume_trains_the_rest(tiny_dir, tmp_p
     assert last["step"] == full["step"] == 5 and last["num_tokens"] == full["num_tokens"] > 0
 
 
-def test_resume_from_checkpoint_path_is_a_checkpoint_of_the_run(tmp_path):
-    from grpo_jax.train import TrainError, _checkpoint_step
-    run = tmp_path / "run"
-    ckpt = Checkpointer(run / "checkpoints", save_total_limit=None, async_save=False)
-    for step in (2, 4):
-        ckpt.save(step, {"x": np.zeros(2, np.float32)}, {})
-    assert _checkpoint_step(str(run / "checkpoints" / "2"), run, ckpt) == 2
-    assert _checkpoint_step(str(run), run, ckpt) == 4  # the run's directory: its newest
-    for other in (tmp_path / "other" / "checkpoints" / "2", run / "checkpoints" / "3"):
-        with pytest.raises(TrainError, match="not a checkpoint of this run"):
-            _checkpoint_step(str(other), run, ckpt)
+def test_resume_from_checkpoint_path_names_a_run_and_step(tmp_path):
+    from grpo_jax.train import TrainError, _checkpoint_source
+    run, other = tmp_path / "run", tmp_path / "other"
+    for out in (run, other):
+        ckpt = Checkpointer(out / "checkpoints", save_total_limit=None, async_save=False)
+        for step in (2, 4):
+            ckpt.save(step, {"x": np.zeros(2, np.float32)}, {})
+        ckpt.close()
+    ckpt = Checkpointer(run / "checkpoints", save_total_limit=None)
+    assert _checkpoint_source(str(run / "checkpoints" / "2"), run, ckpt) == (run, 2)
+    assert _checkpoint_source(str(run), run, ckpt) == (run, 4)  # the run's directory: its newest
+    # another run's checkpoint, or its directory, as transformers accepts any checkpoint
+    assert _checkpoint_source(str(other / "checkpoints" / "2"), run, ckpt) == (other, 2)
+    assert _checkpoint_source(str(other), run, ckpt) == (other, 4)
+    for missing in (other / "checkpoints" / "3", run / "checkpoints" / "3", tmp_path / "none"):
+        with pytest.raises(TrainError, match="not a checkpoint"):
+            _checkpoint_source(str(missing), run, ckpt)
     ckpt.close()
 
 

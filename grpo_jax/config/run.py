@@ -173,7 +173,18 @@ class RunArgs:
         10,
         "Optimizer steps per metrics record (TRL averages its metrics over them); < 1: a fraction "
         "of the run's steps, as transformers.")
+    logging_strategy: Literal["no", "steps", "epoch"] = arg(
+        "steps",
+        "When metrics records are written: every logging_steps, at each epoch's end, or 'no' "
+        "(none during the run; the run's last steps are still logged once at its end, as "
+        "transformers logs its final summary).")
     logging_first_step: bool = arg(False, "Also write a metrics record after the first step.")
+    save_strategy: Literal["no", "steps", "epoch"] = arg(
+        "steps",
+        "When checkpoints are written: every save_steps (also inside a generation round: its "
+        "micro-batches not yet trained on go into the checkpoint), at each epoch's end, or 'no': "
+        "no periodic ones. Unlike transformers, 'no' still checkpoints the run's end and a stop "
+        "(signal or failure): export and --resume read the state from there.")
     save_steps: float = arg(500, "< 1: a fraction of the run's steps, as transformers")
     save_total_limit: int | None = arg(None, "Checkpoints kept, the newest (null: all).")
     log_completions: bool = arg(
@@ -190,10 +201,14 @@ class RunArgs:
         "TRL's default is 'none'; tensorboardX is a dependency here, so its log is on by default.")
     resume: bool | str = arg(
         False,
-        "Continue from the newest checkpoint in output_dir (true), or from a checkpoint of this "
-        "run (its directory, output_dir/checkpoints/STEP: TRL's resume_from_checkpoint PATH).")
+        "Continue from the newest checkpoint in output_dir (true), or from a checkpoint "
+        "directory (RUN/checkpoints/STEP, TRL's resume_from_checkpoint PATH; another run's is "
+        "read, never changed, and this run goes on in output_dir) or a run's output_dir.")
 
     def __post_init__(self):
+        for name in ("logging_strategy", "save_strategy"):
+            check(getattr(self, name) in STRATEGIES, f"{name} must be one of {STRATEGIES}, got "
+                  f"{getattr(self, name)!r}")
         for name in ("logging_steps", "save_steps"):
             v = getattr(self, name)
             check(v > 0 and (v < 1 or float(v).is_integer()), f"{name} must be a whole number "
