@@ -23,8 +23,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
 from grpo_jax import hf, peft_io, storage
-from grpo_jax.checkpoint import load_checkpoint
+from grpo_jax.checkpoint import committed_steps, load_checkpoint
 from grpo_jax.cli import load_config
 from grpo_jax.errors import GrpoJaxError, ExportError
 
@@ -49,6 +53,31 @@ def check_destination(out: Path, overwrite: bool, protected: dict[str, Path]) ->
         some = sorted(p.name for p in out.iterdir())[:3]
         raise ExportError(f"--out {out} is not empty (it holds {', '.join(some)}, ...): pass "
                           "--overwrite to replace the model there, or choose a new directory")
+
+
+# (all finite, largest magnitude) of one weight, on its devices: nothing is gathered.
+_finite_max = jax.jit(lambda w: (jnp.isfinite(w).all(), jnp.abs(w).max()))
+
+
+def check_weights(model, dtype: str, where: str, others: list[int]) -> None:
+    """ExportError when a weight of `model` is NaN or inf (a diverged run, a damaged
+    checkpoint), or beyond `dtype`'s range (it would be written as inf): a model file of such
+    weights loads and then generates garbage."""
+    limit = float(jnp.finfo(dtype).max)
+    for path, w in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
+        if not jnp.issubdtype(w.dtype, jnp.floating):  # a quantized base's integers
+            continue
+        finite, largest = _finite_max(w)
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        if not finite:
+            raise ExportError(
+                f"{where} holds weights that are not finite (NaN or inf in {name}); nothing was "
+                "written: " + (f"export another with --step (complete ones: {others})" if others
+                               else "no other checkpoint to export"))
+        if float(largest) > limit:
+            raise ExportError(f"{where}: {name} holds {float(largest):.3g}, beyond {dtype}'s "
+                              f"range (it would be written as inf); nothing was written: "
+                              "export with --dtype bfloat16 or float32")
 
 
 @contextlib.contextmanager
@@ -81,6 +110,8 @@ def export(checkpoint, out, *, step: int | None = None, dtype: str = "bfloat16",
     (out, step)."""
     out = Path(out)
     model, source_dir, step = load_checkpoint(checkpoint, step)
+    others = [s for s in committed_steps(Path(checkpoint) / "checkpoints") if s != step]
+    check_weights(model, dtype, f"checkpoint {step} of {checkpoint}", others)
     check_destination(out, overwrite, {"the run's base model": Path(source_dir),
                                        "the run's output_dir": Path(checkpoint)})
     with staged(out) as tmp:
