@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from test_faults import _export, one_error_line
+from test_faults import _export, finish, one_error_line, start_cli
 from test_train import config, tiny_dir  # noqa: F401 (fixture)
 
 
@@ -45,7 +45,8 @@ def test_flipped_bytes_are_found_by_export_and_resume(run3, tiny_dir, tmp_path, 
     """16 bytes flipped in each of the two largest data files of the newest checkpoint: export
     refuses it in one line naming the others; a resume sets it aside (one line) and goes on
     from the one before; with every checkpoint damaged, resume stops in one line, exit 2."""
-    from grpo_jax.train import main, train
+    from grpo_jax.errors import TrainError
+    from grpo_jax.train import train
     run = tmp_path / "run"
     shutil.copytree(run3, run)
     ckpts = run / "checkpoints"
@@ -68,12 +69,10 @@ def test_flipped_bytes_are_found_by_export_and_resume(run3, tiny_dir, tmp_path, 
 
     for step in (1, 2, 3, 4):
         flip_bytes(ckpts / str(step))
-    (tmp_path / "run.yaml").write_text(
-        config(tiny_dir, run, max_steps=6, save_steps=1, resume=True).to_yaml())
-    assert main(["--config", str(tmp_path / "run.yaml")]) == 2
+    with pytest.raises(TrainError, match=r"^no checkpoint in \S+ can be restored \(each is kept"):
+        train(config(tiny_dir, run, max_steps=6, save_steps=1, resume=True),
+              devices=jax.devices()[:1])
     err = capsys.readouterr().err
-    line = one_error_line(err)
-    assert "no checkpoint in" in line and "can be restored" in line, line
     assert len([x for x in err.splitlines() if "can't be restored" in x]) == 4, err[-3000:]
 
 
@@ -99,15 +98,12 @@ def test_non_finite_updates_stop_the_run_and_export_refuses_the_weights(
     update is skipped (its gradient is NaN), each said on a line, and after
     max_consecutive_skipped_updates of them the run stops: one line, exit 2, naming the last
     checkpoint with finite weights (3). Export refuses the NaN weights in one line, exit 2."""
-    from grpo_jax.train import main
     run = tmp_path / "run"
     shutil.copytree(run3, run)
-    (tmp_path / "run.yaml").write_text(config(
-        tiny_dir, run, max_steps=40, save_steps=1, learning_rate="inf", resume=True,
-        max_consecutive_skipped_updates=3).to_yaml())
-    capsys.readouterr()
-    assert main(["--config", str(tmp_path / "run.yaml")]) == 2
-    err = capsys.readouterr().err
+    rc, err, took = finish(start_cli(tiny_dir, run, "--resume", max_steps=40, save_steps=1,
+                                     learning_rate="inf", max_consecutive_skipped_updates=3),
+                           300)
+    assert rc == 2, err[-3000:]
     line = one_error_line(err)
     assert "3 updates in a row (steps 5-7) were skipped" in line, line
     assert "not finite since step 4's update" in line, line
