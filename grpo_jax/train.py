@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from grpo_jax import cli
@@ -418,11 +419,11 @@ class SkippedUpdates:
             return
         self.in_a_row += 1
         self.first = step if self.in_a_row == 1 else self.first
-        if dist.is_main():
-            print(f"grpo_jax.train: warning: step {step}'s update was skipped: its loss or "
-                  f"gradients are not finite (NaN or inf), the weights stay as they were "
-                  f"({self.in_a_row} in a row; max_consecutive_skipped_updates="
-                  f"{self.bound or 'unbounded'})", file=sys.stderr)
+        if dist.is_main():  # above the progress bar, on a line of its own
+            tqdm.write(f"grpo_jax.train: warning: step {step}'s update was skipped: its loss or "
+                       f"gradients are not finite (NaN or inf), the weights stay as they were "
+                       f"({self.in_a_row} in a row; max_consecutive_skipped_updates="
+                       f"{self.bound or 'unbounded'})", file=sys.stderr)
 
     @property
     def exceeded(self) -> bool:

@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from test_faults import _export, finish, one_error_line, start_cli
+from test_faults import _export
 from test_train import config, tiny_dir  # noqa: F401 (fixture)
 
 
@@ -98,13 +98,16 @@ def test_non_finite_updates_stop_the_run_and_export_refuses_the_weights(
     update is skipped (its gradient is NaN), each said on a line, and after
     max_consecutive_skipped_updates of them the run stops: one line, exit 2, naming the last
     checkpoint with finite weights (3). Export refuses the NaN weights in one line, exit 2."""
+    from grpo_jax.errors import GrpoJaxError, UpdatesSkippedError
+    from grpo_jax.train import train
     run = tmp_path / "run"
     shutil.copytree(run3, run)
-    rc, err, took = finish(start_cli(tiny_dir, run, "--resume", max_steps=40, save_steps=1,
-                                     learning_rate="inf", max_consecutive_skipped_updates=3),
-                           300)
-    assert rc == 2, err[-3000:]
-    line = one_error_line(err)
+    capsys.readouterr()
+    with pytest.raises(UpdatesSkippedError) as raised:  # main: one line, exit 2
+        train(config(tiny_dir, run, max_steps=40, save_steps=1, learning_rate="inf",
+                     resume=True, max_consecutive_skipped_updates=3), devices=jax.devices()[:1])
+    line, err = str(raised.value), capsys.readouterr().err
+    assert isinstance(raised.value, GrpoJaxError) and "\n" not in line, line
     assert "3 updates in a row (steps 5-7) were skipped" in line, line
     assert "not finite since step 4's update" in line, line
     assert f"last good checkpoint: {run / 'checkpoints' / '3'}:" in line, line
@@ -118,3 +121,24 @@ def test_non_finite_updates_stop_the_run_and_export_refuses_the_weights(
     assert err.startswith("grpo_jax.export: error: checkpoint 6 of "), err
     assert "--step (complete ones: [1, 2, 3, 4, 5])" in err, err
     assert not (tmp_path / "hf").exists()
+
+
+def test_skipped_updates_with_finite_weights_name_the_newest_checkpoint(tmp_path, capsys):
+    """Skips that leave finite weights (a non-finite loss from the data) make every checkpoint
+    since as good as the one before: the newest is named; an applied update resets the count."""
+    import jax.numpy as jnp
+
+    from grpo_jax.metrics import Logged
+    from grpo_jax.train import SkippedUpdates
+    for step in (3, 4):
+        (tmp_path / str(step)).mkdir()
+    skips, skip, ok = SkippedUpdates(2), Logged(count={"skipped_updates": 1}), Logged()
+    for step, logged in ((1, skip), (2, ok), (3, skip)):
+        skips.note(step, logged)
+        assert not skips.exceeded
+    skips.note(4, skip)
+    assert skips.exceeded and capsys.readouterr().err.count("update was skipped") == 3
+    line = str(skips.error({"w": jnp.ones(3)}, tmp_path))
+    assert "2 updates in a row (steps 3-4)" in line and "the weights are finite" in line, line
+    assert line.endswith(f"last good checkpoint: {tmp_path / '4'}"), line
+    assert not SkippedUpdates(0).exceeded
