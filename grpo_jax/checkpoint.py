@@ -316,9 +316,13 @@ class Checkpointer:
                     meta=ocp.args.JsonRestore())).meta:
                 error = CheckpointDamagedError(
                     f"its {checksums.MANIFEST} is missing (the run stopped before writing it), "
-                    "so its data can't be verified")
-        except OSError as e:
-            error = CheckpointDamagedError(f"{checksums.MANIFEST}: {storage.describe(e)}")
+                    "so its data can't be verified; to take it as it is, run `sha256sum $(find "
+                    f"state meta -type f) > {checksums.MANIFEST}` in it")
+            elif dist.is_main():
+                print(f"checkpoint {step} in {self.directory} has no checksums (written by an "
+                      "older grpo_jax): restored unverified", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - an unreadable manifest or meta: damaged
+            error = CheckpointDamagedError(" ".join(f"{type(e).__name__}: {e}".split())[:300])
         dist.raise_together(error, CheckpointDamagedError)
 
     def restore_newest(self, target, settings: dict, saved_settings: dict | None):

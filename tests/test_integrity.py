@@ -79,6 +79,8 @@ def test_flipped_bytes_are_found_by_export_and_resume(run3, tiny_dir, tmp_path, 
 def test_a_checkpoint_killed_before_its_checksums_is_set_aside(run3, tmp_path, capsys):
     """A step whose meta promises a manifest but has none (the run died between Orbax's commit
     and the manifest) is not taken on trust; a step of an older version (no promise) is."""
+    import orbax.checkpoint as ocp
+
     from grpo_jax.checkpoint import Checkpointer, abstract_state
     from grpo_jax.checksums import MANIFEST
     from grpo_jax.cli import load_config
@@ -90,6 +92,17 @@ def test_a_checkpoint_killed_before_its_checksums_is_set_aside(run3, tmp_path, c
         step, state, _ = ckpt.restore_newest(target, {}, None)
     assert step == 2 and int(state.step) == 2
     assert f"{MANIFEST} is missing" in capsys.readouterr().err
+
+    # An older version's step: no manifest, and its meta promises none.
+    (run / "checkpoints" / "3.corrupt").rename(run / "checkpoints" / "3")
+    with ocp.CheckpointManager(run / "checkpoints") as older:  # as the old Checkpointer did
+        older.save(4, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                              meta=ocp.args.JsonSave({"round": 4})))
+    with Checkpointer(run / "checkpoints", save_total_limit=None) as ckpt:
+        step, _, meta = ckpt.restore_newest(target, {}, None)
+    assert step == 4 and meta == {"round": 4}
+    err = capsys.readouterr().err
+    assert "checkpoint 4 in" in err and "has no checksums (written by an older" in err, err
 
 
 def test_non_finite_updates_stop_the_run_and_export_refuses_the_weights(
