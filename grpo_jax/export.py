@@ -68,7 +68,7 @@ def check_weights(model, dtype: str, where: str, others: list[int]) -> None:
         if not jnp.issubdtype(w.dtype, jnp.floating):  # a quantized base's integers
             continue
         finite, largest = _finite_max(w)
-        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        name = "/".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
         if not finite:
             raise ExportError(
                 f"{where} holds weights that are not finite (NaN or inf in {name}); nothing was "

@@ -40,6 +40,7 @@ def run3(tiny_dir, tmp_path_factory):  # noqa: F811
     return out
 
 
+@pytest.mark.slow
 def test_flipped_bytes_are_found_by_export_and_resume(run3, tiny_dir, tmp_path,  # noqa: F811
                                                       capsys):
     """16 bytes flipped in each of the two largest data files of the newest checkpoint: export
@@ -105,6 +106,7 @@ def test_a_checkpoint_killed_before_its_checksums_is_set_aside(run3, tmp_path, c
     assert "checkpoint 4 in" in err and "has no checksums (written by an older" in err, err
 
 
+@pytest.mark.slow
 def test_non_finite_updates_stop_the_run_and_export_refuses_the_weights(
         run3, tiny_dir, tmp_path, capsys):  # noqa: F811
     """Resumed with an infinite learning rate, the run's weights turn NaN at step 4; every later
@@ -155,3 +157,24 @@ def test_skipped_updates_with_finite_weights_name_the_newest_checkpoint(tmp_path
     assert "2 updates in a row (steps 3-4)" in line and "the weights are finite" in line, line
     assert line.endswith(f"last good checkpoint: {tmp_path / '4'}"), line
     assert not SkippedUpdates(0).exceeded
+
+
+def test_export_refuses_weights_beyond_the_dtype_or_not_finite():
+    """A finite weight beyond float16's range would be written as inf: refused for float16,
+    written in bfloat16; a NaN is refused in every dtype."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from grpo_jax.errors import ExportError
+    from grpo_jax.export import check_weights
+    layer = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    layer.kernel.set_value(jnp.full((2, 2), 1e5))
+    with pytest.raises(ExportError, match=r"kernel holds 1e\+05, beyond float16's range .* "
+                                          r"export with --dtype bfloat16 or float32"):
+        check_weights(layer, "float16", "checkpoint 2 of run", [1])
+    check_weights(layer, "bfloat16", "checkpoint 2 of run", [1])
+    layer.bias.set_value(jnp.array([0.0, jnp.nan]))
+    with pytest.raises(ExportError, match=r"not finite \(NaN or inf in bias\); nothing was "
+                                          r"written: export another with --step \(complete "
+                                          r"ones: \[1\]\)"):
+        check_weights(layer, "float32", "checkpoint 2 of run", [1])
