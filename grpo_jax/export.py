@@ -6,6 +6,9 @@ Writes a Hugging Face model directory (weights, config, tokenizer, chat template
 directory (`adapter_config.json`, `adapter_model.safetensors`) that
 `peft.PeftModel.from_pretrained` loads onto the base; `--merge` writes the full model instead.
 
+Weights that are not finite (NaN, inf: a diverged run) or beyond --dtype's range are refused
+before anything is written.
+
 The export is written into a hidden directory beside HF_DIR and renamed into place when
 complete, so an interrupted export never leaves a half model. HF_DIR must be new or empty;
 `--overwrite` replaces an existing model there (its old weights and indexes go, other files
