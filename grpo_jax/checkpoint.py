@@ -16,6 +16,12 @@ A write that fails (disk full, read-only, no permission) is a CheckpointWriteErr
 error, the directory and the last good checkpoint: at the next save, `wait` or `poll`, never a
 hang (Orbax's writer threads of the failed step are released; docs/reliability.md).
 
+Each committed step gets a manifest of its files' SHA-256 (grpo_jax.checksums), written once
+Orbax has committed it (for an async save: at the next save, `wait`, `poll` or `close`); a
+restore verifies it first, so a flipped bit in a data file is a damaged checkpoint, not a wrong
+number. The step's meta says a manifest is due (`CHECKSUMS_KEY`): a step without one is
+accepted unverified only when written before manifests existed.
+
 `load_checkpoint` restores a run's params from its output_dir alone (for export).
 """
 
@@ -38,9 +44,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from grpo_jax import checksums
 from grpo_jax import distributed as dist
 from grpo_jax import storage
-from grpo_jax.errors import CheckpointError, CheckpointMismatchError, CheckpointWriteError
+from grpo_jax.errors import (CheckpointDamagedError, CheckpointError, CheckpointMismatchError,
+                             CheckpointWriteError)
 from grpo_jax.grpo.batch import Batch
 
 
@@ -104,6 +112,11 @@ def _shapes(tree) -> dict:
         return str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
     return {"/".join(key(k) for k in path): tuple(leaf.shape)
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+# In a step's meta: the step was saved by a Checkpointer that writes manifests, so a step
+# without one is damaged (killed before its manifest was written), not an older version's.
+CHECKSUMS_KEY = "checksums"
 
 
 # The sections whose settings shape the checkpointed state (params, optimizer state, counters).
@@ -212,7 +225,9 @@ class Checkpointer:
             read_only=read_only,
         )
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self.read_only = read_only
         self._operations: set[str] = set()  # Orbax operation ids of this object's saves
+        self._unsealed: list[int] = []  # steps saved here whose manifest is not written yet
         self.failed: CheckpointWriteError | None = None
         logging.getLogger("absl").addFilter(_QUIET)
 
@@ -254,8 +269,8 @@ class Checkpointer:
         except (TypeError, ValueError) as e:
             raise TypeError(f"checkpoint meta must be JSON-serializable (convert numpy/jax "
                             f"scalars with float()/int()): {e}") from None
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                  meta=ocp.args.JsonSave(meta))
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(
+            {**meta, CHECKSUMS_KEY: checksums.MANIFEST}))
         if self.failed is not None:
             raise self.failed
         self._check_space(step, state)
@@ -265,7 +280,28 @@ class Checkpointer:
             self._note_operation()
             raise self._write_error(e) from None
         self._note_operation()
+        self._seal()  # the previous save is committed now (Orbax waited for it)
+        if started:
+            self._unsealed.append(step)
+            if not self._manager.is_saving_in_progress():
+                self._seal()  # a synchronous save is committed already
         return started
+
+    def _seal(self) -> None:
+        """Write the manifests of this object's saves that Orbax has committed (process 0:
+        the step directory holds every process's files once committed)."""
+        committed = set(committed_steps(self.directory))
+        for step in [s for s in self._unsealed if s in committed]:
+            if dist.is_main():
+                try:
+                    checksums.write(Path(self.directory) / str(step))
+                except FileNotFoundError:  # deleted meanwhile (save_total_limit)
+                    pass
+                except OSError as e:
+                    raise self._write_error(e) from None
+        # Steps not committed stay, unless gone for good (deleted by save_total_limit).
+        self._unsealed = [s for s in self._unsealed if s not in committed
+                          and s in self._manager.all_steps()]
 
     def _check_space(self, step: int, state) -> None:
         """CheckpointWriteError (ENOSPC) when the disk lacks room for this process's part of
@@ -303,6 +339,7 @@ class Checkpointer:
             what = "no checkpoint" if step is None else f"no checkpoint for step {step}"
             raise FileNotFoundError(
                 f"{what} in {self.directory}; complete checkpoints there: {steps or 'none'}")
+        self.verify(step)
         abstract = jax.tree_util.tree_map_with_path(_abstract_leaf, target)
         if any(leaf is ocp.PLACEHOLDER for leaf in jax.tree.leaves(abstract)):
             # StandardRestore refuses placeholders; PyTreeRestore reads the same files.
@@ -312,7 +349,35 @@ class Checkpointer:
             state = ocp.args.StandardRestore(abstract)
         restored = self._manager.restore(step, args=ocp.args.Composite(
             state=state, meta=ocp.args.JsonRestore()))
-        return restored.state, restored.meta
+        meta = dict(restored.meta)
+        meta.pop(CHECKSUMS_KEY, None)
+        return restored.state, meta
+
+    def verify(self, step: int) -> None:
+        """CheckpointDamagedError (on every process) when checkpoint `step`'s files differ
+        from its manifest, or when its meta says it should have one and it has none. The
+        processes split the files to hash."""
+        step_dir = Path(self.directory) / str(step)
+        error = None
+        try:
+            if checksums.has_manifest(step_dir):
+                share = (jax.process_index(), jax.process_count())
+                problems = checksums.mismatches(step_dir, share)
+                if problems:
+                    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+                    error = CheckpointDamagedError(f"{problems[0]}{more}")
+            elif CHECKSUMS_KEY in self._manager.restore(step, args=ocp.args.Composite(
+                    meta=ocp.args.JsonRestore())).meta:
+                error = CheckpointDamagedError(
+                    f"its {checksums.MANIFEST} is missing (the run stopped before writing it), "
+                    "so its data can't be verified; to take it as it is, run `sha256sum $(find "
+                    f"state meta -type f) > {checksums.MANIFEST}` in it")
+            elif dist.is_main():
+                print(f"checkpoint {step} in {self.directory} has no checksums (written by an "
+                      "older grpo_jax): restored unverified", file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - an unreadable manifest or meta: damaged
+            error = CheckpointDamagedError(" ".join(f"{type(e).__name__}: {e}".split())[:300])
+        dist.raise_together(error, CheckpointDamagedError)
 
     def restore_newest(self, target, settings: dict, saved_settings: dict | None,
                        at_most: int | None = None):
@@ -338,6 +403,8 @@ class Checkpointer:
                         step, self.directory, shapes, wanted, settings, saved_settings))
                 try:
                     state, meta = self.restore(step, target)
+                except CheckpointDamagedError as e:  # its bytes changed since it was written
+                    error = e
                 except CheckpointError:
                     raise
                 except Exception as e:  # noqa: BLE001 - truncated or missing data: corrupt
@@ -348,7 +415,14 @@ class Checkpointer:
         return None
 
     def _set_aside(self, step: int, error: BaseException | None) -> None:
-        """Rename step directory `step` to `<step>.corrupt` (process 0), saying why."""
+        """Rename step directory `step` to `<step>.corrupt` (process 0), saying why. Another
+        run's checkpoints (read_only) are left as they are: CheckpointError."""
+        reason = ("unreadable on another process" if error is None else
+                  " ".join(f"{type(error).__name__}: {error}".split())[:300])
+        if self.read_only:
+            raise CheckpointError(f"checkpoint {step} in {self.directory} can't be restored "
+                                  f"({reason}); it is another run's and is left as it is: "
+                                  "resume from another of its checkpoints")
         path = Path(self.directory) / str(step)
         aside = path.with_name(f"{step}.corrupt")
         k = 1
@@ -357,8 +431,6 @@ class Checkpointer:
             aside = path.with_name(f"{step}.corrupt{k}")
         if dist.is_main():
             os.rename(path, aside)
-            reason = ("unreadable on another process" if error is None else
-                      " ".join(f"{type(error).__name__}: {error}".split())[:300])
             print(f"checkpoint {step} in {self.directory} can't be restored ({reason}); kept "
                   f"as {aside.name} and skipped (rename it back to retry)", file=sys.stderr)
         dist.any_process(False)  # a barrier: every process re-lists after the rename
@@ -376,6 +448,7 @@ class Checkpointer:
             self._manager.wait_until_finished()
         except Exception as e:
             raise self._write_error(e) from None
+        self._seal()
 
     def poll(self) -> None:
         """CheckpointWriteError if a background save has failed by now; never blocks."""
@@ -620,6 +693,14 @@ def _quiet_restore():
             os.close(saved)
 
 
+def _damaged(ckpt: Checkpointer, step: int, reason: str) -> str:
+    others = [s for s in ckpt.all_steps() if s != step]
+    return (f"checkpoint {step} in {ckpt.directory} can't be read, it is damaged ("
+            + " ".join(reason.split())[:300] + "); "
+            + (f"export another with --step (complete ones: {others})" if others
+               else "no other checkpoint to export"))
+
+
 def load_checkpoint(output_dir, step: int | None = None):
     """(model with the checkpoint's params, source model dir, step) from a run's output_dir.
     Only the params are read (not the optimizer state), each device's block onto an FSDP mesh
@@ -651,18 +732,14 @@ def load_checkpoint(output_dir, step: int | None = None):
             state, _ = ckpt.restore(step, target)
         except FileNotFoundError as e:
             raise CheckpointError(str(e)) from None
+        except CheckpointDamagedError as e:  # its files differ from their checksums
+            raise CheckpointError(_damaged(ckpt, step, str(e))) from None
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001 - truncated or missing files, garbage metadata
-            others = [s for s in ckpt.all_steps() if s != step]
             # TensorStore's messages end in a pointer to details not printed: left out
-            why = " ".join(f"{type(e).__name__}: {e}".split()).split(
-                " See full TensorStore details")[0]
-            raise CheckpointError(
-                f"checkpoint {step} in {ckpt.directory} can't be read, it is damaged ("
-                + why[:300] + "); "
-                + (f"export another with --step (complete ones: {others})" if others
-                   else "no other checkpoint to export")) from None
+            why = f"{type(e).__name__}: {e}".split(" See full TensorStore details")[0]
+            raise CheckpointError(_damaged(ckpt, step, why)) from None
         finally:
             ckpt.close()
     if cfg.peft.use_peft:

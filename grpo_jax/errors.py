@@ -62,6 +62,11 @@ class TrainError(GrpoJaxError):
     """A run that can't start or go on as asked."""
 
 
+class UpdatesSkippedError(TrainError):
+    """max_consecutive_skipped_updates updates in a row were not finite and skipped: the run
+    makes no progress (no final checkpoint: it would hold nothing new)."""
+
+
 class NoSignalError(GrpoJaxError):
     """max_num_gen_batches generations did not fill a batch with groups that have signal."""
 
@@ -80,6 +85,11 @@ class CheckpointError(GrpoJaxError):
 
 class CheckpointMismatchError(CheckpointError):
     """A checkpoint written by a run whose settings give the state another shape."""
+
+
+class CheckpointDamagedError(CheckpointError):
+    """A checkpoint whose files differ from the checksums written with it (a flipped bit, a
+    file changed or lost since): set aside on resume, refused by export."""
 
 
 class CheckpointWriteError(CheckpointError):

@@ -6,6 +6,9 @@ Writes a Hugging Face model directory (weights, config, tokenizer, chat template
 directory (`adapter_config.json`, `adapter_model.safetensors`) that
 `peft.PeftModel.from_pretrained` loads onto the base; `--merge` writes the full model instead.
 
+Weights that are not finite (NaN, inf: a diverged run) or beyond --dtype's range are refused
+before anything is written.
+
 The export is written into a hidden directory beside HF_DIR and renamed into place when
 complete, so an interrupted export never leaves a half model (a killed export's hidden
 directory is removed by the next export). A directory that can't be renamed (a mount point, the
@@ -31,8 +34,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
 from grpo_jax import hf, peft_io, storage
-from grpo_jax.checkpoint import load_checkpoint
+from grpo_jax.checkpoint import committed_steps, load_checkpoint
 from grpo_jax.cli import load_config
 from grpo_jax.errors import GrpoJaxError, ExportError
 
@@ -145,6 +152,31 @@ def _move_in(tmp: Path, out: Path) -> None:
         shutil.move(new, dest)  # a rename, or a copy across file systems
 
 
+# (all finite, largest magnitude) of one weight, on its devices: nothing is gathered.
+_finite_max = jax.jit(lambda w: (jnp.isfinite(w).all(), jnp.abs(w).max()))
+
+
+def check_weights(model, dtype: str, where: str, others: list[int]) -> None:
+    """ExportError when a weight of `model` is NaN or inf (a diverged run, a damaged
+    checkpoint), or beyond `dtype`'s range (it would be written as inf): a model file of such
+    weights loads and then generates garbage."""
+    limit = float(jnp.finfo(dtype).max)
+    for path, w in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]:
+        if not jnp.issubdtype(w.dtype, jnp.floating):  # a quantized base's integers
+            continue
+        finite, largest = _finite_max(w)
+        name = "/".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+        if not finite:
+            raise ExportError(
+                f"{where} holds weights that are not finite (NaN or inf in {name}); nothing was "
+                "written: " + (f"export another with --step (complete ones: {others})" if others
+                               else "no other checkpoint to export"))
+        if float(largest) > limit:
+            raise ExportError(f"{where}: {name} holds {float(largest):.3g}, beyond {dtype}'s "
+                              f"range (it would be written as inf); nothing was written: "
+                              "export with --dtype bfloat16 or float32")
+
+
 @contextlib.contextmanager
 def staged(out: Path):
     """A temporary directory to write the export into; on success it becomes `out` (an
@@ -191,6 +223,8 @@ def export(checkpoint, out, *, step: int | None = None, dtype: str = "bfloat16",
     (out, step)."""
     out = Path(out)
     model, source_dir, step = load_checkpoint(checkpoint, step)
+    others = [s for s in committed_steps(Path(checkpoint) / "checkpoints") if s != step]
+    check_weights(model, dtype, f"checkpoint {step} of {checkpoint}", others)
     check_destination(out, overwrite, {"the run's base model": Path(source_dir),
                                        "the run's output_dir": Path(checkpoint)},
                       run_dir=Path(checkpoint))

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from grpo_jax import cli
@@ -33,7 +34,8 @@ from grpo_jax import storage
 from grpo_jax.checkpoint import (BufferFiles, Checkpointer, RefCheckpoints, StopRun, StopSignal,
                                  check_writable, committed_steps, last_good, resume_changes,
                                  settings_diff)
-from grpo_jax.errors import CheckpointWriteError, GrpoJaxError, NoSignalError, TrainError
+from grpo_jax.errors import (CheckpointWriteError, GrpoJaxError, NoSignalError, TrainError,
+                             UpdatesSkippedError)
 from grpo_jax.logger import MetricsLogger
 from grpo_jax.metrics import Logged, MetricWindow
 from grpo_jax.models import ModelConfig
@@ -372,6 +374,7 @@ def run_rounds(run: Run) -> dict:
     def past_data(position: data_lib.DataPosition) -> bool:
         used_up[0] = used_up[0] or (data_epochs is not None and position.epoch >= data_epochs)
         return used_up[0]
+    skips = SkippedUpdates(cfg.run.max_consecutive_skipped_updates)
     # One process alone can't abort a round its peers are inside: with several, every process
     # stops after the same round.
     with StopSignal(interrupt=not dist.multi_process()) as stop:
@@ -440,11 +443,15 @@ def run_rounds(run: Run) -> dict:
                         **logged.append, "step_time": share + pending_time,
                         "timing/update": share}))
                     pending_time, step = 0.0, first + i + 1
+                    skips.note(step, logged)
                     window.add(Logged(put={"epoch": plan.epoch(step, len(dataset))}))
                     if logs.due(step) or (step == 1 and cfg.run.logging_first_step):
                         last = logger.log(step, window.flush())
                 logger.advance(at.step)
                 ckpt.poll()  # a background checkpoint write that failed stops the run now
+                if skips.exceeded:  # every process saw the same updates skipped
+                    ckpt.wait()  # the checkpoint named is committed
+                    raise dist.raised_on_all(skips.error(at.state.params, ckpt.directory))
                 if not result.updates:
                     continue
                 if run.evaluator is not None and run.schedule.due(at.step):
@@ -496,6 +503,58 @@ def interval_schedules(run_args: config_lib.RunArgs, plan: config_lib.BatchPlan,
                                     micro))
 
 
+class SkippedUpdates:
+    """Optimizer updates skipped in a row (optax.apply_if_finite: a non-finite loss or gradient
+    leaves the state as it was), each said on one line: a run whose every update is skipped
+    (non-finite weights or optimizer state, a learning rate of inf) would otherwise go on
+    forever changing nothing. `bound`: max_consecutive_skipped_updates (0: no bound)."""
+
+    def __init__(self, bound: int):
+        self.bound, self.in_a_row, self.first = bound, 0, 0
+
+    def note(self, step: int, logged) -> None:
+        if not logged.count.get("skipped_updates"):
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.first = step if self.in_a_row == 1 else self.first
+        if dist.is_main():  # above the progress bar, on a line of its own
+            tqdm.write(f"grpo_jax.train: warning: step {step}'s update was skipped: its loss or "
+                       f"gradients are not finite (NaN or inf), the weights stay as they were "
+                       f"({self.in_a_row} in a row; max_consecutive_skipped_updates="
+                       f"{self.bound or 'unbounded'})", file=sys.stderr)
+
+    @property
+    def exceeded(self) -> bool:
+        return bool(self.bound) and self.in_a_row >= self.bound
+
+    def error(self, params, directory) -> UpdatesSkippedError:
+        """The run's end. Skips leave the weights as they were: finite weights are those of
+        every checkpoint since the skips began; non-finite ones were made by the last update
+        applied (step first - 1), so only the checkpoints before it are good."""
+        what = (f"{self.in_a_row} updates in a row (steps {self.first}-"
+                f"{self.first + self.in_a_row - 1}) were skipped because their loss or "
+                f"gradients were not finite, so the run makes no progress "
+                f"(max_consecutive_skipped_updates={self.bound})")
+        if bool(_all_finite(params)):
+            return UpdatesSkippedError(
+                f"{what}; the weights are finite: check the rewards and the data; "
+                f"{last_good(directory)}")
+        bad = self.first - 1
+        good = [s for s in committed_steps(directory) if s < bad]
+        return UpdatesSkippedError(
+            f"{what}; the weights are not finite since step {bad}'s update (a learning rate "
+            "too high, a damaged optimizer state?); "
+            + (f"last good checkpoint: {Path(directory) / str(good[-1])}: resume from it "
+               f"(resume_from_checkpoint) with a lower learning_rate" if good else
+               "no checkpoint before it: train afresh with a lower learning_rate"))
+
+
+# Whether every leaf of a pytree of arrays is finite, on the arrays' devices.
+_all_finite = jax.jit(lambda tree: jax.numpy.array(
+    [jax.numpy.isfinite(x).all() for x in jax.tree.leaves(tree)]).all())
+
+
 def _finish(run: Run, failure: BaseException | None, last: dict, logger) -> None:
     """A run's end, however it ends: the final checkpoint (whether finished, interrupted or
     failed mid-round: the state saved is the last completed update, never a half-applied one;
@@ -510,7 +569,8 @@ def _finish(run: Run, failure: BaseException | None, last: dict, logger) -> None
     else:
         try:  # the step is read here: a step that failed may have taken the state's buffers
             step = run.at.step
-            if ckpt.failed is None and step not in ckpt.all_steps() and step > 0:
+            if (ckpt.failed is None and step not in ckpt.all_steps() and step > 0
+                    and not isinstance(failure, UpdatesSkippedError)):  # nothing new to keep
                 run.checkpoints.save(run.at, run.round, last)
         except CheckpointWriteError as e:
             final_error = e

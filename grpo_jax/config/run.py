@@ -199,6 +199,11 @@ class RunArgs:
     report_to: tuple[Literal["tensorboard", "wandb"], ...] = arg(
         ("tensorboard",),
         "TRL's default is 'none'; tensorboardX is a dependency here, so its log is on by default.")
+    max_consecutive_skipped_updates: int = arg(
+        5,
+        "Optimizer updates in a row skipped because their loss or gradients were not finite "
+        "(NaN/inf: the weights stay as they were) after which the run stops with an error "
+        "naming its last good checkpoint (0: never stop). Not in TRL, whose run goes on.")
     resume: bool | str = arg(
         False,
         "Continue from the newest checkpoint in output_dir (true), or from a checkpoint "
@@ -215,6 +220,9 @@ class RunArgs:
                   f"of steps, or a fraction in (0, 1) of the run's steps, got {v}")
         check(self.save_total_limit is None or self.save_total_limit >= 1,
               f"save_total_limit must be >= 1 or null, got {self.save_total_limit}")
+        check(self.max_consecutive_skipped_updates >= 0,
+              f"max_consecutive_skipped_updates must be >= 0 (0: never stop), got "
+              f"{self.max_consecutive_skipped_updates}")
         check(self.num_completions_to_print is None or self.num_completions_to_print >= 0,
               f"num_completions_to_print must be >= 0 or null, got "
               f"{self.num_completions_to_print}")
