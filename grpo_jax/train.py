@@ -35,6 +35,7 @@ from grpo_jax.checkpoint import (BufferFiles, Checkpointer, RefCheckpoints, Stop
 from grpo_jax.errors import CheckpointWriteError, GrpoJaxError, TrainError
 from grpo_jax.logger import MetricsLogger
 from grpo_jax.metrics import Logged, MetricWindow
+from grpo_jax.run_dir import RunDirLock
 from grpo_jax.models import ModelConfig
 from grpo_jax.rollout import tools as tools_lib
 from grpo_jax.rollout.engines import make_rollout
@@ -198,6 +199,7 @@ class Run:
     schedule: Any  # evaluation.EvalSchedule
     checkpoints: RunCheckpoints
     at: RunState
+    lock: RunDirLock  # output_dir held by this run (and still the directory it opened)
 
     def trainer_state(self, step: int) -> rewards_lib.TrainerState:
         """transformers' state after `step` optimizer steps (the epoch is optimizer progress),
@@ -215,6 +217,17 @@ def build_run(cfg: config_lib.TrainConfig, devices=None) -> Run:
     out = Path(cfg.run.output_dir)
     # Before any work: a run that can't write its checkpoints stops now, not at the first save.
     storage.check_writable(out, "output_dir")
+    # One run per output_dir, before anything of this run is written there (config.yaml too).
+    lock = RunDirLock.acquire(out)
+    try:
+        return _build_run(cfg, out, lock, devices)
+    except BaseException:
+        lock.release()  # a run that did not start leaves no stale lock behind
+        raise
+
+
+def _build_run(cfg: config_lib.TrainConfig, out: Path, lock: RunDirLock, devices) -> Run:
+    """build_run's work, with output_dir held."""
     check_writable(out / "checkpoints")
     cfg = choose_mesh(cfg, devices)
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
@@ -273,12 +286,16 @@ def build_run(cfg: config_lib.TrainConfig, devices=None) -> Run:
         (out / "config.yaml").write_text(dataclasses.replace(
             cfg, distributed=dataclasses.replace(cfg.distributed, process_id=None)).to_yaml())
     return Run(cfg, out, plan, total_steps, dataset, rollout, scorer, run_round, evaluator,
-               eval_scorer, schedule, checkpoints, at)
+               eval_scorer, schedule, checkpoints, at, lock)
 
 
 def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     """Run (or resume) training on `devices` (default: all). Returns the last metrics."""
-    return run_rounds(build_run(cfg, devices))
+    run = build_run(cfg, devices)
+    try:
+        return run_rounds(run)
+    finally:
+        run.lock.release()  # after _finish: the run writes nothing more in output_dir
 
 
 def run_rounds(run: Run) -> dict:
@@ -379,6 +396,7 @@ def run_rounds(run: Run) -> dict:
                         last = logger.log(step, window.flush())
                 logger.advance(at.step)
                 ckpt.poll()  # a background checkpoint write that failed stops the run now
+                dist.together(run.lock.check)  # output_dir vanished (unmounted): stop, save not
                 if not result.updates:
                     continue
                 if run.evaluator is not None and run.schedule.due(at.step):
@@ -405,6 +423,7 @@ def _finish(run: Run, failure: BaseException | None, last: dict, logger) -> None
     for, the logs closed; a stop said on one line."""
     ckpt, refs = run.checkpoints.ckpt, run.checkpoints.refs
     final_error = None
+    moved = run.lock.moved()  # output_dir is gone: no final checkpoint into what is there now
     if dist.failed_alone(failure):
         # A checkpoint is written by all processes together; the others are not here.
         print("this process failed alone: no final checkpoint, the last periodic one "
@@ -412,7 +431,7 @@ def _finish(run: Run, failure: BaseException | None, last: dict, logger) -> None
     else:
         try:  # the step is read here: a step that failed may have taken the state's buffers
             step = run.at.step
-            if ckpt.failed is None and step not in ckpt.all_steps() and step > 0:
+            if moved is None and ckpt.failed is None and step not in ckpt.all_steps() and step > 0:
                 run.checkpoints.save(run.at, run.round, last)
         except CheckpointWriteError as e:
             final_error = e
@@ -426,6 +445,8 @@ def _finish(run: Run, failure: BaseException | None, last: dict, logger) -> None
         if refs is not None:
             refs.close()
     logger.close()
+    if moved is not None and str(moved) != str(failure):
+        raise moved from None  # what else failed (a checkpoint write, say) followed from it
     if final_error is not None and final_error is not failure:
         raise final_error  # the run's end (or its failure) could not be checkpointed
     if isinstance(failure, StopRun) and dist.is_main():  # a stop leaves the state whole
