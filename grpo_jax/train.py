@@ -445,9 +445,10 @@ def _finish(run: Run, failure: BaseException | None, last: dict, logger) -> None
         if refs is not None:
             refs.close()
     logger.close()
-    if moved is not None and str(moved) != str(failure):
-        raise moved from None  # what else failed (a checkpoint write, say) followed from it
-    if final_error is not None and final_error is not failure:
+    if moved is not None:  # what else failed (a checkpoint write in flight) followed from it
+        if str(moved) != str(failure):
+            raise moved from None
+    elif final_error is not None and final_error is not failure:
         raise final_error  # the run's end (or its failure) could not be checkpointed
     if isinstance(failure, StopRun) and dist.is_main():  # a stop leaves the state whole
         step = run.at.step
