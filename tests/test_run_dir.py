@@ -33,18 +33,20 @@ def files(out: Path) -> dict[str, bytes]:
 @pytest.mark.slow
 def test_busy_output_dir_is_refused_then_a_killed_runs_lock_and_torn_line_are_taken_over(
         tiny_dir, tmp_path, monkeypatch, capsys):  # noqa: F811
-    """Run A stalls in its third round (checkpoints 1 and 2 written). A second run on its
-    output_dir, as two processes and as one, is refused on every process with one line naming
-    A (host, pid), exit 2, A's files untouched (config.yaml too) and A running on. A is then
-    killed with SIGKILL mid-write of a metrics record: the resumed run takes over A's lock and
-    drops the torn line, saying each in one line, and leaves a consistent metrics.jsonl."""
+    """Run A stalls in its third round, before its first checkpoint (which the "already holds
+    checkpoints" refusal needs). A second run on its output_dir, as two processes and as one,
+    is refused on every process with one line naming A (host, pid), exit 2, A's files
+    untouched (config.yaml too) and A running on. A is then killed with SIGKILL mid-write of a
+    metrics record: the next run (--resume) takes over A's lock and drops the torn line,
+    saying each in one line, and leaves a consistent metrics.jsonl."""
     out, marker = tmp_path / "run", tmp_path / "stalled"
     monkeypatch.setenv("GRPO_JAX_TEST_STALL", str(marker))
-    a = start_cli(tiny_dir, out, max_steps=4, save_steps=1, reward_funcs=f"[{STALL}]")
+    a = start_cli(tiny_dir, out, max_steps=4, save_steps=100, reward_funcs=f"[{STALL}]")
     try:
         wait_for(marker, a)
-        wait_for(out / "checkpoints" / "2", a)  # committed: A writes nothing until it resumes
         before = files(out)
+        assert {"config.yaml", "metrics.jsonl"} <= before.keys() and not [
+            k for k in before if k.startswith("checkpoints/")], list(before)
         owner = f"pid {a.pid} on {socket.gethostname()}"
         b_dir = tmp_path / "b"
         b_dir.mkdir()
