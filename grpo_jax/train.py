@@ -35,11 +35,11 @@ from grpo_jax.checkpoint import (BufferFiles, Checkpointer, RefCheckpoints, Stop
 from grpo_jax.errors import CheckpointWriteError, GrpoJaxError, TrainError
 from grpo_jax.logger import MetricsLogger
 from grpo_jax.metrics import Logged, MetricWindow
-from grpo_jax.run_dir import RunDirLock
 from grpo_jax.models import ModelConfig
 from grpo_jax.rollout import tools as tools_lib
 from grpo_jax.rollout.engines import make_rollout
 from grpo_jax.rollout.native.sampler import reference_copy
+from grpo_jax.run_dir import RunDirLock
 from grpo_jax.scoring import RewardScorer
 from grpo_jax.trainer import ADAPTERS_OFF, GRPORound, Policy, step_config
 
