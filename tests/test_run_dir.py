@@ -15,8 +15,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from test_faults import (STALL, finish, one_error_line, start_cli, tmpfs,  # noqa: F401
-                         wait_for)
+from test_faults import STALL, finish, one_error_line, start_cli, tmpfs, wait_for
 from test_multihost import cli_config, launch, log, wait_all
 from test_train import config, tiny_dir  # noqa: F401 (fixture)
 
