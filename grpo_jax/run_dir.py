@@ -23,6 +23,7 @@ import os
 import socket
 import sys
 import time
+import weakref
 from pathlib import Path
 
 from grpo_jax import distributed as dist
@@ -105,6 +106,16 @@ def _take(out: Path) -> int:
     return fd
 
 
+def _release(fd: int) -> None:
+    """The lock file emptied (so the next run sees no stale owner) and its flock dropped."""
+    try:
+        os.ftruncate(fd, 0)  # a failure leaves the owner's name: the next run says stale
+    except OSError:
+        pass
+    finally:
+        os.close(fd)  # drops the flock
+
+
 def _identity(out: Path) -> tuple[int, int]:
     st = os.stat(out)
     return st.st_dev, st.st_ino
@@ -115,8 +126,10 @@ class RunDirLock:
     process 0's outcome) and every process's record of which directory it is."""
 
     def __init__(self, out: Path, fd: int | None):
-        self.out, self._fd = Path(out), fd
-        self._identity = _identity(self.out)
+        # Released once: by release(), else when dropped (a run abandoned in a test's process)
+        # or at the interpreter's exit.
+        self._release = None if fd is None else weakref.finalize(self, _release, fd)
+        self.out, self._identity = Path(out), _identity(Path(out))
 
     @classmethod
     def acquire(cls, out) -> "RunDirLock":
@@ -160,16 +173,6 @@ class RunDirLock:
             raise error
 
     def release(self) -> None:
-        """The lock given up, the file emptied (so the next run sees no stale owner); once."""
-        if self._fd is None:
-            return
-        fd, self._fd = self._fd, None
-        try:
-            os.ftruncate(fd, 0)  # a failure leaves the owner's name: the next run says stale
-        except OSError:
-            pass
-        finally:
-            os.close(fd)  # drops the flock
-
-    def __del__(self):  # a run abandoned without release (an error in a test's process)
-        self.release()
+        """The lock given up and its file emptied; a second call does nothing."""
+        if self._release is not None:
+            self._release()
