@@ -82,8 +82,11 @@ class _QuietStorageErrors(logging.Filter):
     records are dropped. Orbax's other records pass."""
 
     def filter(self, record):
-        return not (record.exc_info and record.pathname and "orbax" in record.pathname
-                    and storage.storage_cause(record.exc_info[1]) is not None)
+        e = record.exc_info and record.exc_info[1]
+        return not (e and record.pathname and "orbax" in record.pathname
+                    and (storage.storage_cause(e) is not None
+                         # output_dir unmounted under the write (the run says so: run_dir)
+                         or FileNotFoundError in map(type, (e, e.__cause__, e.__context__))))
 
 
 _QUIET = _QuietStorageErrors()

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from grpo_jax.errors import TrainError
+
 
 class MetricsLogger:
     def __init__(self, out_dir: Path, run_cfg, *, total_steps: int, start_step: int = 0,
@@ -26,10 +28,14 @@ class MetricsLogger:
         self._postfix: dict[str, str] = {}
         if not enabled:
             return
-        # A resumed run replays the steps after its checkpoint: drop their old records.
-        kept = [h for h in read_history(self.out / "metrics.jsonl") if h["step"] <= start_step]
-        self._jsonl = open(self.out / "metrics.jsonl", "w")
-        self._jsonl.writelines(json.dumps(h) + "\n" for h in kept)
+        # A resumed run replays the steps after its checkpoint: drop their old records. The
+        # file is replaced whole (a crash meanwhile leaves the old one), then appended to.
+        path = self.out / "metrics.jsonl"
+        kept = [h for h in read_history(path) if h["step"] <= start_step]
+        staged = path.with_name(path.name + ".tmp")
+        staged.write_text("".join(json.dumps(h) + "\n" for h in kept))
+        os.replace(staged, path)
+        self._jsonl = open(path, "a")
         self._completions = (open(self.out / "completions.jsonl", "a")
                              if run_cfg.log_completions else None)
         report_to = tuple(run_cfg.report_to or ())
@@ -156,9 +162,32 @@ def _short(x, n: int = 60) -> str:
 
 
 def read_history(path: Path) -> list[dict]:
-    if not Path(path).exists():
+    """The records of metrics.jsonl `path` ([] without one). A last line cut off mid-write (a
+    crash, a full disk) is dropped, said on stderr; a damaged line before it is a TrainError
+    (the file is the run's history: not silently cut)."""
+    path = Path(path)
+    if not path.exists():
         return []
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    lines = [(i, line) for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+             if line.strip()]
+    history = []
+    for i, line in lines:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            record, why = None, f"not JSON ({e.msg} at column {e.colno})"
+        else:
+            why = "not a record with a step"
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            history.append(record)
+        elif (i, line) == lines[-1] and record is None:
+            print(f"{path}: its last line (line {i}, {len(line)} characters) was cut off "
+                  "mid-write (a crash or a full disk); dropped it", file=sys.stderr)
+        else:
+            raise TrainError(f"{path} line {i} is {why}: the file is damaged (another run "
+                             "writing to it?); delete that line or move the file away, then "
+                             "run again")
+    return history
 
 
 def plot_curves(history: list[dict], path: Path) -> None:

@@ -42,6 +42,7 @@ from grpo_jax.models import ModelConfig
 from grpo_jax.rollout import tools as tools_lib
 from grpo_jax.rollout.engines import make_rollout
 from grpo_jax.rollout.native.sampler import reference_copy
+from grpo_jax.run_dir import RunDirLock
 from grpo_jax.scoring import RewardScorer
 from grpo_jax.trainer import ADAPTERS_OFF, GRPORound, Policy, step_config
 
@@ -243,6 +244,7 @@ class Run:
     schedule: Any  # evaluation.EvalSchedule
     checkpoints: RunCheckpoints
     at: RunState
+    lock: RunDirLock  # output_dir held by this run (and still the directory it opened)
 
     def trainer_state(self, step: int) -> rewards_lib.TrainerState:
         """transformers' state after `step` optimizer steps (the epoch is optimizer progress),
@@ -260,6 +262,17 @@ def build_run(cfg: config_lib.TrainConfig, devices=None) -> Run:
     out = Path(cfg.run.output_dir)
     # Before any work: a run that can't write its checkpoints stops now, not at the first save.
     storage.check_writable(out, "output_dir")
+    # One run per output_dir, before anything of this run is written there (config.yaml too).
+    lock = RunDirLock.acquire(out)
+    try:
+        return _build_run(cfg, out, lock, devices)
+    except BaseException:
+        lock.release()  # a run that did not start leaves no stale lock behind
+        raise
+
+
+def _build_run(cfg: config_lib.TrainConfig, out: Path, lock: RunDirLock, devices) -> Run:
+    """build_run's work, with output_dir held."""
     check_writable(out / "checkpoints")
     cfg = choose_mesh(cfg, devices)
     mesh = mesh_lib.make_mesh(cfg.mesh, devices)
@@ -321,12 +334,16 @@ def build_run(cfg: config_lib.TrainConfig, devices=None) -> Run:
         _write_settings(out, dataclasses.replace(
             cfg, distributed=dataclasses.replace(cfg.distributed, process_id=None)), at.step)
     return Run(cfg, out, plan, total_steps, dataset, rollout, scorer, run_round, evaluator,
-               eval_scorer, schedule, checkpoints, at)
+               eval_scorer, schedule, checkpoints, at, lock)
 
 
 def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     """Run (or resume) training on `devices` (default: all). Returns the last metrics."""
-    return run_rounds(build_run(cfg, devices))
+    run = build_run(cfg, devices)
+    try:
+        return run_rounds(run)
+    finally:
+        run.lock.release()  # after _finish: the run writes nothing more in output_dir
 
 
 def run_rounds(run: Run) -> dict:
@@ -452,6 +469,7 @@ def run_rounds(run: Run) -> dict:
                 if skips.exceeded:  # every process saw the same updates skipped
                     ckpt.wait()  # the checkpoint named is committed
                     raise dist.raised_on_all(skips.error(at.state.params, ckpt.directory))
+                dist.together(run.lock.check)  # output_dir vanished (unmounted): stop, save not
                 if not result.updates:
                     continue
                 if run.evaluator is not None and run.schedule.due(at.step):
@@ -562,6 +580,7 @@ def _finish(run: Run, failure: BaseException | None, last: dict, logger) -> None
     for, the logs closed; a stop said on one line."""
     ckpt, refs = run.checkpoints.ckpt, run.checkpoints.refs
     final_error = None
+    moved = run.lock.moved()  # output_dir is gone: no final checkpoint into what is there now
     if dist.failed_alone(failure):
         # A checkpoint is written by all processes together; the others are not here.
         print("this process failed alone: no final checkpoint, the last periodic one "
@@ -569,8 +588,8 @@ def _finish(run: Run, failure: BaseException | None, last: dict, logger) -> None
     else:
         try:  # the step is read here: a step that failed may have taken the state's buffers
             step = run.at.step
-            if (ckpt.failed is None and step not in ckpt.all_steps() and step > 0
-                    and not isinstance(failure, UpdatesSkippedError)):  # nothing new to keep
+            if (moved is None and ckpt.failed is None and step not in ckpt.all_steps()
+                    and step > 0 and not isinstance(failure, UpdatesSkippedError)):
                 run.checkpoints.save(run.at, run.round, last)
         except CheckpointWriteError as e:
             final_error = e
@@ -584,7 +603,10 @@ def _finish(run: Run, failure: BaseException | None, last: dict, logger) -> None
         if refs is not None:
             refs.close()
     logger.close()
-    if final_error is not None and final_error is not failure:
+    if moved is not None:  # what else failed (a checkpoint write in flight) followed from it
+        if str(moved) != str(failure):
+            raise moved from None
+    elif final_error is not None and final_error is not failure:
         raise final_error  # the run's end (or its failure) could not be checkpointed
     if isinstance(failure, StopRun) and dist.is_main():  # a stop leaves the state whole
         step = run.at.step
