@@ -561,7 +561,6 @@ def test_pallas_kernels_are_counted():
     [2, 256, 32]: 6 FLOPs per query, key and head dim) and the share of blocks it visits
     (attention.splash's scope), in a 3-trip loop, as the TPU compiler writes them."""
     from grpo_jax.aot import hlo
-    from grpo_jax.models.attention import visited_share
 
     text = """HloModule m
 
@@ -609,6 +608,7 @@ ENTRY %main (a: bf16[256,128]) -> bf16[256,128] {
     splash = 6 * 4 * 128 * 256 * 32 * 0.75
     # + the counter's add per trip and the condition's compare per test (4)
     assert hlo.cost(text).flops == 3 * (8388608 + splash + 1) + 4
+    from grpo_jax.models.attention import visited_share
     # The share: 128 queries at key indices 128..255 in blocks of 64 over 256 keys in blocks
     # of 64: each query block sees the key blocks up to its last query's (3 of 4, then 4).
     q_idx = np.arange(128, 256, dtype=np.int32)

@@ -18,6 +18,11 @@ from, nothing of a buffer it updates in place) and its in-place result by the re
 a gather reads the rows it takes, an async slice or copy (`slice-start`, `copy-start`, whose
 tuple type repeats its operands) what it moves. Only HBM counts: arrays the TPU compiler put in
 on-chip memory (layout `S(1)`) are read and written for free.
+
+TPU Pallas kernels (`tpu_custom_call`), which XLA's cost analysis counts as no work, count by
+their own cost estimate where they carry one (megablox's grouped matmuls), and splash
+attention's, which carry none, by their shapes and the share of blocks their mask lets them
+visit (`kernel_cost`): at 32k tokens attention is over a third of a forward's FLOPs.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ phase decides whether it fits. Time, per phase: compute (XLA's FLOPs over the ch
 interconnect, `comms`); the forecast is a range, from everything overlapped (the largest of the
 three) to nothing overlapped (their sum). MFU: the model's FLOPs (`model_flops`: 2 per weight
 and token forward, 6 with the backward, attention included, no rematerialisation) over the
-forecast time and the chips' peak.
+forecast time and the chips' peak. A phase whose compiled FLOPs come out below the model's
+takes the model's for its compute time (`phase_time`): the MFU never exceeds 100%.
 """
 
 from __future__ import annotations
