@@ -518,3 +518,152 @@ def test_costs_count_every_loop_trip():
     counted = hlo.cost(loop.as_text())
     assert counted.unknown_loops == 0 and xla[1]["flops"] < 2 * matmul
     assert counted.flops == pytest.approx(6 * mine.flops, rel=0.02)
+
+
+# A mixture of experts with matmuls large enough to outweigh the elementwise work that XLA's
+# count adds (router, norms, softmax): 4 experts, 2 per token, every layer sparse.
+TINY_MOE = ModelConfig(model_type="qwen3_moe", vocab_size=512, hidden_size=512,
+                       intermediate_size=512, num_layers=2, num_heads=8, num_kv_heads=4,
+                       head_dim=64, num_experts=4, num_experts_per_tok=2,
+                       moe_intermediate_size=512)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not AOT_PYTHON, reason="GRPO_JAX_AOT_PYTHON is unset")
+def test_moe_without_an_expert_axis_compiles_for_tpu_and_its_flops_are_counted(tmp_path):
+    """Issue 47, item 7: a mixture of experts on a TPU slice meshed data x fsdp, no expert
+    axis: megablox's gmm (a Mosaic kernel) runs in shard_map, so the update compiles (it died
+    with "Mosaic kernels cannot be automatically partitioned"). Item 8: its FLOPs, with the
+    Pallas kernels' (gmm's cost estimates, splash attention's by shape) counted, are the
+    model's (6 N per trained token plus attention's) times the remat forward, and the MFU
+    is at most 100%."""
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(TINY_MOE.to_hf()))
+    proc = run_aot(tmp_path, "--topology", "v5e:2x2", "--model_name_or_path", "moe",
+                   "--max_prompt_length", "128", "--max_completion_length", "128",
+                   "--num_generations", "4", "--per_device_train_batch_size", "1",
+                   "--phases", "update", "--dp", "2", "--fsdp", "2", "--json", "out.json")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "out.json").read_text())
+    assert r["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1} and r["attention"] == "splash"
+    update = r["time"]["phases"]["update"]
+    # Model FLOPs (report.model_flops): 3 forwards of 2 x active matmul weights per token and
+    # 4 x L x q_size per (token, key seen); remat "full" runs the forward once more.
+    assert not update["floored"]
+    assert 4 / 3 <= update["tflop"] / update["model_tflop"] < 2.0, update
+    assert 0 < update["mfu"][1] <= update["mfu"][0] <= 1
+
+
+def test_pallas_kernels_are_counted():
+    """Item 8: XLA's cost analysis counts a TPU Pallas kernel (tpu_custom_call) as no work.
+    hlo.cost counts megablox's gmm by its cost estimate (a backend config over one line, its
+    numbers strings) and splash attention's dq kernel by its shapes (q [4, 128, 32], k
+    [2, 256, 32]: 6 FLOPs per query, key and head dim) and the share of blocks it visits
+    (attention.splash's scope), in a 3-trip loop, as the TPU compiler writes them."""
+    from grpo_jax.aot import hlo
+
+    text = """HloModule m
+
+%body (p: (s32[], bf16[256,128])) -> (s32[], bf16[256,128]) {
+  %p = (s32[], bf16[256,128]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = bf16[256,128]{1,0} get-tuple-element(%p), index=1
+  %sizes = s32[5]{0} constant({64, 64, 64, 64, 0})
+  %w = bf16[4,128,128]{2,1,0} constant({...})
+  %gmm.1 = bf16[256,128]{1,0:T(8,128)(2,1)S(1)} custom-call(%sizes, %x, %w), \
+custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={}}, \
+metadata={op_name="jit(f)/while/body/shard_map/jit(gmm)/pallas_call"}, backend_config=\
+{"flag_configs":[],"custom_call_config":{"body":"TUzvUg==","cost_estimate":{"flops":"8388608",\
+"transcendentals":"0","bytes_accessed":"294912","remote_bytes_transferred":"0"},\
+"needs_layout_passes":true}}
+  %mask = s8[1,1,1]{2,1,0} constant({...})
+  %q = bf16[4,128,32]{2,1,0} constant({...})
+  %k = bf16[2,256,32]{2,1,0} constant({...})
+  %dq = (f32[128,32]{1,0:T(8,128)}, bf16[4,128,32]{2,1,0}) custom-call(%mask, %mask, %q, \
+%k, %k), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"xprof_metadata":"{\\"block_q_dq\\": 128}"
+}}, metadata={op_name="jit(f)/transpose(jvp())/splash_visits_0.750000/shard_map/\
+splash_mha_dq_segmented_no_residuals/pallas_call"}, backend_config={"custom_call_config":\
+{"body":"TUzvUg=="}}
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], bf16[256,128]{1,0}) tuple(%next, %gmm.1)
+}
+
+%cond (q: (s32[], bf16[256,128])) -> pred[] {
+  %q = (s32[], bf16[256,128]{1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%q), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%j, %n), direction=LT
+}
+
+ENTRY %main (a: bf16[256,128]) -> bf16[256,128] {
+  %a = bf16[256,128]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[256,128]{1,0}) tuple(%zero, %a)
+  %loop = (s32[], bf16[256,128]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %out = bf16[256,128]{1,0} get-tuple-element(%loop), index=1
+}
+""".replace("\\\n", "")
+    splash = 6 * 4 * 128 * 256 * 32 * 0.75
+    # + the counter's add per trip and the condition's compare per test (4)
+    assert hlo.cost(text).flops == 3 * (8388608 + splash + 1) + 4
+    from grpo_jax.models.attention import visited_share
+    # The share: 128 queries at key indices 128..255 in blocks of 64 over 256 keys in blocks
+    # of 64: each query block sees the key blocks up to its last query's (3 of 4, then 4).
+    q_idx = np.arange(128, 256, dtype=np.int32)
+    assert visited_share(q_idx, 256, None, 64, 64) == (3 + 4) / 8
+    assert visited_share(q_idx, 256, 64, 64, 64) == (2 + 2) / 8  # and a 64-token window
+
+
+def test_mfu_is_never_above_100_percent():
+    """Item 8: where a program's counted FLOPs are below the model's (work the count can't
+    see), the forecast's compute is the model's: MFU at most 100%, said with a mark."""
+    chip = hardware.CHIPS["v5p"]
+    low = report.phase_time(report.Cost(1e12, 1e9), 0.0, chip, model_flops=2e12)
+    assert low["floored"] and low["compute_s"] == 2e12 / chip.peak_flops
+    assert low["mfu"][0] == pytest.approx(1.0) and low["mfu"][1] <= 1.0
+    high = report.phase_time(report.Cost(3e12, 1e9), 0.0, chip, model_flops=2e12)
+    assert not high["floored"] and high["mfu"][0] == pytest.approx(2 / 3)
+
+
+@pytest.mark.skipif(not AOT_PYTHON, reason="GRPO_JAX_AOT_PYTHON is unset")
+def test_a_refusal_in_terabytes_is_read(tmp_path):
+    """Item 9: the TPU compiler's refusal of a program needing terabytes ("HLO temporaries
+    (8.00T)") is read as what it asks for (it was a traceback: the parse knew G, M and K);
+    every unit reads; a refusal aot can't read is one line (a GrpoJaxError: exit 2)."""
+    import jax
+
+    from grpo_jax.aot import analyze
+
+    script = """
+import jax, jax.numpy as jnp
+jax.config.update("jax_platforms", "cpu")
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from grpo_jax.aot import analyze, hardware
+mesh = Mesh(hardware.devices(hardware.parse_target("v5e:2x2"))[:1], ("x",))
+x = jax.ShapeDtypeStruct((2**20,), jnp.float32, sharding=NamedSharding(mesh, P()))
+out = analyze._compile("sort", jax.jit(lambda x: jnp.sort(jnp.outer(x, x), axis=0)[0]).lower(x))
+print("TEMP", out.temp_bytes, out.refused)
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([AOT_PYTHON, "-c", script], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("TEMP"))
+    assert float(line.split()[1]) == 8 * 2**40 and "(8.00T)" in line  # [2^20, 2^20] f32
+    sizes = {"512B": 512, "1.50K": 1.5 * 2**10, "11.17T": 11.17 * 2**40, "2P": 2 * 2**50,
+             "3.2GiB": 3.2 * 2**30, "4096": 4096, "1E": 2**60}
+    assert {k: analyze.parse_size(k) for k in sizes} == sizes
+    assert analyze.parse_size("lots") is None and analyze.parse_size("1.2.3G") is None
+
+    class Lowered:  # what the compiler raises, with a size no unit reads
+        def compile(self):
+            raise jax.errors.JaxRuntimeError(
+                "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm: HLO temporaries "
+                "(12.5Q) exceed available HBM (15.75G).\nmore\nlines")
+    with pytest.raises(GrpoJaxError, match=r"^the compiler refused the update program: "
+                       r"RESOURCE_EXHAUSTED: .*\(12.5Q\).*more chips") as e:
+        analyze._compile("update", Lowered())
+    assert "\n" not in str(e.value)

@@ -310,21 +310,17 @@ def timing(run, target, ev: dict) -> tuple[dict | None, dict]:
         return None, communication
     C = run.cfg.generation.max_completion_length
     per_phase = {k: c * runs[k] for k, c in cost.items()}
-    phases = {}
-    for k, c in per_phase.items():
-        comm_s = communication[k]["seconds"] if communication.get(k) else 0.0
-        phases[k] = report.phase_time(c, comm_s, chip)
-        phases[k]["comm_gb"] = communication[k]["gb"] if communication.get(k) else 0.0
-    plan = run.plan
+    plan, chips = run.plan, run.mesh.size
     model_flops = report.model_flops(
         run.model, plan.prompts_per_generation, plan.generation_batch_size, progs.prompt_width,
         C, runs["logprobs"] * plan.micro_batch_size / plan.generation_batch_size,
         runs["update"] * plan.micro_batch_size * plan.gradient_accumulation_steps,
         programs.prompt_group(run.cfg, plan))
-    chips = run.mesh.size
-    for k, p in phases.items():  # each phase's own MFU, at both ends of its range
-        p["mfu"] = tuple(model_flops[k] / chips / (t * chip.peak_flops) if t else 0.0
-                         for t in (p["overlapped_s"], p["serial_s"]))
+    phases = {}
+    for k, c in per_phase.items():  # each with its own MFU, at both ends of its range
+        comm_s = communication[k]["seconds"] if communication.get(k) else 0.0
+        phases[k] = report.phase_time(c, comm_s, chip, model_flops[k] / chips)
+        phases[k]["comm_gb"] = communication[k]["gb"] if communication.get(k) else 0.0
     total = sum(model_flops[k] for k in phases) / chips
     span = (sum(p["overlapped_s"] for p in phases.values()),
             sum(p["serial_s"] for p in phases.values()))
@@ -426,20 +422,51 @@ class Refused:
         return RefusedMemory(self.temp_bytes)
 
 
+# XLA's human-readable sizes: 512B, 1.50K, 11.17T (TPU), 3.20GiB (tsl's form); powers of 1024.
+_UNITS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4, "P": 5, "E": 6}
+_SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGTPE]?)(?:i?B)?\s*$")
+
+
+def parse_size(text: str) -> float | None:
+    """Bytes of a size as XLA writes it (`11.17T`, `512B`, `1.5GiB`, `4096`); None when it is
+    none of those."""
+    m = _SIZE.match(text)
+    if not m:
+        return None
+    try:
+        return float(m.group(1)) * 1024 ** _UNITS[m.group(2)]
+    except ValueError:  # "1.2.3"
+        return None
+
+
+def refused_temporaries(message: str) -> float | None:
+    """The temporaries (bytes) a compiler's RESOURCE_EXHAUSTED message says a program needs
+    ("... HLO temporaries (11.17T) ..."); None for any other message."""
+    if "RESOURCE_EXHAUSTED" not in message:
+        return None
+    m = re.search(r"HLO temporaries \(([^()]*)\)", message)
+    return parse_size(m.group(1)) if m else None
+
+
 def _compile(phase: str, lowered, quiet: bool = False):
     """The compiled program, or, where the TPU compiler refuses it for want of HBM, the
-    temporaries it asked for (a stand-in with memory_analysis())."""
+    temporaries it asked for (a stand-in with memory_analysis()). Any other refusal, or one
+    whose size can't be read, is a GrpoJaxError with the compiler's first line."""
     import jax
 
     start = time.perf_counter()
     try:
         out = lowered.compile()
     except jax.errors.JaxRuntimeError as e:
-        need = re.search(r"HLO temporaries \(([\d.]+)([GMK])\)", str(e))
-        if "RESOURCE_EXHAUSTED" not in str(e) or not need:
-            raise
-        temp = float(need.group(1)) * {"G": 2**30, "M": 2**20, "K": 2**10}[need.group(2)]
-        out = Refused(str(e).splitlines()[0], temp)
+        temp = refused_temporaries(str(e))
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if temp is None:
+            hint = ("a layout needing less memory may compile: more chips, --auto, shorter "
+                    "rows" if "RESOURCE_EXHAUSTED" in str(e) else "the layout or model is one "
+                    "this compiler does not take: try another mesh")
+            raise GrpoJaxError(f"the compiler refused the {phase} program: {first[:400]} "
+                               f"({hint})") from None
+        out = Refused(first, temp)
     if not quiet:
         print(f"compiled {phase} in {time.perf_counter() - start:.0f} s", file=sys.stderr,
               flush=True)

@@ -18,11 +18,17 @@ from, nothing of a buffer it updates in place) and its in-place result by the re
 a gather reads the rows it takes, an async slice or copy (`slice-start`, `copy-start`, whose
 tuple type repeats its operands) what it moves. Only HBM counts: arrays the TPU compiler put in
 on-chip memory (layout `S(1)`) are read and written for free.
+
+TPU Pallas kernels (`tpu_custom_call`), which XLA's cost analysis counts as no work, count by
+their own cost estimate where they carry one (megablox's grouped matmuls), and splash
+attention's, which carry none, by their shapes and the share of blocks their mask lets them
+visit (`kernel_cost`): at 32k tokens attention is over a third of a forward's FLOPs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from collections import defaultdict
@@ -107,6 +113,9 @@ def parse_module(text: str) -> tuple[dict[str, list[_Instr]], str]:
             comps[current].append(_Instr(name, type_text, opcode,
                                          tuple(re.findall(r"%([\w.\-]+)", args)), attrs, args,
                                          line.lstrip().startswith("ROOT")))
+        elif comps[current]:  # a backend config over several lines (a Pallas cost estimate)
+            last = comps[current][-1]
+            comps[current][-1] = dataclasses.replace(last, attrs=f"{last.attrs}\n{line}")
     return comps, entry
 
 
@@ -275,9 +284,51 @@ def _gemm_flops(ins: _Instr, types: dict[str, str]) -> float:
     return 2.0 * elements(_ARRAY.search(ins.type).group(0)) * k
 
 
+_KERNEL = re.compile(r'custom_call_target="tpu_custom_call"')
+# Splash attention's kernels (jax's splash_attention_kernel.get_kernel_name) and the FLOPs
+# each does per (query, key, head dim) of the blocks it visits: the forward QK^T and PV; dq
+# QK^T, dO V^T and dS K; dk/dv QK^T, dO V^T, P^T dO and dS^T Q (attention.splash sets
+# separate dq and dk/dv kernels: splash's fused one would add dS K).
+_SPLASH = re.compile(r"splash_m[hq]a_(fwd|dq|dkv)")
+_SPLASH_FLOPS = {"fwd": 4, "dq": 6, "dkv": 8}
+# The share of the [queries, keys] blocks a splash kernel visits, as attention.splash tags
+# its name scope (the block mask is worked out on the host, so the compiled program can't
+# say); 1 without a tag.
+_VISITED = re.compile(r"splash_visits_([\d.]+)")
+
+
+def kernel_cost(ins: _Instr, types: dict[str, str]) -> tuple[float, float] | None:
+    """(FLOPs, HBM bytes) of a TPU Pallas kernel (a `tpu_custom_call`, which XLA's cost
+    analysis counts as nothing): its own cost estimate where it gives one (megablox's gmm);
+    splash attention's from its shapes, q [..., Tq, Dh] and k [..., S, Dh], and the share of
+    blocks it visits; None for any other instruction. Bytes without an estimate: what the
+    kernel reads and writes once."""
+    if ins.opcode != "custom-call" or not _KERNEL.search(ins.attrs):
+        return None
+    config = ins.attrs.replace('\\"', '"')
+    moved = float(sum(_hbm(types.get(o, "")) for o in ins.operands) + _hbm(ins.type))
+    est = re.search(r'"cost_estimate"\s*:\s*(\{[^{}]*\})', config)
+    if est:
+        e = json.loads(est.group(1))
+        return float(e.get("flops", 0)), float(e.get("bytes_accessed", moved))
+    kind = _SPLASH.search(config)
+    # q and k: the first two floating-point operands (the block masks before them are ints).
+    arrays = [_dims(t) for t in (types.get(o, "") for o in ins.operands)
+              if re.match(r"\(?(bf16|f16|f32|f8)", t)]
+    if not kind or len(arrays) < 2 or min(len(a) for a in arrays[:2]) < 2:
+        return 0.0, moved
+    q, k = arrays[:2]
+    visited = _VISITED.search(config)
+    share = float(visited.group(1)) if visited else 1.0
+    return _SPLASH_FLOPS[kind.group(1)] * math.prod(q[:-1]) * k[-2] * q[-1] * share, moved
+
+
 def _flops(ins: _Instr, types: dict[str, str], comps) -> float:
     if ins.opcode == "convolution":
         return _conv_flops(ins, types)
+    kernel = kernel_cost(ins, types)
+    if kernel is not None:
+        return kernel[0]
     if ins.opcode == "custom-call" and re.search(r'custom_call_target="[^"]*(gemm|matmul)',
                                                  ins.attrs):
         return _gemm_flops(ins, types)
@@ -330,6 +381,9 @@ def _fusion_bytes(ins: _Instr, types: dict[str, str], comps) -> float:
 
 
 def _bytes(ins: _Instr, types: dict[str, str], comps) -> float:
+    kernel = kernel_cost(ins, types)
+    if kernel is not None:
+        return kernel[1]
     if ins.opcode == "custom-call" and re.search(r'custom_call_target="[^"]*(gemm|matmul)',
                                                  ins.attrs):
         return sum(_hbm(types.get(o, "")) for o in ins.operands) + _hbm(ins.type)

@@ -7,7 +7,8 @@ phase decides whether it fits. Time, per phase: compute (XLA's FLOPs over the ch
 interconnect, `comms`); the forecast is a range, from everything overlapped (the largest of the
 three) to nothing overlapped (their sum). MFU: the model's FLOPs (`model_flops`: 2 per weight
 and token forward, 6 with the backward, attention included, no rematerialisation) over the
-forecast time and the chips' peak.
+forecast time and the chips' peak. A phase whose compiled FLOPs come out below the model's
+takes the model's for its compute time (`phase_time`): the MFU never exceeds 100%.
 """
 
 from __future__ import annotations
@@ -37,12 +38,19 @@ class Cost:
         return max(self.flops / chip.peak_flops, self.bytes / chip.hbm_bandwidth)
 
 
-def phase_time(cost: Cost, comm_s: float, chip: Chip) -> dict:
-    """A phase's compute, HBM and communication seconds and its forecast range."""
-    compute, hbm = cost.flops / chip.peak_flops, cost.bytes / chip.hbm_bandwidth
-    return {"tflop": cost.flops / 1e12, "gb": cost.bytes / GB, "compute_s": compute,
-            "hbm_s": hbm, "comm_s": comm_s, "overlapped_s": max(compute, hbm, comm_s),
-            "serial_s": compute + hbm + comm_s,
+def phase_time(cost: Cost, comm_s: float, chip: Chip, model_flops: float = 0.0) -> dict:
+    """A phase's compute, HBM and communication seconds, its forecast range and MFU at both
+    ends of it. `model_flops` (per chip, `model_flops`) is the least work the phase does:
+    where the compiled program's count is below it (work the count can't see, as in a kernel
+    without a cost estimate) the compute time is the model's, and `floored` says so; the MFU
+    is then at most 100%."""
+    flops = max(cost.flops, model_flops)
+    compute, hbm = flops / chip.peak_flops, cost.bytes / chip.hbm_bandwidth
+    span = (max(compute, hbm, comm_s), compute + hbm + comm_s)
+    return {"tflop": cost.flops / 1e12, "model_tflop": model_flops / 1e12,
+            "floored": cost.flops < model_flops, "gb": cost.bytes / GB, "compute_s": compute,
+            "hbm_s": hbm, "comm_s": comm_s, "overlapped_s": span[0], "serial_s": span[1],
+            "mfu": tuple(model_flops / (t * chip.peak_flops) if t else 0.0 for t in span),
             "bound": max((compute, "compute"), (hbm, "memory"), (comm_s, "communication"))[1]}
 
 
@@ -146,14 +154,25 @@ def render(r: dict) -> str:
         lines.append(f"  {phase:<9} {p['tflop']:9.2f} {p['gb']:9.1f} {p['comm_gb']:9.2f} "
                      f"{p['compute_s']:10.3f} {p['hbm_s']:9.3f} {p['comm_s']:9.3f}  "
                      f"{p['overlapped_s']:.3f} - {p['serial_s']:.3f} ({p['bound']}-bound), "
-                     f"{100 * p['mfu'][1]:.1f}-{100 * p['mfu'][0]:.1f}%")
+                     f"{_percent(p['mfu'][1])}-{_percent(p['mfu'][0])}%"
+                     + ("  *" if p.get("floored") else ""))
+    floored = [k for k, p in t["phases"].items() if p.get("floored")]
+    if floored:
+        lines.append(f"  * {', '.join(floored)}: the compiled programs' FLOPs are below the "
+                     "model's (work the count can't see); compute taken at the model's FLOPs")
     lines.append(f"  round     {t['round_s'][0]:.3f} - {t['round_s'][1]:.3f} s; forecast MFU "
-                 f"{100 * t['mfu'][1]:.1f}% - {100 * t['mfu'][0]:.1f}% "
+                 f"{_percent(t['mfu'][1])}% - {_percent(t['mfu'][0])}% "
                  f"({t['model_tflop']:.1f} model TFLOP per chip)")
     if "update_model_tflop" in t:
         lines.append(f"  an update's model FLOPs (6 x active params x tokens, per chip): "
                      f"{t['update_model_tflop']:.2f} TFLOP")
     return "\n".join(lines)
+
+
+def _percent(mfu: float) -> str:
+    """An MFU as a percentage, never above 100 (phase_time keeps it there; this guards the
+    text against a rounding)."""
+    return f"{100 * min(mfu, 1.0):.1f}"
 
 
 def render_search(s: dict) -> list[str]:

@@ -302,12 +302,18 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
     bw = {"data": _bandwidth(target, data, dcn=target.num_slices > 1),
           "fsdp": _bandwidth(target, g), "model": _bandwidth(target, tp),
           "context": _bandwidth(target, cp)}
-    wbytes = n_params * c_bytes / tp
-    gather = (g - 1) / g * wbytes / bw["fsdp"] if g > 1 else 0.0
+    gathered, reduced = _weight_traffic(model, sizes)
+    gather = gathered * c_bytes / bw["fsdp"]
     passes = 3 if lay.remat and lay.remat_policy == "full" else 2
-    grads = ((g - 1) / g * n_params * (4 if not peft else 0) / tp / bw["fsdp"] if g > 1 else 0.0)
-    allreduce = (2 * (data - 1) / data * n_params * (4 if not peft else 0) / (g * tp)
-                 / bw["data"] if data > 1 else 0.0)
+    grads = gathered * (4 if not peft else 0) / bw["fsdp"]
+    allreduce = reduced * (4 if not peft else 0) / bw["data"]
+    # An expert axis moves tokens instead of the experts' weights: each sparse layer gathers a
+    # device's tokens over it and reduce-scatters their outputs back (models/moe.py), in every
+    # forward (the backward the same again); the weights stay split over it (no gather).
+    ep = sizes.get(mesh_lib.EXPERT, 1)
+    sparse = sum(model.moe_layers) if model.num_experts else 0
+    tokens = lambda n: (2 * (ep - 1) * n * D * c_bytes * sparse  # noqa: E731
+                        / _bandwidth(target, ep)) if ep > 1 else 0.0
     # Keys and values all-gathered over the context axis in every layer's forward, their
     # gradients reduce-scattered back in the backward.
     context = ((cp - 1) / cp * kv_gathered * L / bw["context"]) if cp > 1 else 0.0
@@ -316,11 +322,12 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
     step_fsdp = (2 * (g - 1) * rows_chip * c_bytes * (2 * D + (H + 2 * K) * Dh / tp + 3 * F / tp)
                  * L / bw["fsdp"] if g > 1 else 0.0)
     # (Slots leave the decode's collectives as they are: as many rows, over more steps.)
-    comm = {"generate": (C - 1) * (step_fsdp + tp_bytes(rows_chip, 1)),
-            "logprobs": runs["logprobs"] * (gather + tp_bytes(r, Tc) + context),
+    comm = {"generate": (C - 1) * (step_fsdp + tp_bytes(rows_chip, 1) + tokens(rows_chip)),
+            "logprobs": runs["logprobs"] * (gather + tp_bytes(r, Tc) + context
+                                            + tokens(r * Tc)),
             "update": runs["update"] * (plan.gradient_accumulation_steps
                                         * (passes * gather + grads + 2 * tp_bytes(r, Tc)
-                                           + (passes + 1) * context)
+                                           + (passes + 1) * (context + tokens(r * Tc)))
                                         + allreduce)}
     phases = {p: {"compute_s": flops[p] / chips / chip.peak_flops,
                   "hbm_s": hbm[p] / chip.hbm_bandwidth, "comm_s": comm[p]} for p in flops}
@@ -329,6 +336,29 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
             "temporaries_GB": {p: t / 1e9 for p, t in temps.items()},
             "phases": phases, "seconds": seconds,
             "fits": peak <= (1 - MARGIN) * chip.hbm_bytes}
+
+
+def _weight_traffic(model, sizes: dict[str, int]) -> tuple[float, float]:
+    """Weights a device receives per pass and sends per gradient sync, by mesh.RULES: each
+    weight is all-gathered over the FSDP-like axes it is split on (fsdp, context: a weight
+    split over `expert` or `tensor` stays split), and its gradient all-reduced over the batch
+    axes it is not split on (data; `expert` for every weight but the experts'). Returns
+    (elements gathered, elements all-reduced) per device."""
+    from grpo_jax import mesh as mesh_lib
+    from grpo_jax.models import param_table
+
+    mesh = _AbstractMesh(sizes)
+    gathered_axes = {a for name in ("embed", "length") for a in _flat(mesh_lib.RULES[name])}
+    batch = _flat(mesh_lib.RULES["batch"])
+    gathered = reduced = 0.0
+    for shape, names in param_table(model).values():
+        split = {a for part in mesh_lib.spec_for(names, shape, mesh) for a in _flat(part)}
+        local = math.prod(shape) / math.prod(sizes[a] for a in split)
+        g = math.prod(sizes[a] for a in split & gathered_axes)
+        r = math.prod(sizes.get(a, 1) for a in batch if a not in split)
+        gathered += local * (g - 1)
+        reduced += 2 * (r - 1) / r * local
+    return gathered, reduced
 
 
 def _roles(sizes: dict[str, int]) -> tuple[int, int, int, int]:

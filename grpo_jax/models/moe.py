@@ -19,16 +19,20 @@ expert's own rows. `moe_capacity_factor` instead gives each expert a fixed buffe
 what overflows it (GShard).
 
 Expert parallelism: with an `expert` mesh axis of size ep > 1 the experts' weights are split
-over it (mesh.RULES "expert") and the experts run inside `shard_map`. The tokens (rows on the
-batch axes, `expert` among them) are all-gathered over `expert`, every shard runs its E/ep
-experts on the assignments routed to them, and the partial outputs are reduce-scattered back
-to the tokens' own shard. Each device sends and receives 2 (ep - 1) n D values per layer (n:
-its tokens), where a ragged all-to-all dispatch and return moves 2 k (ep - 1) / ep n D: the
-same bytes when ep = k (Qwen3-MoE: k = 8, ep <= 8), ep / k times more beyond. Chosen because
-its shapes are static (no worst-case receive buffers sized for every token picking one shard)
-and it runs on every backend (XLA:CPU has no ragged-all-to-all, so the CPU suite tests this
-path). Gathering the experts' weights instead (FSDP over `expert`) moves 3 E D F values per
-layer whatever the batch: more than moving the tokens below about 3 E F / k tokens per device
+over it (mesh.RULES "expert"). On any mesh the experts run inside `shard_map` (megablox's gmm
+is a Mosaic kernel, which XLA cannot partition itself: outside shard_map a multi-device mesh
+fails to compile on TPU, with or without an expert axis). The tokens stay on their batch axes
+(and, for long rows, the context axis: a row's positions), the experts' weights arrive as the
+rules split them over `expert` and `tensor` (gathered over fsdp, as any FSDP layer's). With
+ep > 1 the tokens are all-gathered over `expert`, every shard runs its E/ep experts on the
+assignments routed to them, and the partial outputs are reduce-scattered back to the tokens'
+own shard. Each device sends and receives 2 (ep - 1) n D values per layer (n: its tokens),
+where a ragged all-to-all dispatch and return moves 2 k (ep - 1) / ep n D: the same bytes
+when ep = k (Qwen3-MoE: k = 8, ep <= 8), ep / k times more beyond. Chosen because its shapes
+are static (no worst-case receive buffers sized for every token picking one shard) and it
+runs on every backend (XLA:CPU has no ragged-all-to-all, so the CPU suite tests this path).
+Gathering the experts' weights instead (FSDP over `expert`) moves 3 E D F values per layer
+whatever the batch: more than moving the tokens below about 3 E F / k tokens per device
 (Qwen3-30B-A3B: 37k), i.e. always at RL batch sizes.
 """
 
@@ -132,19 +136,19 @@ def moe_mlp(cfg, p, h, token_mask=None, mesh=None):
 
 
 def experts(cfg, p, x, idx, weights, mesh=None):
-    """sum_k weights[:, k] * expert_{idx[:, k]}(x) for x [N, D]; on the mesh's `expert` axis
-    when it has one (see the module docstring)."""
+    """sum_k weights[:, k] * expert_{idx[:, k]}(x) for x [N, D]; under shard_map on a mesh,
+    with the experts split over its `expert` axis when it has one (see the module docstring)."""
     dt = cfg.dtype
     w = {k: p[k].astype(dt) for k in ("we_gate", "we_up", "we_down", "be_gate", "be_up")
          if k in p}
     E = cfg.num_experts
     ep = mesh.shape.get("expert", 1) if mesh is not None else 1
-    if ep == 1:
+    if E % ep:
+        raise GrpoJaxError(f"{E} experts don't split over an expert axis of {ep} devices: "
+                           "choose ep dividing num_experts")
+    if mesh is None:
         y = _local_experts(cfg, w, x, idx, weights, 0, E)
     else:
-        if E % ep:
-            raise GrpoJaxError(f"{E} experts don't split over an expert axis of {ep} devices: "
-                               "choose ep dividing num_experts")
         y = _sharded_experts(cfg, w, x, idx, weights, mesh, ep)
     if cfg.expert_bias:  # the down projection's bias, weighted like the expert's output
         bias = p["be_down"].astype(dt).astype(jnp.float32)[idx]  # [N, k, D]
@@ -152,22 +156,31 @@ def experts(cfg, p, x, idx, weights, mesh=None):
     return y.astype(dt)
 
 
-def _sharded_experts(cfg, w, x, idx, weights, mesh, ep: int):
-    """_local_experts under shard_map: each `expert` shard holds E / ep experts (and, with a
-    `tensor` axis, a slice of their hidden width, its partial outputs summed over it)."""
-    N, F = x.shape[0], cfg.moe_intermediate_size
-    rows = [a for a in _flat(mesh_lib.RULES["batch"]) if a in mesh.axis_names]
-    kept, size = [], 1  # the batch axes that divide the tokens, as spec_for keeps them
-    for a in rows:
-        if N % (size * mesh.shape[a]) == 0:
+def token_axes(mesh, n: int) -> tuple[str, ...]:
+    """The mesh axes the experts' n tokens (rows of [B T, D], B major) are split over inside
+    shard_map: the batch axes, then the context axis (a row's positions), each kept while the
+    product divides n (as mesh.spec_for keeps them)."""
+    kept, size = [], 1
+    for a in (*_flat(mesh_lib.RULES["batch"]), *_flat(mesh_lib.RULES["length"])):
+        if a in mesh.axis_names and a not in kept and n % (size * mesh.shape[a]) == 0:
             kept.append(a)
             size *= mesh.shape[a]
-    row_spec = P(tuple(kept) or None, None)
+    return tuple(kept)
+
+
+def _sharded_experts(cfg, w, x, idx, weights, mesh, ep: int):
+    """_local_experts under shard_map: each `expert` shard (the only one without an expert
+    axis) holds E / ep experts (and, with a `tensor` axis, a slice of their hidden width, its
+    partial outputs summed over it)."""
+    N, F = x.shape[0], cfg.moe_intermediate_size
+    kept = token_axes(mesh, N)
+    row_spec = P(kept or None, None)
     tp = mesh.shape.get("tensor", 1)
     tensor = "tensor" if tp > 1 and F % tp == 0 else None
-    specs = {"we_gate": P("expert", None, tensor), "we_up": P("expert", None, tensor),
-             "we_down": P("expert", tensor, None), "be_gate": P("expert", tensor),
-             "be_up": P("expert", tensor)}
+    expert = "expert" if ep > 1 else None
+    specs = {"we_gate": P(expert, None, tensor), "we_up": P(expert, None, tensor),
+             "we_down": P(expert, tensor, None), "be_gate": P(expert, tensor),
+             "be_up": P(expert, tensor)}
     names = sorted(w)
     local = cfg.num_experts // ep
     gathered = "expert" in kept
@@ -176,13 +189,13 @@ def _sharded_experts(cfg, w, x, idx, weights, mesh, ep: int):
         if gathered:  # every shard sees the tokens of all its expert-axis peers
             x, idx, weights = (jax.lax.all_gather(a, "expert", axis=0, tiled=True)
                                for a in (x, idx, weights))
-        first = jax.lax.axis_index("expert") * local
+        first = jax.lax.axis_index("expert") * local if expert else 0
         y = _local_experts(cfg, dict(zip(names, ws)), x, idx, weights, first, local)
         if tensor:
             y = jax.lax.psum(y, tensor)
         if gathered:
             return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
-        return jax.lax.psum(y, "expert")
+        return jax.lax.psum(y, "expert") if expert else y
 
     return jax.shard_map(
         body, mesh=mesh, in_specs=(row_spec, row_spec, row_spec, *(specs[n] for n in names)),
