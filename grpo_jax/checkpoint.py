@@ -358,7 +358,7 @@ class Checkpointer:
 
     def verify(self, step: int) -> None:
         """CheckpointDamagedError (on every process) when checkpoint `step`'s files differ
-        from its manifest, or when its meta says it should have one and it has none. The
+        from its manifest; a step without one is restored unverified, said on one line. The
         processes split the files to hash."""
         step_dir = Path(self.directory) / str(step)
         error = None
@@ -369,15 +369,17 @@ class Checkpointer:
                 if problems:
                     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
                     error = CheckpointDamagedError(f"{problems[0]}{more}")
-            elif CHECKSUMS_KEY in self._manager.restore(step, args=ocp.args.Composite(
-                    meta=ocp.args.JsonRestore())).meta:
-                error = CheckpointDamagedError(
-                    f"its {checksums.MANIFEST} is missing (the run stopped before writing it), "
-                    "so its data can't be verified; to take it as it is, run `sha256sum $(find "
-                    f"state meta -type f) > {checksums.MANIFEST}` in it")
             elif dist.is_main():
-                print(f"checkpoint {step} in {self.directory} has no checksums (written by an "
-                      "older grpo_jax): restored unverified", file=sys.stderr)
+                # Promised but missing: the run stopped (SIGKILL, a disk turned read-only)
+                # between Orbax's commit and the manifest. Such a step is often the last good
+                # one, so it is taken, unverified (Orbax still refuses truncated or missing
+                # files); setting it aside would lose the newest checkpoint on every such stop.
+                promised = CHECKSUMS_KEY in self._manager.restore(step, args=ocp.args.Composite(
+                    meta=ocp.args.JsonRestore())).meta
+                why = (f"its {checksums.MANIFEST} was not written: the run stopped right after "
+                       "saving it" if promised else "no checksums: written by an older grpo_jax")
+                print(f"checkpoint {step} in {self.directory} has {why}; restored unverified",
+                      file=sys.stderr)
         except Exception as e:  # noqa: BLE001 - an unreadable manifest or meta: damaged
             error = CheckpointDamagedError(" ".join(f"{type(e).__name__}: {e}".split())[:300])
         dist.raise_together(error, CheckpointDamagedError)

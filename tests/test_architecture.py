@@ -74,7 +74,8 @@ def test_the_package_imports_in_layers_without_circles():
 # docs/architecture.md's layers, bottom first: a module imports from its own layer or those
 # below it.
 LAYERS = (("errors", "config", "shapes", "metrics", "logger", "calculator"),
-          ("mesh", "distributed", "storage", "checksums"), ("models",), ("grpo", "hf", "peft_io"),
+          ("mesh", "distributed", "storage", "checksums", "run_dir"), ("models",),
+          ("grpo", "hf", "peft_io"),
           ("math_rewards", "reward_model", "rewards", "scoring"), ("rollout",),
           ("trainer", "dynamic_sampling", "data", "evaluation"),
           ("checkpoint", "train", "export", "bench", "aot", "serve", "cli"))
