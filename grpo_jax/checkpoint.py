@@ -664,24 +664,36 @@ def abstract_state(cfg, device=None):
     return state, split.graphdef, model_cfg, model_dir
 
 
+def quiet_closed_loop_reports():
+    """When a checkpoint write or read fails midway (disk full, read-only, a damaged file),
+    tensorstore's operations still in flight complete after Orbax closed the failed operation's
+    event loop, and tensorstore reports each with PyErr_Print, i.e. sys.excepthook: a 3-line
+    'RuntimeError: Event loop is closed' traceback each. From now on those are dropped (the
+    program reports the failure in one line); every other exception is printed as before.
+    Returns the hook it replaced."""
+    import traceback
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        frames = traceback.extract_tb(tb)
+        if not (kind is RuntimeError and str(value) == "Event loop is closed" and frames and all(
+                f"{os.sep}asyncio{os.sep}" in f.filename for f in frames)):
+            previous(kind, value, tb)
+    sys.excepthook = hook
+    return previous
+
+
 @contextlib.contextmanager
 def _quiet_restore():
     """While load_checkpoint reads a checkpoint, what Orbax, absl and TensorStore print is
     dropped: their logging, warnings and native logs (fd 2 itself, where native code writes).
     A damaged checkpoint is one line, load_checkpoint's CheckpointError. Reads still in flight
-    when one failed report 'Event loop is closed' through sys.excepthook when they complete,
-    also after this: those are dropped, by a hook set before the read (one set later could
-    catch a report half printed) and kept after a failure."""
-    import traceback
+    when one failed report 'Event loop is closed' when they complete, also after this: those
+    are dropped by a hook set before the read (one set later could catch a report half
+    printed), kept after a failure."""
     import warnings
-
-    def hook(kind, value, tb, previous=sys.excepthook):
-        frames = traceback.extract_tb(tb)
-        if not (kind is RuntimeError and str(value) == "Event loop is closed" and frames and all(
-                f"{os.sep}asyncio{os.sep}" in f.filename for f in frames)):
-            previous(kind, value, tb)
-    disabled, previous = logging.root.manager.disable, sys.excepthook
-    sys.excepthook = hook
+    disabled = logging.root.manager.disable
+    previous = quiet_closed_loop_reports()
     sys.stderr.flush()
     saved = os.dup(2)
     with open(os.devnull, "w") as devnull:

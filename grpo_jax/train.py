@@ -32,8 +32,8 @@ from grpo_jax import peft_io
 from grpo_jax import rewards as rewards_lib
 from grpo_jax import storage
 from grpo_jax.checkpoint import (BufferFiles, Checkpointer, RefCheckpoints, StopRun, StopSignal,
-                                 check_writable, committed_steps, last_good, resume_changes,
-                                 settings_diff)
+                                 check_writable, committed_steps, last_good,
+                                 quiet_closed_loop_reports, resume_changes, settings_diff)
 from grpo_jax.errors import (CheckpointWriteError, GrpoJaxError, NoSignalError, TrainError,
                              UpdatesSkippedError)
 from grpo_jax.logger import MetricsLogger
@@ -699,7 +699,7 @@ def _exit(code: int) -> None:
     waiting out its 300 s timeout: checkpoint._release_writers frees those it can find) must
     not hold the process: it ends without joining them, its output flushed. Nor does it finalize
     the interpreter then: tensorstore's writes still completing would print their reports
-    through a sys.excepthook finalization has already removed (_quiet_closed_loop_reports)."""
+    through a sys.excepthook finalization has already removed (checkpoint.quiet_closed_loop_reports)."""
     if code:  # the run's end is checkpointed (or said not to be) and its logs closed by now
         sys.stdout.flush()
         sys.stderr.flush()
@@ -707,22 +707,6 @@ def _exit(code: int) -> None:
     sys.exit(code)
 
 
-def _quiet_closed_loop_reports() -> None:
-    """When a checkpoint write fails mid-write (disk full, read-only), tensorstore's writes
-    still in flight complete after Orbax closed the failed save's event loop; tensorstore
-    reports each with PyErr_Print, i.e. sys.excepthook: a 3-line 'RuntimeError: Event loop is
-    closed' traceback per write. Those are dropped (the run reports the failure in one line);
-    every other exception is printed as before."""
-    previous = sys.excepthook
-
-    def hook(kind, value, tb):
-        frames = traceback.extract_tb(tb)
-        if not (kind is RuntimeError and str(value) == "Event loop is closed" and frames
-                and all(f"{os.sep}asyncio{os.sep}" in f.filename for f in frames)):
-            previous(kind, value, tb)
-    sys.excepthook = hook
-
-
 if __name__ == "__main__":
-    _quiet_closed_loop_reports()
+    quiet_closed_loop_reports()
     _exit(main())

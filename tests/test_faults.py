@@ -93,7 +93,7 @@ def finish(proc, timeout: float):
 
 
 # After a failed mid-write, tensorstore's writes still in flight report "Event loop is closed"
-# from asyncio as they complete (train._quiet_closed_loop_reports drops those reaching
+# from asyncio as they complete (checkpoint.quiet_closed_loop_reports drops those reaching
 # sys.excepthook; some still get through, the known gap in docs/reliability.md): not ours.
 # Several threads may print those reports at once, their lines interleaved: they are dropped
 # line by line (their header, asyncio's two frames and the RuntimeError); anything left that
