@@ -376,9 +376,9 @@ class Checkpointer:
                 # files); setting it aside would lose the newest checkpoint on every such stop.
                 promised = CHECKSUMS_KEY in self._manager.restore(step, args=ocp.args.Composite(
                     meta=ocp.args.JsonRestore())).meta
-                why = (f"its {checksums.MANIFEST} was not written: the run stopped right after "
-                       "saving it" if promised else "no checksums: written by an older grpo_jax")
-                print(f"checkpoint {step} in {self.directory} has {why}; restored unverified",
+                why = (f"its {checksums.MANIFEST} was not written (the run stopped right after "
+                       "saving it)" if promised else "no checksums (written by an older grpo_jax)")
+                print(f"checkpoint {step} in {self.directory}: {why}; restored unverified",
                       file=sys.stderr)
         except Exception as e:  # noqa: BLE001 - an unreadable manifest or meta: damaged
             error = CheckpointDamagedError(" ".join(f"{type(e).__name__}: {e}".split())[:300])
