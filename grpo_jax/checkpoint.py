@@ -46,6 +46,7 @@ from etils import epath
 
 from grpo_jax import checksums
 from grpo_jax import distributed as dist
+from grpo_jax import internals
 from grpo_jax import storage
 from grpo_jax.errors import (CheckpointDamagedError, CheckpointError, CheckpointMismatchError,
                              CheckpointWriteError)
@@ -90,22 +91,6 @@ class _QuietStorageErrors(logging.Filter):
 
 
 _QUIET = _QuietStorageErrors()
-
-
-def _release_writers(operation_ids: set[str]) -> None:
-    """End Orbax's writer threads of failed saves: each waits (up to Orbax's 300 s coordination
-    timeout, and the interpreter joins them at exit) for a signal that the failed step directory
-    will never send. They are cancelled, then sent that signal, so they return at once. Orbax's
-    internals: with another version this may find nothing, and train's main exits regardless."""
-    try:
-        from orbax.checkpoint._src.futures import future
-        for t in threading.enumerate():
-            if (isinstance(t, future._SignalingThread) and t.is_alive()
-                    and t._operation_id in operation_ids):
-                t.cancel()
-                future.set_signals(t._receive_signals, operation_id=t._operation_id)
-    except Exception:  # noqa: BLE001 - best effort: never mask the write error itself
-        pass
 
 
 def _shapes(tree) -> dict:
@@ -245,7 +230,7 @@ class Checkpointer:
                 f"can't write a checkpoint to {self.directory}: {reason}; "
                 f"{last_good(self.directory)}. Free space or fix the directory, then resume "
                 "with --resume")
-            _release_writers(self._operations)
+            internals.release_orbax_writers(self._operations)
         return self.failed
 
     def all_steps(self) -> list[int]:
@@ -326,8 +311,9 @@ class Checkpointer:
 
     def _note_operation(self) -> None:
         """Remember the Orbax operation id of the save just started (its threads carry it)."""
-        from orbax.checkpoint._src.futures import synchronization
-        self._operations.add(synchronization.OperationIdGenerator.get_current_operation_id())
+        op = internals.orbax_operation_id()
+        if op is not None:
+            self._operations.add(op)
 
     def restore(self, step: int | None, target):
         """(state, meta) of checkpoint `step` (None: the latest). `target` is the state's abstract

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from grpo_jax import internals
 from grpo_jax.errors import DistributedError
 
 ENV_COORDINATOR = ("GRPO_JAX_COORDINATOR", "JAX_COORDINATOR_ADDRESS")
@@ -53,13 +54,7 @@ def _launcher() -> str | None:
     processes: srun (SLURM) or a Cloud TPU VM (a pod slice's hosts; one host is harmless)."""
     if "SLURM_STEP_NODELIST" in os.environ and (_env_int("SLURM_NTASKS") or 1) > 1:
         return "slurm"
-    try:  # set by `import jax` on a TPU VM; private, hence the guard
-        from jax._src import cloud_tpu_init
-        if getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False):
-            return "tpu"
-    except ImportError:
-        pass
-    return None
+    return "tpu" if internals.running_in_cloud_tpu_vm() else None
 
 
 def settings(coordinator_address: str | None = None, num_processes: int | None = None,

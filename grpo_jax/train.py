@@ -696,7 +696,7 @@ def main(argv=None) -> int:
 
 def _exit(code: int) -> None:
     """Exit with `code`. After a failure, writer threads a failed checkpoint left behind (Orbax's,
-    waiting out its 300 s timeout: checkpoint._release_writers frees those it can find) must
+    waiting out its 300 s timeout: internals.release_orbax_writers frees those it can find) must
     not hold the process: it ends without joining them, its output flushed. Nor does it finalize
     the interpreter then: tensorstore's writes still completing would print their reports
     through a sys.excepthook finalization has already removed (checkpoint.quiet_closed_loop_reports)."""

@@ -1,6 +1,7 @@
 """The package's structure, held against the code: imports in layers without circles, the
 rollout parts by where they run, and the contracts written down (docs/architecture.md): no
-attribute probes on a rollout or a model, no private names reached across modules."""
+attribute probes on a rollout or a model, no private names reached across modules, libraries'
+private modules (`_src`) reached from one documented shim alone."""
 
 import ast
 from pathlib import Path
@@ -73,7 +74,7 @@ def test_the_package_imports_in_layers_without_circles():
 
 # docs/architecture.md's layers, bottom first: a module imports from its own layer or those
 # below it.
-LAYERS = (("errors", "config", "shapes", "metrics", "logger", "calculator"),
+LAYERS = (("errors", "config", "shapes", "metrics", "logger", "calculator", "internals"),
           ("mesh", "distributed", "storage", "checksums", "run_dir"), ("models",),
           ("grpo", "hf", "peft_io"),
           ("math_rewards", "reward_model", "rewards", "scoring"), ("rollout",),
@@ -155,3 +156,15 @@ def test_no_private_names_across_modules():
                     and node.value.id in aliases and node.attr.startswith("_")
                     and not node.attr.startswith("__")]
     assert not reached, reached
+
+
+SHIM = "grpo_jax.internals"  # its docstring says why each private module is reached
+
+
+def test_libraries_private_modules_only_in_the_shim():
+    reached = [(name, node.lineno, ast.unparse(node)) for name, tree in _modules()
+               for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+               and any("_src" in part.split(".") for part in
+                       ([a.name for a in node.names] if isinstance(node, ast.Import)
+                        else [node.module or ""]))]
+    assert reached and {name for name, *_ in reached} == {SHIM}, reached
