@@ -118,6 +118,26 @@ def _release_compiled_programs():
 # SmolLM2-135M-Instruct, loaded once for the session. Tests only read these objects: they must
 # not change the models' weights or configs, nor the tokenizer.
 
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny random Llama with a character-level tokenizer, and 64 prompts for it
+    (`tiny_run.config` trains on them); one per module, as each module's runs write beside it."""
+    import json
+
+    from hf_oracle import char_tokenizer, tiny_hf_model
+    out = tmp_path_factory.mktemp("tiny")
+    tok = char_tokenizer()
+    model = tiny_hf_model("llama", tie=True, vocab=len(tok), seed=0)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    prompts = out / "prompts.jsonl"
+    with open(prompts, "w") as f:
+        for i in range(64):
+            f.write(json.dumps({"prompt": f"Post number {i}: write something short.\nTL;DR:"})
+                    + "\n")
+    return out
+
+
 @pytest.fixture(scope="session")
 def smol_dir():
     """The converted Hugging Face directory of SmolLM2-135M-Instruct."""

@@ -9,7 +9,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from test_train import config, tiny_dir  # noqa: F401 - tiny_dir is a fixture
+from tiny_run import config
 from tensorboardX.proto import event_pb2
 
 from grpo_jax import evaluation

@@ -11,9 +11,7 @@ without it those tests skip.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -25,108 +23,9 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
-from test_train import REWARD, config, tiny_dir  # noqa: F401 (fixture)
-
-HERE = Path(__file__).parent
-ERROR = "grpo_jax.train: error:"
-
-
-def _root_or_skip(tool: str) -> None:
-    if os.geteuid() != 0 or shutil.which(tool) is None:
-        pytest.skip(f"needs root and {tool} to inject the fault")
-
-
-@contextlib.contextmanager
-def immutable(path: Path):
-    """`path` immutable (chattr +i: creating, renaming or deleting inside it fails with EPERM,
-    also for root) until the block ends."""
-    _root_or_skip("chattr")
-    if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode:
-        pytest.skip(f"chattr +i is not supported on the file system of {path}")
-    try:
-        yield
-    finally:
-        subprocess.run(["chattr", "-i", str(path)], check=True)
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str):
-    """A tmpfs of `size` mounted on `path` (which must exist) until the block ends."""
-    _root_or_skip("mount")
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                      capture_output=True).returncode:
-        pytest.skip("can't mount a tmpfs here")
-    try:
-        yield
-    finally:
-        if os.path.ismount(path):  # a test may have unmounted it itself
-            subprocess.run(["umount", "-l", str(path)], check=True)
-
-
-def _env():
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # one device, as a user's run
-    return env
-
-
-def start_cli(tiny_dir, out, *args, **settings):  # noqa: F811
-    cfg = config(tiny_dir, out, **settings)
-    path = Path(out).parent / f"{Path(out).name}.yaml"
-    path.write_text(cfg.to_yaml())
-    return subprocess.Popen([sys.executable, "-m", "grpo_jax.train", "--config", str(path),
-                             *args], env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def finish(proc, timeout: float):
-    """(exit code, stderr, seconds) of `proc`, killed (and the test failed) after `timeout`."""
-    start = time.monotonic()
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        _, err = proc.communicate()
-        pytest.fail(f"the run hung: still running {timeout:.0f} s later; stderr tail:\n"
-                    f"{err[-3000:]}")
-    return proc.returncode, err, time.monotonic() - start
-
-
-# After a failed mid-write, tensorstore's writes still in flight report "Event loop is closed"
-# from asyncio as they complete (checkpoint.quiet_closed_loop_reports drops those reaching
-# sys.excepthook; some still get through, the known gap in docs/reliability.md): not ours.
-# Several threads may print those reports at once, their lines interleaved: they are dropped
-# line by line (their header, asyncio's two frames and the RuntimeError); anything left that
-# looks like a traceback (a header or a frame) is ours.
-CLOSED_LOOP = re.compile(r'Traceback \(most recent call last\):$|^\s+File ".*/asyncio/'
-                         r'base_events\.py", line \d+, in (call_soon_threadsafe|_check_closed)$'
-                         r"|^\s+self\._check_closed\(\)$|^\s+raise RuntimeError\('Event loop "
-                         r"is closed'\)$|^RuntimeError: Event loop is closed$")
-
-
-def one_error_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.startswith(ERROR)]
-    left = [line for line in err.splitlines() if not CLOSED_LOOP.search(line)]
-    assert len(lines) == 1 and not any("Traceback" in line or line.lstrip().startswith("File \"")
-                                       for line in left), err[-4000:]
-    return lines[0]
-
-
-def wait_for(path: Path, proc, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert path.exists(), (proc.poll(), proc.stderr.read()[-3000:] if proc.poll() is not None
-                           else "still running")
-
-
-def restorable(cfg, directory: Path, step: int) -> None:
-    from grpo_jax.checkpoint import Checkpointer, abstract_state
-    target, *_ = abstract_state(cfg)
-    with Checkpointer(directory, save_total_limit=None) as ckpt:
-        state, meta = ckpt.restore(step, target)
-    assert int(state.step) == step and meta["round"] >= 1
-
+from fault_injection import (STALL, cli_env, export, finish, immutable, one_error_line,
+                             restorable, root_or_skip, start_cli, tmpfs, wait_for)
+from tiny_run import HERE, config
 
 # ------------------------------------------------------------------ checkpoint writes
 
@@ -224,7 +123,6 @@ def test_checkpoint_writes_failing_mid_run_stop_at_once(tiny_dir, tmp_path, faul
 
 # ------------------------------------------------------------------ stop signals
 
-STALL = f"{HERE / 'reward_fixtures.py'}:even_tokens_then_stall"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -426,19 +324,13 @@ def run_dir(tiny_dir, tmp_path_factory):  # noqa: F811
     return out
 
 
-def _export(run_dir, out, *extra):
-    from grpo_jax.export import main
-    return main(["--checkpoint", str(run_dir), "--out", str(out), "--dtype", "float32",
-                 *extra])
-
-
 def test_export_refuses_the_base_model_and_the_run(run_dir, tiny_dir, capsys):  # noqa: F811
     before = {p.name: p.read_bytes() for p in tiny_dir.iterdir() if p.is_file()}
     for out, what in ((tiny_dir, "is the run's base model"),
                       (run_dir, "is the run's output_dir"),
                       (run_dir.parent, "is a parent of the run's output_dir")):
         for extra in ((), ("--overwrite",)):
-            assert _export(run_dir, out, *extra) == 2
+            assert export(run_dir, out, *extra) == 2
             err = capsys.readouterr().err
             assert what in err and err.count("\n") == 1, err
     assert {p.name: p.read_bytes() for p in tiny_dir.iterdir() if p.is_file()} == before
@@ -449,16 +341,16 @@ def test_export_into_an_old_model_needs_overwrite_and_leaves_no_stale_shards(
     import transformers
     out = _sharded_copy(tiny_dir, tmp_path / "old")
     (out / "README.md").write_text("my notes")
-    assert _export(run_dir, out) == 2
+    assert export(run_dir, out) == 2
     assert "is not empty" in capsys.readouterr().err
     assert (out / "model.safetensors.index.json").exists()  # untouched
-    assert _export(run_dir, out, "--overwrite") == 0
+    assert export(run_dir, out, "--overwrite") == 0
     names = sorted(p.name for p in out.iterdir())
     assert "model.safetensors" in names and "README.md" in names
     assert not [n for n in names if n.startswith("model-") or n.endswith(".index.json")], names
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
     fresh = tmp_path / "fresh"
-    assert _export(run_dir, fresh) == 0
+    assert export(run_dir, fresh) == 0
     a = transformers.AutoModelForCausalLM.from_pretrained(out).state_dict()
     b = transformers.AutoModelForCausalLM.from_pretrained(fresh).state_dict()
     assert all((a[k] == b[k]).all() for k in b)  # the new weights, not the old shards
@@ -473,14 +365,14 @@ def test_interrupted_export_leaves_no_half_model(run_dir, tmp_path, monkeypatch)
         raise KeyboardInterrupt  # Ctrl-C after the weights, before config.json
     monkeypatch.setattr(hf, "_write_safetensors", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        _export(run_dir, tmp_path / "new")
+        export(run_dir, tmp_path / "new")
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither a half model nor staging
 
 
 def _export_cli(run_dir, out, *extra, cwd=None):
     """`python -m grpo_jax.export` as a user runs it: (exit code, stderr)."""
     proc = subprocess.run([sys.executable, "-m", "grpo_jax.export", "--checkpoint", str(run_dir),
-                           "--out", str(out), "--dtype", "float32", *extra], env=_env(),
+                           "--out", str(out), "--dtype", "float32", *extra], env=cli_env(),
                           cwd=cwd, capture_output=True, text=True, timeout=300)
     return proc.returncode, proc.stderr
 
@@ -516,9 +408,9 @@ def test_export_of_a_damaged_checkpoint_prints_only_its_line(run_dir, tmp_path, 
         assert "TensorStore details" not in err, err  # a pointer to details not shown
     assert not (tmp_path / "hf").exists()
     capfd.readouterr()
-    assert _export(tmp_path / "garbage", tmp_path / "hf", "--step", "1") == 0
+    assert export(tmp_path / "garbage", tmp_path / "hf", "--step", "1") == 0
     (tmp_path / "garbage" / "checkpoints" / "2" / "_CHECKPOINT_METADATA").write_text("{garbage")
-    assert _export(tmp_path / "garbage", tmp_path / "hf2", "--step", "1") == 0
+    assert export(tmp_path / "garbage", tmp_path / "hf2", "--step", "1") == 0
     assert capfd.readouterr().err == ""
 
 
@@ -532,9 +424,9 @@ def test_export_into_the_working_directory_writes_in_place(run_dir, tmp_path, mo
     out.chmod(0o751)
     inode = out.stat().st_ino
     monkeypatch.chdir(out)
-    assert _export(run_dir, ".") == 0, capsys.readouterr().err
+    assert export(run_dir, ".") == 0, capsys.readouterr().err
     (out / "README.md").write_text("my notes")
-    assert _export(run_dir, ".", "--overwrite") == 0, capsys.readouterr().err
+    assert export(run_dir, ".", "--overwrite") == 0, capsys.readouterr().err
     names = sorted(p.name for p in out.iterdir())
     assert "model.safetensors" in names and "config.json" in names and "README.md" in names
     assert not [n for n in names if n.startswith(".")], names  # no staging left
@@ -543,7 +435,7 @@ def test_export_into_the_working_directory_writes_in_place(run_dir, tmp_path, mo
 
 def test_export_onto_a_bind_mount_writes_in_place(run_dir, tmp_path, capsys):
     """A bind-mounted --out can't be renamed (EBUSY): written in place, one line on failure."""
-    _root_or_skip("mount")
+    root_or_skip("mount")
     src, out = tmp_path / "src", tmp_path / "mnt"
     src.mkdir()
     out.mkdir()
@@ -551,7 +443,7 @@ def test_export_onto_a_bind_mount_writes_in_place(run_dir, tmp_path, capsys):
     if subprocess.run(["mount", "--bind", str(src), str(out)], capture_output=True).returncode:
         pytest.skip("can't bind-mount here")
     try:
-        assert _export(run_dir, out, "--overwrite") == 0, capsys.readouterr().err
+        assert export(run_dir, out, "--overwrite") == 0, capsys.readouterr().err
         names = sorted(p.name for p in out.iterdir())
         assert "model.safetensors" in names and "model-00001-of-00002.safetensors" not in names
         assert not [n for n in names if n.startswith(".")], names
@@ -564,7 +456,7 @@ def test_export_refuses_the_runs_state_directories(run_dir, capsys):
     before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     for out in (run_dir / "checkpoints", run_dir / "checkpoints" / "hf",
                 run_dir / "checkpoints" / "1"):
-        assert _export(run_dir, out, "--overwrite") == 2
+        assert export(run_dir, out, "--overwrite") == 2
         err = capsys.readouterr().err
         assert "is inside the run's checkpoints directory" in err and err.count("\n") == 1, err
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == before
@@ -582,11 +474,11 @@ def test_export_modes_and_a_killed_exports_staging(run_dir, tmp_path, capsys):
     running.mkdir()  # an export still running: kept
     old = os.umask(0o027)
     try:
-        assert _export(run_dir, tmp_path / "new") == 0, capsys.readouterr().err
+        assert export(run_dir, tmp_path / "new") == 0, capsys.readouterr().err
     finally:
         os.umask(old)
     assert (tmp_path / "new").stat().st_mode & 0o777 == 0o750
     assert not stale.exists() and running.exists()
     (tmp_path / "new").chmod(0o755)
-    assert _export(run_dir, tmp_path / "new", "--overwrite") == 0
+    assert export(run_dir, tmp_path / "new", "--overwrite") == 0
     assert (tmp_path / "new").stat().st_mode & 0o777 == 0o755

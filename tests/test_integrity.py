@@ -11,8 +11,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from test_faults import _export
-from test_train import config, tiny_dir  # noqa: F401 (fixture)
+from fault_injection import export
+from tiny_run import config
 
 
 def flip_bytes(step_dir: Path, files: int = 2, count: int = 16) -> list[Path]:
@@ -53,7 +53,7 @@ def test_flipped_bytes_are_found_by_export_and_resume(run3, tiny_dir, tmp_path, 
     ckpts = run / "checkpoints"
     flip_bytes(ckpts / "3")
     capsys.readouterr()
-    assert _export(run, tmp_path / "hf") == 2
+    assert export(run, tmp_path / "hf") == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "checkpoint 3 in" in err, err
     assert "does not match its checksum" in err and "--step (complete ones: [1, 2])" in err, err
@@ -134,7 +134,7 @@ def test_non_finite_updates_stop_the_run_and_export_refuses_the_weights(
     assert len(skipped) == 3 and "step 5's" in skipped[0], err[-3000:]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [*"123456"]
 
-    assert _export(run, tmp_path / "hf") == 2
+    assert export(run, tmp_path / "hf") == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not finite (NaN or inf in " in err, err
     assert err.startswith("grpo_jax.export: error: checkpoint 6 of "), err

@@ -17,7 +17,7 @@ from grpo_jax.models import Decoder, lora
 from grpo_jax.models.lora import PeftArgs
 from grpo_jax.trainer import ADAPTERS_OFF, Policy
 from test_model import MASK, TOKENS, jax_logits
-from test_train import config, tiny_dir  # noqa: F401 (a fixture)
+from tiny_run import config
 from test_train_step import CFG, loss_config, make_batch
 
 ALL = ("all-linear",)

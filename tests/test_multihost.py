@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,64 +21,14 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from test_train import config, tiny_dir  # noqa: F401 - tiny_dir is a fixture
+from processes import RUN, cli_config, launch, log, wait_all
+from tiny_run import config
 
 from grpo_jax import hf
 from grpo_jax.checkpoint import load_checkpoint
 from grpo_jax.train import main, train
 
 HEARTBEAT = 10  # seconds: how long a dead peer may go unnoticed
-# dp over processes, fsdp within each; a low learning rate keeps Adam's step on the few weights
-# whose gradients nearly cancel (where the all-reduce order shows) far under the tolerance.
-# A reward function that logs (gathered from both processes), and evaluation on held-out prompts.
-RUN = dict(dp=2, fsdp=-1, per_device_train_batch_size=2, learning_rate=0.002, save_steps=2,
-           beta=0.04,  # a reference model too
-           reward_funcs=f"[{Path(__file__).parent / 'reward_fixtures.py'}:even_tokens_logged]",
-           log_completions="true", dataset_test_split="train[48:]",  # here: a subset of train
-           eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=2)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def env(devices: int) -> dict:
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-            "JAX_DEFAULT_MATMUL_PRECISION": "highest", "HF_HUB_OFFLINE": "1",
-            "TOKENIZERS_PARALLELISM": "false"}
-
-
-def launch(argv: list[str], n: int = 2, devices: int = 4, *, log_dir: Path) -> list:
-    """n processes of `python ARGV... --coordinator_address ... --process_id i`, logs in files."""
-    port = free_port()
-    procs = []
-    for i in range(n):
-        flags = ["--coordinator_address", f"127.0.0.1:{port}", "--num_processes", str(n),
-                 "--process_id", str(i)]
-        with open(log_dir / f"p{i}.out", "w") as out, open(log_dir / f"p{i}.err", "w") as err:
-            procs.append(subprocess.Popen([sys.executable, *argv, *flags], env=env(devices),
-                                          stdout=out, stderr=err, text=True))
-    return procs
-
-
-def wait_all(procs, timeout: float) -> list[int]:
-    deadline = time.time() + timeout
-    try:
-        return [p.wait(timeout=max(deadline - time.time(), 1)) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
-def log(path: Path, name: str) -> str:
-    return (path / name).read_text()
-
-
 def params(out, step) -> dict[str, np.ndarray]:
     model, _, got = load_checkpoint(out, step)
     assert got == step
@@ -112,13 +61,6 @@ def assert_same_metrics(a: list[dict], b: list[dict], keys=TRAIN_KEYS):
 def logged_extra(out, upto: int) -> list:
     rows = [json.loads(line) for line in (Path(out) / "completions.jsonl").open()]
     return [r["num_ids"] for r in rows if r["step"] <= upto]
-
-
-def cli_config(tiny_dir, out, **extra) -> list[str]:  # noqa: F811
-    cfg = config(tiny_dir, out, **{**RUN, **extra})
-    path = Path(out).parent / f"{Path(out).name}.yaml"
-    path.write_text(cfg.to_yaml())
-    return ["-m", "grpo_jax.train", "--config", str(path)]
 
 
 # ---------------------------------------------------------------- runs shared by the tests

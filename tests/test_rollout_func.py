@@ -6,7 +6,7 @@ import json
 import jax
 import numpy as np
 import pytest
-from test_train import HERE, REWARD, config, tiny_dir  # noqa: F401 - the fixture
+from tiny_run import HERE, REWARD, config
 
 from grpo_jax.rollout.custom import RolloutFuncError, rollout_batch
 from grpo_jax.train import train

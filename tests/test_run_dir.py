@@ -15,9 +15,9 @@ from pathlib import Path
 
 import jax
 import pytest
-from test_faults import STALL, finish, one_error_line, start_cli, tmpfs, wait_for
-from test_multihost import cli_config, launch, log, wait_all
-from test_train import config, tiny_dir  # noqa: F401 (fixture)
+from fault_injection import STALL, finish, one_error_line, start_cli, tmpfs, wait_for
+from processes import cli_config, launch, log, wait_all
+from tiny_run import config
 
 from grpo_jax.run_dir import LOCK_NAME
 from grpo_jax.train import main, train

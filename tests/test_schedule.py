@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from test_train import HERE, config, tiny_dir  # noqa: F401 (fixture)
+from tiny_run import HERE, config
 
 from grpo_jax import hf
 from grpo_jax.checkpoint import Checkpointer, committed_steps, load_checkpoint

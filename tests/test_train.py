@@ -12,45 +12,11 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from hf_oracle import char_tokenizer, tiny_hf_model
+from tiny_run import HERE, REWARD, config
 
 from grpo_jax import hf
 from grpo_jax.checkpoint import Checkpointer
-from grpo_jax.cli import load_config
 from grpo_jax.train import train
-
-HERE = Path(__file__).parent
-REWARD = f"{HERE / 'reward_fixtures.py'}:even_tokens"
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A tiny random Llama with a character-level tokenizer."""
-    out = tmp_path_factory.mktemp("tiny")
-    tok = char_tokenizer()
-    model = tiny_hf_model("llama", tie=True, vocab=len(tok), seed=0)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    prompts = out / "prompts.jsonl"
-    with open(prompts, "w") as f:
-        for i in range(64):
-            f.write(json.dumps({"prompt": f"Post number {i}: write something short.\nTL;DR:"})
-                    + "\n")
-    return out
-
-
-def config(tiny_dir, out, **extra):
-    sets = {
-        "name_or_path": str(tiny_dir), "dtype": "float32", "dataset_name":
-        str(tiny_dir / "prompts.jsonl"), "reward_funcs": f"[{REWARD}]", "num_generations": 4,
-        "max_completion_length": 8, "per_device_train_batch_size": 16,
-        "learning_rate": 0.02, "lr_scheduler_type": "constant", "beta": 0.0,
-        "output_dir": str(out), "logging_steps": 1, "save_steps": 100, "report_to": "[]",
-        "max_steps": 14, "seed": 3, "dp": 1, "temperature": 1.0,
-    }
-    sets.update(extra)
-    return load_config(None, [f"{k}={v}" for k, v in sets.items()])
-
 
 def records(out):
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").open()]
