@@ -22,6 +22,7 @@ from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.config import BatchArgs, BatchPlan, GRPOArgs, TrainConfig
 from grpo_jax.grpo.batch import Batch
+from grpo_jax.metrics import timing
 from grpo_jax.models import Decoder, ModelConfig, lora, presets, quant
 from grpo_jax.models.lora import PeftArgs
 from grpo_jax.rollout.native.rollout import JaxRollout
@@ -253,7 +254,7 @@ def bench_e2e(args, cfg, model, mesh, prompts):
         box["state"] = r.state
         if record:
             for k in parts:
-                parts[k].append(r.metrics[f"timing/{k}"])
+                parts[k].append(r.metrics[timing(k)])
     run(record=False)
     sec = _timed(run, args.repeats)
     out = {"grpo_step_s": sec}

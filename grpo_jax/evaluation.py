@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from grpo_jax.metrics import Logged, MetricWindow
+from grpo_jax.metrics import Logged, MetricWindow, is_timing
 from grpo_jax.config.run import EvalArgs
 
 
@@ -130,7 +130,7 @@ class Evaluator:
             gen = self.round.generate_and_score(weights, records, jax.random.fold_in(key, b),
                                                 self.num_generations, self.score)
             device.append(self.round.policy.eval_metrics(state, gen.batch))
-            host.append({k: v for k, v in gen.metrics.items() if not k.startswith("timing/")})
+            host.append({k: v for k, v in gen.metrics.items() if not is_timing(k)})
             rows.append(gen.batch.size)
         for h, d in zip(host, jax.device_get(device)):
             h.update({k: float(v) for k, v in d.items()})

@@ -20,6 +20,30 @@ import math
 from typing import NamedTuple, Sequence
 
 
+# grpo-jax's own timing/* metrics: the seconds of a round's phases, each measured where it runs
+# (the round times generate, logprobs, update and weight_sync; the training loop the rest, host).
+# Every timing/* name is made here.
+PHASES = ("generate", "logprobs", "update", "weight_sync", "host")
+_TIMING = "timing/"
+
+
+def timing(phase: str) -> str:
+    """The metric name of `phase`'s seconds."""
+    if phase not in PHASES:
+        raise ValueError(f"{phase!r} is not a timed phase ({', '.join(PHASES)})")
+    return _TIMING + phase
+
+
+def is_timing(name: str) -> bool:
+    return name.startswith(_TIMING)
+
+
+def host_seconds(metrics: dict, wall: float) -> float:
+    """What of a round's `wall` seconds no timed phase took (prompts, decoding text, rewards,
+    metrics): the host's share."""
+    return wall - sum(metrics.get(timing(p), 0.0) for p in PHASES if p != "host")
+
+
 class Logged(NamedTuple):
     """Metrics on their way into a MetricWindow, each in the group of its aggregation."""
     append: dict = {}

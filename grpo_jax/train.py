@@ -37,7 +37,7 @@ from grpo_jax.checkpoint import (BufferFiles, Checkpointer, RefCheckpoints, Stop
 from grpo_jax.errors import (CheckpointWriteError, GrpoJaxError, NoSignalError, TrainError,
                              UpdatesSkippedError)
 from grpo_jax.logger import MetricsLogger
-from grpo_jax.metrics import Logged, MetricWindow
+from grpo_jax.metrics import Logged, MetricWindow, host_seconds, timing
 from grpo_jax.models import ModelConfig
 from grpo_jax.rollout import tools as tools_lib
 from grpo_jax.rollout.engines import make_rollout
@@ -445,12 +445,10 @@ def run_rounds(run: Run) -> dict:
                                            result.scores.texts, result.rewards, result.advantages,
                                            extra=result.scores.extra)
                 wall = time.perf_counter() - t0
-                update_time = metrics.pop("timing/update", 0.0)
                 if records is not None:  # the generation's metrics, once (TRL's buffer)
-                    # What the accelerator does not do: prompts, decoding text, rewards, metrics.
-                    metrics["timing/host"] = wall - update_time - sum(
-                        metrics.get(f"timing/{k}", 0.0)
-                        for k in ("generate", "logprobs", "weight_sync"))
+                    metrics[timing("host")] = host_seconds(metrics, wall)
+                update_time = metrics.pop(timing("update"), 0.0)
+                if records is not None:
                     window.add(Logged(metrics, put={"num_tokens": at.tokens_seen}))
                 # TRL's step_time: the step's micro-steps, the generation in its first one.
                 pending_time += wall - update_time
@@ -458,7 +456,7 @@ def run_rounds(run: Run) -> dict:
                     share = update_time / result.updates
                     window.step(logged._replace(append={
                         **logged.append, "step_time": share + pending_time,
-                        "timing/update": share}))
+                        timing("update"): share}))
                     pending_time, step = 0.0, first + i + 1
                     skips.note(step, logged)
                     window.add(Logged(put={"epoch": plan.epoch(step, len(dataset))}))

@@ -30,7 +30,7 @@ from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.optimizer import OptimizerConfig, make_optimizer
 from grpo_jax.grpo.train_step import (StepConfig, TrainState, batch_loss, completion_logps,
                                       init_train_state, state_shardings, train_step)
-from grpo_jax.metrics import Logged
+from grpo_jax.metrics import Logged, timing
 from grpo_jax.config import BatchPlan, TrainConfig
 from grpo_jax.models import lora, moe
 from grpo_jax.rollout.base import Rollout, WeightMode
@@ -403,7 +403,7 @@ class GRPORound:
                                                             plan.micro_batch_size))
                 if batch.sampler_logp is not None:  # over the generation batch, as TRL
                     metrics.update(self.sampling_metrics(batch))
-            metrics["timing/logprobs"] += time.perf_counter() - t1
+            metrics[timing("logprobs")] += time.perf_counter() - t1
             buffer = buffer + self.split(batch, key) * plan.num_iterations
             if ends_epoch:
                 epoch_end = len(buffer)
@@ -442,15 +442,15 @@ class GRPORound:
         stopping = self.stop.should_stop()  # the server's weights won't be used again
         sync_time = self.sync_weights(state.params) if n and not stopping else None
 
-        metrics.setdefault("timing/generate", 0.0)
-        metrics.setdefault("timing/logprobs", 0.0)  # reference and old log-probs
-        metrics["timing/update"] = t4 - t3
+        metrics.setdefault(timing("generate"), 0.0)
+        metrics.setdefault(timing("logprobs"), 0.0)  # reference and old log-probs
+        metrics[timing("update")] = t4 - t3
         if n and self.rollout.generates_ahead:  # wall clock, to line the update up with the
             # generation of the next round beside it (grpo_jax.rollout.vllm.async_rounds)
             metrics["timeline/update_start"] = time.time() - (time.perf_counter() - t3)
             metrics["timeline/update_end"] = metrics["timeline/update_start"] + t4 - t3
         if sync_time is not None:
-            metrics["timing/weight_sync"] = sync_time
+            metrics[timing("weight_sync")] = sync_time
             metrics.update(self.rollout.sync_metrics)  # bytes/s, ...
         return RoundResult(state, metrics, scores, rewards, advantages, n, num_tokens, logged)
 
@@ -583,8 +583,8 @@ class GRPORound:
             metrics["tools/call_frequency"] = calls / len(r.tool_calls)
             metrics["tools/failure_frequency"] = (int(r.tool_failures.sum()) / calls
                                                   if calls else 0.0)
-        metrics["timing/generate"] = took
-        metrics["timing/logprobs"] = time.perf_counter() - t2
+        metrics[timing("generate")] = took
+        metrics[timing("logprobs")] = time.perf_counter() - t2
         if self.rollout.generates_ahead:  # the trainer's work on the batch begins: the
             # next round generates beside it from here on (grpo_jax.rollout.vllm.async_rounds)
             metrics["timeline/train_start"] = wall1

@@ -168,3 +168,11 @@ def test_libraries_private_modules_only_in_the_shim():
                        ([a.name for a in node.names] if isinstance(node, ast.Import)
                         else [node.module or ""]))]
     assert reached and {name for name, *_ in reached} == {SHIM}, reached
+
+
+def test_timing_metrics_are_named_in_one_module():
+    """Every timing/* metric name is made by metrics.timing: no other module spells one."""
+    spelled = [(name, node.lineno) for name, tree in _modules() if name != "grpo_jax.metrics"
+               for node in ast.walk(tree) if isinstance(node, ast.Constant)
+               and isinstance(node.value, str) and node.value.startswith("timing/")]
+    assert not spelled, spelled
