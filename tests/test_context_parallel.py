@@ -158,17 +158,19 @@ def test_context_axis_equals_one_device_tiny():
 def test_context_axis_equals_one_device_smollm2(smol_model):
     """SmolLM2 (30 layers, fp32) on a (fsdp 2, context 4) mesh, zig-zag positions, 2 groups
     of 2 left-padded prompts with shared prefixes, 2 accumulated micro-batches, against one
-    device's plain forward: logits and gradients within 1e-5 relative, the loss within 1e-6.
+    device's plain forward: logits within 1e-5 relative, the loss within 1e-6.
     Log-probs within 1e-4: fp32 summation order over 30 layers moves them that much on one
     device alone (measured 2026-11-25: shared prefix vs plain on one device 2.5e-5; context
-    axis vs one device 3.2e-5; logits 2.5e-6, gradients 5.9e-6 relative)."""
+    axis vs one device 3.2e-5; logits 2.5e-6, gradients 5.9e-6 relative; on an AMD EPYC of
+    family 25, Zen 3, 2026-11-28, gradients 1.4e-5 relative with the code of before and after
+    that day's changes alike: gradients within 3e-5)."""
     batch = grouped_batch(smol_model.cfg.vocab_size, groups=2, prompt=16, completion=16)
     batch = batch.rows(np.r_[0:2, 4:6])  # 2 prompts x 2 completions
     one = mesh_lib.make_mesh(mesh_lib.MeshConfig(1, 1, 1), jax.devices()[:1])
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=1, fsdp=2, cp=4))
     gaps = _gaps(batch, _programs(smol_model, one, batch, 1, 1),
                  _programs(smol_model, mesh, batch, 2, 2))
-    assert gaps["logits"] < 1e-5 and gaps["grads"] < 1e-5 and gaps["loss"] < 1e-6, gaps
+    assert gaps["logits"] < 1e-5 and gaps["grads"] < 3e-5 and gaps["loss"] < 1e-6, gaps
     assert gaps["logp"] < 1e-4 and gaps["entropy"] < 5e-4, gaps
     assert gaps["logp_relative"] < 1e-5, gaps  # to the largest |log-prob|: the issue's bound
 

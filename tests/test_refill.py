@@ -141,8 +141,10 @@ def test_smollm2_refill_on_and_off_give_the_same_completions(smol_model, smol_to
     for got in (out, sub):
         for name in ("completion_ids", "completion_mask", "truncated"):
             np.testing.assert_array_equal(getattr(got, name), getattr(one, name), name)
-        # Batches of other shapes sum in another order: up to 2.5e-5 measured over 30 layers.
-        np.testing.assert_allclose(got.sampler_logp, one.sampler_logp, rtol=0, atol=5e-5)
+        # Batches of other shapes sum in another order: up to 2.5e-5 measured over 30 layers
+        # (5.2e-5 on an AMD EPYC of family 25, Zen 3, 2026-11-28, before and after that day's
+        # changes alike: the noise depends on the CPU XLA compiles for).
+        np.testing.assert_allclose(got.sampler_logp, one.sampler_logp, rtol=0, atol=1e-4)
     m = out.completion_mask.astype(bool)
     diff = np.abs(out.sampler_logp - trainer_logp(smol_model, out, 1.0))[m]
     assert diff.max() < 5e-5, diff.max()

@@ -116,9 +116,11 @@ def test_smollm2_forward_and_gradients_equal_plain_in_float64():
 def test_smollm2_fp32_within_summation_noise(smol_model):
     """The same in fp32, the dtype the CPU recipe trains in: within fp32 summation-order noise
     over 30 layers (measured 2026-11-24: log-probs 3.4e-5, gradients 2.4e-5 relative, entropy
-    1.0e-4)."""
+    1.0e-4). The noise depends on the CPU XLA compiles for: on an AMD EPYC of family 25 (Zen 3,
+    2026-11-28) the gradients differ by 1.6e-4 relative, with the code of before and after that
+    day's changes alike, hence 3e-4; the float64 test above holds them to 1e-5."""
     gaps = parity(smol_model)
-    assert gaps["logits"] < 1e-5 and gaps["logp"] < 1e-4 and gaps["grads"] < 1e-4, gaps
+    assert gaps["logits"] < 1e-5 and gaps["logp"] < 1e-4 and gaps["grads"] < 3e-4, gaps
     assert gaps["entropy"] < 5e-4, gaps
 
 
