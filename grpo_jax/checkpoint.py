@@ -19,8 +19,9 @@ hang (Orbax's writer threads of the failed step are released; docs/reliability.m
 Each committed step gets a manifest of its files' SHA-256 (grpo_jax.checksums), written once
 Orbax has committed it (for an async save: at the next save, `wait`, `poll` or `close`); a
 restore verifies it first, so a flipped bit in a data file is a damaged checkpoint, not a wrong
-number. The step's meta says a manifest is due (`CHECKSUMS_KEY`): a step without one is
-accepted unverified only when written before manifests existed.
+number. A step without one is restored unverified, said on one line: its meta
+(`CHECKSUMS_KEY`) tells a step whose run stopped before writing the manifest from an older
+version's.
 
 `load_checkpoint` restores a run's params from its output_dir alone (for export).
 """
@@ -103,7 +104,7 @@ def _shapes(tree) -> dict:
 
 
 # In a step's meta: the step was saved by a Checkpointer that writes manifests, so a step
-# without one is damaged (killed before its manifest was written), not an older version's.
+# without one was left by a run that stopped before writing it, not by an older version.
 CHECKSUMS_KEY = "checksums"
 
 
@@ -114,10 +115,8 @@ STATE_SECTIONS = ("model", "peft", "numerics", "optim", "loss")
 def _mismatch(step, directory, saved: dict, wanted: dict, settings: dict,
               saved_settings: dict | None) -> str:
     diffs = [f"{key}: checkpoint {old!r}, this run {new!r}"
-             for section in STATE_SECTIONS
-             for key, new in settings.get(section, {}).items()
-             for old in [((saved_settings or {}).get(section) or {}).get(key, new)]
-             if old != new]
+             for section, key, old, new in settings_diff(saved_settings, settings)
+             if section in STATE_SECTIONS]
     if not diffs:  # the same settings, another state: e.g. the model's files changed
         key = next((k for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)))
         diffs = [f"the state's {key} has shape {saved.get(key, 'absent')} in the checkpoint, "
