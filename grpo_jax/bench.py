@@ -30,7 +30,8 @@ from grpo_jax.rollout.native.refill import Refill
 from grpo_jax.rollout.native.sampler import Sampler
 from grpo_jax.rollout.native.sampling import SamplingParams
 from grpo_jax.scoring import Scores
-from grpo_jax.trainer import GRPORound, Policy, step_config
+from grpo_jax.policy import Policy, step_config
+from grpo_jax.round import GRPORound
 
 QWEN2_0_5B = ModelConfig(model_type="qwen2", vocab_size=151936, hidden_size=896,
                          intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
@@ -234,7 +235,7 @@ def bench_train_step(args, cfg, policy):
 
 
 def bench_e2e(args, cfg, model, mesh, prompts):
-    """One GRPO round as the train loop runs it (grpo_jax.trainer.GRPORound), with random
+    """One GRPO round as the train loop runs it (grpo_jax.round.GRPORound), with random
     rewards in place of reward functions: generate, old log-probs under the loop's rule, then
     `num_iterations` passes of updates over the generation batch."""
     n = len(prompts) * args.generations

@@ -635,7 +635,7 @@ def abstract_state(cfg, device=None):
     the state's params are the LoRA adapters (graphdef: of the model with adapters)."""
     from grpo_jax import hf, peft_io
     from grpo_jax.models import ModelConfig, build
-    from grpo_jax.trainer import split_policy, state_init
+    from grpo_jax.policy import split_policy, state_init
     model_dir = hf.resolve_model_dir(peft_io.base_name(cfg))
     model_cfg = ModelConfig.from_hf(hf.read_config(model_dir), numerics=cfg.numerics)
     # The adapters alone are the state with use_peft: the base is left unquantized.

@@ -86,7 +86,7 @@ def schedule(cfg: EvalArgs, logging_steps: float, total_steps: int,
 @dataclasses.dataclass
 class Evaluator:
     """Evaluates a state on `dataset` (a data.PromptDataset of the eval split). `round` is the
-    run's trainer.GRPORound: its rollout, reward settings and current reference model serve
+    run's round.GRPORound: its rollout, reward settings and current reference model serve
     evaluation too; `score` scores num_generations completions per prompt. Eval batches hold
     prompts_per_batch prompts; a short last one is filled from the start of the split (as
     accelerate's even_batches) up to a multiple of `rows_multiple` completions, the mesh's

@@ -1,6 +1,6 @@
 """`python -m grpo_jax.train --config NAME [--key value ...]`: the GRPO training program.
 
-The run around the rounds (grpo_jax.trainer.GRPORound): loading, resume, checkpoints, logging
+The run around the rounds (grpo_jax.round.GRPORound): loading, resume, checkpoints, logging
 and stopping. Everything with side effects (files, servers, the progress bar) lives here; the
 math is in grpo_jax.grpo.
 """
@@ -44,7 +44,8 @@ from grpo_jax.rollout.engines import make_rollout
 from grpo_jax.rollout.native.sampler import reference_copy
 from grpo_jax.run_dir import RunDirLock
 from grpo_jax.scoring import RewardScorer
-from grpo_jax.trainer import ADAPTERS_OFF, GRPORound, Policy, step_config
+from grpo_jax.policy import ADAPTERS_OFF, Policy, step_config
+from grpo_jax.round import GRPORound
 
 
 EVAL_KEY_TAG = 0x4556414C  # "EVAL": evaluation's sampling keys, apart from the rounds'

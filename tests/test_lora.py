@@ -15,7 +15,7 @@ from grpo_jax.grpo.optimizer import OptimizerConfig
 from grpo_jax.grpo.train_step import StepConfig
 from grpo_jax.models import Decoder, lora
 from grpo_jax.models.lora import PeftArgs
-from grpo_jax.trainer import ADAPTERS_OFF, Policy
+from grpo_jax.policy import ADAPTERS_OFF, Policy
 from test_model import MASK, TOKENS, jax_logits
 from tiny_run import config
 from test_train_step import CFG, loss_config, make_batch
@@ -365,7 +365,7 @@ def test_sampler_runs_the_adapters_on_a_quantized_base(bits):
     from grpo_jax.rollout.native.rollout import JaxRollout
     from grpo_jax.rollout.native.sampler import Sampler
     from grpo_jax.rollout.native.sampling import SamplingParams
-    from grpo_jax.trainer import GRPORound
+    from grpo_jax.round import GRPORound
     peft = PeftArgs(use_peft=True, lora_target_modules=ALL, load_in_8bit=bits == 8,
                     load_in_4bit=bits == 4)
     model = _adapted(peft, b_scale=0.05)

@@ -20,7 +20,7 @@ from grpo_jax.grpo.train_step import finish_entropy_control, init_train_state
 from grpo_jax.metrics import Logged, MetricWindow
 from grpo_jax.rollout import base
 from grpo_jax.scoring import Scores
-from grpo_jax.trainer import GRPORound, update_logged
+from grpo_jax.round import GRPORound, update_logged
 
 torch = pytest.importorskip("torch")
 trl_utils = pytest.importorskip("trl.trainer.utils")

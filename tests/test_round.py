@@ -1,4 +1,4 @@
-"""One round (grpo_jax.trainer.GRPORound) as TRL's generation buffer: every completion is
+"""One round (grpo_jax.round.GRPORound) as TRL's generation buffer: every completion is
 trained on, windows of gradient_accumulation_steps micro-batches span generations, the
 generation batch is shuffled before it is split, and the logged learning rate is the applied one.
 The round runs here with a stub sampler and a stub trainer (no model) unless a test needs one."""
@@ -17,8 +17,7 @@ from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.rollout.base import Rollout, RolloutBatch, WeightMode
 from grpo_jax.scoring import Scores
-from grpo_jax.trainer import (GRPORound, completion_metrics, generation_order,
-                              update_logged, window_sizes)
+from grpo_jax.round import GRPORound, completion_metrics, generation_order, update_logged, window_sizes
 
 G, MICRO, C = 4, 4, 3
 
@@ -166,7 +165,7 @@ def test_max_updates_stops_mid_round_and_buffers_the_rest():
 
 
 class StopAfter:
-    """A stop request (trainer.Stop) that arrives after `updates` updates, or (`during_generation`)
+    """A stop request (round.Stop) that arrives after `updates` updates, or (`during_generation`)
     while the round generates: what checkpoint.StopSignal does with a signal."""
 
     def __init__(self, trainer, updates=None, during_generation=False):
@@ -342,7 +341,7 @@ def test_logged_learning_rate_is_the_applied_one_after_a_skipped_update():
     from grpo_jax.grpo.optimizer import OptimizerConfig, make_schedule
     from grpo_jax.grpo.train_step import StepConfig
     from grpo_jax.models import Decoder, ModelConfig
-    from grpo_jax.trainer import Policy
+    from grpo_jax.policy import Policy
 
     cfg = ModelConfig(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=24,
                       num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
@@ -433,7 +432,7 @@ def test_mix_ref_is_trls_rule_on_the_params_shardings(dtype):
     from grpo_jax.grpo.optimizer import OptimizerConfig
     from grpo_jax.grpo.train_step import StepConfig
     from grpo_jax.models import Decoder, ModelConfig
-    from grpo_jax.trainer import Policy
+    from grpo_jax.policy import Policy
 
     cfg = ModelConfig(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=24,
                       num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,

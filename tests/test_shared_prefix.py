@@ -13,7 +13,7 @@ from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.grpo.optimizer import OptimizerConfig
 from grpo_jax.grpo.train_step import StepConfig, completion_logps, loss_and_grads
 from grpo_jax.models import Decoder, ModelConfig, decoder, positions_from_mask
-from grpo_jax.trainer import Policy
+from grpo_jax.policy import Policy
 
 G, GROUPS, P_LEN, C_LEN = 4, 3, 12, 10
 

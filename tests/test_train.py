@@ -46,7 +46,7 @@ def test_tiny_model_learns_synthetic_reward(tiny_dir, tmp_path):
 def test_later_rounds_compile_nothing(tiny_dir, tmp_path, monkeypatch):
     """Every program (sampler, train step, log-probs, host-side helpers) compiles during the
     first two rounds; later rounds only run them (a recompile costs seconds on a GPU)."""
-    from grpo_jax.trainer import Policy
+    from grpo_jax.policy import Policy
     log = []
     original = Policy.step
     monkeypatch.setattr(Policy, "step", lambda self, s, b: log.append("step") or original(
@@ -70,7 +70,7 @@ def test_later_rounds_compile_nothing(tiny_dir, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_reference_model_only_when_beta_positive(tiny_dir, tmp_path, monkeypatch, beta):
     """beta = 0: no reference params are kept, stored or run (TRL's behaviour)."""
-    from grpo_jax.trainer import Policy
+    from grpo_jax.policy import Policy
     from grpo_jax.checkpoint import abstract_state
     calls = []
     original = Policy.logps
@@ -93,7 +93,7 @@ def test_reference_model_only_when_beta_positive(tiny_dir, tmp_path, monkeypatch
 def _record_rounds(monkeypatch):
     """Rows generated (by the JAX sampler) and windows fed to Policy.step, as host arrays."""
     from grpo_jax.rollout.native.rollout import JaxRollout
-    from grpo_jax.trainer import Policy
+    from grpo_jax.policy import Policy
     generated, fed = [], []
     generate, step = JaxRollout.generate, Policy.step
     monkeypatch.setattr(JaxRollout, "generate", lambda self, *a: generated.append(
@@ -345,7 +345,7 @@ def test_sync_ref_model_mixes_every_sync_steps(tiny_dir, tmp_path, monkeypatch):
     """TR-DPO as TRL's SyncRefModelCallback: after optimizer steps 2 and 4 (of 5; one update a
     round), ref = 0.6 * policy + 0.4 * ref, starting from the initial params; the next
     generation's reference log-probs come from the mixed reference."""
-    from grpo_jax.trainer import Policy
+    from grpo_jax.policy import Policy
     after, mixes, refs_used = [], [], []
     step, mix, logps = Policy.step, Policy.mix_ref, Policy.logps
 
@@ -421,7 +421,7 @@ ODD_POSTS = dict(reward_funcs=f"[{HERE / 'reward_fixtures.py'}:even_tokens_odd_p
 def odd_posts_run(tiny_dir, tmp_path_factory):
     """A dynamic_sampling run of 3 steps where posts with an even number score 0.5 whatever
     the completion (their groups have no signal): (output_dir, the windows its updates saw)."""
-    from grpo_jax.trainer import Policy
+    from grpo_jax.policy import Policy
     out, fed = tmp_path_factory.mktemp("odd_posts") / "run", []
     step = Policy.step
     with pytest.MonkeyPatch.context() as m:

@@ -11,7 +11,7 @@ from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.grpo.optimizer import OptimizerConfig
 from grpo_jax.grpo.train_step import StepConfig, TrainState, batch_loss, loss_and_grads
-from grpo_jax.trainer import Policy
+from grpo_jax.policy import Policy
 from grpo_jax.models import Decoder, ModelConfig
 
 CFG = ModelConfig(model_type="qwen2", vocab_size=96, hidden_size=32, intermediate_size=48,

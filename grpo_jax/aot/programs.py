@@ -1,8 +1,8 @@
 """The run's three device programs, lowered with abstract arguments laid out as a run lays them.
 
 - `update`: grpo.train_step.train_step on one window (gradient_accumulation_steps
-  micro-batches), jitted as trainer.Policy jits it (state donated, shardings from mesh.RULES);
-- `logprobs`: trainer.Policy's reference / old log-prob program on a micro-batch;
+  micro-batches), jitted as policy.Policy jits it (state donated, shardings from mesh.RULES);
+- `logprobs`: policy.Policy's reference / old log-prob program on a micro-batch;
 - `generate`: the run's JaxRollout's sampler program on a generation batch (prefill + decode
   loop);
 - `refill`: with `max_num_seqs` decode slots fewer than those rows, rollout.native.refill.Refill's
@@ -32,7 +32,7 @@ from grpo_jax.models import KVCache, ModelConfig, lora
 from grpo_jax.models.build import abstract_model
 from grpo_jax.rollout.base import WeightMode
 from grpo_jax.rollout.native.rollout import JaxRollout
-from grpo_jax.trainer import build_programs, split_policy, step_config
+from grpo_jax.policy import build_programs, split_policy, step_config
 
 
 @dataclasses.dataclass(frozen=True)

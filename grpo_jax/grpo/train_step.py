@@ -1,5 +1,5 @@
 """The GRPO train step: a pure function from (state, batch) to (state, metrics), jitted and
-sharded by grpo_jax.trainer.
+sharded by grpo_jax.policy.
 
 Micro-batches run under `lax.scan`; the policy loss is (numerator, denominator) sums whose
 denominator depends on the masks only, so k micro-batches give the gradient of one big batch (see

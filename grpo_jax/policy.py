@@ -1,0 +1,247 @@
+"""The policy being trained: its compiled, sharded programs (`PolicyPrograms`, built by
+`build_programs` from concrete params here and from abstract ones by grpo_jax.aot) and `Policy`,
+which runs them on host batches: the update, old / reference log-probs, evaluation and the
+reference mix. grpo_jax.round drives it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from grpo_jax import distributed as dist
+from grpo_jax import mesh as mesh_lib
+from grpo_jax.grpo import loss as loss_lib
+from grpo_jax.grpo.batch import Batch
+from grpo_jax.grpo.optimizer import OptimizerConfig, make_optimizer
+from grpo_jax.grpo.train_step import (StepConfig, TrainState, batch_loss, completion_logps,
+                                      init_train_state, state_shardings, train_step)
+from grpo_jax.config import BatchPlan, TrainConfig
+from grpo_jax.models import lora, moe
+
+
+class AdaptersOff:
+    """GRPORound's ref_params with LoRA: the reference is the base model with the adapters
+    off, as TRL does with PEFT (no second copy of the model)."""
+
+
+ADAPTERS_OFF = AdaptersOff()
+
+
+def step_config(cfg: TrainConfig, plan: BatchPlan, model_cfg) -> StepConfig:
+    """The step's math settings of a run (train, bench and aot alike)."""
+    loss = cfg.loss
+    if cfg.rollout.backend != "vllm":
+        # The JAX sampler runs the trainer's own weights: its log-probs only feed the metrics.
+        loss = dataclasses.replace(loss, vllm_importance_sampling_correction=False)
+    return StepConfig(loss=loss, temperature=cfg.generation.temperature,
+                      gradient_accumulation_steps=plan.gradient_accumulation_steps,
+                      dropout_seed=cfg.data.seed, aux_loss_coef=moe.router_aux_loss_coef(
+                          cfg.loss.router_aux_loss_coef, model_cfg))
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitPolicy:
+    """A model as the programs take it: its graph, the params that train and what stays
+    frozen."""
+    graphdef: Any
+    params: Any  # the trained params: the model's; with LoRA, its adapters
+    frozen: tuple  # with LoRA (the frozen base, quantized or not,); else ()
+    lora_scale: float | None
+
+
+def split_policy(model, mesh: Mesh | None = None) -> SplitPolicy:
+    """`model` (concrete, or abstract from models.build) split into the trained params and the
+    frozen base, its activations laid out on `mesh`: the one split of Policy, aot and a
+    checkpoint's restore target. A model with LoRA adapters (models/lora.py) trains only them:
+    the state's params (and so the optimizer state, gradients and checkpoints) are the
+    adapters."""
+    if mesh is not None:
+        model.shard_activations(mesh)
+    scale = lora.scale_of(model)
+    if scale is None:
+        graphdef, params = nnx.split(model, nnx.Param)
+        return SplitPolicy(graphdef, params, (), None)
+    graphdef, params, base = nnx.split(model, lora.LoraParam, nnx.Param)
+    return SplitPolicy(graphdef, params, (base,), scale)
+
+
+def state_init(loss: loss_lib.LossConfig, optim: OptimizerConfig, total_steps: int):
+    """(optimizer, schedule, params -> TrainState): the one definition of a fresh state, for
+    the programs and for a checkpoint's restore target."""
+    tx, schedule = make_optimizer(optim, total_steps)
+
+    def init(params) -> TrainState:
+        return init_train_state(params, tx.init(params), loss)
+    return tx, schedule, init
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyPrograms:
+    """The jitted programs of one model graph, optimizer and mesh, and the layouts they run on.
+    build_programs makes them from concrete params (Policy) or abstract ones (grpo_jax.aot,
+    which lowers these very programs for a target it does not have)."""
+    tx: optax.GradientTransformation
+    param_shardings: Any
+    state_shardings: Any
+    init: Callable  # params (donated) -> TrainState
+    step: Callable  # (state (donated), batch, frozen, group, k) -> (state, metrics)
+    logps: Callable  # (graphdef, params, batch, frozen, group) -> [rows, C] log-probs
+    eval: Callable  # (state, batch, frozen, group) -> loss metrics
+    mix: Callable  # (params, ref (donated), alpha, 1 - alpha) -> ref
+
+
+def build_programs(graphdef, params, step_cfg: StepConfig, optim: OptimizerConfig,
+                   total_steps: int, mesh: Mesh) -> PolicyPrograms:
+    """The programs of the model `graphdef` whose trained params are `params` (with LoRA the
+    adapters; the frozen base is an argument of each program), laid out on `mesh` by its rules."""
+    tx, schedule, init = state_init(step_cfg.loss, optim, total_steps)
+    param_sh = mesh_lib.param_shardings(params, mesh)
+    replicated = NamedSharding(mesh, P())
+    abstract = jax.eval_shape(init, params)
+    # Optimizer moments are laid out like their params.
+    opt_sh = optax.tree_map_params(tx, lambda _, sharding: sharding, abstract.opt_state, param_sh,
+                                   transform_non_params=lambda _: replicated)
+    state_sh = state_shardings(step_cfg.loss, param_sh, opt_sh, replicated)
+
+    def constrain(x):  # [k, rows, ...] micro-batch splits: rows on the batch axes
+        return jax.lax.with_sharding_constraint(
+            x, mesh_lib.logical_sharding(mesh, None, "batch", *[None] * (x.ndim - 2)))
+
+    def logps(graphdef, params, batch: Batch, frozen=(), group: int = 1):
+        model = nnx.merge(graphdef, params, *frozen)
+        logp, _ = completion_logps(model, batch, step_cfg.temperature, step_cfg.logprob_chunk,
+                                   group)
+        return logp
+    return PolicyPrograms(
+        tx, param_sh, state_sh,
+        init=jax.jit(init, out_shardings=state_sh, donate_argnums=(0,)),
+        step=jax.jit(lambda state, batch, frozen, group, k: train_step(
+            graphdef, tx, schedule, step_cfg, state, batch, constrain, frozen, group, k),
+            out_shardings=(state_sh, replicated), donate_argnums=(0,), static_argnums=(3, 4)),
+        logps=jax.jit(logps, out_shardings=replicated, static_argnums=(0, 4)),
+        eval=jax.jit(lambda state, batch, frozen, group: batch_loss(
+            graphdef, step_cfg, state, batch, frozen, group), out_shardings=replicated,
+            static_argnums=(3,)),
+        # The reference's buffers are donated: the mix replaces them in place on the devices.
+        mix=jax.jit(mix_params, out_shardings=param_sh, donate_argnums=(1,)))
+
+
+class Policy:
+    """The policy being trained: its programs (PolicyPrograms) for one model, optimizer and
+    mesh, its initial train state and, with LoRA, the frozen base (`self.frozen`, an argument of
+    the programs that is never donated or updated); its step, log-prob, evaluation and
+    reference-mix calls on host batches."""
+
+    def __init__(self, model, step_cfg: StepConfig, optim: OptimizerConfig, total_steps: int,
+                 mesh: Mesh):
+        self.cfg, self.mesh = step_cfg, mesh
+        self.model_config = model.cfg
+        split = split_policy(model, mesh)
+        self.graphdef, self.lora_scale = split.graphdef, split.lora_scale
+        self.frozen: tuple = ()
+        if split.frozen:
+            self.base_shardings = mesh_lib.param_shardings(split.frozen[0], mesh)
+            self.frozen = (jax.device_put(split.frozen[0], self.base_shardings),)
+            self._merge = jax.jit(lambda base, adapters: lora.merge_into_base(
+                base, adapters, self.lora_scale))
+        self.programs = build_programs(self.graphdef, split.params, step_cfg, optim,
+                                       total_steps, mesh)
+        # A copy: the step donates its state, which must not free the caller's model arrays.
+        # Copied after placing: device_put(may_alias=False) still hands back the caller's buffer
+        # for a replicated array that already sits on one of the mesh's devices.
+        params = jax.tree.map(lambda x, s: jax.device_put(x, s).copy(), split.params,
+                              self.programs.param_shardings)
+        if self.lora_scale is not None:
+            # The reference runs the same program with every adapter at zero: x W + (x A) 0 is
+            # x W exactly, and the base (quantized or not) is shared, never copied.
+            self.adapters_off = jax.tree.map(jnp.zeros_like, params)
+        # The copy is donated: the state's params take its buffers, not a third copy.
+        self.init_state = self.programs.init(params)
+
+    @property
+    def param_shardings(self):
+        return self.programs.param_shardings
+
+    @property
+    def shared_prefix(self) -> bool:
+        """numerics.shared_prefix: prompts computed once per group (Decoder.shared_prefix)."""
+        return self.model_config.numerics.shared_prefix
+
+    def prompt_group(self, batch: Batch, micro_rows: int) -> int:
+        """Rows per shared prompt for the programs (completion_logps' `group`): the largest
+        divisor of `micro_rows` whose blocks of consecutive rows each hold one prompt (1: none,
+        or numerics.shared_prefix off). Read from the host batch, which every process holds
+        whole, so all compile the same program."""
+        if not self.shared_prefix:
+            return 1
+        ids = np.asarray(batch.prompt_ids)
+        mask = np.asarray(batch.prompt_mask)
+        for s in range(micro_rows, 1, -1):
+            if micro_rows % s == 0 and all(
+                    (x.reshape(-1, s, x.shape[1]) == x[::s, None]).all() for x in (ids, mask)):
+                return s
+        return 1
+
+    def shard_batch(self, batch: Batch) -> Batch:
+        # Host arrays that every process holds whole; each process places its devices' rows.
+        return jax.tree.map(lambda v: dist.shard_host_array(
+            np.asarray(v), mesh_lib.batch_sharding(self.mesh, np.ndim(v))), batch)
+
+    def step(self, state: TrainState, batch: Batch,
+             micro_batches: int | None = None) -> tuple[TrainState, dict]:
+        """One update over `batch` in `micro_batches` micro-batches (default
+        gradient_accumulation_steps; fewer in the window that ends an epoch); the metrics stay
+        on the device (jax.device_get them when needed)."""
+        k = micro_batches or self.cfg.gradient_accumulation_steps
+        group = self.prompt_group(batch, batch.size // k)
+        return self.programs.step(state, self.shard_batch(batch), self.frozen, group, k)
+
+    def eval_metrics(self, state: TrainState, batch: Batch) -> dict:
+        """TRL's evaluation loss and loss metrics of `batch` (one micro-batch, no update); on
+        the device, like step's."""
+        return self.programs.eval(state, self.shard_batch(batch), self.frozen,
+                          self.prompt_group(batch, batch.size))
+
+    def mix_ref(self, params, ref, alpha: float):
+        """TR-DPO's reference update alpha * params + (1 - alpha) * ref, on the devices with the
+        params' shardings; `ref`'s buffers are donated (use the returned tree)."""
+        return self.programs.mix(params, ref, np.float32(alpha), np.float32(1.0 - alpha))
+
+    def logps(self, params, batch: Batch, rows: int | None = None) -> np.ndarray:
+        """Completion log-probs without gradients: old (num_iterations > 1) or reference
+        (ADAPTERS_OFF: the base model's), on the host. `rows`: computed that many rows at a
+        time (a micro-batch's worth, so the program's memory is bounded by the update's, not
+        the generation batch's) when they divide the batch; else all at once."""
+        seqs = batch.replace(old_logp=None, ref_logp=None, sampler_logp=None)
+        if params is ADAPTERS_OFF:
+            params = self.adapters_off
+        n = seqs.size
+        step = rows if rows and n % rows == 0 else n
+        # Every part is dispatched before the first is read back.
+        group = self.prompt_group(seqs, step)
+        parts = [self.programs.logps(self.graphdef, params, self.shard_batch(
+            seqs.rows(slice(i, i + step))), self.frozen, group) for i in range(0, n, step)]
+        return np.concatenate([np.asarray(p) for p in parts])
+
+    def rollout_params(self, params):
+        """The full model's params for a sampler or server: `params` themselves, or with LoRA
+        the base with the adapters merged in (one fused program, once per round)."""
+        return params if self.lora_scale is None else self._merge(self.frozen[0], params)
+
+
+def mix_params(params, ref, alpha, keep):
+    """ref * keep + params * alpha leaf by leaf, rounded as TRL's SyncRefModelCallback in the
+    reference's dtype: `ref.mul_(keep).add_(params, alpha=alpha)` (keep = 1 - alpha, computed in
+    double on the host as Python does; both rounded to float32, torch's math type)."""
+    def one(p, r):
+        kept = (r.astype(jnp.float32) * keep).astype(r.dtype)
+        return (kept.astype(jnp.float32) + alpha * p.astype(jnp.float32)).astype(r.dtype)
+    return jax.tree.map(one, params, ref)
