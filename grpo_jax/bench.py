@@ -30,8 +30,10 @@ from grpo_jax.rollout.native.refill import Refill
 from grpo_jax.rollout.native.sampler import Sampler
 from grpo_jax.rollout.native.sampling import SamplingParams
 from grpo_jax.scoring import Scores
+from grpo_jax.data import DataPosition
+from grpo_jax.run_state import RunState
 from grpo_jax.policy import Policy, step_config
-from grpo_jax.round import GRPORound
+from grpo_jax.round import Draw, GRPORound
 
 QWEN2_0_5B = ModelConfig(model_type="qwen2", vocab_size=151936, hidden_size=896,
                          intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
@@ -245,14 +247,13 @@ def bench_e2e(args, cfg, model, mesh, prompts):
     rng = np.random.default_rng(0)
     round_ = GRPORound(policy, rollout, plan,
                        lambda records, r: Scores(rng.standard_normal((n, 1)).astype(np.float32)),
-                       reward_names=["random"], scale_rewards="group", reward_weights=None)
-    records = [{"prompt_ids": p} for p in prompts]
-    box = {"state": policy.init_state}
+                       ["random"], run_config(args, n).grpo)
+    draw = Draw([{"prompt_ids": p} for p in prompts], DataPosition())
+    box = {"at": RunState(policy.init_state)}
     parts = {"generate": [], "logprobs": [], "update": []}
 
     def run(record=True):
-        r = round_(box["state"], records, jax.random.key(0))
-        box["state"] = r.state
+        box["at"], r = round_(box["at"], draw, jax.random.key(0))
         if record:
             for k in parts:
                 parts[k].append(r.metrics[timing(k)])

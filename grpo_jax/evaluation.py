@@ -121,14 +121,17 @@ class Evaluator:
             weights[-1] = len(self.dataset) % full
         return weights
 
-    def __call__(self, state, key, num_tokens: int = 0) -> dict:
-        """The eval metrics of `state`, keyed as TRL logs them."""
+    def __call__(self, at, key) -> dict:
+        """The eval metrics of the run state `at` (run_state.RunState: its params and
+        reference), keyed as TRL logs them."""
+        state = at.state
         t0 = time.perf_counter()
         host, device, rows = [], [], []
         weights = self.round.rollout_weights(state.params)  # with LoRA: merged once
         for b, records in enumerate(self.batches()):
-            gen = self.round.generate_and_score(weights, records, jax.random.fold_in(key, b),
-                                                self.num_generations, self.score)
+            gen = self.round.generate_and_score(
+                weights, records, jax.random.fold_in(key, b), reference=at.reference,
+                num_generations=self.num_generations, score=self.score)
             device.append(self.round.policy.eval_metrics(state, gen.batch))
             host.append({k: v for k, v in gen.metrics.items() if not is_timing(k)})
             rows.append(gen.batch.size)
@@ -141,7 +144,7 @@ class Evaluator:
         keep = np.isfinite(losses) if np.isfinite(losses).any() else np.ones(len(losses), bool)
         metrics["loss"] = float(np.average(losses[keep],
                                            weights=np.asarray(self.loss_weights(len(host)))[keep]))
-        metrics["num_tokens"] = float(num_tokens)  # TRL: the training tokens seen so far
+        metrics["num_tokens"] = float(at.tokens_seen)  # TRL: the training tokens seen so far
         runtime = time.perf_counter() - t0
         out = {f"eval_{k}": v for k, v in metrics.items()}
         out.update(eval_runtime=runtime, eval_samples_per_second=sum(rows) / runtime,

@@ -25,14 +25,7 @@ from grpo_jax.grpo.train_step import (StepConfig, TrainState, batch_loss, comple
                                       init_train_state, state_shardings, train_step)
 from grpo_jax.config import BatchPlan, TrainConfig
 from grpo_jax.models import lora, moe
-
-
-class AdaptersOff:
-    """GRPORound's ref_params with LoRA: the reference is the base model with the adapters
-    off, as TRL does with PEFT (no second copy of the model)."""
-
-
-ADAPTERS_OFF = AdaptersOff()
+from grpo_jax.run_state import ADAPTERS_OFF
 
 
 def step_config(cfg: TrainConfig, plan: BatchPlan, model_cfg) -> StepConfig:

@@ -20,10 +20,12 @@ from grpo_jax import dynamic_sampling as ds
 from grpo_jax.grpo import advantages as adv_lib
 from grpo_jax.grpo import loss as loss_lib
 from grpo_jax.grpo.batch import Batch
-from grpo_jax.grpo.train_step import TrainState
+from grpo_jax.config.grpo import GRPOArgs
+from grpo_jax.data import DataPosition
 from grpo_jax.metrics import Logged, timing
 from grpo_jax.policy import Policy
 from grpo_jax.rollout.base import Rollout, WeightMode
+from grpo_jax.run_state import RunState
 from grpo_jax.scoring import Scores
 
 
@@ -47,7 +49,7 @@ class NeverStop:
 
 
 class RoundResult(NamedTuple):
-    state: TrainState
+    """What a round did (its new RunState is returned beside it)."""
     metrics: dict  # the generation's (TRL logs them once per generation) and the round's timing
     scores: Scores | None  # None (and rewards, advantages): the call generated nothing
     rewards: np.ndarray | None
@@ -90,96 +92,101 @@ def concat_rows(parts: Sequence[Batch]) -> Batch:
     return jax.tree.map(lambda *xs: np.concatenate(xs), *map(widen, parts))
 
 
-@dataclasses.dataclass
+class Draw(NamedTuple):
+    """A generation's prompts as the data gives them: `records`, the data position after them,
+    whether they are the last of their epoch and, with dynamic sampling, `more()`: the next
+    prompts and the position after them while the batch fills, or None to stop."""
+    records: Sequence[dict]
+    after: DataPosition
+    ends_epoch: bool = False
+    more: Callable[[], tuple[Sequence[dict], DataPosition] | None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class GRPORound:
-    """One round's wiring. `score(records, rollout_batch) -> Scores`; `reward_names` name its
-    columns in the metrics; `plan` is the config's BatchPlan; `ref_params` None means beta 0.
-    `aggregation` is multi_objective_aggregation; `ref_sync` (ref_model_sync_steps,
-    ref_model_mixup_alpha) when sync_ref_model: after every optimizer step that brings the step
-    count to a multiple of ref_model_sync_steps, ref_params = alpha * params + (1 - alpha) *
-    ref_params (TRL's SyncRefModelCallback.on_step_end). The reference log-probs of a generation
-    batch are taken when it is generated, so a sync shows from the next generation on (as TRL).
+    """One round's wiring: `round(run_state, draw, key) -> (run_state, result)`. `score(records,
+    rollout_batch) -> Scores`; `reward_names` name its columns in the metrics; `plan` is the
+    config's BatchPlan; `args` the config's grpo section (GRPOArgs), whole: scale_rewards,
+    reward_weights, multi_objective_aggregation, sync_ref_model, dynamic_sampling.
+
+    With sync_ref_model, after every optimizer step that brings the step count to a multiple of
+    ref_model_sync_steps, reference = alpha * params + (1 - alpha) * reference (TRL's
+    SyncRefModelCallback.on_step_end). The reference log-probs of a generation batch are taken
+    when it is generated, so a sync shows from the next generation on (as TRL).
 
     TRL's generation buffer: a round generates one generation batch, shuffles its rows and
     splits them into steps_per_generation micro-batches (num_iterations times over), appended to
-    `buffer`; then every whole window of gradient_accumulation_steps micro-batches in the buffer
-    is one optimizer update. A window may span two generations: the micro-batches left over wait
-    in `buffer` for the next round (train.py checkpoints them). The round that ends an epoch
-    sets `epoch_end`: the window reaching it stops there, a partial one when the epoch's
-    micro-steps are not a multiple of gradient_accumulation_steps (transformers' last window of
-    an epoch; window_sizes).
+    the run state's `buffer`; then every whole window of gradient_accumulation_steps
+    micro-batches in the buffer is one optimizer update. A window may span two generations: the
+    micro-batches left over stay in the buffer for the next round (and in a checkpoint). A draw
+    that ends an epoch sets `epoch_end`: the window reaching it stops there, a partial one when
+    the epoch's micro-steps are not a multiple of gradient_accumulation_steps (transformers'
+    last window of an epoch; window_sizes).
 
-    `filter_groups` (DAPO's dynamic sampling, grpo_jax.dynamic_sampling; verl's name): None
-    off, else max_num_gen_batches (<= 0: no limit): the generation batch keeps only groups
-    whose rewards differ, generating from `more_records()` until it holds
-    prompts_per_generation of them.
+    dynamic_sampling (DAPO; grpo_jax.dynamic_sampling): the generation batch keeps only groups
+    whose rewards differ, generating from `draw.more()` until it holds prompts_per_generation
+    of them (at most max_num_gen_batches generations; <= 0: no limit).
 
-    `stop`: a stop request aborts the generation (nothing of it is kept: the caller's data
-    position stays) or ends the updates after the current one (the windows left stay in
-    `buffer`); either way the state, buffer and position a checkpoint takes agree, so resuming
-    is exact."""
+    `stop`: a stop request aborts the generation (nothing of it is kept: the run state's data
+    position stays) or ends the updates after the current one (the windows left stay
+    buffered); either way the run state returned is whole, so a checkpoint of it resumes
+    exactly. A round that fails returns nothing: its caller's run state is the last whole one
+    (its buffers may be donated to a step that failed: no checkpoint after a failure)."""
     policy: Policy
     rollout: Rollout
     plan: Any
     score: Callable[[Sequence[dict], Any], Scores]
     reward_names: Sequence[str]
-    scale_rewards: str
-    reward_weights: Sequence[float] | None
-    ref_params: Any = None
-    aggregation: str = "sum_then_normalize"
-    ref_sync: tuple[int, float] | None = None
-    filter_groups: int | None = None
-    buffer: list = dataclasses.field(default_factory=list)  # host micro-batches not trained on
-    epoch_end: int = 0  # the buffer's first epoch_end micro-batches end an epoch (0: none)
-    stop: Stop = dataclasses.field(default_factory=NeverStop)
-
-    def __post_init__(self):
-        if self.ref_sync is not None and self.ref_params is None:
-            raise ValueError("ref_sync (sync_ref_model) needs ref_params: with beta 0 there is "
-                             "no reference model to synchronize")
+    args: GRPOArgs
 
     @property
-    def windows_buffered(self) -> int:
-        """Update windows already in the buffer: when > 0 (a run that stopped at max_steps
-        mid-round), TRL trains on them before it generates again (pass records=None)."""
-        return len(window_sizes(len(self.buffer), self.plan.gradient_accumulation_steps,
-                                self.epoch_end))
+    def ref_sync(self) -> tuple[int, float] | None:
+        a = self.args
+        return (a.ref_model_sync_steps, a.ref_model_mixup_alpha) if a.sync_ref_model else None
 
-    def __call__(self, state: TrainState, records: Sequence[dict] | None, key,
-                 max_updates: int | None = None, ends_epoch: bool = False,
-                 more_records: Callable[[], Sequence[dict] | None] | None = None
-                 ) -> RoundResult:
-        """Generate one batch from `records` (None: no generation; `ends_epoch`: they are the
-        last of their epoch), then update on every window in the buffer, at most `max_updates`
-        times (None: no limit). With filter_groups, `more_records()` gives the next prompts
-        while the batch fills, or None to stop: the round then returns at once, with nothing
-        generated or trained."""
-        plan, policy = self.plan, self.policy
+    def windows_buffered(self, at: RunState) -> int:
+        """Update windows already in `at`'s buffer: when > 0 (a run that stopped at max_steps
+        mid-round), TRL trains on them before it generates again (pass draw=None)."""
+        return len(window_sizes(len(at.buffer), self.plan.gradient_accumulation_steps,
+                                at.epoch_end))
+
+    def __call__(self, at: RunState, draw: Draw | None, key, *, max_updates: int | None = None,
+                 stop: Stop | None = None) -> tuple[RunState, RoundResult]:
+        """Generate one batch from `draw` (None: no generation), then update on every window in
+        the buffer, at most `max_updates` times (None: no limit). A stop while dynamic sampling
+        fills the batch returns at once, with nothing generated or trained."""
+        plan, policy, stop = self.plan, self.policy, stop or NeverStop()
+        if self.ref_sync is not None and at.reference is None:
+            raise ValueError("sync_ref_model needs a reference model: with beta 0 there is "
+                             "none to synchronize")
         metrics: dict = {}
-        buffer, scores, rewards, advantages, num_tokens = self.buffer, None, None, None, 0
-        epoch_end = self.epoch_end
-        if records is not None:
-            weights = self.rollout_weights(state.params)
-            with self.stop.interruptible():  # changes nothing yet: a stop drops the generation
-                gen = (self.generate_and_score(weights, records, key)
-                       if self.filter_groups is None
-                       else self.generate_filled(weights, records, key, more_records))
+        buffer, scores, rewards, advantages, num_tokens = list(at.buffer), None, None, None, 0
+        epoch_end, position, rounds = at.epoch_end, at.position, at.round
+        if draw is not None:
+            weights = self.rollout_weights(at.state.params)
+            with stop.interruptible():  # changes nothing yet: a stop drops the generation
+                if not self.args.dynamic_sampling:
+                    gen, after = self.generate_and_score(weights, draw.records, key,
+                                                         reference=at.reference), draw.after
+                else:
+                    gen, after = self.generate_filled(weights, draw, key, at.reference)
             if gen is None:
-                return RoundResult(state, {}, None, None, None)
+                return at, RoundResult({}, None, None, None)
             batch, scores, rewards, advantages = gen.batch, gen.scores, gen.rewards, gen.advantages
             metrics.update(gen.metrics)
             t1 = time.perf_counter()
             metrics.update(self.engine_mismatch(batch))
             if plan.needs_old_logps:
-                batch = batch.replace(old_logp=policy.logps(state.params, batch,
+                batch = batch.replace(old_logp=policy.logps(at.state.params, batch,
                                                             plan.micro_batch_size))
                 if batch.sampler_logp is not None:  # over the generation batch, as TRL
                     metrics.update(self.sampling_metrics(batch))
             metrics[timing("logprobs")] += time.perf_counter() - t1
             buffer = buffer + self.split(batch, key) * plan.num_iterations
-            if ends_epoch:
+            if draw.ends_epoch:
                 epoch_end = len(buffer)
             num_tokens = int(batch.prompt_mask.sum() + batch.model_mask().sum())
+            position, rounds = after, rounds + 1
         t3 = time.perf_counter()
 
         gas = plan.gradient_accumulation_steps
@@ -189,11 +196,11 @@ class GRPORound:
         n, bounds = len(sizes), np.cumsum([0, *sizes]).tolist()
         # Windows are assembled before the first dispatch: the loop below only enqueues work.
         windows = [concat_rows(buffer[a:b]) for a, b in zip(bounds, bounds[1:])]
-        step_metrics, ref = [], self.ref_params
+        step_metrics, ref, state = [], at.reference, at.state
         # The step count on the host (read once; each update adds 1, a skipped one too).
         step = int(state.step) if self.ref_sync is not None and n else 0
         for window, size in zip(windows, sizes):
-            if self.stop.should_stop():  # the windows left stay buffered (and checkpointed)
+            if stop.should_stop():  # the windows left stay buffered (and checkpointed)
                 break
             state, m = (policy.step(state, window) if size == gas
                         else policy.step(state, window, micro_batches=size))
@@ -206,12 +213,12 @@ class GRPORound:
         # PER_GENERATION metrics come from the step (else from sampling_metrics, above).
         block = None if plan.needs_old_logps else plan.steps_per_generation * plan.num_iterations
         logged = tuple(update_logged(m, block) for m in jax.device_get(step_metrics))
-        # Only now: a round that fails leaves the buffer as it was (the reference's old buffers
-        # are donated to a mix, as the state's to a step: no final checkpoint after a failure).
-        self.buffer, self.ref_params = buffer[done:], ref
-        self.epoch_end = max(epoch_end - done, 0)
+        after_round = at.replace(state=state, position=position, round=rounds,
+                                 tokens_seen=at.tokens_seen + num_tokens,
+                                 buffer=tuple(buffer[done:]), epoch_end=max(epoch_end - done, 0),
+                                 reference=ref)
         t4 = time.perf_counter()
-        stopping = self.stop.should_stop()  # the server's weights won't be used again
+        stopping = stop.should_stop()  # the server's weights won't be used again
         sync_time = self.sync_weights(state.params) if n and not stopping else None
 
         metrics.setdefault(timing("generate"), 0.0)
@@ -224,7 +231,8 @@ class GRPORound:
         if sync_time is not None:
             metrics[timing("weight_sync")] = sync_time
             metrics.update(self.rollout.sync_metrics)  # bytes/s, ...
-        return RoundResult(state, metrics, scores, rewards, advantages, n, num_tokens, logged)
+        return after_round, RoundResult(metrics, scores, rewards, advantages, n, num_tokens,
+                                        logged)
 
     def sampling_metrics(self, batch: Batch) -> dict:
         """TRL's sampling/* metrics of a generation batch with old log-probs: |old - sampler|
@@ -275,44 +283,47 @@ class GRPORound:
         name = "sampling/engine_logp_difference/"
         return {name + "mean": float(diff[valid].mean()), name + "max": float(diff[valid].max())}
 
-    def generate_and_score(self, weights, records: Sequence[dict], key,
+    def generate_and_score(self, weights, records: Sequence[dict], key, *, reference=None,
                            num_generations: int | None = None,
                            score: Callable | None = None) -> Generated:
         """Generate `num_generations` (default: the plan's) completions per record with
         `weights` (rollout_weights of the params), score them (`score`, default: the round's),
-        and make their training batch: advantages, TRL's num_items and, with a reference
-        model, the reference log-probs. The metrics are TRL's per generation batch, with
-        timing/generate and timing/logprobs."""
+        and make their training batch: advantages, TRL's num_items and, with a `reference`
+        (RunState.reference), the reference log-probs. The metrics are TRL's per generation
+        batch, with timing/generate and timing/logprobs."""
         g = num_generations or self.plan.num_generations
         r, scores, took, wall = self._generate_scored(weights, records, key, g, score)
-        return self._training_batch(r, scores, g, took, wall)
+        return self._training_batch(r, scores, g, took, wall, reference)
 
-    def generate_filled(self, weights, records: Sequence[dict], key,
-                        more_records: Callable[[], Sequence[dict] | None]) -> Generated | None:
-        """generate_and_score with DAPO's dynamic sampling: generations from `records`, then
-        from `more_records()`, keep their groups with reward std > 0 until the batch holds
+    def generate_filled(self, weights, draw: Draw, key, reference
+                        ) -> tuple[Generated | None, DataPosition]:
+        """generate_and_score with DAPO's dynamic sampling: generations from `draw.records`,
+        then from `draw.more()`, keep their groups with reward std > 0 until the batch holds
         prompts_per_generation of them; its advantages, num_items and reference log-probs are
         the filled batch's (with scale_rewards group or none a group's advantages are its own,
-        which filtering leaves as they were; batch scales by the filled batch's std). None
-        when more_records() returns None (a stop) before the batch is full; NoSignalError
-        after max_num_gen_batches generations that did not fill it."""
-        g = self.plan.num_generations
+        which filtering leaves as they were; batch scales by the filled batch's std); with the
+        data position after the last prompts read. None when draw.more() returns None (a stop,
+        or the run's data used up) before the batch is full; NoSignalError after
+        max_num_gen_batches generations that did not fill it."""
+        g, limit = self.plan.num_generations, self.args.max_num_gen_batches
         filled, took = ds.Filled(self.plan.prompts_per_generation, g), 0.0
+        records, after = draw.records, draw.after
         while True:
             r, scores, t, wall = self._generate_scored(
                 weights, records, ds.key_for(key, filled.generations), g)
-            filled.add(r, scores, self.reward_weights)
+            filled.add(r, scores, self.args.reward_weights)
             took += t
             if filled.full:
                 break
-            if 0 < self.filter_groups <= filled.generations:
+            if 0 < limit <= filled.generations:
                 raise filled.no_signal()
-            records = more_records()
-            if records is None:
-                return None
-        gen = self._training_batch(*filled.batch(), g, took, wall)
+            more = draw.more()
+            if more is None:
+                return None, after
+            records, after = more
+        gen = self._training_batch(*filled.batch(), g, took, wall, reference)
         gen.metrics.update(filled.metrics())
-        return gen
+        return gen, after
 
     def _generate_scored(self, weights, records: Sequence[dict], key, g: int,
                          score: Callable | None = None):
@@ -326,10 +337,12 @@ class GRPORound:
         t1, wall1 = time.perf_counter(), time.time()
         return r, (score or self.score)(records, r), t1 - t0, wall1
 
-    def _training_batch(self, r, scores: Scores, g: int, took: float, wall1: float) -> Generated:
+    def _training_batch(self, r, scores: Scores, g: int, took: float, wall1: float,
+                        reference) -> Generated:
         """generate_and_score's batch, advantages and metrics from a scored rollout."""
+        a = self.args
         rewards, advantages, stats = adv_lib.compute_advantages(
-            scores.per_func, g, self.scale_rewards, self.reward_weights, self.aggregation)
+            scores.per_func, g, a.scale_rewards, a.reward_weights, a.multi_objective_aggregation)
         # num_items: TRL's loss normaliser for dapo-style losses is the generation batch's
         # tokens, shared out over its rows, whatever step a row lands in.
         batch = Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
@@ -338,8 +351,8 @@ class GRPORound:
         batch = batch.replace(num_items=loss_lib.num_items_per_row(
             batch.model_mask(), r.truncated, self.policy.cfg.loss))
         t2 = time.perf_counter()
-        if self.ref_params is not None:
-            batch = batch.replace(ref_logp=self.policy.logps(self.ref_params, batch,
+        if reference is not None:
+            batch = batch.replace(ref_logp=self.policy.logps(reference, batch,
                                                              self.plan.micro_batch_size))
         metrics = dict(stats)
         for name, col in zip(self.reward_names, scores.per_func.T):

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from grpo_jax import cli
@@ -36,16 +35,16 @@ from grpo_jax.checkpoint import (BufferFiles, Checkpointer, RefCheckpoints, Stop
                                  quiet_closed_loop_reports, resume_changes, settings_diff)
 from grpo_jax.errors import (CheckpointWriteError, GrpoJaxError, NoSignalError, TrainError,
                              UpdatesSkippedError)
-from grpo_jax.logger import MetricsLogger
-from grpo_jax.metrics import Logged, MetricWindow, host_seconds, timing
 from grpo_jax.models import ModelConfig
 from grpo_jax.rollout import tools as tools_lib
 from grpo_jax.rollout.engines import make_rollout
 from grpo_jax.rollout.native.sampler import reference_copy
 from grpo_jax.run_dir import RunDirLock
+from grpo_jax.run_log import RunLog
+from grpo_jax.run_state import ADAPTERS_OFF, RunState
 from grpo_jax.scoring import RewardScorer
-from grpo_jax.policy import ADAPTERS_OFF, Policy, step_config
-from grpo_jax.round import GRPORound
+from grpo_jax.policy import Policy, step_config
+from grpo_jax.round import Draw, GRPORound
 
 
 EVAL_KEY_TAG = 0x4556414C  # "EVAL": evaluation's sampling keys, apart from the rounds'
@@ -92,20 +91,6 @@ def choose_mesh(cfg: config_lib.TrainConfig, devices) -> config_lib.TrainConfig:
 
 
 @dataclasses.dataclass
-class RunState:
-    """Where a run stands: what a checkpoint holds and a resume restores, as one unit (the
-    generation buffer and the reference it holds too live in the round, `Run.round`)."""
-    state: Any  # grpo.train_step.TrainState
-    position: data_lib.DataPosition = data_lib.DataPosition()
-    round: int = 0  # generation rounds completed
-    tokens_seen: int = 0  # prompt + completion tokens generated (TRL's num_tokens)
-
-    @property
-    def step(self) -> int:
-        return int(self.state.step)
-
-
-@dataclasses.dataclass
 class RunCheckpoints:
     """A run's checkpoints: the state with its meta (Orbax), the generation buffer beside each
     and, with sync_ref_model, the reference. `schedule`: what a data position means (the
@@ -126,12 +111,12 @@ class RunCheckpoints:
                 else None)
         return cls(ckpt, BufferFiles(out / "generation_buffer"), refs, dict(schedule or {}))
 
-    def resume(self, cfg: config_lib.TrainConfig, out: Path, at: RunState,
-               run_round: GRPORound) -> RunState:
-        """`at` as the checkpoint cfg.run.resume names left it (and the round's buffer and
-        reference); `at` itself when there is none to resume, which without --resume must be
-        so. A checkpoint of another run (resume_from_checkpoint into its directory) is read
-        from there, and this run goes on in `out`, as transformers does."""
+    def resume(self, cfg: config_lib.TrainConfig, out: Path, at: RunState) -> RunState:
+        """`at` as the checkpoint cfg.run.resume names left it, whole (the train state, data
+        position, generation buffer, reference, ...); `at` itself when there is none to resume,
+        which without --resume must be so. A checkpoint of another run (resume_from_checkpoint
+        into its directory) is read from there, and this run goes on in `out`, as transformers
+        does."""
         ckpt = self.ckpt
         latest = ckpt.latest_step()
         if latest is not None and not cfg.run.resume:
@@ -155,15 +140,15 @@ class RunCheckpoints:
                     print(f"resuming from step {latest}: removed the later checkpoint {later}",
                           file=sys.stderr)
         try:
-            return self._restore(cfg, out, at, run_round, source, source_out, latest)
+            return self._restore(cfg, out, at, source, source_out, latest)
         finally:
             if source is not self:
                 source.ckpt.close()
                 if source.refs is not None:
                     source.refs.close()
 
-    def _restore(self, cfg, out: Path, at: RunState, run_round: GRPORound,
-                 source: "RunCheckpoints", source_out: Path, latest: int | None) -> RunState:
+    def _restore(self, cfg, out: Path, at: RunState, source: "RunCheckpoints",
+                 source_out: Path, latest: int | None) -> RunState:
         restored = None
         ckpt = source.ckpt
         saved_settings = _saved_settings(source_out)
@@ -192,11 +177,9 @@ class RunCheckpoints:
                 f"settings ({'; '.join(refused)}): its data position and buffered completions "
                 "belong to those. Resume with the settings it was written with, or train afresh "
                 "into another output_dir")
-        run_round.buffer = source.buffers.load(latest, meta.get("buffered_micro_batches", 0))
-        run_round.epoch_end = meta.get("buffered_epoch_end", 0)
+        reference = at.reference
         if self.refs is not None:
-            run_round.ref_params = source.refs.restore(latest, run_round.ref_params,
-                                                       meta.get("reference", False))
+            reference = source.refs.restore(latest, reference, meta.get("reference", False))
         elif meta.get("reference") and dist.is_main():
             print(f"checkpoint {latest} was saved with sync_ref_model; without it the "
                   "reference is the initial model again", file=sys.stderr)
@@ -207,21 +190,28 @@ class RunCheckpoints:
                         if source is self else "")
                 print(f"resumed with settings changed since checkpoint {latest} (" +
                       "; ".join(changed) + f"): they apply from here on{kept}", file=sys.stderr)
-        return RunState(state, data_lib.DataPosition(*meta["data_position"]), meta["round"],
-                        int(meta.get("num_tokens", 0)))
+        return RunState(
+            state, data_lib.DataPosition(*meta["data_position"]), meta["round"],
+            int(meta.get("num_tokens", 0)),
+            buffer=tuple(source.buffers.load(latest, meta.get("buffered_micro_batches", 0))),
+            epoch_end=meta.get("buffered_epoch_end", 0), reference=reference,
+            in_flight=tuple((r, data_lib.DataPosition(e, i))
+                            for r, e, i in meta.get("in_flight", ())))
 
-    def save(self, at: RunState, run_round: GRPORound, metrics: dict) -> None:
-        """A checkpoint of `at` and what else resumes the run exactly: the generated
-        micro-batches not yet trained on and, with sync_ref_model, the reference params."""
-        step, buffer = at.step, run_round.buffer
+    def save(self, at: RunState, metrics: dict) -> None:
+        """A checkpoint of the run state `at`, whole: the train state with its meta (data
+        position, rounds, tokens, in-flight draws) in Orbax, the generated micro-batches not
+        yet trained on beside it and, with sync_ref_model, the reference params."""
+        step, buffer = at.step, at.buffer
         if step in self.ckpt.all_steps():
             return
         self.buffers.save(step, buffer)  # first: a committed checkpoint always finds its buffer
         if self.refs is not None:
-            self.refs.save(step, run_round.ref_params)  # also first, committed before the state
+            self.refs.save(step, at.reference)  # also first, committed before the state
         meta = {"data_position": list(at.position), "round": at.round,
                 "num_tokens": at.tokens_seen, "buffered_micro_batches": len(buffer),
-                "buffered_epoch_end": run_round.epoch_end, "reference": self.refs is not None,
+                "buffered_epoch_end": at.epoch_end, "reference": self.refs is not None,
+                "in_flight": [[r, *p] for r, p in at.in_flight],
                 "schedule": self.schedule,
                 "metrics": {k: None if v is None else float(v) for k, v in metrics.items()}}
         self.ckpt.save(step, at.state, meta)
@@ -246,6 +236,13 @@ class Run:
     checkpoints: RunCheckpoints
     at: RunState
     lock: RunDirLock  # output_dir held by this run (and still the directory it opened)
+
+    @property
+    def data_epochs(self) -> int | None:
+        """dynamic_sampling reads prompts until a batch fills, but never past the run's epochs
+        (Draws); None without it."""
+        return (self.plan.num_train_epochs(len(self.dataset), self.total_steps)
+                if self.cfg.grpo.dynamic_sampling else None)
 
     def trainer_state(self, step: int) -> rewards_lib.TrainerState:
         """transformers' state after `step` optimizer steps (the epoch is optimizer progress),
@@ -310,16 +307,11 @@ def _build_run(cfg: config_lib.TrainConfig, out: Path, lock: RunDirLock, devices
     del model
     rollout = make_rollout(cfg, policy.model_config, tokenizer, mesh, model_dir, tools)
     scorer = RewardScorer(funcs, tokenizer, mesh, cfg.grpo.num_generations)
-    g = cfg.grpo
-    run_round = GRPORound(
-        policy, rollout, plan, scorer, scorer.names, g.scale_rewards, g.reward_weights,
-        # beta = 0: no reference model is kept at all.
-        ref_params=(None if not cfg.loss.beta else ADAPTERS_OFF if cfg.peft.use_peft
-                    else reference_copy(state.params, policy.model_config.dtype)),
-        aggregation=g.multi_objective_aggregation,
-        ref_sync=(g.ref_model_sync_steps, g.ref_model_mixup_alpha) if g.sync_ref_model else None,
-        filter_groups=g.max_num_gen_batches if g.dynamic_sampling else None)
-    g_eval = cfg.eval.num_generations_eval or g.num_generations
+    run_round = GRPORound(policy, rollout, plan, scorer, scorer.names, cfg.grpo)
+    # beta = 0: no reference model is kept at all.
+    reference = (None if not cfg.loss.beta else ADAPTERS_OFF if cfg.peft.use_peft
+                 else reference_copy(state.params, policy.model_config.dtype))
+    g_eval = cfg.eval.num_generations_eval or cfg.grpo.num_generations
     eval_scorer = dataclasses.replace(scorer, num_generations=g_eval)
     evaluator = (evaluation.Evaluator(run_round, eval_dataset, eval_scorer, g_eval, eval_prompts,
                                       mesh_lib.batch_divisor(mesh)) if eval_prompts else None)
@@ -330,7 +322,7 @@ def _build_run(cfg: config_lib.TrainConfig, out: Path, lock: RunDirLock, devices
     positions = {"num_prompts": len(dataset), **{
         k: v for k, v in dataclasses.asdict(plan).items() if k != "data_parallel_size"}}
     checkpoints = RunCheckpoints.open(out, cfg, positions)
-    at = checkpoints.resume(cfg, out, RunState(state), run_round)
+    at = checkpoints.resume(cfg, out, RunState(state, reference=reference))
     if dist.is_main():  # without this process's id: the file serves every process of a resume
         _write_settings(out, dataclasses.replace(
             cfg, distributed=dataclasses.replace(cfg.distributed, process_id=None)), at.step)
@@ -350,151 +342,128 @@ def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
 def run_rounds(run: Run) -> dict:
     """The rounds until max_steps, a stop signal or an error, each of which ends with a
     checkpoint. Returns the last metrics."""
-    cfg, plan, dataset, run_round = run.cfg, run.plan, run.dataset, run.round
+    cfg, plan = run.cfg, run.plan
     ckpt, total_steps = run.checkpoints.ckpt, run.total_steps
-    logger = MetricsLogger(run.out, cfg.run, total_steps=total_steps, start_step=run.at.step,
-                           enabled=dist.is_main())
-    run_round.sync_weights(run.at.state.params)
+    log = RunLog.open(run.out, cfg.run, plan, total_steps, len(run.dataset), run.at.step)
+    run.round.sync_weights(run.at.state.params)
     base_key = jax.random.key(cfg.data.seed)
     eval_key = jax.random.fold_in(base_key, EVAL_KEY_TAG)
-
-    def evaluate():
-        step = run.at.step
-        run.eval_scorer.trainer_state = run.trainer_state(step)
-        with run_round.stop.interruptible():  # changes nothing a checkpoint holds
-            metrics = run.evaluator(run.at.state, jax.random.fold_in(eval_key, step),
-                                    run.at.tokens_seen)
-        metrics["epoch"] = plan.epoch(step, len(dataset))
-        logger.log_eval(step, metrics)
-
-    if run.evaluator is not None and cfg.eval.eval_on_start:
-        evaluate()
-    last: dict = {}
-    # TRL's metric buffer between two logs: every logging_steps optimizer steps (a fraction < 1:
-    # of the run's steps) it is averaged into one record of metrics.jsonl, TensorBoard, W&B and
-    # the console; a run's last steps are logged at its end.
-    window = MetricWindow()
-    logs, saves = interval_schedules(cfg.run, plan, total_steps, len(dataset))
+    saves = log.saves
     if cfg.run.save_strategy == "no" and dist.is_main():
         print("grpo_jax: save_strategy 'no': no periodic checkpoints; the run's end and a stop "
               "are still checkpointed (export and --resume read the state from there)",
               file=sys.stderr)
-    pending_time = 0.0  # of rounds without an update: TRL counts it in the next step's time
     failure = None
-    cursor = [run.at.position]  # dynamic_sampling: where the next prompts start while filling
-    # dynamic_sampling reads prompts until a batch fills, but never past the run's epochs
-    # (transformers' num_train_epochs; with max_steps, the epochs its steps touch): there the
-    # run ends, as verl's ends with its dataloader, endless mode (max_num_gen_batches 0) too.
-    data_epochs = (plan.num_train_epochs(len(dataset), total_steps) if cfg.grpo.dynamic_sampling
-                   else None)
-    used_up = [False]
-
-    def past_data(position: data_lib.DataPosition) -> bool:
-        used_up[0] = used_up[0] or (data_epochs is not None and position.epoch >= data_epochs)
-        return used_up[0]
-    skips = SkippedUpdates(cfg.run.max_consecutive_skipped_updates)
     # One process alone can't abort a round its peers are inside: with several, every process
     # stops after the same round.
     with StopSignal(interrupt=not dist.multi_process()) as stop:
-        run_round.stop = stop
+        draws = Draws(run.dataset, plan, run.data_epochs, stop)
 
-        def more_records():
-            if dist.any_process(stop.should_stop()):
-                return None  # the batch is dropped; a resume regenerates it from the position
-            more, after = dataset.batch_prompts(cursor[0], plan.prompts_per_generation)
-            if past_data(after):
-                return None  # the batch being filled is dropped: the run ends with its data
-            cursor[0] = after
-            return more
+        def evaluate():
+            step = run.at.step
+            run.eval_scorer.trainer_state = run.trainer_state(step)
+            with stop.interruptible():  # changes nothing a checkpoint holds
+                metrics = run.evaluator(run.at, jax.random.fold_in(eval_key, step))
+            log.evaluation(step, metrics)
 
         try:
+            if run.evaluator is not None and cfg.eval.eval_on_start:
+                evaluate()
             # Every process stops at the same round, also when only one got the signal.
-            while (run.at.step < total_steps and not used_up[0]
+            while (run.at.step < total_steps and not draws.used_up
                    and not dist.any_process(stop.should_stop())):
                 t0 = time.perf_counter()
-                at = run.at
-                records, ends_epoch = None, False  # windows still buffered: train on them
-                if not run_round.windows_buffered:  # first, as TRL
-                    records, next_position = dataset.batch_prompts(at.position,
-                                                                   plan.prompts_per_generation)
-                    if past_data(next_position):
+                at, draw = run.at, None
+                if not run.round.windows_buffered(at):  # windows buffered: train first, as TRL
+                    draw = draws.draw(at.position)
+                    if draw is None:  # dynamic sampling read the run's last prompts
                         break
-                    ends_epoch = dataset.ends_epoch(next_position, plan.prompts_per_generation)
                     if run.rollout.generates_ahead:  # async rounds: the next round's, beside
-                        ahead, _ = dataset.batch_prompts(next_position,
-                                                         plan.prompts_per_generation)
+                        ahead, _ = run.dataset.batch_prompts(draw.after,
+                                                             plan.prompts_per_generation)
                         run.rollout.prefetch(ahead, plan.num_generations,
                                              jax.random.fold_in(base_key, at.round + 1))
-                    cursor[0] = next_position
+                        at = at.replace(in_flight=((at.round + 1, draw.after),))
                 first = at.step
                 run.scorer.trainer_state = run.trainer_state(first)
                 # Stops at max_steps exactly, and at the next evaluation or checkpoint, also
                 # mid-round (the rest stays buffered, and goes into the checkpoint).
                 stop_at = min(total_steps, run.schedule.next_due(first) or total_steps,
                               saves.next_due(first) or total_steps)
-                result = run_round(at.state, records, jax.random.fold_in(base_key, at.round),
-                                   max_updates=stop_at - first, ends_epoch=ends_epoch,
-                                   more_records=more_records)
-                at.state, metrics = result.state, dict(result.metrics)
-                if records is not None and result.scores is None:
+                run.at, result = run.round(at, draw, jax.random.fold_in(base_key, at.round),
+                                           max_updates=stop_at - first, stop=stop)
+                if draw is not None and result.scores is None:
                     continue  # stopped while dynamic sampling filled the batch
-                if records is not None:  # the round is complete
-                    at.position, at.round = cursor[0], at.round + 1
-                at.tokens_seen += result.num_tokens
-                if cfg.run.log_completions and result.scores is not None:
-                    logger.log_completions(at.step, result.scores.prompts,
-                                           result.scores.texts, result.rewards, result.advantages,
-                                           extra=result.scores.extra)
-                wall = time.perf_counter() - t0
-                if records is not None:  # the generation's metrics, once (TRL's buffer)
-                    metrics[timing("host")] = host_seconds(metrics, wall)
-                update_time = metrics.pop(timing("update"), 0.0)
-                if records is not None:
-                    window.add(Logged(metrics, put={"num_tokens": at.tokens_seen}))
-                # TRL's step_time: the step's micro-steps, the generation in its first one.
-                pending_time += wall - update_time
-                for i, logged in enumerate(result.step_metrics):
-                    share = update_time / result.updates
-                    window.step(logged._replace(append={
-                        **logged.append, "step_time": share + pending_time,
-                        timing("update"): share}))
-                    pending_time, step = 0.0, first + i + 1
-                    skips.note(step, logged)
-                    window.add(Logged(put={"epoch": plan.epoch(step, len(dataset))}))
-                    if logs.due(step) or (step == 1 and cfg.run.logging_first_step):
-                        last = logger.log(step, window.flush())
-                logger.advance(at.step)
+                log.round(run.at, result, first, generated=draw is not None, started=t0)
                 ckpt.poll()  # a background checkpoint write that failed stops the run now
-                if skips.exceeded:  # every process saw the same updates skipped
+                if log.skips.exceeded:  # every process saw the same updates skipped
                     ckpt.wait()  # the checkpoint named is committed
-                    raise dist.raised_on_all(skips.error(at.state.params, ckpt.directory))
+                    raise dist.raised_on_all(log.skips.error(run.at.state.params,
+                                                             ckpt.directory))
                 dist.together(run.lock.check)  # output_dir vanished (unmounted): stop, save not
                 if not result.updates:
                     continue
-                if run.evaluator is not None and run.schedule.due(at.step):
+                if run.evaluator is not None and run.schedule.due(run.at.step):
                     evaluate()
-                if saves.due(at.step):
-                    run.checkpoints.save(at, run_round, last)
-            if window.steps:  # the steps since the last log (TRL: in its final summary)
-                last = logger.log(run.at.step, window.flush())
-            if used_up[0] and run.at.step < total_steps:
-                _data_used_up(run, data_epochs)
+                if saves.due(run.at.step):
+                    run.checkpoints.save(run.at, log.last)
+            log.flush(run.at.step)  # the steps since the last log (TRL: in its final summary)
+            if draws.used_up and run.at.step < total_steps:
+                _data_used_up(run)
             elif run.at.step < total_steps:  # stopped: by this process's signal or a peer's
                 raise dist.raised_on_all(StopRun(stop.received or signal.SIGTERM))
         except BaseException as e:
             failure = e
             raise
         finally:
-            _finish(run, failure, last, logger)
-    return last
+            _finish(run, failure, log)
+    return log.last
 
 
-def _data_used_up(run: Run, epochs: int) -> None:
+class Draws:
+    """The rounds' prompts, read from `dataset` a generation batch at a time. With dynamic
+    sampling a batch fills from as many prompts as it takes, but never past the run's
+    `epochs` (transformers' num_train_epochs; with max_steps, the epochs its steps touch):
+    there the run ends, as verl's ends with its dataloader, endless mode
+    (max_num_gen_batches 0) too. `epochs` None: no such bound (without dynamic sampling the
+    steps end the run)."""
+
+    def __init__(self, dataset, plan: config_lib.BatchPlan, epochs: int | None, stop):
+        self.dataset, self.plan, self.epochs, self.stop = dataset, plan, epochs, stop
+        self.used_up = False
+
+    def _past(self, position: data_lib.DataPosition) -> bool:
+        self.used_up = self.used_up or (self.epochs is not None and position.epoch >= self.epochs)
+        return self.used_up
+
+    def draw(self, position: data_lib.DataPosition) -> Draw | None:
+        """The generation batch at `position` (None: past the run's data)."""
+        n = self.plan.prompts_per_generation
+        records, after = self.dataset.batch_prompts(position, n)
+        if self._past(after):
+            return None
+        if self.epochs is None:
+            return Draw(records, after, self.dataset.ends_epoch(after, n))
+        cursor = after
+
+        def more():
+            nonlocal cursor
+            if dist.any_process(self.stop.should_stop()):
+                return None  # the batch is dropped; a resume regenerates it from the position
+            more_records, nxt = self.dataset.batch_prompts(cursor, n)
+            if self._past(nxt):
+                return None  # the batch being filled is dropped: the run ends with its data
+            cursor = nxt
+            return more_records, nxt
+        return Draw(records, after, self.dataset.ends_epoch(after, n), more)
+
+
+def _data_used_up(run: Run) -> None:
     """dynamic_sampling read the run's last prompts before max_steps: as verl, the run ends
     there (exit 0, its end checkpointed), said once; with no update at all the reward gave no
     signal in the whole data: NoSignalError."""
     step, total, cfg = run.at.step, run.total_steps, run.cfg
-    why = (f"dynamic_sampling used up the run's {epochs} epoch(s) of prompts "
+    why = (f"dynamic_sampling used up the run's {run.data_epochs} epoch(s) of prompts "
            f"({len(run.dataset)} prompts each; num_train_epochs"
            f"{', or the epochs max_steps takes unfiltered' if cfg.batch.max_steps > 0 else ''})")
     if not step:
@@ -508,71 +477,7 @@ def _data_used_up(run: Run, epochs: int) -> None:
               "raise num_train_epochs to train on more", file=sys.stderr)
 
 
-def interval_schedules(run_args: config_lib.RunArgs, plan: config_lib.BatchPlan,
-                       total_steps: int, num_prompts: int):
-    """(logging, saving) schedules: transformers' logging_strategy / save_strategy with
-    logging_steps / save_steps, epochs counted as evaluation's are (EvalSchedule)."""
-    log_every, save_every = run_args.steps_of(total_steps)
-    gas, micro = plan.gradient_accumulation_steps, plan.micro_steps_per_epoch(num_prompts)
-    return (evaluation.EvalSchedule(run_args.logging_strategy, log_every, 0.0, total_steps, gas,
-                                    micro),
-            evaluation.EvalSchedule(run_args.save_strategy, save_every, 0.0, total_steps, gas,
-                                    micro))
-
-
-class SkippedUpdates:
-    """Optimizer updates skipped in a row (optax.apply_if_finite: a non-finite loss or gradient
-    leaves the state as it was), each said on one line: a run whose every update is skipped
-    (non-finite weights or optimizer state, a learning rate of inf) would otherwise go on
-    forever changing nothing. `bound`: max_consecutive_skipped_updates (0: no bound)."""
-
-    def __init__(self, bound: int):
-        self.bound, self.in_a_row, self.first = bound, 0, 0
-
-    def note(self, step: int, logged) -> None:
-        if not logged.count.get("skipped_updates"):
-            self.in_a_row = 0
-            return
-        self.in_a_row += 1
-        self.first = step if self.in_a_row == 1 else self.first
-        if dist.is_main():  # above the progress bar, on a line of its own
-            tqdm.write(f"grpo_jax.train: warning: step {step}'s update was skipped: its loss or "
-                       f"gradients are not finite (NaN or inf), the weights stay as they were "
-                       f"({self.in_a_row} in a row; max_consecutive_skipped_updates="
-                       f"{self.bound or 'unbounded'})", file=sys.stderr)
-
-    @property
-    def exceeded(self) -> bool:
-        return bool(self.bound) and self.in_a_row >= self.bound
-
-    def error(self, params, directory) -> UpdatesSkippedError:
-        """The run's end. Skips leave the weights as they were: finite weights are those of
-        every checkpoint since the skips began; non-finite ones were made by the last update
-        applied (step first - 1), so only the checkpoints before it are good."""
-        what = (f"{self.in_a_row} updates in a row (steps {self.first}-"
-                f"{self.first + self.in_a_row - 1}) were skipped because their loss or "
-                f"gradients were not finite, so the run makes no progress "
-                f"(max_consecutive_skipped_updates={self.bound})")
-        if bool(_all_finite(params)):
-            return UpdatesSkippedError(
-                f"{what}; the weights are finite: check the rewards and the data; "
-                f"{last_good(directory)}")
-        bad = self.first - 1
-        good = [s for s in committed_steps(directory) if s < bad]
-        return UpdatesSkippedError(
-            f"{what}; the weights are not finite since step {bad}'s update (a learning rate "
-            "too high, a damaged optimizer state?); "
-            + (f"last good checkpoint: {Path(directory) / str(good[-1])}: resume from it "
-               f"(resume_from_checkpoint) with a lower learning_rate" if good else
-               "no checkpoint before it: train afresh with a lower learning_rate"))
-
-
-# Whether every leaf of a pytree of arrays is finite, on the arrays' devices.
-_all_finite = jax.jit(lambda tree: jax.numpy.array(
-    [jax.numpy.isfinite(x).all() for x in jax.tree.leaves(tree)]).all())
-
-
-def _finish(run: Run, failure: BaseException | None, last: dict, logger) -> None:
+def _finish(run: Run, failure: BaseException | None, log: RunLog) -> None:
     """A run's end, however it ends: the final checkpoint (whether finished, interrupted or
     failed mid-round: the state saved is the last completed update, never a half-applied one;
     not after a failed checkpoint write, nor by a process that failed alone), the writes waited
@@ -589,7 +494,7 @@ def _finish(run: Run, failure: BaseException | None, last: dict, logger) -> None
             step = run.at.step
             if (moved is None and ckpt.failed is None and step not in ckpt.all_steps()
                     and step > 0 and not isinstance(failure, UpdatesSkippedError)):
-                run.checkpoints.save(run.at, run.round, last)
+                run.checkpoints.save(run.at, log.last)
         except CheckpointWriteError as e:
             final_error = e
         except Exception as e:  # e.g. buffers donated to a step that failed
@@ -601,7 +506,7 @@ def _finish(run: Run, failure: BaseException | None, last: dict, logger) -> None
             final_error = final_error or e
         if refs is not None:
             refs.close()
-    logger.close()
+    log.close()
     if moved is not None:  # what else failed (a checkpoint write in flight) followed from it
         if str(moved) != str(failure):
             raise moved from None

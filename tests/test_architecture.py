@@ -78,8 +78,8 @@ LAYERS = (("errors", "config", "shapes", "metrics", "logger", "calculator", "int
           ("mesh", "distributed", "storage", "checksums", "run_dir"), ("models",),
           ("grpo", "hf", "peft_io"),
           ("math_rewards", "reward_model", "rewards", "scoring"), ("rollout",),
-          ("trainer", "dynamic_sampling", "data", "evaluation"),
-          ("checkpoint", "train", "export", "bench", "aot", "serve", "cli"))
+          ("policy", "round", "run_state", "dynamic_sampling", "data", "evaluation"),
+          ("checkpoint", "run_log", "train", "export", "bench", "aot", "serve", "cli"))
 
 
 def test_rollout_parts_import_by_where_they_run():

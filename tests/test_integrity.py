@@ -148,7 +148,7 @@ def test_skipped_updates_with_finite_weights_name_the_newest_checkpoint(tmp_path
     import jax.numpy as jnp
 
     from grpo_jax.metrics import Logged
-    from grpo_jax.train import SkippedUpdates
+    from grpo_jax.run_log import SkippedUpdates
     for step in (3, 4):
         (tmp_path / str(step)).mkdir()
     skips, skip, ok = SkippedUpdates(2), Logged(count={"skipped_updates": 1}), Logged()

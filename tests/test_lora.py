@@ -365,6 +365,7 @@ def test_sampler_runs_the_adapters_on_a_quantized_base(bits):
     from grpo_jax.rollout.native.rollout import JaxRollout
     from grpo_jax.rollout.native.sampler import Sampler
     from grpo_jax.rollout.native.sampling import SamplingParams
+    from grpo_jax.config import GRPOArgs
     from grpo_jax.round import GRPORound
     peft = PeftArgs(use_peft=True, lora_target_modules=ALL, load_in_8bit=bits == 8,
                     load_in_4bit=bits == 4)
@@ -390,7 +391,7 @@ def test_sampler_runs_the_adapters_on_a_quantized_base(bits):
     with pytest.raises(ValueError, match="adapters, base"):
         Sampler(CFG, sp, pad_id=0, peft=peft).generate(nnx.state(merged, nnx.Param), prompts)
     trainer = _trainer(model, mesh)
-    weights = GRPORound(trainer, rollout, None, None, (), "group", None).rollout_weights(
+    weights = GRPORound(trainer, rollout, None, None, (), GRPOArgs()).rollout_weights(
         trainer.init_state.params)
     assert weights[1] is trainer.frozen[0]
     assert JaxRollout(CFG, sp, pad_id=0, mesh=mesh, peft=PeftArgs(use_peft=True)

@@ -15,6 +15,7 @@ import pytest
 from test_loss_trl import T, jax_step, make_inputs, run_trl, trl_trainer
 from test_round import StubTrainer, plan
 
+from grpo_jax.config import GRPOArgs
 from grpo_jax.grpo import loss as L
 from grpo_jax.grpo.train_step import finish_entropy_control, init_train_state
 from grpo_jax.metrics import Logged, MetricWindow
@@ -107,9 +108,10 @@ def trl_generation(t, ids, env, per_func):
 def our_generation(window, ids, env, per_func, tokens_seen: int) -> int:
     """The generation's metrics into the window as train.py adds them; the tokens seen after
     it (train.py's count: prompt + model tokens)."""
-    rnd = GRPORound(StubTrainer(), Rollout(ids, env), plan(2, 2), None, NAMES, "group", None)
+    rnd = GRPORound(StubTrainer(), Rollout(ids, env), plan(2, 2), None, NAMES, GRPOArgs())
     gen = rnd.generate_and_score(0, [{"prompt_ids": [1, 1]}] * (len(ids) // G),
-                                 jax.random.key(0), G, lambda records, r: Scores(per_func))
+                                 jax.random.key(0), num_generations=G,
+                                 score=lambda records, r: Scores(per_func))
     tokens_seen += int(gen.batch.prompt_mask.sum() + gen.batch.model_mask().sum())
     window.add(Logged(gen.metrics, put={"num_tokens": tokens_seen}))
     return tokens_seen

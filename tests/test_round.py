@@ -12,12 +12,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from grpo_jax.config import BatchPlan
+from grpo_jax.config import BatchPlan, GRPOArgs
+from grpo_jax.data import DataPosition
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.rollout.base import Rollout, RolloutBatch, WeightMode
 from grpo_jax.scoring import Scores
-from grpo_jax.round import GRPORound, completion_metrics, generation_order, update_logged, window_sizes
+from grpo_jax.round import (Draw, GRPORound, completion_metrics, generation_order,
+                            update_logged, window_sizes)
+from grpo_jax.run_state import RunState
 
 G, MICRO, C = 4, 4, 3
 
@@ -87,23 +90,34 @@ def plan(spg, gas, ni=1):
                      num_generations=G, num_iterations=ni)
 
 
-def make_round(p):
-    scorer = lambda records, r: Scores(  # noqa: E731
-        np.arange(r.truncated.size, dtype=np.float32)[:, None] % 3)
-    return GRPORound(StubTrainer(), StubRollout(), p, scorer, ["r"], "group", None)
+def make_round(p, rollout=None, score=None, names=("r",), trainer=None, **grpo):
+    """A round of the stub trainer and rollout; `grpo`: GRPOArgs fields (scale_rewards group)."""
+    scorer = score or (lambda records, r: Scores(
+        np.arange(r.truncated.size, dtype=np.float32)[:, None] % 3))
+    return GRPORound(trainer or StubTrainer(), rollout or StubRollout(), p, scorer, list(names),
+                     GRPOArgs(**grpo))
 
 
-def run_rounds(rnd, n, max_updates=None, epoch_rounds=None):
-    """n rounds; every epoch_rounds-th ends an epoch (None: none does)."""
-    state, results = State(0, 0), []
+def draw(p, ends_epoch=False, more=None, k=0):
+    """Generation k's prompts (their data position: k + 1 batches on)."""
+    return Draw([{"prompt_ids": [1, 2]}] * p.prompts_per_generation, DataPosition(0, k + 1),
+                ends_epoch, more)
+
+
+def start(step=0, **fields):
+    return RunState(State(step, step), **fields)
+
+
+def run_rounds(rnd, n, max_updates=None, epoch_rounds=None, at=None, stop=None):
+    """n rounds from `at` (default: a fresh run); every epoch_rounds-th ends an epoch (None:
+    none does). Returns the run state after them and each round's result."""
+    at, results = at or start(), []
     for k in range(n):
-        records = [{"prompt_ids": [1, 2]}] * (rnd.plan.prompts_per_generation)
-        limit = {} if max_updates is None else {"max_updates": max_updates}
         ends = epoch_rounds is not None and (k + 1) % epoch_rounds == 0
-        result = rnd(state, records, jax.random.key(k), ends_epoch=ends, **limit)
-        state = result.state
+        at, result = rnd(at, draw(rnd.plan, ends, k=k), jax.random.key(k),
+                         max_updates=max_updates, stop=stop)
         results.append(result)
-    return state, results
+    return at, results
 
 
 def row_ids(batch):
@@ -119,10 +133,11 @@ def test_every_completion_is_trained_on_in_windows_of_gas(spg, gas, ni):
     p = plan(spg, gas, ni)
     rnd = make_round(p)
     rounds = int(np.lcm(spg * ni, gas)) // (spg * ni) * 2  # ends with an empty buffer
-    state, results = run_rounds(rnd, rounds)
+    at, results = run_rounds(rnd, rounds)
     fed = rnd.policy.windows
     assert all(w.size == gas * MICRO for w in fed)
-    assert state.step == len(fed) == rounds * spg * ni // gas
+    assert at.round == rounds and at.position == DataPosition(0, rounds)
+    assert at.step == len(fed) == rounds * spg * ni // gas
     # The micro-step sequence: each generation's shuffled micro-batches, ni times, in order.
     want = []
     for k, r in enumerate(rnd.rollout.generated):
@@ -155,13 +170,16 @@ def test_windows_span_generations_with_the_expected_rows():
 
 def test_max_updates_stops_mid_round_and_buffers_the_rest():
     rnd = make_round(plan(4, 1))
-    state, results = run_rounds(rnd, 1, max_updates=1)
-    assert state.step == 1 and results[0].updates == 1 and len(rnd.buffer) == 3
-    assert rnd.windows_buffered == 3
+    at, results = run_rounds(rnd, 1, max_updates=1)
+    assert at.step == 1 and results[0].updates == 1 and len(at.buffer) == 3
+    assert rnd.windows_buffered(at) == 3
     # No generation: what is buffered is trained on first.
-    result = rnd(state, None, jax.random.key(9), max_updates=2)
-    assert result.updates == 2 and result.scores is None and len(rnd.buffer) == 1
+    after, result = rnd(at, None, jax.random.key(9), max_updates=2)
+    assert result.updates == 2 and result.scores is None and len(after.buffer) == 1
     assert len(rnd.rollout.generated) == 1 and result.num_tokens == 0
+    assert (after.round, after.position, after.tokens_seen) == (at.round, at.position,
+                                                                at.tokens_seen)
+    assert len(at.buffer) == 3  # the run state taken is a value: unchanged
 
 
 class StopAfter:
@@ -189,23 +207,22 @@ def test_stop_ends_the_updates_and_keeps_the_rest_buffered():
     rnd = make_round(plan(4, 1))
     synced = []
     rnd.rollout.update_weights = lambda weights, params: synced.append(weights)
-    rnd.stop = StopAfter(rnd.policy, updates=1)
-    state, results = run_rounds(rnd, 1)
-    assert state.step == 1 and results[0].updates == 1 and rnd.windows_buffered == 3
+    at, results = run_rounds(rnd, 1, stop=StopAfter(rnd.policy, updates=1))
+    assert at.step == 1 and results[0].updates == 1 and rnd.windows_buffered(at) == 3
     assert synced == []
-    rnd.stop = StopAfter(rnd.policy)  # resumed: the buffered windows first, as after max_steps
-    result = rnd(state, None, jax.random.key(9))
-    assert result.updates == 3 and not rnd.buffer and len(synced) == 1
+    # resumed: the buffered windows first, as after max_steps
+    at, result = rnd(at, None, jax.random.key(9), stop=StopAfter(rnd.policy))
+    assert result.updates == 3 and not at.buffer and len(synced) == 1
 
 
 def test_stop_during_generation_drops_it_and_changes_nothing():
     from grpo_jax.checkpoint import StopRun
     rnd = make_round(plan(4, 1))
-    state, _ = run_rounds(rnd, 1, max_updates=1)  # 3 windows left in the buffer
-    rnd.stop = StopAfter(rnd.policy, during_generation=True)
+    at, _ = run_rounds(rnd, 1, max_updates=1)  # 3 windows left in the buffer
     with pytest.raises(StopRun):
-        rnd(state, [{"prompt_ids": [1, 2]}] * rnd.plan.prompts_per_generation, jax.random.key(1))
-    assert rnd.windows_buffered == 3 and len(rnd.policy.windows) == 1
+        rnd(at, draw(rnd.plan, k=1), jax.random.key(1),
+            stop=StopAfter(rnd.policy, during_generation=True))
+    assert rnd.windows_buffered(at) == 3 and len(rnd.policy.windows) == 1
 
 
 def test_generation_batch_is_shuffled_before_it_is_split():
@@ -294,20 +311,20 @@ def test_the_round_that_ends_an_epoch_trains_a_partial_window():
     current_gradient_accumulation_steps). spg 3, gas 4, epochs of 2 generations (6 micro-steps):
     windows of 4 and 2; gas 2, epochs of 1 generation: windows of 2 and 1."""
     rnd = make_round(plan(3, 4))
-    state, results = run_rounds(rnd, 4, epoch_rounds=2)
-    assert [r.updates for r in results] == [0, 2, 0, 2] and state.step == 4
-    assert rnd.policy.micro_batches == [None, 2] * 2 and not rnd.buffer
+    at, results = run_rounds(rnd, 4, epoch_rounds=2)
+    assert [r.updates for r in results] == [0, 2, 0, 2] and at.step == 4
+    assert rnd.policy.micro_batches == [None, 2] * 2 and not at.buffer
     rnd = make_round(plan(3, 2))
-    state, results = run_rounds(rnd, 4, epoch_rounds=1)
-    assert [r.updates for r in results] == [2, 2, 2, 2] and state.step == 8
-    assert rnd.policy.micro_batches == [None, 1] * 4 and not rnd.buffer
+    at, results = run_rounds(rnd, 4, epoch_rounds=1)
+    assert [r.updates for r in results] == [2, 2, 2, 2] and at.step == 8
+    assert rnd.policy.micro_batches == [None, 1] * 4 and not at.buffer
     assert [w.size for w in rnd.policy.windows] == [2 * MICRO, MICRO] * 4
     # Stopped before the partial window: it waits in the buffer, then is trained alone.
     rnd = make_round(plan(3, 2))
-    _, (result,) = run_rounds(rnd, 1, max_updates=1, epoch_rounds=1)
-    assert result.updates == 1 and rnd.windows_buffered == 1 and rnd.epoch_end == 1
-    result = rnd(result.state, None, jax.random.key(5))
-    assert result.updates == 1 and rnd.policy.micro_batches[-1] == 1 and rnd.epoch_end == 0
+    at, (result,) = run_rounds(rnd, 1, max_updates=1, epoch_rounds=1)
+    assert result.updates == 1 and rnd.windows_buffered(at) == 1 and at.epoch_end == 1
+    at, result = rnd(at, None, jax.random.key(5))
+    assert result.updates == 1 and rnd.policy.micro_batches[-1] == 1 and at.epoch_end == 0
 
 
 def test_update_logged_is_trls_per_micro_batch_buffer():
@@ -398,29 +415,28 @@ def test_ref_sync_after_every_step_reaching_a_multiple(spg, gas, start):
     policy just updated; the count goes on from a resumed step. A generation's reference
     log-probs use the reference as it is when it is generated."""
     p = plan(spg, gas)
-    rnd = GRPORound(MixTrainer(), StubRollout(), p, make_round(p).score, ["r"], "group", None,
-                    ref_params=100.0, ref_sync=(2, 0.25))
-    state = State(start, start)  # params == step count in the stub
+    rnd = make_round(p, trainer=MixTrainer(), sync_ref_model=True, ref_model_sync_steps=2,
+                     ref_model_mixup_alpha=0.25)
+    at = RunState(State(start, start), reference=100.0)  # params == step count in the stub
     ref, want_mixes, want_seen = 100.0, [], []
     for k in range(4):
-        want_seen += [ref, state.params] if p.needs_old_logps else [ref]  # ref, then old
-        result = rnd(state, [{"prompt_ids": [1, 2]}] * p.prompts_per_generation,
-                     jax.random.key(k))
-        for s in range(int(state.step) + 1, int(result.state.step) + 1):
+        want_seen += [ref, at.state.params] if p.needs_old_logps else [ref]  # ref, then old
+        after, _ = rnd(at, draw(p, k=k), jax.random.key(k))
+        for s in range(at.step + 1, after.step + 1):
             if s % 2 == 0:
                 want_mixes.append((s - start, s, ref))
                 ref = 0.25 * s + 0.75 * ref
-        state = result.state
+        at = after
     assert rnd.policy.mixes == want_mixes and len(want_mixes) >= 2
-    assert rnd.ref_params == ref
+    assert at.reference == ref
     assert rnd.policy.ref_seen == want_seen
 
 
 def test_ref_sync_needs_a_reference():
     p = plan(1, 1)
+    rnd = make_round(p, sync_ref_model=True, ref_model_sync_steps=2, ref_model_mixup_alpha=0.6)
     with pytest.raises(ValueError, match="beta 0"):
-        GRPORound(StubTrainer(), StubRollout(), p, make_round(p).score, ["r"], "group", None,
-                  ref_sync=(2, 0.6))
+        rnd(start(), draw(p), jax.random.key(0))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -469,8 +485,9 @@ def test_round_uses_multi_objective_aggregation(aggregation):
     p = plan(2, 2)
     per_func = np.random.default_rng(0).standard_normal((MICRO * 2, 2)).astype(np.float32)
     per_func[3, 1] = np.nan
-    rnd = GRPORound(StubTrainer(), StubRollout(), p, lambda records, r: Scores(per_func),
-                    ["a", "b"], "batch", [1.0, 2.0], aggregation=aggregation)
+    rnd = make_round(p, score=lambda records, r: Scores(per_func), names=["a", "b"],
+                     scale_rewards="batch", reward_funcs=("a", "b"), reward_weights=(1.0, 2.0),
+                     multi_objective_aggregation=aggregation)
     _, (result,) = run_rounds(rnd, 1)
     _, want, stats = compute_advantages(per_func, G, "batch", [1.0, 2.0], aggregation)
     np.testing.assert_array_equal(result.advantages, want)
@@ -510,10 +527,26 @@ def signal_scorer(no_signal):
 
 def filling_round(no_signal, max_gen_batches=10, spg=4, scale="group"):
     p = plan(spg, 1)
-    rnd = GRPORound(StubTrainer(), LengthsRollout(), p, signal_scorer(no_signal), ["r"], scale,
-                    None, filter_groups=max_gen_batches)
-    more = lambda: [{"prompt_ids": [1, 2]}] * p.prompts_per_generation  # noqa: E731
-    return rnd, more
+    rnd = make_round(p, rollout=LengthsRollout(), score=signal_scorer(no_signal),
+                     scale_rewards=scale, dynamic_sampling=True,
+                     max_num_gen_batches=max_gen_batches)
+    return rnd, Prompts(p)
+
+
+class Prompts:
+    """The data as dynamic sampling reads it: generation batches of prompts, each with the
+    data position after it."""
+
+    def __init__(self, p):
+        self.p, self.read = p, 0
+
+    def more(self):
+        self.read += 1
+        return [{"prompt_ids": [1, 2]}] * self.p.prompts_per_generation, DataPosition(0, self.read)
+
+    def draw(self):
+        records, after = self.more()
+        return Draw(records, after, False, self.more)
 
 
 @pytest.mark.parametrize("scale", ["group", "batch"])
@@ -524,11 +557,11 @@ def test_dynamic_sampling_fills_the_batch_with_groups_with_signal(scale):
     are the filled batch's; the first generation uses the round's key."""
     from grpo_jax.grpo.advantages import compute_advantages
     from grpo_jax.grpo.loss import num_items_per_row
-    rnd, more = filling_round(lambda q: q % 4 == 0, scale=scale)
-    state = State(0, 0)
+    rnd, prompts = filling_round(lambda q: q % 4 == 0, scale=scale)
+    at = start()
     for k, want_groups in enumerate([[1, 2, 3, 5], [9, 10, 11, 13]]):
-        result = rnd(state, more(), jax.random.key(k), more_records=more)
-        state = result.state
+        at, result = rnd(at, prompts.draw(), jax.random.key(k))
+        assert at.position == DataPosition(0, 2 * k + 2)  # both generations' prompts read
         fed = np.concatenate([row_ids(w) for w in rnd.policy.windows[-4:]])
         assert sorted(set((fed // G).tolist())) == want_groups
         assert sorted(fed.tolist()) == [q * G + i for q in want_groups for i in range(G)]
@@ -563,12 +596,11 @@ def test_dynamic_sampling_fills_the_batch_with_groups_with_signal(scale):
 
 
 def test_dynamic_sampling_with_signal_everywhere_is_the_plain_round():
-    a, more = filling_round(lambda q: np.zeros_like(q, bool))
-    b = make_round(a.plan)
-    b.rollout, b.score = LengthsRollout(), a.score
+    a, prompts = filling_round(lambda q: np.zeros_like(q, bool))
+    b = make_round(a.plan, rollout=LengthsRollout(), score=a.score)
     for k in range(2):
-        ra = a(State(k, k), more(), jax.random.key(k), more_records=more)
-        rb = b(State(k, k), more(), jax.random.key(k))
+        _, ra = a(start(k), prompts.draw(), jax.random.key(k))
+        _, rb = b(start(k), draw(a.plan, k=k), jax.random.key(k))
         assert ra.metrics["dynamic_sampling/num_gen_batches"] == 1
         np.testing.assert_array_equal(ra.advantages, rb.advantages)
     for wa, wb in zip(a.policy.windows, b.policy.windows, strict=True):
@@ -577,23 +609,24 @@ def test_dynamic_sampling_with_signal_everywhere_is_the_plain_round():
 
 def test_dynamic_sampling_gives_up_after_max_num_gen_batches():
     from grpo_jax.dynamic_sampling import NoSignalError
-    rnd, more = filling_round(lambda q: np.ones_like(q, bool), max_gen_batches=3)
+    rnd, prompts = filling_round(lambda q: np.ones_like(q, bool), max_gen_batches=3)
     with pytest.raises(NoSignalError, match="3 generation batches .* gave 0 of the 4 prompt "
                        "groups .* the reward gives no signal"):
-        rnd(State(0, 0), more(), jax.random.key(0), more_records=more)
-    assert len(rnd.rollout.generated) == 3 and not rnd.policy.windows and not rnd.buffer
+        rnd(start(), prompts.draw(), jax.random.key(0))
+    assert len(rnd.rollout.generated) == 3 and not rnd.policy.windows
     # 0: no limit (verl's). Groups 0-19 (five generations) have none, the sixth fills it.
-    rnd, more = filling_round(lambda q: q < 20, max_gen_batches=0)
-    result = rnd(State(0, 0), more(), jax.random.key(0), more_records=more)
+    rnd, prompts = filling_round(lambda q: q < 20, max_gen_batches=0)
+    _, result = rnd(start(), prompts.draw(), jax.random.key(0))
     assert result.metrics["dynamic_sampling/num_gen_batches"] == 6
     assert result.metrics["dynamic_sampling/filtered_frac"] == 20 / 24
 
 
 def test_dynamic_sampling_stopped_mid_fill_changes_nothing():
-    """more_records() None (a stop signal): the round returns with nothing trained, buffered or
+    """draw.more() None (a stop signal): the round returns with nothing trained, buffered or
     counted, so the checkpoint's data position is the batch's start."""
-    rnd, more = filling_round(lambda q: q % 2 == 0)
-    result = rnd(State(3, 3), more(), jax.random.key(0), more_records=lambda: None)
-    assert result.state == State(3, 3) and result.scores is None and result.updates == 0
-    assert result.num_tokens == 0 and not rnd.buffer and not rnd.policy.windows
+    rnd, prompts = filling_round(lambda q: q % 2 == 0)
+    at = start(3)
+    after, result = rnd(at, prompts.draw()._replace(more=lambda: None), jax.random.key(0))
+    assert after is at and result.scores is None and result.updates == 0
+    assert result.num_tokens == 0 and not after.buffer and not rnd.policy.windows
     assert len(rnd.rollout.generated) == 1
