@@ -229,7 +229,7 @@ def test_loss_with_aux_term_matches_trl(tiny, name):
     stacked experts too)."""
     from contextlib import nullcontext
 
-    from test_loss_trl import trl_trainer
+    from trl_oracle import trl_trainer
     from trl.trainer.utils import add_fused_lm_head
 
     from grpo_jax.grpo.loss import LossConfig
@@ -342,7 +342,7 @@ def test_grpo_run_on_a_moe_policy(tmp_path, family):
 
 def test_moe_reward_model_scores_match_trl(tmp_path):
     """A Qwen3-MoE reward model (Qwen3MoeForSequenceClassification) scores as TRL's does."""
-    from test_reward_model import batch, ours, save_reward_model, trl_rewards
+    from reward_model_oracle import batch, ours, save_reward_model, trl_rewards
 
     from grpo_jax.rewards import load_reward_func
     spec = str(save_reward_model(tmp_path / "moe-rm", "qwen3_moe", seed=1))
