@@ -153,7 +153,7 @@ def test_smollm2_r16_all_linear_trains_a_few_percent(smol_model):
 @pytest.mark.slow
 def test_our_adapter_loads_in_peft_with_the_same_logits(tmp_path, family, targets, rslora):
     model, ref = ours_and_peft(tmp_path, family, lora_target_modules=targets,
-                                use_rslora=rslora)
+                               use_rslora=rslora)
     theirs, ours = hf_logits(ref, TOKENS, MASK), jax_logits(model)
     base_logits = hf_logits(tiny_hf_model(family), TOKENS, MASK)
     real = MASK.astype(bool)
@@ -167,7 +167,7 @@ def test_peft_adapter_is_our_starting_point_and_merge_export(tmp_path):
     import transformers
     tiny_hf_model("qwen2", tie=True).save_pretrained(tmp_path / "base")
     ref = peft_model(tmp_path / "base", r=8, lora_alpha=16, use_rslora=True,
-                      target_modules="all-linear")
+                     target_modules="all-linear")
     ref.save_pretrained(tmp_path / "adapter")
     conf = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert conf["base_model_name_or_path"] == str(tmp_path / "base")

@@ -92,7 +92,7 @@ def test_kv_cache_path_matches_full_forward(tiny, name):
     cache = cache.grown(cfg, S)
     for t in range(P, S):  # one compiled step for all of them (the index traced)
         hidden, cache = decode_step(model, jnp.asarray(LONG_TOKENS[:, t:t + 1]), pos[:, t:t + 1],
-                                     mask, cache, jnp.int32(t))
+                                    mask, cache, jnp.int32(t))
         steps.append(model.logits(hidden))
     assert long_diff(np.asarray(jnp.concatenate(steps, axis=1)), long_logits(model)) < 1e-4
 

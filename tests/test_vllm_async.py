@@ -30,7 +30,7 @@ LENGTH = 48
 def run(model_dir, out, base_url, **extra) -> list[dict]:
     from grpo_jax.train import train
     cfg = train_config(model_dir, out, base_url, max_steps=STEPS, save_steps=100,
-                        learning_rate=5e-3, max_completion_length=LENGTH, **extra)
+                       learning_rate=5e-3, max_completion_length=LENGTH, **extra)
     train(cfg, devices=jax.devices()[:1])
     return [json.loads(line) for line in (out / "metrics.jsonl").open()]
 

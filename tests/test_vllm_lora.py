@@ -171,7 +171,7 @@ def test_quantized_base_syncs_merged(capsys, server, model_dir, tmp_path):
     from grpo_jax.rollout.engines import make_rollout
     from grpo_jax.rollout.vllm.rollout import VLLMRollout
     cfg = train_config(model_dir, tmp_path / "run", server.base_url, load_in_8bit="true",
-                        **LORA, **NO_KEY)
+                       **LORA, **NO_KEY)
     rollout = make_rollout(cfg, load_model(str(model_dir))[0].cfg,
                            AutoTokenizer.from_pretrained(model_dir), None, model_dir)
     assert isinstance(rollout, VLLMRollout)
