@@ -170,7 +170,7 @@ def smol_model(smol_dir):
 
 # ------------------------------------------------------------------ vLLM server, shared
 # test_vllm, test_vllm_async, test_vllm_sampling_bias and test_vllm_restart share one server of a
-# tiny Llama (each module starts by pushing the model's initial weights back: test_vllm.server);
+# tiny Llama (each module starts by pushing the model's initial weights back: `server` below);
 # test_tools and test_vllm_weight_sync one of SmolLM2. test_vllm_restart's tests (marked
 # kills_shared_server, run after the group's other tests) hang a transfer to the tiny one, restart
 # it mid-run, then kill it mid-run; test_vllm_lora's server is its own (LoRA enabled, no API key;
@@ -181,7 +181,7 @@ def _start_vllm(model_dir, tmp, max_model_len, **env):
 
     from grpo_jax import serve
     from grpo_jax.rollout.vllm.client import VLLMClient
-    from test_vllm import API_KEY, VLLM_PYTHON, free_port, server_env
+    from vllm_server import API_KEY, VLLM_PYTHON, free_port, server_env
     if not VLLM_PYTHON:
         pytest.skip("GRPO_JAX_VLLM_PYTHON is unset")
     env = server_env(**env)
@@ -200,14 +200,14 @@ def _start_vllm(model_dir, tmp, max_model_len, **env):
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir():
-    """test_vllm's tiny random Llama (a word-level tokenizer vLLM can load), one copy per run."""
-    from test_vllm import run_tiny_llama
+    """vllm_server's tiny random Llama (a word-level tokenizer vLLM can load), one copy per run."""
+    from vllm_server import run_tiny_llama
     return run_tiny_llama()
 
 
 @pytest.fixture(scope="session")
 def tiny_vllm_server(tiny_llama_dir, tmp_path_factory):
-    """A vLLM CPU server for tiny_llama_dir, guarded by test_vllm.API_KEY; a 1 MiB cap on the
+    """A vLLM CPU server for tiny_llama_dir, guarded by vllm_server.API_KEY; a 1 MiB cap on the
     guarded JSON routes' bodies (test_weight_routes_check_bodies_and_dtypes; the weights travel
     in raw buckets, which have their own check)."""
     srv = _start_vllm(tiny_llama_dir, tmp_path_factory.mktemp("vllm_server"), 256,
@@ -219,7 +219,7 @@ def tiny_vllm_server(tiny_llama_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smol_vllm_server(smol_dir, tmp_path_factory):
-    """A vLLM CPU server for SmolLM2 (guarded by test_vllm.API_KEY) and the directories it could
+    """A vLLM CPU server for SmolLM2 (guarded by vllm_server.API_KEY) and the directories it could
     write to: its TMPDIR, its cache and the model's (test_vllm_weight_sync checks they stay
     unchanged)."""
     tmp = tmp_path_factory.mktemp("smol_server")
@@ -229,3 +229,56 @@ def smol_vllm_server(smol_dir, tmp_path_factory):
     _SHARED_SERVERS.append(srv)
     yield srv, [tmp / "tmp", tmp / "cache", smol_dir]
     srv.stop()
+
+
+# The tiny-Llama modules' fixtures over the shared server: each module that asks for them gets
+# its own (module scope), so each starts from the model's initial weights. test_vllm_lora
+# (a server of its own, with vLLM's LoRA and no API key) and test_vllm_restart define their own
+# `model_dir`, `server` and `client`, which take precedence in those modules.
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_llama_dir):
+    return tiny_llama_dir
+
+
+@pytest.fixture(scope="module")
+def trainer(model_dir):
+    """The tiny Llama as the grpo_jax decoder, fp32: the oracle of the server's log-probs."""
+    import jax.numpy as jnp
+
+    from grpo_jax.hf import load_model
+    model, _ = load_model(str(model_dir), dtype=jnp.float32, remat=False)
+    return model
+
+
+@pytest.fixture(scope="module")
+def server(tiny_vllm_server, model_dir):
+    """The session's server (tiny_vllm_server), serving the model's initial weights: an
+    earlier module's runs trained it."""
+    from vllm_server import push_initial_weights
+    push_initial_weights(tiny_vllm_server.base_url, model_dir)
+    return tiny_vllm_server
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from grpo_jax.rollout.vllm.client import VLLMClient
+    from vllm_server import API_KEY
+    with VLLMClient(server.base_url, api_key=API_KEY, max_retries=2, backoff_s=0.2) as c:
+        yield c
+
+
+# ------------------------------------------------------------------ compiled programs
+
+@pytest.fixture
+def compiled():
+    """The names of the programs XLA compiles during the test, from jax.monitoring's compile
+    event (as test_train.py's test_later_rounds_compile_nothing counts them)."""
+    names = []
+
+    def on_event(event, duration, fun_name="?", **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            names.append(fun_name)
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    yield names
+    jax.monitoring.unregister_event_duration_listener(on_event)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import transformers
 
@@ -73,6 +74,19 @@ def hf_logits(model, tokens, mask):
     pos = (m.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         return model(input_ids=t, attention_mask=m, position_ids=pos).logits.float().numpy()
+
+
+def hf_greedy(ref, prompts, n, pad=0):
+    """transformers greedy generate, stopping at EOS (2), then padded as the sampler pads."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = ref.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
+                           eos_token_id=[2], pad_token_id=pad)
+    out = out[:, width:].numpy()
+    return np.pad(out, ((0, 0), (0, n - out.shape[1])), constant_values=pad)
+
 
 
 def char_tokenizer():

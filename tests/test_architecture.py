@@ -1,9 +1,11 @@
 """The package's structure, held against the code: imports in layers without circles, the
 rollout parts by where they run, and the contracts written down (docs/architecture.md): no
 attribute probes on a rollout or a model, no private names reached across modules, libraries'
-private modules (`_src`) reached from one documented shim alone."""
+private modules (`_src`) reached from one documented shim alone. And the tests' own: no test
+module imports another."""
 
 import ast
+import re
 from pathlib import Path
 
 import grpo_jax
@@ -176,3 +178,33 @@ def test_timing_metrics_are_named_in_one_module():
                for node in ast.walk(tree) if isinstance(node, ast.Constant)
                and isinstance(node.value, str) and node.value.startswith("timing/")]
     assert not spelled, spelled
+
+
+TESTS = Path(__file__).parent
+_SCRIPT_IMPORT = re.compile(r"^\s*(?:from|import)\s+(test_\w+)", re.MULTILINE)
+
+
+def test_test_modules_import_no_test_module():
+    """What tests share lives in conftest.py (fixtures) and in helper modules without the
+    `test_` prefix (tiny_run, hf_oracle, vllm_server, ...): a test module that imports another
+    takes on its imports, skips and module-level work, fixtures come in as unused names, and
+    what its neighbours rely on is hidden among its tests, free to change with them. Checked in
+    every file of tests/, and in the scripts the tests hand to subprocesses (strings that
+    import)."""
+    found = []
+    for path in sorted(TESTS.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                names = _SCRIPT_IMPORT.findall(node.value)
+            else:
+                continue
+            found += [f"tests/{path.name}:{node.lineno} imports {name}" for name in names
+                      if name.split(".")[0].startswith("test_")]
+    assert not found, (
+        "test modules must not import test modules; move what is shared into tests/conftest.py "
+        "(fixtures) or a helper module without the test_ prefix:\n  " + "\n  ".join(found))

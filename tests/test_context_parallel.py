@@ -18,7 +18,7 @@ from grpo_jax.grpo.train_step import StepConfig, completion_logps, loss_and_grad
 from grpo_jax.models import Decoder, ModelConfig, decoder, positions_from_mask
 from grpo_jax.models.attention import Mask, flash, zigzag_order
 from grpo_jax.rollout import Sampler, SamplingParams
-from test_shared_prefix import G, grouped_batch  # G completions per prompt
+from shared_prefix_parity import G, grouped_batch  # G completions per prompt
 
 eight_devices = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices "
                                    "(tests/conftest.py sets XLA_FLAGS for 8 host CPU devices)")

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from flax import nnx
-from hf_oracle import hf_logits, tiny_hf_model
-from test_model import _max_diff_real, jax_logits
+from hf_oracle import hf_greedy, hf_logits, tiny_hf_model
+from model_oracle import LONG_MASK, LONG_TOKENS, decode_step, long_diff, long_logits
 
 from grpo_jax import hf
 from grpo_jax.models import KVCache, ModelConfig, ModelConfigError, positions_from_mask
@@ -18,11 +17,6 @@ from grpo_jax.rollout.native.sampler import Sampler
 from grpo_jax.rollout.native.sampling import SamplingParams
 
 NEW = ["mistral", "phi3", "gemma2", "gemma3_text"]
-# 12 tokens: three times the Gemma windows (4), past Mistral's and Phi-3's (5).
-TOKENS = np.array([[0, 0, 0, 5, 17, 99, 3, 42, 8, 77, 12, 64],
-                   [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18],
-                   [0, 0, 0, 0, 0, 0, 0, 0, 120, 6, 31, 9]])
-MASK = (np.arange(12)[None] >= np.array([3, 0, 8])[:, None]).astype(np.int32)
 
 
 def _load(tmp_path, family, seed=0, **kw):
@@ -32,31 +26,23 @@ def _load(tmp_path, family, seed=0, **kw):
     return ref, model
 
 
-def _logits(model):
-    return jax_logits(model, TOKENS, MASK)
-
-
-def _diff(a, b):
-    return _max_diff_real(a, b, MASK)
-
-
 @pytest.mark.parametrize("family", NEW)
 def test_logits_match_transformers(tmp_path, family):
     ref, model = _load(tmp_path, family)
     assert model.cfg.model_type == family
-    assert _diff(_logits(model), hf_logits(ref, TOKENS, MASK)) < 1e-4
+    assert long_diff(long_logits(model), hf_logits(ref, LONG_TOKENS, LONG_MASK)) < 1e-4
 
 
 def test_the_switches_matter(tmp_path):
     """Each Gemma switch changes the logits, so the parity above tests it."""
     ref, model = _load(tmp_path, "gemma2")
-    base = _logits(model)
+    base = long_logits(model)
     cfg = model.cfg
     for change in (dict(sliding_window=None, layer_types=None), dict(attn_logit_softcapping=None),
                    dict(final_logit_softcapping=None), dict(query_pre_attn_scalar=None),
                    dict(norm_offset=False), dict(scale_embeddings=False)):
         model.cfg = cfg.replace(**change)
-        assert _diff(_logits(model), base) > 1e-3, change
+        assert long_diff(long_logits(model), base) > 1e-3, change
     model.cfg = cfg
 
 
@@ -68,44 +54,27 @@ def test_kv_cache_path_matches_full_forward(tmp_path, family):
     forward's at that position, with the layers scanned (runs of like layers: Gemma 3's two
     sliding ones, Mistral's and Phi-3's all) and unrolled."""
     _, model = _load(tmp_path, family)
-    full = _logits(model)
+    full = long_logits(model)
     for layers in ("scan", "unroll"):
         model.cfg = cfg = model.cfg.replace(sampler_layers=layers)
-        S, P = TOKENS.shape[1], 5
-        cache = KVCache.zeros(cfg, len(TOKENS), P)
+        S, P = LONG_TOKENS.shape[1], 5
+        cache = KVCache.zeros(cfg, len(LONG_TOKENS), P)
         assert len(cache.k) == (cfg.num_layers if layers == "unroll" else
                                 {"gemma2": 3, "gemma3_text": 2}.get(family, 1))
         assert {c.shape[3] for c, (first, _) in zip(cache.k, cfg.cache_runs())
                 if cfg.sliding_layers[first]} <= {4, 5}
-        mask = jnp.asarray(MASK)
+        mask = jnp.asarray(LONG_MASK)
         pos = positions_from_mask(mask)
-        hidden, cache = model(jnp.asarray(TOKENS[:, :P]), pos[:, :P], mask[:, :P], cache=cache,
-                              cache_index=0)
+        hidden, cache = model(jnp.asarray(LONG_TOKENS[:, :P]), pos[:, :P], mask[:, :P],
+                              cache=cache, cache_index=0)
         steps = [model.logits(hidden)]
         cache = cache.grown(cfg, S)
         for t in range(P, S):  # one compiled step for all of them (the index traced)
-            hidden, cache = _decode_step(model, jnp.asarray(TOKENS[:, t:t + 1]),
-                                         pos[:, t:t + 1], mask, cache, jnp.int32(t))
+            hidden, cache = decode_step(model, jnp.asarray(LONG_TOKENS[:, t:t + 1]),
+                                        pos[:, t:t + 1], mask, cache, jnp.int32(t))
             steps.append(model.logits(hidden))
         got = np.asarray(jnp.concatenate(steps, axis=1))
-        assert _diff(got, full) < 1e-4, layers
-
-
-@nnx.jit
-def _decode_step(model, tokens, positions, mask, cache, index):
-    return model(tokens, positions, mask, cache=cache, cache_index=index)
-
-
-def _hf_greedy(ref, prompts, n, pad=0):
-    """transformers greedy generate, stopping at EOS (2), then padded as the sampler pads."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    with torch.no_grad():
-        out = ref.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=n,
-                           eos_token_id=[2], pad_token_id=pad)
-    out = out[:, width:].numpy()
-    return np.pad(out, ((0, 0), (0, n - out.shape[1])), constant_values=pad)
+        assert long_diff(got, full) < 1e-4, layers
 
 
 @pytest.mark.parametrize("family", NEW)
@@ -115,7 +84,7 @@ def test_greedy_generation_matches_transformers(tmp_path, family):
     prompts = [[5, 17, 99, 3, 42, 8, 77], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [120, 6]]
     sp = SamplingParams(max_completion_length=12, temperature=0, stop_token_ids=(2,))
     out = Sampler(model.cfg, sp, pad_id=0, buckets=(16,)).generate(model, prompts)
-    np.testing.assert_array_equal(out.completion_ids, _hf_greedy(ref, prompts, 12))
+    np.testing.assert_array_equal(out.completion_ids, hf_greedy(ref, prompts, 12))
 
 
 @pytest.mark.parametrize("family", NEW)
@@ -124,7 +93,7 @@ def test_export_round_trip(tmp_path, family):
     hf.save_hf(model, tmp_path / "out", source_dir=tmp_path / f"{family}-3")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(back) is type(ref)
-    assert _diff(_logits(model), hf_logits(back, TOKENS, MASK)) < 1e-4
+    assert long_diff(long_logits(model), hf_logits(back, LONG_TOKENS, LONG_MASK)) < 1e-4
     again, _ = hf.load_model(str(tmp_path / "out"), dtype=jnp.float32)
     assert again.cfg == model.cfg
 
@@ -159,10 +128,10 @@ def test_gemma3_multimodal_checkpoint_loads_its_text_model(tmp_path):
     ref.save_pretrained(tmp_path / "mm")
     model, _ = hf.load_model(str(tmp_path / "mm"), dtype=jnp.float32)
     assert model.cfg.model_type == "gemma3_text" and model.cfg.num_layers == 3
-    assert _diff(_logits(model), hf_logits(ref, TOKENS, MASK)) < 1e-4
+    assert long_diff(long_logits(model), hf_logits(ref, LONG_TOKENS, LONG_MASK)) < 1e-4
     hf.save_hf(model, tmp_path / "out", source_dir=tmp_path / "mm")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert _diff(_logits(model), hf_logits(back, TOKENS, MASK)) < 1e-4
+    assert long_diff(long_logits(model), hf_logits(back, LONG_TOKENS, LONG_MASK)) < 1e-4
 
 
 def test_transformers_4_gemma_configs():
@@ -199,9 +168,9 @@ def test_gemma2_trains_like_its_grads(tmp_path):
     """The train step's log-probs apply the final soft-cap like Decoder.logits does."""
     from grpo_jax.grpo.logprobs import token_logprobs
     _, model = _load(tmp_path, "gemma2")
-    hidden, _ = model(jnp.asarray(TOKENS), positions_from_mask(jnp.asarray(MASK)),
-                      jnp.asarray(MASK))
-    targets = jnp.asarray(np.roll(TOKENS, -1, axis=1))
+    hidden, _ = model(jnp.asarray(LONG_TOKENS), positions_from_mask(jnp.asarray(LONG_MASK)),
+                      jnp.asarray(LONG_MASK))
+    targets = jnp.asarray(np.roll(LONG_TOKENS, -1, axis=1))
     logp, _ = token_logprobs(hidden, model.head_weight(), targets, 0.7, chunk_size=5,
                              softcap=model.cfg.final_logit_softcapping)
     want = jax.nn.log_softmax(model.logits(hidden) / 0.7, axis=-1)

@@ -16,9 +16,10 @@ from grpo_jax.grpo.train_step import StepConfig
 from grpo_jax.models import Decoder, lora
 from grpo_jax.models.lora import PeftArgs
 from grpo_jax.policy import ADAPTERS_OFF, Policy
-from test_model import MASK, TOKENS, jax_logits
+from model_oracle import MASK, TOKENS, jax_logits
+from peft_oracle import ours_and_peft, peft_model, peft_train_config
+from step_batches import CFG, loss_config, make_batch
 from tiny_run import config
-from test_train_step import CFG, loss_config, make_batch
 
 ALL = ("all-linear",)
 
@@ -146,51 +147,13 @@ def test_smollm2_r16_all_linear_trains_a_few_percent(smol_model):
           f"(full fine-tuning: {8 * full / 2**20:.0f} MiB)")
 
 
-def _peft_model(base_dir, adapter_dir=None, seed=0, **lora_kw):
-    """transformers' model from `base_dir` with a PEFT adapter: loaded from `adapter_dir`, or
-    a fresh one (random B so it matters)."""
-    import torch
-    import transformers
-    from peft import LoraConfig, PeftModel, get_peft_model
-    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    if adapter_dir is not None:
-        return PeftModel.from_pretrained(base, adapter_dir).eval()
-    model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", **lora_kw))
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
-    return model.eval()
-
-
-def _cfg(name_or_path, **peft):
-    from grpo_jax.config import TrainConfig
-    from grpo_jax.models.config import Numerics
-    return TrainConfig(model=TrainConfig().model.__class__(name_or_path=str(name_or_path)),
-                       numerics=Numerics(dtype="float32"), peft=PeftArgs(use_peft=True, **peft))
-
-
-def _ours_and_peft(tmp_path, family, **peft):
-    """Our model with rank-4 adapters (random B) on a tiny `family` base, and PEFT's model
-    loading the adapter we saved."""
-    tiny_hf_model(family).save_pretrained(tmp_path / "base")
-    cfg = _cfg(tmp_path / "base", lora_r=4, lora_alpha=8, **peft)
-    model, _ = peft_io.load_model(cfg, None)
-    for i, (name, var) in enumerate(sorted(vars(model.layers).items())):
-        if name.endswith("_lora_b"):
-            var.set_value(0.1 * jax.random.normal(jax.random.key(i), var.shape))
-    peft_io.save_adapter(model, cfg.peft, tmp_path / "adapter", str(tmp_path / "base"))
-    return model, _peft_model(tmp_path / "base", tmp_path / "adapter")
-
-
 @pytest.mark.parametrize("family,targets,rslora", [("llama", ALL, False),
                                                    ("qwen2", ("q_proj", "o_proj", "up_proj"),
                                                     True)])
 @pytest.mark.slow
 def test_our_adapter_loads_in_peft_with_the_same_logits(tmp_path, family, targets, rslora):
-    model, ref = _ours_and_peft(tmp_path, family, lora_target_modules=targets,
-                                use_rslora=rslora)
+    model, ref = ours_and_peft(tmp_path, family, lora_target_modules=targets,
+                               use_rslora=rslora)
     theirs, ours = hf_logits(ref, TOKENS, MASK), jax_logits(model)
     base_logits = hf_logits(tiny_hf_model(family), TOKENS, MASK)
     real = MASK.astype(bool)
@@ -203,13 +166,13 @@ def test_our_adapter_loads_in_peft_with_the_same_logits(tmp_path, family, target
 def test_peft_adapter_is_our_starting_point_and_merge_export(tmp_path):
     import transformers
     tiny_hf_model("qwen2", tie=True).save_pretrained(tmp_path / "base")
-    ref = _peft_model(tmp_path / "base", r=8, lora_alpha=16, use_rslora=True,
-                      target_modules="all-linear")
+    ref = peft_model(tmp_path / "base", r=8, lora_alpha=16, use_rslora=True,
+                     target_modules="all-linear")
     ref.save_pretrained(tmp_path / "adapter")
     conf = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert conf["base_model_name_or_path"] == str(tmp_path / "base")
     # The adapter's settings win over the config's (a note says so).
-    cfg = peft_io.adapter_settings(_cfg(tmp_path / "adapter"))
+    cfg = peft_io.adapter_settings(peft_train_config(tmp_path / "adapter"))
     assert (cfg.peft.lora_r, cfg.peft.lora_alpha, cfg.peft.use_rslora) == (8, 16, True)
     assert cfg.peft.target_modules() == tuple(lora.TARGETS)
     model, model_dir = peft_io.load_model(cfg, None)
@@ -228,20 +191,20 @@ def test_peft_adapter_is_our_starting_point_and_merge_export(tmp_path):
 def test_adapter_errors(tmp_path):
     tiny_hf_model("llama").save_pretrained(tmp_path / "base")
     tiny_hf_model("llama", intermediate_size=64).save_pretrained(tmp_path / "other")
-    _peft_model(tmp_path / "base", r=4, target_modules=["down_proj"]).save_pretrained(
+    peft_model(tmp_path / "base", r=4, target_modules=["down_proj"]).save_pretrained(
         tmp_path / "adapter")
     with pytest.raises(ConfigError, match="is a PEFT adapter: set use_peft"):
-        peft_io.adapter_settings(_cfg(tmp_path / "adapter").__class__(
-            model=_cfg(tmp_path / "adapter").model))
+        peft_io.adapter_settings(peft_train_config(tmp_path / "adapter").__class__(
+            model=peft_train_config(tmp_path / "adapter").model))
     # The adapter moved onto another base: its shapes don't fit.
     conf_path = tmp_path / "adapter" / "adapter_config.json"
     conf = json.loads(conf_path.read_text())
     conf_path.write_text(json.dumps({**conf, "base_model_name_or_path": str(tmp_path / "other")}))
     with pytest.raises(peft_io.AdapterError, match="does not fit base model .*other"):
-        peft_io.load_model(peft_io.adapter_settings(_cfg(tmp_path / "adapter")), None)
+        peft_io.load_model(peft_io.adapter_settings(peft_train_config(tmp_path / "adapter")), None)
     conf_path.write_text(json.dumps({**conf, "use_dora": True}))
     with pytest.raises(peft_io.AdapterError, match="use_dora"):
-        peft_io.adapter_settings(_cfg(tmp_path / "adapter"))
+        peft_io.adapter_settings(peft_train_config(tmp_path / "adapter"))
 
 
 @pytest.mark.slow
@@ -280,7 +243,7 @@ def test_lora_run_checkpoints_adapters_only_resumes_exactly_and_exports(tmp_path
                         str(tmp_path / "adapter"), "--dtype", "float32"]) == 0
     assert export_main(["--checkpoint", str(tmp_path / "full"), "--out",
                         str(tmp_path / "merged"), "--dtype", "float32", "--merge"]) == 0
-    peft_ref = _peft_model(tiny_dir, tmp_path / "adapter")
+    peft_ref = peft_model(tiny_dir, tmp_path / "adapter")
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     tokens = TOKENS % a.cfg.vocab_size
     ours = jax_logits(a, tokens)
@@ -532,7 +495,7 @@ def test_lora_dropout_masks_follow_torch_dropout():
 
 def test_lora_dropout_eval_forward_equals_peft_eval(tmp_path):
     import torch
-    model, ref = _ours_and_peft(tmp_path, "llama", lora_target_modules=ALL, lora_dropout=0.2)
+    model, ref = ours_and_peft(tmp_path, "llama", lora_target_modules=ALL, lora_dropout=0.2)
     drops = [m for n, m in ref.named_modules() if n.endswith("lora_dropout.default")]
     assert drops and all(isinstance(m, torch.nn.Dropout) and m.p == 0.2 for m in drops)
     real = MASK.astype(bool)

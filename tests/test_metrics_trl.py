@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import jax
 import numpy as np
 import pytest
-from test_loss_trl import T, jax_step, make_inputs, run_trl, trl_trainer
-from test_round import StubTrainer, plan
+from round_stubs import StubTrainer, plan
+from trl_oracle import T, jax_step, make_inputs, run_trl, trl_trainer
 
 from grpo_jax.config import GRPOArgs
 from grpo_jax.grpo import loss as L

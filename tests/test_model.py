@@ -6,24 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from hf_oracle import hf_logits, tiny_hf_model
+from model_oracle import MASK, TOKENS, jax_logits, max_diff_real
 
 from grpo_jax import hf
 from grpo_jax.models import positions_from_mask
-
-TOKENS = np.array([[0, 0, 0, 5, 17, 99, 3, 42], [7, 8, 9, 10, 11, 12, 13, 14],
-                   [0, 0, 0, 0, 0, 0, 120, 6]])
-MASK = (np.arange(8)[None] >= np.array([3, 0, 6])[:, None]).astype(np.int32)
-
-
-def jax_logits(model, tokens=TOKENS, mask=MASK):
-    hidden, _ = model(jnp.asarray(tokens), positions_from_mask(jnp.asarray(mask)),
-                      jnp.asarray(mask))
-    return np.asarray(model.logits(hidden))
-
-
-def _max_diff_real(a, b, mask=MASK):
-    return np.abs(a - b)[mask.astype(bool)].max()
-
 
 def _log_softmax(x):
     """float64 log-probs over the last axis."""
@@ -37,7 +23,7 @@ def test_logits_match_transformers_left_padded(tmp_path, family, tie):
     ref = tiny_hf_model(family, tie=tie)
     ref.save_pretrained(tmp_path)
     model, _ = hf.load_model(str(tmp_path), dtype=jnp.float32)
-    assert _max_diff_real(jax_logits(model), hf_logits(ref, TOKENS, MASK)) < 1e-4
+    assert max_diff_real(jax_logits(model), hf_logits(ref, TOKENS, MASK)) < 1e-4
 
 
 def test_llama3_rope_scaling(tmp_path):
@@ -48,7 +34,7 @@ def test_llama3_rope_scaling(tmp_path):
     ref.save_pretrained(tmp_path)
     model, _ = hf.load_model(str(tmp_path), dtype=jnp.float32)
     assert model.cfg.rope_llama3 is not None
-    assert _max_diff_real(jax_logits(model), hf_logits(ref, TOKENS, MASK)) < 1e-4
+    assert max_diff_real(jax_logits(model), hf_logits(ref, TOKENS, MASK)) < 1e-4
 
 
 @pytest.mark.parametrize("family,tie", [("qwen2", True), ("qwen3", False)])
@@ -59,7 +45,7 @@ def test_export_round_trip(tmp_path, family, tie):
     model, _ = hf.load_model(str(tmp_path / "src"), dtype=jnp.float32)
     hf.save_hf(model, tmp_path / "out", source_dir=tmp_path / "src")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert _max_diff_real(jax_logits(model), hf_logits(back, TOKENS, MASK)) < 1e-4
+    assert max_diff_real(jax_logits(model), hf_logits(back, TOKENS, MASK)) < 1e-4
 
 
 def test_sharded_export_and_bf16(tmp_path):
@@ -73,7 +59,7 @@ def test_sharded_export_and_bf16(tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
                                                              dtype="float32").eval()
     reloaded, _ = hf.load_model(str(tmp_path / "out"), dtype=jnp.float32)
-    assert _max_diff_real(jax_logits(reloaded), hf_logits(back, TOKENS, MASK)) < 1e-4
+    assert max_diff_real(jax_logits(reloaded), hf_logits(back, TOKENS, MASK)) < 1e-4
 
 
 def test_refuses_pickle_checkpoints(tmp_path):

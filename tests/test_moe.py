@@ -16,8 +16,8 @@ import pytest
 import torch
 import transformers
 from flax import nnx
-from hf_oracle import hf_logits, tiny_hf_model
-from test_families import MASK, TOKENS, _decode_step, _diff, _hf_greedy, _logits
+from hf_oracle import hf_greedy, hf_logits, tiny_hf_model
+from model_oracle import LONG_MASK, LONG_TOKENS, decode_step, long_diff, long_logits
 
 from grpo_jax import hf
 from grpo_jax import mesh as mesh_lib
@@ -57,7 +57,7 @@ def test_logits_match_transformers(tiny, name):
     if name.startswith("qwen3_moe"):  # layer 1 is dense (mlp_only_layers)
         assert cfg.moe_layers == (True, False, True)
         assert model.layers.w_gate.shape[0] == 1 and model.layers.we_gate.shape[0] == 2
-    assert _diff(_logits(model), hf_logits(ref, TOKENS, MASK)) < 1e-4
+    assert long_diff(long_logits(model), hf_logits(ref, LONG_TOKENS, LONG_MASK)) < 1e-4
 
 
 @pytest.mark.slow
@@ -68,11 +68,11 @@ def test_the_switches_matter(tiny):
                          dict(norm_topk_prob=False), dict(rope_yarn=None))),
             ("qwen3_moe", (dict(norm_topk_prob=False),))):
         _, _, model = tiny(name)
-        cfg, base = model.cfg, _logits(model)
+        cfg, base = model.cfg, long_logits(model)
         for change in changes:
             model.cfg = cfg.replace(**change)
             try:
-                assert _diff(_logits(model), base) > 1e-3, (name, change)
+                assert long_diff(long_logits(model), base) > 1e-3, (name, change)
             finally:
                 model.cfg = cfg
 
@@ -83,18 +83,18 @@ def test_kv_cache_path_matches_full_forward(tiny, name):
     """Prefill 5 tokens, then decode the rest one at a time (the sliding layers' rings wrap):
     every step's logits equal the full forward's."""
     _, _, model = tiny(name)
-    cfg, S, P = model.cfg, TOKENS.shape[1], 5
-    mask = jnp.asarray(MASK)
+    cfg, S, P = model.cfg, LONG_TOKENS.shape[1], 5
+    mask = jnp.asarray(LONG_MASK)
     pos = positions_from_mask(mask)
-    hidden, cache = model(jnp.asarray(TOKENS[:, :P]), pos[:, :P], mask[:, :P],
-                          cache=KVCache.zeros(cfg, len(TOKENS), P), cache_index=0)
+    hidden, cache = model(jnp.asarray(LONG_TOKENS[:, :P]), pos[:, :P], mask[:, :P],
+                          cache=KVCache.zeros(cfg, len(LONG_TOKENS), P), cache_index=0)
     steps = [model.logits(hidden)]
     cache = cache.grown(cfg, S)
     for t in range(P, S):  # one compiled step for all of them (the index traced)
-        hidden, cache = _decode_step(model, jnp.asarray(TOKENS[:, t:t + 1]), pos[:, t:t + 1],
-                                     mask, cache, jnp.int32(t))
+        hidden, cache = decode_step(model, jnp.asarray(LONG_TOKENS[:, t:t + 1]), pos[:, t:t + 1],
+                                    mask, cache, jnp.int32(t))
         steps.append(model.logits(hidden))
-    assert _diff(np.asarray(jnp.concatenate(steps, axis=1)), _logits(model)) < 1e-4
+    assert long_diff(np.asarray(jnp.concatenate(steps, axis=1)), long_logits(model)) < 1e-4
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
@@ -103,7 +103,7 @@ def test_greedy_generation_matches_transformers(tiny, name):
     prompts = [[5, 17, 99, 3, 42, 8, 77], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [120, 6]]
     sp = SamplingParams(max_completion_length=12, temperature=0, stop_token_ids=(2,))
     out = Sampler(model.cfg, sp, pad_id=0, buckets=(16,)).generate(model, prompts)
-    np.testing.assert_array_equal(out.completion_ids, _hf_greedy(ref, prompts, 12))
+    np.testing.assert_array_equal(out.completion_ids, hf_greedy(ref, prompts, 12))
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
@@ -158,12 +158,12 @@ def test_capacity_factor_drops_only_what_overflows(tiny):
     """moe_capacity_factor: room enough for every assignment gives the dropless logits; a
     small one drops assignments and changes them."""
     _, _, model = tiny("mixtral")
-    cfg, dropless = model.cfg, _logits(model)
+    cfg, dropless = model.cfg, long_logits(model)
     try:
         model.cfg = cfg.replace(moe_capacity_factor=2.0)  # E / k: room for every token
-        assert _diff(_logits(model), dropless) < 1e-5
+        assert long_diff(long_logits(model), dropless) < 1e-5
         model.cfg = cfg.replace(moe_capacity_factor=0.25)
-        assert _diff(_logits(model), dropless) > 1e-3
+        assert long_diff(long_logits(model), dropless) > 1e-3
     finally:
         model.cfg = cfg
 
@@ -229,7 +229,7 @@ def test_loss_with_aux_term_matches_trl(tiny, name):
     stacked experts too)."""
     from contextlib import nullcontext
 
-    from test_loss_trl import trl_trainer
+    from trl_oracle import trl_trainer
     from trl.trainer.utils import add_fused_lm_head
 
     from grpo_jax.grpo.loss import LossConfig
@@ -342,7 +342,7 @@ def test_grpo_run_on_a_moe_policy(tmp_path, family):
 
 def test_moe_reward_model_scores_match_trl(tmp_path):
     """A Qwen3-MoE reward model (Qwen3MoeForSequenceClassification) scores as TRL's does."""
-    from test_reward_model import batch, ours, save_reward_model, trl_rewards
+    from reward_model_oracle import batch, ours, save_reward_model, trl_rewards
 
     from grpo_jax.rewards import load_reward_func
     spec = str(save_reward_model(tmp_path / "moe-rm", "qwen3_moe", seed=1))
@@ -375,17 +375,17 @@ def test_lora_adapter_on_a_moe_loads_in_peft_with_the_same_logits(tmp_path):
     PEFT 0.21 on transformers 5 reads gate_proj/up_proj/down_proj on a MoE as the experts'
     fused parameters (rank 2r) and adapts no dense MLP, so on a MoE those names are refused
     and all-linear is attention only, also where a layer is dense."""
-    from test_lora import _ours_and_peft
+    from peft_oracle import ours_and_peft
 
     from grpo_jax.cli import load_config
     from grpo_jax.errors import ConfigError
     from grpo_jax.models import lora
-    model, ref = _ours_and_peft(tmp_path, "qwen3_moe", lora_target_modules=("q_proj", "v_proj"))
-    real = MASK.astype(bool)
-    base = hf_logits(tiny_hf_model("qwen3_moe"), TOKENS, MASK)
-    theirs = hf_logits(ref, TOKENS, MASK)
+    model, ref = ours_and_peft(tmp_path, "qwen3_moe", lora_target_modules=("q_proj", "v_proj"))
+    real = LONG_MASK.astype(bool)
+    base = hf_logits(tiny_hf_model("qwen3_moe"), LONG_TOKENS, LONG_MASK)
+    theirs = hf_logits(ref, LONG_TOKENS, LONG_MASK)
     assert np.abs(theirs - base)[real].max() > 1e-2
-    assert np.abs(theirs - _logits(model))[real].max() < 1e-4
+    assert np.abs(theirs - long_logits(model))[real].max() < 1e-4
     # Mixtral has no dense MLP; Qwen3-MoE has one (a dense layer) that PEFT would not adapt.
     for name, refusal in (("mixtral", "mixtral has no dense gate_proj"),
                           ("qwen3_moe", "PEFT reads them as the experts' parameters")):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from test_sampler import compiled, trainer_logp  # noqa: F401  (compiled: a fixture)
+from model_oracle import trainer_logp
 
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.config import TrainConfig

@@ -12,6 +12,7 @@ import pytest
 import torch
 from flax import nnx
 from hf_oracle import tiny_hf_model
+from model_oracle import trainer_logp
 from transformers.generation import logits_process as lp
 
 from grpo_jax import hf
@@ -26,20 +27,6 @@ PROMPTS = [[5, 17, 99, 3, 42], [7, 8, 9, 10, 11, 12, 13, 14, 15], [120, 6, 3]]
 C = 12
 STOPS = tuple(range(2, 20))  # many stop ids: sampled rows end at different lengths
 SAMPLER_PROGRAM = "jit(_generate)"  # the name XLA compiles Sampler's program under
-
-
-@pytest.fixture
-def compiled():
-    """The names of the programs XLA compiles during the test, from jax.monitoring's compile
-    event (as test_train.py's test_later_rounds_compile_nothing counts them)."""
-    names = []
-
-    def on_event(event, duration, fun_name="?", **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            names.append(fun_name)
-    jax.monitoring.register_event_duration_secs_listener(on_event)
-    yield names
-    jax.monitoring.unregister_event_duration_listener(on_event)
 
 
 def _load(tmp_path, family, tie=False, seed=0):
@@ -122,18 +109,6 @@ def test_repetition_penalty_matches_transformers(tmp_path):
                         stop_token_ids=(2,))
     out = Sampler(model.cfg, sp, pad_id=0).generate(model, prompts)
     np.testing.assert_array_equal(out.completion_ids, want)
-
-
-def trainer_logp(model, out: RolloutBatch, temperature):
-    """The trainer's own computation: one forward over prompt + completion, then
-    log_softmax(logits / T) of each completion token."""
-    from grpo_jax.grpo.batch import Batch
-    from grpo_jax.grpo.train_step import completion_logps
-    batch = Batch(*(jnp.asarray(getattr(out, k)) for k in ("prompt_ids", "prompt_mask",
-                                                           "completion_ids", "completion_mask",
-                                                           "truncated")),
-                  advantages=jnp.zeros(len(out.truncated)))
-    return np.asarray(completion_logps(model, batch, temperature, chunk=128)[0])
 
 
 @pytest.mark.slow

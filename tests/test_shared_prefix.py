@@ -8,86 +8,18 @@ import pytest
 from flax import nnx
 
 from grpo_jax import mesh as mesh_lib
-from grpo_jax.grpo.batch import Batch
-from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.grpo.optimizer import OptimizerConfig
 from grpo_jax.grpo.train_step import StepConfig, completion_logps, loss_and_grads
-from grpo_jax.models import Decoder, ModelConfig, decoder, positions_from_mask
+from grpo_jax.models import Decoder, ModelConfig, decoder
 from grpo_jax.policy import Policy
-
-G, GROUPS, P_LEN, C_LEN = 4, 3, 12, 10
-
-
-def grouped_batch(vocab: int, seed: int = 0, groups: int = GROUPS, prompt: int = P_LEN,
-                  completion: int = C_LEN) -> Batch:
-    """`groups` left-padded prompts of different lengths, each with G completions of
-    different lengths (some truncated), rows of a group consecutive."""
-    rng = np.random.default_rng(seed)
-    n = groups * G
-    p_len = rng.integers(2, prompt + 1, groups)
-    p_len[0] = prompt  # one prompt fills the width, the others are left-padded
-    p_mask = (np.arange(prompt)[None] >= (prompt - p_len)[:, None]).astype(np.int32)
-    p_ids = rng.integers(1, vocab, (groups, prompt)).astype(np.int32) * p_mask
-    c_len = rng.integers(1, completion + 1, n)
-    c_len[0] = completion
-    c_mask = (np.arange(completion)[None] < c_len[:, None]).astype(np.int32)
-    return Batch(np.repeat(p_ids, G, 0), np.repeat(p_mask, G, 0),
-                 rng.integers(1, vocab, (n, completion)).astype(np.int32) * c_mask, c_mask,
-                 c_len == completion, rng.standard_normal(n).astype(np.float32))
-
-
-def loss_config():
-    return LossConfig(vllm_importance_sampling_correction=False, loss_type="dapo", beta=0.0)
-
-
-def plain_hidden(model, b: Batch):
-    ids = jnp.concatenate([b.prompt_ids, b.completion_ids], axis=1)
-    mask = jnp.concatenate([b.prompt_mask, b.completion_mask], axis=1)
-    return model(ids, positions_from_mask(mask), mask)[0]
-
-
-def _grads(model, batch, k, group):
-    graphdef, params = nnx.split(model, nnx.Param)
-    cfg = StepConfig(loss=loss_config(), temperature=0.9, gradient_accumulation_steps=k,
-                     logprob_chunk=4)
-    loss, grads, _ = jax.jit(lambda p, b: loss_and_grads(graphdef, cfg, p, b, group=group))(
-        params, jax.tree.map(jnp.asarray, batch))
-    return float(loss), jax.tree.leaves(jax.tree.map(np.asarray, grads))
-
-
-def _worst_relative(a, b) -> float:
-    """max over leaves of max |a - b| / max |a|."""
-    return max(float(np.abs(x - y).max() / max(np.abs(x).max(), 1e-30)) for x, y in zip(a, b))
-
-
-def parity(model) -> dict:
-    """Shared prefixes vs the plain forward on grouped_batch: the largest logit gap (every real
-    prompt and completion position) relative to the largest logit, log-prob and entropy gaps,
-    and the gradients' worst relative gap: three accumulated micro-batches of one group each
-    (shared) vs the whole batch as one micro-batch (plain)."""
-    b = jax.tree.map(jnp.asarray, grouped_batch(model.cfg.vocab_size))
-    plain = np.asarray(model.logits(plain_hidden(model, b)))
-    prompt, comp = model.shared_prefix(b.prompt_ids[::G], b.prompt_mask[::G],
-                                       b.completion_ids, b.completion_mask, G)
-    shared = np.concatenate([np.repeat(model.logits(prompt), G, 0), model.logits(comp)], 1)
-    real = np.concatenate([b.prompt_mask, b.completion_mask], axis=1).astype(bool)
-    c_real = np.asarray(b.completion_mask, bool)
-    want = completion_logps(model, b, 0.9, 4)
-    got = completion_logps(model, b, 0.9, 4, group=G)
-    gaps = [float(np.abs(np.asarray(w) - np.asarray(g))[c_real].max()) for w, g in zip(want, got)]
-    batch = grouped_batch(model.cfg.vocab_size, seed=1)
-    loss_plain, g_plain = _grads(model, batch, 1, 1)
-    loss_shared, g_shared = _grads(model, batch, GROUPS, G)
-    return {"logits": float(np.abs(plain - shared)[real].max() / np.abs(plain[real]).max()),
-            "logp": gaps[0], "entropy": gaps[1], "loss": abs(loss_plain - loss_shared),
-            "grads": _worst_relative(g_plain, g_shared)}
-
+from shared_prefix_parity import (G, GROUPS, accumulated_grads, grouped_batch, loss_config, parity,
+                                  worst_relative)
 
 FP64_SCRIPT = """
 import json, sys
 import jax.numpy as jnp
 sys.path.insert(0, {tests!r})
-from test_shared_prefix import parity
+from shared_prefix_parity import parity
 from grpo_jax import hf
 model, _ = hf.load_model(hf.SMOL_ALIAS, dtype=jnp.float64, param_dtype=jnp.float64)
 assert model.embed[...].dtype == jnp.float64
@@ -144,8 +76,9 @@ def test_sliding_window_layers_and_remat(remat):
     want, got = completion_logps(model, b, 0.7, 4), completion_logps(model, b, 0.7, 4, G)
     c_real = np.asarray(b.completion_mask, bool)
     assert np.abs(np.asarray(want[0]) - np.asarray(got[0]))[c_real].max() < 1e-5
-    plain, shared = _grads(model, batch, 1, 1)[1], _grads(model, batch, GROUPS, G)[1]
-    assert _worst_relative(plain, shared) < 1e-5
+    plain = accumulated_grads(model, batch, 1, 1)[1]
+    shared = accumulated_grads(model, batch, GROUPS, G)[1]
+    assert worst_relative(plain, shared) < 1e-5
 
 
 def test_cudnn_branch_masks(monkeypatch):
@@ -208,7 +141,7 @@ def test_sharded_shared_prefix_equals_plain_single_device(smol_model):
         return float(loss), jax.tree.leaves(jax.tree.map(np.asarray, g))
     loss1, g1 = grads(plain, 1)
     loss8, g8 = grads(shared, G)
-    assert abs(loss1 - loss8) < 1e-6 and _worst_relative(g1, g8) < 1e-4
+    assert abs(loss1 - loss8) < 1e-6 and worst_relative(g1, g8) < 1e-4
     _, m1 = plain.step(plain.init_state, batch)
     _, m8 = shared.step(shared.init_state, batch)
     m1, m8 = jax.device_get((m1, m8))

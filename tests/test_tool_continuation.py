@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from test_tools import prompt_ids, tok  # noqa: F401  (tok: a fixture)
+from tool_rollouts import prompt_ids, tool_tokenizer
 
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import Decoder, ModelConfig
@@ -21,6 +21,11 @@ from grpo_jax.rollout.native.sampler import Sampler
 from grpo_jax.rollout.native.sampling import SamplingParams
 
 C = 24
+
+
+@pytest.fixture(scope="module")
+def tok(smol_dir):
+    return tool_tokenizer(smol_dir)
 
 
 def _suffix(tok, content):
@@ -47,7 +52,7 @@ def _compiles(caplog, name):
 
 
 @pytest.mark.slow
-def test_turns_continue_as_re_prefills_do(smol_model, tok, caplog):  # noqa: F811
+def test_turns_continue_as_re_prefills_do(smol_model, tok, caplog):
     """Two continued turns give `generate`'s tokens on the whole context, for rows picked from
     the cache in any order, a context that rewrites part of a cached turn (only its tail is
     cached), and a row held to a smaller budget; each turn's program takes only the uncached
@@ -123,7 +128,7 @@ FP64_SCRIPT = """
 import sys
 import jax, jax.numpy as jnp, numpy as np, transformers
 sys.path.insert(0, {tests!r})
-from test_tools import prompt_ids, tool_rollout, _batch
+from tool_rollouts import prompt_ids, tool_rollout, tool_batch
 from grpo_jax import data, hf
 from grpo_jax.rollout import tools
 from grpo_jax.grpo.train_step import completion_logps
@@ -133,7 +138,7 @@ tok = transformers.AutoTokenizer.from_pretrained(path)
 tok.chat_template = data.chat_template("chatml_tools")
 tok = tools.prepare_tool_tokenizer(tok)
 r = tool_rollout(model, tok).generate(model, prompt_ids(tok), 4, jax.random.key(0))
-batch = _batch(r)
+batch = tool_batch(r)
 logp, _ = completion_logps(model, batch, 1.0, 128)
 model_tokens = np.asarray(batch.model_mask(), bool)
 later = model_tokens & (np.cumsum(r.tool_mask == 0, axis=1) > 0)

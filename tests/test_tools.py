@@ -11,46 +11,20 @@ import numpy as np
 import pytest
 import transformers
 
-from test_vllm import API_KEY, needs_vllm
+from tool_rollouts import C, prompt_ids, tool_batch, tool_rollout, tool_tokenizer
+from vllm_server import API_KEY, needs_vllm
 
-from grpo_jax import data
 from grpo_jax.calculator import SHOTS, calculator
 from grpo_jax.grpo import loss as loss_lib
-from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.train_step import completion_logps
 from grpo_jax.rollout import tools
 from grpo_jax.rollout.native.rollout import JaxRollout
 from grpo_jax.rollout.native.sampling import SamplingParams
 
-QUESTIONS = ["What is 48213 * 9177?", "What is 66011 - 4589?"]
-C = 80
-
 
 @pytest.fixture(scope="module")
 def tok(smol_dir):
-    """SmolLM2's tokenizer with the shipped ChatML tool template (its own has no tools),
-    prepared for tools (its Hermes parser)."""
-    t = transformers.AutoTokenizer.from_pretrained(smol_dir)
-    t.chat_template = data.chat_template("chatml_tools")
-    return tools.prepare_tool_tokenizer(t)
-
-
-def prompt_ids(tok, questions=QUESTIONS):
-    prompts = [SHOTS + [{"role": "user", "content": q}] for q in questions]
-    return data.tokenize_prompts(prompts, tok, tools=[calculator])
-
-
-def tool_rollout(model, tok, fns=(calculator,), timeout=10.0, iterations=None, temperature=1.0,
-                 continued=True):
-    """continued=False: each turn re-prefills its whole context (as for sliding-window
-    models) instead of continuing from the KV cache."""
-    sp = SamplingParams(max_completion_length=C, temperature=temperature,
-                        stop_token_ids=(tok.eos_token_id,))
-    inner = JaxRollout(model.cfg, sp, pad_id=tok.pad_token_id, mesh=None)
-    if not continued:
-        inner.turns = None
-    return tools.ToolRollout(inner, tok, tools.Toolbox(list(fns), timeout), iterations,
-                             (tok.eos_token_id,), tok.pad_token_id)
+    return tool_tokenizer(smol_dir)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +46,7 @@ def reprefilled(smol_model, tok):
 def trainer_logp(rollout, smol_model):
     """The trainer's per-token log-probs of `rollout`'s sequences (one SmolLM2 forward for the
     tests whose other rollouts are asserted to hold the same tokens: the values are theirs too)."""
-    logp, _ = completion_logps(smol_model, _batch(rollout), 1.0, 128)
+    logp, _ = completion_logps(smol_model, tool_batch(rollout), 1.0, 128)
     return np.asarray(logp)
 
 
@@ -81,13 +55,6 @@ def _same_sequences(r, ref):
     for field in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "tool_mask",
                   "truncated", "tool_calls"):
         np.testing.assert_array_equal(getattr(r, field), getattr(ref, field))
-
-
-def _batch(r):
-    return Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.truncated,
-                 np.linspace(-1, 1, len(r.truncated)).astype(np.float32),
-                 sampler_logp=r.sampler_logp, tool_mask=r.tool_mask)
-
 
 @pytest.mark.slow
 def test_turns_and_tool_mask(rollout, tok):
@@ -126,7 +93,7 @@ def test_multi_turn_logprobs_equal_the_trainers(rollout, trainer_logp):
     reach -14 (a relative 2e-6: its KV-cache attention sums in another order), so the bound is
     that of one turn: the turns after a tool result add no error of their own. In float64 the
     difference is below 1e-5 (test_tool_continuation)."""
-    batch = _batch(rollout)
+    batch = tool_batch(rollout)
     model = np.asarray(batch.model_mask(), bool)
     diff = np.abs(trainer_logp - rollout.sampler_logp)
     assert diff[model].max() < 5e-5, diff[model].max()
@@ -145,7 +112,7 @@ def test_continued_turns_equal_re_prefilled_ones(rollout, reprefilled, trainer_l
     assert rollout.completions == reprefilled.completions
     assert (rollout.tool_mask == 0).any()  # a result and a turn after it are in there
     np.testing.assert_allclose(rollout.sampler_logp, reprefilled.sampler_logp, rtol=0, atol=5e-5)
-    model = np.asarray(_batch(reprefilled).model_mask(), bool)
+    model = np.asarray(tool_batch(reprefilled).model_mask(), bool)
     assert np.abs(trainer_logp - reprefilled.sampler_logp)[model].max() < 5e-5
 
 
@@ -163,7 +130,7 @@ def test_tool_turns_through_refilled_decode_slots(rollout, smol_model, tok, trai
                               (tok.eos_token_id,), tok.pad_token_id).generate(
         smol_model, prompt_ids(tok), 4, jax.random.key(0))
     _same_sequences(slots, rollout)
-    model = np.asarray(_batch(slots).model_mask(), bool)
+    model = np.asarray(tool_batch(slots).model_mask(), bool)
     assert np.abs(trainer_logp - slots.sampler_logp)[model].max() < 5e-5
     # Each turn's longest row takes as many steps in 3 slots as in one batch, the others more.
     assert slots.metrics["generate/decode_steps"] >= rollout.metrics["generate/decode_steps"]
@@ -172,7 +139,7 @@ def test_tool_turns_through_refilled_decode_slots(rollout, smol_model, tok, trai
 def test_tool_results_carry_no_loss_and_no_gradient(rollout):
     """The loss counts the model's tokens only; its gradient w.r.t. the log-probs and
     entropies at tool-result positions is exactly zero (with KL and an entropy bonus on)."""
-    batch = _batch(rollout)
+    batch = tool_batch(rollout)
     n, T = batch.completion_ids.shape
     rng = np.random.default_rng(0)
     batch = batch.replace(ref_logp=rollout.sampler_logp - 0.1,
@@ -346,7 +313,7 @@ def test_multi_turn_on_the_vllm_server(smol_dir, smol_model, tok, smol_vllm_serv
     assert isinstance(rollout, tools.ToolRollout)
     r = rollout.generate(None, prompt_ids(tok), 4, jax.random.key(0))
     assert any(len(turns) > 2 for turns in r.completions)  # a call, a result, another turn
-    batch = _batch(r)
+    batch = tool_batch(r)
     logp, _ = completion_logps(smol_model, batch, 1.0, 128)
     model = np.asarray(batch.model_mask(), bool)
     after = model & (np.cumsum(r.tool_mask == 0, axis=1) > 0)

@@ -1,4 +1,4 @@
-"""Async rounds (`max_staleness: 1`) against a real vLLM CPU server (test_vllm's tiny random
+"""Async rounds (`max_staleness: 1`) against a real vLLM CPU server (vllm_server's tiny random
 Llama, start-up ~40-70 s): the server generates round n+1 while the trainer updates on round n.
 
 The runs log wall-clock timestamps of the trainer's work on each round (timeline/train_start,
@@ -17,7 +17,7 @@ import json
 import jax
 import numpy as np
 
-from test_vllm import _train_config, model_dir, needs_vllm, server  # noqa: F401 (fixtures)
+from vllm_server import needs_vllm, train_config
 
 
 STEPS = 20
@@ -29,14 +29,14 @@ LENGTH = 48
 
 def run(model_dir, out, base_url, **extra) -> list[dict]:
     from grpo_jax.train import train
-    cfg = _train_config(model_dir, out, base_url, max_steps=STEPS, save_steps=100,
-                        learning_rate=5e-3, max_completion_length=LENGTH, **extra)
+    cfg = train_config(model_dir, out, base_url, max_steps=STEPS, save_steps=100,
+                       learning_rate=5e-3, max_completion_length=LENGTH, **extra)
     train(cfg, devices=jax.devices()[:1])
     return [json.loads(line) for line in (out / "metrics.jsonl").open()]
 
 
 @needs_vllm
-def test_async_rounds_overlap_generation_with_update(server, model_dir, tmp_path):  # noqa: F811
+def test_async_rounds_overlap_generation_with_update(server, model_dir, tmp_path):
     sync = run(model_dir, tmp_path / "sync", server.base_url)
     hist = run(model_dir, tmp_path / "async", server.base_url, max_staleness=1)
     assert [h["step"] for h in hist] == list(range(1, STEPS + 1))

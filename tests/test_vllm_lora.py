@@ -2,7 +2,7 @@
 
 After a LoRA update the trainer pushes either the adapter alone (loaded by the server at run
 time under a new name) or the base with the adapters merged; either way the server must then
-score completions as the trainer does. One server for the module, serving test_vllm's tiny
+score completions as the trainer does. One server for the module, serving vllm_server's tiny
 random Llama (start-up ~40-70 s on 2 cores). It runs without an API key, as `grpo_jax.serve`
 does by default: its dev and weight routes take the session token the trainer (and the
 module's client) read from the token file (grpo_jax.rollout.vllm.server_auth). The module's last
@@ -26,9 +26,9 @@ from flax import nnx
 from grpo_jax import peft_io, serve
 from grpo_jax.hf import load_model, params_numpy
 from grpo_jax.models import lora
-from test_vllm import (_SKIP, COMPLETIONS, LORA, PROMPTS, VLLM_PYTHON, _train_config,
-                       free_port, needs_vllm, on_policy_run, server_env, token_logp,
-                       trainer_logp)
+from vllm_server import (COMPLETIONS, LORA, PROMPTS, SKIP_WITHOUT_VLLM, VLLM_PYTHON, free_port,
+                         needs_vllm, on_policy_run, server_env, token_logp, train_config,
+                         trainer_logp)
 
 NO_KEY = {"vllm_server_api_key": "null"}  # the session token instead
 PEFT = lora.PeftArgs(use_peft=True, lora_r=4, lora_alpha=16, lora_target_modules=("all-linear",))
@@ -61,7 +61,7 @@ def client(server):
         yield c
 
 
-@_SKIP  # build_command asks the vLLM python which build it has
+@SKIP_WITHOUT_VLLM  # build_command asks the vLLM python which build it has
 def test_serve_lora_flags():
     argv, env = serve.build_command("/m", python=VLLM_PYTHON, lora_rank=4,
                                     env={"PATH": os.environ.get("PATH", "")})
@@ -170,8 +170,8 @@ def test_quantized_base_syncs_merged(capsys, server, model_dir, tmp_path):
     from grpo_jax.rollout.base import WeightMode
     from grpo_jax.rollout.engines import make_rollout
     from grpo_jax.rollout.vllm.rollout import VLLMRollout
-    cfg = _train_config(model_dir, tmp_path / "run", server.base_url, load_in_8bit="true",
-                        **LORA, **NO_KEY)
+    cfg = train_config(model_dir, tmp_path / "run", server.base_url, load_in_8bit="true",
+                       **LORA, **NO_KEY)
     rollout = make_rollout(cfg, load_model(str(model_dir))[0].cfg,
                            AutoTokenizer.from_pretrained(model_dir), None, model_dir)
     assert isinstance(rollout, VLLMRollout)

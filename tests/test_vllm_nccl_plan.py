@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from grpo_jax.hf import hf_state_dict, load_model, params_numpy
-from test_vllm import VLLM_PYTHON, _SKIP, tiny_llama
+from vllm_server import SKIP_WITHOUT_VLLM, VLLM_PYTHON, tiny_llama
 
 torch = pytest.importorskip("torch")
 
@@ -44,7 +44,7 @@ def test_jax_source_announces_what_it_yields(model, dtype):
         np.testing.assert_array_equal(tensor.float().numpy(), ref[name].astype(np.float32))
 
 
-@_SKIP
+@SKIP_WITHOUT_VLLM
 @pytest.mark.slow
 def test_order_is_vllms_layerwise_order(model):
     from grpo_jax.rollout.vllm.nccl_sync import hf_parts

@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 
 from grpo_jax import serve
-from test_vllm import (API_KEY, COMPLETIONS, PROMPTS, VLLM_PYTHON, _train_config,
-                       needs_vllm, push_initial_weights, server_env, trainer_logp)
+from vllm_server import (API_KEY, COMPLETIONS, PROMPTS, VLLM_PYTHON, needs_vllm,
+                         push_initial_weights, server_env, train_config, trainer_logp)
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def servers(tiny_vllm_server, model_dir, tmp_path_factory):
 
 
 def start_run(model_dir, tmp_path, base_url, **extra):
-    cfg = _train_config(model_dir, tmp_path / "run", base_url, **extra)
+    cfg = train_config(model_dir, tmp_path / "run", base_url, **extra)
     (tmp_path / "run.yaml").write_text(cfg.to_yaml())
     return subprocess.Popen([sys.executable, "-m", "grpo_jax.train", "--config",
                              str(tmp_path / "run.yaml")], env=train_env(),

@@ -1,5 +1,5 @@
 """The sampler/trainer log-prob mismatch that vLLM's filters cause (huggingface/trl#6789), measured
-against a real vLLM CPU server (test_vllm's tiny random Llama).
+against a real vLLM CPU server (vllm_server's tiny random Llama).
 
 The server reports `processed_logprobs`: the log-prob under the distribution it sampled from,
 after repetition penalty, temperature, min-p, top-k and top-p, renormalised over the kept tokens.
@@ -20,8 +20,7 @@ import pytest
 
 from grpo_jax.models import positions_from_mask
 from grpo_jax.rollout.native import sampling
-from test_vllm import PROMPTS, model_dir, needs_vllm, server, trainer  # noqa: F401 (fixtures)
-from test_vllm import client  # noqa: F401
+from vllm_server import PROMPTS, needs_vllm
 
 SETTINGS = {"top_p=0.9": dict(top_p=0.9), "top_k=20": dict(top_k=20),
             "min_p=0.1": dict(min_p=0.1), "repetition_penalty=1.3": dict(repetition_penalty=1.3)}
@@ -53,7 +52,7 @@ def processed(logits, prompt, completion, temperature, top_k=0, top_p=1.0, min_p
 
 @needs_vllm
 @pytest.mark.parametrize("name", list(SETTINGS))
-def test_filtered_sampler_logprobs_differ_by_kept_mass(name, client, trainer):  # noqa: F811
+def test_filtered_sampler_logprobs_differ_by_kept_mass(name, client, trainer):
     kw, temperature = SETTINGS[name], 0.9
     groups = client.generate(PROMPTS, n=4, temperature=temperature, max_tokens=12, seed=5,
                              **kw)
@@ -78,13 +77,13 @@ def test_filtered_sampler_logprobs_differ_by_kept_mass(name, client, trainer):  
 
 
 @needs_vllm
-def test_vllm_rollout_warns_about_filters(server, model_dir, capsys):  # noqa: F811
+def test_vllm_rollout_warns_about_filters(server, model_dir, capsys):
     import dataclasses
 
     from grpo_jax.config import TrainConfig
     from grpo_jax.hf import load_model
     from grpo_jax.rollout.engines import make_rollout
-    from test_vllm import API_KEY
+    from vllm_server import API_KEY
     cfg = TrainConfig()
     cfg = dataclasses.replace(
         cfg, rollout=dataclasses.replace(cfg.rollout, backend="vllm", vllm_server_api_key=API_KEY,

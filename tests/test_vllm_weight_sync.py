@@ -20,7 +20,7 @@ import pytest
 from flax import nnx
 
 from grpo_jax.hf import params_numpy
-from test_vllm import API_KEY, needs_vllm, trainer_logp
+from vllm_server import API_KEY, needs_vllm, trainer_logp
 
 
 @pytest.fixture(scope="module")
