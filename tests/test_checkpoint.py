@@ -1,6 +1,7 @@
 """Checkpointer: bit-exact save/restore (params, adamw state, PRNG key data, meta), retention,
 async saves, restore across meshes, clear errors, and surviving SIGKILL / SIGTERM."""
 
+import dataclasses
 import os
 import re
 import signal
@@ -247,3 +248,61 @@ def test_stop_signal_flags_then_restores_handlers():
             with pytest.raises(KeyboardInterrupt):  # second one: the original behaviour
                 os.kill(os.getpid(), signal.SIGINT)
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_run_state_is_checkpointed_and_restored_whole(tmp_path, tiny_dir):
+    """Everything a resume needs is one RunState, and a run's checkpoint holds it whole: the
+    train state bit-exact, the data position, rounds and tokens, the generation buffer (two
+    micro-batches of different prompt widths, an epoch window), the draws in flight and, with
+    sync_ref_model, the reference params; the restore fills each field from the checkpoint,
+    none from the live run it is given."""
+    from tiny_run import config
+
+    from grpo_jax.data import DataPosition
+    from grpo_jax.grpo.batch import Batch
+    from grpo_jax.grpo.loss import LossConfig
+    from grpo_jax.grpo.train_step import init_train_state
+    from grpo_jax.run_state import RunState
+    from grpo_jax.train import RunCheckpoints
+
+    def micro(width, seed):
+        r = np.random.default_rng(seed)
+        return Batch(r.integers(0, 9, (4, width)).astype(np.int32), np.ones((4, width), np.int32),
+                     r.integers(0, 9, (4, 3)).astype(np.int32), np.ones((4, 3), np.int32),
+                     np.zeros(4, bool), r.standard_normal(4).astype(np.float32),
+                     ref_logp=r.standard_normal((4, 3)).astype(np.float32))
+
+    def state_of(seed):
+        tx, s = _train_state(seed)
+        return init_train_state(s["params"], s["opt"], LossConfig())._replace(
+            step=jnp.int32(7 + seed))
+
+    cfg = config(tiny_dir, tmp_path, beta=0.04, sync_ref_model=True, resume=True)
+    schedule = {"num_prompts": 16}
+    saved = RunState(state_of(0), DataPosition(1, 8), round=5, tokens_seen=1234,
+                     buffer=(micro(2, 0), micro(5, 1)), epoch_end=1,
+                     reference=_params(5), in_flight=((6, DataPosition(1, 12)),))
+    checkpoints = RunCheckpoints.open(tmp_path, cfg, schedule)
+    checkpoints.save(saved, {"reward": 0.5})
+    checkpoints.ckpt.close()
+    checkpoints.refs.close()
+    (tmp_path / "config.yaml").write_text(cfg.to_yaml())
+
+    fresh = RunState(state_of(1), reference=_params(9))  # a new run's: nothing of it may stay
+    checkpoints = RunCheckpoints.open(tmp_path, cfg, schedule)
+    try:
+        back = checkpoints.resume(cfg, tmp_path, fresh)
+    finally:
+        checkpoints.ckpt.close()
+        checkpoints.refs.close()
+    assert back.step == 7
+    _assert_bit_exact(back.state, saved.state)
+    _assert_bit_exact(back.reference, saved.reference)
+    assert (back.position, back.round, back.tokens_seen, back.epoch_end, back.in_flight) == (
+        DataPosition(1, 8), 5, 1234, 1, ((6, DataPosition(1, 12)),))
+    assert len(back.buffer) == 2
+    for got, want in zip(back.buffer, saved.buffer):
+        _assert_bit_exact(got, want)
+    assert {f.name for f in dataclasses.fields(RunState)} == {
+        "state", "position", "round", "tokens_seen", "buffer", "epoch_end", "reference",
+        "in_flight"}, "a new RunState field: save and restore it in RunCheckpoints, test it here"
