@@ -290,7 +290,7 @@ def run_phases(run, phases=("generate", "logprobs", "update")) -> tuple[str, ...
 
 def timing(run, target, ev: dict) -> tuple[dict | None, dict]:
     """The forecast (None without costs) and the communication per round."""
-    from grpo_jax.aot import comms, programs
+    from grpo_jax.aot import comms
 
     chip, runs, progs = target.chip, per_round(run), ev["progs"]
     if progs.decode_slots:  # the rows in waves through fewer slots: each wave a static decode
