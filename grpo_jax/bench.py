@@ -20,6 +20,7 @@ from flax import nnx
 
 from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
+from grpo_jax import run_facts
 from grpo_jax.config import BatchArgs, BatchPlan, GRPOArgs, TrainConfig
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.metrics import timing
@@ -216,7 +217,9 @@ def run_policy(args, model, mesh, n: int) -> tuple[Policy, BatchPlan]:
     """The run's Policy and batch plan, as train builds them, for n completions a round."""
     run = run_config(args, n)
     plan = run.batch_plan(1)
-    return Policy(model, step_config(run, plan, model.cfg), run.optim, 1000, mesh), plan
+    # No dataset: run_facts.UNLOADED_TOTAL_STEPS (only the schedule's length depends on it).
+    return Policy(model, step_config(run, plan, model.cfg), run.optim,
+                  run_facts.total_steps(run.batch, plan), mesh), plan
 
 
 def bench_train_step(args, cfg, policy):

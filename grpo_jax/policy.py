@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
+from grpo_jax import run_facts
 from grpo_jax.grpo import loss as loss_lib
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.optimizer import OptimizerConfig, make_optimizer
@@ -169,19 +170,12 @@ class Policy:
         return self.model_config.numerics.shared_prefix
 
     def prompt_group(self, batch: Batch, micro_rows: int) -> int:
-        """Rows per shared prompt for the programs (completion_logps' `group`): the largest
-        divisor of `micro_rows` whose blocks of consecutive rows each hold one prompt (1: none,
-        or numerics.shared_prefix off). Read from the host batch, which every process holds
-        whole, so all compile the same program."""
-        if not self.shared_prefix:
-            return 1
-        ids = np.asarray(batch.prompt_ids)
-        mask = np.asarray(batch.prompt_mask)
-        for s in range(micro_rows, 1, -1):
-            if micro_rows % s == 0 and all(
-                    (x.reshape(-1, s, x.shape[1]) == x[::s, None]).all() for x in (ids, mask)):
-                return s
-        return 1
+        """Rows per shared prompt for the programs (completion_logps' `group`) in micro-batches
+        of `micro_rows` rows: run_facts.prompt_group of the blocks of one prompt the batch
+        holds (1: none, or numerics.shared_prefix off). Read from the host batch, which every
+        process holds whole, so all compile the same program."""
+        blocks = prompt_blocks(batch) if self.shared_prefix else 1
+        return run_facts.prompt_group(self.shared_prefix, blocks, micro_rows)
 
     def shard_batch(self, batch: Batch) -> Batch:
         # Host arrays that every process holds whole; each process places its devices' rows.
@@ -228,6 +222,19 @@ class Policy:
         """The full model's params for a sampler or server: `params` themselves, or with LoRA
         the base with the adapters merged in (one fused program, once per round)."""
         return params if self.lora_scale is None else self._merge(self.frozen[0], params)
+
+
+def prompt_blocks(batch: Batch) -> int:
+    """The largest block size, dividing the batch's rows, whose aligned blocks of consecutive
+    rows each hold one prompt (ids and mask): a round's num_generations completions of a prompt
+    in a row make it num_generations (or a multiple, where neighbours share a prompt)."""
+    ids, mask = np.asarray(batch.prompt_ids), np.asarray(batch.prompt_mask)
+    n = ids.shape[0]
+    for s in range(n, 1, -1):
+        if n % s == 0 and all((x.reshape(-1, s, x.shape[1]) == x[::s, None]).all()
+                              for x in (ids, mask)):
+            return s
+    return 1
 
 
 def mix_params(params, ref, alpha, keep):

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from grpo_jax import dynamic_sampling as ds
+from grpo_jax import run_facts
 from grpo_jax.grpo import advantages as adv_lib
 from grpo_jax.grpo import loss as loss_lib
 from grpo_jax.grpo.batch import Batch
@@ -249,7 +250,8 @@ class GRPORound:
         """The trainer's params in the form `mode` names: the full model's params (with LoRA,
         the adapters merged in: one fused program) or the pair (LoRA adapters, frozen base).
         Without LoRA both are the params themselves."""
-        if mode.adapters and self.policy.lora_scale is not None:
+        form = run_facts.sampler_weights(mode, self.policy.lora_scale is not None)
+        if form == run_facts.ADAPTERS_AND_BASE:
             return params, self.policy.frozen[0]
         return self.policy.rollout_params(params)
 

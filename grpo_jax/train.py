@@ -29,6 +29,7 @@ from grpo_jax import hf
 from grpo_jax import mesh as mesh_lib
 from grpo_jax import peft_io
 from grpo_jax import rewards as rewards_lib
+from grpo_jax import run_facts
 from grpo_jax import storage
 from grpo_jax.checkpoint import (BufferFiles, Checkpointer, RefCheckpoints, StopRun, StopSignal,
                                  check_writable, committed_steps, last_good,
@@ -48,18 +49,6 @@ from grpo_jax.round import Draw, GRPORound
 
 
 EVAL_KEY_TAG = 0x4556414C  # "EVAL": evaluation's sampling keys, apart from the rounds'
-
-
-def replicated_state_bytes(cfg: config_lib.TrainConfig, model) -> float:
-    """Bytes a device would hold of the training state with params replicated: the params and
-    AdamW's two moments in the param dtype, a gradient, and the reference copy in the compute
-    dtype when beta > 0; with LoRA, the frozen base (in the compute dtype or quantized)."""
-    n = model.num_params()
-    if cfg.peft.use_peft:
-        bits = cfg.peft.quant_bits or 8 * jax.numpy.dtype(cfg.numerics.dtype).itemsize
-        return n * bits / 8
-    param = jax.numpy.dtype(cfg.numerics.param_dtype).itemsize
-    return n * (4 * param + (jax.numpy.dtype(cfg.numerics.dtype).itemsize if cfg.loss.beta else 0))
 
 
 def choose_mesh(cfg: config_lib.TrainConfig, devices) -> config_lib.TrainConfig:
@@ -82,7 +71,8 @@ def choose_mesh(cfg: config_lib.TrainConfig, devices) -> config_lib.TrainConfig:
     state = 0.0
     if limit is not None:
         model = ModelConfig.from_hf(hf.read_config(hf.resolve_model_dir(peft_io.base_name(cfg))))
-        state = replicated_state_bytes(cfg, model)
+        # The state as one device would hold it replicated, while an update runs.
+        state = run_facts.state_bytes(cfg, model.num_params()).with_gradient
     mesh_cfg, why = mesh_lib.default_config(state, limit)
     if dist.is_main():
         print(f"grpo_jax: no mesh given: {why} ({' '.join(mesh_lib.flags(mesh_cfg))})",
@@ -300,8 +290,7 @@ def _build_run(cfg: config_lib.TrainConfig, out: Path, lock: RunDirLock, devices
         max_completion_length=cfg.generation.max_completion_length,
         soft_punish_cache=cfg.grpo.soft_punish_cache)
     plan = cfg.batch_plan(mesh_lib.batch_divisor(mesh))
-    total_steps = plan.total_steps(len(dataset), cfg.batch.max_steps,
-                                   cfg.batch.num_train_epochs)
+    total_steps = run_facts.total_steps(cfg.batch, plan, len(dataset))
     policy = Policy(model, step_config(cfg, plan, model.cfg), cfg.optim, total_steps, mesh)
     state = policy.init_state
     del model
@@ -309,8 +298,9 @@ def _build_run(cfg: config_lib.TrainConfig, out: Path, lock: RunDirLock, devices
     scorer = RewardScorer(funcs, tokenizer, mesh, cfg.grpo.num_generations)
     run_round = GRPORound(policy, rollout, plan, scorer, scorer.names, cfg.grpo)
     # beta = 0: no reference model is kept at all.
-    reference = (None if not cfg.loss.beta else ADAPTERS_OFF if cfg.peft.use_peft
-                 else reference_copy(state.params, policy.model_config.dtype))
+    reference = (None if not run_facts.has_reference(cfg)
+                 else reference_copy(state.params, policy.model_config.dtype)
+                 if run_facts.keeps_reference_copy(cfg) else ADAPTERS_OFF)
     g_eval = cfg.eval.num_generations_eval or cfg.grpo.num_generations
     eval_scorer = dataclasses.replace(scorer, num_generations=g_eval)
     evaluator = (evaluation.Evaluator(run_round, eval_dataset, eval_scorer, g_eval, eval_prompts,

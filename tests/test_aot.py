@@ -72,7 +72,7 @@ def test_compiles_for_a_pod_without_one(tmp_path, topology, chips, hosts, mesh):
     assert m["fits"] and m["peak_GB"] == max(p["peak_GB"] for p in m["phases"].values())
     # The update's FLOPs per chip: fwd + bwd + the remat forward, 8 N per token, within 2x
     # (every trip of the layer and micro-batch loops counted). Shared prefixes: a prompt's
-    # tokens once per micro-batch group of its 8 completions (programs.prompt_group).
+    # tokens once per micro-batch group of its 8 completions (run_facts.planned_prompt_group).
     tokens = 4 * chips * (64 / 8 + 32)
     model_flops = 8 * TINY.num_params() * tokens / chips
     assert 0.5 < r["time"]["phases"]["update"]["tflop"] * 1e12 / model_flops < 2.0
@@ -348,7 +348,7 @@ def test_auto_finds_a_layout_that_fits_where_the_default_does_not(tmp_path):
     target = hardware.Target("cpu:8", dataclasses.replace(hardware.CHIPS["v5e"], name="test"),
                              "cpu", "8")
     replicated = dataclasses.replace(cfg, mesh=mesh_lib.MeshConfig(dp=-1))
-    default = analyze.evaluate(target, analyze.make_run(target, replicated))
+    default = analyze.evaluate(target, analyze.make_lowering(target, replicated))
     budget = 0.75 * default["memory"]["peak_GB"] * 1e9  # the default does not fit
     target = dataclasses.replace(target, chip=dataclasses.replace(target.chip, hbm_bytes=budget))
     r = search.auto(target, cfg, quick=True, top=1)

@@ -76,7 +76,8 @@ def test_the_package_imports_in_layers_without_circles():
 
 # docs/architecture.md's layers, bottom first: a module imports from its own layer or those
 # below it.
-LAYERS = (("errors", "config", "shapes", "metrics", "logger", "calculator", "internals"),
+LAYERS = (("errors", "config", "run_facts", "shapes", "metrics", "logger", "calculator",
+           "internals"),
           ("mesh", "distributed", "storage", "checksums", "run_dir"), ("models",),
           ("grpo", "hf", "peft_io"),
           ("math_rewards", "reward_model", "rewards", "scoring"), ("rollout",),
@@ -208,3 +209,68 @@ def test_test_modules_import_no_test_module():
     assert not found, (
         "test modules must not import test modules; move what is shared into tests/conftest.py "
         "(fixtures) or a helper module without the test_ prefix:\n  " + "\n  ".join(found))
+
+
+FACTS = "grpo_jax.run_facts"
+# The KL coefficient's own math, and the config's checks of its value (the config sits below
+# run_facts: it validates beta, e.g. TRL's error for sync_ref_model with beta 0).
+BETA_READERS = ("grpo_jax.grpo.loss", "grpo_jax.config")
+# Where a test of a value decides something: a reference rule is `beta` in one of these.
+_TESTS = {ast.If: "test", ast.IfExp: "test", ast.While: "test", ast.Assert: "test"}
+
+
+def _decided(node) -> list:
+    """The expressions `node` tests: an if/while/assert's or conditional expression's test,
+    a boolean operation's operands, a `not`'s operand, a comparison's sides."""
+    if type(node) in _TESTS:
+        return [getattr(node, _TESTS[type(node)])]
+    if isinstance(node, ast.BoolOp):
+        return node.values
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        return [node.operand]
+    if isinstance(node, ast.Compare):
+        return [node.left, *node.comparators]
+    return []
+
+
+def _calls(tree, name: str) -> list:
+    """Calls of `name` (a plain name or an attribute's), with the callee's text."""
+    return [(node.lineno, ast.unparse(node.func)) for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and name in (
+                getattr(node.func, "id", None), getattr(node.func, "attr", None))]
+
+
+def test_run_facts_are_decided_in_one_module():
+    """The reference rule (is there a reference model: a test of beta), the prompt group (rows
+    per shared prompt) and the run's total steps are run_facts' alone: train, aot and bench call
+    it, none re-derives one (docs/architecture.md)."""
+    trees = dict(_modules())
+    rule, groups, steps = [], [], []
+    for name, tree in trees.items():
+        if name == FACTS:
+            continue
+        if not name.startswith(BETA_READERS):
+            rule += [(name, e.lineno, ast.unparse(e)) for node in ast.walk(tree)
+                     for expr in _decided(node) for e in ast.walk(expr)
+                     if isinstance(e, ast.Attribute) and e.attr == "beta"]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name == "total_steps":
+                steps.append((name, node.lineno, "def total_steps"))
+            if isinstance(node, ast.FunctionDef) and node.name == "prompt_group" and not any(
+                    f == "run_facts.prompt_group" for _, f in _calls(node, "prompt_group")):
+                groups.append((name, node.lineno, "def prompt_group without run_facts'"))
+        groups += [(name, line, f) for line, f in _calls(tree, "gcd")]
+        steps += [(name, line, f) for line, f in _calls(tree, "total_steps")
+                  if f != "run_facts.total_steps"]
+        # Programs are built for run_facts.total_steps' steps, never a number written in.
+        steps += [(name, node.lineno, ast.unparse(node)) for fn in ("Policy", "build_programs")
+                  for node in ast.walk(tree) if isinstance(node, ast.Call)
+                  and fn in (getattr(node.func, "id", None), getattr(node.func, "attr", None))
+                  and any(isinstance(a, ast.Constant) and isinstance(a.value, int)
+                          for a in node.args)]
+    assert not rule, rule
+    assert not groups, groups
+    assert not steps, steps
+    facts = trees[FACTS]
+    defined = {n.name for n in facts.body if isinstance(n, ast.FunctionDef)}
+    assert {"has_reference", "prompt_group", "total_steps"} <= defined

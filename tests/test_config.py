@@ -17,6 +17,7 @@ import sys
 import grpo_jax
 from grpo_jax import cli
 from grpo_jax import config as config_lib
+from grpo_jax import run_facts
 from grpo_jax.cli import builtin_configs, config_from_dict, load_config, parse_cli
 from grpo_jax.config import TrainConfig
 from grpo_jax.errors import ConfigError
@@ -177,8 +178,11 @@ def test_batch_plan_errors_and_total_steps():
                                 "num_iterations=2", "num_train_epochs=1.5"])
     plan = cfg.batch_plan(1)
     assert plan.prompts_per_generation == 4
-    assert plan.total_steps(100, cfg.batch.max_steps, cfg.batch.num_train_epochs) == 75
-    assert plan.total_steps(100, 7, 1.5) == 7
+    assert run_facts.total_steps(cfg.batch, plan, 100) == 75
+    seven = dataclasses.replace(cfg.batch, max_steps=7)
+    assert run_facts.total_steps(seven, plan, 100) == 7 == run_facts.total_steps(seven, plan)
+    # No dataset (aot, bench) and no max_steps: the documented stand-in.
+    assert run_facts.total_steps(cfg.batch, plan) == run_facts.UNLOADED_TOTAL_STEPS
 
 
 def test_warmup_and_mesh_helpers():

@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 from round_stubs import C, G, MICRO, State, StubRollout, StubTrainer, plan
 
-from grpo_jax.config import BatchPlan, GRPOArgs
+from grpo_jax import run_facts
+from grpo_jax.config import BatchArgs, BatchPlan, GRPOArgs
 from grpo_jax.data import DataPosition
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.loss import LossConfig
@@ -224,7 +225,9 @@ def test_epoch_is_optimizer_progress_with_a_partial_last_window():
     assert p.epoch(37, 100) == pytest.approx(74 / 75)
     assert p.epoch(38, 100) == 1.0 and p.epoch(76, 100) == 2.0
     assert p.epoch(39, 100) == pytest.approx(1 + 2 / 75)
-    assert p.total_steps(100, -1, 2.0) == 76 and p.total_steps(100, -1, 1.5) == 57
+    two, one_and_half = BatchArgs(num_train_epochs=2.0), BatchArgs(num_train_epochs=1.5)
+    assert (run_facts.total_steps(two, p, 100) == 76
+            and run_facts.total_steps(one_and_half, p, 100) == 57)
     assert p.num_train_epochs(100, 57) == 2 and p.num_train_epochs(100, 76) == 2
 
 

@@ -85,7 +85,7 @@ def main(argv=None):
     args, rest = p.parse_known_args(argv)
     target = hardware.parse_target("h100:1")
     config = open(args.target_config).read() if args.target_config else hardware.H100_TARGET
-    run = analyze.make_run(target, cli.parse_cli(BENCH + rest), gpu_target_config=config)
+    run = analyze.make_lowering(target, cli.parse_cli(BENCH + rest), gpu_target_config=config)
     options = {}
     for kv in args.xla:
         k, v = kv.split("=", 1)

@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from grpo_jax import run_facts
 from grpo_jax.aot import report
 from grpo_jax.errors import GrpoJaxError
 
@@ -90,8 +91,8 @@ def check_config(cfg) -> None:
                            "length (the sampler's bucket that holds it)")
 
 
-def make_run(target, cfg, **device_kw):
-    """The run `cfg` on `target`'s devices, meshed as train.py meshes them."""
+def make_lowering(target, cfg, **device_kw):
+    """The programs.Lowering of `cfg` on `target`'s devices, meshed as train.py meshes them."""
     from grpo_jax import mesh as mesh_lib
     from grpo_jax.aot import hardware, programs
 
@@ -99,7 +100,7 @@ def make_run(target, cfg, **device_kw):
     model = model_config(cfg.model.name_or_path).replace(
         numerics=cfg.peft.base_numerics(cfg.numerics))
     mesh = mesh_lib.make_mesh(cfg.mesh, hardware.devices(target, **device_kw))
-    return programs.Run(cfg, model, mesh, cfg.batch_plan(mesh_lib.batch_divisor(mesh)))
+    return programs.Lowering(cfg, model, mesh, cfg.batch_plan(mesh_lib.batch_divisor(mesh)))
 
 
 def evaluate(target, run, *, full_depth: bool = True, phases=("generate", "logprobs", "update"),
@@ -193,7 +194,7 @@ def _memory(run, progs, compiled: dict) -> dict:
     # train.py keeps a copy of the initial params, matrices in the compute dtype (norms: tiny);
     # LoRA's reference is the base with the adapters off: no copy.
     ref = (params * jax.numpy.dtype(run.model.dtype).itemsize / run.model.param_dtype.itemsize
-           if run.cfg.loss.beta and not progs.frozen else 0.0)
+           if run_facts.keeps_reference_copy(run.cfg) else 0.0)
     resident = state + ref + base
     mem = {k: c.memory_analysis() for k, c in compiled.items()}
     # Resident buffers among each program's arguments; a LoRA sampler that does not take the
@@ -274,7 +275,7 @@ def per_round(run) -> dict:
     micro-batch of the generation batch per pass (reference, old), the update once per
     optimizer step."""
     plan, cfg = run.plan, run.cfg
-    passes = (cfg.loss.beta > 0) + plan.needs_old_logps
+    passes = run_facts.has_reference(cfg) + plan.needs_old_logps
     return {"generate": 1.0, "logprobs": float(passes * plan.steps_per_generation),
             "update": plan.steps_per_generation * plan.num_iterations
             / plan.gradient_accumulation_steps}
@@ -289,7 +290,7 @@ def run_phases(run, phases=("generate", "logprobs", "update")) -> tuple[str, ...
 
 def timing(run, target, ev: dict) -> tuple[dict | None, dict]:
     """The forecast (None without costs) and the communication per round."""
-    from grpo_jax.aot import comms, programs
+    from grpo_jax.aot import comms
 
     chip, runs, progs = target.chip, per_round(run), ev["progs"]
     if progs.decode_slots:  # the rows in waves through fewer slots: each wave a static decode
@@ -315,7 +316,7 @@ def timing(run, target, ev: dict) -> tuple[dict | None, dict]:
         run.model, plan.prompts_per_generation, plan.generation_batch_size, progs.prompt_width,
         C, runs["logprobs"] * plan.micro_batch_size / plan.generation_batch_size,
         runs["update"] * plan.micro_batch_size * plan.gradient_accumulation_steps,
-        programs.prompt_group(run.cfg, plan))
+        run_facts.planned_prompt_group(run.cfg, plan))
     phases = {}
     for k, c in per_phase.items():  # each with its own MFU, at both ends of its range
         comm_s = communication[k]["seconds"] if communication.get(k) else 0.0

@@ -23,7 +23,7 @@ def analyze_config(target, cfg, quick: bool = False,
     analyze.check_config(cfg)
     if not cfg.mesh.given:
         cfg, chosen = search.default_layout(target, cfg)
-    run = analyze.make_run(target, cfg)
+    run = analyze.make_lowering(target, cfg)
     ev = analyze.evaluate(target, run, full_depth=not quick,
                           phases=analyze.run_phases(run, phases))
     result = analyze.summarize(target, cfg, run, ev, start)

@@ -17,7 +17,6 @@ carry NamedShardings over the target's devices.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -25,19 +24,20 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from grpo_jax import mesh as mesh_lib
+from grpo_jax import run_facts
 from grpo_jax.config import BatchPlan, TrainConfig
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.train_step import StepConfig
 from grpo_jax.models import KVCache, ModelConfig, lora
 from grpo_jax.models.build import abstract_model
-from grpo_jax.rollout.base import WeightMode
 from grpo_jax.rollout.native.rollout import JaxRollout
 from grpo_jax.policy import build_programs, split_policy, step_config
 
 
 @dataclasses.dataclass(frozen=True)
-class Run:
-    """One configuration on one mesh: what the programs are built from."""
+class Lowering:
+    """One configuration on one mesh: what its programs are lowered from (train.Run is the
+    run itself, built from data)."""
     cfg: TrainConfig
     model: ModelConfig
     mesh: Any
@@ -47,7 +47,7 @@ class Run:
     def step_config(self) -> StepConfig:
         return step_config(self.cfg, self.plan, self.model)
 
-    def with_layers(self, n: int) -> "Run":
+    def with_layers(self, n: int) -> "Lowering":
         return dataclasses.replace(self, model=self.model.with_layers(n))
 
 
@@ -93,7 +93,7 @@ class Programs:
 PHASES = ("generate", "logprobs", "update")
 
 
-def build(run: Run, phases: tuple[str, ...] = PHASES) -> Programs:
+def build(run: Lowering, phases: tuple[str, ...] = PHASES) -> Programs:
     """The run's programs, lowered: those of `phases` (none: only the abstract state)."""
     mesh, step_cfg = run.mesh, run.step_config
     replicated = NamedSharding(mesh, P())
@@ -103,20 +103,23 @@ def build(run: Run, phases: tuple[str, ...] = PHASES) -> Programs:
     split = split_policy(abstract_model(run.model, peft, run.cfg.numerics.param_dtype), mesh)
     graphdef, frozen = split.graphdef, tuple(
         _abstract(base, mesh_lib.param_shardings(base, mesh)) for base in split.frozen)
-    # The trainer's own programs, built from abstract params.
-    programs = build_programs(graphdef, split.params, step_cfg, run.cfg.optim, 1000, mesh)
+    # The trainer's own programs, built from abstract params (no data: the steps max_steps
+    # says, else run_facts.UNLOADED_TOTAL_STEPS; only the schedule's constants depend on it).
+    programs = build_programs(graphdef, split.params, step_cfg, run.cfg.optim,
+                              run_facts.total_steps(run.cfg.batch, run.plan), mesh)
     params = _abstract(split.params, programs.param_shardings)
     state = _abstract(jax.eval_shape(programs.init, params), programs.state_shardings)
-    g, group = run.cfg.grpo.num_generations, prompt_group(run.cfg, run.plan)
+    g, group = run.cfg.grpo.num_generations, run_facts.planned_prompt_group(run.cfg, run.plan)
     k = run.plan.gradient_accumulation_steps
 
     # The run's own rollout: its sampler, its decode slots, how it reads the policy's weights.
     rollout = JaxRollout(run.model, run.cfg.generation, pad_id=0, mesh=mesh, peft=peft)
     sampler = rollout.sampler
-    takes_adapters = rollout.weight_mode is WeightMode.READ_ADAPTERS
+    form = run_facts.sampler_weights(rollout.weight_mode, peft is not None)
+    takes_adapters = form == run_facts.ADAPTERS_AND_BASE
     if takes_adapters:
         weights = (state.params, frozen[0])
-    elif peft:  # GRPORound hands the sampler the base with the adapters merged (a new copy)
+    elif form == run_facts.MERGED:  # GRPORound hands the sampler a merged copy of the base
         merged = jax.eval_shape(lambda b, a: lora.merge_into_base(b, a, split.lora_scale),
                                 frozen[0], state.params)
         weights = _abstract(merged, mesh_lib.param_shardings(merged, mesh))
@@ -156,19 +159,11 @@ def build(run: Run, phases: tuple[str, ...] = PHASES) -> Programs:
                     takes_adapters, refill and refill.slots)
 
 
-def prompt_group(cfg: TrainConfig, plan: BatchPlan) -> int:
-    """Rows per shared prompt in the update and log-prob programs, as Policy.prompt_group finds
-    them in a round's batches (numerics.shared_prefix): a micro-batch holds whole groups of a
-    prompt's consecutive completions."""
-    return math.gcd(plan.num_generations, plan.micro_batch_size) if cfg.numerics.shared_prefix \
-        else 1
-
-
 def _rows(shape, dtype, mesh) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=mesh_lib.batch_sharding(mesh, len(shape)))
 
 
-def _batch(run: Run, n: int, width: int, logps: bool = True) -> Batch:
+def _batch(run: Lowering, n: int, width: int, logps: bool = True) -> Batch:
     """The abstract Batch a round feeds the program: what GRPORound fills in for this config."""
     C, mesh = run.cfg.generation.max_completion_length, run.mesh
     tokens = lambda: _rows((n, C), jnp.int32, mesh)  # noqa: E731
@@ -178,5 +173,5 @@ def _batch(run: Run, n: int, width: int, logps: bool = True) -> Batch:
     if not logps:
         return batch
     return batch.replace(sampler_logp=per_token(), num_items=_rows((n,), jnp.float32, mesh),
-                         ref_logp=per_token() if run.cfg.loss.beta else None,
+                         ref_logp=per_token() if run_facts.has_reference(run.cfg) else None,
                          old_logp=per_token() if run.plan.needs_old_logps else None)

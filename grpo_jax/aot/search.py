@@ -31,6 +31,7 @@ import math
 import sys
 import time
 
+from grpo_jax import run_facts
 from grpo_jax.errors import GrpoJaxError
 
 MARGIN = 0.1  # of HBM left free by a layout that "fits"
@@ -207,7 +208,6 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
     from grpo_jax import mesh as mesh_lib
     from grpo_jax.aot import report
     from grpo_jax.models import param_table
-    from grpo_jax.aot.programs import prompt_group
     from grpo_jax.shapes import bucket_width
 
 
@@ -217,20 +217,15 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
     dp = data * f
     g = f * cp  # the devices a weight is split over, besides tensor (mesh.RULES' embed)
     c_bytes = jnp.dtype(cfg.numerics.dtype).itemsize
-    p_bytes = jnp.dtype(cfg.numerics.param_dtype).itemsize
     peft = cfg.peft.use_peft
     elems = 0.0  # weights per chip
     for shape, names in param_table(model).values():
         spec = mesh_lib.spec_for(names, shape, mesh)
         elems += math.prod(shape) / math.prod(sizes[a] for s in spec for a in _flat(s))
     n_params = model.num_params()
-    if peft:
-        base = elems * ((cfg.peft.quant_bits or 8 * c_bytes) / 8)
-        state, ref = 0.0, 0.0
-    else:
-        base, state = 0.0, elems * p_bytes * 3  # params + AdamW's two moments
-        ref = elems * c_bytes if cfg.loss.beta else 0.0
-    resident = state + ref + base
+    # params, AdamW's moments, the reference copy, LoRA's base (the gradient: in `update`)
+    held = run_facts.state_bytes(cfg, elems)
+    resident = held.resident
     plan = lay.apply(cfg, cfg.batch_plan(_batch_size(cfg, chips)).generation_batch_size
                      ).batch_plan(dp)
     L, D, F, V = model.num_layers, model.hidden_size, model.intermediate_size, model.vocab_size
@@ -269,7 +264,7 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
     # of the vocabulary, fp32, with its softmax and gradient.
     logits = r * dp * min(C, 128) * V / chips * 4 * 3
     slack = 0.02 * chip.hbm_bytes  # XLA's own buffers, scratch
-    trained = (elems if not peft else 0.0) * p_bytes
+    trained = held.params
     temps = {
         "generate": kv + elems * c_bytes + gathered + prompts_chip * h * P * P * 4
         # refill's store of each prompt's prefilled keys and values, for the waves to come
@@ -284,14 +279,16 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
     peak = max(resident + t for t in temps.values())
     # Time per chip.
     runs = {"generate": 1.0,
-            "logprobs": ((cfg.loss.beta > 0) + plan.needs_old_logps) * plan.steps_per_generation,
+            "logprobs": (run_facts.has_reference(cfg) + plan.needs_old_logps)
+            * plan.steps_per_generation,
             "update": plan.steps_per_generation * plan.num_iterations
             / plan.gradient_accumulation_steps}
     flops = report.model_flops(model, plan.prompts_per_generation, plan.generation_batch_size,
                                P, C, runs["logprobs"] * plan.micro_batch_size
                                / plan.generation_batch_size,
                                runs["update"] * plan.micro_batch_size
-                               * plan.gradient_accumulation_steps, prompt_group(cfg, plan))
+                               * plan.gradient_accumulation_steps,
+                               run_facts.planned_prompt_group(cfg, plan))
     flops["update"] *= (4 / 3) if lay.remat and lay.remat_policy == "full" else 1.0
     weights_chip = elems * c_bytes
     hbm = {"generate": waves * (C - 1) * (weights_chip + kv),
@@ -532,7 +529,7 @@ def _try(target, cfg, lay: Layout, est: dict, gen: int, samplers: dict) -> dict:
     from grpo_jax.aot import analyze
 
     lcfg = lay.apply(cfg, gen)
-    run = analyze.make_run(target, lcfg)
+    run = analyze.make_lowering(target, lcfg)
     t0 = time.perf_counter()
     phases = analyze.run_phases(run)
     trained = tuple(p for p in phases if p != "generate")

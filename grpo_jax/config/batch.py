@@ -82,12 +82,6 @@ class BatchPlan:
         return max(-(-self.micro_steps_per_epoch(num_prompts)
                      // self.gradient_accumulation_steps), 1)
 
-    def total_steps(self, num_prompts: int, max_steps: int, num_train_epochs: float) -> int:
-        """Optimizer steps in the run (TRL's rule: max_steps wins when > 0)."""
-        if max_steps > 0:
-            return max_steps
-        return max(1, math.ceil(num_train_epochs * self.updates_per_epoch(num_prompts)))
-
     def num_train_epochs(self, num_prompts: int, total_steps: int) -> int:
         """transformers' state.num_train_epochs: the epochs the run's steps touch."""
         return -(-total_steps // self.updates_per_epoch(num_prompts))
