@@ -32,8 +32,9 @@ from grpo_jax.run_state import ADAPTERS_OFF
 def step_config(cfg: TrainConfig, plan: BatchPlan, model_cfg) -> StepConfig:
     """The step's math settings of a run (train, bench and aot alike)."""
     loss = cfg.loss
-    if cfg.rollout.backend != "vllm":
-        # The JAX sampler runs the trainer's own weights: its log-probs only feed the metrics.
+    if cfg.rollout.backend != "vllm" and not loss.native_importance_sampling_correction:
+        # The JAX sampler runs the trainer's own weights: its log-probs only feed the metrics
+        # (and rollout_rs's mask, when set), unless native_importance_sampling_correction.
         loss = dataclasses.replace(loss, vllm_importance_sampling_correction=False)
     return StepConfig(loss=loss, temperature=cfg.generation.temperature,
                       gradient_accumulation_steps=plan.gradient_accumulation_steps,

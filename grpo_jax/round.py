@@ -237,12 +237,15 @@ class GRPORound:
 
     def sampling_metrics(self, batch: Batch) -> dict:
         """TRL's sampling/* metrics of a generation batch with old log-probs: |old - sampler|
-        and the importance weight over all its tokens (loss.PER_GENERATION)."""
+        and the importance weight over all its tokens; with rollout_rs, its rejection
+        fractions (loss.PER_GENERATION)."""
         lc = self.policy.cfg.loss
         m = loss_lib.loss_mask(batch.model_mask(), batch.truncated, lc)
         w = loss_lib.sampler_is_weight(batch.old_logp, batch.sampler_logp, m, lc)
+        keep = (None if lc.rollout_rs is None
+                else loss_lib.rollout_rs_mask(batch.old_logp, batch.sampler_logp, m, lc))
         sums = jax.device_get(loss_lib.sampling_metric_sums(batch.old_logp, batch.sampler_logp,
-                                                             w, m))
+                                                             w, m, keep))
         per_gen = loss_lib.per_generation_metrics(jax.tree.map(lambda x: x[None], sums), 1)
         return {k: v[0] for k, v in per_gen.items()}
 

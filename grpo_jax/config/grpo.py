@@ -97,6 +97,10 @@ class GRPOArgs:
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 ISLevel = Literal["token", "sequence"]
 ISMode = Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+# verl's rollout rejection sampling modes (algorithm.rollout_correction.rollout_rs): k1 is the
+# log-ratio log(pi_train / pi_sampler); token_k1 judges each token, seq_mean_k1 each sequence
+# by the mean of its tokens' k1 (the geometric mean of their ratios).
+RSMode = Literal["token_k1", "seq_mean_k1"]
 
 
 class LossKind(NamedTuple):
@@ -189,8 +193,15 @@ class LossConfig:
         "below it.")
     vllm_importance_sampling_correction: bool = arg(
         True,
-        "Sampler/trainer mismatch: weight tokens by exp(old_logp - sampler_logp). The trainer "
-        "applies it to vLLM rollouts only: the JAX sampler runs the trainer's own weights.")
+        "Sampler/trainer mismatch: weight tokens by exp(old_logp - sampler_logp) (TRL's). The "
+        "trainer applies it to vLLM rollouts; to the JAX sampler's only with "
+        "native_importance_sampling_correction (it runs the trainer's own weights).")
+    native_importance_sampling_correction: bool = arg(
+        False,
+        "Not TRL's: apply vllm_importance_sampling_correction's weight (its mode and clip "
+        "bounds) to the JAX sampler's rollouts too. Off: the native sampler's log-probs differ "
+        "from the trainer's by numerics only (bf16 vs fp32 kernels) and feed the sampling/* "
+        "metrics alone. Needs vllm_importance_sampling_correction.")
     vllm_importance_sampling_mode: ISMode = arg(
         "sequence_mask",
         "How the sampler-correction weight is cut: per token or per sequence, truncated or "
@@ -201,6 +212,24 @@ class LossConfig:
     vllm_importance_sampling_clip_max: float | None = arg(
         3.0,
         "The correction weight's upper bound (null: none).")
+    rollout_rs: RSMode | None = arg(
+        None,
+        "Not TRL's: verl's rollout rejection sampling (algorithm.rollout_correction.rollout_rs), "
+        "on every backend: token_k1 drops each token whose ratio exp(old_logp - sampler_logp) "
+        "is outside [rollout_rs_threshold_lower, rollout_rs_threshold] (a two-sided token mask, "
+        "IcePop's band without its weight); seq_mean_k1 drops every token of a sequence whose "
+        "geometric-mean ratio over its loss tokens is outside it (MIS, verl's former "
+        "'geometric'). Kept tokens weigh 1 (times vllm_importance_sampling_correction's weight "
+        "when that applies); dropped ones still count in the loss's denominator, as TRL's "
+        "*_mask modes. None: off.")
+    rollout_rs_threshold: float | None = arg(
+        None,
+        "rollout_rs's upper bound on the ratio (verl's rollout_rs_threshold), e.g. 2.0 for "
+        "token_k1, 1.001 for seq_mean_k1.")
+    rollout_rs_threshold_lower: float | None = arg(
+        None,
+        "rollout_rs's lower bound on the ratio (verl's rollout_rs_threshold_lower); null: "
+        "1 / rollout_rs_threshold, as verl.")
     off_policy_mask_threshold: float | None = arg(
         None,
         "Drop sequences with a negative advantage whose mean KL(sampler || policy) exceeds this "
@@ -216,6 +245,9 @@ class LossConfig:
                               ("vllm_importance_sampling_mode", ISMode)):
             value, choices = getattr(self, name), typing.get_args(choices)
             check(value in choices, f"{name} must be one of {choices}, got {value!r}")
+        check(self.rollout_rs is None or self.rollout_rs in typing.get_args(RSMode),
+              f"rollout_rs must be one of {typing.get_args(RSMode)} or null, got "
+              f"{self.rollout_rs!r}")
         check(self.beta >= 0, f"beta must be >= 0, got {self.beta}")
         check(self.epsilon > 0, f"epsilon must be > 0, got {self.epsilon}")
         check(self.epsilon_high is None or self.epsilon_high > 0,
@@ -244,6 +276,19 @@ class LossConfig:
                    and self.vllm_importance_sampling_mode.endswith("_truncate")),
               "a *_truncate vllm_importance_sampling_mode needs vllm_importance_sampling_clip_min"
               " or vllm_importance_sampling_clip_max")
+        check(self.vllm_importance_sampling_correction
+              or not self.native_importance_sampling_correction,
+              "native_importance_sampling_correction applies vllm_importance_sampling_correction "
+              "to the JAX sampler: set vllm_importance_sampling_correction true too")
+        rs, rs_hi, rs_lo = (self.rollout_rs, self.rollout_rs_threshold,
+                            self.rollout_rs_threshold_lower)
+        check((rs is None) == (rs_hi is None) and (rs is not None or rs_lo is None),
+              "rollout_rs and rollout_rs_threshold go together (rollout_rs_threshold_lower "
+              f"only with them): got rollout_rs={rs!r}, rollout_rs_threshold={rs_hi}, "
+              f"rollout_rs_threshold_lower={rs_lo}")
+        check(rs is None or (rs_hi > 0 and (rs_lo is None or 0 < rs_lo < rs_hi)),
+              f"rollout_rs's bounds must be 0 < rollout_rs_threshold_lower < "
+              f"rollout_rs_threshold, got {rs_lo} and {rs_hi}")
         check(self.off_policy_mask_threshold is None or self.off_policy_mask_threshold >= 0,
               f"off_policy_mask_threshold must be >= 0 or null (TRL expects a positive value, "
               f"e.g. 0.5), got {self.off_policy_mask_threshold}")
@@ -251,6 +296,13 @@ class LossConfig:
     @property
     def eps_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def rollout_rs_bounds(self) -> tuple[float, float]:
+        """rollout_rs's [lower, upper] bounds on the ratio (lower: 1 / upper unless given)."""
+        hi = self.rollout_rs_threshold
+        lo = self.rollout_rs_threshold_lower
+        return (1.0 / hi if lo is None else lo), hi
 
     @property
     def entropy_bonus(self) -> bool:

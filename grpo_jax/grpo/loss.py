@@ -72,7 +72,7 @@ import numpy as np
 
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.config.grpo import (LOSS_KINDS, ISLevel, ISMode, LossConfig,  # noqa: F401 (API)
-                                  LossType)
+                                  LossType, RSMode)
 
 f32 = jnp.float32
 
@@ -139,6 +139,26 @@ def sampler_is_weight(old_logp, sampler_logp, m, cfg: LossConfig) -> jax.Array:
     return jnp.where((w < lo) | (w > hi), 0.0, w)
 
 
+def rollout_rs_mask(old_logp, sampler_logp, m, cfg: LossConfig) -> jax.Array:
+    """verl's rollout rejection sampling (cfg.rollout_rs): [B, T] fp32, 1 = keep, 0 = drop.
+    The ratio is exp(old - sampler) (k1 = old - sampler, the log-ratio), kept iff within
+    cfg.rollout_rs_bounds [lo, hi]:
+      token_k1     per token: a two-sided token mask (IcePop's band, without its weight);
+      seq_mean_k1  per sequence: exp(mean of k1 over its loss tokens m), the geometric mean
+                   of its ratios (MIS); every token of a sequence outside the band dropped.
+    A NaN sampler log-prob counts as k1 0 (ratio 1), as sampler_is_weight; a sequence without
+    loss tokens has ratio 1. A constant: no gradient."""
+    k1 = jnp.nan_to_num((jax.lax.stop_gradient(old_logp) - sampler_logp.astype(f32)) * m,
+                        nan=0.0)
+    if cfg.rollout_rs == "seq_mean_k1":
+        k1 = k1.sum(-1, keepdims=True) / jnp.maximum(m.sum(-1, keepdims=True), 1.0)
+    elif cfg.rollout_rs != "token_k1":
+        raise ValueError(f"rollout_rs must be one of {RSMode.__args__}, got {cfg.rollout_rs!r}")
+    ratio = jnp.exp(k1)
+    lo, hi = cfg.rollout_rs_bounds
+    return jnp.broadcast_to((ratio >= lo) & (ratio <= hi), m.shape).astype(f32)
+
+
 def off_policy_mask(A, logp, sampler_logp, m, threshold: float) -> jax.Array:
     """[B, 1] 1 = keep: advantage >= 0, or the sequence's mean KL estimate sampler_logp - logp
     (NaN tokens count 0) is <= threshold (DeepSeek-V3.2's off-policy sequence mask)."""
@@ -173,6 +193,7 @@ class _Terms(NamedTuple):
     kl: jax.Array | None  # [B, T] when beta > 0 (times the ratio with use_bias_correction_kl)
     is_weight: jax.Array | None  # sampler importance weight when sampler_logp is given
     phi: jax.Array | None  # [B, 1] vespo's weights
+    rs_keep: jax.Array | None = None  # [B, T] rollout_rs's mask (1 = keep) when it is on
 
 
 class MicroLoss(NamedTuple):
@@ -221,6 +242,11 @@ def micro_loss_terms(logp, entropy, batch: Batch, cfg: LossConfig) -> MicroLoss:
         raise ValueError("vllm_importance_sampling_correction needs sampler_logp (the "
                          "sampler's per-token log-probs)")
     correction = is_weight if cfg.vllm_importance_sampling_correction else None
+    rs_keep = None
+    if cfg.rollout_rs is not None:
+        if batch.sampler_logp is None:
+            raise ValueError("rollout_rs needs sampler_logp (the sampler's per-token log-probs)")
+        rs_keep = rollout_rs_mask(old, batch.sampler_logp, m, cfg)
     objective = LOSS_KINDS[cfg.loss_type].objective
     if (objective == "vespo" and correction is not None
             and cfg.vllm_importance_sampling_mode.startswith("sequence")):
@@ -262,6 +288,8 @@ def micro_loss_terms(logp, entropy, batch: Batch, cfg: LossConfig) -> MicroLoss:
         per_token = per_token * ent_mask
     if correction is not None and objective != "vespo":  # vespo has it inside phi
         per_token = per_token * correction
+    if rs_keep is not None:
+        per_token = per_token * rs_keep
     if kl is not None:
         per_token = per_token + cfg.beta * kl
 
@@ -278,7 +306,8 @@ def micro_loss_terms(logp, entropy, batch: Batch, cfg: LossConfig) -> MicroLoss:
     if cfg.entropy_bonus:
         eff = m if ent_mask is None else m * ent_mask
         entropy_mean = (entropy.astype(f32) * eff).sum() / jnp.maximum(eff.sum(), 1.0)
-    terms = _Terms(m, A, sg(old), sg(ratio), None if kl is None else sg(kl), is_weight, phi)
+    terms = _Terms(m, A, sg(old), sg(ratio), None if kl is None else sg(kl), is_weight, phi,
+                   rs_keep)
     sums = loss_metrics(terms, entropy, batch.sampler_logp, cfg)
     if cfg.entropy_bonus:
         den = loss_denominator(batch.model_mask(), batch.truncated, cfg, batch.num_items)
@@ -315,12 +344,15 @@ def update_entropy_coef(coef, step_entropy, cfg: LossConfig):
 
 
 # TRL computes these in _generate_and_score_completions, once per generation batch over all its
-# tokens (0 where none is valid), not per micro-batch: see per_generation_metrics.
+# tokens (0 where none is valid), not per micro-batch: see per_generation_metrics. The
+# rollout_corr/* ones (rollout_rs on) are verl's names, over the generation batch as verl's.
+RS_METRICS = ("rollout_corr/rollout_rs_masked_fraction",
+              "rollout_corr/rollout_rs_seq_masked_fraction")
 PER_GENERATION = ("sampling/sampling_logp_difference/mean",
                   "sampling/sampling_logp_difference/max",
                   "sampling/importance_sampling_ratio/min",
                   "sampling/importance_sampling_ratio/mean",
-                  "sampling/importance_sampling_ratio/max")
+                  "sampling/importance_sampling_ratio/max") + RS_METRICS
 # step_metrics' entry holding the PER_GENERATION metrics' per-micro-batch sums (not logged as is).
 GENERATION_SUMS = "_generation_sums"
 
@@ -363,17 +395,20 @@ def loss_metrics(t: _Terms, entropy, sampler_logp, cfg: LossConfig) -> dict:
         maxs["clip_ratio/high_max"] = jnp.where(has, high_seq, -jnp.inf).max()
     out = {"mean": means, "min": mins, "max": maxs}
     if t.is_weight is not None:
-        sampling = sampling_metric_sums(t.old, sampler_logp, t.is_weight, m)
+        sampling = sampling_metric_sums(t.old, sampler_logp, t.is_weight, m, t.rs_keep)
         for kind in out:
             out[kind].update(sampling[kind])
     return out
 
 
-def sampling_metric_sums(old, sampler_logp, is_weight, m) -> dict:
+def sampling_metric_sums(old, sampler_logp, is_weight, m, rs_keep=None) -> dict:
     """The PER_GENERATION metrics' sums over rows of old and sampler log-probs: |old - sampler|
     over the loss tokens the sampler scored, and the importance weight (per token or per
-    sequence), as TRL's lines."""
+    sequence), as TRL's lines; with rollout_rs's mask `rs_keep`, verl's rejection fractions:
+    of the loss tokens dropped, and of the sequences with loss tokens those with any dropped
+    (every one of theirs, with seq_mean_k1)."""
     w = is_weight
+    rs = {} if rs_keep is None else rs_metric_sums(rs_keep, m)
     diff = jnp.abs(old - sampler_logp.astype(f32))
     valid = (m > 0) & ~jnp.isnan(diff)  # as TRL: unscorable tokens left out
     name = "sampling/importance_sampling_ratio/"
@@ -381,11 +416,20 @@ def sampling_metric_sums(old, sampler_logp, is_weight, m) -> dict:
     return {"mean": {"sampling/sampling_logp_difference/mean": jnp.stack(
                 [jnp.where(valid, diff, 0.0).sum(), valid.sum().astype(f32)]),
                      name + "mean": jnp.stack([jnp.where(w_valid, w, 0.0).sum(),
-                                               w_valid.sum().astype(f32)])},
+                                               w_valid.sum().astype(f32)]), **rs},
             "min": {name + "min": jnp.where(w_valid, w, jnp.inf).min()},
             "max": {"sampling/sampling_logp_difference/max": jnp.where(valid, diff,
                                                                        -jnp.inf).max(),
                     name + "max": jnp.where(w_valid, w, -jnp.inf).max()}}
+
+
+def rs_metric_sums(rs_keep, m) -> dict:
+    """RS_METRICS' [sum, count] pairs (see sampling_metric_sums)."""
+    dropped = (1.0 - rs_keep) * m
+    has = m.sum(-1) > 0
+    return {RS_METRICS[0]: jnp.stack([dropped.sum(), m.sum()]),
+            RS_METRICS[1]: jnp.stack([((dropped.sum(-1) > 0) & has).sum().astype(f32),
+                                      has.sum().astype(f32)])}
 
 
 def empty_metric_sums(like):
