@@ -19,13 +19,15 @@ from those lines.
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 from trl import GRPOConfig  # noqa: E402
-from trl_oracle import jax_step, make_inputs, run_trl, trl_trainer  # noqa: E402
+from trl_oracle import (jax_step, make_inputs, run_trl, trl_sampling_metrics,  # noqa: E402
+                        trl_trainer)
 
 from grpo_jax.grpo import loss as L  # noqa: E402
 from grpo_jax.grpo.train_step import finish_entropy_control, init_train_state  # noqa: E402
@@ -145,6 +147,58 @@ def test_loss_and_gradients_match_trl(case):
         close(f"metric {n}", metrics[n], v, WORST)
 
 
+MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("old", [True, False], ids=["old", "on-policy"])
+def test_native_path_corrections_match_trl(mode, old):
+    """The native path with native_importance_sampling_correction: the step config it builds
+    (policy.step_config, backend jax) keeps TRL's correction, and a step of 2 micro-batches
+    (one generation batch) gives TRL's loss, gradients and loss metrics with vLLM, each mode;
+    its sampling/* metrics over the generation batch, from the step (no old log-probs) or from
+    old log-probs (GRPORound.sampling_metrics' sums), are TRL's lines'. On-policy: TRL (vLLM)
+    computes the old log-probs at generation, under the weights of the step; here the step's
+    own log-probs (the same weights)."""
+    from grpo_jax.config import TrainConfig
+    from grpo_jax.models import ModelConfig
+    from grpo_jax.policy import step_config
+    base = TrainConfig()
+    run = dataclasses.replace(base, loss=dataclasses.replace(
+        base.loss, native_importance_sampling_correction=True, vllm_importance_sampling_mode=mode,
+        vllm_importance_sampling_clip_min=0.6, vllm_importance_sampling_clip_max=1.8))
+    assert run.rollout.backend == "jax"
+    model = ModelConfig(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=24,
+                        num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8)
+    cfg = step_config(run, run.batch_plan(), model).loss
+    assert cfg.vllm_importance_sampling_correction and cfg.vllm_importance_sampling_mode == mode
+    k, rows, worst = 2, 8, {}
+    x = make_inputs(500 + MODES.index(mode), rows)
+    m = np.asarray(L.loss_mask(x["completion_mask"], x["truncated"], cfg))
+    t = trl_trainer(cfg, k, k, use_vllm=True)
+    want, want_glp, want_gent = run_trl(t, x, cfg, k, rows, old, True, float(m.sum()))
+    got, glp, gent, sums = jax_step(x, cfg, k, rows, old, True, None)
+    close("loss", got, want, worst)
+    close("grad logp", glp, want_glp, worst)
+    close("grad entropy", gent, want_gent, worst)
+    metrics = L.step_metrics(sums)
+    logged = t._metrics["train"]
+    assert logged and set(logged) <= set(metrics), set(logged) - set(metrics)
+    for n, v in logged.items():
+        close(f"metric {n}", metrics[n], v, worst)
+    # The generation batch's sampling/* metrics, as TRL's _generate_and_score_completions.
+    old_lp = x["old_logp"] if old else x["logp"]
+    want_s = trl_sampling_metrics(old_lp, x["sampler_logp"], m, cfg)
+    in_step = L.per_generation_metrics(jax.device_get(metrics[L.GENERATION_SUMS]), k)
+    w = L.sampler_is_weight(old_lp, x["sampler_logp"], m, cfg)
+    at_generation = L.per_generation_metrics(jax.tree.map(
+        lambda v: np.asarray(v)[None], L.sampling_metric_sums(old_lp, x["sampler_logp"], w, m)), 1)
+    assert set(in_step) == set(at_generation) == set(want_s)
+    for n, v in want_s.items():
+        close(f"step {n}", in_step[n], [v], worst)
+        close(f"generation {n}", at_generation[n], [v], worst)
+
+
 def test_adaptive_entropy_matches_trl():
     """Three steps of 2 micro-batches with use_adaptive_entropy: TRL's coefficient (gated by the
     previous step's entropy, moved after each step) vs init_train_state / applied_entropy_coef /
@@ -179,10 +233,19 @@ def test_adaptive_entropy_matches_trl():
     assert coefs == [0.03, 0.05, 0.07, 0.05], coefs
 
 
+# LossConfig's settings that TRL lacks (docs/configs.md): the native path's opt-in to TRL's
+# correction, and verl's rollout rejection sampling (verl's names).
+NOT_TRLS = {"native_importance_sampling_correction", "rollout_rs", "rollout_rs_threshold",
+            "rollout_rs_threshold_lower"}
+
+
 def test_defaults_match_trl():
     """LossConfig's fields are GRPOConfig's, with its defaults; its loss types are TRL's."""
     trl_defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
     for f in dataclasses.fields(L.LossConfig):
+        if f.name in NOT_TRLS:
+            assert f.name not in trl_defaults, f.name
+            continue
         assert f.name in trl_defaults, f.name
         assert f.default == trl_defaults[f.name], f.name
     help_text = next(f for f in dataclasses.fields(GRPOConfig)

@@ -206,28 +206,34 @@ SAMPLING = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_di
             "sampling/importance_sampling_ratio/max")
 
 
+RS = dict(native_importance_sampling_correction=True, rollout_rs="token_k1",
+          rollout_rs_threshold=1.5)
+
+
+# Measured (tiny random model, 2 rounds): fp32 mean 5e-8, max 2.4e-7; bf16 mean 1.3e-4 to
+# 1.6e-4, max 3.5e-4 to 5.3e-4.
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype,bound", [(jnp.float32, 1e-5), (jnp.bfloat16, 0.1)])
-@pytest.mark.parametrize("spg,gas", [(1, 1), (2, 1)])  # old log-probs: without, with
-def test_native_round_logs_the_mismatch(dtype, bound, spg, gas):
+@pytest.mark.parametrize("dtype,bound,spg,loss_kw", [
+    (jnp.float32, 1e-5, 1, {}), (jnp.float32, 1e-5, 2, RS),
+    (jnp.bfloat16, 2e-3, 1, RS), (jnp.bfloat16, 2e-3, 2, {})],
+    ids=["fp32-step", "fp32-old-rs", "bf16-step-rs", "bf16-old"])
+def test_native_round_logs_the_mismatch(dtype, bound, spg, loss_kw):
     """Every round of the native path logs TRL's sampling/* metrics: the JAX sampler's
-    log-probs against the trainer's under the weights that sampled, taken in the step (no old
-    log-probs) or at generation (old log-probs). Both within the numerics' bound; with
-    native_importance_sampling_correction and rollout_rs the correction applies and its
-    rejection fractions are logged (none dropped at these bounds)."""
-    rs = dict(native_importance_sampling_correction=True, rollout_rs="token_k1",
-              rollout_rs_threshold=1.5)
-    for loss_kw in ({}, rs):
-        rnd, at = tiny_round(dtype, spg, gas, loss_kw)
-        assert rnd.plan.needs_old_logps == (spg > gas)
-        for k in range(2):
-            at, metrics = round_metrics(rnd, at, k)
-            assert set(SAMPLING) <= set(metrics), sorted(metrics)
-            diff = metrics["sampling/sampling_logp_difference/mean"]
-            assert 0 <= diff < bound, (dtype, diff)
-            assert metrics["sampling/sampling_logp_difference/max"] < 20 * bound
-            assert abs(metrics["sampling/importance_sampling_ratio/mean"] - 1) < 20 * bound
-            has_rs = "rollout_corr/rollout_rs_masked_fraction" in metrics
-            assert has_rs == bool(loss_kw)
-            if has_rs and dtype == jnp.float32:
-                assert metrics["rollout_corr/rollout_rs_masked_fraction"] == 0.0
+    log-probs against the trainer's under the weights that sampled, taken in the step (spg 1:
+    no old log-probs) or at generation (spg 2, gas 1: old log-probs). Within the numerics'
+    bound; with native_importance_sampling_correction and rollout_rs the correction applies and
+    its rejection fractions are logged (none dropped at these bounds)."""
+    rnd, at = tiny_round(dtype, spg, 1, loss_kw)
+    assert rnd.plan.needs_old_logps == (spg > 1)
+    assert rnd.policy.cfg.loss.vllm_importance_sampling_correction == bool(loss_kw)
+    for k in range(2):
+        at, metrics = round_metrics(rnd, at, k)
+        assert set(SAMPLING) <= set(metrics), sorted(metrics)
+        diff = metrics["sampling/sampling_logp_difference/mean"]
+        assert 0 <= diff < bound, (dtype, diff)
+        assert metrics["sampling/sampling_logp_difference/max"] < 10 * bound
+        assert abs(metrics["sampling/importance_sampling_ratio/mean"] - 1) < 10 * bound
+        has_rs = "rollout_corr/rollout_rs_masked_fraction" in metrics
+        assert has_rs == bool(loss_kw)
+        if has_rs:
+            assert metrics["rollout_corr/rollout_rs_masked_fraction"] == 0.0

@@ -156,3 +156,22 @@ def jax_step(x, cfg, k, rows, old, sampler, num_items, entropy_coef=None):
         lambda p: accumulate(micro_loss, step_cfg, p, batch, entropy_coef=entropy_coef))(
         (get("logp"), get("entropy")))
     return float(loss), np.asarray(g_lp), np.asarray(g_ent), sums
+
+
+def trl_sampling_metrics(old, sampling, mask, cfg: L.LossConfig) -> dict:
+    """TRL 1.16 _generate_and_score_completions' sampling/* metrics of one generation batch on
+    one process (its lines re-derived, as trl_is_ratio: they are inline there)."""
+    d = lambda a: torch.tensor(np.asarray(a, np.float64))  # noqa: E731
+    old, sampling, mask = d(old), d(sampling), d(mask)
+    ratio = trl_is_ratio(old, sampling, mask, cfg)
+    delta = torch.abs(old - sampling)
+    mask = mask.bool()
+    delta = delta[mask & ~torch.isnan(delta)]
+    zero = torch.tensor(0.0, dtype=torch.float64)
+    flat = ratio.flatten() if ratio.shape[1] == 1 else ratio[mask]
+    pick = lambda f, x: f(x) if x.numel() > 0 else zero  # noqa: E731
+    name = "sampling/importance_sampling_ratio/"
+    return {"sampling/sampling_logp_difference/mean": float(pick(torch.mean, delta)),
+            "sampling/sampling_logp_difference/max": float(pick(torch.max, delta)),
+            name + "min": float(pick(torch.min, flat)), name + "mean": float(pick(torch.mean, flat)),
+            name + "max": float(pick(torch.max, flat))}
