@@ -47,7 +47,12 @@ as TRL does without vLLM. With the JAX sampler, sampler_logp are the old policy'
 to the sampler's numerics (tests/test_sampler.py: < 1e-4), where TRL (no vLLM) uses recomputed
 ones: a sequence whose mean KL is within that of the threshold can be kept in one and dropped in
 the other. The KL term's ratio (use_bias_correction_kl) is taken before delta's cap, as in TRL.
-Clip metrics are logged for grpo, bnpo, dr_grpo, dapo and luspo, cispo_clip_ratio for cispo,
+rollout_rs (verl's rollout rejection sampling; not TRL's) multiplies the per-token loss by a 0/1
+mask of the sampler ratio exp(old - sampler) within its bounds (rollout_rs_mask: per token, or
+per sequence by the geometric mean), after TRL's correction weight; the denominator is left as
+it is, as TRL's *_mask modes leave it. With the JAX sampler, TRL's correction applies only with
+native_importance_sampling_correction (policy.step_config); the sampling/* metrics are logged on
+every path. Clip metrics are logged for grpo, bnpo, dr_grpo, dapo and luspo, cispo_clip_ratio for cispo,
 vespo/phi_seq_mean for vespo and none for sapo, as TRL.
 
 Metrics come back as mergeable sums: {"mean": {name: [sum, count]}, "min": {name: v},
