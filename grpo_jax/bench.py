@@ -1,5 +1,6 @@
-"""`python -m grpo_jax.bench {sampler,train-step,e2e,lora-sampler,refill}`: speed vs hardware
-limits, and decode slots refilled against static sub-batches on long-tailed lengths.
+"""`python -m grpo_jax.bench {sampler,train-step,e2e,lora-sampler,refill,mismatch}`: speed vs
+hardware limits, decode slots refilled against static sub-batches on long-tailed lengths, and
+the sampler-trainer log-prob mismatch (TRL's sampling/* figures) in the workload's dtype.
 
 Defaults are the issue's workload: the Qwen2-0.5B architecture with random weights, 8 prompts x
 8 completions, 256 prompt tokens, 256 completion tokens forced (no early stop), bf16. `--tiny`
@@ -90,6 +91,8 @@ def decode_bytes(cfg: ModelConfig, batch: int, cache_len: int, param_bytes: int)
 
 
 def make_workload(args):
+    if args.model:
+        return real_workload(args)
     base = TINY if args.tiny else presets.preset(args.preset) if args.preset else QWEN2_0_5B
     if args.num_layers:
         base = base.with_layers(args.num_layers)
@@ -102,6 +105,25 @@ def make_workload(args):
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(3, cfg.vocab_size, args.prompt_len)) for _ in range(args.prompts)]
     return cfg, model, mesh, prompts
+
+
+def real_workload(args):
+    """make_workload with a real model's weights and the shipped prompts (the embedded
+    SmolLM2's `smol` config data), each cut to --prompt-len tokens."""
+    from importlib import resources
+
+    from transformers import AutoTokenizer
+
+    from grpo_jax import hf
+    model, model_dir = hf.load_model(args.model, dtype=jnp.dtype(args.dtype))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    lines = resources.files("grpo_jax").joinpath("assets/smol_prompts.jsonl").read_text()
+    texts = [json.loads(line)["prompt"] for line in lines.splitlines()[:args.prompts]]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True,
+                                       add_generation_prompt=True)[-args.prompt_len:]
+               for t in texts]
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=1, fsdp=-1))
+    return model.cfg, model, mesh, [list(map(int, p)) for p in prompts]
 
 
 def bench_sampler(args, cfg, model, mesh, prompts):
@@ -239,6 +261,28 @@ def bench_train_step(args, cfg, policy):
             "mfu": flops / sec / peak if peak else None}
 
 
+def bench_mismatch(args, cfg, model, mesh, prompts):
+    """The native sampler's per-token log-probs against the trainer's under the same weights
+    (TRL's sampling/sampling_logp_difference and sampling/importance_sampling_ratio, over every
+    completion token), sampled at temperature 1 in the workload's dtype: the numerical
+    mismatch of the two forwards, the floor of what off-policy corrections see (issue #50)."""
+    from grpo_jax.grpo.train_step import completion_logps
+    sp = SamplingParams(max_completion_length=args.completion_len, temperature=1.0)
+    out = Sampler(cfg, sp, pad_id=0).generate(model, prompts, args.generations, rng=0)
+    batch = Batch(out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask,
+                  out.truncated, np.zeros(len(out.truncated), np.float32))
+    trainer, _ = jax.jit(lambda m, b: completion_logps(m, b, 1.0, 64))(model, batch)
+    m = np.asarray(out.completion_mask, bool)
+    diff = np.abs(np.asarray(trainer, np.float64) - np.asarray(out.sampler_logp, np.float64))[m]
+    ratio = np.exp(np.asarray(trainer, np.float64) - np.asarray(out.sampler_logp, np.float64))[m]
+    return {"mismatch/tokens": int(m.sum()),
+            "sampling/sampling_logp_difference/mean": float(diff.mean()),
+            "sampling/sampling_logp_difference/max": float(diff.max()),
+            "sampling/importance_sampling_ratio/min": float(ratio.min()),
+            "sampling/importance_sampling_ratio/mean": float(ratio.mean()),
+            "sampling/importance_sampling_ratio/max": float(ratio.max())}
+
+
 def bench_e2e(args, cfg, model, mesh, prompts):
     """One GRPO round as the train loop runs it (grpo_jax.round.GRPORound), with random
     rewards in place of reward functions: generate, old log-probs under the loop's rule, then
@@ -270,8 +314,11 @@ def bench_e2e(args, cfg, model, mesh, prompts):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m grpo_jax.bench", description=__doc__)
     p.add_argument("what", choices=["sampler", "train-step", "e2e", "lora-sampler", "refill",
-                                    "all"])
+                                    "mismatch", "all"])
     p.add_argument("--tiny", action="store_true", help="small model (CPU)")
+    p.add_argument("--model", help="a real model's weights (an HF directory or alias, e.g. "
+                   "smollm2-135m-instruct) in --dtype, prompted with the shipped Reddit-style "
+                   "posts through its chat template; default: random weights, random prompts")
     p.add_argument("--preset", help="a model shape of grpo_jax.models.presets (random weights), "
                    "e.g. smollm2-135m; default: Qwen2-0.5B's")
     p.add_argument("--num-layers", type=int,
@@ -323,6 +370,8 @@ def main(argv=None):
         result.update(bench_lora_sampler(args, cfg, model, mesh, prompts))
     if args.what == "refill":
         result.update(bench_refill(args, cfg, model, mesh, prompts))
+    if args.what == "mismatch":
+        result.update(bench_mismatch(args, cfg, model, mesh, prompts))
     result["peak_device_memory_GiB"] = ((peak_memory() or 0) / 2**30) or None
     width = max(map(len, result))
     for k, v in result.items():

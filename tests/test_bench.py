@@ -26,3 +26,12 @@ def test_bench_refill_runs_on_cpu_tiny():
     assert out["same_completions"] and out["rows"] == 16 and out["decode_slots"] == 8
     for key in ("static_tokens_per_s", "refilled_tokens_per_s", "refill_speedup"):
         assert out[key] > 0, key
+
+
+def test_bench_mismatch_runs_on_cpu_tiny():
+    """`bench mismatch`: the sampler's log-probs against the trainer's over every completion
+    token; in float32 the two forwards agree to rounding (the figure itself is the bench's)."""
+    out = main(["mismatch", "--tiny", "--num-layers", "1", "--dtype", "float32", "--prompts",
+                "2", "--generations", "2", "--prompt-len", "8", "--completion-len", "8"])
+    assert out["mismatch/tokens"] == 32
+    assert out["sampling/sampling_logp_difference/mean"] < 1e-5
