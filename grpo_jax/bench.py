@@ -119,9 +119,9 @@ def real_workload(args):
     tok = AutoTokenizer.from_pretrained(model_dir)
     lines = resources.files("grpo_jax").joinpath("assets/smol_prompts.jsonl").read_text()
     texts = [json.loads(line)["prompt"] for line in lines.splitlines()[:args.prompts]]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=True,
-                                       add_generation_prompt=True)[-args.prompt_len:]
-               for t in texts]
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                           add_generation_prompt=True),
+                   add_special_tokens=False)["input_ids"][-args.prompt_len:] for t in texts]
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=1, fsdp=-1))
     return model.cfg, model, mesh, [list(map(int, p)) for p in prompts]
 
