@@ -52,8 +52,8 @@ mask of the sampler ratio exp(old - sampler) within its bounds (rollout_rs_mask:
 per sequence by the geometric mean), after TRL's correction weight; the denominator is left as
 it is, as TRL's *_mask modes leave it. With the JAX sampler, TRL's correction applies only with
 native_importance_sampling_correction (policy.step_config); the sampling/* metrics are logged on
-every path. Clip metrics are logged for grpo, bnpo, dr_grpo, dapo and luspo, cispo_clip_ratio for cispo,
-vespo/phi_seq_mean for vespo and none for sapo, as TRL.
+every path. Clip metrics are logged for grpo, bnpo, dr_grpo, dapo and luspo, cispo_clip_ratio
+for cispo, vespo/phi_seq_mean for vespo and none for sapo, as TRL.
 
 Metrics come back as mergeable sums: {"mean": {name: [sum, count]}, "min": {name: v},
 "max": {name: v}}; combine micro-batches with merge_metric_sums, read with finalize_metrics. TRL
