@@ -577,16 +577,22 @@ class BufferFiles:
     """The generation buffer of a checkpoint (micro-batches generated but not yet trained on,
     when steps_per_generation is not a multiple of gradient_accumulation_steps or max_steps
     ended a round early): `<directory>/<step>.npz`, written by process 0 beside Orbax's step
-    directories; every process holds the whole host batch, so every process reads it back."""
+    directories; every process holds the whole host batch, so every process reads it back.
+    `what` names the files' content in errors (the rollouts in flight use the same files)."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, what: str = "generation buffer"):
         self.directory = Path(directory)
+        self.what = what
 
     def save(self, step: int, buffer) -> None:
-        if not buffer or not dist.is_main():
+        if not buffer:
             return
-        arrays = {f"{i}/{name}": np.asarray(value) for i, mb in enumerate(buffer)
-                  for name, value in _fields(mb).items()}
+        self.save_arrays(step, {f"{i}/{name}": np.asarray(value) for i, mb in enumerate(buffer)
+                                for name, value in _fields(mb).items()})
+
+    def save_arrays(self, step: int, arrays: dict) -> None:
+        if not dist.is_main():
+            return
         tmp = self.directory / f"{step}.tmp.npz"
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -596,24 +602,28 @@ class BufferFiles:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
             raise CheckpointWriteError(
-                f"can't write checkpoint {step}'s generation buffer to {self.directory}: "
+                f"can't write checkpoint {step}'s {self.what} to {self.directory}: "
                 f"{storage.describe(e)}; {last_good(self.directory.parent / 'checkpoints')}"
             ) from None
 
     def load(self, step: int, count: int) -> list:
         if not count:
             return []
+        fields: list[dict] = [{} for _ in range(count)]
+        for key, value in self.load_arrays(step, f"{count} generated micro-batches not yet "
+                                                 "trained on").items():
+            i, name = key.split("/", 1)
+            fields[int(i)][name] = value
+        return [Batch(**mb) for mb in fields]
+
+    def load_arrays(self, step: int, saved_with: str) -> dict:
         path = self.directory / f"{step}.npz"
         if not path.exists():
-            raise CheckpointError(f"checkpoint {step} was saved with {count} generated "
-                                  f"micro-batches not yet trained on, but {path} is missing: "
-                                  "restore that file or resume from another checkpoint")
+            raise CheckpointError(f"checkpoint {step} was saved with {saved_with}, but {path} "
+                                  "is missing: restore that file or resume from another "
+                                  "checkpoint")
         with np.load(path) as f:
-            fields: list[dict] = [{} for _ in range(count)]
-            for key in f.files:
-                i, name = key.split("/", 1)
-                fields[int(i)][name] = f[key]
-        return [Batch(**mb) for mb in fields]
+            return {key: f[key] for key in f.files}
 
     def prune(self, kept_steps) -> None:
         if not dist.is_main() or not self.directory.is_dir():

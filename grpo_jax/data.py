@@ -69,6 +69,12 @@ class PromptDataset:
 
         An epoch's tail too short for a whole batch is skipped, as TRL's sampler does.
         """
+        rows, after = self.batch_rows(position, num_prompts)
+        return [self.record(i) for i in rows], after
+
+    def batch_rows(self, position: DataPosition, num_prompts: int
+                   ) -> tuple[list[int], DataPosition]:
+        """batch_prompts' dataset rows."""
         n = len(self)
         if num_prompts > n:
             raise DataError(f"the dataset has {n} prompts but one generation batch needs "
@@ -77,7 +83,7 @@ class PromptDataset:
         if index + num_prompts > n:
             epoch, index = epoch + 1, 0
         rows = self.order(epoch)[index:index + num_prompts]
-        return [self.record(int(i)) for i in rows], DataPosition(epoch, index + num_prompts)
+        return [int(i) for i in rows], DataPosition(epoch, index + num_prompts)
 
     def ends_epoch(self, position: DataPosition, num_prompts: int) -> bool:
         """Whether a batch that ended at `position` was its epoch's last (the next one of

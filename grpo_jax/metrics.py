@@ -24,13 +24,16 @@ from typing import NamedTuple, Sequence
 # (the round times generate, logprobs, update and weight_sync; the training loop the rest, host).
 # Every timing/* name is made here.
 PHASES = ("generate", "logprobs", "update", "weight_sync", "host")
+# The seconds of a round the sampler and the trainer each waited for the other (partial
+# rollouts: one set of devices, so each waits while the other runs); overlapping the phases.
+IDLE = ("idle_sampler", "idle_trainer")
 _TIMING = "timing/"
 
 
 def timing(phase: str) -> str:
     """The metric name of `phase`'s seconds."""
-    if phase not in PHASES:
-        raise ValueError(f"{phase!r} is not a timed phase ({', '.join(PHASES)})")
+    if phase not in PHASES + IDLE:
+        raise ValueError(f"{phase!r} is not a timed phase ({', '.join(PHASES + IDLE)})")
     return _TIMING + phase
 
 

@@ -26,6 +26,7 @@ from grpo_jax.data import DataPosition
 from grpo_jax.metrics import Logged, timing
 from grpo_jax.policy import Policy
 from grpo_jax.rollout.base import Rollout, WeightMode
+from grpo_jax.rollout.native.partial import staleness_metrics
 from grpo_jax.run_state import RunState
 from grpo_jax.scoring import Scores
 
@@ -96,11 +97,13 @@ def concat_rows(parts: Sequence[Batch]) -> Batch:
 class Draw(NamedTuple):
     """A generation's prompts as the data gives them: `records`, the data position after them,
     whether they are the last of their epoch and, with dynamic sampling, `more()`: the next
-    prompts and the position after them while the batch fills, or None to stop."""
+    prompts and the position after them while the batch fills, or None to stop. With partial
+    rollouts the records are the new groups' prompts, which join the rows in flight."""
     records: Sequence[dict]
     after: DataPosition
     ends_epoch: bool = False
     more: Callable[[], tuple[Sequence[dict], DataPosition] | None] | None = None
+    rows: Sequence[int] = ()  # the records' dataset rows (partial rollouts checkpoint them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,10 +166,14 @@ class GRPORound:
         metrics: dict = {}
         buffer, scores, rewards, advantages, num_tokens = list(at.buffer), None, None, None, 0
         epoch_end, position, rounds = at.epoch_end, at.position, at.round
+        rows_in_flight = at.rows_in_flight
         if draw is not None:
             weights = self.rollout_weights(at.state.params)
             with stop.interruptible():  # changes nothing yet: a stop drops the generation
-                if not self.args.dynamic_sampling:
+                if self.rollout.partial is not None:
+                    gen, rows_in_flight = self.generate_partial(weights, at, draw, key)
+                    after = draw.after
+                elif not self.args.dynamic_sampling:
                     gen, after = self.generate_and_score(weights, draw.records, key,
                                                          reference=at.reference), draw.after
                 else:
@@ -217,7 +224,7 @@ class GRPORound:
         after_round = at.replace(state=state, position=position, round=rounds,
                                  tokens_seen=at.tokens_seen + num_tokens,
                                  buffer=tuple(buffer[done:]), epoch_end=max(epoch_end - done, 0),
-                                 reference=ref)
+                                 reference=ref, rows_in_flight=rows_in_flight)
         t4 = time.perf_counter()
         stopping = stop.should_stop()  # the server's weights won't be used again
         sync_time = self.sync_weights(state.params) if n and not stopping else None
@@ -225,6 +232,10 @@ class GRPORound:
         metrics.setdefault(timing("generate"), 0.0)
         metrics.setdefault(timing("logprobs"), 0.0)  # reference and old log-probs
         metrics[timing("update")] = t4 - t3
+        if self.rollout.partial is not None and draw is not None:
+            # One set of devices: the sampler waits while the trainer works, and the reverse.
+            metrics[timing("idle_sampler")] = t4 - t1
+            metrics[timing("idle_trainer")] = metrics[timing("generate")]
         if n and self.rollout.generates_ahead:  # wall clock, to line the update up with the
             # generation of the next round beside it (grpo_jax.rollout.vllm.async_rounds)
             metrics["timeline/update_start"] = time.time() - (time.perf_counter() - t3)
@@ -299,6 +310,22 @@ class GRPORound:
         g = num_generations or self.plan.num_generations
         r, scores, took, wall = self._generate_scored(weights, records, key, g, score)
         return self._training_batch(r, scores, g, took, wall, reference)
+
+    def generate_partial(self, weights, at: RunState, draw: Draw, key):
+        """Partial rollouts (rollout/native/partial.py): `draw`'s groups join the rows in
+        flight, and the sampler decodes until a generation batch of whole groups is done: its
+        training batch (as generate_and_score's) with staleness/* metrics (versions: rounds),
+        and the rows left in flight."""
+        g, partial = self.plan.num_generations, self.rollout.partial
+        t0 = time.perf_counter()
+        done = partial.advance(weights, at.rows_in_flight, draw.records, draw.rows, at.round, key)
+        t1, wall1 = time.perf_counter(), time.time()
+        scores = self.score(done.records, done.rollout)
+        gen = self._training_batch(done.rollout, scores, g, t1 - t0, wall1, at.reference)
+        gen.metrics.update(staleness_metrics(done.versions, done.rollout.completion_mask,
+                                             at.round, partial.max_staleness))
+        gen.metrics["staleness/dropped_groups"] = float(done.dropped)
+        return gen, done.in_flight
 
     def generate_filled(self, weights, draw: Draw, key, reference
                         ) -> tuple[Generated | None, DataPosition]:

@@ -33,7 +33,10 @@ class RunState:
     each as the (round, DataPosition of its prompts) that regenerate it exactly: async rounds
     (rollout.generates_ahead) generate the next round's batch beside this round's updates.
     A checkpoint keeps them; a resume draws them again from the same prompts and keys, so
-    none is lost or trained twice."""
+    none is lost or trained twice. `rows_in_flight`: the JAX sampler's partial rollouts
+    (rollout/native/partial.py InFlight: rows waiting, decoding with their KV caches, or done
+    in groups not yet whole), carried from round to round and checkpointed whole; None without
+    partial rollouts."""
     state: Any  # grpo.train_step.TrainState: params, optimizer state, step
     position: DataPosition = DataPosition()  # where the next generation's prompts start
     round: int = 0  # generation rounds completed (each round's sampling key is folded from it)
@@ -42,6 +45,7 @@ class RunState:
     epoch_end: int = 0
     reference: Any = None
     in_flight: tuple = ()
+    rows_in_flight: Any = None
 
     @property
     def step(self) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from transformers import AutoTokenizer
 
 from grpo_jax import cli
@@ -39,6 +40,7 @@ from grpo_jax.errors import (CheckpointWriteError, GrpoJaxError, NoSignalError, 
 from grpo_jax.models import ModelConfig
 from grpo_jax.rollout import tools as tools_lib
 from grpo_jax.rollout.engines import make_rollout
+from grpo_jax.rollout.native import partial
 from grpo_jax.rollout.native.sampler import reference_copy
 from grpo_jax.run_dir import RunDirLock
 from grpo_jax.run_log import RunLog
@@ -89,17 +91,22 @@ class RunCheckpoints:
     buffers: BufferFiles
     refs: RefCheckpoints | None
     schedule: dict = dataclasses.field(default_factory=dict)
+    # Partial rollouts' rows in flight (RunState.rows_in_flight), beside each checkpoint, and
+    # the dataset's record of a row, to give their groups back their prompts on resume.
+    rows_in_flight: BufferFiles | None = None
+    record: Any = None
 
     @classmethod
     def open(cls, out: Path, cfg: config_lib.TrainConfig, schedule: dict | None = None,
-             read_only: bool = False) -> "RunCheckpoints":
+             read_only: bool = False, record=None) -> "RunCheckpoints":
         """`read_only`: another run's, restored from and never changed."""
         limit = None if read_only else cfg.run.save_total_limit
         ckpt = Checkpointer(out / "checkpoints", save_total_limit=limit, read_only=read_only)
         # sync_ref_model: the reference changes during the run, so it is checkpointed too.
         refs = (RefCheckpoints(out / "reference", limit, read_only) if cfg.grpo.sync_ref_model
                 else None)
-        return cls(ckpt, BufferFiles(out / "generation_buffer"), refs, dict(schedule or {}))
+        return cls(ckpt, BufferFiles(out / "generation_buffer"), refs, dict(schedule or {}),
+                   BufferFiles(out / "rows_in_flight", "rollouts in flight"), record)
 
     def resume(self, cfg: config_lib.TrainConfig, out: Path, at: RunState) -> RunState:
         """`at` as the checkpoint cfg.run.resume names left it, whole (the train state, data
@@ -123,7 +130,8 @@ class RunCheckpoints:
                         f"{ckpt.latest_step()}): resume from those, or choose an output_dir "
                         "without checkpoints")
                 # Read only: nothing in the other run's directory is deleted or rotated.
-                source = RunCheckpoints.open(source_out, cfg, read_only=True)
+                source = RunCheckpoints.open(source_out, cfg, read_only=True,
+                                             record=self.record)
             for later in [s for s in ckpt.all_steps() if s > latest]:
                 ckpt.delete(later)  # transformers overwrites them when it gets there again
                 if dist.is_main():
@@ -180,13 +188,22 @@ class RunCheckpoints:
                         if source is self else "")
                 print(f"resumed with settings changed since checkpoint {latest} (" +
                       "; ".join(changed) + f"): they apply from here on{kept}", file=sys.stderr)
+        rows_in_flight = at.rows_in_flight
+        if meta.get("rows_in_flight"):
+            if rows_in_flight is None:
+                raise TrainError(f"checkpoint {latest} holds partial rollouts in flight "
+                                 "(max_staleness > 0 with the JAX sampler): resume with those "
+                                 "settings, or train afresh into another output_dir")
+            rows_in_flight = partial.from_arrays(rows_in_flight, source.rows_in_flight.load_arrays(
+                latest, "partial rollouts in flight"), source.record)
         return RunState(
             state, data_lib.DataPosition(*meta["data_position"]), meta["round"],
             int(meta.get("num_tokens", 0)),
             buffer=tuple(source.buffers.load(latest, meta.get("buffered_micro_batches", 0))),
             epoch_end=meta.get("buffered_epoch_end", 0), reference=reference,
             in_flight=tuple((r, data_lib.DataPosition(e, i))
-                            for r, e, i in meta.get("in_flight", ())))
+                            for r, e, i in meta.get("in_flight", ())),
+            rows_in_flight=rows_in_flight)
 
     def save(self, at: RunState, metrics: dict) -> None:
         """A checkpoint of the run state `at`, whole: the train state with its meta (data
@@ -196,16 +213,20 @@ class RunCheckpoints:
         if step in self.ckpt.all_steps():
             return
         self.buffers.save(step, buffer)  # first: a committed checkpoint always finds its buffer
+        if at.rows_in_flight is not None:
+            self.rows_in_flight.save_arrays(step, partial.to_arrays(at.rows_in_flight))
         if self.refs is not None:
             self.refs.save(step, at.reference)  # also first, committed before the state
         meta = {"data_position": list(at.position), "round": at.round,
                 "num_tokens": at.tokens_seen, "buffered_micro_batches": len(buffer),
                 "buffered_epoch_end": at.epoch_end, "reference": self.refs is not None,
                 "in_flight": [[r, *p] for r, p in at.in_flight],
+                "rows_in_flight": at.rows_in_flight is not None,
                 "schedule": self.schedule,
                 "metrics": {k: None if v is None else float(v) for k, v in metrics.items()}}
         self.ckpt.save(step, at.state, meta)
         self.buffers.prune(self.ckpt.all_steps())
+        self.rows_in_flight.prune(self.ckpt.all_steps())
 
 
 @dataclasses.dataclass
@@ -311,8 +332,12 @@ def _build_run(cfg: config_lib.TrainConfig, out: Path, lock: RunDirLock, devices
     # What a data position means, kept in each checkpoint (the data-parallel size is free).
     positions = {"num_prompts": len(dataset), **{
         k: v for k, v in dataclasses.asdict(plan).items() if k != "data_parallel_size"}}
-    checkpoints = RunCheckpoints.open(out, cfg, positions)
-    at = checkpoints.resume(cfg, out, RunState(state, reference=reference))
+    checkpoints = RunCheckpoints.open(out, cfg, positions, record=dataset.record)
+    # Partial rollouts' rows in flight start empty, for prompts up to the data's longest.
+    rows_in_flight = (None if rollout.partial is None else
+                      rollout.partial.empty(int(max(np.diff(dataset.offsets)))))
+    at = checkpoints.resume(cfg, out, RunState(state, reference=reference,
+                                               rows_in_flight=rows_in_flight))
     if dist.is_main():  # without this process's id: the file serves every process of a resume
         _write_settings(out, dataclasses.replace(
             cfg, distributed=dataclasses.replace(cfg.distributed, process_id=None)), at.step)
@@ -365,7 +390,7 @@ def run_rounds(run: Run) -> dict:
                 t0 = time.perf_counter()
                 at, draw = run.at, None
                 if not run.round.windows_buffered(at):  # windows buffered: train first, as TRL
-                    draw = draws.draw(at.position)
+                    draw = draws.draw(at.position, at.rows_in_flight)
                     if draw is None:  # dynamic sampling read the run's last prompts
                         break
                     if run.rollout.generates_ahead:  # async rounds: the next round's, beside
@@ -426,9 +451,18 @@ class Draws:
         self.used_up = self.used_up or (self.epochs is not None and position.epoch >= self.epochs)
         return self.used_up
 
-    def draw(self, position: data_lib.DataPosition) -> Draw | None:
-        """The generation batch at `position` (None: past the run's data)."""
+    def draw(self, position: data_lib.DataPosition, rows_in_flight=None) -> Draw | None:
+        """The generation batch at `position` (None: past the run's data). With partial
+        rollouts (`rows_in_flight`), the prompts of the group slots the last round emptied:
+        two generation batches at first (one trained, one more in flight), one a round after;
+        their epochs' ends don't end an update window (the groups trained are others)."""
         n = self.plan.prompts_per_generation
+        if rows_in_flight is not None:
+            rows, after = [], position
+            for _ in range(rows_in_flight.empty_groups // n):
+                more, after = self.dataset.batch_rows(after, n)
+                rows += more
+            return Draw([self.dataset.record(i) for i in rows], after, rows=tuple(rows))
         records, after = self.dataset.batch_prompts(position, n)
         if self._past(after):
             return None

@@ -76,6 +76,14 @@ class TrainConfig:
               "dynamic_sampling with max_staleness > 0: async rounds generate the next batch's "
               "prompts before this batch knows how many prompts it takes to fill with groups "
               "that have reward signal; set max_staleness 0 (or dynamic_sampling false)")
+        partial = self.rollout.max_staleness and self.rollout.backend == "jax"
+        check(not partial or (self.generation.max_num_seqs is not None
+                              and self.generation.continuous_batching),
+              "max_staleness > 0 with the JAX sampler runs partial rollouts through its decode "
+              "slots: set max_num_seqs (and continuous_batching true), or max_staleness 0")
+        check(not partial or not (self.multi_turn.tools or self.multi_turn.rollout_func),
+              "max_staleness > 0 with the JAX sampler (partial rollouts) does not take tools or "
+              "rollout_func yet: set max_staleness 0")
 
     def batch_plan(self, data_parallel_size: int = 1) -> BatchPlan:
         """TRL's batch relations for `data_parallel_size` shards (TRL: num_processes)."""

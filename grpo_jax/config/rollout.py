@@ -112,10 +112,13 @@ class RolloutArgs:
         "TRL AsyncGRPOConfig: seconds a weight update may take")
     max_staleness: int = arg(
         0,
-        "Async rounds (rollout/vllm/async_rounds.py): 0 generates each round with the weights of "
-        "the update just before it (TRL GRPOTrainer); >= 1 generates round n+1 during round n's "
-        "update and discards a batch more than this many weight versions old (TRL "
-        "AsyncGRPOConfig: max_staleness, 4 there).")
+        "0 generates each round with the weights of the update just before it (TRL "
+        "GRPOTrainer). >= 1 with vLLM: async rounds (rollout/vllm/async_rounds.py), round n+1 "
+        "generated during round n's update. >= 1 with the JAX sampler and max_num_seqs: partial "
+        "rollouts (rollout/native/partial.py), a round trains as soon as a generation batch of "
+        "whole groups is done and the rows still decoding go on under the next weights. Either "
+        "way a batch or group with tokens more than this many weight versions old is generated "
+        "again (TRL AsyncGRPOConfig: max_staleness, 4 there).")
 
     def __post_init__(self):
         check(0 < self.vllm_server_port < 65536, f"vllm_server_port {self.vllm_server_port} "
@@ -123,8 +126,6 @@ class RolloutArgs:
         check(self.vllm_server_timeout > 0, "vllm_server_timeout must be > 0")
         check(self.weight_sync_timeout > 0, "weight_sync_timeout must be > 0")
         check(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")
-        check(not self.max_staleness or self.backend == "vllm", "max_staleness (async rounds) "
-              "needs vLLM rollouts (use_vllm: true): the JAX sampler shares the trainer's devices")
         for name in ("generation_kwargs", "vllm_structured_outputs_regex"):
             check(self.backend == "vllm" or not getattr(self, name), f"{name} applies to vLLM "
                   "rollouts (use_vllm: true); the JAX sampler's options are the generation "

@@ -84,6 +84,10 @@ class Rollout(abc.ABC):
     # A JAX sampler's KV-cache continuation of rows between tool turns
     # (rollout/native/continuation.py); None: each turn's whole context is prefilled again.
     turns: Any = None
+    # The JAX sampler's partial rollouts (rollout/native/partial.py PartialRollouts), which
+    # the round drives with the run state's rows in flight instead of calling generate; None:
+    # every round generates its own batch whole.
+    partial: Any = None
 
     @abc.abstractmethod
     def generate(self, weights, prompt_ids: Sequence[Sequence[int]], num_generations: int, key,

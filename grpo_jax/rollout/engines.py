@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from grpo_jax import distributed as dist
 from grpo_jax import hf
+from grpo_jax import mesh as mesh_lib
 from grpo_jax.errors import ConfigError, VLLMServerError
 from grpo_jax.rollout.base import Rollout, RolloutBatch, RolloutWrapper, WeightMode, sampling_params
 from grpo_jax.rollout.native.rollout import JaxRollout
@@ -68,8 +69,13 @@ def _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools):
     sp = sampling_params(cfg, tokenizer, hf.generation_eos_ids(model_dir) if model_dir else ())
     if cfg.rollout.backend == "jax":
         # SPMD over every process's devices
+        partial = None
+        if cfg.rollout.max_staleness:  # partial rollouts of a generation batch's groups
+            divisor = 1 if mesh is None else mesh_lib.batch_divisor(mesh)
+            partial = (cfg.grpo.num_generations, cfg.batch_plan(divisor).prompts_per_generation,
+                       cfg.rollout.max_staleness)
         rollout = JaxRollout(model_cfg, sp, pad_id=pad_id(tokenizer), mesh=mesh,
-                             peft=cfg.peft)
+                             peft=cfg.peft, partial_rollouts=partial)
     else:
         from grpo_jax.rollout.vllm.rollout import VLLMRollout
 

@@ -1,0 +1,354 @@
+"""Partial rollouts (`max_staleness >= 1` with the JAX sampler's decode slots): a round trains as
+soon as prompts_per_generation whole groups have finished; rows still decoding keep their slots
+and KV caches and go on in the next round under the new weights. The idea of Kimi k1.5's partial
+rollouts, AReaL's interruptible generation and verl's fully-async `partial_rollout`, on one set of
+devices: no slot waits for a round's longest row, as the refill sampler (refill.py) still does
+at the end of every round.
+
+The sampler keeps 2 x prompts_per_generation groups ("group slots", G rows each) in flight: the
+round's draw fills the group slots the last round emptied, and the compiled loop decodes until
+prompts_per_generation groups are whole (each of their rows stopped), which it returns (the
+oldest drawn first) and empties. Everything else is carried to the next round in `InFlight`:
+rows waiting for a slot, rows decoding (their slot, KV cache and tokens so far), rows done whose
+group is not. Groups stay whole: a group trains when all its rows are done.
+
+Each completion token keeps the log-prob of the weights that drew it and their version (the
+round: weights change once a round), so the trainer's importance ratio is per token (TRL's
+vllm_importance_sampling_* modes on the native path: native_importance_sampling_correction).
+A group with a token more than `max_staleness` versions older than the round's weights is
+dropped and generated again from its prompt, before the round decodes (TRL AsyncGRPOConfig's
+max_staleness; AReaL's max_head_offpolicyness). A row's cache keeps the keys and values of the
+weights that wrote them (as AReaL and SGLang's continued requests do not: they re-prefill);
+the log-probs recorded are those the sampler drew with, so the ratio accounts for it.
+
+Nothing is lost: InFlight is part of the run state and of each checkpoint (its arrays, the
+KV caches with them, and the dataset rows of its groups), so a resumed run continues the very
+rows in flight, and no prompt is trained twice or skipped. Each row's token t is drawn with the
+key fold_in(fold_in(run key, t), its group's draw number x G + its index), whatever slot or
+round it decodes in.
+
+The prompts' keys and values are computed again each round under that round's weights, for
+every group slot (each prompt once: 1/G of running its rows), so a row admitted later reads
+its prompt through the weights it decodes with. One program: static shapes (the group slots,
+the decode slots, the prompt width of the run's longest prompt), so it compiles once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo_jax import distributed as dist
+from grpo_jax.models import KVCache
+from grpo_jax.rollout.base import RolloutBatch
+from grpo_jax.rollout.native import sampling
+from grpo_jax.rollout.native.sampler import Sampler, as_key, decode_metrics, left_pad, row_keys
+
+WAITING, LIVE, DONE, EMPTY = 0, 1, 2, 3  # a row's status
+_LAST = np.iinfo(np.int32).max  # sorts after every real priority
+
+
+class Rows(NamedTuple):
+    """The device state carried between rounds: R = group slots x G rows, S decode slots."""
+    status: jax.Array      # [R] int32: WAITING, LIVE (in a slot), DONE, EMPTY (no group)
+    tokens: jax.Array      # [R, C] int32, pad after the end
+    mask: jax.Array        # [R, C] int32
+    logp: jax.Array        # [R, C] fp32: the sampler's, under the weights that drew each token
+    version: jax.Array     # [R, C] int32: the round whose weights drew each token
+    slot_row: jax.Array    # [S] int32: the row each slot holds (-1: free)
+    length: jax.Array      # [S] int32: tokens the slot's row has
+    last: jax.Array        # [S] int32: that row's last token, fed next
+    prompt_len: jax.Array  # [S] int32
+    key_mask: jax.Array    # [S, P + C] int32
+    cache: KVCache         # [L, S, K, P + C, Dh] per run
+    seen: jax.Array | None  # [S, V] bool, with a repetition penalty
+
+
+class InFlight(NamedTuple):
+    """RunState.in_flight of a run with partial rollouts: the rows on the devices and, per group
+    slot, what the host needs to score and to checkpoint them."""
+    rows: Rows
+    prompt_ids: np.ndarray  # [groups, P] int32, left-padded
+    prompt_mask: np.ndarray  # [groups, P] int32
+    data_rows: np.ndarray  # [groups] int64: the dataset row of each group's prompt (-1: empty)
+    seq: np.ndarray  # [groups] int64: each group's draw number (-1: empty)
+    records: tuple  # [groups] the prompts' dataset records (None: empty)
+    drawn: int = 0  # groups drawn so far: the next one's draw number
+    key: Any = None  # the run's sampling key (a jax key), set by the first round
+
+    @property
+    def empty_groups(self) -> int:
+        return int((self.seq < 0).sum())
+
+
+class Advanced(NamedTuple):
+    """A round's finished groups (rollout: G rows each, the oldest drawn first) and the state
+    left in flight."""
+    in_flight: InFlight
+    rollout: RolloutBatch
+    records: list  # the finished groups' prompt records, one per group
+    versions: np.ndarray  # [N, C] int32: the round that drew each token (0 where masked)
+    dropped: int  # groups dropped this round for max_staleness and generated again
+
+
+class PartialRollouts:
+    """The sampler's partial rollouts: `num_generations` rows a group, `groups` (=
+    prompts_per_generation) whole groups a round, through `slots` decode slots."""
+
+    def __init__(self, sampler: Sampler, slots: int, num_generations: int, groups: int,
+                 max_staleness: int):
+        self.sampler, self.slots, self.g, self.groups = sampler, slots, num_generations, groups
+        self.max_staleness = max_staleness
+        self.group_slots = 2 * groups  # one generation batch trained, one more in flight
+        self.program = jax.jit(self._advance, static_argnames=("width",))
+
+    def empty(self, prompt_width: int) -> InFlight:
+        """Nothing in flight, for prompts up to `prompt_width` tokens (the run's longest)."""
+        s, gs = self.sampler, self.group_slots
+        width = s.bucket(prompt_width)
+        return InFlight(
+            rows=self._empty_rows(width, s.sampling_params.repetition_penalty != 1.0),
+            prompt_ids=np.full((gs, width), s.pad_id, np.int32),
+            prompt_mask=np.zeros((gs, width), np.int32),
+            data_rows=np.full(gs, -1, np.int64), seq=np.full(gs, -1, np.int64),
+            records=(None,) * gs)
+
+    def advance(self, params, at: InFlight, records: Sequence[dict], data_rows: Sequence[int],
+                version: int, key) -> Advanced:
+        """The new groups of `records` (their dataset rows `data_rows`) into the group slots
+        emptied last round, then decode under `params` (version `version`) until `groups`
+        whole groups are done."""
+        s, g = self.sampler, self.g
+        params = s.check_params(params)
+        free = np.flatnonzero(at.seq < 0)
+        if len(records) > len(free):
+            raise ValueError(f"{len(records)} new groups but {len(free)} group slots free")
+        prompts = s.check_prompts([r["prompt_ids"] for r in records])
+        width = at.prompt_ids.shape[1]
+        if prompts and max(map(len, prompts)) > width:
+            raise ValueError(f"a prompt of {max(map(len, prompts))} tokens exceeds the partial "
+                             f"rollouts' prompt width {width}")
+        ids, pmask, data, seq = (at.prompt_ids.copy(), at.prompt_mask.copy(),
+                                 at.data_rows.copy(), at.seq.copy())
+        recs, fresh = list(at.records), np.zeros(self.group_slots, bool)
+        if prompts:
+            new_ids, new_mask = left_pad(prompts, 1, width, s.pad_id)
+            put = free[:len(prompts)]
+            ids[put], pmask[put], data[put] = new_ids, new_mask, np.asarray(data_rows)
+            seq[put] = at.drawn + np.arange(len(prompts))
+            fresh[put] = True
+            for i, rec in zip(put, records):
+                recs[i] = rec
+        run_key = as_key(key) if at.key is None else at.key
+        rows, chosen, steps, busy, dropped = self.program(
+            params, at.rows, jnp.asarray(ids), jnp.asarray(pmask), jnp.asarray(seq, jnp.int32),
+            jnp.asarray(fresh), run_key, np.int32(version), width=width)
+        chosen, steps, busy, dropped = dist.to_host((chosen, steps, busy, dropped))
+        chosen = chosen[chosen >= 0]
+        out_rows = (chosen[:, None] * g + np.arange(g)).ravel()
+        tokens, cmask, logp, versions = dist.to_host(
+            (rows.tokens[out_rows], rows.mask[out_rows], rows.logp[out_rows],
+             rows.version[out_rows]))
+        # What the round returned leaves its group slots (the program emptied their rows).
+        done_records = [recs[i] for i in chosen]
+        seq[chosen], data[chosen] = -1, -1
+        for i in chosen:
+            recs[i] = None
+        stops = s.sampling_params.stop_token_ids
+        stopped = (np.isin(tokens, stops) & (cmask > 0)).any(axis=1)
+        batch = RolloutBatch(np.repeat(ids[chosen], g, axis=0), np.repeat(pmask[chosen], g, axis=0),
+                             tokens, cmask, ~stopped, logp,
+                             metrics=decode_metrics(int(steps), int(busy), self.slots))
+        left = at._replace(rows=rows, prompt_ids=ids, prompt_mask=pmask, data_rows=data,
+                           seq=seq, records=tuple(recs), drawn=at.drawn + len(prompts),
+                           key=run_key)
+        return Advanced(left, batch, done_records, np.where(cmask > 0, versions, 0),
+                        int(dropped))
+
+    # ------------------------------------------------------------------ compiled program
+
+    def _advance(self, params, rows: Rows, prompt_ids, prompt_mask, seq, fresh, key, version, *,
+                 width: int):
+        s, sp, g = self.sampler, self.sampler.sampling_params, self.g
+        # Groups too stale to train (a token more than max_staleness versions old) start over.
+        oldest = jnp.min(jnp.where(rows.mask > 0, rows.version, _LAST), axis=1)
+        stale = jnp.any((oldest < version - self.max_staleness).reshape(-1, g), axis=1)
+        stale = stale & (seq >= 0) & ~fresh
+        rows = self._restart(rows, jnp.repeat(fresh | stale, g))
+        cast, layers, cache, logits = s.prompt_pass(params, s.constrain(prompt_ids, "batch", None),
+                                                    s.constrain(prompt_mask, "batch", None))
+        pen = None
+        if rows.seen is not None:
+            pen = jnp.zeros((prompt_ids.shape[0], s.cfg.vocab_size), bool)
+            pen = pen.at[jnp.arange(prompt_ids.shape[0])[:, None], prompt_ids].max(
+                prompt_mask.astype(bool))
+        store = (cache, logits, prompt_mask, pen)
+        model = s.decoder(cast)
+        gid = jnp.repeat(seq, g) * g + jnp.tile(jnp.arange(g, dtype=jnp.int32), seq.shape[0])
+
+        def whole(st):  # groups whose every row is done
+            return jnp.all((st[0].status == DONE).reshape(-1, g), axis=1) & (seq >= 0)
+
+        def going(st):
+            r = st[0]
+            pending = jnp.any(r.status == WAITING) | jnp.any(r.slot_row >= 0)
+            return (jnp.sum(whole(st)) < self.groups) & pending
+
+        def step(st):
+            r, steps, busy = st
+            r = jax.lax.cond(jnp.any(r.slot_row < 0) & jnp.any(r.status == WAITING),
+                             lambda r: self._admit(store, r, seq, gid, key, version), lambda r: r,
+                             r)
+            r, live = self._decode(model, layers, r, gid, key, version, width)
+            return r, steps + 1, busy + jnp.sum(live)
+        rows, steps, busy = jax.lax.while_loop(
+            going, step, (rows, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)))
+        done = whole((rows,))
+        order = jnp.argsort(jnp.where(done, seq, _LAST))[:self.groups]
+        chosen = jnp.where(done[order], order, -1)
+        taken = jnp.zeros(seq.shape[0], bool).at[chosen].set(True, mode="drop")
+        rows = rows._replace(status=jnp.where(jnp.repeat(taken, g), EMPTY, rows.status))
+        return rows, chosen, steps, busy, jnp.sum(stale)
+
+    def _empty_rows(self, width: int, penalty: bool) -> Rows:
+        s = self.sampler
+        S, C, cfg = self.slots, s.sampling_params.max_completion_length, s.cfg
+        R = self.group_slots * self.g
+        slot = lambda x: s.constrain(x, "batch", *[None] * (x.ndim - 1))  # noqa: E731
+        return Rows(
+            status=jnp.full((R,), EMPTY, jnp.int32),
+            tokens=jnp.full((R, C), s.pad_id, jnp.int32), mask=jnp.zeros((R, C), jnp.int32),
+            logp=jnp.zeros((R, C), jnp.float32), version=jnp.zeros((R, C), jnp.int32),
+            slot_row=slot(jnp.full((S,), -1, jnp.int32)), length=slot(jnp.zeros((S,), jnp.int32)),
+            last=slot(jnp.zeros((S,), jnp.int32)), prompt_len=slot(jnp.zeros((S,), jnp.int32)),
+            key_mask=slot(jnp.zeros((S, width + C), jnp.int32)),
+            cache=s.constrain_cache(KVCache.zeros(cfg, S, width + C, s.cache_dtype)),
+            seen=slot(jnp.zeros((S, cfg.vocab_size), bool)) if penalty else None)
+
+    def _restart(self, rows: Rows, restart) -> Rows:
+        """Rows `restart` ([R] bool) back to waiting with nothing drawn; their slots freed."""
+        evict = (rows.slot_row >= 0) & restart[jnp.maximum(rows.slot_row, 0)]
+        keep = ~restart[:, None]
+        return rows._replace(
+            status=jnp.where(restart, WAITING, rows.status),
+            tokens=jnp.where(keep, rows.tokens, self.sampler.pad_id),
+            mask=jnp.where(keep, rows.mask, 0), logp=jnp.where(keep, rows.logp, 0.0),
+            version=jnp.where(keep, rows.version, 0),
+            slot_row=jnp.where(evict, -1, rows.slot_row))
+
+    def _admit(self, store, r: Rows, seq, gid, key, version) -> Rows:
+        """Free slots take the waiting rows, oldest group first: their prompts' keys and values
+        from this round's prompt pass, and their first tokens."""
+        s, S, g = self.sampler, self.slots, self.g
+        cache, logits, pmask, pen = store
+        waiting = r.status == WAITING
+        priority = jnp.where(waiting, gid, _LAST)
+        order = jnp.argsort(priority)
+        free = r.slot_row < 0
+        pick = order[jnp.clip(jnp.cumsum(free) - 1, 0, order.shape[0] - 1)]
+        admit = free & (priority[pick] < _LAST)
+        row = jnp.where(admit, pick, r.slot_row)
+        prompt = jnp.where(admit, pick // g, 0)
+        at = jnp.where(admit, jnp.arange(S), S)  # S: out of range, the write is dropped
+        width = pmask.shape[1]
+
+        def copy(buf, src):
+            return buf.at[:, at, :, :src.shape[3]].set(src[:, prompt], mode="drop")
+        kv = KVCache(*(tuple(map(copy, part, src)) for part, src in zip(r.cache, cache)))
+        seen = None if r.seen is None else r.seen.at[at].set(pen[prompt], mode="drop")
+        mask_rows = jnp.concatenate([pmask[prompt], jnp.ones((S, r.key_mask.shape[1] - width),
+                                                            jnp.int32)], axis=1)
+        status = r.status.at[jnp.where(admit, pick, r.status.shape[0])].set(LIVE, mode="drop")
+        r = r._replace(status=status, slot_row=row, length=jnp.where(admit, 0, r.length),
+                       prompt_len=jnp.where(admit, jnp.sum(pmask, axis=1)[prompt], r.prompt_len),
+                       key_mask=jnp.where(admit[:, None], mask_rows, r.key_mask),
+                       cache=s.constrain_cache(kv), seen=seen)
+        token, logp = sampling.sample(row_keys(key, 0, gid[row]), logits[prompt],
+                                      s.sampling_params, seen)
+        return self._record(r, admit, token, logp, version)
+
+    def _decode(self, model, layers, r: Rows, gid, key, version, width: int):
+        """Every live slot feeds its row's last token and samples the next."""
+        s = self.sampler
+        live = r.slot_row >= 0
+        hidden, cache = model(r.last[:, None], (r.prompt_len + r.length - 1)[:, None],
+                              r.key_mask, cache=r.cache, cache_index=width + r.length - 1,
+                              layers=layers)
+        row = jnp.maximum(r.slot_row, 0)
+        token, logp = sampling.sample(row_keys(key, r.length, gid[row]),
+                                      model.logits(hidden)[:, 0], s.sampling_params, r.seen)
+        r = r._replace(cache=s.constrain_cache(cache))
+        return self._record(r, live, token, logp, version), live
+
+    def _record(self, r: Rows, live, token, logp, version) -> Rows:
+        """The live slots' new tokens into their rows; a row that stops (a stop token, or
+        max_completion_length tokens) is done and frees its slot."""
+        sp = self.sampler.sampling_params
+        at = jnp.where(live, r.slot_row, r.tokens.shape[0])  # a slot not live writes nowhere
+        put = lambda buf, x: buf.at[at, r.length].set(  # noqa: E731
+            jnp.broadcast_to(x, live.shape).astype(buf.dtype), mode="drop")
+        length = r.length + live
+        ends = length >= sp.max_completion_length
+        if sp.stop_token_ids:
+            ends = ends | jnp.isin(token, jnp.asarray(sp.stop_token_ids))
+        seen = r.seen
+        if seen is not None:
+            seen = seen.at[jnp.arange(self.slots), token].max(live)
+        finished = live & ends
+        status = r.status.at[jnp.where(finished, r.slot_row, r.status.shape[0])].set(
+            DONE, mode="drop")
+        return r._replace(tokens=put(r.tokens, token), mask=put(r.mask, 1),
+                          logp=put(r.logp, logp), version=put(r.version, version),
+                          status=status, length=length, last=jnp.where(live, token, r.last),
+                          slot_row=jnp.where(finished, -1, r.slot_row), seen=seen)
+
+
+def staleness_metrics(versions: np.ndarray, mask: np.ndarray, version: int,
+                      max_staleness: int) -> dict:
+    """staleness/*: how many versions older than the training weights each trained token's
+    are: mean, max and the share of tokens at each staleness 0..max_staleness."""
+    ages = (version - versions)[mask > 0]
+    if not ages.size:
+        return {}
+    out = {"staleness/mean": float(ages.mean()), "staleness/max": float(ages.max())}
+    for k in range(max_staleness + 1):
+        out[f"staleness/tokens_{k}"] = float((ages == k).mean())
+    return out
+
+
+def to_arrays(at: InFlight) -> dict[str, np.ndarray]:
+    """InFlight as named host arrays for a checkpoint (the records as their dataset rows)."""
+    leaves = dist.to_host(jax.tree.leaves(at.rows))
+    out = {f"rows/{i}": np.asarray(x) for i, x in enumerate(leaves)}
+    out.update(prompt_ids=at.prompt_ids, prompt_mask=at.prompt_mask, data_rows=at.data_rows,
+               seq=at.seq, drawn=np.int64(at.drawn))
+    if at.key is not None:
+        out["key"] = np.asarray(jax.random.key_data(at.key))
+    return out
+
+
+def from_arrays(template: InFlight, arrays: dict, record) -> InFlight:
+    """A checkpoint's InFlight, its device arrays placed as `template`'s (an empty one of the
+    same run); `record(i)`: the dataset's record of row i."""
+    leaves, tree = jax.tree.flatten(template.rows)
+    if sum(k.startswith("rows/") for k in arrays) != len(leaves):
+        raise ValueError("the checkpoint's rollouts in flight were written by another sampler "
+                         "layout (model, max_num_seqs, num_generations or batch size)")
+    placed = []
+    for i, like in enumerate(leaves):
+        x = np.asarray(arrays[f"rows/{i}"])
+        if x.shape != like.shape or x.dtype != like.dtype:
+            raise ValueError(f"the checkpoint's rollouts in flight have {x.shape} {x.dtype} "
+                             f"where this run holds {like.shape} {like.dtype}: another sampler "
+                             "layout (model, max_num_seqs, num_generations, prompt width)")
+        placed.append(dist.shard_host_array(x, like.sharding))
+    data = np.asarray(arrays["data_rows"])
+    key = arrays.get("key")
+    return InFlight(jax.tree.unflatten(tree, placed), np.asarray(arrays["prompt_ids"]),
+                    np.asarray(arrays["prompt_mask"]), data, np.asarray(arrays["seq"]),
+                    tuple(None if i < 0 else record(int(i)) for i in data),
+                    int(arrays["drawn"]),
+                    None if key is None else jax.random.wrap_key_data(np.asarray(key)))
