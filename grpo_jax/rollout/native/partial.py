@@ -104,13 +104,15 @@ class PartialRollouts:
         self.max_staleness = max_staleness
         self.group_slots = 2 * groups  # one generation batch trained, one more in flight
         self.program = jax.jit(self._advance, static_argnames=("width",))
+        self._empty_program = jax.jit(self._empty_rows, static_argnames=("width", "penalty"))
 
     def empty(self, prompt_width: int) -> InFlight:
         """Nothing in flight, for prompts up to `prompt_width` tokens (the run's longest)."""
         s, gs = self.sampler, self.group_slots
         width = s.bucket(prompt_width)
         return InFlight(
-            rows=self._empty_rows(width, s.sampling_params.repetition_penalty != 1.0),
+            rows=self._empty_program(width=width,
+                                     penalty=s.sampling_params.repetition_penalty != 1.0),
             prompt_ids=np.full((gs, width), s.pad_id, np.int32),
             prompt_mask=np.zeros((gs, width), np.int32),
             data_rows=np.full(gs, -1, np.int64), seq=np.full(gs, -1, np.int64),
@@ -172,7 +174,7 @@ class PartialRollouts:
 
     def _advance(self, params, rows: Rows, prompt_ids, prompt_mask, seq, fresh, key, version, *,
                  width: int):
-        s, sp, g = self.sampler, self.sampler.sampling_params, self.g
+        s, g = self.sampler, self.g
         # Groups too stale to train (a token more than max_staleness versions old) start over.
         oldest = jnp.min(jnp.where(rows.mask > 0, rows.version, _LAST), axis=1)
         stale = jnp.any((oldest < version - self.max_staleness).reshape(-1, g), axis=1)
@@ -211,22 +213,30 @@ class PartialRollouts:
         chosen = jnp.where(done[order], order, -1)
         taken = jnp.zeros(seq.shape[0], bool).at[chosen].set(True, mode="drop")
         rows = rows._replace(status=jnp.where(jnp.repeat(taken, g), EMPTY, rows.status))
-        return rows, chosen, steps, busy, jnp.sum(stale)
+        return self._laid_out(rows), chosen, steps, busy, jnp.sum(stale)
 
-    def _empty_rows(self, width: int, penalty: bool) -> Rows:
+    def _laid_out(self, rows: Rows) -> Rows:
+        """The rows' layout, the same out of every program (so the next round's input matches
+        the program's, and it compiles once): slots over the batch axes, rows replicated."""
+        s = self.sampler
+        slot = lambda x: s.constrain(x, "batch", *[None] * (x.ndim - 1))  # noqa: E731
+        whole = lambda x: s.constrain(x, *[None] * x.ndim)  # noqa: E731
+        return Rows(*map(whole, rows[:5]), *map(slot, rows[5:10]), s.constrain_cache(rows.cache),
+                    None if rows.seen is None else slot(rows.seen))
+
+    def _empty_rows(self, *, width: int, penalty: bool) -> Rows:
         s = self.sampler
         S, C, cfg = self.slots, s.sampling_params.max_completion_length, s.cfg
         R = self.group_slots * self.g
-        slot = lambda x: s.constrain(x, "batch", *[None] * (x.ndim - 1))  # noqa: E731
-        return Rows(
+        return self._laid_out(Rows(
             status=jnp.full((R,), EMPTY, jnp.int32),
             tokens=jnp.full((R, C), s.pad_id, jnp.int32), mask=jnp.zeros((R, C), jnp.int32),
             logp=jnp.zeros((R, C), jnp.float32), version=jnp.zeros((R, C), jnp.int32),
-            slot_row=slot(jnp.full((S,), -1, jnp.int32)), length=slot(jnp.zeros((S,), jnp.int32)),
-            last=slot(jnp.zeros((S,), jnp.int32)), prompt_len=slot(jnp.zeros((S,), jnp.int32)),
-            key_mask=slot(jnp.zeros((S, width + C), jnp.int32)),
-            cache=s.constrain_cache(KVCache.zeros(cfg, S, width + C, s.cache_dtype)),
-            seen=slot(jnp.zeros((S, cfg.vocab_size), bool)) if penalty else None)
+            slot_row=jnp.full((S,), -1, jnp.int32), length=jnp.zeros((S,), jnp.int32),
+            last=jnp.zeros((S,), jnp.int32), prompt_len=jnp.zeros((S,), jnp.int32),
+            key_mask=jnp.zeros((S, width + C), jnp.int32),
+            cache=KVCache.zeros(cfg, S, width + C, s.cache_dtype),
+            seen=jnp.zeros((S, cfg.vocab_size), bool) if penalty else None))
 
     def _restart(self, rows: Rows, restart) -> Rows:
         """Rows `restart` ([R] bool) back to waiting with nothing drawn; their slots freed."""

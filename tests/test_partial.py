@@ -1,0 +1,229 @@
+"""Partial rollouts (grpo_jax.rollout.native.partial, max_staleness >= 1 with decode slots): rows
+carried from round to round draw what one static batch draws from the same keys, log-probs equal
+the trainer's, each token's version is the round that drew it, stale groups start over; in a
+run, every prompt is trained exactly once, in draw order of completion, and a run stopped with
+rows in flight (in process, SIGTERM and SIGKILL) resumes to the uninterrupted run's result."""
+
+import dataclasses
+import json
+import signal
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from model_oracle import trainer_logp
+from test_train import _cli_args, _run_cli
+from tiny_run import config
+
+from grpo_jax import hf
+from grpo_jax import mesh as mesh_lib
+from grpo_jax.checkpoint import Checkpointer, load_checkpoint
+from grpo_jax.config import TrainConfig
+from grpo_jax.errors import ConfigError
+from grpo_jax.models import Decoder, ModelConfig
+from grpo_jax.rollout.native.partial import PartialRollouts
+from grpo_jax.rollout.native.sampler import Sampler
+from grpo_jax.rollout.native.sampling import SamplingParams
+from grpo_jax.train import train
+
+CFG = ModelConfig("llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                  num_heads=2, num_kv_heads=2, head_dim=16).replace(dtype="float32")
+# Many stop tokens: rows end after 1 to 12 tokens, a long tail.
+SP = SamplingParams(max_completion_length=12, temperature=1.0, top_k=40, repetition_penalty=1.3,
+                    stop_token_ids=(2, 3, 4, 5))
+G, K = 4, 2  # rows a group, groups a round
+
+
+def _prompts(count, seed=0):
+    rng = np.random.default_rng(seed)  # 2 to 19 tokens: one prompt width (32) for all
+    return [rng.integers(6, 64, int(k)).tolist() for k in rng.integers(2, 20, count)]
+
+
+def _rounds(partial, params_of, prompts, rounds, key=7):
+    """`rounds` rounds of partial rollouts, each drawing the prompts for the group slots the
+    last emptied; params_of(round) the weights. Returns [(round, Advanced)] and the state."""
+    at, drawn, out = partial.empty(20), 0, []
+    for r in range(rounds):
+        n = at.empty_groups
+        records = [{"prompt_ids": p, "i": drawn + j} for j, p in enumerate(prompts[drawn:drawn + n])]
+        done = partial.advance(params_of(r), at, records, list(range(drawn, drawn + n)), r,
+                               jax.random.key(key))
+        drawn, at = drawn + n, done.in_flight
+        out.append((r, done))
+    return out, at
+
+
+@pytest.mark.parametrize("case", ["plain", "mesh"])
+def test_carried_rows_draw_what_one_batch_does(case, compiled):
+    """Fixed weights, 3 decode slots (fewer than a group), 2 groups a round: rows span rounds,
+    yet every returned group equals one static batch of its prompt from its keys (rows
+    group x G + j); log-probs equal the trainer's; versions are the rounds that drew the tokens;
+    each prompt comes back once, the oldest first among those done; one program."""
+    model = Decoder(CFG, rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    mesh = (mesh_lib.make_mesh(mesh_lib.MeshConfig(2, 2, 2), jax.devices()[:8])
+            if case == "mesh" else None)
+    sampler = Sampler(CFG, dataclasses.replace(SP, max_num_seqs=3), pad_id=0, mesh=mesh)
+    slots = 4 if mesh else 3  # rounded up to the 4 batch shards
+    partial = PartialRollouts(sampler, slots, G, K, max_staleness=100)
+    prompts = _prompts(16)
+    rounds, left = _rounds(partial, lambda r: params, prompts, 5)
+    static = Sampler(CFG, SP, pad_id=0)
+    seen, spanned = [], 0
+    for r, done in rounds:
+        assert len(done.records) == K and done.dropped == 0
+        ids = [rec["i"] for rec in done.records]
+        seen += ids
+        versions = done.versions[done.rollout.completion_mask > 0]
+        assert versions.max() == r and versions.min() >= 0
+        spanned += sum(len(set(v[m > 0])) > 1 for v, m in
+                       zip(done.versions, done.rollout.completion_mask))
+        for k, i in enumerate(ids):
+            one = static.generate(params, [prompts[i]], G, jax.random.key(7), first_row=i * G)
+            rows = slice(k * G, (k + 1) * G)
+            for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
+                         "truncated"):
+                np.testing.assert_array_equal(getattr(done.rollout, name)[rows],
+                                              getattr(one, name), name)
+            np.testing.assert_allclose(done.rollout.sampler_logp[rows], one.sampler_logp,
+                                       rtol=0, atol=2e-6)
+        m = done.rollout.completion_mask.astype(bool)
+        assert np.abs(done.rollout.sampler_logp - trainer_logp(model, done.rollout, 1.0))[m].max() < 5e-5
+    assert spanned > 0  # some rows did decode over two rounds
+    assert len(set(seen)) == len(seen)  # no group twice
+    in_flight = set(left.data_rows[left.data_rows >= 0].tolist())
+    assert not in_flight & set(seen) and in_flight | set(seen) == set(range(2 * K + 4 * K))
+    assert compiled.count("jit(_advance)") == 1, compiled
+
+
+def test_stale_groups_start_over():
+    """A round four versions after the last, with max_staleness 1: every carried group with a
+    token drawn is dropped and drawn again, so what the round returns is all of its version."""
+    params = nnx.state(Decoder(CFG, rngs=nnx.Rngs(0)), nnx.Param)
+    other = nnx.state(Decoder(CFG, rngs=nnx.Rngs(1)), nnx.Param)
+    sampler = Sampler(CFG, dataclasses.replace(SP, max_num_seqs=3), pad_id=0)
+    partial = PartialRollouts(sampler, 3, G, K, max_staleness=1)
+    prompts = _prompts(8, seed=1)
+    at = partial.empty(20)
+    first = partial.advance(params, at, [{"prompt_ids": p} for p in prompts[:2 * K]],
+                            list(range(2 * K)), 0, jax.random.key(3))
+    carried = first.in_flight
+    started = (np.asarray(carried.rows.mask).reshape(2 * K, G, -1).sum((1, 2)) > 0)
+    stale = int((started & (carried.seq >= 0)).sum())
+    assert stale > 0
+    later = partial.advance(other, carried, [{"prompt_ids": p} for p in prompts[2 * K:3 * K]],
+                            list(range(2 * K, 3 * K)), 4, jax.random.key(3))
+    assert later.dropped == stale
+    assert (later.versions[later.rollout.completion_mask > 0] == 4).all()
+
+
+def test_settings():
+    with pytest.raises(ConfigError, match="set max_num_seqs"):
+        TrainConfig(rollout=dataclasses.replace(TrainConfig().rollout, max_staleness=2))
+    with pytest.raises(ConfigError, match="tools or rollout_func"):
+        TrainConfig(generation=SamplingParams(max_num_seqs=8),
+                    rollout=dataclasses.replace(TrainConfig().rollout, max_staleness=2),
+                    multi_turn=dataclasses.replace(TrainConfig().multi_turn,
+                                                   rollout_func="x.py:f"))
+
+
+PARTIAL = dict(max_staleness=2, max_num_seqs=8, max_completion_length=12)
+
+
+def _returned(monkeypatch):
+    """The prompts (their dataset rows) of each round's finished groups, in order."""
+    got = []
+    advance = PartialRollouts.advance
+
+    def record(self, *a, **kw):
+        done = advance(self, *a, **kw)
+        got.append([r["prompt"] for r in done.records])
+        return done
+    monkeypatch.setattr(PartialRollouts, "advance", record)
+    return got
+
+
+def _history(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").open()]
+
+
+@pytest.mark.slow
+def test_each_prompt_trained_once_and_resume_equals_uninterrupted(tiny_dir, tmp_path,
+                                                                   monkeypatch):
+    """6 rounds of 4 groups with 8 slots: no prompt trained twice, the prompts trained plus
+    those in flight are exactly those drawn, in the data's order; stopped at step 3 (its
+    checkpoint holds the rows in flight) and resumed, the same prompts trained in the same
+    order, the same metrics, the same weights as the run that never stopped; max_staleness 0
+    keeps today's rounds (no rows in flight, no staleness metrics)."""
+    got = _returned(monkeypatch)
+    devices = jax.devices()[:1]
+    train(config(tiny_dir, tmp_path / "full", max_steps=6, **PARTIAL), devices=devices)
+    full, got[:] = list(got), []
+    train(config(tiny_dir, tmp_path / "cut", max_steps=3, **PARTIAL), devices=devices)
+    assert len((tmp_path / "cut" / "rows_in_flight" / "3.npz").read_bytes()) > 0
+    train(config(tiny_dir, tmp_path / "cut", max_steps=6, resume=True, **PARTIAL),
+          devices=devices)
+    assert got == full
+    trained = [p for group in full for p in group]
+    assert len(trained) == 24 and len(set(trained)) == 24
+    numbers = sorted(int(p.split()[2].rstrip(":")) for p in trained)
+    assert numbers[-1] < 28  # 28 drawn: 8 groups first, then 4 a round; 4 still in flight
+    a, b = _history(tmp_path / "full"), _history(tmp_path / "cut")
+    assert [h["step"] for h in b] == [1, 2, 3, 4, 5, 6]
+    for ha, hb in zip(a, b):
+        for name in ("reward", "loss", "staleness/mean", "staleness/max", "num_tokens",
+                     "sampling/sampling_logp_difference/mean"):
+            assert (ha.get(name) == hb.get(name)), (ha["step"], name, ha.get(name), hb.get(name))
+    assert max(h["staleness/max"] for h in a) >= 1  # rows did carry over
+    pa, _, _ = load_checkpoint(tmp_path / "full")
+    pb, _, _ = load_checkpoint(tmp_path / "cut")
+    for name, x in hf.params_numpy(pa).items():
+        np.testing.assert_array_equal(x, hf.params_numpy(pb)[name], name)
+    # Off: the synchronous rounds, no state carried.
+    got[:] = []
+    train(config(tiny_dir, tmp_path / "off", max_steps=1, max_num_seqs=8), devices=devices)
+    assert got == [] and "staleness/mean" not in _history(tmp_path / "off")[0]
+    assert not (tmp_path / "off" / "rows_in_flight").exists()
+
+
+@pytest.mark.slow
+def test_sigterm_and_sigkill_with_rows_in_flight_resume_to_the_same_run(tiny_dir, tmp_path):
+    """A real run stopped by SIGTERM (it checkpoints the rows in flight and exits), resumed,
+    killed by SIGKILL after its next checkpoint, resumed again: the uninterrupted run's weights
+    and metrics."""
+    extra = dict(PARTIAL, max_steps=8, save_steps=2)
+    full = _run_cli(_cli_args(tiny_dir, tmp_path / "full", **extra))
+    assert full.wait(timeout=600) == 0, full.stderr.read()[-3000:]
+    out = tmp_path / "cut"
+    ckpts = out / "checkpoints"
+
+    def stop_after(proc, step, sig):
+        deadline = time.time() + 600
+        while not (ckpts / str(step)).is_dir() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        proc.wait(timeout=300)
+        done = Checkpointer(ckpts, save_total_limit=None).all_steps()
+        assert done and max(done) < 8, (done, proc.stderr.read()[-3000:])
+        return max(done)
+
+    first = _run_cli(_cli_args(tiny_dir, out, **extra))
+    at = stop_after(first, 2, signal.SIGTERM)
+    assert first.returncode != 0 and (out / "rows_in_flight" / f"{at}.npz").exists()
+    second = _run_cli(_cli_args(tiny_dir, out, **extra) + ["--resume"])
+    at2 = stop_after(second, at + 2, signal.SIGKILL)
+    assert second.returncode == -signal.SIGKILL and at2 > at
+    third = _run_cli(_cli_args(tiny_dir, out, **extra) + ["--resume"])
+    _, err = third.communicate(timeout=600)
+    assert third.returncode == 0, err[-3000:]
+    assert f"resumed from step {at2}" in err
+    pa, _, _ = load_checkpoint(tmp_path / "full")
+    pb, _, _ = load_checkpoint(out)
+    for name, x in hf.params_numpy(pa).items():
+        np.testing.assert_array_equal(x, hf.params_numpy(pb)[name], name)
+    a, b = _history(tmp_path / "full"), _history(out)
+    assert [h["step"] for h in b] == list(range(1, 9))
+    assert [h["reward"] for h in a] == [h["reward"] for h in b]
