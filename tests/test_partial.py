@@ -134,16 +134,17 @@ PARTIAL = dict(max_staleness=2, max_num_seqs=8, max_completion_length=12)
 
 
 def _returned(monkeypatch):
-    """The prompts (their dataset rows) of each round's finished groups, in order."""
-    got = []
+    """The prompts of each round's finished groups, in order, and the prompts drawn."""
+    got, drawn = [], []
     advance = PartialRollouts.advance
 
-    def record(self, *a, **kw):
-        done = advance(self, *a, **kw)
+    def record(self, params, at, records, *a, **kw):
+        drawn.extend(r["prompt"] for r in records)
+        done = advance(self, params, at, records, *a, **kw)
         got.append([r["prompt"] for r in done.records])
         return done
     monkeypatch.setattr(PartialRollouts, "advance", record)
-    return got
+    return got, drawn
 
 
 def _history(out):
@@ -158,19 +159,19 @@ def test_each_prompt_trained_once_and_resume_equals_uninterrupted(tiny_dir, tmp_
     checkpoint holds the rows in flight) and resumed, the same prompts trained in the same
     order, the same metrics, the same weights as the run that never stopped; max_staleness 0
     keeps today's rounds (no rows in flight, no staleness metrics)."""
-    got = _returned(monkeypatch)
+    got, drawn = _returned(monkeypatch)
     devices = jax.devices()[:1]
     train(config(tiny_dir, tmp_path / "full", max_steps=6, **PARTIAL), devices=devices)
-    full, got[:] = list(got), []
+    full, got[:], full_drawn, drawn[:] = list(got), [], list(drawn), []
     train(config(tiny_dir, tmp_path / "cut", max_steps=3, **PARTIAL), devices=devices)
     assert len((tmp_path / "cut" / "rows_in_flight" / "3.npz").read_bytes()) > 0
     train(config(tiny_dir, tmp_path / "cut", max_steps=6, resume=True, **PARTIAL),
           devices=devices)
-    assert got == full
+    assert got == full and drawn == full_drawn
     trained = [p for group in full for p in group]
-    assert len(trained) == 24 and len(set(trained)) == 24
-    numbers = sorted(int(p.split()[2].rstrip(":")) for p in trained)
-    assert numbers[-1] < 28  # 28 drawn: 8 groups first, then 4 a round; 4 still in flight
+    # 28 drawn (8 groups first, then 4 a round), 24 trained, each once; 4 left in flight
+    assert len(trained) == 24 and len(set(trained)) == 24 and len(set(drawn)) == 28
+    assert set(trained) <= set(drawn)
     a, b = _history(tmp_path / "full"), _history(tmp_path / "cut")
     assert [h["step"] for h in b] == [1, 2, 3, 4, 5, 6]
     for ha, hb in zip(a, b):
