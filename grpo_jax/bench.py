@@ -1,6 +1,7 @@
-"""`python -m grpo_jax.bench {sampler,train-step,e2e,lora-sampler,refill,mismatch}`: speed vs
-hardware limits, decode slots refilled against static sub-batches on long-tailed lengths, and
-the sampler-trainer log-prob mismatch (TRL's sampling/* figures) in the workload's dtype.
+"""`python -m grpo_jax.bench {sampler,train-step,e2e,lora-sampler,refill,mismatch,partial}`: speed
+vs hardware limits, decode slots refilled against static sub-batches on long-tailed lengths,
+the sampler-trainer log-prob mismatch (TRL's sampling/* figures) in the workload's dtype, and
+partial rollouts against refilled rounds in trained groups per second.
 
 Defaults are the issue's workload: the Qwen2-0.5B architecture with random weights, 8 prompts x
 8 completions, 256 prompt tokens, 256 completion tokens forced (no early stop), bf16. `--tiny`
@@ -311,10 +312,70 @@ def bench_e2e(args, cfg, model, mesh, prompts):
     return out
 
 
+def bench_partial(args, cfg, model, mesh, prompts):
+    """Trained groups per second over --rounds GRPO rounds (grpo_jax.round.GRPORound, random
+    rewards in place of reward functions) of --prompts groups each, through --max-num-seqs
+    decode slots: refilled rounds, each decoding until its longest row is done, against
+    partial rollouts (rollout/native/partial.py) with --max-staleness, whose rounds train as
+    soon as --prompts groups are whole. Long-tailed lengths: with random weights, stop tokens
+    of --stop-fraction of the vocabulary (geometric lengths); with --model, the model's own
+    (its EOS). A round's prompts are the next of `prompts`, cycled. The first round of each
+    (compiling) is not timed."""
+    k, g = len(prompts), args.generations
+    n = k * g
+    policy, plan = run_policy(args, model, mesh, n)
+    stops = (() if args.model else
+             tuple(range(3, 3 + max(1, round(args.stop_fraction * cfg.vocab_size)))))
+    if args.model:
+        from transformers import AutoTokenizer
+
+        from grpo_jax import hf
+        tok = AutoTokenizer.from_pretrained(hf.resolve_model_dir(args.model))
+        stops = (tok.eos_token_id,)
+    sp = SamplingParams(max_completion_length=args.completion_len, temperature=1.0,
+                        stop_token_ids=stops, max_num_seqs=args.max_num_seqs)
+    rng = np.random.default_rng(0)
+
+    def score(records, r):
+        return Scores(rng.standard_normal((len(r.truncated), 1)).astype(np.float32))
+    pool = list(prompts) * (args.rounds + 3)
+    start = jax.tree.map(jnp.copy, policy.init_state)  # each way from the same weights
+    result = {}
+    for name, staleness in (("refill", 0), ("partial", args.max_staleness)):
+        rollout = JaxRollout(cfg, sp, pad_id=0, mesh=mesh,
+                             partial_rollouts=(g, k, staleness) if staleness else None)
+        round_ = GRPORound(policy, rollout, plan, score, ["random"], run_config(args, n).grpo)
+        at = RunState(jax.tree.map(jnp.copy, start), rows_in_flight=None if not staleness else
+                      rollout.partial.empty(max(map(len, prompts))))
+        drawn, times, stale, occupancy, tokens = 0, [], [], [], 0
+        for i in range(args.rounds + 1):
+            want = at.rows_in_flight.empty_groups if staleness else k
+            draw = Draw([{"prompt_ids": p} for p in pool[drawn:drawn + want]], DataPosition(),
+                        rows=tuple(range(drawn, drawn + want)))
+            drawn += want
+            t0 = time.perf_counter()
+            at, r = round_(at, draw, jax.random.key(i))
+            jax.block_until_ready(at.state.params)
+            if i:  # the first round compiles
+                times.append(time.perf_counter() - t0)
+                stale.append(r.metrics.get("staleness/mean", 0.0))
+                occupancy.append(r.metrics["generate/slot_occupancy"])
+                tokens += int(round(r.metrics["completions/mean_length"] * n))
+        sec = float(np.sum(times))
+        result.update({f"{name}_groups_per_s": args.rounds * k / sec,
+                       f"{name}_round_s": sec / args.rounds,
+                       f"{name}_completion_tokens_per_s": tokens / sec,
+                       f"{name}_slot_occupancy": float(np.mean(occupancy)),
+                       f"{name}_staleness_mean": float(np.mean(stale))})
+    result["partial_speedup"] = result["partial_groups_per_s"] / result["refill_groups_per_s"]
+    result["decode_slots"] = rollout.slots.slots
+    return result
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m grpo_jax.bench", description=__doc__)
     p.add_argument("what", choices=["sampler", "train-step", "e2e", "lora-sampler", "refill",
-                                    "mismatch", "all"])
+                                    "mismatch", "partial", "all"])
     p.add_argument("--tiny", action="store_true", help="small model (CPU)")
     p.add_argument("--model", help="a real model's weights (an HF directory or alias, e.g. "
                    "smollm2-135m-instruct) in --dtype, prompted with the shipped Reddit-style "
@@ -350,6 +411,10 @@ def main(argv=None):
     p.add_argument("--stop-fraction", type=float, default=1 / 64,
                    help="refill: the share of the vocabulary that stops a row (mean length "
                         "about its inverse)")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="partial: GRPO rounds timed (after one that compiles)")
+    p.add_argument("--max-staleness", type=int, default=2,
+                   help="partial: the partial rollouts' max_staleness")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args(argv)
@@ -370,6 +435,8 @@ def main(argv=None):
         result.update(bench_lora_sampler(args, cfg, model, mesh, prompts))
     if args.what == "refill":
         result.update(bench_refill(args, cfg, model, mesh, prompts))
+    if args.what == "partial":
+        result.update(bench_partial(args, cfg, model, mesh, prompts))
     if args.what == "mismatch":
         result.update(bench_mismatch(args, cfg, model, mesh, prompts))
     result["peak_device_memory_GiB"] = ((peak_memory() or 0) / 2**30) or None

@@ -32,9 +32,11 @@ from grpo_jax.run_state import ADAPTERS_OFF
 def step_config(cfg: TrainConfig, plan: BatchPlan, model_cfg) -> StepConfig:
     """The step's math settings of a run (train, bench and aot alike)."""
     loss = cfg.loss
-    if cfg.rollout.backend != "vllm" and not loss.native_importance_sampling_correction:
+    if (cfg.rollout.backend != "vllm" and not loss.native_importance_sampling_correction
+            and not cfg.rollout.max_staleness):
         # The JAX sampler runs the trainer's own weights: its log-probs only feed the metrics
         # (and rollout_rs's mask, when set), unless native_importance_sampling_correction.
+        # Its partial rollouts (max_staleness) do not: their tokens come from older weights.
         loss = dataclasses.replace(loss, vllm_importance_sampling_correction=False)
     return StepConfig(loss=loss, temperature=cfg.generation.temperature,
                       gradient_accumulation_steps=plan.gradient_accumulation_steps,

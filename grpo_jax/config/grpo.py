@@ -201,7 +201,8 @@ class LossConfig:
         "Not TRL's: apply vllm_importance_sampling_correction's weight (its mode and clip "
         "bounds) to the JAX sampler's rollouts too. Off: the native sampler's log-probs differ "
         "from the trainer's by numerics only (bf16 vs fp32 kernels) and feed the sampling/* "
-        "metrics alone. Needs vllm_importance_sampling_correction.")
+        "metrics alone. Needs vllm_importance_sampling_correction. Partial rollouts "
+        "(max_staleness > 0) apply it always: their tokens come from older weights.")
     vllm_importance_sampling_mode: ISMode = arg(
         "sequence_mask",
         "How the sampler-correction weight is cut: per token or per sequence, truncated or "
