@@ -97,12 +97,12 @@ def concat_rows(parts: Sequence[Batch]) -> Batch:
 class Draw(NamedTuple):
     """A generation's prompts as the data gives them: `records`, the data position after them,
     whether they are the last of their epoch and, with dynamic sampling, `more()`: the next
-    prompts and the position after them while the batch fills, or None to stop. With partial
+    prompts (a Draw) while the batch fills, or None to stop. With partial
     rollouts the records are the new groups' prompts, which join the rows in flight."""
     records: Sequence[dict]
     after: DataPosition
     ends_epoch: bool = False
-    more: Callable[[], tuple[Sequence[dict], DataPosition] | None] | None = None
+    more: Callable[[], "Draw | None"] | None = None
     rows: Sequence[int] = ()  # the records' dataset rows (partial rollouts checkpoint them)
 
 
@@ -171,8 +171,7 @@ class GRPORound:
             weights = self.rollout_weights(at.state.params)
             with stop.interruptible():  # changes nothing yet: a stop drops the generation
                 if self.rollout.partial is not None:
-                    gen, rows_in_flight = self.generate_partial(weights, at, draw, key)
-                    after = draw.after
+                    gen, rows_in_flight, after = self.generate_partial(weights, at, draw, key)
                 elif not self.args.dynamic_sampling:
                     gen, after = self.generate_and_score(weights, draw.records, key,
                                                          reference=at.reference), draw.after
@@ -315,17 +314,40 @@ class GRPORound:
         """Partial rollouts (rollout/native/partial.py): `draw`'s groups join the rows in
         flight, and the sampler decodes until a generation batch of whole groups is done: its
         training batch (as generate_and_score's) with staleness/* metrics (versions: rounds),
-        and the rows left in flight."""
-        g, partial = self.plan.num_generations, self.rollout.partial
-        t0 = time.perf_counter()
-        done = partial.advance(weights, at.rows_in_flight, draw.records, draw.rows, at.round, key)
-        t1, wall1 = time.perf_counter(), time.time()
-        scores = self.score(done.records, done.rollout)
-        gen = self._training_batch(done.rollout, scores, g, t1 - t0, wall1, at.reference)
-        gen.metrics.update(staleness_metrics(done.versions, done.rollout.completion_mask,
-                                             at.round, partial.max_staleness))
-        gen.metrics["staleness/dropped_groups"] = float(done.dropped)
-        return gen, done.in_flight
+        the rows left in flight and the data position after the prompts read. With dynamic
+        sampling, groups without reward signal are
+        dropped and the sampler goes on, `draw.more()`'s prompts filling the group slots each
+        pass empties, until the batch is full (as generate_filled). (None, rows in flight) when
+        draw.more() returns None first: the round is dropped, the run state's rows stay."""
+        # (Generated | None, InFlight, DataPosition)
+        g, partial, a = self.plan.num_generations, self.rollout.partial, self.args
+        filled = ds.Filled(self.plan.prompts_per_generation, g) if a.dynamic_sampling else None
+        in_flight, dropped, took, more = at.rows_in_flight, 0, 0.0, draw.more
+        while True:
+            t0 = time.perf_counter()
+            done = partial.advance(weights, in_flight, draw.records, draw.rows, at.round, key)
+            took, wall = took + time.perf_counter() - t0, time.time()
+            in_flight, dropped = done.in_flight, dropped + done.dropped
+            scores = self.score(done.records, done.rollout)
+            if filled is None:
+                r = done.rollout
+                break
+            filled.add(done.rollout, scores, a.reward_weights)
+            if filled.full:
+                r, scores = filled.batch()
+                break
+            if 0 < a.max_num_gen_batches <= filled.generations:
+                raise filled.no_signal()
+            draw = more()
+            if draw is None:
+                return None, at.rows_in_flight, at.position
+        gen = self._training_batch(r, scores, g, took, wall, at.reference)
+        gen.metrics.update(staleness_metrics(r.versions, r.completion_mask, at.round,
+                                             partial.max_staleness))
+        gen.metrics["staleness/dropped_groups"] = float(dropped)
+        if filled is not None:
+            gen.metrics.update(filled.metrics())
+        return gen, in_flight, draw.after
 
     def generate_filled(self, weights, draw: Draw, key, reference
                         ) -> tuple[Generated | None, DataPosition]:
@@ -352,7 +374,7 @@ class GRPORound:
             more = draw.more()
             if more is None:
                 return None, after
-            records, after = more
+            records, after = more.records, more.after
         gen = self._training_batch(*filled.batch(), g, took, wall, reference)
         gen.metrics.update(filled.metrics())
         return gen, after

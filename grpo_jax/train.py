@@ -457,29 +457,34 @@ class Draws:
         two generation batches at first (one trained, one more in flight), one a round after;
         their epochs' ends don't end an update window (the groups trained are others)."""
         n = self.plan.prompts_per_generation
-        if rows_in_flight is not None:
-            rows, after = [], position
-            for _ in range(rows_in_flight.empty_groups // n):
-                more, after = self.dataset.batch_rows(after, n)
-                rows += more
-            return Draw([self.dataset.record(i) for i in rows], after, rows=tuple(rows))
-        records, after = self.dataset.batch_prompts(position, n)
-        if self._past(after):
-            return None
-        if self.epochs is None:
-            return Draw(records, after, self.dataset.ends_epoch(after, n))
-        cursor = after
+        batches = 1 if rows_in_flight is None else rows_in_flight.empty_groups // n
+        draw = self._read(position, batches)
+        if draw is not None and rows_in_flight is None:
+            draw = draw._replace(ends_epoch=self.dataset.ends_epoch(draw.after, n))
+        if draw is None or self.epochs is None:
+            return draw
+        cursor = draw.after
 
         def more():
             nonlocal cursor
             if dist.any_process(self.stop.should_stop()):
                 return None  # the batch is dropped; a resume regenerates it from the position
-            more_records, nxt = self.dataset.batch_prompts(cursor, n)
-            if self._past(nxt):
-                return None  # the batch being filled is dropped: the run ends with its data
-            cursor = nxt
-            return more_records, nxt
-        return Draw(records, after, self.dataset.ends_epoch(after, n), more)
+            nxt = self._read(cursor, 1)
+            if nxt is not None:
+                cursor = nxt.after
+            return nxt  # None: the batch being filled is dropped, the run ends with its data
+        return draw._replace(more=more)
+
+    def _read(self, position: data_lib.DataPosition, batches: int) -> Draw | None:
+        """`batches` generation batches of prompts from `position`, or None past the run's
+        epochs."""
+        n, rows, after = self.plan.prompts_per_generation, [], position
+        for _ in range(batches):
+            more, after = self.dataset.batch_rows(after, n)
+            rows += more
+        if self._past(after):
+            return None
+        return Draw([self.dataset.record(i) for i in rows], after, rows=tuple(rows))
 
 
 def _data_used_up(run: Run) -> None:

@@ -77,10 +77,10 @@ def test_carried_rows_draw_what_one_batch_does(case, compiled):
         assert len(done.records) == K and done.dropped == 0
         ids = [rec["i"] for rec in done.records]
         seen += ids
-        versions = done.versions[done.rollout.completion_mask > 0]
+        versions = done.rollout.versions[done.rollout.completion_mask > 0]
         assert versions.max() == r and versions.min() >= 0
         spanned += sum(len(set(v[m > 0])) > 1 for v, m in
-                       zip(done.versions, done.rollout.completion_mask))
+                       zip(done.rollout.versions, done.rollout.completion_mask))
         for k, i in enumerate(ids):
             one = static.generate(params, [prompts[i]], G, jax.random.key(7), first_row=i * G)
             rows = slice(k * G, (k + 1) * G)
@@ -117,7 +117,7 @@ def test_stale_groups_start_over():
     later = partial.advance(other, carried, [{"prompt_ids": p} for p in prompts[2 * K:3 * K]],
                             list(range(2 * K, 3 * K)), 4, jax.random.key(3))
     assert later.dropped == stale
-    assert (later.versions[later.rollout.completion_mask > 0] == 4).all()
+    assert (later.rollout.versions[later.rollout.completion_mask > 0] == 4).all()
 
 
 def test_settings():
@@ -228,3 +228,34 @@ def test_sigterm_and_sigkill_with_rows_in_flight_resume_to_the_same_run(tiny_dir
     a, b = _history(tmp_path / "full"), _history(out)
     assert [h["step"] for h in b] == list(range(1, 9))
     assert [h["reward"] for h in a] == [h["reward"] for h in b]
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_keeps_decoding_until_the_batch_has_signal(tiny_dir, tmp_path,
+                                                                    monkeypatch):
+    """DAPO's dynamic sampling with partial rollouts: posts with an even number score alike
+    (no signal), so each round drops their groups and decodes on, new prompts filling the
+    group slots, until 4 groups with signal are whole; only odd posts train, each once; a run
+    stopped at step 2 and resumed equals the one that did not stop."""
+    from test_train import ODD_POSTS
+    got, drawn = _returned(monkeypatch)
+    settings = dict(ODD_POSTS, **PARTIAL)
+    train(config(tiny_dir, tmp_path / "full", **settings), devices=jax.devices()[:1])
+    full = _history(tmp_path / "full")
+    assert [h["step"] for h in full] == [1, 2, 3]
+    assert max(h["dynamic_sampling/num_gen_batches"] for h in full) >= 2
+    passes = list(got)
+    settings["max_steps"] = 2
+    train(config(tiny_dir, tmp_path / "cut", **settings), devices=jax.devices()[:1])
+    settings["max_steps"] = 3
+    train(config(tiny_dir, tmp_path / "cut", resume=True, **settings),
+          devices=jax.devices()[:1])
+    assert got[len(passes):] == passes
+    cut = _history(tmp_path / "cut")
+    for a, b in zip(full, cut):
+        for name in ("reward", "loss", "dynamic_sampling/num_gen_batches", "staleness/mean"):
+            assert a[name] == b[name], (a["step"], name)
+    returned = [p for group in passes for p in group]
+    assert len(set(returned)) == len(returned)
+    numbers = [int(p.split()[2].rstrip(":")) for p in returned]
+    assert any(n % 2 == 0 for n in numbers)  # returned, filtered out

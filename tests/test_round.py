@@ -475,11 +475,11 @@ class Prompts:
 
     def more(self):
         self.read += 1
-        return [{"prompt_ids": [1, 2]}] * self.p.prompts_per_generation, DataPosition(0, self.read)
+        return Draw([{"prompt_ids": [1, 2]}] * self.p.prompts_per_generation,
+                    DataPosition(0, self.read), more=self.more)
 
     def draw(self):
-        records, after = self.more()
-        return Draw(records, after, False, self.more)
+        return self.more()
 
 
 @pytest.mark.parametrize("scale", ["group", "batch"])

@@ -37,6 +37,9 @@ class RolloutBatch(NamedTuple):
     extra: dict | None = None  # a rollout_func's extra fields: reward-function keywords
     # The native sampler's counts for the metrics (decode_metrics): decode steps, slot occupancy.
     metrics: dict | None = None
+    # Partial rollouts (rollout/native/partial.py): [N, C] int32, the weight version (round)
+    # that drew each token (0 where masked); None: every token from the round's own weights.
+    versions: np.ndarray | None = None
 
 
 def sampling_params(cfg, tokenizer, generation_eos: Sequence[int] = ()):

@@ -85,12 +85,11 @@ class InFlight(NamedTuple):
 
 
 class Advanced(NamedTuple):
-    """A round's finished groups (rollout: G rows each, the oldest drawn first) and the state
-    left in flight."""
+    """A round's finished groups (rollout: G rows each, the oldest drawn first, with the
+    version of each token) and the state left in flight."""
     in_flight: InFlight
     rollout: RolloutBatch
     records: list  # the finished groups' prompt records, one per group
-    versions: np.ndarray  # [N, C] int32: the round that drew each token (0 where masked)
     dropped: int  # groups dropped this round for max_staleness and generated again
 
 
@@ -163,12 +162,12 @@ class PartialRollouts:
         stopped = (np.isin(tokens, stops) & (cmask > 0)).any(axis=1)
         batch = RolloutBatch(np.repeat(ids[chosen], g, axis=0), np.repeat(pmask[chosen], g, axis=0),
                              tokens, cmask, ~stopped, logp,
-                             metrics=decode_metrics(int(steps), int(busy), self.slots))
+                             metrics=decode_metrics(int(steps), int(busy), self.slots),
+                             versions=np.where(cmask > 0, versions, 0).astype(np.int32))
         left = at._replace(rows=rows, prompt_ids=ids, prompt_mask=pmask, data_rows=data,
                            seq=seq, records=tuple(recs), drawn=at.drawn + len(prompts),
                            key=run_key)
-        return Advanced(left, batch, done_records, np.where(cmask > 0, versions, 0),
-                        int(dropped))
+        return Advanced(left, batch, done_records, int(dropped))
 
     # ------------------------------------------------------------------ compiled program
 
