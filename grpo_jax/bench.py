@@ -348,6 +348,7 @@ def bench_partial(args, cfg, model, mesh, prompts):
         at = RunState(jax.tree.map(jnp.copy, start), rows_in_flight=None if not staleness else
                       rollout.partial.empty(max(map(len, prompts))))
         drawn, times, stale, occupancy, tokens = 0, [], [], [], 0
+        parts = {"generate": [], "update": [], "logprobs": []}
         for i in range(args.rounds + 1):
             want = at.rows_in_flight.empty_groups if staleness else k
             draw = Draw([{"prompt_ids": p} for p in pool[drawn:drawn + want]], DataPosition(),
@@ -360,13 +361,16 @@ def bench_partial(args, cfg, model, mesh, prompts):
                 times.append(time.perf_counter() - t0)
                 stale.append(r.metrics.get("staleness/mean", 0.0))
                 occupancy.append(r.metrics["generate/slot_occupancy"])
+                for part, got in parts.items():
+                    got.append(r.metrics[timing(part)])
                 tokens += int(round(r.metrics["completions/mean_length"] * n))
         sec = float(np.sum(times))
         result.update({f"{name}_groups_per_s": args.rounds * k / sec,
                        f"{name}_round_s": sec / args.rounds,
                        f"{name}_completion_tokens_per_s": tokens / sec,
                        f"{name}_slot_occupancy": float(np.mean(occupancy)),
-                       f"{name}_staleness_mean": float(np.mean(stale))})
+                       f"{name}_staleness_mean": float(np.mean(stale)),
+                       **{f"{name}_{part}_s": float(np.mean(got)) for part, got in parts.items()}})
     result["partial_speedup"] = result["partial_groups_per_s"] / result["refill_groups_per_s"]
     result["decode_slots"] = rollout.slots.slots
     return result

@@ -28,6 +28,19 @@ def test_bench_refill_runs_on_cpu_tiny():
         assert out[key] > 0, key
 
 
+@pytest.mark.slow
+def test_bench_partial_runs_on_cpu_tiny():
+    """`bench partial`: refilled rounds and partial rollouts over the same rounds; the partial
+    rounds keep every slot busy (rows carry over) and train on tokens one version old."""
+    out = main(["partial", "--tiny", "--num-layers", "1", "--dtype", "float32", "--prompts", "2",
+                "--generations", "4", "--prompt-len", "8", "--completion-len", "16",
+                "--max-num-seqs", "8", "--stop-fraction", "0.1", "--rounds", "2"])
+    assert out["partial_slot_occupancy"] > out["refill_slot_occupancy"]
+    assert out["partial_staleness_mean"] > 0 == out["refill_staleness_mean"]
+    for key in ("refill_groups_per_s", "partial_groups_per_s", "partial_speedup"):
+        assert out[key] > 0, key
+
+
 def test_bench_mismatch_runs_on_cpu_tiny():
     """`bench mismatch`: the sampler's log-probs against the trainer's over every completion
     token; in float32 the two forwards agree to rounding (the figure itself is the bench's)."""
