@@ -254,9 +254,15 @@ def test_run_state_is_checkpointed_and_restored_whole(tmp_path, tiny_dir):
     """Everything a resume needs is one RunState, and a run's checkpoint holds it whole: the
     train state bit-exact, the data position, rounds and tokens, the generation buffer (two
     micro-batches of different prompt widths, an epoch window), the draws in flight and, with
-    sync_ref_model, the reference params; the restore fills each field from the checkpoint,
-    none from the live run it is given."""
+    sync_ref_model, the reference params, and the partial rollouts' rows in flight (their
+    device arrays, draw numbers and keys; their records read again from the dataset's rows);
+    the restore fills each field from the checkpoint, none from the live run it is given."""
     from tiny_run import config
+
+    from grpo_jax.models import ModelConfig
+    from grpo_jax.rollout.native.partial import PartialRollouts
+    from grpo_jax.rollout.native.sampler import Sampler
+    from grpo_jax.rollout.native.sampling import SamplingParams
 
     from grpo_jax.data import DataPosition
     from grpo_jax.grpo.batch import Batch
@@ -279,17 +285,36 @@ def test_run_state_is_checkpointed_and_restored_whole(tmp_path, tiny_dir):
 
     cfg = config(tiny_dir, tmp_path, beta=0.04, sync_ref_model=True, resume=True)
     schedule = {"num_prompts": 16}
+    model = ModelConfig("llama", vocab_size=64, hidden_size=32, intermediate_size=48,
+                        num_layers=2, num_heads=2, num_kv_heads=2, head_dim=16)
+    partial = PartialRollouts(Sampler(model, SamplingParams(max_completion_length=4,
+                                                            max_num_seqs=3), pad_id=0),
+                              3, num_generations=2, groups=2, max_staleness=1)
+    empty = partial.empty(20)
+    r = np.random.default_rng(0)
+    rows = empty.rows._replace(
+        tokens=jnp.asarray(r.integers(0, 64, empty.rows.tokens.shape), jnp.int32),
+        logp=jnp.asarray(r.standard_normal(empty.rows.logp.shape), jnp.float32),
+        cache=jax.tree.map(lambda x: jnp.asarray(r.standard_normal(x.shape), x.dtype),
+                           empty.rows.cache))
+    record = lambda i: {"prompt": f"row {i}"}  # noqa: E731 - the dataset's record of row i
+    rows_in_flight = empty._replace(rows=rows, data_rows=np.array([3, -1, 9, 4]),
+                                    seq=np.array([0, -1, 2, 1]),
+                                    records=(record(3), None, record(9), record(4)), drawn=3,
+                                    key=jax.random.key(11))
     saved = RunState(state_of(0), DataPosition(1, 8), round=5, tokens_seen=1234,
                      buffer=(micro(2, 0), micro(5, 1)), epoch_end=1,
-                     reference=_params(5), in_flight=((6, DataPosition(1, 12)),))
-    checkpoints = RunCheckpoints.open(tmp_path, cfg, schedule)
+                     reference=_params(5), in_flight=((6, DataPosition(1, 12)),),
+                     rows_in_flight=rows_in_flight)
+    checkpoints = RunCheckpoints.open(tmp_path, cfg, schedule, record=record)
     checkpoints.save(saved, {"reward": 0.5})
     checkpoints.ckpt.close()
     checkpoints.refs.close()
     (tmp_path / "config.yaml").write_text(cfg.to_yaml())
 
-    fresh = RunState(state_of(1), reference=_params(9))  # a new run's: nothing of it may stay
-    checkpoints = RunCheckpoints.open(tmp_path, cfg, schedule)
+    # a new run's: nothing of it may stay
+    fresh = RunState(state_of(1), reference=_params(9), rows_in_flight=empty)
+    checkpoints = RunCheckpoints.open(tmp_path, cfg, schedule, record=record)
     try:
         back = checkpoints.resume(cfg, tmp_path, fresh)
     finally:
@@ -303,6 +328,13 @@ def test_run_state_is_checkpointed_and_restored_whole(tmp_path, tiny_dir):
     assert len(back.buffer) == 2
     for got, want in zip(back.buffer, saved.buffer):
         _assert_bit_exact(got, want)
+    got, want = back.rows_in_flight, saved.rows_in_flight
+    _assert_bit_exact(got.rows, want.rows)
+    for name in ("prompt_ids", "prompt_mask", "data_rows", "seq"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), name)
+    assert (got.records, got.drawn) == (want.records, 3)
+    np.testing.assert_array_equal(jax.random.key_data(got.key), jax.random.key_data(want.key))
     assert {f.name for f in dataclasses.fields(RunState)} == {
         "state", "position", "round", "tokens_seen", "buffer", "epoch_end", "reference",
-        "in_flight"}, "a new RunState field: save and restore it in RunCheckpoints, test it here"
+        "in_flight", "rows_in_flight"}, ("a new RunState field: save and restore it in "
+                                         "RunCheckpoints, test it here")

@@ -349,6 +349,8 @@ def from_arrays(template: InFlight, arrays: dict, record) -> InFlight:
     placed = []
     for i, like in enumerate(leaves):
         x = np.asarray(arrays[f"rows/{i}"])
+        if x.dtype.kind == "V" and x.dtype.itemsize == like.dtype.itemsize:
+            x = x.view(like.dtype)  # npz keeps bfloat16 (a KV cache's) as raw 2-byte records
         if x.shape != like.shape or x.dtype != like.dtype:
             raise ValueError(f"the checkpoint's rollouts in flight have {x.shape} {x.dtype} "
                              f"where this run holds {like.shape} {like.dtype}: another sampler "
