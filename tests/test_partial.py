@@ -15,8 +15,7 @@ import pytest
 from flax import nnx
 
 from model_oracle import trainer_logp
-from test_train import _cli_args, _run_cli
-from tiny_run import config
+from tiny_run import ODD_POSTS, cli_args, config, run_cli
 
 from grpo_jax import hf
 from grpo_jax import mesh as mesh_lib
@@ -196,7 +195,7 @@ def test_sigterm_and_sigkill_with_rows_in_flight_resume_to_the_same_run(tiny_dir
     killed by SIGKILL after its next checkpoint, resumed again: the uninterrupted run's weights
     and metrics."""
     extra = dict(PARTIAL, max_steps=8, save_steps=2)
-    full = _run_cli(_cli_args(tiny_dir, tmp_path / "full", **extra))
+    full = run_cli(cli_args(tiny_dir, tmp_path / "full", **extra))
     assert full.wait(timeout=600) == 0, full.stderr.read()[-3000:]
     out = tmp_path / "cut"
     ckpts = out / "checkpoints"
@@ -211,13 +210,13 @@ def test_sigterm_and_sigkill_with_rows_in_flight_resume_to_the_same_run(tiny_dir
         assert done and max(done) < 8, (done, proc.stderr.read()[-3000:])
         return max(done)
 
-    first = _run_cli(_cli_args(tiny_dir, out, **extra))
+    first = run_cli(cli_args(tiny_dir, out, **extra))
     at = stop_after(first, 2, signal.SIGTERM)
     assert first.returncode != 0 and (out / "rows_in_flight" / f"{at}.npz").exists()
-    second = _run_cli(_cli_args(tiny_dir, out, **extra) + ["--resume"])
+    second = run_cli(cli_args(tiny_dir, out, **extra) + ["--resume"])
     at2 = stop_after(second, at + 2, signal.SIGKILL)
     assert second.returncode == -signal.SIGKILL and at2 > at
-    third = _run_cli(_cli_args(tiny_dir, out, **extra) + ["--resume"])
+    third = run_cli(cli_args(tiny_dir, out, **extra) + ["--resume"])
     _, err = third.communicate(timeout=600)
     assert third.returncode == 0, err[-3000:]
     assert f"resumed from step {at2}" in err
@@ -237,7 +236,6 @@ def test_dynamic_sampling_keeps_decoding_until_the_batch_has_signal(tiny_dir, tm
     (no signal), so each round drops their groups and decodes on, new prompts filling the
     group slots, until 4 groups with signal are whole; only odd posts train, each once; a run
     stopped at step 2 and resumed equals the one that did not stop."""
-    from test_train import ODD_POSTS
     got, drawn = _returned(monkeypatch)
     settings = dict(ODD_POSTS, **PARTIAL)
     train(config(tiny_dir, tmp_path / "full", **settings), devices=jax.devices()[:1])

@@ -2,17 +2,14 @@
 fails cleanly on bad input."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from tiny_run import HERE, REWARD, config
+from tiny_run import HERE, ODD_POSTS, REWARD, cli_args, config, run_cli
 
 from grpo_jax import hf
 from grpo_jax.checkpoint import Checkpointer
@@ -224,27 +221,13 @@ def test_resume_from_checkpoint_path_names_a_run_and_step(tmp_path):
     ckpt.close()
 
 
-def _run_cli(args, **kw):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # one device, as a user's run
-    return subprocess.Popen([sys.executable, "-m", "grpo_jax.train", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
-
-
-def _cli_args(tiny_dir, out, max_steps=10, save_steps=2, **extra):
-    cfg = config(tiny_dir, out, max_steps=max_steps, save_steps=save_steps, **extra)
-    path = Path(out).parent / f"{Path(out).name}.yaml"
-    path.write_text(cfg.to_yaml())
-    return ["--config", str(path)]
-
-
 @pytest.mark.slow
 def test_sigkill_then_resume_equals_uninterrupted(tiny_dir, tmp_path):
     from grpo_jax.checkpoint import load_checkpoint
-    full = _run_cli(_cli_args(tiny_dir, tmp_path / "full"))
+    full = run_cli(cli_args(tiny_dir, tmp_path / "full"))
     assert full.wait(timeout=600) == 0, full.stderr.read()[-3000:]
 
-    killed = _run_cli(_cli_args(tiny_dir, tmp_path / "killed"))
+    killed = run_cli(cli_args(tiny_dir, tmp_path / "killed"))
     ckpts = tmp_path / "killed" / "checkpoints"
     deadline = time.time() + 600
     while not (ckpts / "4").is_dir() and killed.poll() is None and time.time() < deadline:
@@ -255,7 +238,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tiny_dir, tmp_path):
     done = Checkpointer(ckpts, save_total_limit=None).all_steps()
     assert done and max(done) < 10, done
 
-    resumed = _run_cli(_cli_args(tiny_dir, tmp_path / "killed") + ["--resume"])
+    resumed = run_cli(cli_args(tiny_dir, tmp_path / "killed") + ["--resume"])
     out, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-3000:]
     assert f"resumed from step {max(done)}" in err
@@ -305,7 +288,7 @@ def test_bad_input_one_clear_error_and_checkpoints_intact(tiny_dir, tmp_path, ca
                                                           message):
     from grpo_jax.train import main
     # In-process: the suite's 8 CPU devices, so this also runs the loop on a sharded mesh.
-    cfg_args = _cli_args(tiny_dir, tmp_path / "run", max_steps=2, dp=-1,
+    cfg_args = cli_args(tiny_dir, tmp_path / "run", max_steps=2, dp=-1,
                          per_device_train_batch_size=2)
     assert main(cfg_args) == 0
     before = Checkpointer(tmp_path / "run" / "checkpoints", save_total_limit=None).all_steps()
@@ -413,8 +396,6 @@ def test_sync_ref_model_resume_equals_uninterrupted(tiny_dir, tmp_path):
     assert kl[0] == pytest.approx(kl[1], rel=1e-4, abs=1e-9)
 
 
-ODD_POSTS = dict(reward_funcs=f"[{HERE / 'reward_fixtures.py'}:even_tokens_odd_posts]",
-                 dynamic_sampling=True, save_steps=1, max_steps=3)
 
 
 @pytest.fixture(scope="module")
@@ -460,7 +441,7 @@ def test_dynamic_sampling_trains_only_on_groups_with_signal(tiny_dir, odd_posts_
 
 @pytest.mark.slow
 def test_dynamic_sampling_constant_reward_stops_with_one_line(tiny_dir, tmp_path):
-    run = _run_cli(_cli_args(tiny_dir, tmp_path / "run", max_steps=2, dynamic_sampling=True,
+    run = run_cli(cli_args(tiny_dir, tmp_path / "run", max_steps=2, dynamic_sampling=True,
                              max_num_gen_batches=2,
                              reward_funcs=f"[{HERE / 'reward_fixtures.py'}:constant]"))
     out, err = run.communicate(timeout=600)

@@ -1,12 +1,19 @@
-"""The tiny training run most end-to-end tests start from: its settings (`config`) and reward.
+"""The tiny training run most end-to-end tests start from: its settings (`config`), reward and
+command line (`run_cli`, `cli_args`).
 The model and prompts it trains on are conftest.py's `tiny_dir` fixture."""
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from grpo_jax.cli import load_config
 
 HERE = Path(__file__).parent
 REWARD = f"{HERE / 'reward_fixtures.py'}:even_tokens"
+# dynamic_sampling where posts with an even number score 0.5 whatever the completion.
+ODD_POSTS = dict(reward_funcs=f"[{HERE / 'reward_fixtures.py'}:even_tokens_odd_posts]",
+                 dynamic_sampling=True, save_steps=1, max_steps=3)
 
 
 def config(tiny_dir, out, **extra):
@@ -21,3 +28,20 @@ def config(tiny_dir, out, **extra):
     }
     sets.update(extra)
     return load_config(None, [f"{k}={v}" for k, v in sets.items()])
+
+
+def run_cli(args, **kw):
+    """`python -m grpo_jax.train ARGS` as a user runs it: a process of its own on one CPU
+    device."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # one device, as a user's run
+    return subprocess.Popen([sys.executable, "-m", "grpo_jax.train", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def cli_args(tiny_dir, out, max_steps=10, save_steps=2, **extra):
+    """run_cli's arguments for `config`'s run (written to OUT.yaml beside it)."""
+    cfg = config(tiny_dir, out, max_steps=max_steps, save_steps=save_steps, **extra)
+    path = Path(out).parent / f"{Path(out).name}.yaml"
+    path.write_text(cfg.to_yaml())
+    return ["--config", str(path)]
