@@ -37,6 +37,11 @@ class RolloutBatch(NamedTuple):
     extra: dict | None = None  # a rollout_func's extra fields: reward-function keywords
     # The native sampler's counts for the metrics (decode_metrics): decode steps, slot occupancy.
     metrics: dict | None = None
+    # A mixture of experts on the native sampler: each token's top-k experts per sparse layer
+    # (S of them) as the sampler ran it, int8 (int16 past 127 experts), -1 where no record
+    # (padding, a last token never fed back): for routing replay and router/mismatch.
+    prompt_routing: np.ndarray | None = None      # [N, P, S, k]
+    completion_routing: np.ndarray | None = None  # [N, C, S, k]
 
 
 def sampling_params(cfg, tokenizer, generation_eos: Sequence[int] = ()):
