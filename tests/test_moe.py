@@ -488,8 +488,7 @@ def test_replay_under_a_perturbed_router(tiny):
     record is aligned: under A itself the mismatch is 0."""
     from grpo_jax.grpo.batch import Batch
     from grpo_jax.grpo.train_step import completion_logps_and_router
-    _, path, _ = tiny("qwen3_moe")
-    model = hf.load_model(str(path), dtype=jnp.float32)[0]
+    _, _, model = tiny("qwen3_moe")
     prompts = [[5, 17, 99, 3, 42, 8, 77], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
     sp = SamplingParams(max_completion_length=8, temperature=1.0)
     out = Sampler(model.cfg, sp, pad_id=0, buckets=(16,), record_routing=True).generate(
