@@ -330,14 +330,16 @@ def test_grpo_run_on_a_moe_policy(tmp_path, family):
     """Two GRPO steps with a tiny MoE policy (gpt-oss: sinks, biases, ring caches; Qwen3-MoE's
     mixed layers in the sampler are covered by the generation tests above), fsdp 2 x expert 2
     over 4 devices (the sampler's experts on the expert axis too), the checkpoint's aux-loss
-    coefficient: the sampler's log-probs equal the train step's, and the router metrics are
-    logged."""
+    coefficient, routing replay on (the sampler's record sharded with the rows, replayed in the
+    reference and update forwards): the sampler's log-probs equal the train step's, and the
+    router metrics are logged, router/mismatch 0."""
     from hf_oracle import char_tokenizer, tiny_grpo_run
     last = tiny_grpo_run(tmp_path, tiny_hf_model(family, vocab=len(char_tokenizer())),
-                         dp=1, fsdp=2, ep=2)
+                         dp=1, fsdp=2, ep=2, router_replay="R3")
     assert np.isfinite(last["loss"])
     assert last["sampling/sampling_logp_difference/max"] < 1e-4
     assert last["aux_loss"] > 0 and "router/load/0" in last and last["router/load_max"] >= 1
+    assert last["router/mismatch"] == 0
 
 
 def test_moe_reward_model_scores_match_trl(tmp_path):
