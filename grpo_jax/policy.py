@@ -178,6 +178,11 @@ class Policy:
         """numerics.shared_prefix: prompts computed once per group (Decoder.shared_prefix)."""
         return self.model_config.numerics.shared_prefix
 
+    @property
+    def replays_routing(self) -> bool:
+        """numerics.router_replay R3: the forwards run the sampler's recorded experts."""
+        return self.model_config.numerics.replay
+
     def prompt_group(self, batch: Batch, micro_rows: int) -> int:
         """Rows per shared prompt for the programs (completion_logps' `group`) in micro-batches
         of `micro_rows` rows: run_facts.prompt_group of the blocks of one prompt the batch

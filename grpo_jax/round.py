@@ -189,7 +189,7 @@ class GRPORound:
                     metrics.update(self.sampling_metrics(batch))
                 if mismatch is not None:  # under the weights that sampled the batch
                     metrics[moe.ROUTER_MISMATCH] = mismatch
-                if not policy.model_config.numerics.replay:
+                if not policy.replays_routing:
                     # Measured: the updates need the record only to replay it.
                     batch = batch.replace(prompt_routing=None, completion_routing=None)
             metrics[timing("logprobs")] += time.perf_counter() - t1
