@@ -45,6 +45,11 @@ QWEN2_0_5B = ModelConfig(model_type="qwen2", vocab_size=151936, hidden_size=896,
 TINY = ModelConfig(model_type="qwen2", vocab_size=512, hidden_size=64, intermediate_size=128,
                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                    tie_word_embeddings=True, qkv_bias=True)
+# A tiny Qwen3-MoE (8 experts, 2 per token, every layer sparse): routing replay's figures.
+TINY_MOE = ModelConfig(model_type="qwen3_moe", vocab_size=512, hidden_size=64,
+                       intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                       head_dim=16, qk_norm=True, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=32, norm_topk_prob=True)
 
 # (peak dense bf16 FLOP/s, HBM bytes/s) by device kind; None where unknown (CPU).
 PEAKS = {"H100": (989e12, 3.35e12), "H200": (989e12, 4.8e12), "A100": (312e12, 2.0e12),
@@ -94,7 +99,8 @@ def decode_bytes(cfg: ModelConfig, batch: int, cache_len: int, param_bytes: int)
 def make_workload(args):
     if args.model:
         return real_workload(args)
-    base = TINY if args.tiny else presets.preset(args.preset) if args.preset else QWEN2_0_5B
+    base = (TINY_MOE if args.tiny_moe else TINY if args.tiny else
+            presets.preset(args.preset) if args.preset else QWEN2_0_5B)
     if args.num_layers:
         base = base.with_layers(args.num_layers)
     cfg = base.replace(dtype=jnp.dtype(args.dtype), remat=not args.no_remat,
@@ -266,22 +272,37 @@ def bench_mismatch(args, cfg, model, mesh, prompts):
     """The native sampler's per-token log-probs against the trainer's under the same weights
     (TRL's sampling/sampling_logp_difference and sampling/importance_sampling_ratio, over every
     completion token), sampled at temperature 1 in the workload's dtype: the numerical
-    mismatch of the two forwards, the floor of what off-policy corrections see (issue #50)."""
-    from grpo_jax.grpo.train_step import completion_logps
+    mismatch of the two forwards, the floor of what off-policy corrections see (issue #50).
+    A mixture of experts records its routing and is measured twice, routing replay off and
+    on (numerics.router_replay, figures prefixed `replay_disabled/`, `replay_R3/`), with the
+    fraction of completion token-layers routed to other experts than the sampler's
+    (router/mismatch)."""
+    from grpo_jax.grpo.train_step import completion_logps_and_router
     sp = SamplingParams(max_completion_length=args.completion_len, temperature=1.0)
-    out = Sampler(cfg, sp, pad_id=0).generate(model, prompts, args.generations, rng=0)
+    moe = bool(cfg.num_experts)
+    out = Sampler(cfg, sp, pad_id=0, record_routing=moe).generate(model, prompts,
+                                                                   args.generations, rng=0)
     batch = Batch(out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask,
-                  out.truncated, np.zeros(len(out.truncated), np.float32))
-    trainer, _ = jax.jit(lambda m, b: completion_logps(m, b, 1.0, 64))(model, batch)
+                  out.truncated, np.zeros(len(out.truncated), np.float32),
+                  prompt_routing=out.prompt_routing, completion_routing=out.completion_routing)
     m = np.asarray(out.completion_mask, bool)
-    diff = np.abs(np.asarray(trainer, np.float64) - np.asarray(out.sampler_logp, np.float64))[m]
-    ratio = np.exp(np.asarray(trainer, np.float64) - np.asarray(out.sampler_logp, np.float64))[m]
-    return {"mismatch/tokens": int(m.sum()),
-            "sampling/sampling_logp_difference/mean": float(diff.mean()),
-            "sampling/sampling_logp_difference/max": float(diff.max()),
-            "sampling/importance_sampling_ratio/min": float(ratio.min()),
-            "sampling/importance_sampling_ratio/mean": float(ratio.mean()),
-            "sampling/importance_sampling_ratio/max": float(ratio.max())}
+    result = {"mismatch/tokens": int(m.sum())}
+    forward = nnx.jit(lambda m, b: completion_logps_and_router(m, b, 1.0, 64))
+    for mode in ("disabled", "R3") if moe else ("disabled",):
+        model.cfg = cfg.replace(router_replay=mode)
+        trainer, _, _, sums = forward(model, batch)
+        delta = np.asarray(trainer, np.float64) - np.asarray(out.sampler_logp, np.float64)
+        diff, ratio = np.abs(delta)[m], np.exp(delta)[m]
+        figures = {"sampling/sampling_logp_difference/mean": float(diff.mean()),
+                   "sampling/sampling_logp_difference/max": float(diff.max()),
+                   "sampling/importance_sampling_ratio/min": float(ratio.min()),
+                   "sampling/importance_sampling_ratio/mean": float(ratio.mean()),
+                   "sampling/importance_sampling_ratio/max": float(ratio.max())}
+        if sums is not None:
+            figures["router/mismatch"] = float(sums[0] / max(float(sums[1]), 1.0))
+        result.update({(f"replay_{mode}/" if moe else "") + k: v for k, v in figures.items()})
+    model.cfg = cfg
+    return result
 
 
 def bench_e2e(args, cfg, model, mesh, prompts):
@@ -381,6 +402,8 @@ def main(argv=None):
     p.add_argument("what", choices=["sampler", "train-step", "e2e", "lora-sampler", "refill",
                                     "mismatch", "partial", "all"])
     p.add_argument("--tiny", action="store_true", help="small model (CPU)")
+    p.add_argument("--tiny-moe", action="store_true",
+                   help="a small mixture of experts (Qwen3-MoE, 8 experts, 2 per token; CPU)")
     p.add_argument("--model", help="a real model's weights (an HF directory or alias, e.g. "
                    "smollm2-135m-instruct) in --dtype, prompted with the shipped Reddit-style "
                    "posts through its chat template; default: random weights, random prompts")

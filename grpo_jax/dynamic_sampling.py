@@ -48,16 +48,18 @@ def _rows(x: Any, rows: np.ndarray) -> Any:
     return [x[i] for i in rows]
 
 
-def _concat(parts: Sequence[Any], left_pad: bool = False) -> Any:
-    """One field of several generations' rows: arrays stacked (prompt arrays left-padded with 0,
-    masked, to the widest), lists joined, dicts key by key."""
+def _concat(parts: Sequence[Any], left_pad: bool = False, fill: int = 0) -> Any:
+    """One field of several generations' rows: arrays stacked (prompt arrays left-padded with
+    `fill` (0, masked; a routing record's -1, not recorded) to the widest), lists joined, dicts
+    key by key."""
     first = parts[0]
     if first is None:
         return None
     if isinstance(first, np.ndarray):
         if left_pad:
             width = max(p.shape[1] for p in parts)
-            parts = [np.pad(p, ((0, 0), (width - p.shape[1], 0))) for p in parts]
+            parts = [np.pad(p, ((0, 0), (width - p.shape[1], 0)) + ((0, 0),) * (p.ndim - 2),
+                            constant_values=fill) for p in parts]
         return np.concatenate(parts)
     if isinstance(first, dict):
         return {k: _concat([p[k] for p in parts]) for k in first}
@@ -74,7 +76,8 @@ def take_rows(batch: Any, rows: np.ndarray) -> Any:
 def concat_rows(parts: Sequence[Any]) -> Any:
     """The rows of several RolloutBatches or Scores in order; the rollouts' decode counts are
     summed over their generate calls (the work all of them took), Scores' metrics averaged."""
-    fields = {k: _concat([p._asdict()[k] for p in parts], left_pad=k.startswith("prompt_"))
+    fields = {k: _concat([p._asdict()[k] for p in parts], left_pad=k.startswith("prompt_"),
+                         fill=-1 if k == "prompt_routing" else 0)
               for k in parts[0]._fields if k != "metrics"}
     if isinstance(parts[0], RolloutBatch):
         fields["metrics"] = merge_decode_metrics([p.metrics for p in parts])

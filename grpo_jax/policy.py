@@ -22,9 +22,11 @@ from grpo_jax import run_facts
 from grpo_jax.grpo import loss as loss_lib
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.optimizer import OptimizerConfig, make_optimizer
-from grpo_jax.grpo.train_step import (StepConfig, TrainState, batch_loss, completion_logps,
-                                      init_train_state, state_shardings, train_step)
+from grpo_jax.grpo.train_step import (StepConfig, TrainState, batch_loss,
+                                      completion_logps_and_router, init_train_state,
+                                      state_shardings, train_step)
 from grpo_jax.config import BatchPlan, TrainConfig
+from grpo_jax.errors import GrpoJaxError
 from grpo_jax.models import lora, moe
 from grpo_jax.run_state import ADAPTERS_OFF
 
@@ -32,6 +34,10 @@ from grpo_jax.run_state import ADAPTERS_OFF
 def step_config(cfg: TrainConfig, plan: BatchPlan, model_cfg) -> StepConfig:
     """The step's math settings of a run (train, bench and aot alike)."""
     loss = cfg.loss
+    if cfg.numerics.replay and not model_cfg.num_experts:
+        raise GrpoJaxError(f"router_replay {cfg.numerics.router_replay} replays a mixture of "
+                           f"experts' routing, but the model ({model_cfg.model_type}) is dense: "
+                           "set router_replay: disabled")
     if (cfg.rollout.backend != "vllm" and not loss.native_importance_sampling_correction
             and not cfg.rollout.max_staleness):
         # The JAX sampler runs the trainer's own weights: its log-probs only feed the metrics
@@ -90,7 +96,9 @@ class PolicyPrograms:
     state_shardings: Any
     init: Callable  # params (donated) -> TrainState
     step: Callable  # (state (donated), batch, frozen, group, k) -> (state, metrics)
-    logps: Callable  # (graphdef, params, batch, frozen, group) -> [rows, C] log-probs
+    # (graphdef, params, batch, frozen, group) -> ([rows, C] log-probs, router/mismatch's
+    # [2] sums or None without a routing record)
+    logps: Callable
     eval: Callable  # (state, batch, frozen, group) -> loss metrics
     mix: Callable  # (params, ref (donated), alpha, 1 - alpha) -> ref
 
@@ -114,9 +122,9 @@ def build_programs(graphdef, params, step_cfg: StepConfig, optim: OptimizerConfi
 
     def logps(graphdef, params, batch: Batch, frozen=(), group: int = 1):
         model = nnx.merge(graphdef, params, *frozen)
-        logp, _ = completion_logps(model, batch, step_cfg.temperature, step_cfg.logprob_chunk,
-                                   group)
-        return logp
+        logp, _, _, mismatch = completion_logps_and_router(
+            model, batch, step_cfg.temperature, step_cfg.logprob_chunk, group)
+        return logp, mismatch
     return PolicyPrograms(
         tx, param_sh, state_sh,
         init=jax.jit(init, out_shardings=state_sh, donate_argnums=(0,)),
@@ -172,6 +180,11 @@ class Policy:
         """numerics.shared_prefix: prompts computed once per group (Decoder.shared_prefix)."""
         return self.model_config.numerics.shared_prefix
 
+    @property
+    def replays_routing(self) -> bool:
+        """numerics.router_replay R3: the forwards run the sampler's recorded experts."""
+        return self.model_config.numerics.replay
+
     def prompt_group(self, batch: Batch, micro_rows: int) -> int:
         """Rows per shared prompt for the programs (completion_logps' `group`) in micro-batches
         of `micro_rows` rows: run_facts.prompt_group of the blocks of one prompt the batch
@@ -209,7 +222,15 @@ class Policy:
         """Completion log-probs without gradients: old (num_iterations > 1) or reference
         (ADAPTERS_OFF: the base model's), on the host. `rows`: computed that many rows at a
         time (a micro-batch's worth, so the program's memory is bounded by the update's, not
-        the generation batch's) when they divide the batch; else all at once."""
+        the generation batch's) when they divide the batch; else all at once. With the
+        sampler's routing record the forwards replay it under routing replay."""
+        return self.logps_and_mismatch(params, batch, rows)[0]
+
+    def logps_and_mismatch(self, params, batch: Batch, rows: int | None = None
+                           ) -> tuple[np.ndarray, float | None]:
+        """logps, and router/mismatch over the batch's completion tokens (the fraction of
+        token-layers whose experts differ from the sampler's record; None without a record:
+        a dense model, or another sampler)."""
         seqs = batch.replace(old_logp=None, ref_logp=None, sampler_logp=None)
         if params is ADAPTERS_OFF:
             params = self.adapters_off
@@ -219,7 +240,11 @@ class Policy:
         group = self.prompt_group(seqs, step)
         parts = [self.programs.logps(self.graphdef, params, self.shard_batch(
             seqs.rows(slice(i, i + step))), self.frozen, group) for i in range(0, n, step)]
-        return np.concatenate([np.asarray(p) for p in parts])
+        logp = np.concatenate([np.asarray(p[0]) for p in parts])
+        if parts[0][1] is None:
+            return logp, None
+        differ, counted = np.sum([np.asarray(p[1], np.float64) for p in parts], axis=0)
+        return logp, float(differ / counted) if counted else 0.0
 
     def rollout_params(self, params):
         """The full model's params for a sampler or server: `params` themselves, or with LoRA

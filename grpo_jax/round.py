@@ -24,6 +24,7 @@ from grpo_jax.grpo.batch import Batch
 from grpo_jax.config.grpo import GRPOArgs
 from grpo_jax.data import DataPosition
 from grpo_jax.metrics import Logged, timing
+from grpo_jax.models import moe
 from grpo_jax.policy import Policy
 from grpo_jax.rollout.base import Rollout, WeightMode
 from grpo_jax.rollout.native.partial import staleness_metrics
@@ -87,8 +88,11 @@ def concat_rows(parts: Sequence[Batch]) -> Batch:
         extra = width - p.prompt_ids.shape[1]
         if not extra:
             return p
-        pad = lambda x: np.pad(x, ((0, 0), (extra, 0)))  # noqa: E731
-        return p.replace(prompt_ids=pad(p.prompt_ids), prompt_mask=pad(p.prompt_mask))
+        pad = lambda x, fill=0: np.pad(  # noqa: E731
+            x, ((0, 0), (extra, 0)) + ((0, 0),) * (x.ndim - 2), constant_values=fill)
+        routing = None if p.prompt_routing is None else pad(p.prompt_routing, -1)
+        return p.replace(prompt_ids=pad(p.prompt_ids), prompt_mask=pad(p.prompt_mask),
+                         prompt_routing=routing)
     if len(parts) == 1:
         return parts[0]
     return jax.tree.map(lambda *xs: np.concatenate(xs), *map(widen, parts))
@@ -184,10 +188,16 @@ class GRPORound:
             t1 = time.perf_counter()
             metrics.update(self.engine_mismatch(batch))
             if plan.needs_old_logps:
-                batch = batch.replace(old_logp=policy.logps(at.state.params, batch,
-                                                            plan.micro_batch_size))
+                old, mismatch = policy.logps_and_mismatch(at.state.params, batch,
+                                                          plan.micro_batch_size)
+                batch = batch.replace(old_logp=old)
                 if batch.sampler_logp is not None:  # over the generation batch, as TRL
                     metrics.update(self.sampling_metrics(batch))
+                if mismatch is not None:  # under the weights that sampled the batch
+                    metrics[moe.ROUTER_MISMATCH] = mismatch
+                if not policy.replays_routing:
+                    # Measured: the updates need the record only to replay it.
+                    batch = batch.replace(prompt_routing=None, completion_routing=None)
             metrics[timing("logprobs")] += time.perf_counter() - t1
             buffer = buffer + self.split(batch, key) * plan.num_iterations
             if draw.ends_epoch:
@@ -401,7 +411,8 @@ class GRPORound:
         # tokens, shared out over its rows, whatever step a row lands in.
         batch = Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
                       r.truncated, np.asarray(advantages, np.float32),
-                      sampler_logp=r.sampler_logp, tool_mask=r.tool_mask)
+                      sampler_logp=r.sampler_logp, tool_mask=r.tool_mask,
+                      prompt_routing=r.prompt_routing, completion_routing=r.completion_routing)
         batch = batch.replace(num_items=loss_lib.num_items_per_row(
             batch.model_mask(), r.truncated, self.policy.cfg.loss))
         t2 = time.perf_counter()

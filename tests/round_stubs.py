@@ -55,6 +55,7 @@ class StubTrainer:
     cfg = types.SimpleNamespace(loss=LossConfig(vllm_importance_sampling_correction=False))
     lora_scale = None  # a full model, as Policy's without LoRA
     shared_prefix = False  # TRL's row shuffle (test_split_by_groups_with_shared_prefix: on)
+    replays_routing = False  # a dense model
 
     def __init__(self):
         self.windows: list[Batch] = []
@@ -69,6 +70,9 @@ class StubTrainer:
     def logps(self, params, batch, rows=None):
         self.logps_calls += 1
         return np.full(batch.completion_ids.shape, -float(params), np.float32)
+
+    def logps_and_mismatch(self, params, batch, rows=None):  # a dense model: no routing
+        return self.logps(params, batch, rows), None
 
     def rollout_params(self, params):  # no LoRA: the params themselves
         return params

@@ -667,3 +667,15 @@ print("TEMP", out.temp_bytes, out.refused)
                        r"RESOURCE_EXHAUSTED: .*\(12.5Q\).*more chips") as e:
         analyze._compile("update", Lowered())
     assert "\n" not in str(e.value)
+
+
+def test_routing_record_memory_of_qwen3_30b_a3b():
+    """The routing a mixture of experts' sampler records (routing replay, router/mismatch):
+    Qwen3-30B-A3B's 48 sparse layers x 8 experts per token, int16 indices (128 experts: past
+    int8), 8k tokens a row: 6 MiB a row; nothing for a dense model."""
+    from grpo_jax.aot import report
+    from grpo_jax.models.presets import preset
+    m = preset("qwen3-30b-a3b")
+    assert report.routing_record_bytes(m, 1, 8192) == 8192 * 48 * 8 * 2
+    assert report.routing_record_bytes(TINY_MOE, 2, 10) == 2 * 10 * 2 * 2 * 1
+    assert report.routing_record_bytes(preset("smollm2-135m"), 64, 8192) == 0

@@ -48,3 +48,14 @@ def test_bench_mismatch_runs_on_cpu_tiny():
                 "2", "--generations", "2", "--prompt-len", "8", "--completion-len", "8"])
     assert out["mismatch/tokens"] == 32
     assert out["sampling/sampling_logp_difference/mean"] < 1e-5
+
+
+def test_bench_mismatch_on_a_tiny_moe_replay_off_and_on():
+    """`bench mismatch --tiny-moe`: the router's figures with routing replay off and on; in
+    float32 both forwards route alike, and replay makes router/mismatch 0 by construction."""
+    out = main(["mismatch", "--tiny-moe", "--num-layers", "1", "--dtype", "float32",
+                "--prompts", "2", "--generations", "2", "--prompt-len", "8",
+                "--completion-len", "8"])
+    for mode in ("disabled", "R3"):
+        assert out[f"replay_{mode}/router/mismatch"] == 0.0
+        assert out[f"replay_{mode}/sampling/sampling_logp_difference/mean"] < 1e-5

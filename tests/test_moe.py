@@ -330,14 +330,16 @@ def test_grpo_run_on_a_moe_policy(tmp_path, family):
     """Two GRPO steps with a tiny MoE policy (gpt-oss: sinks, biases, ring caches; Qwen3-MoE's
     mixed layers in the sampler are covered by the generation tests above), fsdp 2 x expert 2
     over 4 devices (the sampler's experts on the expert axis too), the checkpoint's aux-loss
-    coefficient: the sampler's log-probs equal the train step's, and the router metrics are
-    logged."""
+    coefficient, routing replay on (the sampler's record sharded with the rows, replayed in the
+    reference and update forwards): the sampler's log-probs equal the train step's, and the
+    router metrics are logged, router/mismatch 0."""
     from hf_oracle import char_tokenizer, tiny_grpo_run
     last = tiny_grpo_run(tmp_path, tiny_hf_model(family, vocab=len(char_tokenizer())),
-                         dp=1, fsdp=2, ep=2)
+                         dp=1, fsdp=2, ep=2, router_replay="R3")
     assert np.isfinite(last["loss"])
     assert last["sampling/sampling_logp_difference/max"] < 1e-4
     assert last["aux_loss"] > 0 and "router/load/0" in last and last["router/load_max"] >= 1
+    assert last["router/mismatch"] == 0
 
 
 def test_moe_reward_model_scores_match_trl(tmp_path):
@@ -397,3 +399,134 @@ def test_lora_adapter_on_a_moe_loads_in_peft_with_the_same_logits(tmp_path):
         assert lora.model_targets(every, cfg) == ("wq", "wk", "wv", "wo")
     with pytest.raises(ConfigError, match="target_parameters"):
         load_config(None, ["lora_target_parameters=[mlp.experts.gate_up_proj]"])
+
+
+# ---------------------------------------------------------------- routing replay (R3)
+
+class _ForcedRouter(torch.nn.Module):
+    """A transformers router whose top-k experts are given (`experts` [tokens, k], batch-major
+    as the MoE block flattens its tokens), their gate weights from the router's own logits:
+    gpt-oss's softmax over the k forced logits, else the softmax over all experts at them,
+    renormalised (Mixtral, Qwen3-MoE with norm_topk_prob). The oracle of routing replay."""
+
+    def __init__(self, router, experts, bias, over_k: bool):
+        super().__init__()
+        self.router, self.experts, self.bias, self.over_k = router, experts, bias, over_k
+
+    def forward(self, hidden):
+        logits = torch.nn.functional.linear(hidden.reshape(len(self.experts), -1),
+                                            self.router.weight, self.bias)
+        if self.over_k:
+            return logits, torch.softmax(logits.gather(1, self.experts), dim=-1), self.experts
+        weights = torch.softmax(logits.float(), dim=-1).gather(1, self.experts)
+        return logits, weights / weights.sum(-1, keepdim=True), self.experts
+
+
+def _random_routing(cfg, rows: int, width: int, seed: int = 0) -> np.ndarray:
+    """[rows, width, S, k] int8: k distinct random experts per token and sparse layer."""
+    rng = np.random.default_rng(seed)
+    S, E, k = sum(cfg.moe_layers), cfg.num_experts, cfg.num_experts_per_tok
+    return np.argsort(rng.random((rows, width, S, E)), axis=-1)[..., :k].astype(np.int8)
+
+
+def _replaying(model):
+    """`model` with routing replay on (numerics.router_replay R3)."""
+    model.cfg = model.cfg.replace(router_replay="R3")
+    return model
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_replayed_routing_equals_a_forced_router(tiny, name):
+    """The decoder's forward with replayed experts equals transformers' with every router forced
+    to them (gate weights from its own logits, as R3 recomputes them): fp32 logits < 1e-5. The
+    forced experts are random, so they change the logits."""
+    import copy
+    ref, _, model = tiny(name)
+    cfg = model.cfg
+    routing = _random_routing(cfg, *LONG_TOKENS.shape)
+    forced = copy.deepcopy(ref)
+    sparse = [i for i, s in enumerate(cfg.moe_layers) if s]
+    for s, i in enumerate(sparse):
+        mlp = forced.model.layers[i].mlp
+        experts = torch.as_tensor(routing[:, :, s].reshape(-1, 2), dtype=torch.long)
+        if name == "gpt_oss":
+            mlp.router = _ForcedRouter(mlp.router, experts, mlp.router.bias, over_k=True)
+        else:
+            mlp.gate = _ForcedRouter(mlp.gate, experts, None, over_k=False)
+    mask = jnp.asarray(LONG_MASK)
+    hidden, _ = model(jnp.asarray(LONG_TOKENS), positions_from_mask(mask), mask,
+                      routing=jnp.asarray(routing))
+    got = np.asarray(model.logits(hidden))
+    assert long_diff(got, hf_logits(forced, LONG_TOKENS, LONG_MASK)) < 1e-5
+    assert long_diff(got, long_logits(model)) > 1e-3  # the forced experts matter
+
+
+def test_replay_off_and_own_routing_are_bit_identical(tiny):
+    """Recording the routing changes nothing, and replaying a forward's own experts gives its
+    logits bit for bit (the gate weights gathered at the top-k are the top-k's values); -1
+    (not recorded) routes a token itself."""
+    _, _, model = tiny("qwen3_moe")
+    mask = jnp.asarray(LONG_MASK)
+    args = (jnp.asarray(LONG_TOKENS), positions_from_mask(mask), mask)
+
+    @nnx.jit
+    def forwards(model, *args):
+        base, _ = model(*args)
+        hidden, _, own = model(*args, record_routing=True)
+        replayed, _ = model(*args, routing=own.astype(jnp.int8))
+        unrecorded, _ = model(*args, routing=jnp.full(own.shape, -1, jnp.int8))
+        return own, base, (hidden, replayed, unrecorded)
+    own, base, others = forwards(model, *args)
+    assert own.shape == (*LONG_TOKENS.shape, 2, 2)
+    for x in others:
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(base))
+
+
+def test_replay_under_a_perturbed_router(tiny):
+    """Sample with params A (recording the routing), train-forward with the router perturbed:
+    without replay router/mismatch > 0 and the log-probs move with the experts that changed;
+    with replay router/mismatch is 0 and the log-probs are as close to the sampler's as the
+    gate weights' own change allows. The record is aligned: under A itself the mismatch is 0
+    and the log-probs the sampler's."""
+    from grpo_jax.grpo.batch import Batch
+    from grpo_jax.grpo.train_step import completion_logps_and_router
+    _, _, model = tiny("qwen3_moe")
+    prompts = [[5, 17, 99, 3, 42, 8, 77], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
+    sp = SamplingParams(max_completion_length=8, temperature=1.0)
+    out = Sampler(model.cfg, sp, pad_id=0, buckets=(16,), record_routing=True).generate(
+        model, prompts, num_generations=4, rng=0)
+    assert out.completion_routing.dtype == np.int8
+    assert out.completion_routing.shape == (8, 8, 2, 2) and out.prompt_routing.shape == (8, 16, 2, 2)
+    assert (out.prompt_routing[out.prompt_mask == 0] == -1).all()
+    batch = Batch(*(jnp.asarray(getattr(out, k)) for k in (
+        "prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated")),
+        advantages=jnp.zeros(8), prompt_routing=jnp.asarray(out.prompt_routing),
+        completion_routing=jnp.asarray(out.completion_routing))
+    real = out.completion_mask > 0
+
+    @nnx.jit(static_argnums=2)
+    def forward(m, b, group):
+        logp, _, _, sums = completion_logps_and_router(m, b, 1.0, 4, group)
+        return logp, sums
+
+    def run(m, group=1):
+        logp, sums = forward(m, batch, group)
+        return np.abs(np.asarray(logp) - out.sampler_logp)[real], float(sums[0] / sums[1])
+
+    same, zero = run(model)
+    assert zero == 0.0 and same.max() < 1e-5
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def perturbed():  # a copy of A, its routers moved
+        m = nnx.merge(graphdef, jax.tree.map(jnp.copy, params))
+        router = m.layers.router[...]
+        m.layers.router[...] = router + 1e-3 * jax.random.normal(jax.random.key(1), router.shape)
+        return m
+    off, mismatch = run(perturbed())
+    assert mismatch > 0
+    # Replayed through shared prompts (each prompt's record once per group); one row per
+    # prompt replays in the bench's test (test_bench.py).
+    on, replayed = run(_replaying(perturbed()), 4)
+    # What is left is the gate weights' own change (linear in the perturbation: 1.3e-4 here),
+    # not the experts': 8e-3 without replay.
+    assert replayed == 0.0 and on.max() < off.max() / 30

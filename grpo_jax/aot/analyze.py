@@ -360,6 +360,12 @@ def summarize(target, cfg, run, ev: dict, start: float) -> dict:
                  "rows_per_update": plan.micro_batch_size * plan.gradient_accumulation_steps},
         "memory_per_chip": memory,
     }
+    if model.num_experts and not progs.decode_slots:  # the sampler records the routing
+        from grpo_jax import mesh as mesh_lib
+        record = report.routing_record_bytes(model, progs.sampler_rows, progs.prompt_width + C)
+        shards = mesh_lib.batch_divisor(run.mesh)
+        result["routing_record"] = {"GB": record / report.GB, "row_shards": shards,
+                                    "per_chip_GB": record / shards / report.GB}
     time_, communication = timing(run, target, ev)
     result["communication"] = communication
     if time_:

@@ -86,6 +86,17 @@ def model_flops(m, prompts: int, rows: int, prompt: int, completion: int, logpro
             "logprobs": logprob_passes * rows_of(rows), "update": 3 * rows_of(update_rows)}
 
 
+def routing_record_bytes(m, rows: int, tokens: int) -> int:
+    """Bytes of the routing a mixture of experts' sampler records for `rows` rows of `tokens`
+    prompt + completion tokens (routing replay, router/mismatch): a top-k expert index per
+    token, sparse layer and k, int8 up to 127 experts, else int16 (models/moe.routing_dtype);
+    0 for a dense model."""
+    if not m.num_experts:
+        return 0
+    return rows * tokens * sum(m.moe_layers) * m.num_experts_per_tok * (
+        1 if m.num_experts <= 127 else 2)
+
+
 def phase_memory(mem, resident: float, in_resident: float) -> dict:
     """A program's peak on the chip: the resident state, plus its arguments not already in it
     (`in_resident`: bytes of its arguments that are resident buffers), its outputs not aliased
@@ -114,6 +125,11 @@ def render(r: dict) -> str:
         f"  params {m['params_GB']:.2f}  optimizer state {m['optimizer_state_GB']:.2f}  "
         f"reference params {m['reference_params_GB']:.2f}  KV cache {m['kv_cache_GB']:.2f}",
     ]
+    if r.get("routing_record"):
+        rec = r["routing_record"]
+        lines.append(f"  routing record (top-k experts per token and sparse layer, the "
+                     f"generate program's output): {rec['GB']:.3f} GB a round, "
+                     f"{rec['per_chip_GB']:.4f} GB per chip (rows over {rec['row_shards']})")
     if r.get("lora"):
         lo = r["lora"]
         bits = f", base in {lo['quant_bits']} bits" if lo["quant_bits"] else ""

@@ -58,6 +58,16 @@ class TrainConfig:
         check(self.generation.max_num_seqs is None or self.rollout.backend == "jax",
               "max_num_seqs sets the JAX sampler's decode slots; a vLLM server schedules its "
               "own rows (start it with --max-num-seqs): set max_num_seqs: null")
+        replay = self.numerics.router_replay
+        check(replay == "disabled" or self.rollout.backend == "jax", f"router_replay {replay} "
+              "with vLLM rollouts: the installed vLLM's routed experts are not read back; use "
+              "the JAX sampler (use_vllm: false) or router_replay: disabled")
+        check(replay == "disabled" or self.generation.max_num_seqs is None, f"router_replay "
+              f"{replay} with max_num_seqs: decode slots do not record routing yet; set "
+              "max_num_seqs: null")
+        check(replay == "disabled" or not (self.multi_turn.tools or self.multi_turn.rollout_func),
+              f"router_replay {replay} with tools or a rollout_func: their turns do not record "
+              "routing yet; set router_replay: disabled")
         gbs, g = self.batch.generation_batch_size, self.grpo.num_generations
         check(gbs is None or gbs % g == 0, f"generation_batch_size ({gbs}) must be divisible "
               f"by num_generations ({g}): a generation round holds whole prompt groups")

@@ -60,6 +60,16 @@ class Numerics:
         "matmul over the tokens sorted by expert); a number c gives each expert room for c * "
         "tokens * k / experts assignments and drops the rest (GShard's capacity factor), as "
         "transformers never does: outputs then differ from it wherever an expert overflows.")
+    router_replay: Literal["disabled", "R3"] = arg(
+        "disabled",
+        "Mixture-of-experts routing replay, verl's actor.router_replay.mode names (slime: "
+        "--use-rollout-routing-replay): \"R3\" (rollout routing replay, arXiv 2510.11370) has "
+        "the JAX sampler record each token's top-k experts per sparse layer and the trainer's "
+        "old-log-prob, reference and update forwards run those experts, their gate weights "
+        "recomputed from the trainer's own router (its gradient flows through them; "
+        "models/moe.py); \"disabled\": each forward routes itself. verl's R2 (replaying the "
+        "old-log-prob forward's routing) is not offered. router/mismatch is logged either way "
+        "for a mixture of experts on the JAX sampler.")
 
     def __post_init__(self):
         check(self.remat_policy in ("full", "dots"),
@@ -68,6 +78,17 @@ class Numerics:
               f"sampler_layers={self.sampler_layers!r}: use 'auto', 'scan' or 'unroll'")
         check(self.moe_capacity_factor is None or self.moe_capacity_factor > 0,
               f"moe_capacity_factor={self.moe_capacity_factor}: must be > 0, or null (dropless)")
+        check(self.router_replay in ("disabled", "R3"),
+              f"router_replay={self.router_replay!r}: use 'disabled' or 'R3'")
+        check(self.router_replay == "disabled" or self.moe_capacity_factor is None,
+              "router_replay R3 with moe_capacity_factor: an expert's capacity buffer drops "
+              "assignments past its room, replayed ones too; set moe_capacity_factor: null "
+              "(dropless) to replay every token")
+
+    @property
+    def replay(self) -> bool:
+        """Routing replay on (router_replay R3)."""
+        return self.router_replay == "R3"
 
 
 # The decoder's projections (models/quant.py quantizes these), in its order.

@@ -33,6 +33,11 @@ class Batch:
     # [N, C] int32, multi-turn tool calling: 0 on tool-result tokens, which the model attends
     # to (completion_mask) but which carry no loss, KL or entropy (TRL's tool_mask).
     tool_mask: Array | None = None
+    # A mixture of experts sampled natively: the sampler's top-k experts of each token per
+    # sparse layer (RolloutBatch's), int8/int16, -1 where not recorded. The forwards run them
+    # under routing replay (numerics.router_replay); router/mismatch compares with them.
+    prompt_routing: Array | None = None      # [N, P, S, k]
+    completion_routing: Array | None = None  # [N, C, S, k]
 
     @property
     def size(self) -> int:

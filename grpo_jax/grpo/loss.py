@@ -78,6 +78,7 @@ import numpy as np
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.config.grpo import (LOSS_KINDS, ISLevel, ISMode, LossConfig,  # noqa: F401 (API)
                                   LossType, RSMode)
+from grpo_jax.models import moe
 
 f32 = jnp.float32
 
@@ -357,7 +358,8 @@ PER_GENERATION = ("sampling/sampling_logp_difference/mean",
                   "sampling/sampling_logp_difference/max",
                   "sampling/importance_sampling_ratio/min",
                   "sampling/importance_sampling_ratio/mean",
-                  "sampling/importance_sampling_ratio/max") + RS_METRICS
+                  "sampling/importance_sampling_ratio/max") + RS_METRICS + (
+                      moe.ROUTER_MISMATCH,)
 # step_metrics' entry holding the PER_GENERATION metrics' per-micro-batch sums (not logged as is).
 GENERATION_SUMS = "_generation_sums"
 

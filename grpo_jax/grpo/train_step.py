@@ -77,12 +77,29 @@ def completion_logps(model, batch: Batch, temperature: float, chunk: int, group:
 
 def completion_logps_and_router(model, batch: Batch, temperature: float, chunk: int,
                                 group: int = 1):
-    """completion_logps and the router statistics of every row's real prompt and completion
+    """completion_logps, the router statistics of every row's real prompt and completion
     tokens (moe.RouterStats; None for a dense model): what transformers' load-balancing loss
-    counts when TRL runs the micro-batch with its attention mask. With a context axis the
+    counts when TRL runs the micro-batch with its attention mask, and router/mismatch's sums
+    (moe.routing_mismatch_sums: the completion tokens' expert sets that differ from the
+    sampler's record; None when the batch carries no record). With a context axis the
     positions run in the decoder's `sequence_order` (split over the axis, load-balanced)
-    through the log-prob head too: only the [N, C] results are put back in sequence order."""
+    through the log-prob head too: only the [N, C] results are put back in sequence order.
+
+    Routing replay (numerics.router_replay R3, a batch with the sampler's record): every
+    token runs the experts the sampler ran (models/moe.py)."""
+    logp, entropy, stats, chosen = _forward(model, batch, temperature, chunk, group)
+    if chosen is None:
+        return logp, entropy, stats, None
+    return logp, entropy, stats, moe.routing_mismatch_sums(chosen, batch.completion_routing,
+                                                            batch.completion_mask)
+
+
+def _forward(model, batch: Batch, temperature: float, chunk: int, group: int = 1):
+    """(logp, entropy, RouterStats or None, the experts each completion token ran [N, C, S, k]
+    or None without the sampler's record) of completion_logps_and_router."""
     P_len, C = batch.prompt_ids.shape[1], batch.completion_ids.shape[1]
+    record = batch.completion_routing is not None
+    replay = record and model.cfg.numerics.replay
     head = functools.partial(token_logprobs, head_w=model.head_weight(), temperature=temperature,
                              chunk_size=chunk, softcap=model.cfg.final_logit_softcapping,
                              layout=model.head_layout)
@@ -91,40 +108,51 @@ def completion_logps_and_router(model, batch: Batch, temperature: float, chunk: 
     # LoRA dropout draws its masks per row: a shared prompt would share them.
     if group > 1 and model.lora_dropout_key is None:
         o_p, o_c = model.sequence_order(P_len), model.sequence_order(C)
-        prompt, hidden, stats = model.shared_prefix(
+        prompt, hidden, stats, *chosen = model.shared_prefix(
             batch.prompt_ids[::group], batch.prompt_mask[::group], batch.completion_ids,
-            batch.completion_mask, group, orders=(o_p, o_c), with_router=True)
+            batch.completion_mask, group, orders=(o_p, o_c), with_router=True,
+            routing=(batch.prompt_routing[::group], batch.completion_routing) if replay else None,
+            record_routing=record)
+        chosen = chosen[0][1] if chosen else None
         at = P_len - 1 if o_p is None else int(np.flatnonzero(o_p == P_len - 1)[0])
         last = model.shard_rows(jnp.repeat(prompt[:, at:at + 1], group, axis=0))
         if o_c is None:
             hidden = jnp.concatenate([last, hidden[:, :C - 1]], axis=1)  # t predicts t + 1
-            return (*head(hidden, targets=batch.completion_ids), stats)
+            return (*head(hidden, targets=batch.completion_ids), stats, chosen)
         first = head(last, targets=batch.completion_ids[:, :1])
         rest = head(hidden, targets=shift(batch.completion_ids)[:, o_c],
                     seq_shards=mesh_lib.context_size(model.mesh))
         back = attention.inverse(o_c)
         return (*(jnp.concatenate([a, b[:, back][:, :C - 1]], axis=1)
-                  for a, b in zip(first, rest)), stats)
+                  for a, b in zip(first, rest)), stats, chosen)
     ids = jnp.concatenate([batch.prompt_ids, batch.completion_ids], axis=1)
     mask = jnp.concatenate([batch.prompt_mask, batch.completion_mask], axis=1)
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
     order = model.sequence_order(P_len + C)
-    hidden, _, stats = model(ids, positions, mask, order=order, with_router=True)
+    routing = None
+    if replay:
+        routing = jnp.concatenate([batch.prompt_routing, batch.completion_routing], axis=1)
+    hidden, _, stats, *chosen = model(ids, positions, mask, order=order, with_router=True,
+                                      routing=routing, record_routing=record)
+    chosen = chosen[0][:, P_len:] if chosen else None  # in sequence order
     if order is None:
         hidden = hidden[:, P_len - 1:P_len - 1 + C]  # position t predicts token t + 1
-        return (*head(hidden, targets=batch.completion_ids), stats)
+        return (*head(hidden, targets=batch.completion_ids), stats, chosen)
     out = head(hidden, targets=shift(ids)[:, order],
                seq_shards=mesh_lib.context_size(model.mesh))
     back = attention.inverse(order)
-    return (*(x[:, back][:, P_len - 1:P_len - 1 + C] for x in out), stats)
+    return (*(x[:, back][:, P_len - 1:P_len - 1 + C] for x in out), stats, chosen)
 
 
 def _micro_loss(params, graphdef, cfg: StepConfig, mb: Batch, frozen=(),
                 dropout_key=None, group: int = 1) -> loss_lib.MicroLoss:
     model = lora.with_dropout(nnx.merge(graphdef, params, *frozen), dropout_key)
-    logp, entropy, stats = completion_logps_and_router(model, mb, cfg.temperature,
-                                                       cfg.logprob_chunk, group)
+    logp, entropy, stats, mismatch = completion_logps_and_router(model, mb, cfg.temperature,
+                                                                 cfg.logprob_chunk, group)
     out = loss_lib.micro_loss_terms(logp, entropy, mb, cfg.loss)
+    if mismatch is not None:  # per generation, as the sampling/* metrics (loss.PER_GENERATION)
+        out = out._replace(sums={**out.sums, "mean": {**out.sums["mean"],
+                                                      moe.ROUTER_MISMATCH: mismatch}})
     if stats is None:
         return out
     aux = moe.aux_loss(stats) if cfg.aux_loss_coef else None

@@ -227,26 +227,38 @@ class Decoder(nnx.Module):
         return [_run_params(self.cfg, stacked, first, stop)
                 for first, stop in self.cfg.cache_runs()]
 
-    def scan_layers(self, body, carry):
-        """lax.scan of body(carry, (layer params, slides)) -> (carry, RouterStats or None)
-        over the layers, one scan per run of same-kind layers (a dense run's params have no
-        experts, a sparse run's no dense MLP), under the config's remat. Returns (carry,
-        RouterStats summed over the sparse layers, or None for a dense model)."""
+    def scan_layers(self, body, carry, routing=None):
+        """lax.scan of body(carry, (layer params, slides, forced)) -> (carry, (RouterStats or
+        None, experts or None)) over the layers, one scan per run of same-kind layers (a dense
+        run's params have no experts, a sparse run's no dense MLP), under the config's remat.
+        `routing`: a pytree of [S, ...] replayed experts per sparse layer (S of them), a sparse
+        layer's slice its `forced` (None in dense layers, and without replay). Returns (carry,
+        RouterStats summed over the sparse layers or None for a dense model, the experts the
+        body returned stacked [S, ...] over the sparse layers, or None)."""
         cfg = self.cfg
         if cfg.remat:
             body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat_policy])
         stacked, sliding = self.layer_params(), jnp.asarray(cfg.sliding_layers)
         stats = RouterStats.zeros(cfg.num_experts) if cfg.num_experts else None
-        for first, stop, _ in layer_runs(cfg):
+        chosen = []
+        for first, stop, sparse in layer_runs(cfg):
             xs = _run_params(cfg, stacked, first, stop)
-            carry, ys = jax.lax.scan(body, carry, (xs, sliding[first:stop]))
-            if ys is not None:
-                stats = stats.plus(jax.tree.map(lambda a: a.sum(0), ys))
-        return carry, stats
+            forced = None
+            if sparse and routing is not None:
+                before = sum(cfg.moe_layers[:first])
+                forced = jax.tree.map(lambda a: a[before:before + stop - first], routing)
+            carry, (run_stats, idx) = jax.lax.scan(body, carry, (xs, sliding[first:stop], forced))
+            if run_stats is not None:
+                stats = stats.plus(jax.tree.map(lambda a: a.sum(0), run_stats))
+            if idx is not None:
+                chosen.append(idx)
+        if not chosen:
+            return carry, stats, None
+        return carry, stats, jax.tree.map(lambda *a: jnp.concatenate(a), *chosen)
 
     def __call__(self, tokens, positions, attention_mask, cache: KVCache | None = None,
                  cache_index=None, layers: list[dict] | None = None, order=None,
-                 with_router: bool = False):
+                 with_router: bool = False, routing=None, record_routing: bool = False):
         """Run the decoder and return (hidden [B, T, D] after the final norm, new cache).
 
         tokens, positions: [B, T] int. Without a cache, attention_mask is [B, T] (1 = real token),
@@ -262,10 +274,18 @@ class Decoder(nnx.Module):
         (attention still sees the sequence in its own order). with_router (no cache): also
         return the RouterStats of the real tokens (None for a dense model), for the
         load-balancing loss.
+        Routing replay (models/moe.py), for a mixture of experts: `routing` [B, T, S, k] (no
+        cache; S sparse layers, -1: not recorded) the experts each token runs in each sparse
+        layer; record_routing: also return the experts each token ran, [B, T, S, k] int32, as
+        the last item ((hidden, cache, experts), or with with_router (hidden, None, stats,
+        experts)).
         """
         cfg = self.cfg
+        if routing is not None and cache is not None:
+            raise ValueError("replayed routing is for the forward without a cache (training)")
         if order is not None:
             tokens, positions = tokens[:, order], positions[:, order]
+            routing = None if routing is None else routing[:, order]
         x = self.shard_tokens(self.embed_tokens(tokens))
         sliding = cfg.sliding_layers
         # (cos, sin) per attention kind; sliding layers may have their own RoPE base (Gemma 3).
@@ -278,19 +298,22 @@ class Decoder(nnx.Module):
             token_ok = key_ok if order is None else key_ok[:, order]  # x's tokens' order
 
             def body(x, xs):
-                p, slides = xs
+                p, slides, forced = xs
                 cos, sin = _pick(sliding, slides, rope)
                 mask = Mask(np.arange(T) if order is None else order, key_ok,
                             _window(cfg, slides))
-                x, _, _, stats = _block(cfg, p, self.shard_tokens(x), cos, sin, mask,
-                                        mesh=mesh, key_order=order,
-                                        expert_mesh=self.expert_mesh, token_mask=token_ok)
-                return self.shard_tokens(x), stats
+                x, _, _, stats, idx = _block(cfg, p, self.shard_tokens(x), cos, sin, mask,
+                                             mesh=mesh, key_order=order,
+                                             expert_mesh=self.expert_mesh, token_mask=token_ok,
+                                             forced=forced)
+                return self.shard_tokens(x), (stats, idx if record_routing else None)
 
-            x, stats = self.scan_layers(body, x)
-            if with_router:
-                return self._final_norm(x), None, stats
-            return self._final_norm(x), None
+            x, stats, chosen = self.scan_layers(
+                body, x, None if routing is None else jnp.moveaxis(routing, 2, 0))
+            out = (self._final_norm(x), None) + ((stats,) if with_router else ())
+            if record_routing:
+                out += (_unorder(per_token(chosen), order),)
+            return out
 
         S = attention_mask.shape[1]  # positions; a sliding layer's buffer may hold fewer
         if isinstance(cache_index, int) and cache_index == 0:
@@ -311,7 +334,7 @@ class Decoder(nnx.Module):
             if any(sliding):
                 masks[True] = _ring_mask(query, key_ok, cfg.cache_length(sliding.index(True), S),
                                          cfg.sliding_window)
-        ks, vs = [], []
+        ks, vs, chosen = [], [], []
         runs = zip(cfg.cache_runs(), self.decode_layers() if layers is None else layers, *cache)
         for (first, stop), params, kbuf, vbuf in runs:
             slides = sliding[first]
@@ -320,50 +343,63 @@ class Decoder(nnx.Module):
             def body(carry, xs, slides=slides, cos=cos, sin=sin):
                 x, kbuf, vbuf = carry
                 p, layer = xs
-                x, kbuf, vbuf, _ = _block(
+                x, kbuf, vbuf, _, idx = _block(
                     cfg, p, self.shard_rows(x), cos, sin, masks[slides],
                     (kbuf, vbuf, layer, cache_index), window=cfg.sliding_window if slides else None,
                     expert_mesh=self.expert_mesh)
-                return (x, kbuf, vbuf), None
+                return (x, kbuf, vbuf), idx if record_routing else None
 
             if stop - first == 1:  # unrolled: the layer's buffer is the run's, at a static 0
-                (x, kbuf, vbuf), _ = body((x, kbuf, vbuf),
-                                          (jax.tree.map(lambda a: a[0], params), 0))
+                (x, kbuf, vbuf), idx = body((x, kbuf, vbuf),
+                                            (jax.tree.map(lambda a: a[0], params), 0))
+                idx = None if idx is None else idx[None]
             else:
-                (x, kbuf, vbuf), _ = jax.lax.scan(body, (x, kbuf, vbuf),
-                                                  (params, jnp.arange(stop - first)))
+                (x, kbuf, vbuf), idx = jax.lax.scan(body, (x, kbuf, vbuf),
+                                                    (params, jnp.arange(stop - first)))
             ks.append(kbuf)
             vs.append(vbuf)
-        return self._final_norm(x), KVCache(tuple(ks), tuple(vs))
+            if idx is not None:  # a sparse run's [L, B, T, k]
+                chosen.append(idx)
+        out = (self._final_norm(x), KVCache(tuple(ks), tuple(vs)))
+        if record_routing:
+            out += (per_token(jnp.concatenate(chosen) if chosen else None),)
+        return out
 
     def prefill(self, tokens, positions, attention_mask, cache: KVCache, layers=None,
-                chunk: int | None = None):
+                chunk: int | None = None, record_routing: bool = False):
         """Fill an empty cache with T prompt tokens (left-padded; attention_mask [B, T] over
         the cache's first T slots): returns (hidden [B, 1, D] of the last token, cache).
         `chunk`: T tokens at a time (chunked prefill, under lax.scan), each chunk attending
         over the slots written so far by blocks (attention.flash), so a long prompt holds one
         chunk's activations, not T's. Unchunked where T does not split into chunks, and with
         sliding-window layers (a chunk written into a ring would overwrite keys its own
-        earlier queries still see)."""
+        earlier queries still see). record_routing: also the experts each prompt token ran,
+        [B, T, S, k] int32 (see __call__), as a third item."""
         T = tokens.shape[1]
         if not chunk or T <= chunk or T % chunk or any(self.cfg.sliding_layers):
-            hidden, cache = self(tokens, positions, attention_mask, cache=cache, cache_index=0,
-                                 layers=layers)
-            return hidden[:, -1:], cache
+            hidden, cache, *chosen = self(tokens, positions, attention_mask, cache=cache,
+                                          cache_index=0, layers=layers,
+                                          record_routing=record_routing)
+            return (hidden[:, -1:], cache, *chosen)
         layers = self.decode_layers() if layers is None else layers
         split = lambda a: a.reshape(a.shape[0], T // chunk, chunk).swapaxes(0, 1)  # noqa: E731
 
         def step(cache, xs):
             i, t, p = xs
-            hidden, cache = self(t, p, attention_mask, cache=cache, cache_index=i * chunk,
-                                 layers=layers)
-            return cache, hidden[:, -1]
-        cache, last = jax.lax.scan(step, cache, (jnp.arange(T // chunk), split(tokens),
-                                                 split(positions)))
-        return last[-1][:, None], cache
+            hidden, cache, *chosen = self(t, p, attention_mask, cache=cache,
+                                          cache_index=i * chunk, layers=layers,
+                                          record_routing=record_routing)
+            return cache, (hidden[:, -1], *chosen)
+        cache, (last, *chosen) = jax.lax.scan(step, cache, (jnp.arange(T // chunk),
+                                                            split(tokens), split(positions)))
+        # [chunks, B, chunk, S, k] -> [B, T, S, k]
+        chosen = [None if c is None else jnp.moveaxis(c, 0, 1).reshape(c.shape[1], T, *c.shape[3:])
+                  for c in chosen]
+        return (last[-1][:, None], cache, *chosen)
 
     def shared_prefix(self, prompt_ids, prompt_mask, ids, mask, group: int,
-                      orders=(None, None), with_router: bool = False):
+                      orders=(None, None), with_router: bool = False, routing=None,
+                      record_routing: bool = False):
         """The forward of `group` completions per prompt with each prompt computed once (Prefix
         Grouper, arXiv 2506.05433): returns (hidden [g, P, D] of the prompts, hidden [g * group,
         C, D] of the completions), equal to running every row's prompt + completion through
@@ -374,7 +410,9 @@ class Decoder(nnx.Module):
         `orders`: (prompt order, completion order), permutations of P and C positions
         (`sequence_order`) in which the two parts run and come back, as `__call__`'s order.
         with_router: also the RouterStats of every row's real tokens (a prompt's counted once
-        per row, as running the rows one by one counts them)."""
+        per row, as running the rows one by one counts them). `routing`: replayed experts, the
+        pair (prompts' [g, P, S, k], completions' [g * group, C, S, k]) (see __call__);
+        record_routing: also the pair of experts the prompts and completions ran, last."""
         cfg, mesh = self.cfg, self.mesh
         P_len, C = prompt_ids.shape[1], ids.shape[1]
         rep = lambda a: self.shard_rows(jnp.repeat(a, group, axis=0))  # noqa: E731
@@ -384,9 +422,12 @@ class Decoder(nnx.Module):
                                                + jnp.cumsum(mask, axis=1) - 1, 0)}
         o_p, o_c = orders
         tokens = {"prompt": prompt_ids, "completion": ids}
+        forced = None if routing is None else dict(zip(("prompt", "completion"), routing))
         for part, o in (("prompt", o_p), ("completion", o_c)):
             if o is not None:
                 tokens[part], positions[part] = tokens[part][:, o], positions[part][:, o]
+                if forced is not None:
+                    forced[part] = forced[part][:, o]
         sliding = cfg.sliding_layers
         rope = {}  # part -> sliding -> (cos, sin)
         for part in positions:
@@ -403,30 +444,35 @@ class Decoder(nnx.Module):
 
         def body(carry, xs):
             x_prompt, x = carry
-            p, slides = xs
+            p, slides, f = xs
+            f = {"prompt": None, "completion": None} if f is None else f
             window = _window(cfg, slides)
             q, k, v = _qkv(cfg, p, x_prompt, *_pick(sliding, slides, rope["prompt"]))
             k, v = (attention_lib.gather_keys(a, o_p, mesh) for a in (k, v))
             attn = _attend(cfg, q, k, v, Mask(queries["prompt"], keys_ok["prompt"], window),
                            mesh, sinks=_sinks(cfg, p))
-            x_prompt, prompt_stats = _attn_out_and_mlp(cfg, p, x_prompt, attn,
-                                                       tokens_ok["prompt"], self.expert_mesh)
+            x_prompt, prompt_stats, prompt_idx = _attn_out_and_mlp(
+                cfg, p, x_prompt, attn, tokens_ok["prompt"], self.expert_mesh, f["prompt"])
             q, kc, vc = _qkv(cfg, p, x, *_pick(sliding, slides, rope["completion"]))
             k = jnp.concatenate([rep(k), attention_lib.gather_keys(kc, o_c, mesh)], axis=1)
             v = jnp.concatenate([rep(v), attention_lib.gather_keys(vc, o_c, mesh)], axis=1)
             attn = _attend(cfg, q, k, v, Mask(queries["completion"], keys_ok["completion"],
                                               window), mesh, sinks=_sinks(cfg, p))
-            x, stats = _attn_out_and_mlp(cfg, p, x, attn, tokens_ok["completion"],
-                                         self.expert_mesh)
+            x, stats, idx = _attn_out_and_mlp(cfg, p, x, attn, tokens_ok["completion"],
+                                              self.expert_mesh, f["completion"])
             if stats is not None:
                 stats = stats.plus(prompt_stats, weight=group)
-            return (self.shard_tokens(x_prompt), self.shard_tokens(x)), stats
+            chosen = (prompt_idx, idx) if record_routing and idx is not None else None
+            return (self.shard_tokens(x_prompt), self.shard_tokens(x)), (stats, chosen)
 
         x0 = tuple(self.shard_tokens(self.embed_tokens(tokens[part])) for part in tokens)
-        (x_prompt, x), stats = self.scan_layers(body, x0)
-        if with_router:
-            return self._final_norm(x_prompt), self._final_norm(x), stats
-        return self._final_norm(x_prompt), self._final_norm(x)
+        routing = None if forced is None else {k: jnp.moveaxis(v, 2, 0) for k, v in forced.items()}
+        (x_prompt, x), stats, chosen = self.scan_layers(body, x0, routing)
+        out = (self._final_norm(x_prompt), self._final_norm(x)) + ((stats,) if with_router else ())
+        if record_routing:
+            out += ((None, None) if chosen is None else tuple(
+                _unorder(per_token(c), o) for c, o in zip(chosen, orders)),)
+        return out
 
     def _final_norm(self, x):
         cfg = self.cfg
@@ -550,15 +596,17 @@ def _rope(x, cos, sin):
 
 
 def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None, window: int | None = None,
-           mesh=None, key_order=None, expert_mesh=None, token_mask=None):
+           mesh=None, key_order=None, expert_mesh=None, token_mask=None, forced=None):
     """One layer. With cache = (kbuf, vbuf, layer, index) the new keys and values are written
     into layer `layer` of the run's buffers [L, B, K, S, Dh] at slot `index` and the queries
     attend over that layer's cache (mask [B, T, S], or an attention.Mask over the S slots);
     index None writes at slot 0 and attends among the new tokens only, as without a cache (an
     attention.Mask over the T tokens). `window`: the layer slides and its cache is a ring
     (slot = position % window). `mesh`, `key_order`: see _attend. `expert_mesh`: where a sparse layer's experts live; `token_mask` [B, T]: the real
-    tokens its router statistics count. Returns (x, kbuf, vbuf, RouterStats) (the buffers None
-    without a cache; the stats None for a dense layer or without token_mask)."""
+    tokens its router statistics count; `forced` [B, T, k]: its replayed experts (models/moe.py).
+    Returns (x, kbuf, vbuf, RouterStats, experts [B, T, k]) (the buffers None without a cache;
+    the stats None for a dense layer or without token_mask; the experts None for a dense
+    layer)."""
     q, k, v = _qkv(cfg, p, x, cos, sin)
     kbuf = vbuf = None
     if cache is not None:
@@ -583,8 +631,8 @@ def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None, window: int | Non
             attn = attention(q, ck, cv, mask, scale, cap, sinks)
     else:
         attn = _attend(cfg, q, k, v, mask, mesh, key_order, sinks)
-    x, stats = _attn_out_and_mlp(cfg, p, x, attn, token_mask, expert_mesh)
-    return x, kbuf, vbuf, stats
+    x, stats, idx = _attn_out_and_mlp(cfg, p, x, attn, token_mask, expert_mesh, forced)
+    return x, kbuf, vbuf, stats, idx
 
 
 def _sinks(cfg: ModelConfig, p):
@@ -654,9 +702,10 @@ def _attend(cfg: ModelConfig, q, k, v, mask: Mask, mesh=None, key_order=None, si
     return attend(q, k, v, mask)
 
 
-def _attn_out_and_mlp(cfg: ModelConfig, p, x, attn, token_mask=None, mesh=None):
+def _attn_out_and_mlp(cfg: ModelConfig, p, x, attn, token_mask=None, mesh=None, forced=None):
     """The rest of a layer after attention: output projection, residual, MLP (a sparse
-    layer's experts: moe.moe_mlp), residual. Returns (x, RouterStats or None)."""
+    layer's experts: moe.moe_mlp, `forced` its replayed experts), residual. Returns (x,
+    RouterStats or None, the experts [B, T, k] or None)."""
     dt, eps, offset = cfg.dtype, cfg.rms_norm_eps, cfg.norm_offset
     out = lora.project(p, "wo", "bthk,hkd->btd", attn, dt)
     if cfg.o_bias:
@@ -665,16 +714,29 @@ def _attn_out_and_mlp(cfg: ModelConfig, p, x, attn, token_mask=None, mesh=None):
         out = rms_norm(out, p["post_attn_norm"], eps, dt, offset)
     x = x + out
     h = rms_norm(x, p["mlp_norm"], eps, dt, offset)
-    stats = None
+    stats = idx = None
     if "we_gate" in p:
-        out, stats = moe.moe_mlp(cfg, p, h, token_mask, mesh)
+        out, stats, idx = moe.moe_mlp(cfg, p, h, token_mask, mesh, forced)
     else:
         gate = lora.project(p, "w_gate", "btd,df->btf", h, dt)
         up = lora.project(p, "w_up", "btd,df->btf", h, dt)
         out = lora.project(p, "w_down", "btf,fd->btd", moe.gated(cfg, gate, up), dt)
     if cfg.sandwich_norms:
         out = rms_norm(out, p["post_mlp_norm"], eps, dt, offset)
-    return x + out, stats
+    return x + out, stats, idx
+
+
+def per_token(chosen):
+    """Experts [S, B, T, k] (sparse layers first, as the layer scans stack them) -> [B, T, S,
+    k], a token's record together; None (a dense model) stays None."""
+    return None if chosen is None else jnp.moveaxis(chosen, 0, 2)
+
+
+def _unorder(x, order):
+    """x [B, T, ...] computed in `order` (Decoder.sequence_order) back in sequence order."""
+    if x is None or order is None:
+        return x
+    return x[:, attention_lib.inverse(order)]
 
 
 def _write(buf, layer, new, index, window: int | None):

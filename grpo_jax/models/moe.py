@@ -18,6 +18,14 @@ for every expert, which XLA's TPU cost analysis counts at E times the work (meas
 expert's own rows. `moe_capacity_factor` instead gives each expert a fixed buffer and drops
 what overflows it (GShard).
 
+Routing replay (R3, arXiv 2510.11370; verl's router_replay mode R3): the trainer's forward can
+take each token's experts as the sampler recorded them (`forced` [N, k], -1 where nothing was
+recorded: the token routes itself). The gate weights are then recomputed from the trainer's own
+router logits at the replayed experts (softmax over all experts gathered there, renormalised
+with norm_topk_prob: for gpt-oss the softmax over the k replayed logits), so the router still
+learns: its gradient flows through the replayed experts' gate weights only. The selection
+itself is not differentiable either way (top-k has no gradient), with or without replay.
+
 Expert parallelism: with an `expert` mesh axis of size ep > 1 the experts' weights are split
 over it (mesh.RULES "expert"). On any mesh the experts run inside `shard_map` (megablox's gmm
 is a Mosaic kernel, which XLA cannot partition itself: outside shard_map a multi-device mesh
@@ -99,16 +107,24 @@ def gated(cfg, gate, up):
     return (up + 1) * gate * jax.nn.sigmoid(gate * cfg.swiglu_alpha)
 
 
-def route(cfg, p, x):
-    """x [N, D] -> (router logits [N, E] fp32, chosen experts [N, k], their weights [N, k]).
-    The router's weights are rounded to the compute dtype first, as the sampler holds them
-    (rollout/native/sampler.py casts every matrix once): the trainer and the sampler then route
-    every token alike; the product and everything after it are fp32."""
+def route(cfg, p, x, forced=None):
+    """x [N, D] -> (router logits [N, E] fp32, chosen experts [N, k] int32, their weights
+    [N, k]). The router's weights are rounded to the compute dtype first, as the sampler holds
+    them (rollout/native/sampler.py casts every matrix once): the trainer and the sampler then
+    route every token alike; the product and everything after it are fp32. `forced` [N, k]
+    (any int dtype): replayed experts (see the module docstring), -1 rows route themselves."""
     f32 = lambda w: w.astype(cfg.dtype).astype(jnp.float32)  # noqa: E731
     logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), f32(p["router"]))
     if cfg.router_bias:
         logits = logits + f32(p["router_bias"])
-    weights, idx = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), cfg.num_experts_per_tok)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, idx = jax.lax.top_k(probs, cfg.num_experts_per_tok)
+    if forced is not None:
+        replayed = forced[:, :1] >= 0  # a recorded token: all k replayed
+        idx = jnp.where(replayed, forced.astype(jnp.int32), idx)
+        # The gate weights of the replayed experts from the trainer's own router: the router's
+        # gradient flows through them.
+        weights = jnp.take_along_axis(probs, idx, axis=-1)
     if cfg.norm_topk_prob:
         weights = weights / weights.sum(-1, keepdims=True)
     return logits, idx, weights
@@ -124,15 +140,39 @@ def router_stats(logits, idx, token_mask) -> RouterStats:
     return RouterStats(jax.lax.stop_gradient(counts), probs, m.sum())
 
 
-def moe_mlp(cfg, p, h, token_mask=None, mesh=None):
+def moe_mlp(cfg, p, h, token_mask=None, mesh=None, forced=None):
     """A sparse layer's MLP on h [B, T, D] (after the norm): (output [B, T, D], RouterStats
-    over the tokens where token_mask [B, T] is 1, or None without a mask)."""
+    over the tokens where token_mask [B, T] is 1 (None without a mask), the experts each token
+    ran [B, T, k] int32). `forced` [B, T, k]: replayed experts (route)."""
     B, T, D = h.shape
     x = h.reshape(B * T, D)
-    logits, idx, weights = route(cfg, p, x)
+    k = cfg.num_experts_per_tok
+    logits, idx, weights = route(cfg, p, x, None if forced is None else forced.reshape(B * T, k))
     y = experts(cfg, p, x, idx, weights, mesh)
     stats = None if token_mask is None else router_stats(logits, idx, token_mask.reshape(-1))
-    return y.reshape(B, T, D).astype(h.dtype), stats
+    return y.reshape(B, T, D).astype(h.dtype), stats, idx.reshape(B, T, k)
+
+
+def routing_dtype(num_experts: int):
+    """The dtype a recorded expert index is stored in: int8 up to 127 experts, else int16
+    (-1: no record)."""
+    return jnp.int8 if num_experts <= 127 else jnp.int16
+
+
+# The metric of routing_mismatch_sums (not TRL's: TRL has no routing record), logged once per
+# generation batch like TRL's sampling/* metrics.
+ROUTER_MISMATCH = "router/mismatch"
+
+
+def routing_mismatch_sums(used, recorded, mask) -> jax.Array:
+    """[2]: (token-layers whose top-k expert set differs, token-layers counted) over the tokens
+    where mask [N, T] is 1 and a record exists (recorded >= 0); used, recorded [N, T, S, k]
+    (S sparse layers). A set, not an order: both sorted first."""
+    rec = recorded.astype(jnp.int32)
+    differs = jnp.any(jnp.sort(used.astype(jnp.int32), axis=-1) != jnp.sort(rec, axis=-1),
+                      axis=-1)  # [N, T, S]
+    counted = ((mask > 0)[..., None] & (rec[..., 0] >= 0)).astype(jnp.float32)
+    return jnp.stack([jnp.sum(differs * counted), jnp.sum(counted)])
 
 
 def experts(cfg, p, x, idx, weights, mesh=None):

@@ -40,6 +40,11 @@ class RolloutBatch(NamedTuple):
     # Partial rollouts (rollout/native/partial.py): [N, C] int32, the weight version (round)
     # that drew each token (0 where masked); None: every token from the round's own weights.
     versions: np.ndarray | None = None
+    # A mixture of experts on the native sampler: each token's top-k experts per sparse layer
+    # (S of them) as the sampler ran it, int8 (int16 past 127 experts), -1 where no record
+    # (padding, a last token never fed back): for routing replay and router/mismatch.
+    prompt_routing: np.ndarray | None = None      # [N, P, S, k]
+    completion_routing: np.ndarray | None = None  # [N, C, S, k]
 
 
 def sampling_params(cfg, tokenizer, generation_eos: Sequence[int] = ()):

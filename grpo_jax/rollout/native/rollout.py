@@ -23,8 +23,11 @@ class JaxRollout(Rollout):
                  partial_rollouts: tuple[int, int, int] | None = None):
         adapters = bool(peft and peft.sampler_takes_adapters)
         self.weight_mode = WeightMode.READ_ADAPTERS if adapters else WeightMode.READ
+        # A mixture of experts records its routing (router/mismatch, routing replay), except
+        # through decode slots (refill.py), which do not record it.
+        record = bool(model_cfg.num_experts) and params.max_num_seqs is None
         self.sampler = Sampler(model_cfg, params, pad_id=pad_id, mesh=mesh,
-                               peft=peft if adapters else None)
+                               peft=peft if adapters else None, record_routing=record)
         self.slots = refill.Refill(self.sampler) if params.max_num_seqs is not None else None
         # (num_generations, groups a round, max_staleness): rounds of whole groups from rows
         # that carry over between rounds (rollout/native/partial.py).

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
-from grpo_jax.models import Decoder, KVCache, ModelConfig, build, lora, positions_from_mask
+from grpo_jax.models import Decoder, KVCache, ModelConfig, build, lora, moe, positions_from_mask
 from grpo_jax.rollout.base import RolloutBatch
 from grpo_jax.rollout.native import sampling
 from grpo_jax.rollout.native.sampling import SamplingParams
@@ -39,6 +39,9 @@ class DecodeState(NamedTuple):
     done: jax.Array          # [B] bool
     cache: KVCache
     seen: jax.Array | None   # [B, V] bool, only with a repetition penalty
+    # [B, C, S, k] the experts each completion token ran in each of the S sparse layers, as
+    # fed to the decoder (moe.routing_dtype; -1: never fed); only when recording routing.
+    routing: jax.Array | None = None
 
 
 class DecodeContext(NamedTuple):
@@ -47,6 +50,8 @@ class DecodeContext(NamedTuple):
     layers: list             # Decoder.decode_layers() of those: cut into runs once, outside a loop
     key_mask: jax.Array      # [B, P + C] int32: which cache slots hold real keys
     prompt_len: jax.Array    # [B] int32: real prompt tokens per row
+    # [B, P, S, k] the experts each prompt token ran (its prefill), when recording routing.
+    prompt_routing: jax.Array | None = None
 
 
 class Sampler:
@@ -60,6 +65,10 @@ class Sampler:
     frozen base itself instead of a merged copy: its params are then the pair
     (adapters, base) of `nnx.split(model, LoraParam, nnx.Param)`, the base possibly quantized.
 
+    `record_routing` (a mixture of experts): also return each prompt and completion token's
+    top-k experts per sparse layer (RolloutBatch.prompt_routing, completion_routing), for
+    routing replay and the router/mismatch metric (models/moe.py).
+
     Refilled decode slots (refill.py) and KV-cache continuation (continuation.py) build their
     programs from this one's parts: `inputs`, `prompt_pass`, `prefill`, `decode_step`, `emit`,
     `decoder`, `constrain`.
@@ -67,7 +76,7 @@ class Sampler:
 
     def __init__(self, model_cfg: ModelConfig, sampling_params: SamplingParams, *, pad_id: int,
                  mesh: Mesh | None = None, buckets: Sequence[int] = DEFAULT_BUCKETS,
-                 cache_dtype: Any = None, peft=None):
+                 cache_dtype: Any = None, peft=None, record_routing: bool = False):
         if not 0 <= pad_id < model_cfg.vocab_size:
             raise ValueError(f"pad_id={pad_id} is outside the vocabulary [0, "
                              f"{model_cfg.vocab_size}); pass the tokenizer's pad_token_id")
@@ -78,6 +87,10 @@ class Sampler:
                              f"{model_cfg.vocab_size})")
         if not buckets or any(int(b) < 1 for b in buckets):
             raise ValueError(f"buckets={tuple(buckets)} must be positive prompt lengths")
+        if record_routing and not model_cfg.num_experts:
+            raise ValueError("record_routing needs a mixture of experts: a dense model has no "
+                             "router")
+        self.record_routing = record_routing
         self.cfg, self.sampling_params = model_cfg, sampling_params
         self.pad_id, self.mesh = pad_id, mesh
         self.buckets = tuple(sorted(int(b) for b in buckets))
@@ -91,7 +104,8 @@ class Sampler:
         self.graphdef, abstract_params = _split(abstract, peft)
         self._param_shapes = _shapes(abstract_params)
         # (params, prompt ids, mask, key, first row; num_generations, rows) -> tokens, mask,
-        # log-probs, done: what generate runs, and what aot compiles for a target.
+        # log-probs, done (and with record_routing the prompts' and completions' experts): what
+        # generate runs, and what aot compiles for a target.
         self.program = jax.jit(self._generate, static_argnames=("num_generations", "rows"))
 
     # ------------------------------------------------------------------ host side
@@ -120,14 +134,16 @@ class Sampler:
             args = tuple(dist.shard_host_array(x, mesh_lib.logical_sharding(
                 self.mesh, "batch", None, shape=x.shape)) for x in args)
             params = jax.device_put(params, mesh_lib.param_shardings(params, self.mesh))
-        tokens, cmask, logp, done = dist.to_host(self.program(
+        tokens, cmask, logp, done, *routing = dist.to_host(self.program(
             params, *args, key, np.int32(first_row), num_generations=g, rows=rows))
         ids, mask = np.repeat(ids, g, axis=0)[:n], np.repeat(mask, g, axis=0)[:n]
         # The prefill samples each row's first token, the loop one more per step until the
         # longest row is done.
         decoded = np.maximum(cmask.sum(axis=1) - 1, 0)
+        prompt_routing, completion_routing = (r[:n] for r in routing) if routing else (None, None)
         return RolloutBatch(ids, mask, tokens[:n], cmask[:n], ~done[:n], logp[:n],
-                            metrics=decode_metrics(int(decoded.max()), int(decoded.sum()), rows))
+                            metrics=decode_metrics(int(decoded.max()), int(decoded.sum()), rows),
+                            prompt_routing=prompt_routing, completion_routing=completion_routing)
 
     def inputs(self, params, prompt_token_ids, num_generations):
         """(params, prompts, g, n, rows) of a generate call, checked: n = prompts x g rows
@@ -209,21 +225,30 @@ class Sampler:
         C = self.sampling_params.max_completion_length
         state = jax.lax.while_loop(lambda s: (s.step < C) & ~jnp.all(s.done),
                                    lambda s: self.decode_step(ctx, s, key), state)
-        return state.tokens, state.mask, state.logp, state.done
+        out = state.tokens, state.mask, state.logp, state.done
+        if state.routing is None:
+            return out
+        return (*out, ctx.prompt_routing, state.routing)
 
-    def prompt_pass(self, params, prompt_ids, prompt_mask):
+    def prompt_pass(self, params, prompt_ids, prompt_mask, record_routing: bool = False):
         """The prompts' pass: (params in the compute dtype, their decode_layers(), the prompts'
         KV cache [L, prompts, K, width, Dh] per run (a sliding layer's: its window at most), the
-        last logits [prompts, V])."""
+        last logits [prompts, V]); record_routing: and, fifth, the experts each prompt token
+        ran [prompts, width, S, k] (moe.routing_dtype; -1 on padding)."""
         cfg = self.cfg
         cast = cast_matrices(params, cfg.dtype)
         model = self.decoder(cast)
         layers = model.decode_layers()
         cache = self.constrain_cache(KVCache.zeros(cfg, *prompt_ids.shape, self.cache_dtype))
-        hidden, cache = model.prefill(prompt_ids, positions_from_mask(prompt_mask), prompt_mask,
-                                      cache, layers, chunk=self.sampling_params.prefill_chunk_size)
+        hidden, cache, *chosen = model.prefill(
+            prompt_ids, positions_from_mask(prompt_mask), prompt_mask, cache, layers,
+            chunk=self.sampling_params.prefill_chunk_size, record_routing=record_routing)
         logits = model.logits(hidden)[:, 0]  # left padding: the last slot is real
-        return cast, layers, cache, logits
+        if not record_routing:
+            return cast, layers, cache, logits
+        real = prompt_mask.astype(bool)[:, :, None, None]
+        return cast, layers, cache, logits, jnp.where(real, chosen[0], -1).astype(
+            moe.routing_dtype(cfg.num_experts))
 
     def prefill(self, params, prompt_ids, prompt_mask, key, num_generations: int,
                  rows: int, first_row=0) -> tuple[DecodeContext, DecodeState]:
@@ -237,12 +262,14 @@ class Sampler:
         C = sp.max_completion_length
         prompt_ids = self.constrain(prompt_ids, "batch", None)
         prompt_mask = self.constrain(prompt_mask, "batch", None)
-        cast, layers, cache, logits = self.prompt_pass(params, prompt_ids, prompt_mask)
+        cast, layers, cache, logits, *prompt_routing = self.prompt_pass(
+            params, prompt_ids, prompt_mask, self.record_routing)
 
         def to_rows(x):  # [prompts, ...] -> [rows, ...]: each prompt's G copies in a block
             x = jnp.repeat(x, num_generations, axis=0)[:rows]
             return self.constrain(x, "batch", *[None] * (x.ndim - 1))
         prompt_ids, prompt_mask, logits = map(to_rows, (prompt_ids, prompt_mask, logits))
+        prompt_routing = [to_rows(r) for r in prompt_routing]
         # The generated tokens' slots follow the prompt's (a sliding-window layer's ring
         # grows to its window at most).
         cache = jax.tree.map(lambda x: jnp.repeat(x, num_generations, axis=1)[:, :rows], cache)
@@ -250,7 +277,8 @@ class Sampler:
         batch, row_axes = rows, ("batch", None)
         # Generated slots are all valid keys; the causal mask hides the ones not yet written.
         key_mask = jnp.concatenate([prompt_mask, jnp.ones((batch, C), jnp.int32)], axis=1)
-        ctx = DecodeContext(cast, layers, key_mask, jnp.sum(prompt_mask, axis=1))
+        ctx = DecodeContext(cast, layers, key_mask, jnp.sum(prompt_mask, axis=1),
+                            *prompt_routing)
         seen = None
         if sp.repetition_penalty != 1.0:
             seen = jnp.zeros((batch, cfg.vocab_size), bool)
@@ -263,6 +291,10 @@ class Sampler:
             logp=self.constrain(jnp.zeros((batch, C), jnp.float32), *row_axes),
             done=~jnp.any(prompt_mask.astype(bool), axis=1),  # batch-padding rows
             cache=cache, seen=seen)
+        if self.record_routing:
+            shape = (batch, C, sum(cfg.moe_layers), cfg.num_experts_per_tok)
+            state = state._replace(routing=self.constrain(
+                jnp.full(shape, -1, moe.routing_dtype(cfg.num_experts)), *row_axes, None, None))
         return ctx, self.emit(state, logits, key)
 
     def decode_step(self, ctx: DecodeContext, s: DecodeState, key) -> DecodeState:
@@ -270,9 +302,14 @@ class Sampler:
         model = self.decoder(ctx.params)
         width = ctx.key_mask.shape[1] - self.sampling_params.max_completion_length
         last = jax.lax.dynamic_slice_in_dim(s.tokens, s.step - 1, 1, axis=1)
-        hidden, cache = model(last, (ctx.prompt_len + s.step - 1)[:, None], ctx.key_mask,
-                              cache=s.cache, cache_index=width + s.step - 1, layers=ctx.layers)
+        hidden, cache, *chosen = model(
+            last, (ctx.prompt_len + s.step - 1)[:, None], ctx.key_mask, cache=s.cache,
+            cache_index=width + s.step - 1, layers=ctx.layers,
+            record_routing=s.routing is not None)
         s = s._replace(cache=self.constrain_cache(cache))
+        if chosen:  # the experts of the token just fed, completion token step - 1
+            s = s._replace(routing=jax.lax.dynamic_update_slice_in_dim(
+                s.routing, chosen[0].astype(s.routing.dtype), s.step - 1, axis=1))
         return self.emit(s, model.logits(hidden)[:, 0], key)
 
     def emit(self, s: DecodeState, logits, key) -> DecodeState:
