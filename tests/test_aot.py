@@ -679,3 +679,43 @@ def test_routing_record_memory_of_qwen3_30b_a3b():
     assert report.routing_record_bytes(m, 1, 8192) == 8192 * 48 * 8 * 2
     assert report.routing_record_bytes(TINY_MOE, 2, 10) == 2 * 10 * 2 * 2 * 1
     assert report.routing_record_bytes(preset("smollm2-135m"), 64, 8192) == 0
+
+
+def test_split_forecast_keeps_the_round_and_balances_the_halves(tmp_path):
+    """aot/split.py, no compile: each split of 8 chips lays the sampler and the trainer out for
+    the colocated round's generation batch and rows per update (the same training), its round
+    is the slower half (generate + the weights' move, or train) with the other half idle for
+    the difference, and the choice is the shortest round."""
+    import jax
+
+    from grpo_jax import cli
+    from grpo_jax.aot import search, split
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY.to_hf()))
+    target = hardware.Target("cpu:8", hardware.CHIPS["v5e"], "cpu", "8")
+    cfg = cli.parse_cli(["--model_name_or_path", str(tmp_path), *SHAPE])
+    f = split.forecast(cfg, TINY, target, jax.devices()[:8])
+    c = f["colocated"]
+    assert c["round_s"] == pytest.approx(c["generate_s"] + c["train_s"])
+    assert f["splits"], "the even split of 8 chips lays out"
+    for s in f["splits"]:
+        assert s["sampler_chips"] + s["trainer_chips"] == 8
+        assert s["round_s"] == pytest.approx(max(s["generate_s"] + s["weights_move_s"],
+                                                 s["train_s"]))
+        assert min(s["idle_sampler_s"], s["idle_trainer_s"]) == pytest.approx(0, abs=1e-12)
+        assert s["weights_move_s"] > 0
+    best = min([c["round_s"]] + [s["round_s"] for s in f["splits"]])
+    assert (f["choice"] == "split") == (best < c["round_s"])
+    # The trainer half keeps the colocated plan: rows per update and the generation batch.
+    lay, _ = search.ranked(cfg, TINY, target, jax.devices()[:8])[0]
+    gen = cfg.batch_plan(search.batch_size(cfg, 8)).generation_batch_size
+    plan = lay.apply(cfg, gen).batch_plan(search.data_parallel(lay))
+    pinned = split.pinned(cfg, plan.micro_batch_size * plan.gradient_accumulation_steps,
+                           plan.generation_batch_size, 4)
+    half = search.ranked(pinned, TINY, target, jax.devices()[4:], phases=split.TRAIN)[0][0]
+    again = half.apply(pinned, plan.generation_batch_size).batch_plan(search.data_parallel(half))
+    assert (again.micro_batch_size * again.gradient_accumulation_steps,
+            again.generation_batch_size) == (plan.micro_batch_size
+                                             * plan.gradient_accumulation_steps,
+                                             plan.generation_batch_size)
+    assert "choice:" in "\n".join(split.render(f))

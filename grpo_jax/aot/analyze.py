@@ -10,7 +10,9 @@ Own options: --topology NAME (v5e:4x4, v5p:4x4x4, v6e:8x8, v5e-16, v5p-128, h100
 (search the layout: mesh, remat policy, micro-batch split; candidates are compiled until
 --top N of them fit, 2, or 1 with --quick), --quick (compile the sampler with 2 and 3 layers
 and extrapolate, instead of whole: minutes instead of tens of minutes for a large model),
---phases generate,logprobs,update (the programs to compile). Without mesh flags
+--phases generate,logprobs,update (the programs to compile), --split (also forecast the round
+split: some chips sampling while the rest train, aot/split.py; --auto always does). Without
+mesh flags
 (--dp/--fsdp/--tp/--ep/--cp) the layout is chosen as a run would need it
 (search.default_layout; for long rows with a context axis) and said. Every other option is a
 training option with TRL's name, as grpo-jax-train takes it (--config NAME|PATH, --set

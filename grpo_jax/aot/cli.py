@@ -9,13 +9,14 @@ import sys
 import time
 from pathlib import Path
 
-from grpo_jax.aot import analyze, hardware, report, search
+from grpo_jax.aot import analyze, hardware, report, search, split
 from grpo_jax.errors import GrpoJaxError
 
 
 def analyze_config(target, cfg, quick: bool = False,
-                   phases=("generate", "logprobs", "update")) -> dict:
-    """One layout's report: the config's mesh, or where it names none the default layout."""
+                   phases=("generate", "logprobs", "update"), split_: bool = False) -> dict:
+    """One layout's report: the config's mesh, or where it names none the default layout;
+    `split_`: and the round colocated against split (aot/split.py)."""
     import jax
 
     start = time.perf_counter()
@@ -29,6 +30,9 @@ def analyze_config(target, cfg, quick: bool = False,
     result = analyze.summarize(target, cfg, run, ev, start)
     if chosen:
         result["chosen"] = chosen
+    if split_:
+        result["split"] = split.forecast(cfg, analyze.model_config(cfg.model.name_or_path),
+                                         target, hardware.devices(target))
     result["jax"] = jax.__version__
     return result
 
@@ -64,6 +68,7 @@ def main(argv=None) -> dict:
     p.add_argument("--json")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--auto", action="store_true")
+    p.add_argument("--split", action="store_true")
     p.add_argument("--top", type=int)
     p.add_argument("--phases", default="generate,logprobs,update")
     p.add_argument("-h", "--help", action="store_true")
@@ -81,7 +86,7 @@ def main(argv=None) -> dict:
         cfg = cli.parse_cli(rest)
         result = (search.auto(target, cfg, quick=args.quick, top=args.top) if args.auto
                   else analyze_config(target, cfg, quick=args.quick,
-                               phases=tuple(args.phases.split(","))))
+                                      phases=tuple(args.phases.split(",")), split_=args.split))
     except GrpoJaxError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -155,6 +155,9 @@ def render(r: dict) -> str:
         lines.insert(1, f"layout: {r['chosen']}")
     if r.get("search"):
         lines += render_search(r["search"])
+    if r.get("split"):
+        from grpo_jax.aot import split
+        lines += split.render(r["split"])
     if r.get("chosen") or r.get("search"):
         lines += ["", "run with: " + " ".join(r.get("command") or [
             "python -m grpo_jax.train", "[the other flags]", *r["flags"]])]

@@ -39,6 +39,7 @@ MARGIN = 0.1  # of HBM left free by a layout that "fits"
 # estimate is not compiled (the estimate's time is rough, but not off by that much).
 FAR = 1.25
 REMAT = ((True, "full"), (True, "dots"), (False, "full"))
+PHASES = ("generate", "logprobs", "update")  # a round's programs
 SLOT_SPLITS = (2, 4)  # decode slots tried: a round's rows over 2 and over 4
 # The update's working memory per row (saved activations, attention, MLP, log-prob head) from
 # shapes, times UPDATE_ROWS, plus UPDATE_SLACK of HBM: fitted to the compiled updates of a
@@ -81,7 +82,7 @@ class Layout:
                                          remat_policy=self.remat_policy))
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -89,7 +90,7 @@ def _factorizations(n: int, k: int):
     if k == 1:
         yield (n,)
         return
-    for d in _divisors(n):
+    for d in divisors(n):
         for rest in _factorizations(n // d, k - 1):
             yield (d, *rest)
 
@@ -138,7 +139,7 @@ def candidates(cfg, model, devices, remat=None) -> list[Layout]:
 
     chips = len(devices)
     slices = mesh_lib.slice_count(devices)
-    base = cfg.batch_plan(_batch_size(cfg, chips))
+    base = cfg.batch_plan(batch_size(cfg, chips))
     rows = base.micro_batch_size * base.gradient_accumulation_steps
     batch_axes = _flat(mesh_lib.RULES["batch"])
     out = []
@@ -161,7 +162,7 @@ def candidates(cfg, model, devices, remat=None) -> list[Layout]:
         gen, given = base.generation_batch_size, cfg.generation.max_num_seqs
         slots = ([given] if given is not None else [None] if cfg.rollout.backend != "jax"
                  else [None] + [gen // d for d in SLOT_SPLITS if gen % (d * dp) == 0])
-        for per_device in _divisors(rows // dp):
+        for per_device in divisors(rows // dp):
             for (on, policy), n in itertools.product(remat or REMAT, slots):
                 lay = Layout(tuple(named.items()), per_device, rows // dp // per_device, on,
                              policy, n)
@@ -178,7 +179,7 @@ def _meshable(sizes: dict[str, int], devices) -> bool:
     return mesh_lib.can_lay(mesh_lib.config_for(sizes), devices)
 
 
-def _batch_size(cfg, chips: int) -> int:
+def batch_size(cfg, chips: int) -> int:
     """The batch axes' size of `cfg`'s own mesh on `chips` devices (all of them without one)."""
     from grpo_jax import mesh as mesh_lib
     shape = dict(zip(cfg.mesh.axes, cfg.mesh.shape(chips)))
@@ -194,7 +195,7 @@ def current(cfg, chips: int) -> Layout:
 
 # ---------------------------------------------------------------- the estimate (no compile)
 
-def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
+def estimate(lay: Layout, cfg, model, target, chips: int, phases=PHASES) -> dict:
     """Memory per chip (GB) and round time (s) of a layout, from shapes alone. The resident
     state and KV cache are what the programs hold; the phases' working memory (saved layer
     inputs or matmul outputs by remat policy, one layer's attention scores and MLP, a gathered
@@ -202,7 +203,11 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
     checked against compiled programs in docs/scaling.md. Time: the model's FLOPs at peak, the
     decode loop's weight and KV reads at HBM bandwidth, and the collectives the layout implies
     (FSDP gathers per layer, gradient reduce-scatters and all-reduces, tensor-parallel
-    all-reduces) at the ICI bandwidth of the torus dimensions an axis spans."""
+    all-reduces) at the ICI bandwidth of the torus dimensions an axis spans.
+
+    `phases`: the programs these chips run (aot/split.py: a sampler mesh runs `generate`
+    alone and holds no training state, only the weights it decodes with; a trainer mesh the
+    other two)."""
     import jax.numpy as jnp
 
     from grpo_jax import mesh as mesh_lib
@@ -226,7 +231,7 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
     # params, AdamW's moments, the reference copy, LoRA's base (the gradient: in `update`)
     held = run_facts.state_bytes(cfg, elems)
     resident = held.resident
-    plan = lay.apply(cfg, cfg.batch_plan(_batch_size(cfg, chips)).generation_batch_size
+    plan = lay.apply(cfg, cfg.batch_plan(batch_size(cfg, chips)).generation_batch_size
                      ).batch_plan(dp)
     L, D, F, V = model.num_layers, model.hidden_size, model.intermediate_size, model.vocab_size
     H, K, Dh = model.num_heads, model.num_kv_heads, model.head_dim
@@ -276,7 +281,9 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
         "update": 3 * trained + gathered + UPDATE_SLACK * chip.hbm_bytes
         + UPDATE_ROWS * (saved * L + 2 * scores + r * Tc * ff * 2 * 3 + logits + 2 * kv_gathered),
     }
-    peak = max(resident + t for t in temps.values())
+    if "update" not in phases:  # a sampler mesh: its weights are generate's own copy
+        resident = 0.0
+    peak = max(resident + temps[p] for p in phases)
     # Time per chip.
     runs = {"generate": 1.0,
             "logprobs": (run_facts.has_reference(cfg) + plan.needs_old_logps)
@@ -296,9 +303,9 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
            "update": runs["update"] * (plan.gradient_accumulation_steps
                                        * (3 * n_params * c_bytes / tp + 6 * r * Tc * D * 2 * L)
                                        + 5 * trained)}
-    bw = {"data": _bandwidth(target, data, dcn=target.num_slices > 1),
-          "fsdp": _bandwidth(target, g), "model": _bandwidth(target, tp),
-          "context": _bandwidth(target, cp)}
+    bw = {"data": bandwidth(target, data, dcn=target.num_slices > 1),
+          "fsdp": bandwidth(target, g), "model": bandwidth(target, tp),
+          "context": bandwidth(target, cp)}
     gathered, reduced = _weight_traffic(model, sizes)
     gather = gathered * c_bytes / bw["fsdp"]
     passes = 3 if lay.remat and lay.remat_policy == "full" else 2
@@ -310,7 +317,7 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
     ep = sizes.get(mesh_lib.EXPERT, 1)
     sparse = sum(model.moe_layers) if model.num_experts else 0
     tokens = lambda n: (2 * (ep - 1) * n * D * c_bytes * sparse  # noqa: E731
-                        / _bandwidth(target, ep)) if ep > 1 else 0.0
+                        / bandwidth(target, ep)) if ep > 1 else 0.0
     # Keys and values all-gathered over the context axis in every layer's forward, their
     # gradients reduce-scattered back in the backward.
     context = ((cp - 1) / cp * kv_gathered * L / bw["context"]) if cp > 1 else 0.0
@@ -326,12 +333,12 @@ def estimate(lay: Layout, cfg, model, target, chips: int) -> dict:
                                         * (passes * gather + grads + 2 * tp_bytes(r, Tc)
                                            + (passes + 1) * (context + tokens(r * Tc)))
                                         + allreduce)}
-    phases = {p: {"compute_s": flops[p] / chips / chip.peak_flops,
-                  "hbm_s": hbm[p] / chip.hbm_bandwidth, "comm_s": comm[p]} for p in flops}
-    seconds = sum(sum(v.values()) for v in phases.values())
+    times = {p: {"compute_s": flops[p] / chips / chip.peak_flops,
+                 "hbm_s": hbm[p] / chip.hbm_bandwidth, "comm_s": comm[p]} for p in phases}
+    seconds = sum(sum(v.values()) for v in times.values())
     return {"peak_GB": peak / 1e9, "resident_GB": resident / 1e9,
-            "temporaries_GB": {p: t / 1e9 for p, t in temps.items()},
-            "phases": phases, "seconds": seconds,
+            "temporaries_GB": {p: temps[p] / 1e9 for p in phases},
+            "phases": times, "seconds": seconds, "weights_GB": weights_chip / 1e9,
             "fits": peak <= (1 - MARGIN) * chip.hbm_bytes}
 
 
@@ -374,7 +381,7 @@ def _roles(sizes: dict[str, int]) -> tuple[int, int, int, int]:
                                  if a not in batch and a not in length), context
 
 
-def _bandwidth(target, size: int, dcn: bool = False) -> float:
+def bandwidth(target, size: int, dcn: bool = False) -> float:
     """Bytes/s a ring over `size` chips receives: the torus dimensions it can span (jax.make_mesh
     lays axes along the physical ones), or NVLink, or the DCN (the data axis of several
     slices)."""
@@ -396,13 +403,15 @@ def _bandwidth(target, size: int, dcn: bool = False) -> float:
 
 # ---------------------------------------------------------------- choosing
 
-def _ranked(cfg, model, target, devices, remat=None) -> list[tuple[Layout, dict]]:
+def ranked(cfg, model, target, devices, remat=None, phases=PHASES
+           ) -> list[tuple[Layout, dict]]:
+    """The layouts of `devices` for `phases`, fitting ones first, by estimated time."""
     chips = len(devices)
     lays = candidates(cfg, model, devices, remat)
     if not lays:
         raise GrpoJaxError(f"no layout of {chips} chips divides the round: rows per update and "
                            "the generation batch must split over the batch axes")
-    scored = [(lay, estimate(lay, cfg, model, target, chips)) for lay in lays]
+    scored = [(lay, estimate(lay, cfg, model, target, chips, phases)) for lay in lays]
     return sorted(scored, key=lambda x: (not x[1]["fits"], x[1]["seconds"]))
 
 
@@ -424,20 +433,20 @@ def default_layout(target, cfg) -> tuple:
         return dataclasses.replace(cfg, mesh=long[0]), (
             f"no mesh given: chose {' '.join(mesh_lib.flags(long[0]))} ({long[1]})")
     mine = current(cfg, chips)
-    ranked = _ranked(cfg, model, target, devices, remat=((mine.remat, mine.remat_policy),))
-    fitting = [x for x in ranked if x[1]["fits"]]
-    same_split = [x for x in fitting if x[0].per_device * _dp(x[0]) == mine.per_device
-                  * _dp(mine) and x[0].accumulation == mine.accumulation]
-    lay, est = (same_split or fitting or ranked)[0]
-    gen = cfg.batch_plan(_batch_size(cfg, chips)).generation_batch_size
+    scored = ranked(cfg, model, target, devices, remat=((mine.remat, mine.remat_policy),))
+    fitting = [x for x in scored if x[1]["fits"]]
+    same_split = [x for x in fitting if x[0].per_device * data_parallel(x[0]) == mine.per_device
+                  * data_parallel(mine) and x[0].accumulation == mine.accumulation]
+    lay, est = (same_split or fitting or scored)[0]
+    gen = cfg.batch_plan(batch_size(cfg, chips)).generation_batch_size
     why = (f"no mesh given: chose {lay.describe()} (estimated peak {est['peak_GB']:.1f} GB of "
-           f"{target.chip.hbm_bytes / 1e9:.0f}; the estimate's best of {len(ranked)} layouts"
+           f"{target.chip.hbm_bytes / 1e9:.0f}; the estimate's best of {len(scored)} layouts"
            + ("" if same_split else ", with the micro-batch split changed to fit")
            + "; --auto compiles the best few to choose)")
     return lay.apply(cfg, gen), why
 
 
-def _dp(lay: Layout) -> int:
+def data_parallel(lay: Layout) -> int:
     data, fsdp, _, _ = _roles(lay.sizes)
     return data * fsdp
 
@@ -460,16 +469,16 @@ def auto(target, cfg, quick: bool = False, top: int | None = None) -> dict:
     model = analyze.model_config(cfg.model.name_or_path)
     devices = _devices(target)
     chips = len(devices)
-    ranked = _ranked(cfg, model, target, devices)
-    gen = cfg.batch_plan(_batch_size(cfg, chips)).generation_batch_size
-    fitting = [x for x in ranked if x[1]["fits"]]
-    ruled_out = len(ranked) - len(fitting)
+    scored = ranked(cfg, model, target, devices)
+    gen = cfg.batch_plan(batch_size(cfg, chips)).generation_batch_size
+    fitting = [x for x in scored if x[1]["fits"]]
+    ruled_out = len(scored) - len(fitting)
     # The estimate's order, until `top` compiled layouts fit (at most top + 2 compiled), and
     # none the estimate puts FAR behind the best that fits; if none does, the layout the
     # estimate thinks smallest.
-    queue = (fitting or ranked)[:top + 2]
-    safest = min(fitting or ranked, key=lambda x: x[1]["peak_GB"])
-    print(f"--auto: {len(ranked)} layouts; the estimate rules out {ruled_out}; compiling the "
+    queue = (fitting or scored)[:top + 2]
+    safest = min(fitting or scored, key=lambda x: x[1]["peak_GB"])
+    print(f"--auto: {len(scored)} layouts; the estimate rules out {ruled_out}; compiling the "
           f"best (until {top} fit)", file=sys.stderr, flush=True)
     tried, samplers, skipped = [], {}, 0
     while queue and sum(t["fits"] for t in tried) < top:
@@ -510,8 +519,10 @@ def auto(target, cfg, quick: bool = False, top: int | None = None) -> dict:
                          "flags": analyze.flags_of(nxt[0].apply(cfg, gen)),
                          "why": f"not compiled: the estimate gives it {nxt[1]['seconds']:.1f} s "
                                 f"a round against the winner's {best['estimate']['seconds']:.1f} s"}
+    from grpo_jax.aot import split  # (split builds on this module)
+    result["split"] = split.forecast(cfg, model, target, devices)
     result["search"] = {
-        "layouts": len(ranked), "ruled_out_by_estimate": ruled_out,
+        "layouts": len(scored), "ruled_out_by_estimate": ruled_out,
         "compiled": [{"layout": t["layout"].describe(), "peak_GB": t["peak_GB"],
                       "fits": t["fits"], "round_s": t["round_s"],
                       "programs": t["programs"]} for t in tried],
