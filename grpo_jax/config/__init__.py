@@ -59,9 +59,14 @@ class TrainConfig:
               "max_num_seqs sets the JAX sampler's decode slots; a vLLM server schedules its "
               "own rows (start it with --max-num-seqs): set max_num_seqs: null")
         replay = self.numerics.router_replay
+        # vLLM 0.32 returns routed experts (--enable-return-routed-experts) only from its Model
+        # Runner V2, which needs Triton; its CPU build has none (config validation raises "Model
+        # Runner V2 requires Triton"), so the path cannot run, or be tested, where this project
+        # tests, and is not built: refuse rather than train on unreplayed routing.
         check(replay == "disabled" or self.rollout.backend == "jax", f"router_replay {replay} "
-              "with vLLM rollouts: the installed vLLM's routed experts are not read back; use "
-              "the JAX sampler (use_vllm: false) or router_replay: disabled")
+              "with vLLM rollouts: grpo-jax does not read vLLM's routed experts (vLLM 0.32 returns "
+              "them only from Model Runner V2, which needs Triton: CPU builds cannot); use the "
+              "JAX sampler (use_vllm: false) or router_replay: disabled")
         check(replay == "disabled" or self.generation.max_num_seqs is None, f"router_replay "
               f"{replay} with max_num_seqs: decode slots do not record routing yet; set "
               "max_num_seqs: null")
