@@ -52,7 +52,7 @@ SHARED_GROUPS = {  # modules that use the same session-scoped vLLM server
     "test_tools": "vllm_smol", "test_vllm_weight_sync": "vllm_smol",
 }
 LONGEST_FIRST = ("vllm_smol", "vllm_tiny", "test_aot", "test_lora", "test_train",
-                 "test_tool_continuation", "test_multihost", "test_moe",
+                 "test_tool_continuation", "test_multihost", "test_partial", "test_moe",
                  "test_shared_prefix", "test_faults", "test_refill", "test_context_parallel",
                  "test_tool_templates", "test_vllm_lora", "test_run_dir", "test_schedule",
                  "test_integrity")
