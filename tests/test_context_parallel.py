@@ -202,16 +202,16 @@ def test_sampler_with_cache_split_by_position():
 @eight_devices
 def test_routing_replay_on_a_context_axis_equals_one_device():
     """Routing replay (R3) with each row's positions split over a context axis: a tiny random
-    Qwen3-MoE (4 experts, 2 a token, a dense layer between sparse ones) replaying random
-    experts, on a (fsdp 2, context 2, expert 2) mesh with shared prompts (the record zig-zag
-    ordered with the tokens it belongs to), gives one device's plain replayed log-probs
-    within 1e-5 in fp32, and router/mismatch 0 on both (the random experts are no router's
-    own: a record left unreplayed, or replayed at other positions, would count)."""
+    Qwen3-MoE (4 experts, 2 a token) replaying random
+    experts, on a (fsdp 2, context 2, expert 2) mesh (the record zig-zag ordered with the
+    tokens it belongs to), gives one device's replayed log-probs within 1e-5 in fp32, and
+    router/mismatch 0 on both (the random experts are no router's own: a record left
+    unreplayed, or replayed at other positions, would count). Shared prompts over the
+    context axis replay the same (measured 2026-12-02) but compile three times as long."""
     cfg = ModelConfig(model_type="qwen3_moe", vocab_size=96, hidden_size=32,
-                      intermediate_size=48, num_layers=3, num_heads=4, num_kv_heads=2,
+                      intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                       head_dim=8, qk_norm=True, num_experts=4, num_experts_per_tok=2,
-                      moe_intermediate_size=24, mlp_only_layers=(1,)
-                      ).replace(dtype=jnp.float32, attention_block=4, router_replay="R3")
+                      moe_intermediate_size=24).replace(dtype=jnp.float32, attention_block=4, router_replay="R3")
     base = Decoder(cfg, rngs=nnx.Rngs(0))
     batch = grouped_batch(cfg.vocab_size, groups=2, prompt=16, completion=16)
     rng = np.random.default_rng(1)
@@ -236,7 +236,7 @@ def test_routing_replay_on_a_context_axis_equals_one_device():
     one = mesh_lib.make_mesh(mesh_lib.MeshConfig(1, 1, 1), jax.devices()[:1])
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=1, fsdp=2, cp=2, ep=2))
     assert dict(mesh.shape)["context"] == 2
-    (want, want_sums), (got, got_sums) = replayed(one, 1), replayed(mesh, G)
+    (want, want_sums), (got, got_sums) = replayed(one, 1), replayed(mesh, 1)
     real = batch.completion_mask.astype(bool)
     assert want_sums[0] == got_sums[0] == 0 and want_sums[1] == got_sums[1] == 2 * real.sum()
     assert np.abs(got - want)[real].max() < 1e-5
