@@ -84,6 +84,9 @@ def test_overrides_beat_the_file_and_keep_strings(tmp_path):
     assert cfg.run.output_dir == "007"  # not the integer 7
     assert cfg.generation.top_k == 0 and cfg.generation.min_p == 0.05 and cfg.run.report_to == ()
     assert cfg.model.name_or_path == "smollm2-135m-instruct"  # from the file
+    # Tool turns record their routing (rollout/tools.py): replay takes them.
+    cfg = config_from_dict({}, ["router_replay=R3", "tools=[a.b:c]"])
+    assert cfg.numerics.router_replay == "R3" and cfg.multi_turn.tools == ("a.b:c",)
 
 
 @pytest.mark.parametrize("override,needle", [
