@@ -200,6 +200,7 @@ def test_sampler_with_cache_split_by_position():
 
 
 @eight_devices
+@pytest.mark.slow
 def test_routing_replay_on_a_context_axis_equals_one_device():
     """Routing replay (R3) with each row's positions split over a context axis: a tiny random
     Qwen3-MoE (4 experts, 2 a token) replaying random

@@ -201,6 +201,7 @@ def test_three_turns_with_a_repetition_penalty_on_a_small_model(mesh_shape):
                     for j, c in enumerate(contexts)]
 
 
+@pytest.mark.slow
 def test_tool_turns_record_the_routing_that_replay_runs():
     """A tiny random mixture of experts (fp32) through two continued tool turns, assembled as
     ToolRollout assembles its rows (tools.record_turn_routing): every token the trainer
@@ -216,7 +217,8 @@ def test_tool_turns_record_the_routing_that_replay_runs():
     # Stop tokens an eighth of the vocabulary: turns of a few tokens, with room for more.
     sp = SamplingParams(max_completion_length=C, temperature=1.0,
                         stop_token_ids=tuple(range(2, 10)))
-    sampler = Sampler(cfg, sp, pad_id=0, buckets=(16, 32, 64), record_routing=True)
+    # One context bucket: both turns run one program.
+    sampler = Sampler(cfg, sp, pad_id=0, buckets=(64,), record_routing=True)
     turns = continuation.Continuation(sampler)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, 64, n).tolist() for n in (5, 11)]
