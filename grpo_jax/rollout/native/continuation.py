@@ -54,7 +54,10 @@ def supported(sampler: Sampler) -> bool:
 
 class Continuation:
     """`first_turn` samples like `Sampler.generate` and keeps the cache; `next_turn` extends
-    chosen rows by their new context tokens and samples their next turn from the cache."""
+    chosen rows by their new context tokens and samples their next turn from the cache. A
+    sampler that records routing (a mixture of experts) records it in every turn: the tokens
+    a turn prefills as its prompt_routing, those it decodes as its completion_routing
+    (rollout/tools.py places them in the rows)."""
 
     def __init__(self, sampler: Sampler):
         if not supported(sampler):
