@@ -84,6 +84,9 @@ def test_overrides_beat_the_file_and_keep_strings(tmp_path):
     assert cfg.run.output_dir == "007"  # not the integer 7
     assert cfg.generation.top_k == 0 and cfg.generation.min_p == 0.05 and cfg.run.report_to == ()
     assert cfg.model.name_or_path == "smollm2-135m-instruct"  # from the file
+    # Tool turns record their routing (rollout/tools.py): replay takes them.
+    cfg = config_from_dict({}, ["router_replay=R3", "tools=[a.b:c]"])
+    assert cfg.numerics.router_replay == "R3" and cfg.multi_turn.tools == ("a.b:c",)
 
 
 @pytest.mark.parametrize("override,needle", [
@@ -112,7 +115,7 @@ def test_overrides_beat_the_file_and_keep_strings(tmp_path):
     (["router_replay=R2"], "'R2' is not one of disabled, R3"),
     (["router_replay=R3", "use_vllm=true"], "Model Runner V2, which needs Triton"),
     (["router_replay=R3", "max_num_seqs=4"], "router_replay R3 with max_num_seqs"),
-    (["router_replay=R3", "tools=[a.b:c]"], "router_replay R3 with tools"),
+    (["router_replay=R3", "rollout_func=a.b:c"], "router_replay R3 with a rollout_func"),
     (["router_replay=R3", "moe_capacity_factor=1.5"], "router_replay R3 with moe_capacity"),
 ])
 def test_bad_keys_and_values_name_the_problem(override, needle):

@@ -14,7 +14,8 @@ from flax import nnx
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.loss import LossConfig
-from grpo_jax.grpo.train_step import StepConfig, completion_logps, loss_and_grads
+from grpo_jax.grpo.train_step import (StepConfig, completion_logps, completion_logps_and_router,
+                                      loss_and_grads)
 from grpo_jax.models import Decoder, ModelConfig, decoder, positions_from_mask
 from grpo_jax.models.attention import Mask, flash, zigzag_order
 from grpo_jax.rollout import Sampler, SamplingParams
@@ -196,3 +197,47 @@ def test_sampler_with_cache_split_by_position():
         for name in ("completion_ids", "completion_mask", "truncated"):
             np.testing.assert_array_equal(getattr(out, name), getattr(one, name), name)
         np.testing.assert_allclose(out.sampler_logp, one.sampler_logp, atol=1e-5)
+
+
+@eight_devices
+@pytest.mark.slow
+def test_routing_replay_on_a_context_axis_equals_one_device():
+    """Routing replay (R3) with each row's positions split over a context axis: a tiny random
+    Qwen3-MoE (4 experts, 2 a token) replaying random
+    experts, on a (fsdp 2, context 2, expert 2) mesh (the record zig-zag ordered with the
+    tokens it belongs to), gives one device's replayed log-probs within 1e-5 in fp32, and
+    router/mismatch 0 on both (the random experts are no router's own: a record left
+    unreplayed, or replayed at other positions, would count). Shared prompts over the
+    context axis replay the same (measured 2026-12-02) but compile three times as long."""
+    cfg = ModelConfig(model_type="qwen3_moe", vocab_size=96, hidden_size=32,
+                      intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8, qk_norm=True, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=24).replace(dtype=jnp.float32, attention_block=4, router_replay="R3")
+    base = Decoder(cfg, rngs=nnx.Rngs(0))
+    batch = grouped_batch(cfg.vocab_size, groups=2, prompt=16, completion=16)
+    rng = np.random.default_rng(1)
+
+    def experts(rows, width):  # k distinct random experts per token and sparse layer
+        draw = rng.random((rows, width, sum(cfg.moe_layers), cfg.num_experts))
+        return np.argsort(draw, axis=-1)[..., :cfg.num_experts_per_tok].astype(np.int8)
+    n, P = batch.prompt_ids.shape
+    batch = batch.replace(prompt_routing=np.repeat(experts(n // G, P), G, axis=0),
+                          completion_routing=experts(n, batch.completion_ids.shape[1]))
+
+    def replayed(mesh, group):
+        model = nnx.merge(*nnx.split(base))
+        model.shard_activations(mesh)
+        graphdef, params = nnx.split(model, nnx.Param)
+        params = jax.device_put(params, mesh_lib.param_shardings(params, mesh))
+        b = jax.tree.map(lambda x: jax.device_put(jnp.asarray(x),
+                                                  mesh_lib.batch_sharding(mesh, x.ndim)), batch)
+        logp, _, _, sums = jax.jit(lambda p, b: completion_logps_and_router(
+            nnx.merge(graphdef, p), b, 0.9, 4, group))(params, b)
+        return np.asarray(logp), np.asarray(sums)
+    one = mesh_lib.make_mesh(mesh_lib.MeshConfig(1, 1, 1), jax.devices()[:1])
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=1, fsdp=2, cp=2, ep=2))
+    assert dict(mesh.shape)["context"] == 2
+    (want, want_sums), (got, got_sums) = replayed(one, 1), replayed(mesh, 1)
+    real = batch.completion_mask.astype(bool)
+    assert want_sums[0] == got_sums[0] == 0 and want_sums[1] == got_sums[1] == 2 * real.sum()
+    assert np.abs(got - want)[real].max() < 1e-5

@@ -6,6 +6,7 @@ import logging
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -13,6 +14,8 @@ from flax import nnx
 from tool_rollouts import prompt_ids, tool_tokenizer
 
 from grpo_jax import mesh as mesh_lib
+from grpo_jax.grpo.batch import Batch
+from grpo_jax.grpo.train_step import completion_logps_and_router
 from grpo_jax.models import Decoder, ModelConfig
 from grpo_jax.rollout import tools
 from grpo_jax.rollout.native import continuation
@@ -196,3 +199,76 @@ def test_three_turns_with_a_repetition_penalty_on_a_small_model(mesh_shape):
                                        rtol=0, atol=1e-5)
         contexts = [c + more.completion_ids[j][more.completion_mask[j] == 1].tolist()
                     for j, c in enumerate(contexts)]
+
+
+@pytest.mark.slow
+def test_tool_turns_record_the_routing_that_replay_runs():
+    """A tiny random mixture of experts (fp32) through two continued tool turns, assembled as
+    ToolRollout assembles its rows (tools.record_turn_routing): every token the trainer
+    forwards has the experts the sampler ran, tool results included, except a row's last
+    token, which no forward took. Under the sampling weights the trainer's forward routes
+    every recorded token as recorded (router/mismatch 0 without replay: the record sits at
+    the right positions) and gives the sampler's log-probs, and so does R3 replaying it."""
+    cfg = ModelConfig("qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=48,
+                      num_layers=2, num_heads=2, num_kv_heads=2, head_dim=16, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=24).replace(dtype="float32")
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    C = 32
+    # Stop tokens an eighth of the vocabulary: turns of a few tokens, with room for more.
+    sp = SamplingParams(max_completion_length=C, temperature=1.0,
+                        stop_token_ids=tuple(range(2, 10)))
+    # One context bucket: both turns run one program.
+    sampler = Sampler(cfg, sp, pad_id=0, buckets=(64,), record_routing=True)
+    turns = continuation.Continuation(sampler)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(10, 64, n).tolist() for n in (5, 11)]
+    first, session = turns.first_turn(model, prompts, 2, 0)
+    n = len(first.completion_ids)
+    ids = [first.completion_ids[j][first.completion_mask[j] == 1].tolist() for j in range(n)]
+    logp = [first.sampler_logp[j][first.completion_mask[j] == 1].tolist() for j in range(n)]
+    written = [[1] * len(x) for x in ids]
+    routing = first.completion_routing.copy()
+    for j in range(n):
+        routing[j, len(ids[j]):] = -1
+    where = list(range(n))
+    for turn, keep in enumerate(([3, 0, 1], [1, 3, 0])):
+        keep = [i for i in keep if len(ids[i]) + 6 < C]
+        for i in keep:  # a tool result of 1 to 5 tokens, no loss on it
+            result = rng.integers(10, 64, rng.integers(1, 6)).tolist()
+            ids[i], logp[i], written[i] = (ids[i] + result, logp[i] + [0.0] * len(result),
+                                           written[i] + [0] * len(result))
+        contexts = [prompts[i // 2] + ids[i] for i in keep]
+        more, session = turns.next_turn(model, session, [where[i] for i in keep], contexts,
+                                        [C - len(ids[i]) for i in keep], turn + 1)
+        where = {i: j for j, i in enumerate(keep)}
+        for j, i in enumerate(keep):
+            m = more.completion_mask[j] == 1
+            tools.record_turn_routing(routing[i], more, j, len(ids[i]), int(m.sum()))
+            ids[i] += more.completion_ids[j][m].tolist()
+            logp[i] += more.sampler_logp[j][m].tolist()
+            written[i] += [1] * int(m.sum())
+    assert sum(0 in w for w in written) >= 2, written
+    cids, cmask = np.zeros((n, C), np.int32), np.zeros((n, C), np.int32)
+    tool_mask, sampler_logp = np.ones((n, C), np.int32), np.zeros((n, C), np.float32)
+    for j in range(n):
+        k = len(ids[j])
+        cids[j, :k], cmask[j, :k], tool_mask[j, :k] = ids[j], 1, written[j]
+        sampler_logp[j, :k] = logp[j]
+    recorded = routing[..., 0, 0] >= 0
+    # Every forwarded token has its record, tool results included; a row's last one may not.
+    last = cmask.sum(axis=1) - 1
+    for j in range(n):
+        assert recorded[j, :last[j]].all() and not recorded[j, last[j] + 1:].any(), j
+    batch = Batch(*map(jnp.asarray, (first.prompt_ids, first.prompt_mask, cids, cmask)),
+                  jnp.zeros(n, bool), jnp.zeros(n), tool_mask=jnp.asarray(tool_mask),
+                  prompt_routing=jnp.asarray(first.prompt_routing),
+                  completion_routing=jnp.asarray(routing))
+    model_tokens = (cmask * tool_mask).astype(bool)
+
+    forward = nnx.jit(lambda m: completion_logps_and_router(m, batch, 1.0, 8))
+    for replay in ("disabled", "R3"):
+        model.cfg = cfg.replace(router_replay=replay)
+        logps, _, _, (differ, counted) = forward(model)
+        assert differ == 0 and counted == sum(cfg.moe_layers) * recorded[cmask == 1].sum()
+        np.testing.assert_allclose(np.asarray(logps)[model_tokens], sampler_logp[model_tokens],
+                                   rtol=0, atol=1e-5)

@@ -70,9 +70,12 @@ class TrainConfig:
         check(replay == "disabled" or self.generation.max_num_seqs is None, f"router_replay "
               f"{replay} with max_num_seqs: decode slots do not record routing yet; set "
               "max_num_seqs: null")
-        check(replay == "disabled" or not (self.multi_turn.tools or self.multi_turn.rollout_func),
-              f"router_replay {replay} with tools or a rollout_func: their turns do not record "
-              "routing yet; set router_replay: disabled")
+        # Tool turns record their routing (rollout/tools.py); a rollout_func returns token
+        # lists it assembled itself, which no sampler call's record can be matched to.
+        check(replay == "disabled" or not self.multi_turn.rollout_func,
+              f"router_replay {replay} with a rollout_func: the function builds its rows' "
+              "tokens itself, so no routing the sampler recorded can be matched to them; set "
+              "router_replay: disabled")
         gbs, g = self.batch.generation_batch_size, self.grpo.num_generations
         check(gbs is None or gbs % g == 0, f"generation_batch_size ({gbs}) must be divisible "
               f"by num_generations ({g}): a generation round holds whole prompt groups")

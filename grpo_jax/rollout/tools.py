@@ -344,6 +344,14 @@ class ToolRollout(RolloutWrapper):
                                       first.sampler_logp)]
         for row, prompt in zip(rows, prompts):
             row.messages.append(parse_turn(self.tokenizer, row.ids, prompt, self.toolbox.fns))
+        # A mixture of experts' routing record (routing replay, router/mismatch), filled turn
+        # by turn at each row's completion positions. Past a row's first turn the record held
+        # the pad tokens the decode loop fed after the row ended: not the row's tokens.
+        routing = first.completion_routing
+        if routing is not None:
+            routing = routing.copy()
+            for i, row in enumerate(rows):
+                routing[i, len(row.ids):] = -1
         active = [i for i, row in enumerate(rows) if row.messages[-1].get("tool_calls")]
         turn, decoded = 0, [first.metrics]
         while active and turn < (self.max_iterations if self.max_iterations is not None
@@ -381,14 +389,37 @@ class ToolRollout(RolloutWrapper):
                 m = more.completion_mask[j].astype(bool)
                 ids, lp = more.completion_ids[j][m].tolist(), more.sampler_logp[j][m].tolist()
                 room = C - len(rows[i].ids)  # TRL: the last turn is cut to the budget
+                if routing is not None:
+                    record_turn_routing(routing[i], more, j, len(rows[i].ids), len(ids[:room]))
                 rows[i].add(ids[:room], lp[:room])
                 if ids[:room]:
                     rows[i].messages.append(parse_turn(self.tokenizer, ids[:room], context,
                                                        self.toolbox.fns))
             active = [i for i in kept if rows[i].messages[-1].get("tool_calls")]
             turn += 1
-        return _assemble(first._replace(metrics=merge_decode_metrics(decoded)), rows,
+        return _assemble(first._replace(metrics=merge_decode_metrics(decoded),
+                                        completion_routing=routing), rows,
                          self.pad_id, set(self.stop_token_ids))
+
+
+def record_turn_routing(routing: np.ndarray, turn: RolloutBatch, j: int, start: int,
+                        written: int) -> None:
+    """Write row j of a later turn's routing record into one row's completion record `routing`
+    [C, S, k] (-1: none), whose first `start` tokens came before the turn: the experts of the
+    tokens the turn prefilled (its prompt_mask's, the context's last tokens, ending at
+    `start`) where the row has no record yet, and those of the first `written` tokens the turn
+    wrote. Continued from the KV cache, a turn prefills exactly the tokens no forward ran yet
+    (a tool result, and the last token of the turn before when the decode loop never fed it);
+    re-prefilled (sliding-window models), it runs the whole context again, and an earlier
+    token keeps the experts it ran when the tokens after it in its own turn were sampled."""
+    fed = turn.prompt_routing[j][turn.prompt_mask[j].astype(bool)]
+    at = start - len(fed)
+    fed = fed[max(-at, 0):]  # the prompt's own tokens: the first turn's prompt_routing has them
+    at = max(at, 0)
+    window = routing[at:start]
+    empty = window[:, 0, 0] < 0
+    window[empty] = fed[empty]
+    routing[start:start + written] = turn.completion_routing[j, :written]
 
 
 @dataclasses.dataclass

@@ -32,6 +32,7 @@ import numpy as np
 
 from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
+from grpo_jax.models import moe
 from grpo_jax.rollout.native.sampler import (DecodeContext, DecodeState, RolloutBatch, Sampler,
                                              as_key, cast_matrices, decode_metrics, left_pad)
 from grpo_jax.shapes import next_pow2
@@ -53,7 +54,10 @@ def supported(sampler: Sampler) -> bool:
 
 class Continuation:
     """`first_turn` samples like `Sampler.generate` and keeps the cache; `next_turn` extends
-    chosen rows by their new context tokens and samples their next turn from the cache."""
+    chosen rows by their new context tokens and samples their next turn from the cache. A
+    sampler that records routing (a mixture of experts) records it in every turn: the tokens
+    a turn prefills as its prompt_routing, those it decodes as its completion_routing
+    (rollout/tools.py places them in the rows)."""
 
     def __init__(self, sampler: Sampler):
         if not supported(sampler):
@@ -74,9 +78,9 @@ class Continuation:
         width = s.bucket(max(map(len, prompts)))
         ids, mask = left_pad(prompts, 1, width, s.pad_id, rows=s.prompt_rows(rows, g))
         params, (ids_d, mask_d) = self._place(params, ids, mask)
-        *out, step, cache = self._first(params, ids_d, mask_d, as_key(rng),
-                                        num_generations=g, rows=rows)
-        tokens, cmask, logp, done, step = dist.to_host((*out, step))
+        *out, step, cache, routing = self._first(params, ids_d, mask_d, as_key(rng),
+                                                 num_generations=g, rows=rows)
+        tokens, cmask, logp, done, step, routing = dist.to_host((*out, step, routing))
         lengths = cmask.sum(axis=1)
         ids, mask = np.repeat(ids, g, axis=0)[:n], np.repeat(mask, g, axis=0)[:n]
         held, slots = [], []
@@ -86,7 +90,7 @@ class Continuation:
             held.append(np.concatenate([p, tokens[r, :fed]]))
             slots.append(np.concatenate([np.arange(width - len(p), width), width + np.arange(fed)]))
         batch = RolloutBatch(ids, mask, tokens[:n], cmask[:n], ~done[:n], logp[:n],
-                             metrics=_metrics(step, cmask))
+                             metrics=_metrics(step, cmask), **_routing(routing, n))
         return batch, Session(cache, held, slots)
 
     def next_turn(self, params, session: Session, rows: Sequence[int],
@@ -98,8 +102,9 @@ class Continuation:
         keys are those `Sampler.generate(contexts, 1, rng)` would use for row j.
 
         The returned batch's prompt_ids / prompt_mask are the tokens this turn prefilled
-        (each row's uncached context tail, left-padded to the suffix bucket), not the contexts;
-        a row that wrote its limit counts as done (not truncated).
+        (each row's uncached context tail, left-padded to the suffix bucket), not the contexts,
+        and with a routing record its prompt_routing is theirs; a row that wrote its limit
+        counts as done (not truncated).
         """
         s = self.sampler
         params = s.check_params(params)
@@ -136,9 +141,10 @@ class Continuation:
                                      *([] if seen is None else [seen]))
         cache = self._align(session.cache, *placed[:2],
                             width=width + s.sampling_params.max_completion_length)
-        *out, step, cache = self._next(params, cache, *placed[2:7],
-                                       None if seen is None else placed[7], as_key(rng))
-        tokens, cmask, logp, done, step = dist.to_host((*out, step))
+        *out, step, cache, routing = self._next(params, cache, *placed[2:7],
+                                                None if seen is None else placed[7],
+                                                as_key(rng))
+        tokens, cmask, logp, done, step, routing = dist.to_host((*out, step, routing))
         held, slots = [], []
         for j in range(B):
             c = contexts[j] if j < n else np.zeros(0, np.int32)
@@ -148,7 +154,7 @@ class Continuation:
                                          np.arange(width - (len(c) - k), width),
                                          width + np.arange(fed)]))
         batch = RolloutBatch(ids[:n], mask[:n], tokens[:n], cmask[:n], ~done[:n], logp[:n],
-                             metrics=_metrics(step, cmask))
+                             metrics=_metrics(step, cmask), **_routing(routing, n))
         return batch, Session(cache, held, slots)
 
     def _place(self, params, *arrays):
@@ -168,7 +174,8 @@ class Continuation:
         s = self.sampler
         ctx, state = s.prefill(params, prompt_ids, prompt_mask, key, num_generations, rows)
         state = self._decode(ctx, state, key, lambda st: st)
-        return state.tokens, state.mask, state.logp, state.done, state.step, state.cache
+        routing = None if state.routing is None else (ctx.prompt_routing, state.routing)
+        return state.tokens, state.mask, state.logp, state.done, state.step, state.cache, routing
 
     def _align_program(self, cache, src_row, src_slot, *, width: int):
         """Row j of the new cache: old row src_row[j]'s slots src_slot[j] (right-aligned real
@@ -190,9 +197,19 @@ class Continuation:
         B = ids.shape[0]
         positions = start[:, None] + jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
         key_mask = jnp.concatenate([content_mask, mask, jnp.ones((B, C), jnp.int32)], axis=1)
-        hidden, cache = model(ids, positions, key_mask, cache=cache,
-                              cache_index=content_mask.shape[1], layers=layers)
+        record = s.record_routing
+        hidden, cache, *chosen = model(ids, positions, key_mask, cache=cache,
+                                       cache_index=content_mask.shape[1], layers=layers,
+                                       record_routing=record)
         logits = model.logits(hidden[:, -1:])[:, 0]  # left padding: the last slot is real
+        routing = None
+        if record:
+            # The prefilled tokens' experts (-1 on the suffix's padding), as the sampler's
+            # prompt pass records the prompt's: training forwards a tool result's tokens too.
+            dtype = moe.routing_dtype(cfg.num_experts)
+            routing = s.constrain(jnp.full((B, C, *chosen[0].shape[2:]), -1, dtype),
+                                  "batch", None, None, None)
+            suffix = jnp.where(mask.astype(bool)[:, :, None, None], chosen[0], -1).astype(dtype)
         ctx = DecodeContext(cast, layers, key_mask, start + jnp.sum(mask, axis=1))
         rows = lambda x: s.constrain(x, "batch", None)  # noqa: E731
         state = DecodeState(step=jnp.zeros((), jnp.int32), rows=jnp.arange(B, dtype=jnp.int32),
@@ -200,12 +217,13 @@ class Continuation:
                        mask=rows(jnp.zeros((B, C), jnp.int32)),
                        logp=rows(jnp.zeros((B, C), jnp.float32)),
                        done=~jnp.any(mask.astype(bool), axis=1) | (limit <= 0),
-                       cache=s.constrain_cache(cache), seen=seen)
+                       cache=s.constrain_cache(cache), seen=seen, routing=routing)
         # A row that has written its budget is done: the loop ends when the longest allowed
         # row does, not after C tokens.
         cap = lambda st: st._replace(done=st.done | (st.step >= limit))  # noqa: E731
         state = self._decode(ctx, cap(s.emit(state, logits, key)), key, cap)
-        return state.tokens, state.mask, state.logp, state.done, state.step, state.cache
+        routing = (suffix, state.routing) if record else None
+        return state.tokens, state.mask, state.logp, state.done, state.step, state.cache, routing
 
     def _decode(self, ctx: DecodeContext, state: DecodeState, key, cap) -> DecodeState:
         C = self.sampler.sampling_params.max_completion_length
@@ -217,6 +235,14 @@ def _metrics(step, cmask) -> dict:
     """decode_metrics of a turn: the prefill sampled each row's first token, the loop the rest."""
     return decode_metrics(max(int(step) - 1, 0), int(np.maximum(cmask.sum(axis=1) - 1, 0).sum()),
                           len(cmask))
+
+
+def _routing(routing, n: int) -> dict:
+    """A turn's routing record as RolloutBatch fields, its first n rows (none without one)."""
+    if routing is None:
+        return {}
+    prompt, completion = routing
+    return dict(prompt_routing=prompt[:n], completion_routing=completion[:n])
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
