@@ -718,4 +718,4 @@ def test_split_forecast_keeps_the_round_and_balances_the_halves(tmp_path):
             again.generation_batch_size) == (plan.micro_batch_size
                                              * plan.gradient_accumulation_steps,
                                              plan.generation_batch_size)
-    assert "choice:" in "\n".join(split.render(f))
+    assert "choice:" in "\n".join(report.render_split(f))

@@ -14,9 +14,8 @@ from grpo_jax.errors import GrpoJaxError
 
 
 def analyze_config(target, cfg, quick: bool = False,
-                   phases=("generate", "logprobs", "update"), split_: bool = False) -> dict:
-    """One layout's report: the config's mesh, or where it names none the default layout;
-    `split_`: and the round colocated against split (aot/split.py)."""
+                   phases=("generate", "logprobs", "update")) -> dict:
+    """One layout's report: the config's mesh, or where it names none the default layout."""
     import jax
 
     start = time.perf_counter()
@@ -30,9 +29,6 @@ def analyze_config(target, cfg, quick: bool = False,
     result = analyze.summarize(target, cfg, run, ev, start)
     if chosen:
         result["chosen"] = chosen
-    if split_:
-        result["split"] = split.forecast(cfg, analyze.model_config(cfg.model.name_or_path),
-                                         target, hardware.devices(target))
     result["jax"] = jax.__version__
     return result
 
@@ -86,7 +82,10 @@ def main(argv=None) -> dict:
         cfg = cli.parse_cli(rest)
         result = (search.auto(target, cfg, quick=args.quick, top=args.top) if args.auto
                   else analyze_config(target, cfg, quick=args.quick,
-                                      phases=tuple(args.phases.split(",")), split_=args.split))
+                                      phases=tuple(args.phases.split(","))))
+        if args.auto or args.split:  # the same round split: the estimate's, no compile
+            result["split"] = split.forecast(cfg, analyze.model_config(cfg.model.name_or_path),
+                                             target, hardware.devices(target))
     except GrpoJaxError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -156,8 +156,7 @@ def render(r: dict) -> str:
     if r.get("search"):
         lines += render_search(r["search"])
     if r.get("split"):
-        from grpo_jax.aot import split
-        lines += split.render(r["split"])
+        lines += render_split(r["split"])
     if r.get("chosen") or r.get("search"):
         lines += ["", "run with: " + " ".join(r.get("command") or [
             "python -m grpo_jax.train", "[the other flags]", *r["flags"]])]
@@ -209,6 +208,22 @@ def render_search(s: dict) -> list[str]:
     if s["runner_up"]:
         lines.append(f"  runner-up: {s['runner_up']['layout']}: {s['runner_up']['why']} "
                      f"({' '.join(s['runner_up']['flags'])})")
+    return lines
+
+
+def render_split(f: dict) -> list[str]:
+    """aot/split.py's forecast: the round colocated and each split."""
+    c = f["colocated"]
+    lines = ["", "colocated or split (the estimate's clock, both sides laid out by it):",
+             f"  colocated   round {c['round_s']:9.3g} s = generate {c['generate_s']:.3g} + "
+             f"train {c['train_s']:.3g}   ({c['layout']})"]
+    for s in f["splits"]:
+        lines.append(
+            f"  {s['sampler_chips']:>3} + {s['trainer_chips']:<3}  round {s['round_s']:9.3g} s: "
+            f"generate {s['generate_s']:.3g} + weights {s['weights_move_s']:.2g} | train "
+            f"{s['train_s']:.3g}; idle sampler {s['idle_sampler_s']:.3g}, trainer "
+            f"{s['idle_trainer_s']:.3g}   (sampler: {s['sampler']}; trainer: {s['trainer']})")
+    lines.append(f"  choice: {f['why']}")
     return lines
 
 

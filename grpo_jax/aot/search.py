@@ -519,8 +519,6 @@ def auto(target, cfg, quick: bool = False, top: int | None = None) -> dict:
                          "flags": analyze.flags_of(nxt[0].apply(cfg, gen)),
                          "why": f"not compiled: the estimate gives it {nxt[1]['seconds']:.1f} s "
                                 f"a round against the winner's {best['estimate']['seconds']:.1f} s"}
-    from grpo_jax.aot import split  # (split builds on this module)
-    result["split"] = split.forecast(cfg, model, target, devices)
     result["search"] = {
         "layouts": len(scored), "ruled_out_by_estimate": ruled_out,
         "compiled": [{"layout": t["layout"].describe(), "peak_GB": t["peak_GB"],

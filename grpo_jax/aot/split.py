@@ -20,7 +20,6 @@ bandwidth of a ring over all the chips.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from grpo_jax.aot import search
 from grpo_jax.errors import GrpoJaxError
@@ -34,7 +33,7 @@ def pinned(cfg, rows: int, gen: int, chips: int):
     """`cfg` planned on `chips` with the colocated round's rows per update and generation
     batch: candidates() keeps whatever its plan holds, so the split changes no training."""
     from grpo_jax import mesh as mesh_lib
-    d = math.gcd(rows, gen, chips)
+    d = max(n for n in search.divisors(chips) if rows % n == 0 and gen % n == 0)
     for accumulation in search.divisors(rows // d):
         per_device = rows // d // accumulation
         if gen % (per_device * d) == 0:
@@ -116,18 +115,3 @@ def forecast(cfg, model, target, devices) -> dict:
     return {"colocated": colocated, "splits": splits, "best_split": best,
             "choice": "split" if best and best["round_s"] < colocated["round_s"]
             else "colocated", "why": why}
-
-
-def render(f: dict) -> list[str]:
-    c = f["colocated"]
-    lines = ["", "colocated or split (the estimate's clock, both sides laid out by it):",
-             f"  colocated   round {c['round_s']:9.3g} s = generate {c['generate_s']:.3g} + "
-             f"train {c['train_s']:.3g}   ({c['layout']})"]
-    for s in f["splits"]:
-        lines.append(
-            f"  {s['sampler_chips']:>3} + {s['trainer_chips']:<3}  round {s['round_s']:9.3g} s: "
-            f"generate {s['generate_s']:.3g} + weights {s['weights_move_s']:.2g} | train "
-            f"{s['train_s']:.3g}; idle sampler {s['idle_sampler_s']:.3g}, trainer "
-            f"{s['idle_trainer_s']:.3g}   (sampler: {s['sampler']}; trainer: {s['trainer']})")
-    lines.append(f"  choice: {f['why']}")
-    return lines
