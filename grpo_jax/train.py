@@ -562,10 +562,11 @@ def _finish(run: Run, failure: BaseException | None, log: RunLog) -> None:
               "stands", file=sys.stderr)
     else:
         try:  # the step is read here: a step that failed may have taken the state's buffers
+            # The sampler's advance (sampler_devices) ended, and in the state saved, whole.
+            run.at = run.round.settle(run.at)
             step = run.at.step
             if (moved is None and ckpt.failed is None and step not in ckpt.all_steps()
                     and step > 0 and not isinstance(failure, UpdatesSkippedError)):
-                run.at = run.round.settle(run.at)  # the sampler's advance in it, whole
                 run.checkpoints.save(run.at, log.last)
         except CheckpointWriteError as e:
             final_error = e

@@ -44,20 +44,20 @@ def _history(out):
 @pytest.mark.slow
 def test_split_run_trains_each_prompt_once_one_version_behind_and_resumes(tiny_dir, tmp_path,
                                                                           monkeypatch):
-    """5 rounds: the first batch is sampled before round 1 with its own weights (staleness 0),
+    """4 rounds: the first batch is sampled before round 1 with its own weights (staleness 0),
     every later one a round ahead (every token exactly one version old); each prompt trained
     once, in draw order; stopped at step 2 (the checkpoint holds the batch sampled ahead) and
     resumed: the same prompts in the same order, the same metrics and bit-exact weights."""
     got, drawn = _returned(monkeypatch)
     devices = jax.devices()[:4]
-    train(config(tiny_dir, tmp_path / "full", max_steps=5, **SPLIT), devices=devices)
+    train(config(tiny_dir, tmp_path / "full", max_steps=4, **SPLIT), devices=devices)
     full, full_drawn = list(got), list(drawn)
     # the first batch, then one advance per round: the last is sampled ahead, never trained
-    assert len(full) == 6
-    trained = [p for group in full[:5] for p in group]
-    assert len(trained) == 20 and len(set(trained)) == 20 and set(trained) <= set(drawn)
+    assert len(full) == 5
+    trained = [p for group in full[:4] for p in group]
+    assert len(trained) == 16 and len(set(trained)) == 16 and set(trained) <= set(drawn)
     a = _history(tmp_path / "full")
-    assert [h["step"] for h in a] == [1, 2, 3, 4, 5]
+    assert [h["step"] for h in a] == [1, 2, 3, 4]
     assert a[0]["staleness/max"] == 0
     for h in a[1:]:
         assert (h["staleness/mean"], h["staleness/max"], h["staleness/tokens_1"]) == (1, 1, 1)
@@ -66,11 +66,11 @@ def test_split_run_trains_each_prompt_once_one_version_behind_and_resumes(tiny_d
     got[:], drawn[:] = [], []
     train(config(tiny_dir, tmp_path / "cut", max_steps=2, **SPLIT), devices=devices)
     assert len((tmp_path / "cut" / "queued" / "2.npz").read_bytes()) > 0
-    train(config(tiny_dir, tmp_path / "cut", max_steps=5, resume=True, **SPLIT),
+    train(config(tiny_dir, tmp_path / "cut", max_steps=4, resume=True, **SPLIT),
           devices=devices)
     assert got == full and drawn == full_drawn
     b = _history(tmp_path / "cut")
-    assert [h["step"] for h in b] == [1, 2, 3, 4, 5]
+    assert [h["step"] for h in b] == [1, 2, 3, 4]
     for ha, hb in zip(a, b):
         for name in set(ha) | set(hb):
             if not name.startswith(("timing/", "step_time", "timeline/")):
