@@ -369,6 +369,9 @@ def _meshes(cfg: config_lib.TrainConfig, devices):
     if n is None:
         cfg = choose_mesh(cfg, devices)
         return cfg, mesh_lib.make_mesh(cfg.mesh, devices), None
+    if dist.multi_process():  # processes from the environment, not num_processes
+        raise ConfigError("sampler_devices is built for one process: unset it in "
+                          "multi-process runs")
     devices = list(jax.local_devices() if devices is None else devices)
     if n >= len(devices):
         raise ConfigError(f"sampler_devices {n} leaves no device to train on: this process "
