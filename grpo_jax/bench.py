@@ -1,7 +1,9 @@
-"""`python -m grpo_jax.bench {sampler,train-step,e2e,lora-sampler,refill,mismatch,partial}`: speed
-vs hardware limits, decode slots refilled against static sub-batches on long-tailed lengths,
-the sampler-trainer log-prob mismatch (TRL's sampling/* figures) in the workload's dtype, and
-partial rollouts against refilled rounds in trained groups per second.
+"""`python -m grpo_jax.bench {sampler,train-step,e2e,lora-sampler,refill,mismatch,partial,split}`:
+speed vs hardware limits, decode slots refilled against static sub-batches on long-tailed
+lengths, the sampler-trainer log-prob mismatch (TRL's sampling/* figures) in the workload's
+dtype, partial rollouts against refilled rounds in trained groups per second, and partial
+rollouts on one set of devices against a sampler and a trainer on devices of their own (with
+each side's idle time).
 
 Defaults are the issue's workload: the Qwen2-0.5B architecture with random weights, 8 prompts x
 8 completions, 256 prompt tokens, 256 completion tokens forced (no early stop), bf16. `--tiny`
@@ -28,6 +30,7 @@ from grpo_jax.grpo.batch import Batch
 from grpo_jax.metrics import timing
 from grpo_jax.models import Decoder, ModelConfig, lora, presets, quant
 from grpo_jax.models.lora import PeftArgs
+from grpo_jax.rollout.native.disaggregated import SplitRollouts
 from grpo_jax.rollout.native.rollout import JaxRollout
 from grpo_jax.rollout.native.refill import Refill
 from grpo_jax.rollout.native.sampler import Sampler
@@ -397,10 +400,78 @@ def bench_partial(args, cfg, model, mesh, prompts):
     return result
 
 
+def bench_split(args, cfg, model, mesh, prompts):
+    """Partial rollouts on every device, the sampler and trainer taking turns, against
+    disaggregated rounds (rollout/native/disaggregated.py): the sampler on the first
+    --sampler-devices devices a round ahead, the trainer on the rest; trained groups per second
+    and the measured idle time of each side over --rounds rounds of --prompts groups (after one
+    rounds that warm up: the first compiles, and in the second the split sampler's wait still
+    holds the trainer's compiling; random rewards, stop tokens as `partial`)."""
+    k, g = len(prompts), args.generations
+    n, devices = k * g, jax.devices()
+    s = args.sampler_devices or len(devices) // 2
+    if not 0 < s < len(devices):
+        raise SystemExit(f"--sampler-devices {s}: 1 to {len(devices) - 1} of {len(devices)}")
+    stops = tuple(range(3, 3 + max(1, round(args.stop_fraction * cfg.vocab_size))))
+    sp = SamplingParams(max_completion_length=args.completion_len, temperature=1.0,
+                        stop_token_ids=stops, max_num_seqs=args.max_num_seqs)
+    rng = np.random.default_rng(0)
+
+    def score(records, r):
+        return Scores(rng.standard_normal((len(r.truncated), 1)).astype(np.float32))
+    pool, result = list(prompts) * (args.rounds + 5), {}
+    start = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))  # each way from the same
+    for name in ("colocated", "split"):
+        nnx.update(model, start)
+        t_mesh = mesh if name == "colocated" else mesh_lib.make_mesh(
+            mesh_lib.MeshConfig(dp=1, fsdp=-1), devices[s:])
+        s_mesh = None if name == "colocated" else mesh_lib.make_mesh(
+            mesh_lib.MeshConfig(dp=-1), devices[:s])
+        policy, plan = run_policy(args, model, t_mesh, n)
+        # split: the sampler's bound counts its round-ahead version (engines.make_rollout)
+        staleness = args.max_staleness - (s_mesh is not None)
+        rollout = JaxRollout(cfg, sp, pad_id=0, mesh=s_mesh or t_mesh,
+                             partial_rollouts=(g, k, staleness))
+        split = (None if s_mesh is None else
+                 SplitRollouts(rollout.partial, s_mesh, args.max_staleness))
+        round_ = GRPORound(policy, rollout, plan, score, ["random"], run_config(args, n).grpo,
+                           split)
+        at = RunState(policy.init_state, rows_in_flight=rollout.partial.empty(
+            max(map(len, prompts))))
+        drawn, times, idle = 0, [], {"idle_sampler": [], "idle_trainer": []}
+
+        def draw():
+            nonlocal drawn
+            want = at.rows_in_flight.empty_groups
+            drawn += want
+            return Draw([{"prompt_ids": p} for p in pool[drawn - want:drawn]], DataPosition(),
+                        rows=tuple(range(drawn - want, drawn)))
+        for i in range(args.rounds + 2):
+            t0 = time.perf_counter()
+            if split is not None:  # as train.run_rounds: the batch sampled ahead, collected
+                at = round_.settle(at)
+                if at.queued is None:
+                    at = round_.prime(at, draw(), jax.random.key(i))
+            at, r = round_(at, draw(), jax.random.key(i))
+            jax.block_until_ready(at.state.params)
+            if i >= 2:  # warmed up
+                times.append(time.perf_counter() - t0)
+                for part, got in idle.items():
+                    got.append(r.metrics[timing(part)])
+        at = round_.settle(at)  # no advance left running
+        sec = float(np.sum(times))
+        result.update({f"{name}_groups_per_s": args.rounds * k / sec,
+                       f"{name}_round_s": sec / args.rounds,
+                       **{f"{name}_{part}_s": float(np.mean(v)) for part, v in idle.items()}})
+    result["split_speedup"] = result["split_groups_per_s"] / result["colocated_groups_per_s"]
+    result["sampler_devices"], result["trainer_devices"] = s, len(devices) - s
+    return result
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m grpo_jax.bench", description=__doc__)
     p.add_argument("what", choices=["sampler", "train-step", "e2e", "lora-sampler", "refill",
-                                    "mismatch", "partial", "all"])
+                                    "mismatch", "partial", "split", "all"])
     p.add_argument("--tiny", action="store_true", help="small model (CPU)")
     p.add_argument("--tiny-moe", action="store_true",
                    help="a small mixture of experts (Qwen3-MoE, 8 experts, 2 per token; CPU)")
@@ -442,6 +513,8 @@ def main(argv=None):
                    help="partial: GRPO rounds timed (after one that compiles)")
     p.add_argument("--max-staleness", type=int, default=2,
                    help="partial: the partial rollouts' max_staleness")
+    p.add_argument("--sampler-devices", type=int,
+                   help="split: the sampler's devices (the first N; default half)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args(argv)
@@ -464,6 +537,8 @@ def main(argv=None):
         result.update(bench_refill(args, cfg, model, mesh, prompts))
     if args.what == "partial":
         result.update(bench_partial(args, cfg, model, mesh, prompts))
+    if args.what == "split":
+        result.update(bench_split(args, cfg, model, mesh, prompts))
     if args.what == "mismatch":
         result.update(bench_mismatch(args, cfg, model, mesh, prompts))
     result["peak_device_memory_GiB"] = ((peak_memory() or 0) / 2**30) or None

@@ -27,6 +27,7 @@ from grpo_jax.metrics import Logged, timing
 from grpo_jax.models import moe
 from grpo_jax.policy import Policy
 from grpo_jax.rollout.base import Rollout, WeightMode
+from grpo_jax.rollout.native.disaggregated import SplitRollouts
 from grpo_jax.rollout.native.partial import staleness_metrics
 from grpo_jax.run_state import RunState
 from grpo_jax.scoring import Scores
@@ -146,6 +147,9 @@ class GRPORound:
     score: Callable[[Sequence[dict], Any], Scores]
     reward_names: Sequence[str]
     args: GRPOArgs
+    # sampler_devices: partial rollouts on a sampler mesh of their own, a round ahead
+    # (rollout/native/disaggregated.py SplitRollouts); None: the sampler and trainer take turns.
+    split_rollouts: SplitRollouts | None = None
 
     @property
     def ref_sync(self) -> tuple[int, float] | None:
@@ -170,11 +174,17 @@ class GRPORound:
         metrics: dict = {}
         buffer, scores, rewards, advantages, num_tokens = list(at.buffer), None, None, None, 0
         epoch_end, position, rounds = at.epoch_end, at.position, at.round
-        rows_in_flight = at.rows_in_flight
+        rows_in_flight, queued = at.rows_in_flight, at.queued
         if draw is not None:
             weights = self.rollout_weights(at.state.params)
-            with stop.interruptible():  # changes nothing yet: a stop drops the generation
-                if self.rollout.partial is not None:
+            # changes nothing yet: a stop drops the generation (a split run's only starts the
+            # sampler's next advance, at once: no stop inside it)
+            with (contextlib.nullcontext() if self.split_rollouts is not None
+                  else stop.interruptible()):
+                if self.split_rollouts is not None:  # the next advance runs beside the update
+                    gen, after = self.generate_split(weights, at, draw, key), draw.after
+                    queued = None  # the next batch's, until settle() collects it
+                elif self.rollout.partial is not None:
                     gen, rows_in_flight, after = self.generate_partial(weights, at, draw, key)
                 elif not self.args.dynamic_sampling:
                     gen, after = self.generate_and_score(weights, draw.records, key,
@@ -233,7 +243,7 @@ class GRPORound:
         after_round = at.replace(state=state, position=position, round=rounds,
                                  tokens_seen=at.tokens_seen + num_tokens,
                                  buffer=tuple(buffer[done:]), epoch_end=max(epoch_end - done, 0),
-                                 reference=ref, rows_in_flight=rows_in_flight)
+                                 reference=ref, rows_in_flight=rows_in_flight, queued=queued)
         t4 = time.perf_counter()
         stopping = stop.should_stop()  # the server's weights won't be used again
         sync_time = self.sync_weights(state.params) if n and not stopping else None
@@ -241,7 +251,8 @@ class GRPORound:
         metrics.setdefault(timing("generate"), 0.0)
         metrics.setdefault(timing("logprobs"), 0.0)  # reference and old log-probs
         metrics[timing("update")] = t4 - t3
-        if self.rollout.partial is not None and draw is not None:
+        if (self.rollout.partial is not None and draw is not None
+                and self.split_rollouts is None):
             # One set of devices: the sampler waits while the trainer works, and the reverse.
             metrics[timing("idle_sampler")] = t4 - t1
             metrics[timing("idle_trainer")] = metrics[timing("generate")]
@@ -358,6 +369,44 @@ class GRPORound:
         if filled is not None:
             gen.metrics.update(filled.metrics())
         return gen, in_flight, draw.after
+
+    def generate_split(self, weights, at: RunState, draw: Draw, key) -> Generated:
+        """Disaggregated rounds (rollout/native/disaggregated.py): the training batch of the
+        groups the sampler finished a round ahead (`at.queued`), and the sampler started on the
+        next round's with `weights` (version at.round) and `draw`'s new groups."""
+        q = at.queued
+        if q is None:
+            raise ValueError("sampler_devices: nothing sampled ahead; settle() and prime() the "
+                             "run state before the round")
+        idle = self.split_rollouts.start(weights, at.rows_in_flight, draw.records, draw.rows,
+                                         at.round, key)
+        r = q.rollout
+        gen = self._training_batch(r, self.score(q.records, r), self.plan.num_generations,
+                                   q.took, time.time(), at.reference)
+        gen.metrics.update(staleness_metrics(r.versions, r.completion_mask, at.round,
+                                             self.split_rollouts.max_staleness))
+        gen.metrics["staleness/dropped_groups"] = float(q.dropped)
+        # Measured: the sampler waiting for weights, the trainer waiting for the sampler.
+        gen.metrics[timing("idle_sampler")] = idle
+        gen.metrics[timing("idle_trainer")] = q.waited
+        return gen
+
+    def settle(self, at: RunState) -> RunState:
+        """`at` whole with sampler_devices: the sampler's running advance collected (waiting
+        for it) into rows_in_flight and queued, as a checkpoint and the next round need it."""
+        if self.split_rollouts is None or not self.split_rollouts.running:
+            return at
+        done = self.split_rollouts.collect()
+        if at.queued is not None:  # started by a round that failed: `at` is from before it
+            return at
+        return at.replace(rows_in_flight=done.in_flight, queued=done.queued)
+
+    def prime(self, at: RunState, draw: Draw, key) -> RunState:
+        """A split run's first batch, sampled with the current weights before the first round
+        (later ones are sampled a round ahead, beside the update)."""
+        self.split_rollouts.start(self.rollout_weights(at.state.params), at.rows_in_flight,
+                                  draw.records, draw.rows, at.round, key)
+        return self.settle(at).replace(position=draw.after)
 
     def generate_filled(self, weights, draw: Draw, key, reference
                         ) -> tuple[Generated | None, DataPosition]:

@@ -36,7 +36,9 @@ class RunState:
     none is lost or trained twice. `rows_in_flight`: the JAX sampler's partial rollouts
     (rollout/native/partial.py InFlight: rows waiting, decoding with their KV caches, or done
     in groups not yet whole), carried from round to round and checkpointed whole; None without
-    partial rollouts."""
+    partial rollouts. `queued`: with sampler_devices (rollout/native/disaggregated.py Queued),
+    the groups the sampler finished a round ahead and the next round trains; None while its
+    advance runs (GRPORound.settle collects it before a checkpoint) or without a split."""
     state: Any  # grpo.train_step.TrainState: params, optimizer state, step
     position: DataPosition = DataPosition()  # where the next generation's prompts start
     round: int = 0  # generation rounds completed (each round's sampling key is folded from it)
@@ -46,6 +48,7 @@ class RunState:
     reference: Any = None
     in_flight: tuple = ()
     rows_in_flight: Any = None
+    queued: Any = None
 
     @property
     def step(self) -> int:

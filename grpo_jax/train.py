@@ -35,12 +35,12 @@ from grpo_jax import storage
 from grpo_jax.checkpoint import (BufferFiles, Checkpointer, RefCheckpoints, StopRun, StopSignal,
                                  check_writable, committed_steps, last_good,
                                  quiet_closed_loop_reports, resume_changes, settings_diff)
-from grpo_jax.errors import (CheckpointWriteError, GrpoJaxError, NoSignalError, TrainError,
-                             UpdatesSkippedError)
+from grpo_jax.errors import (CheckpointWriteError, ConfigError, GrpoJaxError, NoSignalError,
+                             TrainError, UpdatesSkippedError)
 from grpo_jax.models import ModelConfig
 from grpo_jax.rollout import tools as tools_lib
 from grpo_jax.rollout.engines import make_rollout
-from grpo_jax.rollout.native import partial
+from grpo_jax.rollout.native import disaggregated, partial
 from grpo_jax.rollout.native.sampler import reference_copy
 from grpo_jax.run_dir import RunDirLock
 from grpo_jax.run_log import RunLog
@@ -95,6 +95,8 @@ class RunCheckpoints:
     # the dataset's record of a row, to give their groups back their prompts on resume.
     rows_in_flight: BufferFiles | None = None
     record: Any = None
+    # sampler_devices: the batch the sampler finished a round ahead (RunState.queued).
+    queued: BufferFiles | None = None
 
     @classmethod
     def open(cls, out: Path, cfg: config_lib.TrainConfig, schedule: dict | None = None,
@@ -106,7 +108,8 @@ class RunCheckpoints:
         refs = (RefCheckpoints(out / "reference", limit, read_only) if cfg.grpo.sync_ref_model
                 else None)
         return cls(ckpt, BufferFiles(out / "generation_buffer"), refs, dict(schedule or {}),
-                   BufferFiles(out / "rows_in_flight", "rollouts in flight"), record)
+                   BufferFiles(out / "rows_in_flight", "rollouts in flight"), record,
+                   BufferFiles(out / "queued", "batch sampled ahead"))
 
     def resume(self, cfg: config_lib.TrainConfig, out: Path, at: RunState) -> RunState:
         """`at` as the checkpoint cfg.run.resume names left it, whole (the train state, data
@@ -196,6 +199,13 @@ class RunCheckpoints:
                                  "settings, or train afresh into another output_dir")
             rows_in_flight = partial.from_arrays(rows_in_flight, source.rows_in_flight.load_arrays(
                 latest, "partial rollouts in flight"), source.record)
+        queued = None
+        if meta.get("queued"):
+            if cfg.rollout.sampler_devices is None:
+                raise TrainError(f"checkpoint {latest} holds a batch sampled ahead on the "
+                                 "sampler's devices (sampler_devices): resume with it set")
+            queued = disaggregated.from_arrays(source.queued.load_arrays(
+                latest, "batch sampled ahead"), source.record)
         return RunState(
             state, data_lib.DataPosition(*meta["data_position"]), meta["round"],
             int(meta.get("num_tokens", 0)),
@@ -203,7 +213,7 @@ class RunCheckpoints:
             epoch_end=meta.get("buffered_epoch_end", 0), reference=reference,
             in_flight=tuple((r, data_lib.DataPosition(e, i))
                             for r, e, i in meta.get("in_flight", ())),
-            rows_in_flight=rows_in_flight)
+            rows_in_flight=rows_in_flight, queued=queued)
 
     def save(self, at: RunState, metrics: dict) -> None:
         """A checkpoint of the run state `at`, whole: the train state with its meta (data
@@ -215,6 +225,8 @@ class RunCheckpoints:
         self.buffers.save(step, buffer)  # first: a committed checkpoint always finds its buffer
         if at.rows_in_flight is not None:
             self.rows_in_flight.save_arrays(step, partial.to_arrays(at.rows_in_flight))
+        if at.queued is not None:
+            self.queued.save_arrays(step, disaggregated.to_arrays(at.queued))
         if self.refs is not None:
             self.refs.save(step, at.reference)  # also first, committed before the state
         meta = {"data_position": list(at.position), "round": at.round,
@@ -222,11 +234,13 @@ class RunCheckpoints:
                 "buffered_epoch_end": at.epoch_end, "reference": self.refs is not None,
                 "in_flight": [[r, *p] for r, p in at.in_flight],
                 "rows_in_flight": at.rows_in_flight is not None,
+                "queued": at.queued is not None,
                 "schedule": self.schedule,
                 "metrics": {k: None if v is None else float(v) for k, v in metrics.items()}}
         self.ckpt.save(step, at.state, meta)
         self.buffers.prune(self.ckpt.all_steps())
         self.rows_in_flight.prune(self.ckpt.all_steps())
+        self.queued.prune(self.ckpt.all_steps())
 
 
 @dataclasses.dataclass
@@ -283,8 +297,7 @@ def build_run(cfg: config_lib.TrainConfig, devices=None) -> Run:
 def _build_run(cfg: config_lib.TrainConfig, out: Path, lock: RunDirLock, devices) -> Run:
     """build_run's work, with output_dir held."""
     check_writable(out / "checkpoints")
-    cfg = choose_mesh(cfg, devices)
-    mesh = mesh_lib.make_mesh(cfg.mesh, devices)
+    cfg, mesh, sampler_mesh = _meshes(cfg, devices)
     eval_prompts = (cfg.eval_prompts_per_batch(mesh_lib.batch_divisor(mesh)) if cfg.eval.enabled
                     else 0)
     # Each weight is read straight onto its sharding: no device holds a whole copy.
@@ -315,9 +328,12 @@ def _build_run(cfg: config_lib.TrainConfig, out: Path, lock: RunDirLock, devices
     policy = Policy(model, step_config(cfg, plan, model.cfg), cfg.optim, total_steps, mesh)
     state = policy.init_state
     del model
-    rollout = make_rollout(cfg, policy.model_config, tokenizer, mesh, model_dir, tools)
+    rollout = make_rollout(cfg, policy.model_config, tokenizer, sampler_mesh or mesh, model_dir,
+                           tools, batch_divisor=mesh_lib.batch_divisor(mesh))
+    split = (None if sampler_mesh is None else
+             disaggregated.SplitRollouts(rollout.partial, sampler_mesh, cfg.rollout.max_staleness))
     scorer = RewardScorer(funcs, tokenizer, mesh, cfg.grpo.num_generations)
-    run_round = GRPORound(policy, rollout, plan, scorer, scorer.names, cfg.grpo)
+    run_round = GRPORound(policy, rollout, plan, scorer, scorer.names, cfg.grpo, split)
     # beta = 0: no reference model is kept at all.
     reference = (None if not run_facts.has_reference(cfg)
                  else reference_copy(state.params, policy.model_config.dtype)
@@ -343,6 +359,27 @@ def _build_run(cfg: config_lib.TrainConfig, out: Path, lock: RunDirLock, devices
             cfg, distributed=dataclasses.replace(cfg.distributed, process_id=None)), at.step)
     return Run(cfg, out, plan, total_steps, dataset, rollout, scorer, run_round, evaluator,
                eval_scorer, schedule, checkpoints, at, lock)
+
+
+def _meshes(cfg: config_lib.TrainConfig, devices):
+    """The run's settings with its mesh chosen, the trainer's mesh and, with sampler_devices,
+    the sampler's (the first N devices; the trainer takes the rest), each laid out by
+    choose_mesh's rules for its own devices (the sampler's: never the run's given mesh)."""
+    n = cfg.rollout.sampler_devices
+    if n is None:
+        cfg = choose_mesh(cfg, devices)
+        return cfg, mesh_lib.make_mesh(cfg.mesh, devices), None
+    if dist.multi_process():  # processes from the environment, not num_processes
+        raise ConfigError("sampler_devices is built for one process: unset it in "
+                          "multi-process runs")
+    devices = list(jax.local_devices() if devices is None else devices)
+    if n >= len(devices):
+        raise ConfigError(f"sampler_devices {n} leaves no device to train on: this process "
+                          f"has {len(devices)}")
+    own = choose_mesh(dataclasses.replace(cfg, mesh=config_lib.MeshConfig()), devices[:n])
+    cfg = choose_mesh(cfg, devices[n:])
+    return (cfg, mesh_lib.make_mesh(cfg.mesh, devices[n:]),
+            mesh_lib.make_mesh(own.mesh, devices[:n]))
 
 
 def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
@@ -390,6 +427,13 @@ def run_rounds(run: Run) -> dict:
                 t0 = time.perf_counter()
                 at, draw = run.at, None
                 if not run.round.windows_buffered(at):  # windows buffered: train first, as TRL
+                    if run.round.split_rollouts is not None:  # the batch sampled ahead, collected
+                        at = run.round.settle(at)
+                        if at.queued is None:  # the first round's: sampled here, once
+                            first = draws.draw(at.position, at.rows_in_flight)
+                            if first is None:
+                                break
+                            at = run.round.prime(at, first, jax.random.fold_in(base_key, at.round))
                     draw = draws.draw(at.position, at.rows_in_flight)
                     if draw is None:  # dynamic sampling read the run's last prompts
                         break
@@ -421,6 +465,7 @@ def run_rounds(run: Run) -> dict:
                 if run.evaluator is not None and run.schedule.due(run.at.step):
                     evaluate()
                 if saves.due(run.at.step):
+                    run.at = run.round.settle(run.at)  # the sampler's advance in it, whole
                     run.checkpoints.save(run.at, log.last)
             log.flush(run.at.step)  # the steps since the last log (TRL: in its final summary)
             if draws.used_up and run.at.step < total_steps:
@@ -520,6 +565,8 @@ def _finish(run: Run, failure: BaseException | None, log: RunLog) -> None:
               "stands", file=sys.stderr)
     else:
         try:  # the step is read here: a step that failed may have taken the state's buffers
+            # The sampler's advance (sampler_devices) ended, and in the state saved, whole.
+            run.at = run.round.settle(run.at)
             step = run.at.step
             if (moved is None and ckpt.failed is None and step not in ckpt.all_steps()
                     and step > 0 and not isinstance(failure, UpdatesSkippedError)):

@@ -53,7 +53,8 @@ SHARED_GROUPS = {  # modules that use the same session-scoped vLLM server
 }
 LONGEST_FIRST = ("vllm_smol", "vllm_tiny", "test_aot", "test_lora", "test_train",
                  "test_tool_continuation", "test_multihost", "test_partial", "test_moe",
-                 "test_shared_prefix", "test_faults", "test_refill", "test_context_parallel",
+                 "test_shared_prefix", "test_faults", "test_refill", "test_split",
+                 "test_context_parallel",
                  "test_tool_templates", "test_vllm_lora", "test_run_dir", "test_schedule",
                  "test_integrity")
 

@@ -255,11 +255,15 @@ def test_run_state_is_checkpointed_and_restored_whole(tmp_path, tiny_dir):
     train state bit-exact, the data position, rounds and tokens, the generation buffer (two
     micro-batches of different prompt widths, an epoch window), the draws in flight and, with
     sync_ref_model, the reference params, and the partial rollouts' rows in flight (their
-    device arrays, draw numbers and keys; their records read again from the dataset's rows);
-    the restore fills each field from the checkpoint, none from the live run it is given."""
+    device arrays, draw numbers and keys; their records read again from the dataset's rows)
+    and, with sampler_devices, the batch sampled ahead (its rollout arrays, versions, decode
+    metrics and groups' records); the restore fills each field from the checkpoint, none from
+    the live run it is given."""
     from tiny_run import config
 
     from grpo_jax.models import ModelConfig
+    from grpo_jax.rollout.base import RolloutBatch
+    from grpo_jax.rollout.native.disaggregated import Queued
     from grpo_jax.rollout.native.partial import PartialRollouts
     from grpo_jax.rollout.native.sampler import Sampler
     from grpo_jax.rollout.native.sampling import SamplingParams
@@ -283,7 +287,8 @@ def test_run_state_is_checkpointed_and_restored_whole(tmp_path, tiny_dir):
         return init_train_state(s["params"], s["opt"], LossConfig())._replace(
             step=jnp.int32(7 + seed))
 
-    cfg = config(tiny_dir, tmp_path, beta=0.04, sync_ref_model=True, resume=True)
+    cfg = config(tiny_dir, tmp_path, beta=0.04, sync_ref_model=True, resume=True,
+                 sampler_devices=1, max_staleness=1, max_num_seqs=3)
     schedule = {"num_prompts": 16}
     model = ModelConfig("llama", vocab_size=64, hidden_size=32, intermediate_size=48,
                         num_layers=2, num_heads=2, num_kv_heads=2, head_dim=16)
@@ -302,10 +307,17 @@ def test_run_state_is_checkpointed_and_restored_whole(tmp_path, tiny_dir):
                                     seq=np.array([0, -1, 2, 1]),
                                     records=(record(3), None, record(9), record(4)), drawn=3,
                                     key=jax.random.key(11))
+    ids = r.integers(0, 64, (4, 5)).astype(np.int32)
+    queued = Queued(RolloutBatch(ids, np.ones_like(ids), ids[:, ::-1].copy(), np.ones_like(ids),
+                                 np.array([True, False, False, True]),
+                                 r.standard_normal((4, 5)).astype(np.float32),
+                                 metrics={"sampler/decode_steps": 7.0},
+                                 versions=np.full((4, 5), 4, np.int32)),
+                    (record(5), record(1)), np.array([5, 1]), dropped=2, took=1.5, waited=0.5)
     saved = RunState(state_of(0), DataPosition(1, 8), round=5, tokens_seen=1234,
                      buffer=(micro(2, 0), micro(5, 1)), epoch_end=1,
                      reference=_params(5), in_flight=((6, DataPosition(1, 12)),),
-                     rows_in_flight=rows_in_flight)
+                     rows_in_flight=rows_in_flight, queued=queued)
     checkpoints = RunCheckpoints.open(tmp_path, cfg, schedule, record=record)
     checkpoints.save(saved, {"reward": 0.5})
     checkpoints.ckpt.close()
@@ -334,7 +346,16 @@ def test_run_state_is_checkpointed_and_restored_whole(tmp_path, tiny_dir):
         np.testing.assert_array_equal(getattr(got, name), getattr(want, name), name)
     assert (got.records, got.drawn) == (want.records, 3)
     np.testing.assert_array_equal(jax.random.key_data(got.key), jax.random.key_data(want.key))
+    got, want = back.queued, saved.queued
+    for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated",
+                 "sampler_logp", "versions"):
+        np.testing.assert_array_equal(getattr(got.rollout, name), getattr(want.rollout, name),
+                                      name)
+        assert getattr(got.rollout, name).dtype == getattr(want.rollout, name).dtype, name
+    np.testing.assert_array_equal(got.data_rows, want.data_rows)
+    assert (got.records, got.dropped, got.rollout.metrics) == (
+        want.records, 2, {"sampler/decode_steps": 7.0})
     assert {f.name for f in dataclasses.fields(RunState)} == {
         "state", "position", "round", "tokens_seen", "buffer", "epoch_end", "reference",
-        "in_flight", "rows_in_flight"}, ("a new RunState field: save and restore it in "
+        "in_flight", "rows_in_flight", "queued"}, ("a new RunState field: save and restore it in "
                                          "RunCheckpoints, test it here")

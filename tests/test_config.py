@@ -384,6 +384,22 @@ def test_recipe_keys_mapped_noted_or_refused(capsys):
             config_from_dict(bad)
 
 
+def test_sampler_devices_needs_partial_rollouts_and_refuses_the_rest():
+    split = {"sampler_devices": 2, "max_staleness": 1, "max_num_seqs": 8}
+    assert config_from_dict(split).rollout.sampler_devices == 2
+    for bad, needle in [({"sampler_devices": 2}, "needs max_staleness >= 1"),
+                        ({**split, "max_num_seqs": None}, "max_num_seqs"),
+                        ({**split, "use_vllm": True, "max_num_seqs": None},
+                         "needs max_staleness >= 1"),
+                        ({**split, "sampler_devices": 0}, "must be >= 1"),
+                        ({**split, "dynamic_sampling": True}, "dynamic_sampling yet"),
+                        ({**split, "eval_strategy": "steps"}, "evaluation yet"),
+                        ({**split, "num_processes": 2}, "built for one process"),
+                        ({**split, "tools": ["math.sqrt"]}, "tools or rollout_func")]:
+        with pytest.raises(ConfigError, match=needle):
+            config_from_dict(bad)
+
+
 def test_vllm_request_options():
     with pytest.raises(ConfigError, match="applies to vLLM rollouts"):
         config_from_dict({"vllm_structured_outputs_regex": "[0-9]+"})

@@ -103,6 +103,19 @@ class TrainConfig:
         check(not partial or not (self.multi_turn.tools or self.multi_turn.rollout_func),
               "max_staleness > 0 with the JAX sampler (partial rollouts) does not take tools or "
               "rollout_func yet: set max_staleness 0")
+        split = self.rollout.sampler_devices is not None
+        check(not split or partial and self.generation.max_num_seqs is not None,
+              "sampler_devices runs partial rollouts on devices of their own: it needs "
+              "max_staleness >= 1, the JAX sampler (use_vllm false) and max_num_seqs")
+        check(not split or not self.grpo.dynamic_sampling,
+              "sampler_devices does not take dynamic_sampling yet (the sampler runs a round ahead "
+              "of the filter): unset sampler_devices, or dynamic_sampling false")
+        check(not split or not self.eval.enabled,
+              "sampler_devices does not take evaluation yet (it would decode on the sampler's "
+              "devices with the trainer's weights): unset sampler_devices, or eval_strategy no")
+        check(not split or (self.distributed.num_processes or 1) == 1,
+              "sampler_devices is built for one process: the sampler and trainer meshes are "
+              "this process's devices; unset sampler_devices in multi-process runs")
 
     def batch_plan(self, data_parallel_size: int = 1) -> BatchPlan:
         """TRL's batch relations for `data_parallel_size` shards (TRL: num_processes)."""

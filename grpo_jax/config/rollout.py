@@ -119,6 +119,13 @@ class RolloutArgs:
         "whole groups is done and the rows still decoding go on under the next weights. Either "
         "way a batch or group with tokens more than this many weight versions old is generated "
         "again (TRL AsyncGRPOConfig: max_staleness, 4 there).")
+    sampler_devices: int | None = arg(
+        None,
+        "Partial rollouts on devices of their own (rollout/native/disaggregated.py): the first "
+        "N local devices decode, the rest train, each mesh laid out by the usual rules; round "
+        "n+1's rows decode with round n's weights while round n trains, so every token is at "
+        "least one version old and max_staleness counts that version. Unset: one set of "
+        "devices, the sampler and the trainer taking turns.")
 
     def __post_init__(self):
         check(0 < self.vllm_server_port < 65536, f"vllm_server_port {self.vllm_server_port} "
@@ -126,6 +133,8 @@ class RolloutArgs:
         check(self.vllm_server_timeout > 0, "vllm_server_timeout must be > 0")
         check(self.weight_sync_timeout > 0, "weight_sync_timeout must be > 0")
         check(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")
+        check(self.sampler_devices is None or self.sampler_devices >= 1,
+              f"sampler_devices must be >= 1, got {self.sampler_devices}")
         for name in ("generation_kwargs", "vllm_structured_outputs_regex"):
             check(self.backend == "vllm" or not getattr(self, name), f"{name} applies to vLLM "
                   "rollouts (use_vllm: true); the JAX sampler's options are the generation "

@@ -54,26 +54,32 @@ class MainProcessRollout(RolloutWrapper):
         return None
 
 
-def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir, tools=()) -> Rollout:
+def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir, tools=(), *,
+                 batch_divisor: int | None = None) -> Rollout:
     """The config's backend; with `tools` (functions), inside the multi-turn tool loop. The
     part of the contract an ABC can't check (weight_mode is set by the constructor) is checked
-    here, before the run starts."""
-    rollout = _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools)
+    here, before the run starts. `batch_divisor`: the trainer mesh's, when the rollout runs on
+    a mesh of its own (sampler_devices; default: `mesh`'s)."""
+    rollout = _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools, batch_divisor)
     if not isinstance(rollout.weight_mode, WeightMode):
         raise TypeError(f"{type(rollout).__name__}.weight_mode is {rollout.weight_mode!r}, "
                         "not a rollout.base.WeightMode")
     return rollout
 
 
-def _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools):
+def _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools, batch_divisor):
     sp = sampling_params(cfg, tokenizer, hf.generation_eos_ids(model_dir) if model_dir else ())
     if cfg.rollout.backend == "jax":
         # SPMD over every process's devices
         partial = None
         if cfg.rollout.max_staleness:  # partial rollouts of a generation batch's groups
-            divisor = 1 if mesh is None else mesh_lib.batch_divisor(mesh)
+            divisor = (batch_divisor if batch_divisor is not None
+                       else 1 if mesh is None else mesh_lib.batch_divisor(mesh))
+            # A split run's sampler decodes with weights one version older than those that
+            # train its tokens: its bound, checked against its own version, is one less.
+            split = cfg.rollout.sampler_devices is not None
             partial = (cfg.grpo.num_generations, cfg.batch_plan(divisor).prompts_per_generation,
-                       cfg.rollout.max_staleness)
+                       cfg.rollout.max_staleness - split)
         rollout = JaxRollout(model_cfg, sp, pad_id=pad_id(tokenizer), mesh=mesh,
                              peft=cfg.peft, partial_rollouts=partial)
     else:
