@@ -62,9 +62,6 @@ class TrainConfig:
         check(replay == "disabled" or self.rollout.backend == "jax", f"router_replay {replay} "
               "with vLLM rollouts: the installed vLLM's routed experts are not read back; use "
               "the JAX sampler (use_vllm: false) or router_replay: disabled")
-        check(replay == "disabled" or self.generation.max_num_seqs is None, f"router_replay "
-              f"{replay} with max_num_seqs: decode slots do not record routing yet; set "
-              "max_num_seqs: null")
         check(replay == "disabled" or not (self.multi_turn.tools or self.multi_turn.rollout_func),
               f"router_replay {replay} with tools or a rollout_func: their turns do not record "
               "routing yet; set router_replay: disabled")
