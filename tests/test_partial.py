@@ -23,7 +23,7 @@ from grpo_jax.checkpoint import Checkpointer, load_checkpoint
 from grpo_jax.config import TrainConfig
 from grpo_jax.errors import ConfigError
 from grpo_jax.models import Decoder, ModelConfig
-from grpo_jax.rollout.native.partial import PartialRollouts
+from grpo_jax.rollout.native.partial import PartialRollouts, from_arrays, to_arrays
 from grpo_jax.rollout.native.sampler import Sampler
 from grpo_jax.rollout.native.sampling import SamplingParams
 from grpo_jax.train import train
@@ -110,6 +110,11 @@ def test_carried_rows_draw_what_one_batch_does(case, compiled):
     in_flight = set(left.data_rows[left.data_rows >= 0].tolist())
     assert not in_flight & set(seen) and in_flight | set(seen) == set(range(2 * K + 4 * K))
     assert compiled.count("jit(_advance)") == 1, compiled
+    if record:  # a checkpoint's rows in flight keep the records of the rows carried
+        assert (np.asarray(left.rows.routing) >= 0).any()
+        back = from_arrays(partial.empty(20), to_arrays(left), lambda i: {"i": i})
+        for a, b in zip(jax.tree.leaves(left.rows), jax.tree.leaves(back.rows), strict=True):
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
 
 
 def test_stale_groups_start_over():
