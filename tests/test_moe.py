@@ -326,7 +326,7 @@ def test_expert_parallel_equals_one_device(tiny, name, shape):
 
 @pytest.mark.parametrize("family,rollout", [
     ("gpt_oss", {}), ("gpt_oss", dict(max_num_seqs=2)),
-    ("gpt_oss", dict(max_num_seqs=2, max_staleness=1))])
+    ("gpt_oss", dict(max_num_seqs=2, max_staleness=1))], ids=["gpt_oss", "slots", "partial"])
 @pytest.mark.slow
 def test_grpo_run_on_a_moe_policy(tmp_path, family, rollout):
     """Two GRPO steps with a tiny MoE policy (gpt-oss: sinks, biases, ring caches; Qwen3-MoE's
