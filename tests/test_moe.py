@@ -335,16 +335,14 @@ def test_grpo_run_on_a_moe_policy(tmp_path, family, rollout):
     coefficient, routing replay on (the sampler's record sharded with the rows, replayed in the
     reference and update forwards): the sampler's log-probs equal the train step's, and the
     router metrics are logged, router/mismatch 0. The same through 2 decode slots for a
-    round's 4 rows (refilled), and as partial rollouts (max_staleness 1: rows carried over a
-    round with their records)."""
+    round's 4 rows (refilled), and as partial rollouts (max_staleness 1; this run's rows all
+    end in the round that drew them: rows carried with their records are test_partial.py's)."""
     from hf_oracle import char_tokenizer, tiny_grpo_run
     last = tiny_grpo_run(tmp_path, tiny_hf_model(family, vocab=len(char_tokenizer())),
                          dp=1, fsdp=2, ep=2, router_replay="R3", **rollout)
     assert np.isfinite(last["loss"])
-    if "max_staleness" in rollout:  # tokens drawn by the last round's weights differ
-        assert last["staleness/max"] <= 1
-    else:
-        assert last["sampling/sampling_logp_difference/max"] < 1e-4
+    assert last["sampling/sampling_logp_difference/max"] < 1e-4
+    assert ("staleness/max" in last) == ("max_staleness" in rollout)  # partial rollouts ran
     assert last["aux_loss"] > 0 and "router/load/0" in last and last["router/load_max"] >= 1
     assert last["router/mismatch"] == 0
 
