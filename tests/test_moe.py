@@ -324,20 +324,25 @@ def test_expert_parallel_equals_one_device(tiny, name, shape):
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-5 * max(1.0, np.abs(a).max()))
 
 
-@pytest.mark.parametrize("family", ["gpt_oss"])
+@pytest.mark.parametrize("family,rollout", [
+    ("gpt_oss", {}), ("gpt_oss", dict(max_num_seqs=2)),
+    ("gpt_oss", dict(max_num_seqs=2, max_staleness=1))], ids=["gpt_oss", "slots", "partial"])
 @pytest.mark.slow
-def test_grpo_run_on_a_moe_policy(tmp_path, family):
+def test_grpo_run_on_a_moe_policy(tmp_path, family, rollout):
     """Two GRPO steps with a tiny MoE policy (gpt-oss: sinks, biases, ring caches; Qwen3-MoE's
     mixed layers in the sampler are covered by the generation tests above), fsdp 2 x expert 2
     over 4 devices (the sampler's experts on the expert axis too), the checkpoint's aux-loss
     coefficient, routing replay on (the sampler's record sharded with the rows, replayed in the
     reference and update forwards): the sampler's log-probs equal the train step's, and the
-    router metrics are logged, router/mismatch 0."""
+    router metrics are logged, router/mismatch 0. The same through 2 decode slots for a
+    round's 4 rows (refilled), and as partial rollouts (max_staleness 1; this run's rows all
+    end in the round that drew them: rows carried with their records are test_partial.py's)."""
     from hf_oracle import char_tokenizer, tiny_grpo_run
     last = tiny_grpo_run(tmp_path, tiny_hf_model(family, vocab=len(char_tokenizer())),
-                         dp=1, fsdp=2, ep=2, router_replay="R3")
+                         dp=1, fsdp=2, ep=2, router_replay="R3", **rollout)
     assert np.isfinite(last["loss"])
     assert last["sampling/sampling_logp_difference/max"] < 1e-4
+    assert ("staleness/max" in last) == ("max_staleness" in rollout)  # partial rollouts ran
     assert last["aux_loss"] > 0 and "router/load/0" in last and last["router/load_max"] >= 1
     assert last["router/mismatch"] == 0
 

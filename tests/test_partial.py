@@ -23,7 +23,7 @@ from grpo_jax.checkpoint import Checkpointer, load_checkpoint
 from grpo_jax.config import TrainConfig
 from grpo_jax.errors import ConfigError
 from grpo_jax.models import Decoder, ModelConfig
-from grpo_jax.rollout.native.partial import PartialRollouts
+from grpo_jax.rollout.native.partial import PartialRollouts, from_arrays, to_arrays
 from grpo_jax.rollout.native.sampler import Sampler
 from grpo_jax.rollout.native.sampling import SamplingParams
 from grpo_jax.train import train
@@ -34,6 +34,9 @@ CFG = ModelConfig("llama", vocab_size=64, hidden_size=32, intermediate_size=48, 
 SP = SamplingParams(max_completion_length=12, temperature=1.0, top_k=40, repetition_penalty=1.3,
                     stop_token_ids=(2, 3, 4, 5))
 G, K = 4, 2  # rows a group, groups a round
+# A mixture of experts (4 experts, 2 a token, both layers sparse): the rows record routing.
+MOE = CFG.replace(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=16, norm_topk_prob=True)
 
 
 def _prompts(count, seed=0):
@@ -55,22 +58,25 @@ def _rounds(partial, params_of, prompts, rounds, key=7):
     return out, at
 
 
-@pytest.mark.parametrize("case", ["plain", "mesh"])
+@pytest.mark.parametrize("case", ["plain", "mesh", "moe"])
 def test_carried_rows_draw_what_one_batch_does(case, compiled):
     """Fixed weights, 3 decode slots (fewer than a group), 2 groups a round: rows span rounds,
     yet every returned group equals one static batch of its prompt from its keys (rows
     group x G + j); log-probs equal the trainer's; versions are the rounds that drew the tokens;
-    each prompt comes back once, the oldest first among those done; one program."""
-    model = Decoder(CFG, rngs=nnx.Rngs(0))
+    each prompt comes back once, the oldest first among those done; one program. A mixture of
+    experts records the static batch's routing, carried across rounds with the rows."""
+    cfg, record = (MOE, True) if case == "moe" else (CFG, False)
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
     mesh = (mesh_lib.make_mesh(mesh_lib.MeshConfig(2, 2, 2), jax.devices()[:8])
             if case == "mesh" else None)
-    sampler = Sampler(CFG, dataclasses.replace(SP, max_num_seqs=3), pad_id=0, mesh=mesh)
+    sampler = Sampler(cfg, dataclasses.replace(SP, max_num_seqs=3), pad_id=0, mesh=mesh,
+                      record_routing=record)
     slots = 4 if mesh else 3  # rounded up to the 4 batch shards
     partial = PartialRollouts(sampler, slots, G, K, max_staleness=100)
     prompts = _prompts(16)
     rounds, left = _rounds(partial, lambda r: params, prompts, 5)
-    static = Sampler(CFG, SP, pad_id=0)
+    static = Sampler(cfg, SP, pad_id=0, record_routing=record)
     seen, spanned = [], 0
     for r, done in rounds:
         assert len(done.records) == K and done.dropped == 0
@@ -89,6 +95,14 @@ def test_carried_rows_draw_what_one_batch_does(case, compiled):
                                               getattr(one, name), name)
             np.testing.assert_allclose(done.rollout.sampler_logp[rows], one.sampler_logp,
                                        rtol=0, atol=2e-6)
+            if record:  # every token fed: the prompt, each completion token but the last
+                got = done.rollout
+                np.testing.assert_array_equal(got.prompt_routing[rows], one.prompt_routing)
+                fed = np.arange(SP.max_completion_length) < one.completion_mask.sum(1)[:, None] - 1
+                assert (got.completion_routing[rows][fed] >= 0).all()
+                assert (got.completion_routing[rows][~fed] == -1).all()
+                np.testing.assert_array_equal(got.completion_routing[rows][fed],
+                                              one.completion_routing[fed])
         m = done.rollout.completion_mask.astype(bool)
         assert np.abs(done.rollout.sampler_logp - trainer_logp(model, done.rollout, 1.0))[m].max() < 5e-5
     assert spanned > 0  # some rows did decode over two rounds
@@ -96,6 +110,11 @@ def test_carried_rows_draw_what_one_batch_does(case, compiled):
     in_flight = set(left.data_rows[left.data_rows >= 0].tolist())
     assert not in_flight & set(seen) and in_flight | set(seen) == set(range(2 * K + 4 * K))
     assert compiled.count("jit(_advance)") == 1, compiled
+    if record:  # a checkpoint's rows in flight keep the records of the rows carried
+        assert (np.asarray(left.rows.routing) >= 0).any()
+        back = from_arrays(partial.empty(20), to_arrays(left), lambda i: {"i": i})
+        for a, b in zip(jax.tree.leaves(left.rows), jax.tree.leaves(back.rows), strict=True):
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
 
 
 def test_stale_groups_start_over():

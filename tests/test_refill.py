@@ -28,6 +28,9 @@ CFG = ModelConfig("llama", vocab_size=64, hidden_size=32, intermediate_size=48, 
 SP = SamplingParams(max_completion_length=12, temperature=1.0, top_k=40, repetition_penalty=1.3,
                     stop_token_ids=(2, 3, 4, 5))
 REFILL_PROGRAM = "jit(_refill)"
+# A mixture of experts (4 experts, 2 a token, both layers sparse): the slots record routing.
+MOE = CFG.replace(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=16, norm_topk_prob=True)
 
 
 def _prompts(seed=0, count=5):
@@ -40,7 +43,7 @@ def _model(case):
     if case == "sliding":  # rings of 4 slots, shorter than prompt + completion
         cfg = CFG.replace(sliding_window=4, layer_types=("sliding_attention", "full_attention"))
     else:
-        cfg = CFG
+        cfg = MOE if case == "moe" else CFG
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     if case != "qlora":
         return cfg, model, nnx.state(model, nnx.Param), None
@@ -54,32 +57,38 @@ def _model(case):
 
 
 @pytest.mark.parametrize("case,slots", [("plain", 2), ("plain", 8), ("mesh", 3), ("sliding", 8),
-                                        ("qlora", 8)])
+                                        ("qlora", 8), ("moe", 3)])
 @pytest.mark.slow
 def test_refilled_slots_draw_what_one_batch_does(case, slots):
     """20 rows (5 prompts x 4) through 2 or 3 slots (a group larger than the slots) and 8
     (two whole groups), refilled and in static sub-batches, give one batch's tokens; their
     log-probs equal the trainer's; refilling takes fewer decode steps. On a
-    (2, 2, 2) mesh the slots round up to a multiple of the 4 batch shards."""
+    (2, 2, 2) mesh the slots round up to a multiple of the 4 batch shards. A mixture of
+    experts records the static batch's routing (what routing replay replays)."""
     cfg, model, params, peft = _model(case)
     mesh = (mesh_lib.make_mesh(mesh_lib.MeshConfig(2, 2, 2), jax.devices()[:8])
             if case == "mesh" else None)
     takes = peft if peft else None  # QLoRA's sampler runs the adapters on the quantized base
+    record = case == "moe"
     prompts = _prompts()
-    one = Sampler(cfg, SP, pad_id=0, peft=takes).generate(params, prompts, 4, 7)
+    one = Sampler(cfg, SP, pad_id=0, peft=takes, record_routing=record).generate(params, prompts,
+                                                                                 4, 7)
     assert 1 in one.completion_mask.sum(1) and one.truncated.any()  # lengths 1 to 12
     sp = dataclasses.replace(SP, max_num_seqs=slots)
-    refill = Refill(Sampler(cfg, sp, pad_id=0, mesh=mesh, peft=takes))
+    refill = Refill(Sampler(cfg, sp, pad_id=0, mesh=mesh, peft=takes, record_routing=record))
     assert refill.slots == (4 if mesh else slots)
     out = refill.generate(params, prompts, 4, 7)
     sub = Refill(Sampler(cfg, dataclasses.replace(sp, continuous_batching=False), pad_id=0,
-                         mesh=mesh, peft=takes)).generate(params, prompts, 4, 7)
+                         mesh=mesh, peft=takes, record_routing=record)).generate(params,
+                                                                                 prompts, 4, 7)
     for got in (out, sub):
         for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask",
                      "truncated"):
             np.testing.assert_array_equal(getattr(got, name), getattr(one, name), name)
         # Measured: equal to the last bit refilled, within 5e-7 in sub-batches (XLA:CPU).
         np.testing.assert_allclose(got.sampler_logp, one.sampler_logp, rtol=0, atol=2e-6)
+        if record:
+            _assert_same_routing(got, one)
     m = out.completion_mask.astype(bool)
     assert np.abs(out.sampler_logp - trainer_logp(model, out, 1.0))[m].max() < 5e-5
     ran, static = out.metrics, sub.metrics
@@ -87,6 +96,18 @@ def test_refilled_slots_draw_what_one_batch_does(case, slots):
     # Every decoded token is one live slot-step: 20 rows' tokens less each first one.
     live = ran["generate/slot_occupancy"] * ran["generate/slot_steps"]
     assert round(live) == (out.completion_mask.sum(1) - 1).sum()
+
+
+def _assert_same_routing(got, want):
+    """got's routing record is want's (a static batch's) for every token fed to the model: the
+    prompts, and each completion but its last token (never fed, -1 refilled; a static batch
+    feeds it while other rows decode)."""
+    assert got.completion_routing.dtype == want.completion_routing.dtype
+    np.testing.assert_array_equal(got.prompt_routing, want.prompt_routing)
+    C = got.completion_mask.shape[1]
+    fed = np.arange(C) < got.completion_mask.sum(1, keepdims=True) - 1
+    assert (got.completion_routing[fed] >= 0).all()
+    np.testing.assert_array_equal(got.completion_routing[fed], want.completion_routing[fed])
 
 
 def test_later_rounds_compile_nothing(compiled):

@@ -67,9 +67,6 @@ class TrainConfig:
               "with vLLM rollouts: grpo-jax does not read vLLM's routed experts (vLLM 0.32 returns "
               "them only from Model Runner V2, which needs Triton: CPU builds cannot); use the "
               "JAX sampler (use_vllm: false) or router_replay: disabled")
-        check(replay == "disabled" or self.generation.max_num_seqs is None, f"router_replay "
-              f"{replay} with max_num_seqs: decode slots do not record routing yet; set "
-              "max_num_seqs: null")
         # Tool turns record their routing (rollout/tools.py); a rollout_func returns token
         # lists it assembled itself, which no sampler call's record can be matched to.
         check(replay == "disabled" or not self.multi_turn.rollout_func,

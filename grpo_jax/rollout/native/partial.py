@@ -31,6 +31,10 @@ The prompts' keys and values are computed again each round under that round's we
 every group slot (each prompt once: 1/G of running its rows), so a row admitted later reads
 its prompt through the weights it decodes with. One program: static shapes (the group slots,
 the decode slots, the prompt width of the run's longest prompt), so it compiles once.
+
+With Sampler.record_routing (a mixture of experts: router/mismatch, routing replay) the rows
+carry the experts each completion token ran across rounds, and each group its prompt's (the
+latest prefill its rows were admitted from, see _admit): in InFlight, so in checkpoints too.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import distributed as dist
-from grpo_jax.models import KVCache
+from grpo_jax.models import KVCache, moe
 from grpo_jax.rollout.base import RolloutBatch
 from grpo_jax.rollout.native import sampling
 from grpo_jax.rollout.native.sampler import Sampler, as_key, decode_metrics, left_pad, row_keys
@@ -65,6 +69,10 @@ class Rows(NamedTuple):
     key_mask: jax.Array    # [S, P + C] int32
     cache: KVCache         # [L, S, K, P + C, Dh] per run
     seen: jax.Array | None  # [S, V] bool, with a repetition penalty
+    # With Sampler.record_routing: [R, C, S_l, k] the experts each completion token ran when
+    # fed (-1: never fed), and [groups, P, S_l, k] each group's prompt's (see _admit).
+    routing: jax.Array | None = None
+    prompt_routing: jax.Array | None = None
 
 
 class InFlight(NamedTuple):
@@ -153,6 +161,11 @@ class PartialRollouts:
         tokens, cmask, logp, versions = dist.to_host(
             (rows.tokens[out_rows], rows.mask[out_rows], rows.logp[out_rows],
              rows.version[out_rows]))
+        prompt_routing = completion_routing = None
+        if rows.routing is not None:
+            prompt_routing, completion_routing = dist.to_host(
+                (rows.prompt_routing[chosen], rows.routing[out_rows]))
+            prompt_routing = np.repeat(prompt_routing, g, axis=0)
         # What the round returned leaves its group slots (the program emptied their rows).
         done_records = [recs[i] for i in chosen]
         seq[chosen], data[chosen] = -1, -1
@@ -163,7 +176,8 @@ class PartialRollouts:
         batch = RolloutBatch(np.repeat(ids[chosen], g, axis=0), np.repeat(pmask[chosen], g, axis=0),
                              tokens, cmask, ~stopped, logp,
                              metrics=decode_metrics(int(steps), int(busy), self.slots),
-                             versions=np.where(cmask > 0, versions, 0).astype(np.int32))
+                             versions=np.where(cmask > 0, versions, 0).astype(np.int32),
+                             prompt_routing=prompt_routing, completion_routing=completion_routing)
         left = at._replace(rows=rows, prompt_ids=ids, prompt_mask=pmask, data_rows=data,
                            seq=seq, records=tuple(recs), drawn=at.drawn + len(prompts),
                            key=run_key)
@@ -179,14 +193,15 @@ class PartialRollouts:
         stale = jnp.any((oldest < version - self.max_staleness).reshape(-1, g), axis=1)
         stale = stale & (seq >= 0) & ~fresh
         rows = self._restart(rows, jnp.repeat(fresh | stale, g))
-        cast, layers, cache, logits = s.prompt_pass(params, s.constrain(prompt_ids, "batch", None),
-                                                    s.constrain(prompt_mask, "batch", None))
+        cast, layers, cache, logits, *routing = s.prompt_pass(
+            params, s.constrain(prompt_ids, "batch", None), s.constrain(prompt_mask, "batch", None),
+            s.record_routing)
         pen = None
         if rows.seen is not None:
             pen = jnp.zeros((prompt_ids.shape[0], s.cfg.vocab_size), bool)
             pen = pen.at[jnp.arange(prompt_ids.shape[0])[:, None], prompt_ids].max(
                 prompt_mask.astype(bool))
-        store = (cache, logits, prompt_mask, pen)
+        store = (cache, logits, prompt_mask, pen, *routing)
         model = s.decoder(cast)
         gid = jnp.repeat(seq, g) * g + jnp.tile(jnp.arange(g, dtype=jnp.int32), seq.shape[0])
 
@@ -220,13 +235,18 @@ class PartialRollouts:
         s = self.sampler
         slot = lambda x: s.constrain(x, "batch", *[None] * (x.ndim - 1))  # noqa: E731
         whole = lambda x: s.constrain(x, *[None] * x.ndim)  # noqa: E731
+        maybe = lambda f, x: None if x is None else f(x)  # noqa: E731
         return Rows(*map(whole, rows[:5]), *map(slot, rows[5:10]), s.constrain_cache(rows.cache),
-                    None if rows.seen is None else slot(rows.seen))
+                    maybe(slot, rows.seen), maybe(whole, rows.routing),
+                    maybe(whole, rows.prompt_routing))
 
     def _empty_rows(self, *, width: int, penalty: bool) -> Rows:
         s = self.sampler
         S, C, cfg = self.slots, s.sampling_params.max_completion_length, s.cfg
         R = self.group_slots * self.g
+        unrecorded = lambda *shape: jnp.full(  # noqa: E731
+            (*shape, sum(cfg.moe_layers), cfg.num_experts_per_tok), -1,
+            moe.routing_dtype(cfg.num_experts)) if s.record_routing else None
         return self._laid_out(Rows(
             status=jnp.full((R,), EMPTY, jnp.int32),
             tokens=jnp.full((R, C), s.pad_id, jnp.int32), mask=jnp.zeros((R, C), jnp.int32),
@@ -235,7 +255,8 @@ class PartialRollouts:
             last=jnp.zeros((S,), jnp.int32), prompt_len=jnp.zeros((S,), jnp.int32),
             key_mask=jnp.zeros((S, width + C), jnp.int32),
             cache=KVCache.zeros(cfg, S, width + C, s.cache_dtype),
-            seen=jnp.zeros((S, cfg.vocab_size), bool) if penalty else None))
+            seen=jnp.zeros((S, cfg.vocab_size), bool) if penalty else None,
+            routing=unrecorded(R, C), prompt_routing=unrecorded(self.group_slots, width)))
 
     def _restart(self, rows: Rows, restart) -> Rows:
         """Rows `restart` ([R] bool) back to waiting with nothing drawn; their slots freed."""
@@ -246,13 +267,22 @@ class PartialRollouts:
             tokens=jnp.where(keep, rows.tokens, self.sampler.pad_id),
             mask=jnp.where(keep, rows.mask, 0), logp=jnp.where(keep, rows.logp, 0.0),
             version=jnp.where(keep, rows.version, 0),
-            slot_row=jnp.where(evict, -1, rows.slot_row))
+            slot_row=jnp.where(evict, -1, rows.slot_row),
+            routing=None if rows.routing is None else jnp.where(keep[..., None, None],
+                                                                rows.routing, -1))
 
     def _admit(self, store, r: Rows, seq, gid, key, version) -> Rows:
         """Free slots take the waiting rows, oldest group first: their prompts' keys and values
-        from this round's prompt pass, and their first tokens."""
+        from this round's prompt pass, and their first tokens.
+
+        A group's prompt record is the prompt pass of the last round that admitted one of its
+        rows. Each round recomputes the prompts under its weights, so a group whose rows were
+        admitted over several rounds decoded from several prefills, while the trainer runs its
+        prompt once (shared by the group's rows under numerics.shared_prefix) and can replay
+        one record of it. The latest is the prefill whose keys and values the group's last
+        decoded tokens read, the one closest to the weights that train on them."""
         s, S, g = self.sampler, self.slots, self.g
-        cache, logits, pmask, pen = store
+        cache, logits, pmask, pen, *routing = store
         waiting = r.status == WAITING
         priority = jnp.where(waiting, gid, _LAST)
         order = jnp.argsort(priority)
@@ -271,6 +301,9 @@ class PartialRollouts:
         mask_rows = jnp.concatenate([pmask[prompt], jnp.ones((S, r.key_mask.shape[1] - width),
                                                             jnp.int32)], axis=1)
         status = r.status.at[jnp.where(admit, pick, r.status.shape[0])].set(LIVE, mode="drop")
+        if routing:
+            r = r._replace(prompt_routing=r.prompt_routing.at[
+                jnp.where(admit, prompt, pmask.shape[0])].set(routing[0][prompt], mode="drop"))
         r = r._replace(status=status, slot_row=row, length=jnp.where(admit, 0, r.length),
                        prompt_len=jnp.where(admit, jnp.sum(pmask, axis=1)[prompt], r.prompt_len),
                        key_mask=jnp.where(admit[:, None], mask_rows, r.key_mask),
@@ -283,9 +316,13 @@ class PartialRollouts:
         """Every live slot feeds its row's last token and samples the next."""
         s = self.sampler
         live = r.slot_row >= 0
-        hidden, cache = model(r.last[:, None], (r.prompt_len + r.length - 1)[:, None],
-                              r.key_mask, cache=r.cache, cache_index=width + r.length - 1,
-                              layers=layers)
+        hidden, cache, *chosen = model(
+            r.last[:, None], (r.prompt_len + r.length - 1)[:, None], r.key_mask, cache=r.cache,
+            cache_index=width + r.length - 1, layers=layers, record_routing=r.routing is not None)
+        if chosen:  # the experts of the token each live slot fed: its row's token length - 1
+            at = jnp.where(live, r.slot_row, r.routing.shape[0])  # a free slot writes nowhere
+            r = r._replace(routing=r.routing.at[at, jnp.maximum(r.length - 1, 0)].set(
+                chosen[0][:, 0].astype(r.routing.dtype), mode="drop"))
         row = jnp.maximum(r.slot_row, 0)
         token, logp = sampling.sample(row_keys(key, r.length, gid[row]),
                                       model.logits(hidden)[:, 0], s.sampling_params, r.seen)

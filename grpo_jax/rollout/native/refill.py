@@ -27,6 +27,11 @@ Row r draws its token t with the key fold_in(fold_in(round key, t), r) (sampler.
 `Sampler.generate` does, so a row's tokens do not depend on its slot nor on its neighbours;
 the floating-point sums do (a batch of other size may round differently), which is why tokens
 equal the static batch's almost always rather than always (tests/test_refill.py).
+
+With Sampler.record_routing (a mixture of experts: router/mismatch, routing replay) the round
+also returns what a static batch records: each prompt's experts from its one prompt pass (every
+row admits that pass's keys and values) and each completion token's, written by the decode step
+of the slot that fed it.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import numpy as np
 
 from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
-from grpo_jax.models import KVCache
+from grpo_jax.models import KVCache, moe
 from grpo_jax.rollout.native import sampling
 from grpo_jax.rollout.native.sampler import (RolloutBatch, Sampler, as_key, decode_metrics,
                                              left_pad, merge_decode_metrics, row_keys)
@@ -69,6 +74,9 @@ class _Slots(NamedTuple):
     tokens: jax.Array        # [N, C] int32: the round's completions, pad after the end
     mask: jax.Array          # [N, C] int32
     logp: jax.Array          # [N, C] fp32
+    # [N, C, S, k] the experts each completion token ran when fed (Sampler.record_routing; -1:
+    # never fed, as a row's last token), written by the slot that decodes the row.
+    routing: jax.Array | None = None
 
 
 class Refill:
@@ -104,13 +112,17 @@ class Refill:
             args = tuple(dist.shard_host_array(x, mesh_lib.logical_sharding(
                 s.mesh, "batch", None, shape=x.shape)) for x in args)
             params = jax.device_put(params, mesh_lib.param_shardings(params, s.mesh))
-        tokens, cmask, logp, steps, busy = dist.to_host(self.program(
+        tokens, cmask, logp, steps, busy, *routing = dist.to_host(self.program(
             params, *args, as_key(rng), np.int32(n), num_generations=g, rows=rows))
         tokens, cmask, logp = tokens[:n], cmask[:n], logp[:n]
         stopped = (np.isin(tokens, s.sampling_params.stop_token_ids) & (cmask > 0)).any(axis=1)
         ids, mask = np.repeat(ids, g, axis=0)[:n], np.repeat(mask, g, axis=0)[:n]
+        # Every row of a prompt admits its keys and values from the one prompt pass: its record.
+        prompt_routing, completion_routing = ((np.repeat(routing[0], g, axis=0)[:n],
+                                               routing[1][:n]) if routing else (None, None))
         return RolloutBatch(ids, mask, tokens, cmask, ~stopped, logp,
-                            metrics=decode_metrics(int(steps), int(busy), self.slots))
+                            metrics=decode_metrics(int(steps), int(busy), self.slots),
+                            prompt_routing=prompt_routing, completion_routing=completion_routing)
 
     def sub_batches(self, params, prompt_token_ids, num_generations: int,
                     rng) -> RolloutBatch:
@@ -132,10 +144,16 @@ class Refill:
         width = s.bucket(max(map(len, prompts)))  # as one batch would pad the prompts
         widen = lambda x: np.pad(x, ((0, 0), (width - x.shape[1], 0)))  # noqa: E731
         cat = lambda name: np.concatenate([getattr(p, name) for p in parts])  # noqa: E731
+        routing = (None, None)
+        if s.record_routing:  # a prompt's record padded like its ids: -1, nothing ran there
+            routing = (np.concatenate([np.pad(p.prompt_routing, (
+                (0, 0), (width - p.prompt_routing.shape[1], 0), (0, 0), (0, 0)),
+                constant_values=-1) for p in parts]), cat("completion_routing"))
         return RolloutBatch(widen(cat("prompt_ids")), widen(cat("prompt_mask")),
                             cat("completion_ids"), cat("completion_mask"), cat("truncated"),
                             cat("sampler_logp"),
-                            metrics=merge_decode_metrics([p.metrics for p in parts]))
+                            metrics=merge_decode_metrics([p.metrics for p in parts]),
+                            prompt_routing=routing[0], completion_routing=routing[1])
 
     # ------------------------------------------------------------------ compiled program
 
@@ -144,7 +162,8 @@ class Refill:
         s, sp, cfg = self.sampler, self.sampler.sampling_params, self.sampler.cfg
         prompt_ids = s.constrain(prompt_ids, "batch", None)
         prompt_mask = s.constrain(prompt_mask, "batch", None)
-        cast, layers, cache, logits = s.prompt_pass(params, prompt_ids, prompt_mask)
+        cast, layers, cache, logits, *prompt_routing = s.prompt_pass(
+            params, prompt_ids, prompt_mask, s.record_routing)
         seen = None
         if sp.repetition_penalty != 1.0:
             seen = jnp.zeros((prompt_ids.shape[0], cfg.vocab_size), bool)
@@ -161,7 +180,10 @@ class Refill:
             st = jax.lax.cond(jnp.any(st.free) & (st.queued < n), admit, lambda x: x, st)
             return self._decode(model, layers, st, key)
         state = jax.lax.while_loop(lambda st: (st.queued < n) | ~jnp.all(st.free), step, state)
-        return state.tokens, state.mask, state.logp, state.step, state.busy
+        out = state.tokens, state.mask, state.logp, state.step, state.busy
+        if state.routing is None:
+            return out
+        return (*out, prompt_routing[0], state.routing)
 
     def _empty(self, width: int, rows: int, penalty: bool) -> _Slots:
         s = self.sampler
@@ -179,7 +201,10 @@ class Refill:
             seen=zeros((S, cfg.vocab_size), bool) if penalty else None,
             tokens=out(jnp.full((rows, C), s.pad_id, jnp.int32)),
             mask=out(jnp.zeros((rows, C), jnp.int32)),
-            logp=out(jnp.zeros((rows, C), jnp.float32)))
+            logp=out(jnp.zeros((rows, C), jnp.float32)),
+            routing=s.constrain(jnp.full((rows, C, sum(cfg.moe_layers), cfg.num_experts_per_tok),
+                                         -1, moe.routing_dtype(cfg.num_experts)),
+                                None, None, None, None) if s.record_routing else None)
 
     def _admit(self, store: _Store, st: _Slots, key, n, g: int) -> _Slots:
         """The free slots take the next waiting rows: their prompts' keys and values, masks
@@ -211,9 +236,14 @@ class Refill:
         s = self.sampler
         live = ~st.free
         width = st.key_mask.shape[1] - s.sampling_params.max_completion_length
-        hidden, cache = model(st.last[:, None], (st.prompt_len + st.length - 1)[:, None],
-                              st.key_mask, cache=st.cache, cache_index=width + st.length - 1,
-                              layers=layers)
+        hidden, cache, *chosen = model(
+            st.last[:, None], (st.prompt_len + st.length - 1)[:, None], st.key_mask,
+            cache=st.cache, cache_index=width + st.length - 1, layers=layers,
+            record_routing=st.routing is not None)
+        if chosen:  # the experts of the token each live slot fed: its row's token length - 1
+            at = jnp.where(live, st.row, st.routing.shape[0])  # a slot not live writes nowhere
+            st = st._replace(routing=st.routing.at[at, jnp.maximum(st.length - 1, 0)].set(
+                chosen[0][:, 0].astype(st.routing.dtype), mode="drop"))
         token, logp = sampling.sample(row_keys(key, st.length, st.row),
                                       model.logits(hidden)[:, 0], s.sampling_params, st.seen)
         st = st._replace(step=st.step + 1, busy=st.busy + jnp.sum(live),

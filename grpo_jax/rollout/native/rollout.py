@@ -23,9 +23,9 @@ class JaxRollout(Rollout):
                  partial_rollouts: tuple[int, int, int] | None = None):
         adapters = bool(peft and peft.sampler_takes_adapters)
         self.weight_mode = WeightMode.READ_ADAPTERS if adapters else WeightMode.READ
-        # A mixture of experts records its routing (router/mismatch, routing replay), except
-        # through decode slots (refill.py), which do not record it.
-        record = bool(model_cfg.num_experts) and params.max_num_seqs is None
+        # A mixture of experts records its routing (router/mismatch, routing replay), through
+        # decode slots (refill.py) and partial rollouts (partial.py) too.
+        record = bool(model_cfg.num_experts)
         self.sampler = Sampler(model_cfg, params, pad_id=pad_id, mesh=mesh,
                                peft=peft if adapters else None, record_routing=record)
         self.slots = refill.Refill(self.sampler) if params.max_num_seqs is not None else None
