@@ -312,7 +312,10 @@ def test_run_state_is_checkpointed_and_restored_whole(tmp_path, tiny_dir):
                                  np.array([True, False, False, True]),
                                  r.standard_normal((4, 5)).astype(np.float32),
                                  metrics={"sampler/decode_steps": 7.0},
-                                 versions=np.full((4, 5), 4, np.int32)),
+                                 versions=np.full((4, 5), 4, np.int32),
+                                 prompt_routing=r.integers(-1, 8, (4, 5, 2, 2)).astype(np.int8),
+                                 completion_routing=r.integers(-1, 8, (4, 5, 2, 2)
+                                                               ).astype(np.int8)),
                     (record(5), record(1)), np.array([5, 1]), dropped=2, took=1.5, waited=0.5)
     saved = RunState(state_of(0), DataPosition(1, 8), round=5, tokens_seen=1234,
                      buffer=(micro(2, 0), micro(5, 1)), epoch_end=1,
@@ -348,7 +351,7 @@ def test_run_state_is_checkpointed_and_restored_whole(tmp_path, tiny_dir):
     np.testing.assert_array_equal(jax.random.key_data(got.key), jax.random.key_data(want.key))
     got, want = back.queued, saved.queued
     for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated",
-                 "sampler_logp", "versions"):
+                 "sampler_logp", "versions", "prompt_routing", "completion_routing"):
         np.testing.assert_array_equal(getattr(got.rollout, name), getattr(want.rollout, name),
                                       name)
         assert getattr(got.rollout, name).dtype == getattr(want.rollout, name).dtype, name

@@ -114,6 +114,9 @@ def to_arrays(q: Queued) -> dict[str, np.ndarray]:
     out = {name: np.asarray(getattr(r, name)) for name in (
         "prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated",
         "sampler_logp", "versions")}
+    # A mixture of experts' routing record (routing replay): saved where the sampler kept one.
+    out.update({name: np.asarray(v) for name, v in (("prompt_routing", r.prompt_routing), (
+        "completion_routing", r.completion_routing)) if v is not None})
     out.update({f"metric/{k}": np.float64(v) for k, v in (r.metrics or {}).items()})
     out.update(data_rows=q.data_rows, dropped=np.int64(q.dropped))
     return out
@@ -125,6 +128,8 @@ def from_arrays(arrays: dict, record) -> Queued:
     metrics = {k[len("metric/"):]: float(v) for k, v in a.items() if k.startswith("metric/")}
     rollout = RolloutBatch(a["prompt_ids"], a["prompt_mask"], a["completion_ids"],
                            a["completion_mask"], a["truncated"], a["sampler_logp"],
-                           metrics=metrics or None, versions=a["versions"])
+                           metrics=metrics or None, versions=a["versions"],
+                           prompt_routing=a.get("prompt_routing"),
+                           completion_routing=a.get("completion_routing"))
     return Queued(rollout, tuple(record(int(i)) for i in a["data_rows"]), a["data_rows"],
                   int(a["dropped"]))
