@@ -325,8 +325,8 @@ def test_expert_parallel_equals_one_device(tiny, name, shape):
 
 
 @pytest.mark.parametrize("family,rollout", [
-    ("gpt_oss", {}), ("gpt_oss", dict(max_num_seqs=2)),
-    ("gpt_oss", dict(max_num_seqs=2, max_staleness=1))], ids=["gpt_oss", "slots", "partial"])
+    ("gpt_oss", {}), ("gpt_oss", dict(max_num_seqs=2, max_staleness=1))],
+    ids=["gpt_oss", "partial"])
 @pytest.mark.slow
 def test_grpo_run_on_a_moe_policy(tmp_path, family, rollout):
     """Two GRPO steps with a tiny MoE policy (gpt-oss: sinks, biases, ring caches; Qwen3-MoE's
@@ -334,9 +334,10 @@ def test_grpo_run_on_a_moe_policy(tmp_path, family, rollout):
     over 4 devices (the sampler's experts on the expert axis too), the checkpoint's aux-loss
     coefficient, routing replay on (the sampler's record sharded with the rows, replayed in the
     reference and update forwards): the sampler's log-probs equal the train step's, and the
-    router metrics are logged, router/mismatch 0. The same through 2 decode slots for a
-    round's 4 rows (refilled), and as partial rollouts (max_staleness 1; this run's rows all
-    end in the round that drew them: rows carried with their records are test_partial.py's)."""
+    router metrics are logged, router/mismatch 0. The same as partial rollouts through 2 decode
+    slots for a round's 4 rows (max_staleness 1; this run's rows all end in the round that drew
+    them: rows carried with their records are test_partial.py's, refill.py's record against a
+    static batch's is test_refill.py's)."""
     from hf_oracle import char_tokenizer, tiny_grpo_run
     last = tiny_grpo_run(tmp_path, tiny_hf_model(family, vocab=len(char_tokenizer())),
                          dp=1, fsdp=2, ep=2, router_replay="R3", **rollout)
