@@ -115,7 +115,6 @@ def test_overrides_beat_the_file_and_keep_strings(tmp_path):
     (["router_replay=R2"], "'R2' is not one of disabled, R3"),
     (["router_replay=R3", "use_vllm=true"], "Model Runner V2, which needs Triton"),
     (["router_replay=R3", "rollout_func=a.b:c"], "router_replay R3 with a rollout_func"),
-    (["router_replay=R3", "moe_capacity_factor=1.5"], "router_replay R3 with moe_capacity"),
 ])
 def test_bad_keys_and_values_name_the_problem(override, needle):
     with pytest.raises(ConfigError, match=None) as e:

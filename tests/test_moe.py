@@ -156,14 +156,20 @@ def test_mxfp4_experts_are_dequantized_on_load(tiny, tmp_path):
 
 def test_capacity_factor_drops_only_what_overflows(tiny):
     """moe_capacity_factor: room enough for every assignment gives the dropless logits; a
-    small one drops assignments and changes them."""
+    small one drops assignments and changes them, except under routing replay, which drops
+    nothing (its replayed dropless experts give the dropless logits)."""
     _, _, model = tiny("mixtral")
     cfg, dropless = model.cfg, long_logits(model)
+    mask = jnp.asarray(LONG_MASK)
+    args = (jnp.asarray(LONG_TOKENS), positions_from_mask(mask), mask)
     try:
+        _, _, own = nnx.jit(lambda m: m(*args, record_routing=True))(model)
         model.cfg = cfg.replace(moe_capacity_factor=2.0)  # E / k: room for every token
         assert long_diff(long_logits(model), dropless) < 1e-5
         model.cfg = cfg.replace(moe_capacity_factor=0.25)
         assert long_diff(long_logits(model), dropless) > 1e-3
+        hidden, _ = nnx.jit(lambda m: m(*args, routing=own.astype(jnp.int8)))(model)
+        assert long_diff(np.asarray(model.logits(hidden)), dropless) < 1e-5
     finally:
         model.cfg = cfg
 

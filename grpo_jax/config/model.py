@@ -68,8 +68,9 @@ class Numerics:
         "old-log-prob, reference and update forwards run those experts, their gate weights "
         "recomputed from the trainer's own router (its gradient flows through them; "
         "models/moe.py); \"disabled\": each forward routes itself. verl's R2 (replaying the "
-        "old-log-prob forward's routing) is not offered. router/mismatch is logged either way "
-        "for a mixture of experts on the JAX sampler.")
+        "old-log-prob forward's routing) is not offered. With moe_capacity_factor, R3's "
+        "forwards run dropless (a replayed token is never dropped). router/mismatch is logged "
+        "either way for a mixture of experts on the JAX sampler.")
 
     def __post_init__(self):
         check(self.remat_policy in ("full", "dots"),
@@ -80,10 +81,6 @@ class Numerics:
               f"moe_capacity_factor={self.moe_capacity_factor}: must be > 0, or null (dropless)")
         check(self.router_replay in ("disabled", "R3"),
               f"router_replay={self.router_replay!r}: use 'disabled' or 'R3'")
-        check(self.router_replay == "disabled" or self.moe_capacity_factor is None,
-              "router_replay R3 with moe_capacity_factor: an expert's capacity buffer drops "
-              "assignments past its room, replayed ones too; set moe_capacity_factor: null "
-              "(dropless) to replay every token")
 
     @property
     def replay(self) -> bool:

@@ -25,6 +25,9 @@ router logits at the replayed experts (softmax over all experts gathered there, 
 with norm_topk_prob: for gpt-oss the softmax over the k replayed logits), so the router still
 learns: its gradient flows through the replayed experts' gate weights only. The selection
 itself is not differentiable either way (top-k has no gradient), with or without replay.
+With `moe_capacity_factor`, a replayed forward ignores the capacity buffers (dropless): a
+replayed token is never dropped (and the sampler of a run with replay runs dropless too, so
+that what it records is what it ran).
 
 Expert parallelism: with an `expert` mesh axis of size ep > 1 the experts' weights are split
 over it (mesh.RULES "expert"). On any mesh the experts run inside `shard_map` (megablox's gmm
@@ -148,6 +151,12 @@ def moe_mlp(cfg, p, h, token_mask=None, mesh=None, forced=None):
     x = h.reshape(B * T, D)
     k = cfg.num_experts_per_tok
     logits, idx, weights = route(cfg, p, x, None if forced is None else forced.reshape(B * T, k))
+    if forced is not None and cfg.numerics.moe_capacity_factor is not None:
+        # A replayed forward runs dropless: which assignments overflow a capacity buffer
+        # depends on the batch the forward sees, which is the very difference between the
+        # sampler's forward and the trainer's that replay removes (a replayed token is never
+        # dropped).
+        cfg = cfg.replace(moe_capacity_factor=None)
     y = experts(cfg, p, x, idx, weights, mesh)
     stats = None if token_mask is None else router_stats(logits, idx, token_mask.reshape(-1))
     return y.reshape(B, T, D).astype(h.dtype), stats, idx.reshape(B, T, k)

@@ -91,6 +91,10 @@ class Sampler:
             raise ValueError("record_routing needs a mixture of experts: a dense model has no "
                              "router")
         self.record_routing = record_routing
+        if model_cfg.numerics.replay:
+            # Routing replay runs the trainer's forwards dropless (models/moe.py): the sampler
+            # too, so that every expert it records is an expert it ran.
+            model_cfg = model_cfg.replace(moe_capacity_factor=None)
         self.cfg, self.sampling_params = model_cfg, sampling_params
         self.pad_id, self.mesh = pad_id, mesh
         self.buckets = tuple(sorted(int(b) for b in buckets))
