@@ -81,16 +81,23 @@ def test_splash_blocks_tile_long_rows():
 
 
 
-def _programs(base, mesh, batch: Batch, group: int, k: int):
-    """(logits [N, P + C, V] in sequence order, (log-probs, entropies) [N, C], loss, gradient
-    leaves) of `base` laid out on `mesh` as the Policy lays it out, with `group` rows per
-    shared prompt and k accumulated micro-batches."""
+def _laid_out(base, mesh, batch: Batch):
+    """(graphdef, params, batch) of a copy of `base` laid out on `mesh` as the Policy lays it
+    out: its activations constrained, its params and the batch's rows sharded."""
     model = nnx.merge(*nnx.split(base))
     model.shard_activations(mesh)
     graphdef, params = nnx.split(model, nnx.Param)
     params = jax.device_put(params, mesh_lib.param_shardings(params, mesh))
     b = jax.tree.map(lambda x: jax.device_put(jnp.asarray(x),
                                               mesh_lib.batch_sharding(mesh, x.ndim)), batch)
+    return graphdef, params, b
+
+
+def _programs(base, mesh, batch: Batch, group: int, k: int):
+    """(logits [N, P + C, V] in sequence order, (log-probs, entropies) [N, C], loss, gradient
+    leaves) of `base` laid out on `mesh` as the Policy lays it out, with `group` rows per
+    shared prompt and k accumulated micro-batches."""
+    graphdef, params, b = _laid_out(base, mesh, batch)
     step = StepConfig(loss=LossConfig(vllm_importance_sampling_correction=False,
                                       loss_type="dapo", beta=0.0),
                       temperature=0.9, gradient_accumulation_steps=k, logprob_chunk=4)
@@ -225,12 +232,7 @@ def test_routing_replay_on_a_context_axis_equals_one_device():
                           completion_routing=experts(n, batch.completion_ids.shape[1]))
 
     def replayed(mesh, group):
-        model = nnx.merge(*nnx.split(base))
-        model.shard_activations(mesh)
-        graphdef, params = nnx.split(model, nnx.Param)
-        params = jax.device_put(params, mesh_lib.param_shardings(params, mesh))
-        b = jax.tree.map(lambda x: jax.device_put(jnp.asarray(x),
-                                                  mesh_lib.batch_sharding(mesh, x.ndim)), batch)
+        graphdef, params, b = _laid_out(base, mesh, batch)
         logp, _, _, sums = jax.jit(lambda p, b: completion_logps_and_router(
             nnx.merge(graphdef, p), b, 0.9, 4, group))(params, b)
         return np.asarray(logp), np.asarray(sums)

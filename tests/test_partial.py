@@ -5,7 +5,6 @@ run, every prompt is trained exactly once, in draw order of completion, and a ru
 rows in flight (in process, SIGTERM and SIGKILL) resumes to the uninterrupted run's result."""
 
 import dataclasses
-import json
 import signal
 import time
 
@@ -15,7 +14,7 @@ import pytest
 from flax import nnx
 
 from model_oracle import trainer_logp
-from tiny_run import ODD_POSTS, cli_args, config, run_cli
+from tiny_run import ODD_POSTS, advances, cli_args, config, history, run_cli
 
 from grpo_jax import hf
 from grpo_jax import mesh as mesh_lib
@@ -151,24 +150,6 @@ def test_settings():
 PARTIAL = dict(max_staleness=2, max_num_seqs=8, max_completion_length=12)
 
 
-def _returned(monkeypatch):
-    """The prompts of each round's finished groups, in order, and the prompts drawn."""
-    got, drawn = [], []
-    advance = PartialRollouts.advance
-
-    def record(self, params, at, records, *a, **kw):
-        drawn.extend(r["prompt"] for r in records)
-        done = advance(self, params, at, records, *a, **kw)
-        got.append([r["prompt"] for r in done.records])
-        return done
-    monkeypatch.setattr(PartialRollouts, "advance", record)
-    return got, drawn
-
-
-def _history(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").open()]
-
-
 @pytest.mark.slow
 def test_each_prompt_trained_once_and_resume_equals_uninterrupted(tiny_dir, tmp_path,
                                                                    monkeypatch):
@@ -177,7 +158,7 @@ def test_each_prompt_trained_once_and_resume_equals_uninterrupted(tiny_dir, tmp_
     checkpoint holds the rows in flight) and resumed, the same prompts trained in the same
     order, the same metrics, the same weights as the run that never stopped; max_staleness 0
     keeps today's rounds (no rows in flight, no staleness metrics)."""
-    got, drawn = _returned(monkeypatch)
+    got, drawn = advances(monkeypatch)
     devices = jax.devices()[:1]
     train(config(tiny_dir, tmp_path / "full", max_steps=6, **PARTIAL), devices=devices)
     full, got[:], full_drawn, drawn[:] = list(got), [], list(drawn), []
@@ -190,7 +171,7 @@ def test_each_prompt_trained_once_and_resume_equals_uninterrupted(tiny_dir, tmp_
     # 28 drawn (8 groups first, then 4 a round), 24 trained, each once; 4 left in flight
     assert len(trained) == 24 and len(set(trained)) == 24 and len(set(drawn)) == 28
     assert set(trained) <= set(drawn)
-    a, b = _history(tmp_path / "full"), _history(tmp_path / "cut")
+    a, b = history(tmp_path / "full"), history(tmp_path / "cut")
     assert [h["step"] for h in b] == [1, 2, 3, 4, 5, 6]
     for ha, hb in zip(a, b):
         for name in ("reward", "loss", "staleness/mean", "staleness/max", "num_tokens",
@@ -204,7 +185,7 @@ def test_each_prompt_trained_once_and_resume_equals_uninterrupted(tiny_dir, tmp_
     # Off: the synchronous rounds, no state carried.
     got[:] = []
     train(config(tiny_dir, tmp_path / "off", max_steps=1, max_num_seqs=8), devices=devices)
-    assert got == [] and "staleness/mean" not in _history(tmp_path / "off")[0]
+    assert got == [] and "staleness/mean" not in history(tmp_path / "off")[0]
     assert not (tmp_path / "off" / "rows_in_flight").exists()
 
 
@@ -243,7 +224,7 @@ def test_sigterm_and_sigkill_with_rows_in_flight_resume_to_the_same_run(tiny_dir
     pb, _, _ = load_checkpoint(out)
     for name, x in hf.params_numpy(pa).items():
         np.testing.assert_array_equal(x, hf.params_numpy(pb)[name], name)
-    a, b = _history(tmp_path / "full"), _history(out)
+    a, b = history(tmp_path / "full"), history(out)
     assert [h["step"] for h in b] == list(range(1, 9))
     assert [h["reward"] for h in a] == [h["reward"] for h in b]
 
@@ -255,10 +236,10 @@ def test_dynamic_sampling_keeps_decoding_until_the_batch_has_signal(tiny_dir, tm
     (no signal), so each round drops their groups and decodes on, new prompts filling the
     group slots, until 4 groups with signal are whole; only odd posts train, each once; a run
     stopped at step 2 and resumed equals the one that did not stop."""
-    got, drawn = _returned(monkeypatch)
+    got, drawn = advances(monkeypatch)
     settings = dict(ODD_POSTS, **PARTIAL)
     train(config(tiny_dir, tmp_path / "full", **settings), devices=jax.devices()[:1])
-    full = _history(tmp_path / "full")
+    full = history(tmp_path / "full")
     assert [h["step"] for h in full] == [1, 2, 3]
     assert max(h["dynamic_sampling/num_gen_batches"] for h in full) >= 2
     passes = list(got)
@@ -268,7 +249,7 @@ def test_dynamic_sampling_keeps_decoding_until_the_batch_has_signal(tiny_dir, tm
     train(config(tiny_dir, tmp_path / "cut", resume=True, **settings),
           devices=jax.devices()[:1])
     assert got[len(passes):] == passes
-    cut = _history(tmp_path / "cut")
+    cut = history(tmp_path / "cut")
     for a, b in zip(full, cut):
         for name in ("reward", "loss", "dynamic_sampling/num_gen_batches", "staleness/mean"):
             assert a[name] == b[name], (a["step"], name)

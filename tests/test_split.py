@@ -3,42 +3,21 @@ grpo_jax.rollout.native.disaggregated): partial rollouts decode on a sampler mes
 round ahead of the trainer; every prompt trains once, each token one version behind the
 weights that train it, and a stopped run resumes to the uninterrupted run's result."""
 
-import json
 
 import jax
 import numpy as np
 import pytest
 
-from tiny_run import config
+from tiny_run import advances, config, history
 
 from grpo_jax import hf
 from grpo_jax.checkpoint import load_checkpoint
-from grpo_jax.rollout.native.partial import PartialRollouts
 from grpo_jax.train import train
 
 # 2 sampler devices (data parallel) and 2 trainer devices (FSDP): 16 rows, 4 groups a round;
 # max_staleness 1: the sampler's round-ahead version is all the staleness allowed.
 SPLIT = dict(sampler_devices=2, max_staleness=1, max_num_seqs=8, max_completion_length=12,
              per_device_train_batch_size=8, dp=1, fsdp=-1)
-
-
-def _returned(monkeypatch):
-    """The prompts of each advance's finished groups, in order, and the prompts drawn (the
-    advances run in the sampler's thread; each appends once, in order)."""
-    got, drawn = [], []
-    advance = PartialRollouts.advance
-
-    def record(self, params, at, records, *a, **kw):
-        drawn.extend(r["prompt"] for r in records)
-        done = advance(self, params, at, records, *a, **kw)
-        got.append([r["prompt"] for r in done.records])
-        return done
-    monkeypatch.setattr(PartialRollouts, "advance", record)
-    return got, drawn
-
-
-def _history(out):
-    return [json.loads(line) for line in (out / "metrics.jsonl").open()]
 
 
 @pytest.mark.slow
@@ -48,7 +27,7 @@ def test_split_run_trains_each_prompt_once_one_version_behind_and_resumes(tiny_d
     every later one a round ahead (every token exactly one version old); each prompt trained
     once, in draw order; stopped at step 2 (the checkpoint holds the batch sampled ahead) and
     resumed: the same prompts in the same order, the same metrics and bit-exact weights."""
-    got, drawn = _returned(monkeypatch)
+    got, drawn = advances(monkeypatch)
     devices = jax.devices()[:4]
     train(config(tiny_dir, tmp_path / "full", max_steps=4, **SPLIT), devices=devices)
     full, full_drawn = list(got), list(drawn)
@@ -56,7 +35,7 @@ def test_split_run_trains_each_prompt_once_one_version_behind_and_resumes(tiny_d
     assert len(full) == 5
     trained = [p for group in full[:4] for p in group]
     assert len(trained) == 16 and len(set(trained)) == 16 and set(trained) <= set(drawn)
-    a = _history(tmp_path / "full")
+    a = history(tmp_path / "full")
     assert [h["step"] for h in a] == [1, 2, 3, 4]
     assert a[0]["staleness/max"] == 0
     for h in a[1:]:
@@ -69,7 +48,7 @@ def test_split_run_trains_each_prompt_once_one_version_behind_and_resumes(tiny_d
     train(config(tiny_dir, tmp_path / "cut", max_steps=4, resume=True, **SPLIT),
           devices=devices)
     assert got == full and drawn == full_drawn
-    b = _history(tmp_path / "cut")
+    b = history(tmp_path / "cut")
     assert [h["step"] for h in b] == [1, 2, 3, 4]
     for ha, hb in zip(a, b):
         for name in set(ha) | set(hb):

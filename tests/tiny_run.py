@@ -1,7 +1,9 @@
 """The tiny training run most end-to-end tests start from: its settings (`config`), reward and
-command line (`run_cli`, `cli_args`).
+command line (`run_cli`, `cli_args`), and what a run's partial rollouts returned (`advances`)
+and logged (`history`).
 The model and prompts it trains on are conftest.py's `tiny_dir` fixture."""
 
+import json
 import os
 import subprocess
 import sys
@@ -45,3 +47,25 @@ def cli_args(tiny_dir, out, max_steps=10, save_steps=2, **extra):
     path = Path(out).parent / f"{Path(out).name}.yaml"
     path.write_text(cfg.to_yaml())
     return ["--config", str(path)]
+
+
+def advances(monkeypatch):
+    """(the prompts of each PartialRollouts.advance's finished groups, in order; the prompts
+    drawn), filled as the run goes (each advance appends once, in order, also from a split run's
+    sampler thread)."""
+    from grpo_jax.rollout.native.partial import PartialRollouts
+    got, drawn = [], []
+    advance = PartialRollouts.advance
+
+    def record(self, params, at, records, *a, **kw):
+        drawn.extend(r["prompt"] for r in records)
+        done = advance(self, params, at, records, *a, **kw)
+        got.append([r["prompt"] for r in done.records])
+        return done
+    monkeypatch.setattr(PartialRollouts, "advance", record)
+    return got, drawn
+
+
+def history(out):
+    """The run's metrics.jsonl records."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").open()]
