@@ -258,8 +258,9 @@ class Checkpointer:
                             f"scalars with float()/int()): {e}") from None
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(
             {**meta, CHECKSUMS_KEY: checksums.MANIFEST}))
-        if self.failed is not None:
-            raise self.failed
+        # The previous save is committed (or has failed) first, as Orbax's save would wait for
+        # it anyway: an error then names it as the last good checkpoint, not the one before.
+        self.wait()
         self._check_space(step, state)
         try:
             started = self._manager.save(step, args=args, force=True)
@@ -293,8 +294,9 @@ class Checkpointer:
     def _check_space(self, step: int, state) -> None:
         """CheckpointWriteError (ENOSPC) when the disk lacks room for this process's part of
         `state`: said before a write that would fail half-way (whose writer threads then
-        print tracebacks of their own). Bytes other processes or pending saves write can
-        still fill it first; that failure surfaces at the next save, wait or poll."""
+        print tracebacks of their own). This object's earlier saves are committed by now;
+        bytes other processes write can still fill it first, a failure that surfaces at the
+        next save, wait or poll."""
         need = sum(shard.data.nbytes for x in jax.tree.leaves(state)
                    if isinstance(x, jax.Array) for shard in x.addressable_shards
                    if shard.replica_id == 0)
