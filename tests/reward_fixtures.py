@@ -29,7 +29,9 @@ def two_turn_game(prompts, trainer):
     goes to the reward functions."""
     tok, C = trainer.tokenizer, trainer.max_completion_length
     ids = [tok(p)["input_ids"] for p in prompts]
-    first = trainer.generate(ids)
+    # A move is at most half the budget (the environment cuts it), so every row has room for
+    # the reply and a second move, whether or not the model writes its stop token early.
+    first = [{k: v[:C // 2] for k, v in turn.items()} for turn in trainer.generate(ids)]
     reply = tok("!ok")["input_ids"]
     out = {"prompt_ids": ids, "completion_ids": [], "logprobs": [], "env_mask": [], "moves": []}
     contexts, rows = [], []

@@ -26,4 +26,4 @@ export HF_HUB_OFFLINE=1
 # Two workers (pytest-xdist): one module per worker at a time, modules that share a server
 # together, the longest first (tests/conftest.py). GRPO_JAX_TEST_WORKERS=0 runs in one process.
 workers="${GRPO_JAX_TEST_WORKERS:-2}"
-python -m pytest -q -p no:cacheprovider -n "$workers" "$@"
+python -m pytest -q -p no:cacheprovider --durations=30 -n "$workers" "$@"

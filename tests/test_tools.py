@@ -293,13 +293,17 @@ def test_grpo_run_with_a_calculator(tmp_path):
 
 
 @needs_vllm
-def test_multi_turn_on_the_vllm_server(smol_dir, smol_model, tok, smol_vllm_server):
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_multi_turn_on_the_vllm_server(smol_dir, smol_model, tok, smol_vllm_server,
+                                       max_staleness):
     """The same loop with rollouts from a real vLLM CPU server serving SmolLM2 (the session's,
     tests/conftest.py): the follow-up turns are requests of prompt + completion + results, and
     the server's log-probs of every model-written token equal the trainer's over the whole
-    sequence (< 1e-4)."""
+    sequence (< 1e-4). With async rounds (max_staleness 1) the whole episodes, tool turns
+    included, are generated ahead in the background (prefetch) and the round takes them."""
     from grpo_jax.cli import load_config
     from grpo_jax.hf import params_numpy
+    from grpo_jax.rollout.vllm.async_rounds import AsyncRollout
     from grpo_jax.rollout.vllm.client import VLLMClient
     from grpo_jax.rollout.engines import make_rollout
     srv, _ = smol_vllm_server
@@ -308,10 +312,17 @@ def test_multi_turn_on_the_vllm_server(smol_dir, smol_model, tok, smol_vllm_serv
     cfg = load_config(None, [f"{k}={v}" for k, v in {
         "name_or_path": smol_dir, "backend": "vllm", "vllm_server_base_url": srv.base_url,
         "vllm_server_api_key": API_KEY, "max_completion_length": C,
-        "temperature": 1.0}.items()])
+        "temperature": 1.0, "max_staleness": max_staleness}.items()])
     rollout = make_rollout(cfg, smol_model.cfg, tok, None, smol_dir, tools=[calculator])
-    assert isinstance(rollout, tools.ToolRollout)
+    if max_staleness:
+        assert isinstance(rollout, AsyncRollout) and isinstance(rollout.inner, tools.ToolRollout)
+        rollout.prefetch([{"prompt_ids": ids} for ids in prompt_ids(tok)], 4, jax.random.key(0))
+    else:
+        assert isinstance(rollout, tools.ToolRollout)
     r = rollout.generate(None, prompt_ids(tok), 4, jax.random.key(0))
+    if max_staleness:  # the background's batch, not a second generation
+        assert not rollout.pending and r is rollout.latest.result()[0]
+        assert rollout.sync_metrics["async/staleness"] == 0
     assert any(len(turns) > 2 for turns in r.completions)  # a call, a result, another turn
     batch = tool_batch(r)
     logp, _ = completion_logps(smol_model, batch, 1.0, 128)

@@ -29,8 +29,9 @@ LENGTH = 48
 
 def run(model_dir, out, base_url, **extra) -> list[dict]:
     from grpo_jax.train import train
-    cfg = train_config(model_dir, out, base_url, max_steps=STEPS, save_steps=100,
-                       learning_rate=5e-3, max_completion_length=LENGTH, **extra)
+    cfg = train_config(model_dir, out, base_url, **{
+        "max_steps": STEPS, "save_steps": 100, "learning_rate": 5e-3,
+        "max_completion_length": LENGTH, **extra})
     train(cfg, devices=jax.devices()[:1])
     return [json.loads(line) for line in (out / "metrics.jsonl").open()]
 
@@ -89,3 +90,20 @@ def test_async_rounds_overlap_generation_with_update(server, model_dir, tmp_path
         return np.mean(r[-5:]) - np.mean(r[:5])
     print(f"reward rise over {STEPS} steps: sync {rise(sync):.3f}, async {rise(hist):.3f}")
     assert rise(sync) > 0.05 and rise(hist) > 0.05
+
+
+@needs_vllm
+def test_async_rounds_run_a_rollout_funcs_whole_episodes_ahead(server, model_dir, tmp_path):
+    """A rollout_func's episodes (TRL's signature: two model turns around an environment reply)
+    generated a round ahead: every batch after the first one version old, none dropped, and
+    the sampler's log-probs of both model turns equal the trainer's under the weights that drew
+    them (the background thread's whole episode ran on one version)."""
+    from tiny_run import HERE
+    hist = run(model_dir, tmp_path / "game", server.base_url, max_staleness=1, max_steps=4,
+               max_completion_length=24, rollout_func=f"{HERE / 'reward_fixtures.py'}:two_turn_game",
+               reward_funcs=f"[{HERE / 'reward_fixtures.py'}:more_moves]")
+    assert [h["step"] for h in hist] == [1, 2, 3, 4]
+    assert [h["async/staleness"] for h in hist] == [0, 1, 1, 1]
+    assert all(h["async/discarded"] == 0 for h in hist)
+    assert max(h["rewards/more_moves/mean"] for h in hist) > 1.0  # second turns were played
+    assert max(h["sampling/engine_logp_difference/max"] for h in hist[1:]) < 1e-3

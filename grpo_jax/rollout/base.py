@@ -141,6 +141,10 @@ class RolloutWrapper(Rollout):
         return self.inner.generates_ahead
 
     @property
+    def takes_records(self) -> bool:
+        return self.inner.takes_records
+
+    @property
     def turns(self):
         return self.inner.turns
 

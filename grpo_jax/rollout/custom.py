@@ -51,6 +51,8 @@ class RolloutContext:
         completion {"completion_ids", "logprobs"} (the model's tokens up to and including its
         stop token, and the sampler's log-probs of them)."""
         import jax
+        if not prompt_ids:  # e.g. no row of the episode goes on
+            return []
         self.calls += 1
         r = self.backend.generate(self.params, [list(p) for p in prompt_ids], num_generations,
                                   jax.random.fold_in(self.key, self.calls))

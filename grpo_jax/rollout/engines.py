@@ -20,6 +20,7 @@ class MainProcessRollout(RolloutWrapper):
 
     generates_ahead = False  # async rounds wrap this one (AsyncRollout), never the reverse
     turns = None
+    takes_records = False  # a rollout_func wraps this one (CustomRollout)
 
     def __init__(self, make):
         self.inner = None
@@ -87,13 +88,21 @@ def _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools, batch_divisor):
 
         def make():
             return VLLMRollout(cfg, model_cfg, sp, pad_id(tokenizer))
+        if cfg.rollout.max_staleness and dist.multi_process():
+            raise ConfigError("max_staleness (async rounds with vLLM) is built for single-process "
+                              "runs; set max_staleness: 0")
         rollout = MainProcessRollout(make) if dist.multi_process() else make()
-        if cfg.rollout.max_staleness:
-            from grpo_jax.rollout.vllm.async_rounds import AsyncRollout
-            if dist.multi_process() or tools or cfg.multi_turn.rollout_func:
-                raise ConfigError("max_staleness (async rounds) is built for single-process runs "
-                                  "without tools or rollout_func; set max_staleness: 0")
-            return AsyncRollout(rollout, cfg.rollout.max_staleness)
+    rollout = _episodes(cfg, rollout, tokenizer, tools, sp)
+    if cfg.rollout.backend == "vllm" and cfg.rollout.max_staleness:
+        from grpo_jax.rollout.vllm.async_rounds import AsyncRollout
+        # Outermost: a round's whole episodes (every tool turn, the rollout_func's calls) run
+        # ahead on one weight version, since a push waits for the generation in flight.
+        return AsyncRollout(rollout, cfg.rollout.max_staleness)
+    return rollout
+
+
+def _episodes(cfg, rollout, tokenizer, tools, sp):
+    """`rollout` inside what makes a round's episodes of it: a rollout_func, or the tool loop."""
     t = cfg.multi_turn
     if t.rollout_func:
         from grpo_jax.rollout.custom import CustomRollout, load_rollout_func

@@ -36,9 +36,10 @@ def _tag(prompt_ids, num_generations: int, key) -> tuple:
 
 
 class AsyncRollout(RolloutWrapper):
-    """A VLLMRollout whose next round can be generated ahead (`prefetch`). It keeps the
-    trainer's params of each version a batch in flight may come from, so the trainer scores a
-    batch with the weights that generated it (`generated_with`)."""
+    """A VLLMRollout (with its tool loop or rollout_func, if any: a round's whole episodes)
+    whose next round can be generated ahead (`prefetch`). It keeps the trainer's params of each
+    version a batch in flight may come from, so the trainer scores a batch with the weights
+    that generated it (`generated_with`)."""
 
     generates_ahead = True
 
@@ -64,10 +65,12 @@ class AsyncRollout(RolloutWrapper):
         ids = [rec["prompt_ids"] for rec in records]
         started = threading.Event()
 
+        given = records if self.inner.takes_records else None  # a rollout_func reads them
+
         def run():
             start = time.time()
             started.set()
-            batch = self.inner.generate(None, ids, num_generations, key)
+            batch = self.inner.generate(None, ids, num_generations, key, given)
             return batch, start, time.time()
         self.latest = self.pool.submit(run)
         self.pending[_tag(ids, num_generations, key)] = (self.version, self.latest)
@@ -85,7 +88,7 @@ class AsyncRollout(RolloutWrapper):
             self.discarded += 1  # too old: generated again below, on the current weights
         self.staleness = 0
         self.metrics["async/staleness"] = 0.0
-        return self.inner.generate(weights, prompt_ids, num_generations, key)
+        return self.inner.generate(weights, prompt_ids, num_generations, key, records)
 
     def generated_with(self):
         return self.pushed.get(self.version - self.staleness)
