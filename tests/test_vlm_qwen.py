@@ -1,0 +1,188 @@
+"""Qwen2.5-VL against transformers (PyTorch CPU, fp32): a tiny random model with a 3-block ViT
+(one full-attention block, windows that do not tile the images) on a left-padded batch of two
+prompts with images of different sizes: the logits, greedy generation over the KV cache with
+M-RoPE's decode positions, and a load / export round trip through an HF directory."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from grpo_jax import hf
+from grpo_jax.models import KVCache, qwen_vl
+
+IMAGE, START, END, EOS = 150, 152, 153, 2
+# Patch grids (t, h, w): 8x10 patches merge to 4x5 tokens, windows of 2x2 merged tokens leave
+# a partial column; 4x6 patches merge to 2x3 tokens (a partial window too).
+GRIDS = np.array([[1, 8, 10], [1, 4, 6]])
+
+
+def _tiny_hf(seed=0):
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=160, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1,
+                         eos_token_id=EOS, pad_token_id=0,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                           window_size=16, out_hidden_size=64, fullatt_block_indexes=[1]),
+        image_token_id=IMAGE, video_token_id=151, vision_start_token_id=START,
+        vision_end_token_id=END, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    # Random init leaves norms at 1 and biases at 0; perturb them so the test sees them.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_q" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _batch():
+    """Two left-padded prompts, each text, an image (its merged-token placeholders between
+    vision start and end) and more text; row 1 shorter, with the smaller image."""
+    merged = GRIDS.prod(1) // 4
+    rows = [[5, 17, START, *[IMAGE] * merged[0], END, 99, 3, 42],
+            [7, START, *[IMAGE] * merged[1], END, 8, 9]]
+    width = max(map(len, rows))
+    tokens = np.array([[0] * (width - len(r)) + r for r in rows])
+    mask = np.array([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    rng = np.random.default_rng(0)
+    pixels = rng.standard_normal((int(GRIDS.prod(1).sum()), 3 * 2 * 4 * 4)).astype(np.float32)
+    return tokens, mask, pixels
+
+
+def _hf_inputs(tokens, mask, pixels):
+    t = torch.as_tensor(tokens)
+    return dict(input_ids=t, attention_mask=torch.as_tensor(mask),
+                pixel_values=torch.as_tensor(pixels), image_grid_thw=torch.as_tensor(GRIDS),
+                mm_token_type_ids=(t == IMAGE).int())
+
+
+def _hf_logits(ref, batch):
+    with torch.no_grad():
+        return ref(**_hf_inputs(*batch)).logits.float().numpy()
+
+
+def _our_logits(model, batch):
+    tokens, mask, pixels = batch
+    emb = model.embed_multimodal(jnp.asarray(tokens), jnp.asarray(pixels), GRIDS)
+    positions, _ = qwen_vl.rope_index(model.cfg.vision, tokens, mask, GRIDS)
+    hidden, _ = model(jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(mask),
+                      inputs_embeds=emb)
+    return np.asarray(model.logits(hidden))
+
+
+def _real_diff(a, b, mask):
+    return float(np.abs(a - b)[mask.astype(bool)].max())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The HF model, its directory, and our model loaded from it."""
+    path = tmp_path_factory.mktemp("qwen_vl") / "hf"
+    ref = _tiny_hf()
+    ref.save_pretrained(path)
+    model, _ = hf.load_model(str(path), dtype=jnp.float32)
+    return ref, path, model
+
+
+def test_layout_and_rope_index_match_transformers(tiny):
+    """The host-side index arrays: window order and segments as HF's vision_utils, and
+    M-RoPE positions and deltas as get_rope_index, left padding included."""
+    from transformers import vision_utils
+    ref, _, model = tiny
+    v = model.cfg.vision
+    layout = qwen_vl.vision_layout(v, GRIDS)
+    grid = torch.as_tensor(GRIDS)
+    index, cu = vision_utils.get_vision_window_index(grid, 2, 16, 4)
+    np.testing.assert_array_equal(layout.window_index, index.numpy())
+    np.testing.assert_array_equal(np.flatnonzero(np.diff(layout.windows)) + 1, cu.numpy()[1:-1])
+    np.testing.assert_array_equal(layout.positions,
+                                  vision_utils.get_vision_position_ids(grid, 2).numpy())
+    tokens, mask, _ = _batch()
+    ids = torch.as_tensor(tokens)
+    want, deltas = ref.model.get_rope_index(ids, (ids == IMAGE).int(), image_grid_thw=grid,
+                                            attention_mask=torch.as_tensor(mask))
+    got, got_deltas = qwen_vl.rope_index(v, tokens, mask, GRIDS)
+    np.testing.assert_array_equal(got, want.numpy())
+    np.testing.assert_array_equal(got_deltas, deltas.numpy()[:, 0])
+
+
+def test_logits_match_transformers(tiny):
+    ref, _, model = tiny
+    batch = _batch()
+    v = model.cfg.vision
+    with torch.no_grad():  # the tower alone first: a failure here is the ViT's
+        want = ref.model.get_image_features(torch.as_tensor(batch[2]), torch.as_tensor(GRIDS))
+    features = model.vision(jnp.asarray(batch[2]), GRIDS, jnp.float32)
+    assert np.abs(np.asarray(features) - torch.cat(want.pooler_output).numpy()).max() < 1e-4
+    diff = _real_diff(_our_logits(model, batch), _hf_logits(ref, batch), batch[1])
+    print(f"max |logits diff| {diff:.2e}")
+    assert diff < 1e-4
+    assert v.fullatt_block_indexes == (1,) and model.cfg.mrope_section == (2, 3, 3)
+
+
+def _greedy(model, batch, n):
+    """Our prefill (the prompts' embeddings, M-RoPE positions) and n - 1 decode steps over the
+    KV cache; a decode token's three position rows are equal: its text position (real tokens
+    before it) plus the row's rope delta, as HF decodes."""
+    tokens, mask, pixels = batch
+    cfg, (B, T) = model.cfg, tokens.shape
+    emb = model.embed_multimodal(jnp.asarray(tokens), jnp.asarray(pixels), GRIDS)
+    positions, deltas = qwen_vl.rope_index(cfg.vision, tokens, mask, GRIDS)
+    slots = jnp.asarray(np.concatenate([mask, np.ones((B, n), mask.dtype)], axis=1))
+    cache = KVCache.zeros(cfg, B, T + n)
+    hidden, cache = model.prefill(jnp.asarray(tokens), jnp.asarray(positions), slots, cache,
+                                  inputs_embeds=emb)
+    step = jax.jit(lambda m, tok, pos, c, i: m(tok, pos, slots, cache=c, cache_index=i))
+    out, text_pos = [], mask.sum(1) + deltas
+    for j in range(n):
+        tok = jnp.argmax(model.logits(hidden)[:, -1], axis=-1)[:, None]
+        out.append(np.asarray(tok[:, 0]))
+        if j + 1 < n:
+            hidden, cache = step(model, tok, jnp.asarray(text_pos + j)[:, None], cache,
+                                 jnp.int32(T + j))
+    return np.stack(out, axis=1)
+
+
+def test_greedy_generation_matches_transformers(tiny):
+    ref, _, model = tiny
+    batch, n = _batch(), 6
+    with torch.no_grad():
+        want = ref.generate(**_hf_inputs(*batch), do_sample=False, max_new_tokens=n,
+                            min_new_tokens=n, pad_token_id=0)
+    np.testing.assert_array_equal(_greedy(model, batch, n), want[:, batch[0].shape[1]:].numpy())
+
+
+def test_export_round_trip(tiny, tmp_path):
+    """Our export reloads in transformers with the same tensor names and equal logits; our
+    loader reads it back to the same config."""
+    ref, path, model = tiny
+    hf.save_hf(model, tmp_path / "out", source_dir=path)
+    back = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "out")
+    assert set(back.state_dict()) == set(ref.state_dict())
+    batch = _batch()
+    diff = _real_diff(_our_logits(model, batch), _hf_logits(back.eval(), batch), batch[1])
+    print(f"max |logits diff| after export {diff:.2e}")
+    assert diff < 1e-4
+    again, _ = hf.load_model(str(tmp_path / "out"), dtype=jnp.float32)
+    assert again.cfg == model.cfg
+    exported = hf.hf_state_dict(model.cfg, hf.params_numpy(model))
+    from safetensors.numpy import load_file
+    assert set(exported) == set(load_file(path / "model.safetensors"))
+
+
+def test_text_only_positions_are_plain_rope(tiny):
+    """A VL model on text alone takes [B, T] positions: M-RoPE with three equal rows."""
+    _, _, model = tiny
+    tokens = jnp.asarray([[5, 6, 7, 8]])
+    mask = jnp.ones_like(tokens)
+    pos = jnp.arange(4)[None]
+    one, _ = model(tokens, pos, mask)
+    three, _ = model(tokens, jnp.broadcast_to(pos, (3, 1, 4)), mask)
+    np.testing.assert_allclose(np.asarray(one), np.asarray(three), atol=1e-6)
