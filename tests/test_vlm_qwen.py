@@ -12,6 +12,8 @@ import transformers
 
 from grpo_jax import hf
 from grpo_jax.models import KVCache, qwen_vl
+from grpo_jax.rollout.native.sampler import Sampler
+from grpo_jax.rollout.native.sampling import SamplingParams
 
 IMAGE, START, END, EOS = 150, 152, 153, 2
 # Patch grids (t, h, w): 8x10 patches merge to 4x5 tokens, windows of 2x2 merged tokens leave
@@ -151,12 +153,21 @@ def _greedy(model, batch, n):
 
 
 def test_greedy_generation_matches_transformers(tiny):
+    """Our decode loop by hand, and the native sampler given the images (its prompts padded
+    to a wider bucket than HF's), against transformers' generate."""
     ref, _, model = tiny
     batch, n = _batch(), 6
     with torch.no_grad():
         want = ref.generate(**_hf_inputs(*batch), do_sample=False, max_new_tokens=n,
                             min_new_tokens=n, pad_token_id=0)
-    np.testing.assert_array_equal(_greedy(model, batch, n), want[:, batch[0].shape[1]:].numpy())
+    want = want[:, batch[0].shape[1]:].numpy()
+    np.testing.assert_array_equal(_greedy(model, batch, n), want)
+    tokens, mask, pixels = batch
+    prompts = [row[m.astype(bool)] for row, m in zip(tokens, mask)]
+    sp = SamplingParams(max_completion_length=n, temperature=0)
+    out = Sampler(model.cfg, sp, pad_id=0, buckets=(32,)).generate(
+        model, prompts, pixel_values=pixels, image_grid_thw=GRIDS)
+    np.testing.assert_array_equal(out.completion_ids, want)
 
 
 def test_export_round_trip(tiny, tmp_path):
