@@ -552,6 +552,8 @@ def save_hf(model: Decoder, out_dir, *, source_dir=None, dtype: str = "float32",
         if source.get("model_type") != cfg.model_type:
             source = {k: v for k, v in source.items() if k.endswith("token_id")}
         hf_cfg = {**source, **hf_cfg}
+        if "text_config" in hf_cfg and "text_config" in source:  # Qwen2.5-VL: its token ids
+            hf_cfg["text_config"] = {**source["text_config"], **hf_cfg["text_config"]}
         hf_cfg.pop("quantization_config", None)
         for f in TOKENIZER_FILES:
             if (Path(source_dir) / f).exists():
