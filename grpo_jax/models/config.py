@@ -74,8 +74,9 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM",
                   "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 # gemma3 is Gemma 3's multimodal wrapper (4B and up): its text_config is the decoder.
-SUPPORTED_MODEL_TYPES = (*(f for f in FAMILIES if f not in _NUM_EXPERTS_KEY), "gemma3",
-                         *_NUM_EXPERTS_KEY)
+SUPPORTED_MODEL_TYPES = (*(f for f in FAMILIES if f not in _NUM_EXPERTS_KEY
+                           and f != qwen_vl.MODEL_TYPE), "gemma3", *_NUM_EXPERTS_KEY,
+                         qwen_vl.MODEL_TYPE)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ATTENTION_IMPLS = ("auto", "xla", "flash", "splash", "cudnn")
@@ -167,6 +168,9 @@ class ModelConfig:
                 or any(t not in LAYER_TYPES for t in self.layer_types)):
             raise ModelConfigError(f"layer_types {self.layer_types} must name one of "
                                    f"{LAYER_TYPES} for each of the {self.num_layers} layers")
+        if self.mrope_section and sum(self.mrope_section) != self.head_dim // 2:
+            raise ModelConfigError(f"mrope_section {self.mrope_section} must add up to "
+                                   f"head_dim / 2 = {self.head_dim // 2}")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ModelConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
                                    f"[1, num_experts={self.num_experts}]")
