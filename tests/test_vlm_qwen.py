@@ -3,6 +3,7 @@
 prompts with images of different sizes: the logits, greedy generation over the KV cache with
 M-RoPE's decode positions, and a load / export round trip through an HF directory."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -136,7 +137,8 @@ def test_logits_match_transformers(tiny):
 def test_greedy_generation_matches_transformers(tiny):
     """The native sampler given the images (its prompt pass: embed_multimodal's embeddings,
     M-RoPE positions, over the KV cache; its decode steps: text positions plus the rope delta;
-    the prompts padded to a wider bucket than HF's) against transformers' generate."""
+    the prompts padded to a wider bucket than HF's) against transformers' generate; its
+    log-probs against one forward over prompt + completion, as the trainer would run it."""
     ref, _, model = tiny
     batch, n = _batch(), 6
     with torch.no_grad():
@@ -149,6 +151,15 @@ def test_greedy_generation_matches_transformers(tiny):
     out = Sampler(model.cfg, sp, pad_id=0, buckets=(32,)).generate(
         model, prompts, pixel_values=pixels, image_grid_thw=GRIDS)
     np.testing.assert_array_equal(out.completion_ids, want)
+    # The trainer's view: one forward over prompt + completion, M-RoPE positions from
+    # rope_index of the whole rows (the completion continues the text), gives the sampler's
+    # log-probs.
+    full = (np.concatenate([tokens, want], 1), np.concatenate([mask, np.ones_like(want)], 1),
+            pixels)
+    logp = jax.nn.log_softmax(_our_logits(model, full)[:, tokens.shape[1] - 1:-1], axis=-1)
+    logp = np.take_along_axis(np.asarray(logp), want[..., None], axis=-1)[..., 0]
+    print(f"max |sampler - forward log-prob| {np.abs(out.sampler_logp - logp).max():.2e}")
+    np.testing.assert_allclose(out.sampler_logp, logp, atol=1e-4)
 
 
 def test_export_round_trip(tiny, tmp_path):
