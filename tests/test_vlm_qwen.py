@@ -127,7 +127,9 @@ def test_logits_match_transformers(tiny):
     with torch.no_grad():  # the tower alone first: a failure here is the ViT's
         want = ref.model.get_image_features(torch.as_tensor(batch[2]), torch.as_tensor(GRIDS))
     features = model.vision(jnp.asarray(batch[2]), GRIDS, jnp.float32)
-    assert np.abs(np.asarray(features) - torch.cat(want.pooler_output).numpy()).max() < 1e-4
+    feature_diff = np.abs(np.asarray(features) - torch.cat(want.pooler_output).numpy()).max()
+    print(f"max |image features diff| {feature_diff:.2e}")
+    assert feature_diff < 1e-4
     diff = _real_diff(_our_logits(model, batch), _hf_logits(ref, batch), batch[1])
     print(f"max |logits diff| {diff:.2e}")
     assert diff < 1e-4
