@@ -192,3 +192,10 @@ def test_text_only_positions_are_plain_rope(tiny):
     one, _ = model(tokens, pos, mask)
     three, _ = model(tokens, jnp.broadcast_to(pos, (3, 1, 4)), mask)
     np.testing.assert_allclose(np.asarray(one), np.asarray(three), atol=1e-6)
+
+
+def test_num_params_counts_the_tower(tiny):
+    ref, _, model = tiny
+    assert model.cfg.num_params() == sum(p.numel() for p in ref.parameters())
+    assert model.cfg.num_params(active=True) == sum(
+        p.numel() for n, p in ref.named_parameters() if not n.startswith("model.visual."))

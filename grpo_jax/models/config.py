@@ -282,8 +282,9 @@ class ModelConfig:
                             mlp_only_layers=tuple(i for i in self.mlp_only_layers if i < n))
 
     def num_params(self, active: bool = False) -> int:
-        """All parameters; active: those one token runs through (its k experts of each
-        sparse layer), the count a step's FLOPs scale with."""
+        """All parameters (a vision tower's included); active: those one token runs through
+        (its k experts of each sparse layer; no vision tower), the count a step's FLOPs scale
+        with."""
         d, f, l, v = self.hidden_size, self.intermediate_size, self.num_layers, self.vocab_size
         per_layer = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + 2 * d
         if self.qkv_bias:
@@ -302,7 +303,10 @@ class ModelConfig:
         moe = d * experts + (experts if self.router_bias else 0) + expert * (
             self.num_experts_per_tok if active else experts)
         head = 0 if self.tie_word_embeddings else d * v
-        return (v * d + l * per_layer + (l - sparse) * 3 * d * f + sparse * moe + d + head)
+        vision = 0 if active or self.vision is None else sum(
+            math.prod(shape) for shape, _ in qwen_vl.param_table(self.vision).values())
+        return (v * d + l * per_layer + (l - sparse) * 3 * d * f + sparse * moe + d + head
+                + vision)
 
     @classmethod
     def from_hf(cls, hf: dict, **overrides) -> "ModelConfig":
