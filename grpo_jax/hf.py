@@ -25,6 +25,7 @@ from grpo_jax import mesh as mesh_lib
 from grpo_jax.errors import ModelConfigError, ModelLoadError
 from grpo_jax.models import Decoder, ModelConfig, build, param_table, quant
 from grpo_jax.models import mxfp4 as mxfp4_lib
+from grpo_jax.models import qwen_vl
 from grpo_jax.models.decoder import stack_of
 
 SMOL_ALIAS = "smollm2-135m-instruct"
@@ -152,7 +153,19 @@ def hf_names(cfg: ModelConfig) -> dict[str, str]:
     for name in _fused_rows(cfg):  # Phi-3: q/k/v and gate/up in one tensor each
         names[name] = p + ("self_attn.qkv_proj.weight" if name[-2] == "w"
                            else "mlp.gate_up_proj.weight")
+    if cfg.vision is not None:  # Qwen2.5-VL's tower ({i}: its block)
+        names.update({"vision/" + k: hf for k, (hf, _) in qwen_vl.HF_NAMES.items()})
     return {k: v for k, v in names.items() if k in param_table(cfg)}
+
+
+def _hf_layers(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
+    """The HF layer of each row of a stacked table entry (None: not stacked): the decoder's
+    layers (those of the entry's kind), or the vision tower's blocks."""
+    if name.startswith("layers/"):
+        return cfg.stack_layers(stack_of(cfg, name[7:]))
+    if name.startswith("vision/blocks/"):
+        return tuple(range(cfg.vision.depth))
+    return None
 
 
 def _expert_names(cfg: ModelConfig, p: str) -> dict[str, str]:
@@ -208,6 +221,8 @@ def _to_hf(name: str, w, groups=None):
 def _part_groups(cfg: ModelConfig, name: str, pattern: str, ndim: int):
     """The layout of one part of table `name`: a layer's slice, or one expert's of it."""
     leaf = name.split("/")[-1]
+    if name.startswith("vision/"):
+        return qwen_vl.HF_NAMES[name[len("vision/"):]][1]
     if _per_expert(pattern):  # one expert's [D, F] or [F, D]: the Linear's transpose
         return ((1,), (0,))
     if leaf == "router":  # [D, E] <- [E, D]
@@ -397,9 +412,9 @@ def iter_params(model_dir: Path, cfg: ModelConfig, shardings: dict):
     for name, pattern in hf_names(cfg).items():
         shape, rows = table[name][0], fused.get(name)
         experts = _per_expert(pattern)
-        part = shape[2:] if experts else shape[1:] if name.startswith("layers/") else shape
+        hf_layers = _hf_layers(cfg, name)  # row r holds HF layer hf_layers[r]
+        part = shape[2:] if experts else shape[1:] if hf_layers is not None else shape
         groups = _part_groups(cfg, name, pattern, len(part))
-        hf_layers = cfg.stack_layers(stack_of(cfg, name[7:]))  # row r holds HF layer hf_layers[r]
 
         def block(index, name=name, pattern=pattern, shape=shape, rows=rows, experts=experts,
                   groups=groups, hf_layers=hf_layers):
@@ -407,7 +422,7 @@ def iter_params(model_dir: Path, cfg: ModelConfig, shardings: dict):
             buf = np.empty([s.stop - s.start for s in index], cfg.param_dtype)
             read = functools.partial(weights.read, groups=groups, rows=rows,
                                      interleave=_interleave(cfg, name))
-            if not name.startswith("layers/"):
+            if hf_layers is None:
                 read(pattern, shape=shape, index=index, out=buf)
                 return buf
             for j, r in enumerate(range(index[0].start, index[0].stop)):  # this block's layers
@@ -537,6 +552,8 @@ def save_hf(model: Decoder, out_dir, *, source_dir=None, dtype: str = "float32",
         if source.get("model_type") != cfg.model_type:
             source = {k: v for k, v in source.items() if k.endswith("token_id")}
         hf_cfg = {**source, **hf_cfg}
+        if "text_config" in hf_cfg and "text_config" in source:  # Qwen2.5-VL: its token ids
+            hf_cfg["text_config"] = {**source["text_config"], **hf_cfg["text_config"]}
         hf_cfg.pop("quantization_config", None)
         for f in TOKENIZER_FILES:
             if (Path(source_dir) / f).exists():
@@ -558,8 +575,8 @@ def hf_tensor_parts(cfg: ModelConfig, dtype) -> dict[str, tuple]:
     for name, pattern in hf_names(cfg).items():
         shape = table[name][0]
         rows: list = [None]
-        if name.startswith("layers/"):
-            rows, shape = list(enumerate(cfg.stack_layers(stack_of(cfg, name[7:])))), shape[1:]
+        if _hf_layers(cfg, name) is not None:
+            rows, shape = list(enumerate(_hf_layers(cfg, name))), shape[1:]
         experts = [None]
         if _per_expert(pattern):
             experts, shape = list(range(shape[0])), shape[1:]

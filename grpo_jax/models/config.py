@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from grpo_jax.config.model import Numerics  # noqa: F401 (this module's API)
 from grpo_jax.errors import ModelConfigError
+from grpo_jax.models import qwen_vl
 
 # The platform programs are traced for: this process's backend, unless aot traces for another
 # (tracing_for) - attention_impl "auto" picks its kernel by it.
@@ -52,7 +53,7 @@ _GEMMA = dict(hidden_act="gelu_pytorch_tanh", norm_offset=True, scale_embeddings
               sandwich_norms=True, tie_word_embeddings=True)
 FAMILIES: dict[str, dict] = {
     "llama": {}, "mistral": {}, "phi3": {}, "qwen2": dict(qkv_bias=True),
-    "qwen3": dict(qk_norm=True), "gemma2": _GEMMA, "gemma3_text": dict(_GEMMA, qk_norm=True),
+    "qwen3": dict(qk_norm=True), "qwen2_5_vl": dict(qkv_bias=True), "gemma2": _GEMMA, "gemma3_text": dict(_GEMMA, qk_norm=True),
     "qwen3_moe": dict(qk_norm=True), "mixtral": dict(norm_topk_prob=True),
     # gpt-oss: a softmax over the k chosen logits (= the softmax over all experts' top k
     # renormalised), biases everywhere, a learned attention sink per head, its clamped SwiGLU.
@@ -70,10 +71,12 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "phi3": "Phi3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                   "gemma3_text": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                  "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+                  "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                  "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 # gemma3 is Gemma 3's multimodal wrapper (4B and up): its text_config is the decoder.
-SUPPORTED_MODEL_TYPES = (*(f for f in FAMILIES if f not in _NUM_EXPERTS_KEY), "gemma3",
-                         *_NUM_EXPERTS_KEY)
+SUPPORTED_MODEL_TYPES = (*(f for f in FAMILIES if f not in _NUM_EXPERTS_KEY
+                           and f != qwen_vl.MODEL_TYPE), "gemma3", *_NUM_EXPERTS_KEY,
+                         qwen_vl.MODEL_TYPE)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ATTENTION_IMPLS = ("auto", "xla", "flash", "splash", "cudnn")
@@ -146,6 +149,12 @@ class ModelConfig:
     # The load-balancing loss's coefficient the checkpoint declares (TRL's default for
     # router_aux_loss_coef); 0 for dense models.
     router_aux_coef: float = 0.0
+    # A vision-language model's image tower (None: text only): Qwen2.5-VL's ViT
+    # (models/qwen_vl.py), its parameters under vision/ in param_table.
+    vision: qwen_vl.QwenVisionConfig | None = None
+    # M-RoPE (Qwen2.5-VL): head_dim/2 frequencies split into sections rotated by the
+    # temporal, height and width positions (positions [3, B, T]); None: one position row.
+    mrope_section: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if self.attention_impl not in ATTENTION_IMPLS:
@@ -159,6 +168,9 @@ class ModelConfig:
                 or any(t not in LAYER_TYPES for t in self.layer_types)):
             raise ModelConfigError(f"layer_types {self.layer_types} must name one of "
                                    f"{LAYER_TYPES} for each of the {self.num_layers} layers")
+        if self.mrope_section and sum(self.mrope_section) != self.head_dim // 2:
+            raise ModelConfigError(f"mrope_section {self.mrope_section} must add up to "
+                                   f"head_dim / 2 = {self.head_dim // 2}")
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ModelConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
                                    f"[1, num_experts={self.num_experts}]")
@@ -270,8 +282,9 @@ class ModelConfig:
                             mlp_only_layers=tuple(i for i in self.mlp_only_layers if i < n))
 
     def num_params(self, active: bool = False) -> int:
-        """All parameters; active: those one token runs through (its k experts of each
-        sparse layer), the count a step's FLOPs scale with."""
+        """All parameters (a vision tower's included); active: those one token runs through
+        (its k experts of each sparse layer; no vision tower), the count a step's FLOPs scale
+        with."""
         d, f, l, v = self.hidden_size, self.intermediate_size, self.num_layers, self.vocab_size
         per_layer = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + 2 * d
         if self.qkv_bias:
@@ -290,7 +303,10 @@ class ModelConfig:
         moe = d * experts + (experts if self.router_bias else 0) + expert * (
             self.num_experts_per_tok if active else experts)
         head = 0 if self.tie_word_embeddings else d * v
-        return (v * d + l * per_layer + (l - sparse) * 3 * d * f + sparse * moe + d + head)
+        vision = 0 if active or self.vision is None else sum(
+            math.prod(shape) for shape, _ in qwen_vl.param_table(self.vision).values())
+        return (v * d + l * per_layer + (l - sparse) * 3 * d * f + sparse * moe + d + head
+                + vision)
 
     @classmethod
     def from_hf(cls, hf: dict, **overrides) -> "ModelConfig":
@@ -300,6 +316,15 @@ class ModelConfig:
             tie = {k: hf[k] for k in ("tie_word_embeddings",) if k in hf}
             hf = {**hf.get("text_config", {}), **tie, "model_type": "gemma3_text"}
             model_type = "gemma3_text"
+        vision, mrope = None, None
+        if model_type == qwen_vl.MODEL_TYPE:
+            # transformers 5 nests the language model's fields in text_config; the hub's
+            # checkpoints have them at the top level.
+            vision = qwen_vl.QwenVisionConfig.from_hf(hf)
+            tie = {k: hf[k] for k in ("tie_word_embeddings",) if k in hf}
+            hf = {**(hf.get("text_config") or hf), **tie, "model_type": model_type}
+            rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+            mrope = tuple(rope.get("mrope_section") or (16, 24, 24))
         if model_type not in FAMILIES:
             archs = hf.get("architectures")
             raise ModelConfigError(
@@ -333,6 +358,8 @@ class ModelConfig:
             final_logit_softcapping=hf.get("final_logit_softcapping"),
             sliding_window=window,
             layer_types=_layer_types(hf, model_type, layers) if window else None,
+            vision=vision,
+            mrope_section=mrope,
             **rope,
         )
         kw["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings",
@@ -375,6 +402,12 @@ class ModelConfig:
             out["mlp_bias"] = False
         if self.num_experts:
             out.update(self._moe_hf())
+        if self.vision is not None:
+            out["rope_parameters"]["mrope_section"] = list(self.mrope_section)
+            out["model_type"] = "qwen2_5_vl_text"
+            return {"architectures": out.pop("architectures"), "model_type": self.model_type,
+                    "text_config": out, "tie_word_embeddings": self.tie_word_embeddings,
+                    **self.vision.to_hf()}
         return out
 
     def _moe_hf(self) -> dict:
@@ -431,6 +464,8 @@ def _rope(hf: dict) -> dict:
     if rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise ModelConfigError("partial_rotary_factor != 1 (partial RoPE) is not supported")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "mrope":  # Qwen2-VL's hub configs: default RoPE, M-RoPE's sections aside
+        rope_type = "default"
     out = dict(rope_theta=float(theta), rope_local_theta=float(local) if local else None)
     if rope_type == "llama3":
         out["rope_llama3"] = (float(rope["factor"]), float(rope["low_freq_factor"]),
@@ -563,4 +598,6 @@ def param_table(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str,
         table["layers/post_mlp_norm"] = ((L, D), ("layers", "norm"))
     if not cfg.tie_word_embeddings:
         table["lm_head"] = ((D, V), ("embed", "vocab"))                 # [D, V]
+    if cfg.vision is not None:
+        table.update({"vision/" + k: v for k, v in qwen_vl.param_table(cfg.vision).items()})
     return table

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import attention as attention_lib
-from grpo_jax.models import lora, moe
+from grpo_jax.models import lora, moe, qwen_vl
 from grpo_jax.models.attention import Mask
 from grpo_jax.models.config import ModelConfig, param_table, runs_of  # noqa: F401 (API)
 from grpo_jax.models.moe import RouterStats
@@ -140,12 +140,17 @@ class Decoder(nnx.Module):
         loads its weights straight onto their shardings instead."""
         self.cfg = cfg
         self.layers = _Layers()
+        # The image tower (a vision-language model), its parameters under vision/.
+        self.vision = None if cfg.vision is None else qwen_vl.QwenVision(cfg.vision)
         table = param_table(cfg)
         keys = [rngs.params() for _ in table]
         values = _init_values(tuple((n, tuple(s)) for n, (s, _) in table.items()),
                               cfg.param_dtype, cfg.norm_offset, keys)
         for (name, (_, axes)), value in zip(table.items(), values):
-            owner, leaf = (self.layers, name[7:]) if name.startswith("layers/") else (self, name)
+            *path, leaf = name.split("/")
+            owner = self
+            for part in path:  # layers/..., vision/blocks/...: the holder the table names
+                owner = getattr(owner, part)
             setattr(owner, leaf, nnx.Param(value, axes=axes))
 
     def head_weight(self) -> jax.Array:
@@ -217,6 +222,16 @@ class Decoder(nnx.Module):
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, self.cfg.dtype)
         return x
 
+    def embed_multimodal(self, tokens, pixel_values, image_grid_thw) -> jax.Array:
+        """The input embeddings [B, T, D] of tokens [B, T] whose image placeholders
+        (image_token_id, one per merged patch) hold the tower's features of the images
+        (pixel_values [N, C*T*P*P] and image_grid_thw [n, 3], as HF's processor gives them;
+        the grid is read on the host), in order, as HF's masked_scatter puts them. For
+        `__call__`/`prefill`'s inputs_embeds."""
+        features = self.vision(pixel_values, image_grid_thw, self.cfg.dtype)
+        return qwen_vl.scatter_images(self.embed_tokens(tokens),
+                                      tokens == self.cfg.vision.image_token_id, features)
+
     def decode_layers(self) -> list[dict[str, jax.Array]]:
         """The weights of each run of cache_runs(), stacked [L, ...], for `__call__(...,
         layers=)`. A decode loop calls this once, outside the loop, so no step slices a run out
@@ -258,7 +273,8 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens, positions, attention_mask, cache: KVCache | None = None,
                  cache_index=None, layers: list[dict] | None = None, order=None,
-                 with_router: bool = False, routing=None, record_routing: bool = False):
+                 with_router: bool = False, routing=None, record_routing: bool = False,
+                 inputs_embeds: jax.Array | None = None):
         """Run the decoder and return (hidden [B, T, D] after the final norm, new cache).
 
         tokens, positions: [B, T] int. Without a cache, attention_mask is [B, T] (1 = real token),
@@ -279,14 +295,20 @@ class Decoder(nnx.Module):
         layer; record_routing: also return the experts each token ran, [B, T, S, k] int32, as
         the last item ((hidden, cache, experts), or with with_router (hidden, None, stats,
         experts)).
+        inputs_embeds [B, T, D]: the input embeddings in place of the tokens' (a
+        vision-language model's: embed_multimodal); tokens still give the shapes. M-RoPE
+        (cfg.mrope_section): positions may be [3, B, T] (qwen_vl.rope_index); [B, T] serves
+        text, whose three rows are equal.
         """
         cfg = self.cfg
         if routing is not None and cache is not None:
             raise ValueError("replayed routing is for the forward without a cache (training)")
         if order is not None:
-            tokens, positions = tokens[:, order], positions[:, order]
+            tokens, positions = tokens[:, order], positions[..., order]
             routing = None if routing is None else routing[:, order]
-        x = self.shard_tokens(self.embed_tokens(tokens))
+            inputs_embeds = None if inputs_embeds is None else inputs_embeds[:, order]
+        x = self.shard_tokens(self.embed_tokens(tokens) if inputs_embeds is None
+                              else inputs_embeds.astype(cfg.dtype))
         sliding = cfg.sliding_layers
         # (cos, sin) per attention kind; sliding layers may have their own RoPE base (Gemma 3).
         rope = {False: rope_tables(cfg, positions)}
@@ -366,7 +388,8 @@ class Decoder(nnx.Module):
         return out
 
     def prefill(self, tokens, positions, attention_mask, cache: KVCache, layers=None,
-                chunk: int | None = None, record_routing: bool = False):
+                chunk: int | None = None, record_routing: bool = False,
+                inputs_embeds: jax.Array | None = None):
         """Fill an empty cache with T prompt tokens (left-padded; attention_mask [B, T] over
         the cache's first T slots): returns (hidden [B, 1, D] of the last token, cache).
         `chunk`: T tokens at a time (chunked prefill, under lax.scan), each chunk attending
@@ -374,12 +397,15 @@ class Decoder(nnx.Module):
         chunk's activations, not T's. Unchunked where T does not split into chunks, and with
         sliding-window layers (a chunk written into a ring would overwrite keys its own
         earlier queries still see). record_routing: also the experts each prompt token ran,
-        [B, T, S, k] int32 (see __call__), as a third item."""
+        [B, T, S, k] int32 (see __call__), as a third item. inputs_embeds [B, T, D]: see
+        __call__ (unchunked)."""
         T = tokens.shape[1]
-        if not chunk or T <= chunk or T % chunk or any(self.cfg.sliding_layers):
+        if (not chunk or T <= chunk or T % chunk or any(self.cfg.sliding_layers)
+                or inputs_embeds is not None):
             hidden, cache, *chosen = self(tokens, positions, attention_mask, cache=cache,
                                           cache_index=0, layers=layers,
-                                          record_routing=record_routing)
+                                          record_routing=record_routing,
+                                          inputs_embeds=inputs_embeds)
             return (hidden[:, -1:], cache, *chosen)
         layers = self.decode_layers() if layers is None else layers
         split = lambda a: a.reshape(a.shape[0], T // chunk, chunk).swapaxes(0, 1)  # noqa: E731
@@ -537,8 +563,9 @@ def rms_norm(x, weight, eps, dtype, offset: bool = False):
 
 
 def rope_tables(cfg: ModelConfig, positions, local: bool = False):
-    """(cos, sin) [B, T, Dh]. local: for a sliding layer, which has its own unscaled base
-    when the config gives one (Gemma 3), else the same RoPE as the others."""
+    """(cos, sin) [B, T, Dh] of positions [B, T] (or M-RoPE's [3, B, T]). local: for a
+    sliding layer, which has its own unscaled base when the config gives one (Gemma 3), else
+    the same RoPE as the others."""
     d = cfg.head_dim
     own = local and cfg.rope_local_theta is not None
     theta = cfg.rope_local_theta if own else cfg.rope_theta
@@ -551,6 +578,10 @@ def rope_tables(cfg: ModelConfig, positions, local: bool = False):
     elif not own and cfg.rope_yarn:
         inv_freq = _yarn_inv_freq(d, theta, *cfg.rope_yarn[:5])
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+    if cfg.mrope_section and positions.ndim == 3:
+        # M-RoPE: frequency j turns with the position row (t, h, w) whose section holds it.
+        row = np.repeat(np.arange(len(cfg.mrope_section)), cfg.mrope_section)
+        freqs = jnp.moveaxis(freqs, 0, -1)[..., np.arange(d // 2), row]  # [B, T, Dh/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     scale = cfg.rope_yarn[5] if cfg.rope_yarn and not own else 1.0
     return jnp.cos(emb) * scale, jnp.sin(emb) * scale

@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import Decoder, KVCache, ModelConfig, build, lora, moe, positions_from_mask
+from grpo_jax.models import qwen_vl
 from grpo_jax.rollout.base import RolloutBatch
 from grpo_jax.rollout.native import sampling
 from grpo_jax.rollout.native.sampling import SamplingParams
@@ -49,7 +50,9 @@ class DecodeContext(NamedTuple):
     params: Any              # the weights in the compute dtype (norm scales as they are)
     layers: list             # Decoder.decode_layers() of those: cut into runs once, outside a loop
     key_mask: jax.Array      # [B, P + C] int32: which cache slots hold real keys
-    prompt_len: jax.Array    # [B] int32: real prompt tokens per row
+    # [B] int32: real prompt tokens per row, plus the row's M-RoPE delta with images (the
+    # decode positions are prompt_len + completion index).
+    prompt_len: jax.Array
     # [B, P, S, k] the experts each prompt token ran (its prefill), when recording routing.
     prompt_routing: jax.Array | None = None
 
@@ -110,13 +113,14 @@ class Sampler:
         # (params, prompt ids, mask, key, first row; num_generations, rows) -> tokens, mask,
         # log-probs, done (and with record_routing the prompts' and completions' experts): what
         # generate runs, and what aot compiles for a target.
-        self.program = jax.jit(self._generate, static_argnames=("num_generations", "rows"))
+        self.program = jax.jit(self._generate,
+                               static_argnames=("num_generations", "rows", "image_grid"))
 
     # ------------------------------------------------------------------ host side
 
     def generate(self, params, prompt_token_ids: Sequence[Sequence[int]],
                  num_generations: int = 1, rng: int | jax.Array = 0,
-                 first_row: int = 0) -> RolloutBatch:
+                 first_row: int = 0, pixel_values=None, image_grid_thw=None) -> RolloutBatch:
         """Sample `num_generations` completions per prompt.
 
         params: the model's nnx.State of nnx.Param (`nnx.split(model, nnx.Param)[1]`) or the
@@ -124,6 +128,9 @@ class Sampler:
         Row i's token t is drawn with the key fold_in(fold_in(rng, t), first_row + i), whatever
         else is in the batch: a round generated in parts (first_row: where this part starts) or
         through refilled slots (rollout/native/refill.py) draws what one batch does.
+        pixel_values [N, C*T*P*P], image_grid_thw [n, 3]: the prompts' images in prompt order,
+        as HF's processor gives them (a vision-language model; each prompt holds its images'
+        placeholders). One program per set of image sizes; one host (not split over a mesh).
         """
         params, prompts, g, n, rows = self.inputs(params, prompt_token_ids, num_generations)
         # The program prefills each prompt once and copies its cache to its g rows: prompts
@@ -132,6 +139,11 @@ class Sampler:
                              rows=self.prompt_rows(rows, g))
         key = as_key(rng)
         args = (ids, mask)
+        images, grid = None, None
+        if pixel_values is not None:
+            positions, deltas = qwen_vl.rope_index(self.cfg.vision, ids, mask, image_grid_thw)
+            images = (jnp.asarray(pixel_values), positions, deltas)
+            grid = tuple(map(tuple, np.asarray(image_grid_thw, np.int64).tolist()))
         if self.mesh is not None:
             # With several processes each places only its own devices' rows, and gets every
             # row back (the train batch is built on every host alike).
@@ -139,7 +151,8 @@ class Sampler:
                 self.mesh, "batch", None, shape=x.shape)) for x in args)
             params = jax.device_put(params, mesh_lib.param_shardings(params, self.mesh))
         tokens, cmask, logp, done, *routing = dist.to_host(self.program(
-            params, *args, key, np.int32(first_row), num_generations=g, rows=rows))
+            params, *args, key, np.int32(first_row), images, num_generations=g, rows=rows,
+            image_grid=grid))
         ids, mask = np.repeat(ids, g, axis=0)[:n], np.repeat(mask, g, axis=0)[:n]
         # The prefill samples each row's first token, the loop one more per step until the
         # longest row is done.
@@ -222,10 +235,10 @@ class Sampler:
     def constrain_cache(self, cache: KVCache) -> KVCache:
         return jax.tree.map(lambda x: self.constrain(x, *KVCache.AXES), cache)
 
-    def _generate(self, params, prompt_ids, prompt_mask, key, first_row=0, *,
-                  num_generations: int, rows: int):
+    def _generate(self, params, prompt_ids, prompt_mask, key, first_row=0, images=None, *,
+                  num_generations: int, rows: int, image_grid=None):
         ctx, state = self.prefill(params, prompt_ids, prompt_mask, key, num_generations, rows,
-                                   first_row)
+                                   first_row, images, image_grid)
         C = self.sampling_params.max_completion_length
         state = jax.lax.while_loop(lambda s: (s.step < C) & ~jnp.all(s.done),
                                    lambda s: self.decode_step(ctx, s, key), state)
@@ -234,19 +247,27 @@ class Sampler:
             return out
         return (*out, ctx.prompt_routing, state.routing)
 
-    def prompt_pass(self, params, prompt_ids, prompt_mask, record_routing: bool = False):
+    def prompt_pass(self, params, prompt_ids, prompt_mask, record_routing: bool = False,
+                    images=None, image_grid=None):
         """The prompts' pass: (params in the compute dtype, their decode_layers(), the prompts'
         KV cache [L, prompts, K, width, Dh] per run (a sliding layer's: its window at most), the
         last logits [prompts, V]); record_routing: and, fifth, the experts each prompt token
-        ran [prompts, width, S, k] (moe.routing_dtype; -1 on padding)."""
+        ran [prompts, width, S, k] (moe.routing_dtype; -1 on padding). images: (pixel_values,
+        M-RoPE positions [3, prompts, width], deltas) of the prompts' images, whose patch grids
+        are image_grid (see generate)."""
         cfg = self.cfg
         cast = cast_matrices(params, cfg.dtype)
         model = self.decoder(cast)
         layers = model.decode_layers()
         cache = self.constrain_cache(KVCache.zeros(cfg, *prompt_ids.shape, self.cache_dtype))
+        positions, embeds = positions_from_mask(prompt_mask), None
+        if images is not None:
+            pixel_values, positions, _ = images
+            embeds = model.embed_multimodal(prompt_ids, pixel_values, np.asarray(image_grid))
         hidden, cache, *chosen = model.prefill(
-            prompt_ids, positions_from_mask(prompt_mask), prompt_mask, cache, layers,
-            chunk=self.sampling_params.prefill_chunk_size, record_routing=record_routing)
+            prompt_ids, positions, prompt_mask, cache, layers,
+            chunk=self.sampling_params.prefill_chunk_size, record_routing=record_routing,
+            inputs_embeds=embeds)
         logits = model.logits(hidden)[:, 0]  # left padding: the last slot is real
         if not record_routing:
             return cast, layers, cache, logits
@@ -255,7 +276,8 @@ class Sampler:
             moe.routing_dtype(cfg.num_experts))
 
     def prefill(self, params, prompt_ids, prompt_mask, key, num_generations: int,
-                 rows: int, first_row=0) -> tuple[DecodeContext, DecodeState]:
+                 rows: int, first_row=0, images=None,
+                 image_grid=None) -> tuple[DecodeContext, DecodeState]:
         """The prompts' pass that fills the KV cache, and the first token of each of `rows`
         rows (prompt i's num_generations rows are consecutive). Each prompt is run once and its
         keys, values and last logits are copied to its rows: the prefill costs 1/G of running
@@ -267,12 +289,15 @@ class Sampler:
         prompt_ids = self.constrain(prompt_ids, "batch", None)
         prompt_mask = self.constrain(prompt_mask, "batch", None)
         cast, layers, cache, logits, *prompt_routing = self.prompt_pass(
-            params, prompt_ids, prompt_mask, self.record_routing)
+            params, prompt_ids, prompt_mask, self.record_routing, images, image_grid)
+        # Decode positions: the real prompt tokens, plus M-RoPE's delta (qwen_vl.rope_index).
+        prompt_len = jnp.sum(prompt_mask, axis=1) + (0 if images is None else images[2])
 
         def to_rows(x):  # [prompts, ...] -> [rows, ...]: each prompt's G copies in a block
             x = jnp.repeat(x, num_generations, axis=0)[:rows]
             return self.constrain(x, "batch", *[None] * (x.ndim - 1))
-        prompt_ids, prompt_mask, logits = map(to_rows, (prompt_ids, prompt_mask, logits))
+        prompt_ids, prompt_mask, logits, prompt_len = map(
+            to_rows, (prompt_ids, prompt_mask, logits, prompt_len))
         prompt_routing = [to_rows(r) for r in prompt_routing]
         # The generated tokens' slots follow the prompt's (a sliding-window layer's ring
         # grows to its window at most).
@@ -281,8 +306,7 @@ class Sampler:
         batch, row_axes = rows, ("batch", None)
         # Generated slots are all valid keys; the causal mask hides the ones not yet written.
         key_mask = jnp.concatenate([prompt_mask, jnp.ones((batch, C), jnp.int32)], axis=1)
-        ctx = DecodeContext(cast, layers, key_mask, jnp.sum(prompt_mask, axis=1),
-                            *prompt_routing)
+        ctx = DecodeContext(cast, layers, key_mask, prompt_len, *prompt_routing)
         seen = None
         if sp.repetition_penalty != 1.0:
             seen = jnp.zeros((batch, cfg.vocab_size), bool)

@@ -1,0 +1,357 @@
+"""Qwen2.5-VL's vision side: the ViT that turns an image's patches into language-model
+embeddings, and the 3-row (temporal, height, width) positions of M-RoPE (transformers'
+modeling_qwen2_5_vl.py and vision_utils.py are the reference).
+
+The tower: patches come flattened, as the HF image processor gives them ([N, C*T*P*P], each
+image's patches grouped by spatial_merge_size x spatial_merge_size blocks); the Conv3d patch
+embedding is a matmul over them. Blocks (RMSNorm, attention with a 2-D RoPE over each patch's
+(h, w), SwiGLU MLP with biases) attend within windows of window_size pixels, except the
+fullatt_block_indexes, which attend over their whole frame; attention never crosses images.
+The tokens run in window order (window_index, by merged units) and the merger (RMSNorm, then
+an MLP over each merged unit's spatial_merge_size**2 patches) output is put back in the
+processor's order. Which patch sees which is fixed by the image sizes alone: `vision_layout`
+computes it on the host (numpy) and the tower takes it as index arrays, so it traces once per
+set of sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from grpo_jax.errors import ModelConfigError
+
+MODEL_TYPE = "qwen2_5_vl"
+# The vision tower's tensors live under this root of an HF directory (transformers 5 saves them
+# there, as the hub's checkpoints have them); the language model's under "model.".
+HF_ROOT = "visual."
+VISION_EPS = 1e-6  # HF's vision RMSNorms have a fixed eps
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenVisionConfig:
+    """The vision tower's static settings (HF's vision_config) and the placeholder token ids
+    of the checkpoint's top-level config."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int  # the language model's hidden size
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    window_size: int = 112  # in pixels
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
+    rope_theta: float = 10000.0
+    tokens_per_second: int = 4  # videos only; kept for export
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "QwenVisionConfig":
+        """From a Qwen2.5-VL config.json (its vision_config and top-level token ids)."""
+        v = hf["vision_config"]
+        act = v.get("hidden_act", "silu")
+        if act != "silu":
+            raise ModelConfigError(f"Qwen2.5-VL vision hidden_act {act!r}: only silu is supported")
+        rope = v.get("rope_parameters") or {}
+        ids = {k: hf[k] for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                  "vision_end_token_id") if k in hf}
+        return cls(depth=v["depth"], hidden_size=v["hidden_size"],
+                   intermediate_size=v["intermediate_size"], num_heads=v["num_heads"],
+                   out_hidden_size=v["out_hidden_size"], in_channels=v.get("in_channels", 3),
+                   patch_size=v.get("patch_size", 14),
+                   temporal_patch_size=v.get("temporal_patch_size", 2),
+                   spatial_merge_size=v.get("spatial_merge_size", 2),
+                   window_size=v.get("window_size", 112),
+                   fullatt_block_indexes=tuple(v.get("fullatt_block_indexes", (7, 15, 23, 31))),
+                   rope_theta=float(rope.get("rope_theta", 10000.0)),
+                   tokens_per_second=v.get("tokens_per_second", 4), **ids)
+
+    def to_hf(self) -> dict:
+        """The top-level fields of config.json this config reads from (vision_config and the
+        token ids)."""
+        vision = dict(
+            model_type="qwen2_5_vl_vision", depth=self.depth, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_heads=self.num_heads,
+            out_hidden_size=self.out_hidden_size, in_channels=self.in_channels,
+            patch_size=self.patch_size, temporal_patch_size=self.temporal_patch_size,
+            spatial_merge_size=self.spatial_merge_size, window_size=self.window_size,
+            fullatt_block_indexes=list(self.fullatt_block_indexes), hidden_act="silu",
+            tokens_per_second=self.tokens_per_second,
+            rope_parameters={"rope_type": "axial", "rope_theta": self.rope_theta})
+        return dict(vision_config=vision, image_token_id=self.image_token_id,
+                    video_token_id=self.video_token_id,
+                    vision_start_token_id=self.vision_start_token_id,
+                    vision_end_token_id=self.vision_end_token_id)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches merged into one language-model token."""
+        return self.spatial_merge_size ** 2
+
+    @property
+    def patch_shape(self) -> tuple[int, int, int, int]:
+        """(C, T, P, P): one flattened patch, in the processor's order."""
+        return (self.in_channels, self.temporal_patch_size, self.patch_size, self.patch_size)
+
+
+# name -> (shape, logical axes), under the decoder's "vision/" prefix. L blocks, E width, H heads,
+# Dh head dim, F MLP width, U = E * merge_unit (a merged unit), O the language model's width.
+def param_table(v: QwenVisionConfig) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    L, E, H, Dh, F = v.depth, v.hidden_size, v.num_heads, v.head_dim, v.intermediate_size
+    U, O = E * v.merge_unit, v.out_hidden_size
+    return {
+        "patch_embed": ((*v.patch_shape, E), (None, None, None, None, "embed")),
+        "blocks/attn_norm": ((L, E), ("layers", "norm")),
+        "blocks/wqkv": ((L, E, 3, H, Dh), ("layers", "embed", None, "heads", "head_dim")),
+        "blocks/bqkv": ((L, 3, H, Dh), ("layers", None, "heads", "head_dim")),
+        "blocks/wo": ((L, H, Dh, E), ("layers", "heads", "head_dim", "embed")),
+        "blocks/bo": ((L, E), ("layers", None)),
+        "blocks/mlp_norm": ((L, E), ("layers", "norm")),
+        "blocks/w_gate": ((L, E, F), ("layers", "embed", "mlp")),
+        "blocks/b_gate": ((L, F), ("layers", "mlp")),
+        "blocks/w_up": ((L, E, F), ("layers", "embed", "mlp")),
+        "blocks/b_up": ((L, F), ("layers", "mlp")),
+        "blocks/w_down": ((L, F, E), ("layers", "mlp", "embed")),
+        "blocks/b_down": ((L, E), ("layers", None)),
+        "merger/norm": ((E,), ("norm",)),
+        "merger/w1": ((U, U), ("embed", "mlp")),
+        "merger/b1": ((U,), ("mlp",)),
+        "merger/w2": ((U, O), ("mlp", "embed")),
+        "merger/b2": ((O,), (None,)),
+    }
+
+
+_B = HF_ROOT + "blocks.{i}."
+# table name (without "vision/") -> (HF tensor name, how our dims group into the HF tensor's,
+# in HF order: hf.py's layout convention; torch Linear weights are [out, in]). The blocks'
+# groups are those of one block (the stacked layer axis dropped).
+HF_NAMES: dict[str, tuple[str, tuple[tuple[int, ...], ...]]] = {
+    "patch_embed": (HF_ROOT + "patch_embed.proj.weight", ((4,), (0,), (1,), (2,), (3,))),
+    "blocks/attn_norm": (_B + "norm1.weight", ((0,),)),
+    "blocks/wqkv": (_B + "attn.qkv.weight", ((1, 2, 3), (0,))),
+    "blocks/bqkv": (_B + "attn.qkv.bias", ((0, 1, 2),)),
+    "blocks/wo": (_B + "attn.proj.weight", ((2,), (0, 1))),
+    "blocks/bo": (_B + "attn.proj.bias", ((0,),)),
+    "blocks/mlp_norm": (_B + "norm2.weight", ((0,),)),
+    "blocks/w_gate": (_B + "mlp.gate_proj.weight", ((1,), (0,))),
+    "blocks/b_gate": (_B + "mlp.gate_proj.bias", ((0,),)),
+    "blocks/w_up": (_B + "mlp.up_proj.weight", ((1,), (0,))),
+    "blocks/b_up": (_B + "mlp.up_proj.bias", ((0,),)),
+    "blocks/w_down": (_B + "mlp.down_proj.weight", ((1,), (0,))),
+    "blocks/b_down": (_B + "mlp.down_proj.bias", ((0,),)),
+    "merger/norm": (HF_ROOT + "merger.ln_q.weight", ((0,),)),
+    "merger/w1": (HF_ROOT + "merger.mlp.0.weight", ((1,), (0,))),
+    "merger/b1": (HF_ROOT + "merger.mlp.0.bias", ((0,),)),
+    "merger/w2": (HF_ROOT + "merger.mlp.2.weight", ((1,), (0,))),
+    "merger/b2": (HF_ROOT + "merger.mlp.2.bias", ((0,),)),
+}
+
+
+# ---------------------------------------------------------------- which patch sees which (host)
+
+class VisionLayout(NamedTuple):
+    """The index arrays of one batch of images (vision_layout). N patches, u = merge_unit."""
+
+    positions: np.ndarray  # [N, 2] each patch's (h, w) in its frame, the processor's order
+    window_index: np.ndarray  # [N / u] merged units in window order (units of the processor's)
+    frames: np.ndarray  # [N] in window order: the frame (image) each patch belongs to
+    windows: np.ndarray  # [N] in window order: the window each patch belongs to
+
+
+def vision_layout(v: QwenVisionConfig, grid_thw) -> VisionLayout:
+    """HF's get_vision_position_ids, get_vision_window_index and cu_seqlens of the images of
+    grid_thw [n, 3] (patches along t, h, w), as arrays; windows and frames as segment ids
+    (a patch attends to the patches of its own segment)."""
+    m, u = v.spatial_merge_size, v.merge_unit
+    per_window = v.window_size // m // v.patch_size  # merged units along a window's side
+    positions, window_index, window_sizes, frame_sizes = [], [], [], []
+    offset = 0
+    for t, h, w in np.asarray(grid_thw, np.int64).tolist():
+        # Patch (h, w) positions, block-major over m x m merge blocks as the processor orders.
+        hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+        block = (h // m, m, w // m, m)
+        hw = np.stack([a.reshape(block).transpose(0, 2, 1, 3).reshape(-1) for a in (hh, ww)], -1)
+        positions.append(np.tile(hw, (t, 1)))
+        frame_sizes += [h * w] * t
+        # Merged units split into windows of per_window x per_window (padding the grid up).
+        gh, gw = h // m, w // m
+        index = np.arange(t * gh * gw).reshape(t, gh, gw)
+        ph, pw = per_window - gh % per_window, per_window - gw % per_window
+        padded = np.pad(index, ((0, 0), (0, ph), (0, pw)), constant_values=-1)
+        nh, nw = (gh + ph) // per_window, (gw + pw) // per_window
+        padded = padded.reshape(t, nh, per_window, nw, per_window).transpose(0, 1, 3, 2, 4)
+        padded = padded.reshape(t * nh * nw, per_window * per_window)
+        sizes = (padded >= 0).sum(1)
+        window_sizes += [s * u for s in sizes.tolist() if s]
+        window_index.append(padded[padded >= 0] + offset)
+        offset += t * gh * gw
+    segments = lambda sizes: np.repeat(np.arange(len(sizes)), sizes)  # noqa: E731
+    # A frame's units stay together in window order, so the frame ids need no permuting.
+    return VisionLayout(np.concatenate(positions).astype(np.int32),
+                        np.concatenate(window_index).astype(np.int32),
+                        segments(frame_sizes).astype(np.int32),
+                        segments(window_sizes).astype(np.int32))
+
+
+# ---------------------------------------------------------------- the tower (traced)
+
+def _rms_norm(x, weight, dtype):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + VISION_EPS)
+    return (y * weight.astype(jnp.float32)).astype(dtype)
+
+
+def _rotate(x, cos, sin):
+    """HF's rotate-half RoPE on x [N, H, Dh] with cos, sin [N, Dh], in fp32."""
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
+
+
+def vision_rope(v: QwenVisionConfig, positions):
+    """(cos, sin) [N, Dh] of the ViT's 2-D RoPE: a quarter of head_dim's frequencies for h, a
+    quarter for w, [h, w, h, w] across head_dim (rotate-half pairs i and i + Dh/2)."""
+    half = v.head_dim // 2
+    inv_freq = 1.0 / (v.rope_theta ** (jnp.arange(0, half, 2, dtype=jnp.float32) / half))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [N, 2, Dh/4]
+    freqs = freqs.reshape(freqs.shape[0], -1)  # [N, Dh/2]: h's, then w's
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def _block(v: QwenVisionConfig, p, x, cos, sin, mask, dtype):
+    """One ViT block over all patches x [N, E]; mask [N, N] (segments)."""
+    h = _rms_norm(x, p["attn_norm"], dtype)
+    qkv = jnp.einsum("ne,eshd->nshd", h, p["wqkv"].astype(dtype)) + p["bqkv"].astype(dtype)
+    q, k, val = _rotate(qkv[:, 0], cos, sin), _rotate(qkv[:, 1], cos, sin), qkv[:, 2]
+    s = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32)
+    s = jnp.where(mask[None], s * v.head_dim ** -0.5, -1e30)
+    probs = jax.nn.softmax(s, axis=-1).astype(dtype)
+    attn = jnp.einsum("hqk,khd->qhd", probs, val)
+    x = x + jnp.einsum("nhd,hde->ne", attn, p["wo"].astype(dtype)) + p["bo"].astype(dtype)
+    h = _rms_norm(x, p["mlp_norm"], dtype)
+    gate = h @ p["w_gate"].astype(dtype) + p["b_gate"].astype(dtype)
+    up = h @ p["w_up"].astype(dtype) + p["b_up"].astype(dtype)
+    return x + (jax.nn.silu(gate) * up) @ p["w_down"].astype(dtype) + p["b_down"].astype(dtype)
+
+
+def vision_forward(v: QwenVisionConfig, params: dict, pixel_values, layout: VisionLayout,
+                   dtype):
+    """The image embeddings [N / merge_unit, out_hidden_size] of pixel_values [N, C*T*P*P]
+    (the images of `layout`, their patches in the processor's order), in that order.
+    params: the vision table's arrays by name (blocks stacked [depth, ...])."""
+    N, u, E = pixel_values.shape[0], v.merge_unit, v.hidden_size
+    patch = params["patch_embed"].astype(dtype).reshape(-1, E)
+    x = pixel_values.astype(dtype) @ patch  # the Conv3d: its kernel is the whole patch
+    order = jnp.asarray(layout.window_index)
+    to_windows = lambda a: a.reshape(N // u, u, -1)[order].reshape(N, -1)  # noqa: E731
+    x = to_windows(x)
+    cos, sin = (to_windows(a) for a in vision_rope(v, jnp.asarray(layout.positions)))
+    frames, windows = jnp.asarray(layout.frames), jnp.asarray(layout.windows)
+    masks = (frames[:, None] == frames[None], windows[:, None] == windows[None])
+    full = jnp.asarray([i in v.fullatt_block_indexes for i in range(v.depth)])
+    blocks = {k[len("blocks/"):]: a for k, a in params.items() if k.startswith("blocks/")}
+
+    def body(x, xs):
+        p, is_full = xs
+        return _block(v, p, x, cos, sin, jnp.where(is_full, *masks), dtype), None
+
+    x, _ = jax.lax.scan(body, x, (blocks, full))
+    h = _rms_norm(x, params["merger/norm"], dtype).reshape(N // u, u * E)
+    h = jax.nn.gelu(h @ params["merger/w1"].astype(dtype) + params["merger/b1"].astype(dtype),
+                    approximate=False)  # torch's nn.GELU(): the exact erf form
+    out = h @ params["merger/w2"].astype(dtype) + params["merger/b2"].astype(dtype)
+    return out[jnp.argsort(order)]  # back to the processor's (and the placeholders') order
+
+
+class _Holder(nnx.Module):
+    """Holder for a group of parameters (the stacked blocks, the merger)."""
+
+
+class QwenVision(nnx.Module):
+    """The tower's parameters (set by the Decoder from the vision table: vision/blocks/...,
+    vision/merger/..., vision/patch_embed)."""
+
+    def __init__(self, cfg: QwenVisionConfig):
+        self.cfg = cfg
+        self.blocks = _Holder()
+        self.merger = _Holder()
+
+    def params(self) -> dict[str, jax.Array]:
+        out = {}
+        for name in param_table(self.cfg):
+            node = self
+            for part in name.split("/"):
+                node = getattr(node, part)
+            out[name] = node[...]
+        return out
+
+    def __call__(self, pixel_values, image_grid_thw, dtype) -> jax.Array:
+        """Image embeddings [sum of t*h*w / merge_unit, out_hidden_size]; image_grid_thw is
+        read on the host (numpy): the layout is static."""
+        return vision_forward(self.cfg, self.params(), pixel_values,
+                              vision_layout(self.cfg, image_grid_thw), dtype)
+
+
+def scatter_images(x, is_image, features):
+    """x [B, T, D] with the image placeholders (is_image [B, T]) replaced, in row-major order,
+    by features [n, D] (n = placeholders), as HF's masked_scatter."""
+    flat = is_image.reshape(-1)
+    index = jnp.clip(jnp.cumsum(flat) - 1, 0, features.shape[0] - 1)
+    picked = features.astype(x.dtype)[index].reshape(x.shape)
+    return jnp.where(is_image[..., None], picked, x)
+
+
+# ---------------------------------------------------------------- M-RoPE positions (host)
+
+def rope_index(v: QwenVisionConfig, tokens, attention_mask, image_grid_thw):
+    """HF's get_rope_index for images: (positions [3, B, T] int32, deltas [B] int32). Over each
+    row's real tokens (attention_mask 1; padding gets 0): text counts up on all three rows; a
+    run of image placeholders (the next image of image_grid_thw, in batch order) gets
+    (t, h, w) of its merged grid, each offset by the position it starts at, and the text after
+    it continues from that start + max(h, w). deltas: the next position minus the row's real
+    length, what a decode step adds to the text position (real tokens so far)."""
+    tokens, mask = np.asarray(tokens), np.asarray(attention_mask).astype(bool)
+    m = v.spatial_merge_size
+    grids = iter(np.asarray(image_grid_thw, np.int64).reshape(-1, 3).tolist())
+    B, T = tokens.shape
+    positions, deltas = np.zeros((3, B, T), np.int32), np.zeros(B, np.int32)
+    for b in range(B):
+        ids = tokens[b][mask[b]]
+        parts, at = [], 0
+        for is_image, run in itertools.groupby(ids == v.image_token_id):
+            n = len(list(run))
+            if not is_image:
+                parts.append(np.broadcast_to(np.arange(n) + at, (3, n)))
+                at += n
+                continue
+            t, h, w = next(grids)
+            h, w = h // m, w // m
+            grid = np.stack(np.meshgrid(np.arange(t), np.arange(h), np.arange(w),
+                                        indexing="ij")).reshape(3, -1)
+            if grid.shape[1] != n:
+                raise ValueError(f"row {b}: {n} image placeholders, its grid {(t, h * m, w * m)}"
+                                 f" merges to {grid.shape[1]}")
+            parts.append(grid + at)
+            at += max(h, w)
+        row = np.concatenate(parts, axis=1) if parts else np.zeros((3, 0), np.int64)
+        positions[:, b, mask[b]] = row
+        deltas[b] = (row.max() + 1 if row.size else 0) - len(ids)
+    return positions, deltas

@@ -1,0 +1,201 @@
+"""Qwen2.5-VL against transformers (PyTorch CPU, fp32): a tiny random model with a 3-block ViT
+(one full-attention block, windows that do not tile the images) on a left-padded batch of two
+prompts with images of different sizes: the logits, greedy generation over the KV cache with
+M-RoPE's decode positions, and a load / export round trip through an HF directory."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from grpo_jax import hf
+from grpo_jax.models import qwen_vl
+from grpo_jax.rollout.native.sampler import Sampler
+from grpo_jax.rollout.native.sampling import SamplingParams
+
+IMAGE, START, END, EOS = 150, 152, 153, 2
+# Patch grids (t, h, w): 8x10 patches merge to 4x5 tokens, windows of 2x2 merged tokens leave
+# a partial column; 4x6 patches merge to 2x3 tokens (a partial window too).
+GRIDS = np.array([[1, 8, 10], [1, 4, 6]])
+
+
+def _tiny_hf(seed=0):
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=160, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1,
+                         eos_token_id=EOS, pad_token_id=0,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                           window_size=16, out_hidden_size=64, fullatt_block_indexes=[1]),
+        image_token_id=IMAGE, video_token_id=151, vision_start_token_id=START,
+        vision_end_token_id=END, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    # Random init leaves norms at 1 and biases at 0; perturb them so the test sees them.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_q" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _batch():
+    """Two left-padded prompts, each text, an image (its merged-token placeholders between
+    vision start and end) and more text; row 1 shorter, with the smaller image."""
+    merged = GRIDS.prod(1) // 4
+    rows = [[5, 17, START, *[IMAGE] * merged[0], END, 99, 3, 42],
+            [7, START, *[IMAGE] * merged[1], END, 8, 9]]
+    width = max(map(len, rows))
+    tokens = np.array([[0] * (width - len(r)) + r for r in rows])
+    mask = np.array([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    rng = np.random.default_rng(0)
+    pixels = rng.standard_normal((int(GRIDS.prod(1).sum()), 3 * 2 * 4 * 4)).astype(np.float32)
+    return tokens, mask, pixels
+
+
+def _hf_inputs(tokens, mask, pixels):
+    t = torch.as_tensor(tokens)
+    return dict(input_ids=t, attention_mask=torch.as_tensor(mask),
+                pixel_values=torch.as_tensor(pixels), image_grid_thw=torch.as_tensor(GRIDS),
+                mm_token_type_ids=(t == IMAGE).int())
+
+
+def _hf_logits(ref, batch):
+    with torch.no_grad():
+        return ref(**_hf_inputs(*batch)).logits.float().numpy()
+
+
+@nnx.jit
+def _forward(model, tokens, positions, mask, pixels):
+    emb = model.embed_multimodal(tokens, pixels, GRIDS)  # the grid: static, read on the host
+    hidden, _ = model(tokens, positions, mask, inputs_embeds=emb)
+    return model.logits(hidden)
+
+
+def _our_logits(model, batch):
+    tokens, mask, pixels = batch
+    positions, _ = qwen_vl.rope_index(model.cfg.vision, tokens, mask, GRIDS)
+    return np.asarray(_forward(model, *map(jnp.asarray, (tokens, positions, mask, pixels))))
+
+
+def _real_diff(a, b, mask):
+    return float(np.abs(a - b)[mask.astype(bool)].max())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The HF model, its directory, and our model loaded from it."""
+    path = tmp_path_factory.mktemp("qwen_vl") / "hf"
+    ref = _tiny_hf()
+    ref.save_pretrained(path)
+    model, _ = hf.load_model(str(path), dtype=jnp.float32)
+    return ref, path, model
+
+
+def test_layout_and_rope_index_match_transformers(tiny):
+    """The host-side index arrays: window order and segments as HF's vision_utils, and
+    M-RoPE positions and deltas as get_rope_index, left padding included."""
+    from transformers import vision_utils
+    ref, _, model = tiny
+    v = model.cfg.vision
+    layout = qwen_vl.vision_layout(v, GRIDS)
+    grid = torch.as_tensor(GRIDS)
+    index, cu = vision_utils.get_vision_window_index(grid, 2, 16, 4)
+    np.testing.assert_array_equal(layout.window_index, index.numpy())
+    np.testing.assert_array_equal(np.flatnonzero(np.diff(layout.windows)) + 1, cu.numpy()[1:-1])
+    np.testing.assert_array_equal(layout.positions,
+                                  vision_utils.get_vision_position_ids(grid, 2).numpy())
+    tokens, mask, _ = _batch()
+    ids = torch.as_tensor(tokens)
+    want, deltas = ref.model.get_rope_index(ids, (ids == IMAGE).int(), image_grid_thw=grid,
+                                            attention_mask=torch.as_tensor(mask))
+    got, got_deltas = qwen_vl.rope_index(v, tokens, mask, GRIDS)
+    np.testing.assert_array_equal(got, want.numpy())
+    np.testing.assert_array_equal(got_deltas, deltas.numpy()[:, 0])
+
+
+def test_logits_match_transformers(tiny):
+    ref, _, model = tiny
+    batch = _batch()
+    v = model.cfg.vision
+    with torch.no_grad():  # the tower alone first: a failure here is the ViT's
+        want = ref.model.get_image_features(torch.as_tensor(batch[2]), torch.as_tensor(GRIDS))
+    features = model.vision(jnp.asarray(batch[2]), GRIDS, jnp.float32)
+    feature_diff = np.abs(np.asarray(features) - torch.cat(want.pooler_output).numpy()).max()
+    print(f"max |image features diff| {feature_diff:.2e}")
+    assert feature_diff < 1e-4
+    diff = _real_diff(_our_logits(model, batch), _hf_logits(ref, batch), batch[1])
+    print(f"max |logits diff| {diff:.2e}")
+    assert diff < 1e-4
+    assert v.fullatt_block_indexes == (1,) and model.cfg.mrope_section == (2, 3, 3)
+
+
+def test_greedy_generation_matches_transformers(tiny):
+    """The native sampler given the images (its prompt pass: embed_multimodal's embeddings,
+    M-RoPE positions, over the KV cache; its decode steps: text positions plus the rope delta;
+    the prompts padded to a wider bucket than HF's) against transformers' generate; its
+    log-probs against one forward over prompt + completion, as the trainer would run it."""
+    ref, _, model = tiny
+    batch, n = _batch(), 6
+    with torch.no_grad():
+        want = ref.generate(**_hf_inputs(*batch), do_sample=False, max_new_tokens=n,
+                            min_new_tokens=n, pad_token_id=0)
+    want = want[:, batch[0].shape[1]:].numpy()
+    tokens, mask, pixels = batch
+    prompts = [row[m.astype(bool)] for row, m in zip(tokens, mask)]
+    sp = SamplingParams(max_completion_length=n, temperature=0)
+    out = Sampler(model.cfg, sp, pad_id=0, buckets=(32,)).generate(
+        model, prompts, pixel_values=pixels, image_grid_thw=GRIDS)
+    np.testing.assert_array_equal(out.completion_ids, want)
+    # The trainer's view: one forward over prompt + completion, M-RoPE positions from
+    # rope_index of the whole rows (the completion continues the text), gives the sampler's
+    # log-probs.
+    full = (np.concatenate([tokens, want], 1), np.concatenate([mask, np.ones_like(want)], 1),
+            pixels)
+    logp = jax.nn.log_softmax(_our_logits(model, full)[:, tokens.shape[1] - 1:-1], axis=-1)
+    logp = np.take_along_axis(np.asarray(logp), want[..., None], axis=-1)[..., 0]
+    print(f"max |sampler - forward log-prob| {np.abs(out.sampler_logp - logp).max():.2e}")
+    np.testing.assert_allclose(out.sampler_logp, logp, atol=1e-4)
+
+
+def test_export_round_trip(tiny, tmp_path):
+    """Our export reloads in transformers with the same tensor names and equal logits; our
+    loader reads it back to the same config."""
+    ref, path, model = tiny
+    hf.save_hf(model, tmp_path / "out", source_dir=path)
+    back = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(tmp_path / "out")
+    assert set(back.state_dict()) == set(ref.state_dict())
+    assert back.config.text_config.eos_token_id == EOS  # the source's text fields kept
+    batch = _batch()
+    diff = _real_diff(_our_logits(model, batch), _hf_logits(back.eval(), batch), batch[1])
+    print(f"max |logits diff| after export {diff:.2e}")
+    assert diff < 1e-4
+    again, _ = hf.load_model(str(tmp_path / "out"), dtype=jnp.float32)
+    assert again.cfg == model.cfg
+    exported = hf.hf_state_dict(model.cfg, hf.params_numpy(model))
+    from safetensors.numpy import load_file
+    assert set(exported) == set(load_file(path / "model.safetensors"))
+
+
+def test_text_only_positions_are_plain_rope(tiny):
+    """A VL model on text alone takes [B, T] positions: M-RoPE with three equal rows."""
+    _, _, model = tiny
+    tokens = jnp.asarray([[5, 6, 7, 8]])
+    mask = jnp.ones_like(tokens)
+    pos = jnp.arange(4)[None]
+    one, _ = model(tokens, pos, mask)
+    three, _ = model(tokens, jnp.broadcast_to(pos, (3, 1, 4)), mask)
+    np.testing.assert_allclose(np.asarray(one), np.asarray(three), atol=1e-6)
+
+
+def test_num_params_counts_the_tower(tiny):
+    ref, _, model = tiny
+    assert model.cfg.num_params() == sum(p.numel() for p in ref.parameters())
+    assert model.cfg.num_params(active=True) == sum(
+        p.numel() for n, p in ref.named_parameters() if not n.startswith("model.visual."))
