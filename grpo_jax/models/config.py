@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from grpo_jax.config.model import Numerics  # noqa: F401 (this module's API)
 from grpo_jax.errors import ModelConfigError
+from grpo_jax.models.siglip import SiglipConfig
 
 # The platform programs are traced for: this process's backend, unless aot traces for another
 # (tracing_for) - attention_impl "auto" picks its kernel by it.
@@ -146,6 +147,11 @@ class ModelConfig:
     # The load-balancing loss's coefficient the checkpoint declares (TRL's default for
     # router_aux_loss_coef); 0 for dense models.
     router_aux_coef: float = 0.0
+    # A vision-language model's image encoder (None: text only): Gemma 3's SigLIP tower and
+    # projector (models/siglip.py), whose outputs replace the embeddings of the prompt's
+    # image_token_id tokens (Decoder.embed_multimodal).
+    vision: SiglipConfig | None = None
+    image_token_id: int | None = None
 
     def __post_init__(self):
         if self.attention_impl not in ATTENTION_IMPLS:
@@ -162,6 +168,12 @@ class ModelConfig:
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ModelConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
                                    f"[1, num_experts={self.num_experts}]")
+
+    @property
+    def image_blocks(self) -> bool:
+        """Gemma 3 with images: each image's run of image tokens attends both ways among
+        itself (transformers' token_type_ids mask), causal elsewhere."""
+        return self.vision is not None and self.model_type == "gemma3_text"
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:
@@ -296,8 +308,13 @@ class ModelConfig:
     def from_hf(cls, hf: dict, **overrides) -> "ModelConfig":
         """Build from a Hugging Face `config.json` dict (transformers 4 or 5 layout)."""
         model_type = hf.get("model_type")
+        vision = {}
         if model_type == "gemma3":  # the wrapper's tie_word_embeddings is what transformers reads
             tie = {k: hf[k] for k in ("tie_word_embeddings",) if k in hf}
+            if hf.get("vision_config"):  # Gemma3ForConditionalGeneration: also its images
+                vision = dict(vision=SiglipConfig.from_hf(hf["vision_config"],
+                                                          hf.get("mm_tokens_per_image", 256)),
+                              image_token_id=hf.get("image_token_index", hf.get("image_token_id")))
             hf = {**hf.get("text_config", {}), **tie, "model_type": "gemma3_text"}
             model_type = "gemma3_text"
         if model_type not in FAMILIES:
@@ -341,6 +358,7 @@ class ModelConfig:
         kw["qkv_bias"] = family.get("qkv_bias", False) or attention_bias
         kw["o_bias"] = attention_bias and model_type in _O_BIAS_FAMILIES
         kw.update(_moe(hf, model_type, layers))
+        kw.update(vision)
         return cls(**kw).replace(**overrides)
 
     def to_hf(self) -> dict:
@@ -375,6 +393,13 @@ class ModelConfig:
             out["mlp_bias"] = False
         if self.num_experts:
             out.update(self._moe_hf())
+        if self.vision is not None:  # Gemma 3's wrapper, the decoder its text_config
+            out.pop("architectures")
+            return {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                    "text_config": out, "vision_config": self.vision.to_hf(),
+                    "mm_tokens_per_image": self.vision.mm_tokens_per_image,
+                    "image_token_index": self.image_token_id,
+                    "tie_word_embeddings": self.tie_word_embeddings}
         return out
 
     def _moe_hf(self) -> dict:

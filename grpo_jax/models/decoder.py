@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import attention as attention_lib
-from grpo_jax.models import lora, moe
+from grpo_jax.models import lora, moe, siglip
 from grpo_jax.models.attention import Mask
 from grpo_jax.models.config import ModelConfig, param_table, runs_of  # noqa: F401 (API)
 from grpo_jax.models.moe import RouterStats
@@ -147,6 +147,9 @@ class Decoder(nnx.Module):
         for (name, (_, axes)), value in zip(table.items(), values):
             owner, leaf = (self.layers, name[7:]) if name.startswith("layers/") else (self, name)
             setattr(owner, leaf, nnx.Param(value, axes=axes))
+        # A vision-language model's image encoder (its params under `vision`), else None.
+        self.vision = (siglip.VisionTower(cfg.vision, cfg.hidden_size, cfg.param_dtype,
+                                          rngs=rngs) if cfg.vision is not None else None)
 
     def head_weight(self) -> jax.Array:
         """The [D, V] output projection (the transposed embedding when tied)."""
@@ -217,6 +220,20 @@ class Decoder(nnx.Module):
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, self.cfg.dtype)
         return x
 
+    def embed_multimodal(self, tokens, pixel_values) -> jax.Array:
+        """The input embeddings [B, T, D] of a prompt with images, for `__call__`/`prefill`'s
+        inputs_embeds: the tokens' embeddings, the k-th image token of the batch (row by row)
+        taking the k-th row of the images' soft tokens, as transformers' masked_scatter.
+        tokens [B, T] with mm_tokens_per_image image_token_id tokens per image; pixel_values
+        [N, C, H, W], the N images in the order their tokens come. The image features are
+        not scaled by sqrt(hidden) (HF scatters them after the scaled embedding)."""
+        is_image = tokens == self.cfg.image_token_id
+        # The image token's own embedding is replaced (HF embeds id 0 where it is out of vocab).
+        x = self.embed_tokens(jnp.where(is_image, 0, tokens))
+        soft = self.vision(pixel_values, self.cfg.dtype).reshape(-1, x.shape[-1])
+        k = jnp.clip(jnp.cumsum(is_image.reshape(-1)) - 1, 0, soft.shape[0] - 1)
+        return jnp.where(is_image[..., None], soft[k].reshape(x.shape), x)
+
     def decode_layers(self) -> list[dict[str, jax.Array]]:
         """The weights of each run of cache_runs(), stacked [L, ...], for `__call__(...,
         layers=)`. A decode loop calls this once, outside the loop, so no step slices a run out
@@ -258,7 +275,8 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens, positions, attention_mask, cache: KVCache | None = None,
                  cache_index=None, layers: list[dict] | None = None, order=None,
-                 with_router: bool = False, routing=None, record_routing: bool = False):
+                 with_router: bool = False, routing=None, record_routing: bool = False,
+                 inputs_embeds: jax.Array | None = None):
         """Run the decoder and return (hidden [B, T, D] after the final norm, new cache).
 
         tokens, positions: [B, T] int. Without a cache, attention_mask is [B, T] (1 = real token),
@@ -279,14 +297,19 @@ class Decoder(nnx.Module):
         layer; record_routing: also return the experts each token ran, [B, T, S, k] int32, as
         the last item ((hidden, cache, experts), or with with_router (hidden, None, stats,
         experts)).
+        `inputs_embeds` [B, T, D]: the embeddings to run instead of the tokens' (a prompt
+        with images: embed_multimodal); the tokens still say where the images are (Gemma 3's
+        image blocks, attending both ways without a cache and in a prefill).
         """
         cfg = self.cfg
         if routing is not None and cache is not None:
             raise ValueError("replayed routing is for the forward without a cache (training)")
+        blocks = image_blocks(tokens, cfg.image_token_id) if cfg.image_blocks else None
+        x = self.embed_tokens(tokens) if inputs_embeds is None else inputs_embeds
         if order is not None:
-            tokens, positions = tokens[:, order], positions[:, order]
+            tokens, positions, x = tokens[:, order], positions[:, order], x[:, order]
             routing = None if routing is None else routing[:, order]
-        x = self.shard_tokens(self.embed_tokens(tokens))
+        x = self.shard_tokens(x)
         sliding = cfg.sliding_layers
         # (cos, sin) per attention kind; sliding layers may have their own RoPE base (Gemma 3).
         rope = {False: rope_tables(cfg, positions)}
@@ -301,7 +324,7 @@ class Decoder(nnx.Module):
                 p, slides, forced = xs
                 cos, sin = _pick(sliding, slides, rope)
                 mask = Mask(np.arange(T) if order is None else order, key_ok,
-                            _window(cfg, slides))
+                            _window(cfg, slides), blocks)
                 x, _, _, stats, idx = _block(cfg, p, self.shard_tokens(x), cos, sin, mask,
                                              mesh=mesh, key_order=order,
                                              expert_mesh=self.expert_mesh, token_mask=token_ok,
@@ -320,8 +343,8 @@ class Decoder(nnx.Module):
             # A prefill into an empty cache: the tokens attend among themselves only, as
             # without a cache (and with the same kernel), instead of over all S slots.
             cache_index = None
-            masks = {s: Mask(np.arange(T), key_ok[:, :T], cfg.sliding_window if s else None)
-                     for s in (False, True)}
+            masks = {s: Mask(np.arange(T), key_ok[:, :T], cfg.sliding_window if s else None,
+                             blocks) for s in (False, True)}
         elif T > 1 and not any(sliding):
             # A chunk of a long prompt (chunked prefill): query t at position cache_index + t
             # sees the real positions up to its own, by blocks (attention.flash).
@@ -366,7 +389,8 @@ class Decoder(nnx.Module):
         return out
 
     def prefill(self, tokens, positions, attention_mask, cache: KVCache, layers=None,
-                chunk: int | None = None, record_routing: bool = False):
+                chunk: int | None = None, record_routing: bool = False,
+                inputs_embeds: jax.Array | None = None):
         """Fill an empty cache with T prompt tokens (left-padded; attention_mask [B, T] over
         the cache's first T slots): returns (hidden [B, 1, D] of the last token, cache).
         `chunk`: T tokens at a time (chunked prefill, under lax.scan), each chunk attending
@@ -374,12 +398,15 @@ class Decoder(nnx.Module):
         chunk's activations, not T's. Unchunked where T does not split into chunks, and with
         sliding-window layers (a chunk written into a ring would overwrite keys its own
         earlier queries still see). record_routing: also the experts each prompt token ran,
-        [B, T, S, k] int32 (see __call__), as a third item."""
+        [B, T, S, k] int32 (see __call__), as a third item. `inputs_embeds`: see __call__
+        (unchunked: an image's block attends both ways, across chunks)."""
         T = tokens.shape[1]
-        if not chunk or T <= chunk or T % chunk or any(self.cfg.sliding_layers):
+        if (not chunk or T <= chunk or T % chunk or any(self.cfg.sliding_layers)
+                or inputs_embeds is not None):
             hidden, cache, *chosen = self(tokens, positions, attention_mask, cache=cache,
                                           cache_index=0, layers=layers,
-                                          record_routing=record_routing)
+                                          record_routing=record_routing,
+                                          inputs_embeds=inputs_embeds)
             return (hidden[:, -1:], cache, *chosen)
         layers = self.decode_layers() if layers is None else layers
         split = lambda a: a.reshape(a.shape[0], T // chunk, chunk).swapaxes(0, 1)  # noqa: E731
@@ -524,6 +551,14 @@ def _ring_mask(query, key_ok, slots: int, window: int) -> jax.Array:
 softcap = attention_lib.softcap
 
 
+def image_blocks(tokens, image_token_id: int) -> jax.Array:
+    """[B, T] int32: each run of image tokens numbered from 0 in its row, -1 elsewhere
+    (transformers' get_block_sequence_ids_for_mask over token_type_ids = the image tokens)."""
+    is_image = tokens == image_token_id
+    starts = is_image & ~jnp.pad(is_image, ((0, 0), (1, 0)))[:, :-1]
+    return jnp.where(is_image, jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1, -1)
+
+
 def positions_from_mask(mask: jax.Array) -> jax.Array:
     """Positions for a left-padded batch: 0 at each row's first real token."""
     return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
@@ -666,12 +701,12 @@ def _attend(cfg: ModelConfig, q, k, v, mask: Mask, mesh=None, key_order=None, si
     cap = cfg.attn_logit_softcapping
     k, v = (attention_lib.gather_keys(a, key_order, mesh) for a in (k, v))
     cp = mesh_lib.context_size(mesh)
-    split = cp > 1 and q.shape[1] % cp == 0
+    split = cp > 1 and q.shape[1] % cp == 0 and mask.blocks is None
     rows = q.shape[0] // (mesh_lib.batch_divisor(mesh) if mesh is not None else 1) or 1
     kernel = cfg.attention_kernel(k.shape[1], context_parallel=split, queries=q.shape[1],
                                   rows=rows)
-    if sinks is not None:
-        kernel = "xla"  # neither cuDNN nor the blockwise kernels take sinks
+    if sinks is not None or (mask.blocks is not None and kernel != "cudnn"):
+        kernel = "xla"  # neither cuDNN nor the blockwise kernels take sinks, nor the others blocks
     if kernel == "cudnn":
         # Each query also sees itself, so padding rows are never fully masked (NaN in cuDNN).
         own = jnp.arange(k.shape[1])[None, :] == jnp.asarray(mask.q_idx)[:, None]
