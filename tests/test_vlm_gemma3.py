@@ -3,7 +3,6 @@ fp32): the SigLIP tower and projector, the image tokens' bidirectional attention
 layer whose window is shorter than an image), greedy decoding through the KV cache after a
 prefill with images, and the HF directory round trip."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,8 +11,10 @@ import transformers
 from safetensors import safe_open
 
 from grpo_jax import hf
-from grpo_jax.models import KVCache, positions_from_mask
+from grpo_jax.models import positions_from_mask
 from grpo_jax.models.decoder import image_blocks
+from grpo_jax.rollout.native.sampler import Sampler
+from grpo_jax.rollout.native.sampling import SamplingParams
 
 IMG, BOI, EOI, PAD = 100, 101, 102, 0
 MM = 4  # soft tokens per image: 28 px / 7 px patches = a 4 x 4 grid, pooled 2 x 2
@@ -114,11 +115,12 @@ def test_logits_match_transformers(vlm):
     assert _diff(np.asarray(model.logits(hidden)), theirs, mask) > 1e-3
 
 
-def test_greedy_decode_through_the_cache_matches_generate(vlm):
-    """Prefill with the images into the KV cache (rings of 3 slots on the sliding layers),
-    then greedy decode 6 tokens one at a time: transformers' generate's tokens."""
+def test_greedy_generation_matches_generate(vlm):
+    """The sampler prefills the prompts with their images (Sampler.generate's images) into
+    the KV cache (rings of 3 slots on the sliding layers), then decodes 6 greedy tokens
+    through it: transformers' generate's tokens."""
     ref, _, model, (ids, mask, pixels) = vlm
-    n, (B, P) = 6, ids.shape
+    n, P = 6, ids.shape[1]
     with torch.no_grad():
         out = ref.generate(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask),
                            pixel_values=torch.as_tensor(pixels),
@@ -126,21 +128,11 @@ def test_greedy_decode_through_the_cache_matches_generate(vlm):
                            do_sample=False, max_new_tokens=n, min_new_tokens=n,
                            pad_token_id=PAD)
     want = out[:, P:].numpy()
-    cfg = model.cfg
-    tokens, m = jnp.asarray(ids), jnp.asarray(mask)
-    embeds = model.embed_multimodal(tokens, jnp.asarray(pixels))
-    hidden, cache = model.prefill(tokens, positions_from_mask(m), m,
-                                  KVCache.zeros(cfg, B, P), inputs_embeds=embeds)
-    cache = cache.grown(cfg, P + n)
-    key_mask = jnp.concatenate([m, jnp.ones((B, n), jnp.int32)], axis=1)
-    pos = m.sum(1)[:, None]
-    got = []
-    step = jax.jit(lambda model, t, p, c, i: model(t, p, key_mask, cache=c, cache_index=i))
-    for t in range(n):
-        token = jnp.argmax(model.logits(hidden)[:, -1], -1)[:, None].astype(jnp.int32)
-        got.append(np.asarray(token[:, 0]))
-        hidden, cache = step(model, token, pos + t, cache, jnp.int32(P + t))
-    np.testing.assert_array_equal(np.stack(got, 1), want)
+    sp = SamplingParams(max_completion_length=n, temperature=0, stop_token_ids=())
+    got = Sampler(model.cfg, sp, pad_id=PAD, buckets=(32,)).generate(model, ROWS,
+                                                                     images=pixels)
+    print("greedy", want.tolist())
+    np.testing.assert_array_equal(got.completion_ids, want)
 
 
 def test_export_round_trip(vlm, tmp_path):

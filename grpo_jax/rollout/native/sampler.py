@@ -116,7 +116,7 @@ class Sampler:
 
     def generate(self, params, prompt_token_ids: Sequence[Sequence[int]],
                  num_generations: int = 1, rng: int | jax.Array = 0,
-                 first_row: int = 0) -> RolloutBatch:
+                 first_row: int = 0, images=None) -> RolloutBatch:
         """Sample `num_generations` completions per prompt.
 
         params: the model's nnx.State of nnx.Param (`nnx.split(model, nnx.Param)[1]`) or the
@@ -124,6 +124,9 @@ class Sampler:
         Row i's token t is drawn with the key fold_in(fold_in(rng, t), first_row + i), whatever
         else is in the batch: a round generated in parts (first_row: where this part starts) or
         through refilled slots (rollout/native/refill.py) draws what one batch does.
+        images: a vision-language model's images, the second argument of its
+        Decoder.embed_multimodal (Gemma 3: pixel_values [N, C, H, W], the prompts' images in
+        the order their image tokens come); the prompts' pass embeds them.
         """
         params, prompts, g, n, rows = self.inputs(params, prompt_token_ids, num_generations)
         # The program prefills each prompt once and copies its cache to its g rows: prompts
@@ -139,7 +142,7 @@ class Sampler:
                 self.mesh, "batch", None, shape=x.shape)) for x in args)
             params = jax.device_put(params, mesh_lib.param_shardings(params, self.mesh))
         tokens, cmask, logp, done, *routing = dist.to_host(self.program(
-            params, *args, key, np.int32(first_row), num_generations=g, rows=rows))
+            params, *args, key, np.int32(first_row), images, num_generations=g, rows=rows))
         ids, mask = np.repeat(ids, g, axis=0)[:n], np.repeat(mask, g, axis=0)[:n]
         # The prefill samples each row's first token, the loop one more per step until the
         # longest row is done.
@@ -222,10 +225,10 @@ class Sampler:
     def constrain_cache(self, cache: KVCache) -> KVCache:
         return jax.tree.map(lambda x: self.constrain(x, *KVCache.AXES), cache)
 
-    def _generate(self, params, prompt_ids, prompt_mask, key, first_row=0, *,
+    def _generate(self, params, prompt_ids, prompt_mask, key, first_row=0, images=None, *,
                   num_generations: int, rows: int):
         ctx, state = self.prefill(params, prompt_ids, prompt_mask, key, num_generations, rows,
-                                   first_row)
+                                   first_row, images)
         C = self.sampling_params.max_completion_length
         state = jax.lax.while_loop(lambda s: (s.step < C) & ~jnp.all(s.done),
                                    lambda s: self.decode_step(ctx, s, key), state)
@@ -234,19 +237,22 @@ class Sampler:
             return out
         return (*out, ctx.prompt_routing, state.routing)
 
-    def prompt_pass(self, params, prompt_ids, prompt_mask, record_routing: bool = False):
+    def prompt_pass(self, params, prompt_ids, prompt_mask, record_routing: bool = False,
+                    images=None):
         """The prompts' pass: (params in the compute dtype, their decode_layers(), the prompts'
         KV cache [L, prompts, K, width, Dh] per run (a sliding layer's: its window at most), the
         last logits [prompts, V]); record_routing: and, fifth, the experts each prompt token
-        ran [prompts, width, S, k] (moe.routing_dtype; -1 on padding)."""
+        ran [prompts, width, S, k] (moe.routing_dtype; -1 on padding). images: see generate."""
         cfg = self.cfg
         cast = cast_matrices(params, cfg.dtype)
         model = self.decoder(cast)
         layers = model.decode_layers()
         cache = self.constrain_cache(KVCache.zeros(cfg, *prompt_ids.shape, self.cache_dtype))
+        embeds = None if images is None else model.embed_multimodal(prompt_ids, images)
         hidden, cache, *chosen = model.prefill(
             prompt_ids, positions_from_mask(prompt_mask), prompt_mask, cache, layers,
-            chunk=self.sampling_params.prefill_chunk_size, record_routing=record_routing)
+            chunk=self.sampling_params.prefill_chunk_size, record_routing=record_routing,
+            inputs_embeds=embeds)
         logits = model.logits(hidden)[:, 0]  # left padding: the last slot is real
         if not record_routing:
             return cast, layers, cache, logits
@@ -255,7 +261,7 @@ class Sampler:
             moe.routing_dtype(cfg.num_experts))
 
     def prefill(self, params, prompt_ids, prompt_mask, key, num_generations: int,
-                 rows: int, first_row=0) -> tuple[DecodeContext, DecodeState]:
+                 rows: int, first_row=0, images=None) -> tuple[DecodeContext, DecodeState]:
         """The prompts' pass that fills the KV cache, and the first token of each of `rows`
         rows (prompt i's num_generations rows are consecutive). Each prompt is run once and its
         keys, values and last logits are copied to its rows: the prefill costs 1/G of running
@@ -267,7 +273,7 @@ class Sampler:
         prompt_ids = self.constrain(prompt_ids, "batch", None)
         prompt_mask = self.constrain(prompt_mask, "batch", None)
         cast, layers, cache, logits, *prompt_routing = self.prompt_pass(
-            params, prompt_ids, prompt_mask, self.record_routing)
+            params, prompt_ids, prompt_mask, self.record_routing, images)
 
         def to_rows(x):  # [prompts, ...] -> [rows, ...]: each prompt's G copies in a block
             x = jnp.repeat(x, num_generations, axis=0)[:rows]
