@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from grpo_jax.errors import ModelConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class SiglipConfig:
@@ -40,7 +42,7 @@ class SiglipConfig:
         side = math.isqrt(self.mm_tokens_per_image)
         if (self.image_size % self.patch_size or side * side != self.mm_tokens_per_image
                 or self.patches_per_side % side):
-            raise ValueError(
+            raise ModelConfigError(
                 f"image_size {self.image_size} / patch_size {self.patch_size} must give a "
                 f"square patch grid that pools evenly to mm_tokens_per_image "
                 f"{self.mm_tokens_per_image} (a square)")
@@ -53,7 +55,7 @@ class SiglipConfig:
     @classmethod
     def from_hf(cls, vision: dict, mm_tokens_per_image: int) -> "SiglipConfig":
         if vision.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
-            raise ValueError(f"vision hidden_act {vision['hidden_act']!r}: only "
+            raise ModelConfigError(f"vision hidden_act {vision['hidden_act']!r}: only "
                              "gelu_pytorch_tanh (SigLIP's) is supported")
         return cls(hidden_size=vision["hidden_size"],
                    intermediate_size=vision["intermediate_size"],
