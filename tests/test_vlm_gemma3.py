@@ -153,3 +153,22 @@ def test_export_round_trip(vlm, tmp_path):
               **{"vision/" + k: v for k, v in model.vision.params().items()}}
     with safe_open(path / "model.safetensors", "np") as st:
         assert set(hf.hf_state_dict(model.cfg, params)) == set(st.keys())
+
+
+def test_loads_the_hub_and_transformers_5_nestings(vlm, tmp_path):
+    """The Hub's checkpoints nest the tower as vision_tower.vision_model.*, transformers 5's
+    modules as model.language_model.* / model.vision_tower.*: both load to the same model."""
+    from safetensors.numpy import save_file
+    _, path, model, (ids, mask, pixels) = vlm
+    want = _logits(model, ids, mask, pixels)
+    with safe_open(path / "model.safetensors", "np") as st:
+        tensors = {k: st.get_tensor(k) for k in st.keys()}
+    for name, rename in (("hub", lambda k: k.replace("vision_tower.", "vision_tower.vision_model.")),
+                         ("v5", lambda k: "model." + k.replace("language_model.model.",
+                                                               "language_model."))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_bytes((path / "config.json").read_bytes())
+        save_file({rename(k): v for k, v in tensors.items()},
+                  tmp_path / name / "model.safetensors")
+        again, _ = hf.load_model(str(tmp_path / name), dtype=jnp.float32)
+        assert _diff(_logits(again, ids, mask, pixels), want, mask) == 0, name
