@@ -25,7 +25,7 @@ from grpo_jax import mesh as mesh_lib
 from grpo_jax.errors import ModelConfigError, ModelLoadError
 from grpo_jax.models import Decoder, ModelConfig, build, param_table, quant
 from grpo_jax.models import mxfp4 as mxfp4_lib
-from grpo_jax.models import qwen_vl
+from grpo_jax.models import qwen_vl, siglip
 from grpo_jax.models.decoder import stack_of
 
 SMOL_ALIAS = "smollm2-135m-instruct"
@@ -153,7 +153,7 @@ def hf_names(cfg: ModelConfig) -> dict[str, str]:
     for name in _fused_rows(cfg):  # Phi-3: q/k/v and gate/up in one tensor each
         names[name] = p + ("self_attn.qkv_proj.weight" if name[-2] == "w"
                            else "mlp.gate_up_proj.weight")
-    if cfg.vision is not None:  # Qwen2.5-VL's tower ({i}: its block)
+    if isinstance(cfg.vision, qwen_vl.QwenVisionConfig):  # its tower ({i}: its block)
         names.update({"vision/" + k: hf for k, (hf, _) in qwen_vl.HF_NAMES.items()})
     return {k: v for k, v in names.items() if k in param_table(cfg)}
 
@@ -392,6 +392,23 @@ class _Weights:
             self._check(name, tensor, expected)
             out[...] = _read_block(tensor, groups, shape, index, offset, interleave)
 
+    def prefix_of(self, suffix: str) -> str:
+        """What precedes `suffix` in the one tensor name that ends with it (Gemma 3's tower
+        and projector: "vision_tower." or "model.vision_tower.", ...)."""
+        names = [k for k in self.files if k.endswith(suffix)]
+        if len(names) != 1:
+            raise ModelLoadError(f"{self.model_dir}: {len(names)} weights named *{suffix}, "
+                                 "expected one")
+        return names[0][:-len(suffix)]
+
+    def tensor(self, name: str) -> np.ndarray:
+        """The whole HF tensor `name`, as stored."""
+        if name not in self.files:
+            raise ModelLoadError(f"{self.model_dir}: weight {name} missing from the "
+                                 "safetensors files")
+        with safe_open(self.files[name], framework="numpy") as st:
+            return st.get_tensor(name)
+
     def _check(self, name, tensor, expected) -> None:
         if list(tensor.get_shape()) != expected:
             raise ModelLoadError(f"{self.model_dir}: weight {name} has shape "
@@ -438,6 +455,58 @@ def iter_params(model_dir: Path, cfg: ModelConfig, shardings: dict):
         yield name, jax.make_array_from_callback(shape, shardings[name], block)
 
 
+def _vision_names(cfg: ModelConfig, tower: str, projector: str) -> dict[str, tuple]:
+    """vision table name -> (HF tensor pattern ({i} a tower layer), layout), the tower's
+    tensors under `tower`, the projector's under `projector`."""
+    return {name: ((projector if name in siglip.PROJECTOR else tower) + pattern, layout)
+            for name, (pattern, layout) in siglip.HF_NAMES.items()}
+
+
+def iter_vision_params(model_dir: Path, cfg: ModelConfig):
+    """(vision table name, host array in the param dtype) of the image encoder of a
+    Gemma3ForConditionalGeneration directory, whichever way its tensors are nested
+    ("vision_tower." as save_pretrained writes them, "vision_tower.vision_model." on the
+    Hub). Read whole: the tower is small next to the decoder."""
+    weights = _Weights(Path(model_dir))
+    names = _vision_names(cfg, weights.prefix_of("embeddings.patch_embedding.weight"),
+                          weights.prefix_of("mm_input_projection_weight"))
+    table = siglip.param_table(cfg.vision, cfg.hidden_size)
+    for name, (pattern, layout) in names.items():
+        if name.startswith("layers/"):
+            value = np.stack([siglip.from_hf_layout(weights.tensor(pattern.format(i=i)), layout)
+                              for i in range(cfg.vision.num_layers)])
+        else:
+            value = siglip.from_hf_layout(weights.tensor(pattern), layout)
+        if value.shape != table[name][0]:
+            raise ModelLoadError(f"{model_dir}: weight {pattern} implies {name} of shape "
+                                 f"{value.shape}, config.json {table[name][0]}")
+        yield name, value.astype(cfg.param_dtype)
+
+
+# Where transformers 5's save_pretrained puts Gemma3ForConditionalGeneration's parts.
+_VLM_TEXT, _VLM_TOWER, _VLM_PROJECTOR = "language_model.", "vision_tower.", "multi_modal_projector."
+
+
+def export_name(cfg: ModelConfig, key: str) -> str:
+    """The name a decoder tensor (hf_names') is written under: nested in the multimodal
+    wrapper's language_model for Gemma 3 with images (Qwen2.5-VL's hf_names nest it)."""
+    return _VLM_TEXT + key if isinstance(cfg.vision, siglip.SiglipConfig) else key
+
+
+def vision_state_dict(cfg: ModelConfig, params, dtype) -> dict[str, np.ndarray]:
+    """The image encoder's HF tensors from `params` ({vision table name: array}), in
+    `dtype` (empty for a text model, and for Qwen2.5-VL's, whose tower is in hf_names)."""
+    if not isinstance(cfg.vision, siglip.SiglipConfig):
+        return {}
+    out = {}
+    for name, (pattern, layout) in _vision_names(cfg, _VLM_TOWER, _VLM_PROJECTOR).items():
+        w = np.asarray(jax.device_get(params[name])).astype(dtype)
+        for i, one in enumerate(w) if name.startswith("layers/") else [(None, w)]:
+            out[pattern.format(i=i)] = np.ascontiguousarray(
+                siglip.to_hf_layout(one, layout, cfg.vision))
+    return out
+
+
 def load_model(name_or_path: str, mesh=None, quant_bits: int | None = None,
                **config_overrides) -> tuple[Decoder, Path]:
     """Load an HF model into the JAX decoder, each parameter straight onto its sharding on
@@ -462,6 +531,10 @@ def load_model(name_or_path: str, mesh=None, quant_bits: int | None = None,
         if quant_bits and name.startswith("layers/") and leaf in quant.PROJECTIONS:
             value, scales[leaf] = quant.quantize_stacked(value, leaf, quant_bits)
         _get(params, name).set_value(value)
+    if isinstance(cfg.vision, siglip.SiglipConfig):  # replicated, where the decoder's are
+        for name, value in iter_vision_params(model_dir, cfg):
+            where = device if mesh is None else _get(on_mesh, "vision/" + name).get_value()
+            _get(params, "vision/" + name).set_value(jax.device_put(value, where))
     model = nnx.merge(graphdef, params)
     if quant_bits:
         quant.quantize_model(model, quant_bits, scales)
@@ -506,10 +579,13 @@ def hf_state_dict(cfg: ModelConfig, params: dict[str, np.ndarray], *, dtype: str
         w = w if expert is None else w[expert]
         return np.asarray(w).astype(jnp.dtype(dtype), copy=False)  # all are floats
     for key, (parts, _) in hf_tensor_parts(cfg, jnp.dtype(dtype)).items():
-        out[key] = np.ascontiguousarray(assemble(cfg, parts, fetch))
+        out[export_name(cfg, key)] = np.ascontiguousarray(assemble(cfg, parts, fetch))
     if include_tied_head and cfg.tie_word_embeddings:
-        out["lm_head.weight"] = out["model.embed_tokens.weight"]
-    return out
+        out[export_name(cfg, "lm_head.weight")] = out[export_name(cfg, "model.embed_tokens.weight")]
+    # The image encoder only when given ("vision/" names): params_from_state leaves the
+    # frozen tower out of a weight sync.
+    vision = {k[7:]: v for k, v in params.items() if k.startswith("vision/")}
+    return {**out, **(vision_state_dict(cfg, vision, jnp.dtype(dtype)) if vision else {})}
 
 
 def save_hf(model: Decoder, out_dir, *, source_dir=None, dtype: str = "float32",
@@ -519,7 +595,10 @@ def save_hf(model: Decoder, out_dir, *, source_dir=None, dtype: str = "float32",
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
-    tensors = hf_tensor_parts(cfg, jnp.dtype(dtype))
+    tensors = {export_name(cfg, k): v for k, v in hf_tensor_parts(cfg, jnp.dtype(dtype)).items()}
+    vision = vision_state_dict(cfg, {} if model.vision is None else model.vision.params(),
+                               jnp.dtype(dtype))
+    tensors.update({k: ([], jax.ShapeDtypeStruct(w.shape, w.dtype)) for k, w in vision.items()})
     split = huggingface_hub.split_state_dict_into_shards_factory(
         {k: spec for k, (_, spec) in tensors.items()},
         get_storage_size=lambda s: s.size * s.dtype.itemsize, max_shard_size=max_shard_bytes,
@@ -527,6 +606,8 @@ def save_hf(model: Decoder, out_dir, *, source_dir=None, dtype: str = "float32",
     params = nnx.state(model, nnx.Param)
 
     def tensor(key):
+        if key in vision:
+            return vision[key]
         parts, spec = tensors[key]
 
         def fetch(name, row, expert):
@@ -547,9 +628,10 @@ def save_hf(model: Decoder, out_dir, *, source_dir=None, dtype: str = "float32",
     hf_cfg = cfg.to_hf()
     if source_dir is not None and (Path(source_dir) / "config.json").exists():
         # Keep the source's extra fields (token ids, names); the architecture comes from ours.
-        # A multimodal Gemma 3 source is exported as its text model: its token ids only.
+        # A multimodal Gemma 3 source is exported as its text model (its token ids only),
+        # unless the model kept its images.
         source = read_config(Path(source_dir))
-        if source.get("model_type") != cfg.model_type:
+        if source.get("model_type") != hf_cfg["model_type"]:
             source = {k: v for k, v in source.items() if k.endswith("token_id")}
         hf_cfg = {**source, **hf_cfg}
         if "text_config" in hf_cfg and "text_config" in source:  # Qwen2.5-VL: its token ids

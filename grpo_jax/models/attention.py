@@ -33,20 +33,28 @@ NEG = -1e30  # masked scores: a finite floor (not -inf) keeps fully masked rows 
 class Mask(NamedTuple):
     """Which keys each query sees, without a [T, S] array. Keys are in sequence order (key s
     is at index s); query t is at index q_idx[t] (a shared prompt's completions: P + t). Query
-    t sees key s when key_ok[b, s], s <= q_idx[t] (causal) and q_idx[t] - s < window."""
+    t sees key s when key_ok[b, s], s <= q_idx[t] (causal) and q_idx[t] - s < window.
+    `blocks` [B, S] int (Gemma 3's images; None: none): a query also sees the later keys of
+    its own block (blocks >= 0, an image's tokens), the window still bounding it from below
+    (transformers' AND(window, OR(causal, blockwise))). Only the dense mask has blocks (the
+    blockwise kernels skip key blocks after the queries)."""
 
     q_idx: Any      # [T] int32 (numpy or traced)
     key_ok: Any     # [B, S] bool
     window: Any = None  # None (no window), an int, or a traced int32 (layers of both kinds)
+    blocks: Any = None  # [B, S] int32, -1 outside the blocks
 
     def dense(self) -> jax.Array:
         """[B, T, S] bool, for the plain attention."""
         q = jnp.asarray(self.q_idx)[:, None]
         s = jnp.arange(self.key_ok.shape[1])[None, :]
-        seen = s <= q
+        seen = (s <= q)[None]
+        if self.blocks is not None:
+            own = jnp.take(self.blocks, q[:, 0], axis=1)[:, :, None]  # [B, T, 1]
+            seen = seen | ((own == self.blocks[:, None, :]) & (own >= 0))
         if self.window is not None:
-            seen = seen & (q - s < self.window)
-        return seen[None] & self.key_ok[:, None, :]
+            seen = seen & (q - s < self.window)[None]
+        return seen & self.key_ok[:, None, :]
 
 
 def zigzag_order(length: int, shards: int) -> np.ndarray | None:

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from grpo_jax.config.model import Numerics  # noqa: F401 (this module's API)
 from grpo_jax.errors import ModelConfigError
-from grpo_jax.models import qwen_vl
+from grpo_jax.models import qwen_vl, siglip
+from grpo_jax.models.siglip import SiglipConfig
 
 # The platform programs are traced for: this process's backend, unless aot traces for another
 # (tracing_for) - attention_impl "auto" picks its kernel by it.
@@ -149,9 +150,11 @@ class ModelConfig:
     # The load-balancing loss's coefficient the checkpoint declares (TRL's default for
     # router_aux_loss_coef); 0 for dense models.
     router_aux_coef: float = 0.0
-    # A vision-language model's image tower (None: text only): Qwen2.5-VL's ViT
-    # (models/qwen_vl.py), its parameters under vision/ in param_table.
-    vision: qwen_vl.QwenVisionConfig | None = None
+    # A vision-language model's image tower (None: text only): Qwen2.5-VL's ViT and merger
+    # (models/qwen_vl.py, params under vision/ in param_table) or Gemma 3's SigLIP tower and
+    # projector (models/siglip.py); either's features replace the embeddings of its
+    # image_token_id tokens (Decoder.embed_multimodal).
+    vision: qwen_vl.QwenVisionConfig | SiglipConfig | None = None
     # M-RoPE (Qwen2.5-VL): head_dim/2 frequencies split into sections rotated by the
     # temporal, height and width positions (positions [3, B, T]); None: one position row.
     mrope_section: tuple[int, ...] | None = None
@@ -174,6 +177,12 @@ class ModelConfig:
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ModelConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
                                    f"[1, num_experts={self.num_experts}]")
+
+    @property
+    def image_blocks(self) -> bool:
+        """Gemma 3 with images: each image's run of image tokens attends both ways among
+        itself (transformers' token_type_ids mask), causal elsewhere."""
+        return self.vision is not None and self.model_type == "gemma3_text"
 
     @property
     def moe_layers(self) -> tuple[bool, ...]:
@@ -304,7 +313,7 @@ class ModelConfig:
             self.num_experts_per_tok if active else experts)
         head = 0 if self.tie_word_embeddings else d * v
         vision = 0 if active or self.vision is None else sum(
-            math.prod(shape) for shape, _ in qwen_vl.param_table(self.vision).values())
+            math.prod(shape) for shape, _ in vision_table(self).values())
         return (v * d + l * per_layer + (l - sparse) * 3 * d * f + sparse * moe + d + head
                 + vision)
 
@@ -312,11 +321,15 @@ class ModelConfig:
     def from_hf(cls, hf: dict, **overrides) -> "ModelConfig":
         """Build from a Hugging Face `config.json` dict (transformers 4 or 5 layout)."""
         model_type = hf.get("model_type")
+        vision, mrope = None, None
         if model_type == "gemma3":  # the wrapper's tie_word_embeddings is what transformers reads
             tie = {k: hf[k] for k in ("tie_word_embeddings",) if k in hf}
+            if hf.get("vision_config"):  # Gemma3ForConditionalGeneration: also its images
+                vision = SiglipConfig.from_hf(
+                    hf["vision_config"], hf.get("mm_tokens_per_image", 256),
+                    hf.get("image_token_index", hf.get("image_token_id")))
             hf = {**hf.get("text_config", {}), **tie, "model_type": "gemma3_text"}
             model_type = "gemma3_text"
-        vision, mrope = None, None
         if model_type == qwen_vl.MODEL_TYPE:
             # transformers 5 nests the language model's fields in text_config; the hub's
             # checkpoints have them at the top level.
@@ -402,12 +415,19 @@ class ModelConfig:
             out["mlp_bias"] = False
         if self.num_experts:
             out.update(self._moe_hf())
-        if self.vision is not None:
+        if isinstance(self.vision, qwen_vl.QwenVisionConfig):
             out["rope_parameters"]["mrope_section"] = list(self.mrope_section)
             out["model_type"] = "qwen2_5_vl_text"
             return {"architectures": out.pop("architectures"), "model_type": self.model_type,
                     "text_config": out, "tie_word_embeddings": self.tie_word_embeddings,
                     **self.vision.to_hf()}
+        if self.vision is not None:  # Gemma 3's wrapper, the decoder its text_config
+            out.pop("architectures")
+            return {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                    "text_config": out, "vision_config": self.vision.to_hf(),
+                    "mm_tokens_per_image": self.vision.mm_tokens_per_image,
+                    "image_token_index": self.vision.image_token_id,
+                    "tie_word_embeddings": self.tie_word_embeddings}
         return out
 
     def _moe_hf(self) -> dict:
@@ -598,6 +618,15 @@ def param_table(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str,
         table["layers/post_mlp_norm"] = ((L, D), ("layers", "norm"))
     if not cfg.tie_word_embeddings:
         table["lm_head"] = ((D, V), ("embed", "vocab"))                 # [D, V]
-    if cfg.vision is not None:
-        table.update({"vision/" + k: v for k, v in qwen_vl.param_table(cfg.vision).items()})
+    if isinstance(cfg.vision, qwen_vl.QwenVisionConfig):  # Gemma 3's tower holds its own
+        table.update({"vision/" + k: v for k, v in vision_table(cfg).items()})
     return table
+
+
+def vision_table(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple]]:
+    """name -> (shape, logical axes) of the vision tower's parameters ({} for text)."""
+    if isinstance(cfg.vision, qwen_vl.QwenVisionConfig):
+        return qwen_vl.param_table(cfg.vision)
+    if isinstance(cfg.vision, SiglipConfig):
+        return siglip.param_table(cfg.vision, cfg.hidden_size)
+    return {}

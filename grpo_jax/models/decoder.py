@@ -13,7 +13,7 @@ layers in turn. Every parameter carries logical axis names in its `axes` metadat
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import attention as attention_lib
-from grpo_jax.models import lora, moe, qwen_vl
+from grpo_jax.models import lora, moe, qwen_vl, siglip
 from grpo_jax.models.attention import Mask
 from grpo_jax.models.config import ModelConfig, param_table, runs_of  # noqa: F401 (API)
 from grpo_jax.models.moe import RouterStats
@@ -77,6 +77,26 @@ def _init_value(name: str, shape, dtype, key, norm_offset: bool):
     # had when each ran as a program of its own (fused, they moved in the last bit).
     z = jax.lax.optimization_barrier(jax.random.normal(key, shape, jnp.float32))
     return (0.02 * z).astype(dtype)
+
+
+class ImageTower(Protocol):
+    """A vision-language model's image encoder (Decoder.vision): qwen_vl.QwenVision,
+    siglip.VisionTower."""
+
+    def __call__(self, pixel_values, image_grid_thw, dtype) -> jax.Array:
+        """The features [n, D] that replace the batch's n image placeholders, in order."""
+
+    def params(self) -> dict[str, jax.Array]:
+        """Its parameters by its own table's names (hf.py exports them)."""
+
+
+def scatter_images(x, is_image, features):
+    """x [B, T, D] with the image placeholders (is_image [B, T]) replaced, in row-major order,
+    by features [n, D] (n = placeholders), as HF's masked_scatter."""
+    flat = is_image.reshape(-1)
+    index = jnp.clip(jnp.cumsum(flat) - 1, 0, features.shape[0] - 1)
+    picked = features.astype(x.dtype)[index].reshape(x.shape)
+    return jnp.where(is_image[..., None], picked, x)
 
 
 class KVCache(NamedTuple):
@@ -140,8 +160,12 @@ class Decoder(nnx.Module):
         loads its weights straight onto their shardings instead."""
         self.cfg = cfg
         self.layers = _Layers()
-        # The image tower (a vision-language model), its parameters under vision/.
-        self.vision = None if cfg.vision is None else qwen_vl.QwenVision(cfg.vision)
+        # A vision-language model's image tower (an ImageTower), else None. Qwen2.5-VL's gets
+        # its parameters from the table below (vision/...); Gemma 3's SigLIP makes its own.
+        self.vision: ImageTower | None = (
+            qwen_vl.QwenVision(cfg.vision) if isinstance(cfg.vision, qwen_vl.QwenVisionConfig)
+            else siglip.VisionTower(cfg.vision, cfg.hidden_size, cfg.param_dtype, rngs=rngs)
+            if cfg.vision is not None else None)
         table = param_table(cfg)
         keys = [rngs.params() for _ in table]
         values = _init_values(tuple((n, tuple(s)) for n, (s, _) in table.items()),
@@ -222,15 +246,19 @@ class Decoder(nnx.Module):
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, self.cfg.dtype)
         return x
 
-    def embed_multimodal(self, tokens, pixel_values, image_grid_thw) -> jax.Array:
-        """The input embeddings [B, T, D] of tokens [B, T] whose image placeholders
-        (image_token_id, one per merged patch) hold the tower's features of the images
-        (pixel_values [N, C*T*P*P] and image_grid_thw [n, 3], as HF's processor gives them;
-        the grid is read on the host), in order, as HF's masked_scatter puts them. For
-        `__call__`/`prefill`'s inputs_embeds."""
+    def embed_multimodal(self, tokens, pixel_values, image_grid_thw=None) -> jax.Array:
+        """The input embeddings [B, T, D] of a prompt with images, for `__call__`/`prefill`'s
+        inputs_embeds: the tokens' embeddings, the k-th image placeholder of the batch
+        (image_token_id, row by row) taking the k-th of the tower's features, as HF's
+        masked_scatter. pixel_values and image_grid_thw as the model's HF processor gives
+        them: Qwen2.5-VL [N, C*T*P*P] with its grids [n, 3] (read on the host: static);
+        Gemma 3 [N, C, H, W], no grid. The features are not scaled by sqrt(hidden) (HF
+        scatters them after Gemma's scaled embedding)."""
+        is_image = tokens == self.cfg.vision.image_token_id
+        # The placeholder's own embedding is replaced (Gemma's id is out of its vocabulary).
+        x = self.embed_tokens(jnp.where(is_image, 0, tokens))
         features = self.vision(pixel_values, image_grid_thw, self.cfg.dtype)
-        return qwen_vl.scatter_images(self.embed_tokens(tokens),
-                                      tokens == self.cfg.vision.image_token_id, features)
+        return scatter_images(x, is_image, features)
 
     def decode_layers(self) -> list[dict[str, jax.Array]]:
         """The weights of each run of cache_runs(), stacked [L, ...], for `__call__(...,
@@ -296,19 +324,20 @@ class Decoder(nnx.Module):
         the last item ((hidden, cache, experts), or with with_router (hidden, None, stats,
         experts)).
         inputs_embeds [B, T, D]: the input embeddings in place of the tokens' (a
-        vision-language model's: embed_multimodal); tokens still give the shapes. M-RoPE
-        (cfg.mrope_section): positions may be [3, B, T] (qwen_vl.rope_index); [B, T] serves
-        text, whose three rows are equal.
+        vision-language model's: embed_multimodal); tokens still give the shapes and say where
+        the images are (Gemma 3's image blocks attend both ways without a cache and in a
+        prefill). M-RoPE (cfg.mrope_section): positions may be [3, B, T]
+        (qwen_vl.rope_index); [B, T] serves text, whose three rows are equal.
         """
         cfg = self.cfg
         if routing is not None and cache is not None:
             raise ValueError("replayed routing is for the forward without a cache (training)")
+        blocks = image_blocks(tokens, cfg.vision.image_token_id) if cfg.image_blocks else None
+        x = self.embed_tokens(tokens) if inputs_embeds is None else inputs_embeds.astype(cfg.dtype)
         if order is not None:
-            tokens, positions = tokens[:, order], positions[..., order]
+            tokens, positions, x = tokens[:, order], positions[..., order], x[:, order]
             routing = None if routing is None else routing[:, order]
-            inputs_embeds = None if inputs_embeds is None else inputs_embeds[:, order]
-        x = self.shard_tokens(self.embed_tokens(tokens) if inputs_embeds is None
-                              else inputs_embeds.astype(cfg.dtype))
+        x = self.shard_tokens(x)
         sliding = cfg.sliding_layers
         # (cos, sin) per attention kind; sliding layers may have their own RoPE base (Gemma 3).
         rope = {False: rope_tables(cfg, positions)}
@@ -323,7 +352,7 @@ class Decoder(nnx.Module):
                 p, slides, forced = xs
                 cos, sin = _pick(sliding, slides, rope)
                 mask = Mask(np.arange(T) if order is None else order, key_ok,
-                            _window(cfg, slides))
+                            _window(cfg, slides), blocks)
                 x, _, _, stats, idx = _block(cfg, p, self.shard_tokens(x), cos, sin, mask,
                                              mesh=mesh, key_order=order,
                                              expert_mesh=self.expert_mesh, token_mask=token_ok,
@@ -342,8 +371,8 @@ class Decoder(nnx.Module):
             # A prefill into an empty cache: the tokens attend among themselves only, as
             # without a cache (and with the same kernel), instead of over all S slots.
             cache_index = None
-            masks = {s: Mask(np.arange(T), key_ok[:, :T], cfg.sliding_window if s else None)
-                     for s in (False, True)}
+            masks = {s: Mask(np.arange(T), key_ok[:, :T], cfg.sliding_window if s else None,
+                             blocks) for s in (False, True)}
         elif T > 1 and not any(sliding):
             # A chunk of a long prompt (chunked prefill): query t at position cache_index + t
             # sees the real positions up to its own, by blocks (attention.flash).
@@ -397,8 +426,8 @@ class Decoder(nnx.Module):
         chunk's activations, not T's. Unchunked where T does not split into chunks, and with
         sliding-window layers (a chunk written into a ring would overwrite keys its own
         earlier queries still see). record_routing: also the experts each prompt token ran,
-        [B, T, S, k] int32 (see __call__), as a third item. inputs_embeds [B, T, D]: see
-        __call__ (unchunked)."""
+        [B, T, S, k] int32 (see __call__), as a third item. `inputs_embeds`: see __call__
+        (unchunked: an image's block attends both ways, across chunks)."""
         T = tokens.shape[1]
         if (not chunk or T <= chunk or T % chunk or any(self.cfg.sliding_layers)
                 or inputs_embeds is not None):
@@ -550,6 +579,14 @@ def _ring_mask(query, key_ok, slots: int, window: int) -> jax.Array:
 softcap = attention_lib.softcap
 
 
+def image_blocks(tokens, image_token_id: int) -> jax.Array:
+    """[B, T] int32: each run of image tokens numbered from 0 in its row, -1 elsewhere
+    (transformers' get_block_sequence_ids_for_mask over token_type_ids = the image tokens)."""
+    is_image = tokens == image_token_id
+    starts = is_image & ~jnp.pad(is_image, ((0, 0), (1, 0)))[:, :-1]
+    return jnp.where(is_image, jnp.cumsum(starts, axis=1, dtype=jnp.int32) - 1, -1)
+
+
 def positions_from_mask(mask: jax.Array) -> jax.Array:
     """Positions for a left-padded batch: 0 at each row's first real token."""
     return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
@@ -697,12 +734,12 @@ def _attend(cfg: ModelConfig, q, k, v, mask: Mask, mesh=None, key_order=None, si
     cap = cfg.attn_logit_softcapping
     k, v = (attention_lib.gather_keys(a, key_order, mesh) for a in (k, v))
     cp = mesh_lib.context_size(mesh)
-    split = cp > 1 and q.shape[1] % cp == 0
+    split = cp > 1 and q.shape[1] % cp == 0 and mask.blocks is None
     rows = q.shape[0] // (mesh_lib.batch_divisor(mesh) if mesh is not None else 1) or 1
     kernel = cfg.attention_kernel(k.shape[1], context_parallel=split, queries=q.shape[1],
                                   rows=rows)
-    if sinks is not None:
-        kernel = "xla"  # neither cuDNN nor the blockwise kernels take sinks
+    if sinks is not None or (mask.blocks is not None and kernel != "cudnn"):
+        kernel = "xla"  # neither cuDNN nor the blockwise kernels take sinks, nor the others blocks
     if kernel == "cudnn":
         # Each query also sees itself, so padding rows are never fully masked (NaN in cuDNN).
         own = jnp.arange(k.shape[1])[None, :] == jnp.asarray(mask.q_idx)[:, None]

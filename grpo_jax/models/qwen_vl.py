@@ -310,15 +310,6 @@ class QwenVision(nnx.Module):
                               vision_layout(self.cfg, image_grid_thw), dtype)
 
 
-def scatter_images(x, is_image, features):
-    """x [B, T, D] with the image placeholders (is_image [B, T]) replaced, in row-major order,
-    by features [n, D] (n = placeholders), as HF's masked_scatter."""
-    flat = is_image.reshape(-1)
-    index = jnp.clip(jnp.cumsum(flat) - 1, 0, features.shape[0] - 1)
-    picked = features.astype(x.dtype)[index].reshape(x.shape)
-    return jnp.where(is_image[..., None], picked, x)
-
-
 # ---------------------------------------------------------------- M-RoPE positions (host)
 
 def rope_index(v: QwenVisionConfig, tokens, attention_mask, image_grid_thw):

@@ -128,9 +128,11 @@ class Sampler:
         Row i's token t is drawn with the key fold_in(fold_in(rng, t), first_row + i), whatever
         else is in the batch: a round generated in parts (first_row: where this part starts) or
         through refilled slots (rollout/native/refill.py) draws what one batch does.
-        pixel_values [N, C*T*P*P], image_grid_thw [n, 3]: the prompts' images in prompt order,
-        as HF's processor gives them (a vision-language model; each prompt holds its images'
-        placeholders). One program per set of image sizes; one host (not split over a mesh).
+        pixel_values, image_grid_thw: the prompts' images in prompt order, as the model's HF
+        processor gives them (a vision-language model, each prompt holding its images'
+        placeholders; Decoder.embed_multimodal): Qwen2.5-VL [N, C*T*P*P] with its grids
+        [n, 3], Gemma 3 [N, C, H, W] and no grid. One program per set of image sizes; one host
+        (not split over a mesh).
         """
         params, prompts, g, n, rows = self.inputs(params, prompt_token_ids, num_generations)
         # The program prefills each prompt once and copies its cache to its g rows: prompts
@@ -140,10 +142,13 @@ class Sampler:
         key = as_key(rng)
         args = (ids, mask)
         images, grid = None, None
-        if pixel_values is not None:
+        if pixel_values is not None and self.cfg.mrope_section is not None:  # Qwen2.5-VL
             positions, deltas = qwen_vl.rope_index(self.cfg.vision, ids, mask, image_grid_thw)
             images = (jnp.asarray(pixel_values), positions, deltas)
             grid = tuple(map(tuple, np.asarray(image_grid_thw, np.int64).tolist()))
+        elif pixel_values is not None:  # one position row, decode positions as for text
+            images = (jnp.asarray(pixel_values), positions_from_mask(jnp.asarray(mask)),
+                      jnp.zeros(len(ids), jnp.int32))
         if self.mesh is not None:
             # With several processes each places only its own devices' rows, and gets every
             # row back (the train batch is built on every host alike).
@@ -253,8 +258,8 @@ class Sampler:
         KV cache [L, prompts, K, width, Dh] per run (a sliding layer's: its window at most), the
         last logits [prompts, V]); record_routing: and, fifth, the experts each prompt token
         ran [prompts, width, S, k] (moe.routing_dtype; -1 on padding). images: (pixel_values,
-        M-RoPE positions [3, prompts, width], deltas) of the prompts' images, whose patch grids
-        are image_grid (see generate)."""
+        positions [B, width] or M-RoPE's [3, prompts, width], decode position deltas) of the
+        prompts' images, whose patch grids are image_grid (Qwen2.5-VL; see generate)."""
         cfg = self.cfg
         cast = cast_matrices(params, cfg.dtype)
         model = self.decoder(cast)
@@ -263,7 +268,8 @@ class Sampler:
         positions, embeds = positions_from_mask(prompt_mask), None
         if images is not None:
             pixel_values, positions, _ = images
-            embeds = model.embed_multimodal(prompt_ids, pixel_values, np.asarray(image_grid))
+            grid = None if image_grid is None else np.asarray(image_grid)
+            embeds = model.embed_multimodal(prompt_ids, pixel_values, grid)
         hidden, cache, *chosen = model.prefill(
             prompt_ids, positions, prompt_mask, cache, layers,
             chunk=self.sampling_params.prefill_chunk_size, record_routing=record_routing,

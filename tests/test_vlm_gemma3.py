@@ -1,0 +1,177 @@
+"""Gemma 3 with images (Gemma3ForConditionalGeneration) against transformers (PyTorch CPU,
+fp32): the SigLIP tower and projector, the image tokens' bidirectional attention (on a sliding
+layer whose window is shorter than an image), greedy decoding through the KV cache after a
+prefill with images, and the HF directory round trip."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+from grpo_jax import hf
+from grpo_jax.models import positions_from_mask
+from grpo_jax.models.decoder import image_blocks
+from grpo_jax.rollout.native.sampler import Sampler
+from grpo_jax.rollout.native.sampling import SamplingParams
+
+IMG, BOI, EOI, PAD = 100, 101, 102, 0
+MM = 4  # soft tokens per image: 28 px / 7 px patches = a 4 x 4 grid, pooled 2 x 2
+# Row 0: one image, row 1: two images and a longer text, so row 0 is left-padded.
+ROWS = [[5, 17, BOI, *[IMG] * MM, EOI, 42, 8],
+        [7, BOI, *[IMG] * MM, EOI, 9, 10, BOI, *[IMG] * MM, EOI, 11, 12, 13]]
+NUM_IMAGES = 3
+
+
+def _tiny_vlm(seed=0):
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=256, rms_norm_eps=1e-6, query_pre_attn_scalar=24,
+                # A window of 3 < the 4 tokens of an image: a sliding layer's image token sees
+                # the later tokens of its image but not the earliest one's.
+                sliding_window=3,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                    "rope_theta": 1e6},
+                                 "sliding_attention": {"rope_type": "default",
+                                                       "rope_theta": 1e4}},
+                bos_token_id=1, eos_token_id=2, pad_token_id=PAD)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=28, patch_size=7, num_channels=3,
+                  vision_use_head=False)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                    mm_tokens_per_image=MM, image_token_index=IMG,
+                                    boi_token_index=BOI, eoi_token_index=EOI)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    # Init leaves norms at 1 (or 0), biases and the projection at 0: perturb them all so that
+    # the comparison sees them.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias") or "mm_input" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    """(transformers model, its directory, our model loaded from it, batch)."""
+    ref = _tiny_vlm()
+    path = tmp_path_factory.mktemp("gemma3vl") / "hf"
+    ref.save_pretrained(path)
+    model, _ = hf.load_model(str(path), dtype=jnp.float32)
+    width = max(map(len, ROWS))
+    ids = np.array([[PAD] * (width - len(r)) + r for r in ROWS])
+    mask = (np.arange(width)[None] >= (width - np.array([len(r) for r in ROWS]))[:, None])
+    pixels = np.random.default_rng(0).normal(size=(NUM_IMAGES, 3, 28, 28)).astype(np.float32)
+    return ref, path, model, (ids, mask.astype(np.int32), pixels)
+
+
+def _hf_logits(ref, ids, mask, pixels):
+    m = torch.as_tensor(mask)
+    with torch.no_grad():
+        return ref(input_ids=torch.as_tensor(ids), attention_mask=m,
+                   pixel_values=torch.as_tensor(pixels),
+                   token_type_ids=torch.as_tensor((ids == IMG).astype(np.int64)),
+                   position_ids=(m.cumsum(-1) - 1).clamp(min=0)).logits.numpy()
+
+
+def _logits(model, ids, mask, pixels):
+    tokens, mask = jnp.asarray(ids), jnp.asarray(mask)
+    embeds = model.embed_multimodal(tokens, jnp.asarray(pixels))
+    hidden, _ = model(tokens, positions_from_mask(mask), mask, inputs_embeds=embeds)
+    return np.asarray(model.logits(hidden))
+
+
+def _diff(a, b, mask):
+    return float(np.abs(a - b)[mask.astype(bool)].max())
+
+
+def test_config_and_blocks(vlm):
+    _, _, model, (ids, _, _) = vlm
+    cfg = model.cfg
+    assert cfg.model_type == "gemma3_text" and cfg.vision.image_token_id == IMG
+    assert cfg.vision.mm_tokens_per_image == MM and cfg.vision.num_patches == 16
+    blocks = np.asarray(image_blocks(jnp.asarray(ids), IMG))
+    assert blocks[1].tolist() == [-1] * 2 + [0] * 4 + [-1] * 4 + [1] * 4 + [-1] * 4
+
+
+def test_logits_match_transformers(vlm):
+    """Left-padded rows with one and two images; every real position within 1e-4."""
+    ref, _, model, (ids, mask, pixels) = vlm
+    ours, theirs = _logits(model, ids, mask, pixels), _hf_logits(ref, ids, mask, pixels)
+    diff = _diff(ours, theirs, mask)
+    print("max logits diff", diff)
+    assert diff < 1e-4
+    # The images' bidirectional attention matters here: causal-only logits differ.
+    tokens, m = jnp.asarray(ids), jnp.asarray(mask)
+    embeds = model.embed_multimodal(tokens, jnp.asarray(pixels))
+    cfg = model.cfg  # no image blocks: the placeholder id matches no token
+    model.cfg = cfg.replace(vision=dataclasses.replace(cfg.vision, image_token_id=-1))
+    try:
+        hidden, _ = model(tokens, positions_from_mask(m), m, inputs_embeds=embeds)
+    finally:
+        model.cfg = cfg
+    assert _diff(np.asarray(model.logits(hidden)), theirs, mask) > 1e-3
+
+
+def test_greedy_generation_matches_generate(vlm):
+    """The sampler prefills the prompts with their images (Sampler.generate's images) into
+    the KV cache (rings of 3 slots on the sliding layers), then decodes 6 greedy tokens
+    through it: transformers' generate's tokens."""
+    ref, _, model, (ids, mask, pixels) = vlm
+    n, P = 6, ids.shape[1]
+    with torch.no_grad():
+        out = ref.generate(input_ids=torch.as_tensor(ids), attention_mask=torch.as_tensor(mask),
+                           pixel_values=torch.as_tensor(pixels),
+                           token_type_ids=torch.as_tensor((ids == IMG).astype(np.int64)),
+                           do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                           pad_token_id=PAD)
+    want = out[:, P:].numpy()
+    sp = SamplingParams(max_completion_length=n, temperature=0, stop_token_ids=())
+    got = Sampler(model.cfg, sp, pad_id=PAD, buckets=(32,)).generate(model, ROWS,
+                                                                     pixel_values=pixels)
+    print("greedy", want.tolist())
+    np.testing.assert_array_equal(got.completion_ids, want)
+
+
+def test_export_round_trip(vlm, tmp_path):
+    """save_hf writes the names transformers' save_pretrained writes; transformers reloads the
+    export with the same logits, and so do we."""
+    ref, path, model, (ids, mask, pixels) = vlm
+    hf.save_hf(model, tmp_path / "out", source_dir=path)
+    back = transformers.Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "out").eval()
+    want = _logits(model, ids, mask, pixels)
+    diff = _diff(want, _hf_logits(back, ids, mask, pixels), mask)
+    print("export round trip max diff", diff)
+    assert diff < 1e-4
+    again, _ = hf.load_model(str(tmp_path / "out"), dtype=jnp.float32)
+    assert again.cfg == model.cfg
+    assert _diff(_logits(again, ids, mask, pixels), want, mask) == 0
+    # hf_state_dict (a weight sync's names) with the tower: the names save_pretrained wrote.
+    params = {**hf.params_numpy(model),
+              **{"vision/" + k: v for k, v in model.vision.params().items()}}
+    with safe_open(path / "model.safetensors", "np") as st:
+        assert set(hf.hf_state_dict(model.cfg, params)) == set(st.keys())
+
+
+def test_loads_the_hub_and_transformers_5_nestings(vlm, tmp_path):
+    """The Hub's checkpoints nest the tower as vision_tower.vision_model.*, transformers 5's
+    modules as model.language_model.* / model.vision_tower.*: both load to the same model."""
+    from safetensors.numpy import save_file
+    _, path, model, (ids, mask, pixels) = vlm
+    want = _logits(model, ids, mask, pixels)
+    with safe_open(path / "model.safetensors", "np") as st:
+        tensors = {k: st.get_tensor(k) for k in st.keys()}
+    for name, rename in (("hub", lambda k: k.replace("vision_tower.", "vision_tower.vision_model.")),
+                         ("v5", lambda k: "model." + k.replace("language_model.model.",
+                                                               "language_model."))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_bytes((path / "config.json").read_bytes())
+        save_file({rename(k): v for k, v in tensors.items()},
+                  tmp_path / name / "model.safetensors")
+        again, _ = hf.load_model(str(tmp_path / name), dtype=jnp.float32)
+        assert _diff(_logits(again, ids, mask, pixels), want, mask) == 0, name
