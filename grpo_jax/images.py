@@ -113,7 +113,7 @@ def decode_image(value: Any, column: str, row: int) -> Image.Image:
         except OSError as e:
             raise DataError(f"{where}: can't read {path} as an image ({e})") from None
     else:
-        raise DataError(f"{where} is {type(value).__name__} {str(value)[:60]!r}, not an image; "
+        raise DataError(f"{where} is {type(value).__name__} {repr(value)[:60]}, not an image; "
                         f"the column must hold {ACCEPTED}")
     return image if image.mode == "RGB" else image.convert("RGB")
 
