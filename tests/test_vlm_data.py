@@ -383,3 +383,11 @@ def test_refusals_are_one_line_exit_2(case, text_model, tmp_path, capsys):
             "text_model": f"model {text_model} has no vision tower: its config.json has no "
                           "vision_config, but the dataset's column 'image' holds images"}[case]
     assert want in line, line
+
+
+def test_console_line_shows_image_parts():
+    """The completions' console line: a multimodal turn's text, each image as <image>."""
+    from grpo_jax.logger import _short
+    prompt = images_lib.multimodal_messages([{"role": "user", "content": "How many?"}],
+                                            [_picture()], 0)
+    assert _short(prompt) == "<image> How many?"
