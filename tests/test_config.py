@@ -128,7 +128,7 @@ def test_bad_file_key_names_the_file(tmp_path):
     with pytest.raises(ConfigError, match=r"grpo.num_generations.*bad.yaml"):
         load_config(str(path))
     with pytest.raises(ConfigError,
-                       match="not found.*arithmetic, calculator, long_smol, smol, tldr"):
+                       match="not found.*arithmetic, calculator, long_smol, smol, squares, tldr"):
         load_config("nope")
 
 
