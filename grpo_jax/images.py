@@ -226,8 +226,15 @@ def load_processor(model_dir: str | Path):
     """The model's processor, as TRL loads it: AutoProcessor, padding and truncating on the
     left (grpo_trainer.py __init__)."""
     from transformers import AutoProcessor
-    return AutoProcessor.from_pretrained(model_dir, truncation_side="left",
-                                         padding_side="left")
+    try:
+        return AutoProcessor.from_pretrained(model_dir, truncation_side="left",
+                                             padding_side="left")
+    except (ImportError, OSError) as e:
+        # Qwen-VL's processor carries a video processor that needs torchvision, even for images.
+        reason = " ".join(str(e).split())[:300]
+        raise DataError(f"can't load the processor of {model_dir}: {type(e).__name__}: {reason}"
+                        + ("; install torchvision (the CPU wheel of your torch's version)"
+                           if isinstance(e, ImportError) else "")) from None
 
 
 @dataclass(frozen=True)
