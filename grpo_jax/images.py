@@ -242,7 +242,8 @@ class ImageBatch:
     """The processor's output for a batch of multimodal prompts, as numpy."""
     input_ids: np.ndarray  # [B, L] int32, left-padded; each image's placeholder expanded
     attention_mask: np.ndarray  # [B, L] int32, 0 on the padding
-    pixel_values: np.ndarray  # the processor's: Qwen-VL [patches, C*T*P*P], Gemma 3 [N, C, H, W]
+    # The processor's: Qwen-VL [patches, C*T*P*P], Gemma 3 [N, C, H, W]; None: no image
+    pixel_values: np.ndarray | None
     image_grid_thw: np.ndarray | None  # [images, 3] (t, h, w) patches per image: Qwen-VL only
     num_images: tuple[int, ...]  # per prompt (TRL's num_images)
 
@@ -269,9 +270,9 @@ def process(processor, prompts: Sequence[Sequence[dict]], chat_template_kwargs=N
     images = [prompt_images(p) or None for p in prompts]
     out = processor(images=images if any(images) else None, text=texts, padding=True,
                     return_tensors="np")
-    grid = out.get("image_grid_thw")
+    pixels, grid = out.get("pixel_values"), out.get("image_grid_thw")
     return ImageBatch(input_ids=np.asarray(out["input_ids"], np.int32),
                       attention_mask=np.asarray(out["attention_mask"], np.int32),
-                      pixel_values=np.asarray(out["pixel_values"]),
+                      pixel_values=None if pixels is None else np.asarray(pixels),
                       image_grid_thw=None if grid is None else np.asarray(grid, np.int32),
                       num_images=tuple(len(x or ()) for x in images))
