@@ -323,6 +323,27 @@ def test_rewards_get_images_as_trl_passes_them(vlm, tmp_path):
             [[p["type"] for p in m["content"]] for m in theirs]
 
 
+def test_an_images_list_column_from_a_file(vlm, tmp_path):
+    """A parquet file with an `images` column (datasets' List(Image)): each row's images are
+    decoded to PIL images as TRL's rows hold them, and the prompt gets one image part each,
+    before its text."""
+    import datasets
+    pictures = [[_picture(60, 44, 1), _picture(30, 70, 2)], [_picture(56, 56, 3)]]
+    path = tmp_path / "two.parquet"
+    datasets.Dataset.from_dict({
+        "prompt": [[{"role": "user", "content": "Same shapes?"}]] * 2,
+        "images": pictures}).to_parquet(str(path))
+    ds = load_prompts(DataArgs(dataset_name=str(path), image_buckets=BUCKETS), None,
+                      model_dir=vlm)
+    assert [len(x) for x in ds.columns["images"]] == [2, 1]
+    assert all(isinstance(im, Image.Image) for x in ds.columns["images"] for im in x)
+    assert [p["type"] for p in ds.prompts[0][0]["content"]] == ["image", "image", "text"]
+    assert [im.size for im in ds.images[0]] == [(84, 56), (56, 84)]  # (w, h): the buckets
+    image_pad = qwen_processor().tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    # 84 x 56 px is 6 x 4 patches of 14, 6 tokens after the 2 x 2 merge; 56 x 56 is 4.
+    assert [ds.prompt_ids(i).count(image_pad) for i in range(2)] == [12, 4]
+
+
 # ---------------------------------------------------------------- configs and refusals
 
 def test_trl_vlm_recipe_and_squares_config_load():
