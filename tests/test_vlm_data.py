@@ -143,8 +143,8 @@ def _examples():
     return [
         ("image", [{"role": "user", "content": "How many red squares?"}], a),
         ("images", [{"role": "user", "content": [
-            {"type": "text", "text": "Compare "}, {"type": "image"}, {"type": "text", "text": "and"},
-            {"type": "image"}]}], [b, c]),
+            {"type": "text", "text": "Compare "}, {"type": "image"},
+            {"type": "text", "text": "and"}, {"type": "image"}]}], [b, c]),
         ("image", [{"role": "system", "content": "Be brief."},
                    {"role": "user", "content": "What is it?"}], c),
     ]
