@@ -15,13 +15,14 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
+from grpo_jax import images as images_lib
 from grpo_jax.config import DataArgs
 from grpo_jax.errors import DataError
 from grpo_jax.scoring import NOT_REWARD_COLUMNS
 
 logger = logging.getLogger(__name__)
 
-BUILTIN_DATASETS = ("smol_prompts", "arithmetic", "calculator", "calculator_plain")
+BUILTIN_DATASETS = ("smol_prompts", "arithmetic", "calculator", "calculator_plain", "squares")
 FILE_LOADERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
 ARITHMETIC_SIZE = 2000
 ARITHMETIC_TEST = 32  # held-out questions of the built-in 'arithmetic' (of 126)
@@ -42,6 +43,10 @@ class PromptDataset:
     shuffle: bool  # the data section's shuffle_dataset
     seed: int  # the data section's seed
     num_truncated: int = 0
+    # Each prompt's images as the model sees them (decoded, RGB, bucketed), also in the
+    # prompt's image parts; None for a text dataset. The image column stays in `columns` as the
+    # dataset holds it: TRL hands reward functions that.
+    images: list[list[Any]] | None = None
     _order: tuple[int, np.ndarray] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
@@ -94,11 +99,14 @@ class PromptDataset:
 # ---------------------------------------------------------------- loading
 
 def load_prompts(cfg: DataArgs, tokenizer, *, test: bool = False,
-                 tools: Sequence[Any] = ()) -> PromptDataset:
+                 tools: Sequence[Any] = (), model_dir: str | Path | None = None
+                 ) -> PromptDataset:
     """Load, template and tokenize the prompts of `cfg`'s train split (`test`: its eval split,
     dataset_test_split of eval_dataset_name or else dataset_name); truncation is from the
     left. `tools`: functions whose schemas the chat template shows (TRL's `tools`). The eval
-    split is always shuffled with the seed, as TRL's eval sampler (RepeatSampler, shuffle on)."""
+    split is always shuffled with the seed, as TRL's eval sampler (RepeatSampler, shuffle on).
+    A dataset with an `image` / `images` column needs `model_dir` to be a vision-language
+    model's: its processor makes the prompts' token ids, each image's tokens expanded."""
     name = (cfg.eval_dataset_name or cfg.dataset_name) if test else cfg.dataset_name
     split = cfg.dataset_test_split if test else cfg.dataset_train_split
     if test and cfg.eval_dataset_name and _single_file(name) and split == "test":
@@ -108,15 +116,35 @@ def load_prompts(cfg: DataArgs, tokenizer, *, test: bool = False,
         raise DataError(f"dataset {name!r} has no column {cfg.prompt_column!r}; its "
                         f"columns are {sorted(columns)}. Set prompt_column to one of them.")
     prompts = with_system_prompt(columns.pop(cfg.prompt_column), cfg.system_prompt)
+    column = images_lib.image_column(columns, prompts, name)
     columns = {k: v for k, v in columns.items() if k not in NOT_REWARD_COLUMNS}
     if not prompts:
         raise DataError(f"dataset {name!r} split {split!r} is empty")
     set_chat_template(tokenizer, cfg)  # decoding's too
-    ids = tokenize_prompts(prompts, tokenizer, cfg.chat_template_kwargs, tools=tools)
+    images = None
+    if column is None:
+        ids = tokenize_prompts(prompts, tokenizer, cfg.chat_template_kwargs, tools=tools)
+    else:
+        # The images first: a column that holds no images is the dataset's fault, whatever
+        # the model.
+        buckets = images_lib.parse_buckets(cfg.image_buckets or ())
+        images = [images_lib.model_images(v, column, i, buckets)
+                  for i, v in enumerate(columns[column])]
+        if model_dir is None:
+            raise DataError(f"dataset {name!r} has images (column {column!r}) but no model "
+                            "was given to read them with")
+        images_lib.require_vision(str(model_dir), model_dir, column)
+        prompts, ids = _image_prompts(prompts, images, cfg, model_dir, tools)
     limit = cfg.max_prompt_length
     truncated = 0
     if limit is not None:
         truncated = sum(len(x) > limit for x in ids)
+        if truncated and images is not None:
+            # A cut prompt loses image tokens the vision tower's features must fill.
+            raise DataError(f"{truncated} prompts with images are longer than "
+                            f"max_prompt_length={limit} tokens (their image tokens included); "
+                            "raise max_prompt_length or set it to null (TRL's advice for "
+                            "vision-language models)")
         ids = [x[-limit:] for x in ids]
     empty = [i for i, x in enumerate(ids) if not x]
     if empty:
@@ -131,7 +159,26 @@ def load_prompts(cfg: DataArgs, tokenizer, *, test: bool = False,
         prompts=list(prompts), columns=columns,
         token_ids=np.fromiter((t for x in ids for t in x), np.int32, int(lengths.sum())),
         offsets=np.concatenate([[0], np.cumsum(lengths)]), num_truncated=truncated,
-        shuffle=cfg.shuffle_dataset or test, seed=cfg.seed)
+        shuffle=cfg.shuffle_dataset or test, seed=cfg.seed, images=images)
+
+
+def _image_prompts(prompts: Sequence[Any], images: Sequence[list[Any]], cfg: DataArgs,
+                   model_dir: str | Path, tools: Sequence[Any], chunk: int = 64
+                   ) -> tuple[list[Any], list[list[int]]]:
+    """(multimodal prompts, their token ids) of an image dataset: each row's images put in the
+    prompt's image parts (TRL's prepare_multimodal_messages), and the prompts through the
+    model's processor."""
+    prompts = [images_lib.multimodal_messages(p, im, i)
+               for i, (p, im) in enumerate(zip(prompts, images))]
+    processor = images_lib.load_processor(model_dir)
+    if cfg.chat_template:
+        processor.chat_template = chat_template(cfg.chat_template)
+    ids = []
+    for start in range(0, len(prompts), chunk):
+        batch = images_lib.process(processor, prompts[start:start + chunk],
+                                   cfg.chat_template_kwargs, tools)
+        ids += [batch.prompt_ids(i) for i in range(len(batch.input_ids))]
+    return prompts, ids
 
 
 def with_system_prompt(prompts: Sequence[Any], system_prompt: str | None) -> list[Any]:
@@ -226,6 +273,9 @@ def _load_columns(name: str, config: str | None, split: str, seed: int) -> dict[
                                             "; evaluate on a file of your own: eval_dataset_name"))
         if name == "arithmetic":
             return arithmetic_columns(seed, split)
+        if name == "squares":
+            from grpo_jax import squares
+            return squares.columns(seed, split)
         if name.startswith("calculator"):
             from grpo_jax import calculator
             return calculator.columns(seed, split, shots=calculator.PLAIN_SHOTS
@@ -264,7 +314,16 @@ def _post_body(prompt: str) -> str:
 
 def _datasets_load(*args, **kwargs) -> dict[str, list]:
     import datasets
-    return datasets.load_dataset(*args, **kwargs).to_dict()
+    ds = datasets.load_dataset(*args, **kwargs)
+    out = ds.to_dict()
+    # to_dict leaves an Image feature's values as {'bytes', 'path'} dicts; TRL reads rows, which
+    # datasets decodes to PIL images, and hands those to reward functions.
+    for column, feature in ds.features.items():
+        if isinstance(feature, datasets.Image) or (
+                isinstance(feature, datasets.List) and isinstance(feature.feature,
+                                                                  datasets.Image)):
+            out[column] = list(ds[column])
+    return out
 
 
 def _load_local(what: Path, *args, **kwargs) -> dict[str, list]:

@@ -157,6 +157,9 @@ def _short(x, n: int = 60) -> str:
     """A prompt or completion on one console line (chat messages: the last one's text)."""
     if isinstance(x, list) and x and isinstance(x[-1], dict):
         x = x[-1].get("content", "")
+    if isinstance(x, list):  # a multimodal turn's parts: their text, each image as <image>
+        x = " ".join("<image>" if part.get("type") == "image" else str(part.get("text", ""))
+                     for part in x if isinstance(part, dict))
     text = " ".join(str(x).split())
     return text if len(text) <= n else text[:n - 3] + "..."
 

@@ -309,12 +309,13 @@ def _build_run(cfg: config_lib.TrainConfig, out: Path, lock: RunDirLock, devices
         tokenizer = tools_lib.prepare_tool_tokenizer(
             data_lib.set_chat_template(tokenizer, data_args), data_args.chat_template_kwargs)
         data_args = dataclasses.replace(data_args, chat_template=None)  # the tokenizer has it
-    dataset = data_lib.load_prompts(data_args, tokenizer, tools=tools)
+    dataset = data_lib.load_prompts(data_args, tokenizer, tools=tools, model_dir=model_dir)
     if dataset.num_truncated and dist.is_main():
         print(f"{dataset.num_truncated} of {len(dataset)} prompts were longer than "
               f"max_prompt_length={cfg.data.max_prompt_length} and lost their left end",
               file=sys.stderr)
-    eval_dataset = (data_lib.load_prompts(data_args, tokenizer, test=True, tools=tools)
+    eval_dataset = (data_lib.load_prompts(data_args, tokenizer, test=True, tools=tools,
+                                          model_dir=model_dir)
                     if eval_prompts else None)
     # Reward models run on the trainer's mesh (in multi-process runs on this process's devices:
     # reward_model.scoring_mesh), in the run's compute dtype.

@@ -128,7 +128,7 @@ def test_bad_file_key_names_the_file(tmp_path):
     with pytest.raises(ConfigError, match=r"grpo.num_generations.*bad.yaml"):
         load_config(str(path))
     with pytest.raises(ConfigError,
-                       match="not found.*arithmetic, calculator, long_smol, smol, tldr"):
+                       match="not found.*arithmetic, calculator, long_smol, smol, squares, tldr"):
         load_config("nope")
 
 
@@ -219,7 +219,8 @@ def test_to_dict_round_trips(tmp_path):
 
 
 def test_builtin_configs():
-    assert builtin_configs() == ["arithmetic", "calculator", "long_smol", "smol", "tldr"]
+    assert builtin_configs() == ["arithmetic", "calculator", "long_smol", "smol", "squares",
+                                 "tldr"]
     tldr = load_config("tldr")
     assert tldr.model.name_or_path == "Qwen/Qwen2-0.5B-Instruct"
     assert (tldr.data.dataset_name, tldr.data.dataset_train_split) == ("trl-lib/tldr", "train")

@@ -16,7 +16,8 @@ class DataArgs:
     dataset_name: str = arg(
         "smol_prompts",
         "A hub id, a local .json/.jsonl/.csv/.parquet file or directory, or a built-in "
-        "('smol_prompts': the shipped Reddit-style posts; 'arithmetic': synthetic sums).")
+        "('smol_prompts': the shipped Reddit-style posts; 'arithmetic': synthetic sums; "
+        "'squares': drawn images, how many red squares).")
     dataset_config: str | None = arg(None, "The dataset's config name (a hub dataset's subset).")
     dataset_train_split: str = arg("train", "The split trained on.")
     dataset_test_split: str = arg(
@@ -42,10 +43,17 @@ class DataArgs:
     chat_template_kwargs: dict | None = arg(
         None,
         "To apply_chat_template, e.g. {enable_thinking: false} (Qwen3).")
+    image_buckets: tuple[str, ...] | None = arg(
+        None,
+        "Image sizes ('HxW' pixels, e.g. [448x448, 336x448, 448x336]) each image is scaled "
+        "(aspect kept) and padded to, the closest in aspect, so a run compiles one vision "
+        "program per bucket (grpo_jax.images); null: the processor's own sizing.")
 
     def __post_init__(self):
         check(self.max_prompt_length is None or self.max_prompt_length >= 1,
               f"max_prompt_length must be >= 1 or null, got {self.max_prompt_length}")
+        check(self.image_buckets is None or len(self.image_buckets) >= 1,
+              "image_buckets must name at least one HxW size, or be null")
 
 
 STRATEGIES = ("no", "steps", "epoch")
