@@ -25,7 +25,6 @@ from grpo_jax import mesh as mesh_lib
 from grpo_jax.errors import ModelConfigError, ModelLoadError
 from grpo_jax.models import Decoder, ModelConfig, build, param_table, quant
 from grpo_jax.models import mxfp4 as mxfp4_lib
-from grpo_jax.models import qwen_vl, siglip
 from grpo_jax.models.decoder import stack_of
 
 SMOL_ALIAS = "smollm2-135m-instruct"
@@ -153,18 +152,19 @@ def hf_names(cfg: ModelConfig) -> dict[str, str]:
     for name in _fused_rows(cfg):  # Phi-3: q/k/v and gate/up in one tensor each
         names[name] = p + ("self_attn.qkv_proj.weight" if name[-2] == "w"
                            else "mlp.gate_up_proj.weight")
-    if isinstance(cfg.vision, qwen_vl.QwenVisionConfig):  # its tower ({i}: its block)
-        names.update({"vision/" + k: hf for k, (hf, _) in qwen_vl.HF_NAMES.items()})
+    if cfg.vision is not None:  # its tower ({i}: a layer of the tower's)
+        names.update({"vision/" + k: hf for k, (hf, _) in cfg.vision.hf_names().items()})
     return {k: v for k, v in names.items() if k in param_table(cfg)}
 
 
 def _hf_layers(cfg: ModelConfig, name: str) -> tuple[int, ...] | None:
     """The HF layer of each row of a stacked table entry (None: not stacked): the decoder's
-    layers (those of the entry's kind), or the vision tower's blocks."""
+    layers (those of the entry's kind), or the vision tower's (an entry whose HF name has
+    {i}: one per row)."""
     if name.startswith("layers/"):
         return cfg.stack_layers(stack_of(cfg, name[7:]))
-    if name.startswith("vision/blocks/"):
-        return tuple(range(cfg.vision.depth))
+    if name.startswith("vision/") and "{i}" in cfg.vision.hf_names()[name[7:]][0]:
+        return tuple(range(param_table(cfg)[name][0][0]))
     return None
 
 
@@ -222,7 +222,7 @@ def _part_groups(cfg: ModelConfig, name: str, pattern: str, ndim: int):
     """The layout of one part of table `name`: a layer's slice, or one expert's of it."""
     leaf = name.split("/")[-1]
     if name.startswith("vision/"):
-        return qwen_vl.HF_NAMES[name[len("vision/"):]][1]
+        return cfg.vision.hf_names()[name[len("vision/"):]][1]
     if _per_expert(pattern):  # one expert's [D, F] or [F, D]: the Linear's transpose
         return ((1,), (0,))
     if leaf == "router":  # [D, E] <- [E, D]
@@ -348,7 +348,7 @@ class _Weights:
     Each read opens the file afresh: pages of a closed map leave the process's RSS, so at most
     one HF tensor's pages are resident at a time."""
 
-    def __init__(self, model_dir: Path):
+    def __init__(self, model_dir: Path, anchors: dict[str, str]):
         self.files: dict[str, Path] = {}
         for f in _weight_files(model_dir):
             try:
@@ -359,10 +359,12 @@ class _Weights:
                                      "is damaged or truncated; re-download or re-export the "
                                      "model") from None
         self.model_dir = model_dir
-        # Where the decoder sits: "model." in a causal LM; Gemma 3's multimodal checkpoints
-        # nest it ("model.language_model." in transformers 5, "language_model.model." before).
-        embed = [k for k in self.files if k.endswith("embed_tokens.weight")]
-        self.prefix = embed[0][:-len("embed_tokens.weight")] if len(embed) == 1 else "model."
+        # Where each root of hf_names sits in these files, found by its anchor (_anchors): the
+        # one tensor named *anchor; the root itself when there is none (or several).
+        self.roots = {}
+        for root, anchor in anchors.items():
+            found = [k for k in self.files if k.endswith(anchor)]
+            self.roots[root] = found[0][:-len(anchor)] if len(found) == 1 else root
 
     def read(self, name: str, groups, shape, index, out: np.ndarray,
              rows: tuple[int, int] | None = None, interleave: int | None = None) -> None:
@@ -370,8 +372,9 @@ class _Weights:
         dtype). `rows`: (first row, total rows) when the HF tensor is a fused one (see
         _fused_rows); `interleave`: see _read_block. gpt-oss's MXFP4 experts (`name`_blocks
         and _scales) are dequantized as they are read."""
-        if name.startswith("model."):
-            name = self.prefix + name[len("model."):]
+        root = next((r for r in self.roots if name.startswith(r)), None)
+        if root is not None:
+            name = self.roots[root] + name[len(root):]
         mxfp4 = name not in self.files and name + "_blocks" in self.files
         if name not in self.files and not mxfp4:
             raise ModelLoadError(f"{self.model_dir}: weight {name} missing from the "
@@ -392,23 +395,6 @@ class _Weights:
             self._check(name, tensor, expected)
             out[...] = _read_block(tensor, groups, shape, index, offset, interleave)
 
-    def prefix_of(self, suffix: str) -> str:
-        """What precedes `suffix` in the one tensor name that ends with it (Gemma 3's tower
-        and projector: "vision_tower." or "model.vision_tower.", ...)."""
-        names = [k for k in self.files if k.endswith(suffix)]
-        if len(names) != 1:
-            raise ModelLoadError(f"{self.model_dir}: {len(names)} weights named *{suffix}, "
-                                 "expected one")
-        return names[0][:-len(suffix)]
-
-    def tensor(self, name: str) -> np.ndarray:
-        """The whole HF tensor `name`, as stored."""
-        if name not in self.files:
-            raise ModelLoadError(f"{self.model_dir}: weight {name} missing from the "
-                                 "safetensors files")
-        with safe_open(self.files[name], framework="numpy") as st:
-            return st.get_tensor(name)
-
     def _check(self, name, tensor, expected) -> None:
         if list(tensor.get_shape()) != expected:
             raise ModelLoadError(f"{self.model_dir}: weight {name} has shape "
@@ -424,7 +410,7 @@ def load_params(model_dir: Path, cfg: ModelConfig, shardings: dict) -> dict[str,
 
 def iter_params(model_dir: Path, cfg: ModelConfig, shardings: dict):
     """load_params' (table name, jax.Array) pairs, one weight placed at a time."""
-    weights = _Weights(Path(model_dir))
+    weights = _Weights(Path(model_dir), _anchors(cfg))
     table, fused = param_table(cfg), _fused_rows(cfg)
     for name, pattern in hf_names(cfg).items():
         shape, rows = table[name][0], fused.get(name)
@@ -455,56 +441,22 @@ def iter_params(model_dir: Path, cfg: ModelConfig, shardings: dict):
         yield name, jax.make_array_from_callback(shape, shardings[name], block)
 
 
-def _vision_names(cfg: ModelConfig, tower: str, projector: str) -> dict[str, tuple]:
-    """vision table name -> (HF tensor pattern ({i} a tower layer), layout), the tower's
-    tensors under `tower`, the projector's under `projector`."""
-    return {name: ((projector if name in siglip.PROJECTOR else tower) + pattern, layout)
-            for name, (pattern, layout) in siglip.HF_NAMES.items()}
-
-
-def iter_vision_params(model_dir: Path, cfg: ModelConfig):
-    """(vision table name, host array in the param dtype) of the image encoder of a
-    Gemma3ForConditionalGeneration directory, whichever way its tensors are nested
-    ("vision_tower." as save_pretrained writes them, "vision_tower.vision_model." on the
-    Hub). Read whole: the tower is small next to the decoder."""
-    weights = _Weights(Path(model_dir))
-    names = _vision_names(cfg, weights.prefix_of("embeddings.patch_embedding.weight"),
-                          weights.prefix_of("mm_input_projection_weight"))
-    table = siglip.param_table(cfg.vision, cfg.hidden_size)
-    for name, (pattern, layout) in names.items():
-        if name.startswith("layers/"):
-            value = np.stack([siglip.from_hf_layout(weights.tensor(pattern.format(i=i)), layout)
-                              for i in range(cfg.vision.num_layers)])
-        else:
-            value = siglip.from_hf_layout(weights.tensor(pattern), layout)
-        if value.shape != table[name][0]:
-            raise ModelLoadError(f"{model_dir}: weight {pattern} implies {name} of shape "
-                                 f"{value.shape}, config.json {table[name][0]}")
-        yield name, value.astype(cfg.param_dtype)
-
-
-# Where transformers 5's save_pretrained puts Gemma3ForConditionalGeneration's parts.
-_VLM_TEXT, _VLM_TOWER, _VLM_PROJECTOR = "language_model.", "vision_tower.", "multi_modal_projector."
+def _anchors(cfg: ModelConfig) -> dict[str, str]:
+    """hf_names' roots that checkpoints may put elsewhere -> the tensor that finds them
+    (_Weights): the decoder's "model." (Gemma 3's and Qwen2.5-VL's wrappers nest it as
+    "model.language_model." in transformers 5, "language_model.model." before) and the
+    vision config's (Gemma 3's tower: "vision_tower.vision_model." on the Hub)."""
+    return {"model.": "embed_tokens.weight", **({} if cfg.vision is None else
+                                                cfg.vision.hf_anchors)}
 
 
 def export_name(cfg: ModelConfig, key: str) -> str:
-    """The name a decoder tensor (hf_names') is written under: nested in the multimodal
-    wrapper's language_model for Gemma 3 with images (Qwen2.5-VL's hf_names nest it)."""
-    return _VLM_TEXT + key if isinstance(cfg.vision, siglip.SiglipConfig) else key
-
-
-def vision_state_dict(cfg: ModelConfig, params, dtype) -> dict[str, np.ndarray]:
-    """The image encoder's HF tensors from `params` ({vision table name: array}), in
-    `dtype` (empty for a text model, and for Qwen2.5-VL's, whose tower is in hf_names)."""
-    if not isinstance(cfg.vision, siglip.SiglipConfig):
-        return {}
-    out = {}
-    for name, (pattern, layout) in _vision_names(cfg, _VLM_TOWER, _VLM_PROJECTOR).items():
-        w = np.asarray(jax.device_get(params[name])).astype(dtype)
-        for i, one in enumerate(w) if name.startswith("layers/") else [(None, w)]:
-            out[pattern.format(i=i)] = np.ascontiguousarray(
-                siglip.to_hf_layout(one, layout, cfg.vision))
-    return out
+    """The name an HF tensor of hf_names is written under: a decoder tensor ("model.",
+    "lm_head.") nested where the vision-language wrapper's save_pretrained keeps it
+    (hf_text_root: Gemma 3's "language_model."); the tower's names are already its own."""
+    if cfg.vision is None or not key.startswith(("model.", "lm_head.")):
+        return key
+    return cfg.vision.hf_text_root + key
 
 
 def load_model(name_or_path: str, mesh=None, quant_bits: int | None = None,
@@ -531,10 +483,6 @@ def load_model(name_or_path: str, mesh=None, quant_bits: int | None = None,
         if quant_bits and name.startswith("layers/") and leaf in quant.PROJECTIONS:
             value, scales[leaf] = quant.quantize_stacked(value, leaf, quant_bits)
         _get(params, name).set_value(value)
-    if isinstance(cfg.vision, siglip.SiglipConfig):  # replicated, where the decoder's are
-        for name, value in iter_vision_params(model_dir, cfg):
-            where = device if mesh is None else _get(on_mesh, "vision/" + name).get_value()
-            _get(params, "vision/" + name).set_value(jax.device_put(value, where))
     model = nnx.merge(graphdef, params)
     if quant_bits:
         quant.quantize_model(model, quant_bits, scales)
@@ -579,13 +527,12 @@ def hf_state_dict(cfg: ModelConfig, params: dict[str, np.ndarray], *, dtype: str
         w = w if expert is None else w[expert]
         return np.asarray(w).astype(jnp.dtype(dtype), copy=False)  # all are floats
     for key, (parts, _) in hf_tensor_parts(cfg, jnp.dtype(dtype)).items():
+        if parts[0][0] not in params and parts[0][0].startswith("vision/"):
+            continue  # the image tower only when given (a weight sync may leave it out)
         out[export_name(cfg, key)] = np.ascontiguousarray(assemble(cfg, parts, fetch))
     if include_tied_head and cfg.tie_word_embeddings:
         out[export_name(cfg, "lm_head.weight")] = out[export_name(cfg, "model.embed_tokens.weight")]
-    # The image encoder only when given ("vision/" names): params_from_state leaves the
-    # frozen tower out of a weight sync.
-    vision = {k[7:]: v for k, v in params.items() if k.startswith("vision/")}
-    return {**out, **(vision_state_dict(cfg, vision, jnp.dtype(dtype)) if vision else {})}
+    return out
 
 
 def save_hf(model: Decoder, out_dir, *, source_dir=None, dtype: str = "float32",
@@ -596,9 +543,6 @@ def save_hf(model: Decoder, out_dir, *, source_dir=None, dtype: str = "float32",
     out.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
     tensors = {export_name(cfg, k): v for k, v in hf_tensor_parts(cfg, jnp.dtype(dtype)).items()}
-    vision = vision_state_dict(cfg, {} if model.vision is None else model.vision.params(),
-                               jnp.dtype(dtype))
-    tensors.update({k: ([], jax.ShapeDtypeStruct(w.shape, w.dtype)) for k, w in vision.items()})
     split = huggingface_hub.split_state_dict_into_shards_factory(
         {k: spec for k, (_, spec) in tensors.items()},
         get_storage_size=lambda s: s.size * s.dtype.itemsize, max_shard_size=max_shard_bytes,
@@ -606,8 +550,6 @@ def save_hf(model: Decoder, out_dir, *, source_dir=None, dtype: str = "float32",
     params = nnx.state(model, nnx.Param)
 
     def tensor(key):
-        if key in vision:
-            return vision[key]
         parts, spec = tensors[key]
 
         def fetch(name, row, expert):

@@ -9,14 +9,18 @@ import contextlib
 import contextvars
 import dataclasses
 import math
+from typing import TYPE_CHECKING, Protocol
 
 import jax
 import jax.numpy as jnp
 
 from grpo_jax.config.model import Numerics  # noqa: F401 (this module's API)
 from grpo_jax.errors import ModelConfigError
-from grpo_jax.models import qwen_vl, siglip
+from grpo_jax.models import qwen_vl
 from grpo_jax.models.siglip import SiglipConfig
+
+if TYPE_CHECKING:
+    from grpo_jax.models.decoder import ImageTower
 
 # The platform programs are traced for: this process's backend, unless aot traces for another
 # (tracing_for) - attention_impl "auto" picks its kernel by it.
@@ -90,6 +94,33 @@ CUDNN_MASK_ELEMENTS = 2 ** 32
 _NUMERICS = tuple(f.name for f in dataclasses.fields(Numerics))
 
 
+class VisionConfig(Protocol):
+    """A vision-language model's image side (ModelConfig.vision): qwen_vl.QwenVisionConfig
+    (Qwen2.5-VL's ViT and merger), siglip.SiglipConfig (Gemma 3's SigLIP and projector). Its
+    parameters are entries of the model's param_table under "vision/", placed by the Decoder
+    into its tower and loaded and exported by hf.py with the decoder's."""
+
+    image_token_id: int  # the placeholder whose embeddings the tower's features replace
+    # HF tensor root -> a tensor under it every checkpoint has, by which hf.py finds where a
+    # checkpoint put that root instead (Gemma 3's tower: "vision_tower.vision_model." on the Hub).
+    hf_anchors: dict[str, str]
+    # Where the wrapper's save_pretrained nests the decoder's tensors ("": as a causal LM's).
+    hf_text_root: str
+
+    def param_table(self, text_hidden: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
+        """name (without "vision/") -> (shape, logical axes); text_hidden: the decoder's."""
+
+    def hf_names(self) -> dict[str, tuple[str, tuple[tuple[int, ...], ...]]]:
+        """name -> (HF tensor name as save_pretrained writes it ({i}: a layer of a stacked
+        entry), its layout: hf.py's groups of one layer)."""
+
+    def tower(self) -> "ImageTower":
+        """The Decoder's holder of these parameters (set from the table), which encodes."""
+
+    def to_hf(self, text_config: dict, tie_word_embeddings: bool) -> dict:
+        """The wrapper's config.json around the decoder's `text_config` (ModelConfig.to_hf's)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     model_type: str
@@ -151,10 +182,10 @@ class ModelConfig:
     # router_aux_loss_coef); 0 for dense models.
     router_aux_coef: float = 0.0
     # A vision-language model's image tower (None: text only): Qwen2.5-VL's ViT and merger
-    # (models/qwen_vl.py, params under vision/ in param_table) or Gemma 3's SigLIP tower and
-    # projector (models/siglip.py); either's features replace the embeddings of its
+    # (models/qwen_vl.py) or Gemma 3's SigLIP tower and projector (models/siglip.py), its
+    # params under vision/ in param_table; either's features replace the embeddings of its
     # image_token_id tokens (Decoder.embed_multimodal).
-    vision: qwen_vl.QwenVisionConfig | SiglipConfig | None = None
+    vision: VisionConfig | None = None
     # M-RoPE (Qwen2.5-VL): head_dim/2 frequencies split into sections rotated by the
     # temporal, height and width positions (positions [3, B, T]); None: one position row.
     mrope_section: tuple[int, ...] | None = None
@@ -415,19 +446,10 @@ class ModelConfig:
             out["mlp_bias"] = False
         if self.num_experts:
             out.update(self._moe_hf())
-        if isinstance(self.vision, qwen_vl.QwenVisionConfig):
-            out["rope_parameters"]["mrope_section"] = list(self.mrope_section)
-            out["model_type"] = "qwen2_5_vl_text"
-            return {"architectures": out.pop("architectures"), "model_type": self.model_type,
-                    "text_config": out, "tie_word_embeddings": self.tie_word_embeddings,
-                    **self.vision.to_hf()}
-        if self.vision is not None:  # Gemma 3's wrapper, the decoder its text_config
-            out.pop("architectures")
-            return {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
-                    "text_config": out, "vision_config": self.vision.to_hf(),
-                    "mm_tokens_per_image": self.vision.mm_tokens_per_image,
-                    "image_token_index": self.vision.image_token_id,
-                    "tie_word_embeddings": self.tie_word_embeddings}
+        if self.vision is not None:  # the decoder is the wrapper's text_config
+            if self.mrope_section:  # Qwen2.5-VL's M-RoPE
+                out["rope_parameters"]["mrope_section"] = list(self.mrope_section)
+            return self.vision.to_hf(out, self.tie_word_embeddings)
         return out
 
     def _moe_hf(self) -> dict:
@@ -618,15 +640,10 @@ def param_table(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str,
         table["layers/post_mlp_norm"] = ((L, D), ("layers", "norm"))
     if not cfg.tie_word_embeddings:
         table["lm_head"] = ((D, V), ("embed", "vocab"))                 # [D, V]
-    if isinstance(cfg.vision, qwen_vl.QwenVisionConfig):  # Gemma 3's tower holds its own
-        table.update({"vision/" + k: v for k, v in vision_table(cfg).items()})
+    table.update({"vision/" + k: v for k, v in vision_table(cfg).items()})
     return table
 
 
 def vision_table(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple]]:
     """name -> (shape, logical axes) of the vision tower's parameters ({} for text)."""
-    if isinstance(cfg.vision, qwen_vl.QwenVisionConfig):
-        return qwen_vl.param_table(cfg.vision)
-    if isinstance(cfg.vision, SiglipConfig):
-        return siglip.param_table(cfg.vision, cfg.hidden_size)
-    return {}
+    return {} if cfg.vision is None else cfg.vision.param_table(cfg.hidden_size)

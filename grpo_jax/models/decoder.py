@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import attention as attention_lib
-from grpo_jax.models import lora, moe, qwen_vl, siglip
+from grpo_jax.models import lora, moe
 from grpo_jax.models.attention import Mask
 from grpo_jax.models.config import ModelConfig, param_table, runs_of  # noqa: F401 (API)
 from grpo_jax.models.moe import RouterStats
@@ -69,6 +69,8 @@ def _init_values(shapes, dtype, norm_offset: bool, keys) -> list[jax.Array]:
 
 def _init_value(name: str, shape, dtype, key, norm_offset: bool):
     leaf = name.split("/")[-1]
+    if "layernorm" in leaf:  # a LayerNorm's (SigLIP's): scale 1, shift 0, whatever norm_offset
+        return (jnp.zeros if leaf.endswith("bias") else jnp.ones)(shape, dtype)
     if leaf.endswith("norm"):  # a scale of 1 (Gemma stores it as 1 + w)
         return (jnp.zeros if norm_offset else jnp.ones)(shape, dtype)
     if leaf.startswith("b"):
@@ -160,12 +162,9 @@ class Decoder(nnx.Module):
         loads its weights straight onto their shardings instead."""
         self.cfg = cfg
         self.layers = _Layers()
-        # A vision-language model's image tower (an ImageTower), else None. Qwen2.5-VL's gets
-        # its parameters from the table below (vision/...); Gemma 3's SigLIP makes its own.
-        self.vision: ImageTower | None = (
-            qwen_vl.QwenVision(cfg.vision) if isinstance(cfg.vision, qwen_vl.QwenVisionConfig)
-            else siglip.VisionTower(cfg.vision, cfg.hidden_size, cfg.param_dtype, rngs=rngs)
-            if cfg.vision is not None else None)
+        # A vision-language model's image tower (an ImageTower), else None: a holder whose
+        # parameters the table below sets (vision/...).
+        self.vision: ImageTower | None = None if cfg.vision is None else cfg.vision.tower()
         table = param_table(cfg)
         keys = [rngs.params() for _ in table]
         values = _init_values(tuple((n, tuple(s)) for n, (s, _) in table.items()),

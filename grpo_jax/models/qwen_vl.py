@@ -78,9 +78,25 @@ class QwenVisionConfig:
                    rope_theta=float(rope.get("rope_theta", 10000.0)),
                    tokens_per_second=v.get("tokens_per_second", 4), **ids)
 
-    def to_hf(self) -> dict:
-        """The top-level fields of config.json this config reads from (vision_config and the
-        token ids)."""
+    # models/config.py's VisionConfig: the table, the HF names and config.json of its side.
+    def param_table(self, text_hidden: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
+        return param_table(self)  # its merger's width is out_hidden_size, the decoder's
+
+    def hf_names(self) -> dict[str, tuple[str, tuple[tuple[int, ...], ...]]]:
+        return HF_NAMES
+
+    # Its checkpoints keep the tower under HF_ROOT and the decoder where a causal LM's is
+    # (hf.py finds transformers 5's model.language_model. by the embeddings).
+    hf_anchors = property(lambda self: {})
+    hf_text_root = property(lambda self: "")
+
+    def tower(self) -> "QwenVision":
+        return QwenVision(self)
+
+    def to_hf(self, text_config: dict, tie_word_embeddings: bool) -> dict:
+        """Qwen2.5-VL's config.json around the decoder's `text_config`: vision_config and
+        the token ids at the top level."""
+        text = {**text_config, "model_type": "qwen2_5_vl_text"}
         vision = dict(
             model_type="qwen2_5_vl_vision", depth=self.depth, hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size, num_heads=self.num_heads,
@@ -90,10 +106,12 @@ class QwenVisionConfig:
             fullatt_block_indexes=list(self.fullatt_block_indexes), hidden_act="silu",
             tokens_per_second=self.tokens_per_second,
             rope_parameters={"rope_type": "axial", "rope_theta": self.rope_theta})
-        return dict(vision_config=vision, image_token_id=self.image_token_id,
-                    video_token_id=self.video_token_id,
-                    vision_start_token_id=self.vision_start_token_id,
-                    vision_end_token_id=self.vision_end_token_id)
+        return {"architectures": text.pop("architectures"), "model_type": MODEL_TYPE,
+                "text_config": text, "tie_word_embeddings": tie_word_embeddings,
+                "vision_config": vision, "image_token_id": self.image_token_id,
+                "video_token_id": self.video_token_id,
+                "vision_start_token_id": self.vision_start_token_id,
+                "vision_end_token_id": self.vision_end_token_id}
 
     @property
     def head_dim(self) -> int:

@@ -68,78 +68,98 @@ class SiglipConfig:
                    layer_norm_eps=vision.get("layer_norm_eps", 1e-6),
                    mm_tokens_per_image=mm_tokens_per_image, image_token_id=image_token_id)
 
-    def to_hf(self) -> dict:
-        """HF's vision_config. vision_use_head False: Gemma 3 reads the patch states, not
-        SigLIP's pooling head, which is neither loaded nor exported."""
-        return {"model_type": "siglip_vision_model", "hidden_size": self.hidden_size,
-                "intermediate_size": self.intermediate_size,
-                "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
-                "image_size": self.image_size, "patch_size": self.patch_size,
-                "num_channels": self.num_channels, "layer_norm_eps": self.layer_norm_eps,
-                "hidden_act": "gelu_pytorch_tanh", "vision_use_head": False}
+    # models/config.py's VisionConfig: the table, the HF names and config.json of its side.
+    def param_table(self, text_hidden: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
+        return param_table(self, text_hidden)
+
+    def hf_names(self) -> dict[str, tuple[str, tuple[tuple[int, ...], ...]]]:
+        return HF_NAMES
+
+    hf_anchors = property(lambda self: HF_ANCHORS)
+    hf_text_root = property(lambda self: HF_TEXT_ROOT)
+
+    def tower(self) -> "VisionTower":
+        return VisionTower(self)
+
+    def to_hf(self, text_config: dict, tie_word_embeddings: bool) -> dict:
+        """Gemma3ForConditionalGeneration's config.json around the decoder's `text_config`.
+        vision_use_head False: Gemma 3 reads the patch states, not SigLIP's pooling head, which
+        is neither loaded nor exported."""
+        text = {k: v for k, v in text_config.items() if k != "architectures"}
+        vision = {"model_type": "siglip_vision_model", "hidden_size": self.hidden_size,
+                  "intermediate_size": self.intermediate_size,
+                  "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+                  "image_size": self.image_size, "patch_size": self.patch_size,
+                  "num_channels": self.num_channels, "layer_norm_eps": self.layer_norm_eps,
+                  "hidden_act": "gelu_pytorch_tanh", "vision_use_head": False}
+        return {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                "text_config": text, "vision_config": vision,
+                "mm_tokens_per_image": self.mm_tokens_per_image,
+                "image_token_index": self.image_token_id,
+                "tie_word_embeddings": tie_word_embeddings}
 
 
 def param_table(v: SiglipConfig, text_hidden: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
-    """name -> (shape, logical axes) of the tower and projector. The tower is small next to the
-    decoder (SigLIP-So400m: 0.4B), so its weights are replicated (axes None). L layers, Dv the
-    tower's width, F its MLP width, D the decoder's."""
+    """name -> (shape, logical axes) of the tower and projector, under the decoder's "vision/"
+    prefix. The tower is small next to the decoder (SigLIP-So400m: 0.4B), so its weights are
+    replicated (axes None). L layers, Dv the tower's width, F its MLP width, D the decoder's.
+    Names follow decoder._init_value's rules (a LayerNorm's "layernorm*" scale 1 and shift 0,
+    biases "b*" 0, mm_norm Gemma's 1 + w) and keep "bias"/"norm" where the optimizer's
+    decay mask reads them."""
     L, Dv, F, D = v.num_layers, v.hidden_size, v.intermediate_size, text_hidden
     n = (None,)
+    p = v.patch_size
     table = {
-        "patch_embed": ((v.num_channels * v.patch_size ** 2, Dv), n * 2),  # [C p p, Dv]
-        "patch_bias": ((Dv,), n),
+        "patch_embed": ((v.num_channels, p, p, Dv), n * 4),  # [C, p, p, Dv]: the conv's kernel
+        "bias_patch": ((Dv,), n),
         "pos_embed": ((v.num_patches, Dv), n * 2),
-        "post_norm": ((Dv,), n), "post_norm_bias": ((Dv,), n),
+        "post_layernorm": ((Dv,), n), "post_layernorm_bias": ((Dv,), n),
         "mm_norm": ((Dv,), n),               # the projector's RMSNorm (stored as w, scale 1 + w)
         "mm_proj": ((Dv, D), n * 2),
     }
-    for name, shape in (("ln1", (Dv,)), ("ln1_bias", (Dv,)), ("wq", (Dv, Dv)), ("bq", (Dv,)),
-                        ("wk", (Dv, Dv)), ("bk", (Dv,)), ("wv", (Dv, Dv)), ("bv", (Dv,)),
-                        ("wo", (Dv, Dv)), ("bo", (Dv,)), ("ln2", (Dv,)), ("ln2_bias", (Dv,)),
-                        ("fc1", (Dv, F)), ("fc1_bias", (F,)), ("fc2", (F, Dv)),
-                        ("fc2_bias", (Dv,))):
+    for name, shape in (("layernorm1", (Dv,)), ("layernorm1_bias", (Dv,)), ("wq", (Dv, Dv)),
+                        ("bq", (Dv,)), ("wk", (Dv, Dv)), ("bk", (Dv,)), ("wv", (Dv, Dv)),
+                        ("bv", (Dv,)), ("wo", (Dv, Dv)), ("bo", (Dv,)),
+                        ("layernorm2", (Dv,)), ("layernorm2_bias", (Dv,)),
+                        ("fc1", (Dv, F)), ("bias_fc1", (F,)), ("fc2", (F, Dv)),
+                        ("bias_fc2", (Dv,))):
         table["layers/" + name] = ((L, *shape), n * (1 + len(shape)))
     return table
 
 
-# name -> (HF tensor name under the tower's or projector's prefix, its layout): "linear" a
-# torch Linear's [out, in] (ours [in, out]), "conv" the patch convolution's [Dv, C, p, p].
-HF_NAMES = {
-    "patch_embed": ("embeddings.patch_embedding.weight", "conv"),
-    "patch_bias": ("embeddings.patch_embedding.bias", None),
-    "pos_embed": ("embeddings.position_embedding.weight", None),
-    "post_norm": ("post_layernorm.weight", None),
-    "post_norm_bias": ("post_layernorm.bias", None),
-    "mm_norm": ("mm_soft_emb_norm.weight", None),
-    "mm_proj": ("mm_input_projection_weight", None),  # already [Dv, D]
-    **{"layers/" + ours: ("encoder.layers.{i}." + theirs, layout) for ours, theirs, layout in (
-        ("ln1", "layer_norm1.weight", None), ("ln1_bias", "layer_norm1.bias", None),
-        ("wq", "self_attn.q_proj.weight", "linear"), ("bq", "self_attn.q_proj.bias", None),
-        ("wk", "self_attn.k_proj.weight", "linear"), ("bk", "self_attn.k_proj.bias", None),
-        ("wv", "self_attn.v_proj.weight", "linear"), ("bv", "self_attn.v_proj.bias", None),
-        ("wo", "self_attn.out_proj.weight", "linear"), ("bo", "self_attn.out_proj.bias", None),
-        ("ln2", "layer_norm2.weight", None), ("ln2_bias", "layer_norm2.bias", None),
-        ("fc1", "mlp.fc1.weight", "linear"), ("fc1_bias", "mlp.fc1.bias", None),
-        ("fc2", "mlp.fc2.weight", "linear"), ("fc2_bias", "mlp.fc2.bias", None))},
+# Where transformers' save_pretrained puts Gemma3ForConditionalGeneration's tower and projector
+# (hf.py finds them under other roots too: HF_ANCHORS), and its decoder.
+TOWER, PROJECTOR = "vision_tower.", "multi_modal_projector."
+HF_TEXT_ROOT = "language_model."
+# root -> a tensor under it that every checkpoint has: where a checkpoint put the root instead
+# ("vision_tower.vision_model." on the Hub, "model.vision_tower." in transformers 5).
+HF_ANCHORS = {TOWER: "embeddings.patch_embedding.weight",
+              PROJECTOR: "mm_input_projection_weight"}
+_LINEAR, _VECTOR = ((1,), (0,)), ((0,),)
+# table name (without "vision/") -> (HF tensor name ({i}: a tower layer), how our dims group into
+# the HF tensor's, in HF order: hf.py's layout convention; torch Linear weights are [out, in]).
+# The layers' groups are those of one layer (the stacked layer axis dropped).
+HF_NAMES: dict[str, tuple[str, tuple[tuple[int, ...], ...]]] = {
+    "patch_embed": (TOWER + "embeddings.patch_embedding.weight", ((3,), (0,), (1,), (2,))),
+    "bias_patch": (TOWER + "embeddings.patch_embedding.bias", _VECTOR),
+    "pos_embed": (TOWER + "embeddings.position_embedding.weight", ((0,), (1,))),
+    "post_layernorm": (TOWER + "post_layernorm.weight", _VECTOR),
+    "post_layernorm_bias": (TOWER + "post_layernorm.bias", _VECTOR),
+    "mm_norm": (PROJECTOR + "mm_soft_emb_norm.weight", _VECTOR),
+    "mm_proj": (PROJECTOR + "mm_input_projection_weight", ((0,), (1,))),  # already [Dv, D]
+    **{"layers/" + ours: (TOWER + "encoder.layers.{i}." + theirs, groups)
+       for ours, theirs, groups in (
+        ("layernorm1", "layer_norm1.weight", _VECTOR),
+        ("layernorm1_bias", "layer_norm1.bias", _VECTOR),
+        ("wq", "self_attn.q_proj.weight", _LINEAR), ("bq", "self_attn.q_proj.bias", _VECTOR),
+        ("wk", "self_attn.k_proj.weight", _LINEAR), ("bk", "self_attn.k_proj.bias", _VECTOR),
+        ("wv", "self_attn.v_proj.weight", _LINEAR), ("bv", "self_attn.v_proj.bias", _VECTOR),
+        ("wo", "self_attn.out_proj.weight", _LINEAR), ("bo", "self_attn.out_proj.bias", _VECTOR),
+        ("layernorm2", "layer_norm2.weight", _VECTOR),
+        ("layernorm2_bias", "layer_norm2.bias", _VECTOR),
+        ("fc1", "mlp.fc1.weight", _LINEAR), ("bias_fc1", "mlp.fc1.bias", _VECTOR),
+        ("fc2", "mlp.fc2.weight", _LINEAR), ("bias_fc2", "mlp.fc2.bias", _VECTOR))},
 }
-PROJECTOR = ("mm_norm", "mm_proj")  # under multi_modal_projector., the rest under vision_tower.
-
-
-def from_hf_layout(w, layout):
-    """An HF tensor (numpy) in our layout."""
-    if layout == "linear":
-        return w.T
-    if layout == "conv":  # [Dv, C, p, p] -> [C p p, Dv]: the patch flattened as (c, y, x)
-        return w.reshape(w.shape[0], -1).T
-    return w
-
-
-def to_hf_layout(w, layout, v: SiglipConfig):
-    if layout == "linear":
-        return w.T
-    if layout == "conv":
-        return w.T.reshape(-1, v.num_channels, v.patch_size, v.patch_size)
-    return w
 
 
 def layer_norm(x, w, b, eps):
@@ -161,7 +181,7 @@ def patchify(v: SiglipConfig, pixels):
 def _encoder_layer(v: SiglipConfig, x, p):
     """One pre-norm SigLIP layer over x [N, S, Dv]: every patch attends to every patch."""
     dt, eps = x.dtype, v.layer_norm_eps
-    h = layer_norm(x, p["ln1"], p["ln1_bias"], eps)
+    h = layer_norm(x, p["layernorm1"], p["layernorm1_bias"], eps)
     heads = lambda w, b: (h @ w.astype(dt) + b.astype(dt)).reshape(  # noqa: E731
         *h.shape[:2], v.num_heads, v.head_dim)
     q, k, val = heads(p["wq"], p["bq"]), heads(p["wk"], p["bk"]), heads(p["wv"], p["bv"])
@@ -169,20 +189,22 @@ def _encoder_layer(v: SiglipConfig, x, p):
     probs = jax.nn.softmax(s * v.head_dim ** -0.5, axis=-1).astype(dt)
     attn = jnp.einsum("nhqk,nkhd->nqhd", probs, val).reshape(h.shape)
     x = x + attn @ p["wo"].astype(dt) + p["bo"].astype(dt)
-    h = layer_norm(x, p["ln2"], p["ln2_bias"], eps)
-    h = jax.nn.gelu(h @ p["fc1"].astype(dt) + p["fc1_bias"].astype(dt), approximate=True)
-    return x + h @ p["fc2"].astype(dt) + p["fc2_bias"].astype(dt)
+    h = layer_norm(x, p["layernorm2"], p["layernorm2_bias"], eps)
+    h = jax.nn.gelu(h @ p["fc1"].astype(dt) + p["bias_fc1"].astype(dt), approximate=True)
+    return x + h @ p["fc2"].astype(dt) + p["bias_fc2"].astype(dt)
 
 
 def encode(v: SiglipConfig, params: dict, pixels, dtype):
     """Images [N, C, H, W] -> their soft tokens [N, mm_tokens_per_image, D] in `dtype`: the
     tower's last hidden states, pooled, normalised and projected (Gemma3Model's
     get_image_features). `params`: param_table's names -> arrays."""
-    x = patchify(v, pixels.astype(dtype)) @ params["patch_embed"].astype(dtype)
-    x = x + params["patch_bias"].astype(dtype) + params["pos_embed"].astype(dtype)
+    patch = params["patch_embed"].astype(dtype).reshape(-1, v.hidden_size)  # [C p p, Dv]
+    x = patchify(v, pixels.astype(dtype)) @ patch
+    x = x + params["bias_patch"].astype(dtype) + params["pos_embed"].astype(dtype)
     layers = {k[7:]: w for k, w in params.items() if k.startswith("layers/")}
     x, _ = jax.lax.scan(lambda x, p: (_encoder_layer(v, x, p), None), x, layers)
-    x = layer_norm(x, params["post_norm"], params["post_norm_bias"], v.layer_norm_eps)
+    x = layer_norm(x, params["post_layernorm"], params["post_layernorm_bias"],
+                   v.layer_norm_eps)
     # Average-pool the P x P patch grid by k x k windows to tokens_per_side x tokens_per_side
     # (HF's AvgPool2d over the grid, row-major in and out).
     N, T, Dv = x.shape[0], v.tokens_per_side, x.shape[-1]
@@ -199,23 +221,12 @@ class _Layers(nnx.Module):
 
 
 class VisionTower(nnx.Module):
-    """The tower's and projector's parameters (random here; hf.py loads real ones)."""
+    """The tower's and projector's parameters (set by the Decoder from the vision table:
+    vision/layers/..., vision/patch_embed, ...)."""
 
-    def __init__(self, v: SiglipConfig, text_hidden: int, param_dtype, *, rngs: nnx.Rngs):
+    def __init__(self, v: SiglipConfig):
         self.v = v
         self.layers = _Layers()
-        for name, (shape, axes) in param_table(v, text_hidden).items():
-            leaf = name.split("/")[-1]
-            if "norm" in leaf or leaf.startswith("ln"):
-                # LayerNorm scales start at 1, their biases at 0; the projector's RMSNorm
-                # stores w of its (1 + w) scale, 0.
-                value = jnp.full(shape, 1.0 if leaf in ("ln1", "ln2", "post_norm") else 0.0)
-            elif leaf.startswith("b") or leaf.endswith("bias"):
-                value = jnp.zeros(shape)
-            else:
-                value = 0.02 * jax.random.normal(rngs.params(), shape)
-            owner = self.layers if name.startswith("layers/") else self
-            setattr(owner, leaf, nnx.Param(value.astype(param_dtype), axes=axes))
 
     def params(self) -> dict[str, jax.Array]:
         """param_table's names -> the current values."""
