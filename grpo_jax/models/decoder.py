@@ -83,13 +83,14 @@ def _init_value(name: str, shape, dtype, key, norm_offset: bool):
 
 class ImageTower(Protocol):
     """A vision-language model's image encoder (Decoder.vision): qwen_vl.QwenVision,
-    siglip.VisionTower."""
+    siglip.VisionTower, each a holder its VisionConfig builds (config.VisionConfig.tower) and
+    the table walk fills."""
 
     def __call__(self, pixel_values, image_grid_thw, dtype) -> jax.Array:
         """The features [n, D] that replace the batch's n image placeholders, in order."""
 
     def params(self) -> dict[str, jax.Array]:
-        """Its parameters by its own table's names (hf.py exports them)."""
+        """Its parameters by the vision table's names (param_table's without "vision/")."""
 
 
 def scatter_images(x, is_image, features):
