@@ -42,7 +42,9 @@ def model_targets(peft: PeftArgs, cfg) -> tuple[str, ...]:
     sparse layers, and PEFT reads the MLP names on one as the experts' stacked parameters:
     on a mixture of experts all-linear adapts attention only, and an MLP module named
     outright is refused."""
-    have = {name[len("layers/"):] for name in param_table(cfg)}
+    # The decoder's layers only: "vision/" is as long as "layers/", so a tower's top-level
+    # entry would otherwise pass for a layer's.
+    have = {name[len("layers/"):] for name in param_table(cfg) if name.startswith("layers/")}
     missing = [n for n in peft.target_modules() if TARGETS[n] not in have]
     names = peft.lora_target_modules or ()
     check(not missing or "all-linear" in names, f"lora_target_modules {missing}: "
