@@ -9,7 +9,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +18,6 @@ from grpo_jax.config.model import Numerics  # noqa: F401 (this module's API)
 from grpo_jax.errors import ModelConfigError
 from grpo_jax.models import qwen_vl
 from grpo_jax.models.siglip import SiglipConfig
-
-if TYPE_CHECKING:
-    from grpo_jax.models.decoder import ImageTower
 
 # The platform programs are traced for: this process's backend, unless aot traces for another
 # (tracing_for) - attention_impl "auto" picks its kernel by it.
@@ -94,6 +91,18 @@ CUDNN_MASK_ELEMENTS = 2 ** 32
 _NUMERICS = tuple(f.name for f in dataclasses.fields(Numerics))
 
 
+class ImageTower(Protocol):
+    """A vision-language model's image encoder (Decoder.vision): qwen_vl.QwenVision,
+    siglip.VisionTower, each a holder its VisionConfig builds (config.VisionConfig.tower) and
+    the table walk fills."""
+
+    def __call__(self, pixel_values, image_grid_thw, dtype) -> jax.Array:
+        """The features [n, D] that replace the batch's n image placeholders, in order."""
+
+    def params(self) -> dict[str, jax.Array]:
+        """Its parameters by the vision table's names (param_table's without "vision/")."""
+
+
 class VisionConfig(Protocol):
     """A vision-language model's image side (ModelConfig.vision): qwen_vl.QwenVisionConfig
     (Qwen2.5-VL's ViT and merger), siglip.SiglipConfig (Gemma 3's SigLIP and projector). Its
@@ -114,7 +123,7 @@ class VisionConfig(Protocol):
         """name -> (HF tensor name as save_pretrained writes it ({i}: a layer of a stacked
         entry), its layout: hf.py's groups of one layer)."""
 
-    def tower(self) -> "ImageTower":
+    def tower(self) -> ImageTower:
         """The Decoder's holder of these parameters (set from the table), which encodes."""
 
     def to_hf(self, text_config: dict, tie_word_embeddings: bool) -> dict:

@@ -13,7 +13,7 @@ layers in turn. Every parameter carries logical axis names in its `axes` metadat
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,8 @@ from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import attention as attention_lib
 from grpo_jax.models import lora, moe
 from grpo_jax.models.attention import Mask
-from grpo_jax.models.config import ModelConfig, param_table, runs_of  # noqa: F401 (API)
+from grpo_jax.models.config import (ImageTower, ModelConfig, param_table,  # noqa: F401 (API)
+                                    runs_of)
 from grpo_jax.models.moe import RouterStats
 
 DENSE_MLP = ("w_gate", "w_up", "w_down")
@@ -79,18 +80,6 @@ def _init_value(name: str, shape, dtype, key, norm_offset: bool):
     # had when each ran as a program of its own (fused, they moved in the last bit).
     z = jax.lax.optimization_barrier(jax.random.normal(key, shape, jnp.float32))
     return (0.02 * z).astype(dtype)
-
-
-class ImageTower(Protocol):
-    """A vision-language model's image encoder (Decoder.vision): qwen_vl.QwenVision,
-    siglip.VisionTower, each a holder its VisionConfig builds (config.VisionConfig.tower) and
-    the table walk fills."""
-
-    def __call__(self, pixel_values, image_grid_thw, dtype) -> jax.Array:
-        """The features [n, D] that replace the batch's n image placeholders, in order."""
-
-    def params(self) -> dict[str, jax.Array]:
-        """Its parameters by the vision table's names (param_table's without "vision/")."""
 
 
 def scatter_images(x, is_image, features):
