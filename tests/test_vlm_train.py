@@ -10,12 +10,21 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
+from PIL import Image
 
+from grpo_jax import hf
+from grpo_jax import images as images_lib
 from grpo_jax.cli import load_config
 from grpo_jax.errors import ConfigError
 from grpo_jax.export import export
+from grpo_jax.grpo.batch import Batch
+from grpo_jax.grpo.train_step import completion_logps
+from grpo_jax.rollout.native.rollout import JaxRollout
+from grpo_jax.rollout.native.sampling import SamplingParams
 from grpo_jax.train import train
-from test_vlm_data import gemma_processor
+from test_vlm_data import ImageOnlyQwenProcessor, QWEN_TEMPLATE, gemma_processor
+from hf_oracle import char_tokenizer
 
 MM = 4  # soft tokens per image (the processor's image_seq_length)
 
@@ -105,3 +114,75 @@ def test_settings_images_cannot_take_are_refused(vlm_dir, tmp_path, setting):
     with pytest.raises(ConfigError, match="static batches only; unset "
                        + setting.split("=")[0].replace("backend", "rollout.backend")):
         train(_cfg(vlm_dir, tmp_path / "run", setting), devices=jax.devices()[:1])
+
+
+# ---------------------------------------------------------------- Qwen2.5-VL's rows
+
+def _tiny_qwen(tok):
+    """A tiny Qwen2.5-VL whose special ids are `tok`'s (patches of 4 px, merged 2 x 2)."""
+    ids = {t: tok.convert_tokens_to_ids(t) for t in (
+        "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=128, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                           window_size=16, out_hidden_size=64, fullatt_block_indexes=[1]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+
+
+def test_qwen_rows_carry_their_images_and_positions(tmp_path):
+    """Qwen-VL through the rollout and the trainer's forward: two prompts of different lengths
+    (left padding) with a 16 x 24 image each, 2 completions each. The trainer's log-probs of the
+    rows (their pixel rows, grids and M-RoPE positions over prompt + completion) equal the
+    sampler's; a split of the rows keeps each row's images (the same log-probs); the images
+    matter (zeroed pixels change them)."""
+    tok = char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [
+        "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+        "<|video_pad|>"]})
+    tok.padding_side = "left"
+    proc = ImageOnlyQwenProcessor(
+        image_processor=transformers.Qwen2VLImageProcessorPil(
+            patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8,
+            max_pixels=32 * 32),
+        tokenizer=tok, chat_template=QWEN_TEMPLATE)
+    _tiny_qwen(tok).save_pretrained(tmp_path / "qwen")
+    model, _ = hf.load_model(str(tmp_path / "qwen"), dtype=np.float32)
+    rng = np.random.default_rng(0)
+    pictures = [Image.fromarray(rng.integers(0, 256, (16, 24, 3), dtype=np.uint8))
+                for _ in range(2)]
+    prompts = [images_lib.multimodal_messages([{"role": "user", "content": text}], [p], i)
+               for i, (text, p) in enumerate(zip(["How many?", "Count them, please."],
+                                                  pictures))]
+    ids = images_lib.process(proc, prompts)
+    records = [{"prompt": p, "prompt_ids": ids.prompt_ids(i)} for i, p in enumerate(prompts)]
+    rollout = JaxRollout(model.cfg, SamplingParams(max_completion_length=6, temperature=1.0,
+                                                   stop_token_ids=(2,)),
+                         pad_id=0, mesh=None, processor=proc)
+    assert rollout.takes_records
+    r = rollout.generate(nnx.split(model, nnx.Param)[1], [x["prompt_ids"] for x in records], 2,
+                         jax.random.key(0), records)
+    assert r.image_grid == ((1, 4, 6),) and r.pixel_values.shape == (4, 24, 96)
+    assert r.positions.shape == (4, 3, r.prompt_ids.shape[1] + 6)
+    batch = Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                  r.truncated, np.zeros(4, np.float32), pixel_values=r.pixel_values,
+                  positions=r.positions, image_grid=r.image_grid)
+    logp = np.asarray(completion_logps(model, batch, 1.0, 128)[0])
+    real = r.completion_mask.astype(bool)
+    diff = float(np.abs(logp - r.sampler_logp)[real].max())
+    print(f"Qwen-VL sampler vs trainer log-probs: max |diff| {diff:.3g}")
+    assert diff < 5e-5
+    half = np.asarray(completion_logps(model, batch.rows(slice(2, 4)), 1.0, 128)[0])
+    assert np.abs(half - logp[2:])[real[2:]].max() < 5e-5
+    blind = np.asarray(completion_logps(model, batch.replace(
+        pixel_values=np.zeros_like(r.pixel_values)), 1.0, 128)[0])
+    assert np.abs(blind - logp)[real].max() > 1e-3
