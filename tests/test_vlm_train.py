@@ -23,8 +23,8 @@ from grpo_jax.grpo.train_step import completion_logps
 from grpo_jax.rollout.native.rollout import JaxRollout
 from grpo_jax.rollout.native.sampling import SamplingParams
 from grpo_jax.train import train
-from test_vlm_data import ImageOnlyQwenProcessor, QWEN_TEMPLATE, gemma_processor
 from hf_oracle import char_tokenizer
+from vlm_processors import QWEN_TEMPLATE, ImageOnlyQwenProcessor, gemma_processor
 
 MM = 4  # soft tokens per image (the processor's image_seq_length)
 
