@@ -7,6 +7,7 @@ import json
 
 import jax
 import numpy as np
+import optax
 import pytest
 import torch
 import transformers
@@ -16,12 +17,15 @@ from PIL import Image
 from grpo_jax import hf
 from grpo_jax import images as images_lib
 from grpo_jax.cli import load_config
+from grpo_jax.config.batch import OptimizerConfig
 from grpo_jax.errors import ConfigError
 from grpo_jax.export import export
 from grpo_jax.grpo.batch import Batch
+from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.grpo.train_step import completion_logps
 from grpo_jax.rollout.native.rollout import JaxRollout
 from grpo_jax.rollout.native.sampling import SamplingParams
+from grpo_jax.policy import frozen_parts, split_policy, state_init
 from grpo_jax.train import train
 from hf_oracle import char_tokenizer
 from vlm_processors import QWEN_TEMPLATE, ImageOnlyQwenProcessor, gemma_processor
@@ -186,3 +190,28 @@ def test_qwen_rows_carry_their_images_and_positions(tmp_path):
     blind = np.asarray(completion_logps(model, batch.replace(
         pixel_values=np.zeros_like(r.pixel_values)), 1.0, 128)[0])
     assert np.abs(blind - logp)[real].max() > 1e-3
+
+
+def test_the_tower_is_frozen_in_the_optimizer(vlm_dir):
+    """The optimizer leaves vision/* as it is (no update, no decay) and keeps no moments for
+    it; the language model's params move. Text-only params get the optimizer as before."""
+    model, _ = hf.load_model(str(vlm_dir), dtype=np.float32)
+    params = split_policy(model).params
+    assert frozen_parts(params) == ("vision",)
+    tx, _, init = state_init(LossConfig(), OptimizerConfig(learning_rate=0.1, weight_decay=0.1),
+                             10, frozen_parts(params))
+    state = init(params)
+    grads = jax.tree.map(np.ones_like, params)
+    updates, _ = tx.update(grads, state.opt_state, params)
+    new = optax.apply_updates(params, updates)
+    moved = {jax.tree_util.keystr(path): bool(np.any(np.asarray(a) != np.asarray(b)))
+             for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params),
+                                     jax.tree.leaves(new))}
+    tower = {k: v for k, v in moved.items() if k.startswith("['vision']")}
+    assert tower and not any(tower.values())
+    assert all(v for k, v in moved.items() if k not in tower)
+    # Adam's two moments for the language model's leaves only (besides the counters an
+    # optimizer of no params holds).
+    counters = len(jax.tree.leaves(init({}).opt_state))
+    assert len(jax.tree.leaves(state.opt_state)) == counters + 2 * (len(moved) - len(tower))
+    assert frozen_parts({"embed": 0}) == ()
