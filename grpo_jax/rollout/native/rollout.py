@@ -71,15 +71,16 @@ class JaxRollout(Rollout):
                                   image_grid_thw=grid)
         rows = np.repeat(px.pixel_values, num_generations, axis=0)
         positions = None
-        vision = self.sampler.cfg.vision
         if self.sampler.cfg.mrope_section is not None:
             # HF's get_rope_index of the prompt; the completion's text continues from the
             # prompt's next position on all three rows, as the sampler decodes it (and as
             # transformers' forward over the whole row computes it).
-            prompt, deltas = qwen_vl.rope_index(vision, r.prompt_ids, r.prompt_mask, np.tile(
-                np.asarray(px.image_grid), (len(r.prompt_ids), 1)))
+            prompt, deltas = qwen_vl.rope_index(
+                self.sampler.cfg.vision, r.prompt_ids, r.prompt_mask,
+                np.tile(np.asarray(px.image_grid), (len(r.prompt_ids), 1)))
             start = r.prompt_mask.sum(axis=1) + deltas
             completion = start[:, None] + np.arange(r.completion_ids.shape[1])
-            positions = np.concatenate([prompt.transpose(1, 0, 2), np.broadcast_to(
-                completion[:, None], (len(start), 3, completion.shape[1]))], axis=2).astype(np.int32)
+            completion = np.broadcast_to(completion[:, None], (len(start), 3, completion.shape[1]))
+            positions = np.concatenate([prompt.transpose(1, 0, 2), completion],
+                                       axis=2).astype(np.int32)
         return r._replace(pixel_values=rows, image_grid=px.image_grid, positions=positions)
