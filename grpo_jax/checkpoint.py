@@ -616,6 +616,9 @@ class BufferFiles:
                                                  "trained on").items():
             i, name = key.split("/", 1)
             fields[int(i)][name] = value
+        for mb in fields:  # Qwen-VL's grids are static: back to the tuple a Batch holds
+            if "image_grid" in mb:
+                mb["image_grid"] = tuple(map(tuple, mb["image_grid"].tolist()))
         return [Batch(**mb) for mb in fields]
 
     def load_arrays(self, step: int, saved_with: str) -> dict:
@@ -647,13 +650,13 @@ def abstract_state(cfg, device=None):
     the state's params are the LoRA adapters (graphdef: of the model with adapters)."""
     from grpo_jax import hf, peft_io
     from grpo_jax.models import ModelConfig, build
-    from grpo_jax.policy import split_policy, state_init
+    from grpo_jax.policy import frozen_parts, split_policy, state_init
     model_dir = hf.resolve_model_dir(peft_io.base_name(cfg))
     model_cfg = ModelConfig.from_hf(hf.read_config(model_dir), numerics=cfg.numerics)
     # The adapters alone are the state with use_peft: the base is left unquantized.
     split = split_policy(build.abstract_model(model_cfg, cfg.peft if cfg.peft.use_peft else None,
                                               quantize=False))
-    _, _, init = state_init(cfg.loss, cfg.optim, 1)
+    _, _, init = state_init(cfg.loss, cfg.optim, 1, frozen_parts(split.params))
     state = jax.eval_shape(init, split.params)
     sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),

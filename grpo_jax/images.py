@@ -276,3 +276,42 @@ def process(processor, prompts: Sequence[Sequence[dict]], chat_template_kwargs=N
                       pixel_values=None if pixels is None else np.asarray(pixels),
                       image_grid_thw=None if grid is None else np.asarray(grid, np.int32),
                       num_images=tuple(len(x or ()) for x in images))
+
+
+@dataclass(frozen=True)
+class PromptPixels:
+    """The images of a generation's prompts as the vision tower takes them, one block per
+    prompt. Every prompt holds the same number of images of one size (one image bucket), so
+    that a batch's rows split into micro-batches with their images: the trainer's step sees
+    [rows, ...] arrays only."""
+    # [prompts, I, C, H, W] (Gemma 3: I images per prompt) or [prompts, patches, C*T*P*P]
+    # (Qwen-VL: the I images' patch rows of a prompt, in order)
+    pixel_values: np.ndarray
+    # Qwen-VL: one prompt's I images' patch grids (t, h, w), the same for every prompt; the
+    # tower's layout is static, so they are read on the host. None: Gemma 3 (no grid).
+    image_grid: tuple[tuple[int, int, int], ...] | None
+
+
+def prompt_pixels(processor, prompts: Sequence[Sequence[dict]]) -> PromptPixels:
+    """The images of multimodal prompts (multimodal_messages' output) through the processor's
+    image processor, as its __call__ makes pixel_values and image_grid_thw, in blocks of one
+    prompt. Prompts with different numbers of images, or images of different sizes, are
+    refused: their rows could not be stacked."""
+    images = [prompt_images(p) for p in prompts]
+    counts = sorted({len(x) for x in images})
+    if counts == [0]:
+        raise DataError("no prompt of the batch has an image")
+    out = processor.image_processor(images=[im for row in images for im in row],
+                                    return_tensors="np")
+    pixels = np.asarray(out["pixel_values"])
+    grid = out.get("image_grid_thw")
+    sizes = {im.size for row in images for im in row}
+    if len(counts) > 1 or (grid is not None and len(sizes) > 1):
+        raise DataError(f"the batch's prompts have {counts} images of sizes {sorted(sizes)}: "
+                        "training on images needs the same number of images of one size in "
+                        "every prompt; set data.image_buckets to one size (e.g. [448x448])")
+    if grid is None:  # Gemma 3: every image resized to the tower's one size
+        return PromptPixels(pixels.reshape(len(prompts), counts[0], *pixels.shape[1:]), None)
+    grid = np.asarray(grid, np.int64).reshape(len(prompts), counts[0], 3)
+    return PromptPixels(pixels.reshape(len(prompts), -1, pixels.shape[-1]),
+                        tuple(map(tuple, grid[0].tolist())))

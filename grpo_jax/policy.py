@@ -76,10 +76,19 @@ def split_policy(model, mesh: Mesh | None = None) -> SplitPolicy:
     return SplitPolicy(graphdef, params, (base,), scale)
 
 
-def state_init(loss: loss_lib.LossConfig, optim: OptimizerConfig, total_steps: int):
+def frozen_parts(params) -> tuple[str, ...]:
+    """The parts of the trained params (top-level names) the optimizer never updates: a
+    vision-language model's tower (`vision/*`), as TRL's vision-language recipes train the
+    language model only; its forwards take no gradient into it (Decoder.embed_multimodal's
+    frozen_tower). It stays in the state, so checkpoints and exports hold the whole model."""
+    return ("vision",) if "vision" in params else ()
+
+
+def state_init(loss: loss_lib.LossConfig, optim: OptimizerConfig, total_steps: int,
+               frozen: tuple[str, ...] = ()):
     """(optimizer, schedule, params -> TrainState): the one definition of a fresh state, for
-    the programs and for a checkpoint's restore target."""
-    tx, schedule = make_optimizer(optim, total_steps)
+    the programs and for a checkpoint's restore target. `frozen`: frozen_parts of the params."""
+    tx, schedule = make_optimizer(optim, total_steps, frozen)
 
     def init(params) -> TrainState:
         return init_train_state(params, tx.init(params), loss)
@@ -107,13 +116,16 @@ def build_programs(graphdef, params, step_cfg: StepConfig, optim: OptimizerConfi
                    total_steps: int, mesh: Mesh) -> PolicyPrograms:
     """The programs of the model `graphdef` whose trained params are `params` (with LoRA the
     adapters; the frozen base is an argument of each program), laid out on `mesh` by its rules."""
-    tx, schedule, init = state_init(step_cfg.loss, optim, total_steps)
+    tx, schedule, init = state_init(step_cfg.loss, optim, total_steps, frozen_parts(params))
     param_sh = mesh_lib.param_shardings(params, mesh)
     replicated = NamedSharding(mesh, P())
     abstract = jax.eval_shape(init, params)
     # Optimizer moments are laid out like their params.
-    opt_sh = optax.tree_map_params(tx, lambda _, sharding: sharding, abstract.opt_state, param_sh,
-                                   transform_non_params=lambda _: replicated)
+    # A frozen part's moments are optax.MaskedNode (none): kept as they are (frozen_parts).
+    masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+    opt_sh = optax.tree_map_params(
+        tx, lambda x, sharding: x if masked(x) else sharding, abstract.opt_state, param_sh,
+        transform_non_params=lambda _: replicated, is_leaf=masked)
     state_sh = state_shardings(step_cfg.loss, param_sh, opt_sh, replicated)
 
     def constrain(x):  # [k, rows, ...] micro-batch splits: rows on the batch axes

@@ -92,8 +92,11 @@ def concat_rows(parts: Sequence[Batch]) -> Batch:
         pad = lambda x, fill=0: np.pad(  # noqa: E731
             x, ((0, 0), (extra, 0)) + ((0, 0),) * (x.ndim - 2), constant_values=fill)
         routing = None if p.prompt_routing is None else pad(p.prompt_routing, -1)
+        # M-RoPE positions [N, 3, P + C]: the padding's are 0, as rope_index's.
+        positions = (None if p.positions is None else np.pad(
+            p.positions, ((0, 0), (0, 0), (extra, 0))))
         return p.replace(prompt_ids=pad(p.prompt_ids), prompt_mask=pad(p.prompt_mask),
-                         prompt_routing=routing)
+                         prompt_routing=routing, positions=positions)
     if len(parts) == 1:
         return parts[0]
     return jax.tree.map(lambda *xs: np.concatenate(xs), *map(widen, parts))
@@ -461,7 +464,9 @@ class GRPORound:
         batch = Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
                       r.truncated, np.asarray(advantages, np.float32),
                       sampler_logp=r.sampler_logp, tool_mask=r.tool_mask,
-                      prompt_routing=r.prompt_routing, completion_routing=r.completion_routing)
+                      prompt_routing=r.prompt_routing, completion_routing=r.completion_routing,
+                      pixel_values=r.pixel_values, positions=r.positions,
+                      image_grid=r.image_grid)
         batch = batch.replace(num_items=loss_lib.num_items_per_row(
             batch.model_mask(), r.truncated, self.policy.cfg.loss))
         t2 = time.perf_counter()

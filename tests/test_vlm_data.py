@@ -12,9 +12,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import transformers
 from PIL import Image
-from transformers.processing_utils import ProcessorMixin
 
 from grpo_jax import images as images_lib
 from grpo_jax import squares
@@ -25,56 +23,12 @@ from grpo_jax.errors import DataError
 from grpo_jax.rewards import accuracy, compute_rewards
 from grpo_jax.scoring import reward_inputs
 from hf_oracle import char_tokenizer
+from vlm_processors import QWEN_TEMPLATE, gemma_processor, qwen_processor
 
 trl_data = pytest.importorskip("trl.data_utils")
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 
-# Qwen2-VL's chat template, cut to what these prompts use: an image part is one placeholder
-# between vision_start/end that the processor expands to the image's tokens.
-QWEN_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
-    "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}"
-    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-GEMMA_TEMPLATE = QWEN_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>",
-                                       "<start_of_image>")
 BUCKETS = ("56x56", "56x84", "84x56")  # multiples of Qwen-VL's 28 px, within its pixel limits
-
-
-class ImageOnlyQwenProcessor(transformers.Qwen2_5_VLProcessor):
-    """Qwen2_5_VLProcessor without its video processor (which needs torchvision, not installed
-    here); the image path is the class's own."""
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
-        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
-        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
-        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
-
-
-def qwen_processor():
-    tok = char_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": [
-        "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
-        "<|video_pad|>"]})
-    tok.padding_side = "left"
-    image = transformers.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112)
-    return ImageOnlyQwenProcessor(image_processor=image, tokenizer=tok,
-                                  chat_template=QWEN_TEMPLATE)
-
-
-def gemma_processor():
-    base = char_tokenizer()
-    tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=base.backend_tokenizer, pad_token="<pad>", bos_token="<s>",
-        eos_token="</s>", unk_token="<unk>", padding_side="left",
-        extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
-                              "image_token": "<image_soft_token>"})
-    image = transformers.Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
-    return transformers.Gemma3Processor(image_processor=image, tokenizer=tok, image_seq_length=4,
-                                        chat_template=GEMMA_TEMPLATE)
-
 
 PROCESSORS = {"qwen2_5_vl": qwen_processor, "gemma3": gemma_processor}
 

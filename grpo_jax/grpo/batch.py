@@ -38,6 +38,15 @@ class Batch:
     # under routing replay (numerics.router_replay); router/mismatch compares with them.
     prompt_routing: Array | None = None      # [N, P, S, k]
     completion_routing: Array | None = None  # [N, C, S, k]
+    # A vision-language model: each row's prompt images as its tower takes them (Gemma 3
+    # [N, I, C, H, W]; Qwen-VL [N, patches, C*T*P*P]: images.PromptPixels' rows), the same
+    # number and size on every row so that a split keeps each row's images with it.
+    pixel_values: Array | None = None
+    # [N, 3, P + C] int32 M-RoPE positions of prompt + completion (Qwen-VL: qwen_vl.rope_index).
+    positions: Array | None = None
+    # Qwen-VL: one row's images' patch grids ((t, h, w), ...), the same on every row. Static
+    # (not a pytree leaf): the tower's layout is built on the host.
+    image_grid: tuple | None = struct.field(pytree_node=False, default=None)
 
     @property
     def size(self) -> int:

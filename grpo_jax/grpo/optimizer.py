@@ -94,14 +94,27 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(cfg: OptimizerConfig, total_steps: int):
+def frozen_labels(params, frozen: tuple[str, ...]):
+    """"frozen" for the leaves under a top-level name in `frozen`, else "train"."""
+    def label(path, _):
+        keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+        return "frozen" if keys and keys[0] in frozen else "train"
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
+def make_optimizer(cfg: OptimizerConfig, total_steps: int, frozen: tuple[str, ...] = ()):
     """(transformation, schedule). A non-finite gradient leaves params and optimizer state
     untouched (optax.apply_if_finite; its state counts the skips). Weight decay skips biases
-    and norm weights (`decay_mask`), as transformers does."""
+    and norm weights (`decay_mask`), as transformers does. `frozen`: top-level parts of the
+    params (a vision tower) that get no update, no decay and no optimizer moments; the
+    gradient clipping's norm is over the trained leaves."""
     schedule = make_schedule(cfg, total_steps)
     tx = optax.chain(
         optax.clip_by_global_norm(cfg.max_grad_norm) if cfg.max_grad_norm else optax.identity(),
         optax.adamw(schedule, b1=cfg.adam_beta1, b2=cfg.adam_beta2, eps=cfg.adam_epsilon,
                     weight_decay=cfg.weight_decay, mask=decay_mask),
     )
+    if frozen:
+        tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()},
+                                   lambda params: frozen_labels(params, frozen))
     return optax.apply_if_finite(tx, _NEVER), schedule

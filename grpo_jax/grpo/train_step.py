@@ -106,7 +106,8 @@ def _forward(model, batch: Batch, temperature: float, chunk: int, group: int = 1
     # Position t predicts token t + 1: targets shifted left (the last one predicts nothing).
     shift = lambda ids: jnp.pad(ids[:, 1:], ((0, 0), (0, 1)))  # noqa: E731
     # LoRA dropout draws its masks per row: a shared prompt would share them.
-    if group > 1 and model.lora_dropout_key is None:
+    # Images: each row's prompt runs with its own (the shared-prefix path takes text only).
+    if group > 1 and model.lora_dropout_key is None and batch.pixel_values is None:
         o_p, o_c = model.sequence_order(P_len), model.sequence_order(C)
         prompt, hidden, stats, *chosen = model.shared_prefix(
             batch.prompt_ids[::group], batch.prompt_mask[::group], batch.completion_ids,
@@ -127,13 +128,16 @@ def _forward(model, batch: Batch, temperature: float, chunk: int, group: int = 1
                   for a, b in zip(first, rest)), stats, chosen)
     ids = jnp.concatenate([batch.prompt_ids, batch.completion_ids], axis=1)
     mask = jnp.concatenate([batch.prompt_mask, batch.completion_mask], axis=1)
-    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    positions = (jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0) if batch.positions is None
+                 else batch.positions.transpose(1, 0, 2))  # M-RoPE's [3, N, P + C]
+    embeds = None if batch.pixel_values is None else multimodal_embeds(model, batch)
     order = model.sequence_order(P_len + C)
     routing = None
     if replay:
         routing = jnp.concatenate([batch.prompt_routing, batch.completion_routing], axis=1)
     hidden, _, stats, *chosen = model(ids, positions, mask, order=order, with_router=True,
-                                      routing=routing, record_routing=record)
+                                      routing=routing, record_routing=record,
+                                      inputs_embeds=embeds)
     chosen = chosen[0][:, P_len:] if chosen else None  # in sequence order
     if order is None:
         hidden = hidden[:, P_len - 1:P_len - 1 + C]  # position t predicts token t + 1
@@ -142,6 +146,19 @@ def _forward(model, batch: Batch, temperature: float, chunk: int, group: int = 1
                seq_shards=mesh_lib.context_size(model.mesh))
     back = attention.inverse(order)
     return (*(x[:, back][:, P_len - 1:P_len - 1 + C] for x in out), stats, chosen)
+
+
+def multimodal_embeds(model, batch: Batch) -> jax.Array:
+    """[N, P + C, D] input embeddings of a batch with images: the prompts' through
+    embed_multimodal with each row's images (the tower frozen: no gradient reaches it), the
+    completions' the tokens' own (a sampled placeholder id is text there, as the sampler fed
+    it)."""
+    pv = batch.pixel_values
+    grid = (None if batch.image_grid is None
+            else np.tile(np.asarray(batch.image_grid), (pv.shape[0], 1)))
+    prompt = model.embed_multimodal(batch.prompt_ids, pv.reshape(-1, *pv.shape[2:]), grid,
+                                    frozen_tower=True)
+    return jnp.concatenate([prompt, model.embed_tokens(batch.completion_ids)], axis=1)
 
 
 def _micro_loss(params, graphdef, cfg: StepConfig, mb: Batch, frozen=(),

@@ -235,18 +235,22 @@ class Decoder(nnx.Module):
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, self.cfg.dtype)
         return x
 
-    def embed_multimodal(self, tokens, pixel_values, image_grid_thw=None) -> jax.Array:
+    def embed_multimodal(self, tokens, pixel_values, image_grid_thw=None,
+                         frozen_tower: bool = False) -> jax.Array:
         """The input embeddings [B, T, D] of a prompt with images, for `__call__`/`prefill`'s
         inputs_embeds: the tokens' embeddings, the k-th image placeholder of the batch
         (image_token_id, row by row) taking the k-th of the tower's features, as HF's
         masked_scatter. pixel_values and image_grid_thw as the model's HF processor gives
         them: Qwen2.5-VL [N, C*T*P*P] with its grids [n, 3] (read on the host: static);
         Gemma 3 [N, C, H, W], no grid. The features are not scaled by sqrt(hidden) (HF
-        scatters them after Gemma's scaled embedding)."""
+        scatters them after Gemma's scaled embedding). frozen_tower: no gradient flows into
+        the tower (a training forward whose tower is not trained: no backward through it)."""
         is_image = tokens == self.cfg.vision.image_token_id
         # The placeholder's own embedding is replaced (Gemma's id is out of its vocabulary).
         x = self.embed_tokens(jnp.where(is_image, 0, tokens))
         features = self.vision(pixel_values, image_grid_thw, self.cfg.dtype)
+        if frozen_tower:
+            features = jax.lax.stop_gradient(features)
         return scatter_images(x, is_image, features)
 
     def decode_layers(self) -> list[dict[str, jax.Array]]:

@@ -45,6 +45,13 @@ class RolloutBatch(NamedTuple):
     # (padding, a last token never fed back): for routing replay and router/mismatch.
     prompt_routing: np.ndarray | None = None      # [N, P, S, k]
     completion_routing: np.ndarray | None = None  # [N, C, S, k]
+    # A vision-language model on the native sampler: each row's prompt images
+    # (images.PromptPixels' block of its prompt), their grids (Qwen-VL: one row's, the same on
+    # every row) and the rows' M-RoPE positions over prompt + completion [N, 3, P + C]
+    # (Qwen-VL), for the trainer's forwards.
+    pixel_values: np.ndarray | None = None
+    image_grid: tuple | None = None
+    positions: np.ndarray | None = None
 
 
 def sampling_params(cfg, tokenizer, generation_eos: Sequence[int] = ()):

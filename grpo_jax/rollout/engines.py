@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from grpo_jax import distributed as dist
 from grpo_jax import hf
+from grpo_jax import images
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.errors import ConfigError, VLLMServerError
 from grpo_jax.rollout.base import Rollout, RolloutBatch, RolloutWrapper, WeightMode, sampling_params
@@ -68,7 +69,26 @@ def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir, tools=(), *,
     return rollout
 
 
+def refuse_images(cfg, model_cfg, tools=()) -> None:
+    """A vision-language model trains on images through the native sampler's static batches
+    only: the settings that need more are refused, naming what to unset."""
+    if model_cfg.vision is None:
+        return
+    r = cfg.rollout
+    unset = [name for name, on in (("rollout.backend: vllm (use jax)", r.backend == "vllm"),
+                                   ("max_num_seqs", cfg.generation.max_num_seqs is not None),
+                                   ("max_staleness", bool(r.max_staleness)),
+                                   ("sampler_devices", r.sampler_devices is not None),
+                                   ("tools", bool(tools)),
+                                   ("rollout_func", bool(cfg.multi_turn.rollout_func))) if on]
+    if unset:
+        raise ConfigError(f"a vision-language model ({model_cfg.model_type}) trains on images "
+                          "with the native sampler's static batches only; unset "
+                          + ", ".join(unset))
+
+
 def _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools, batch_divisor):
+    refuse_images(cfg, model_cfg, tools)
     sp = sampling_params(cfg, tokenizer, hf.generation_eos_ids(model_dir) if model_dir else ())
     if cfg.rollout.backend == "jax":
         # SPMD over every process's devices
@@ -82,7 +102,9 @@ def _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools, batch_divisor):
             partial = (cfg.grpo.num_generations, cfg.batch_plan(divisor).prompts_per_generation,
                        cfg.rollout.max_staleness - split)
         rollout = JaxRollout(model_cfg, sp, pad_id=pad_id(tokenizer), mesh=mesh,
-                             peft=cfg.peft, partial_rollouts=partial)
+                             peft=cfg.peft, partial_rollouts=partial,
+                             processor=(None if model_cfg.vision is None
+                                        else images.load_processor(model_dir)))
     else:
         from grpo_jax.rollout.vllm.rollout import VLLMRollout
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
+
+from grpo_jax import images
 from grpo_jax.config.rollout import SamplingParams
+from grpo_jax.models import qwen_vl
 from grpo_jax.rollout.base import Rollout, RolloutBatch, WeightMode
 from grpo_jax.rollout.native import continuation, partial, refill
 from grpo_jax.rollout.native.sampler import Sampler
@@ -17,10 +21,18 @@ class JaxRollout(Rollout):
 
     With `max_num_seqs` set, rounds run through that many decode slots
     (rollout/native/refill.py); with max_staleness >= 1 too, as partial rollouts
-    (rollout/native/partial.py: `partial`, which the round drives instead of `generate`)."""
+    (rollout/native/partial.py: `partial`, which the round drives instead of `generate`).
+
+    A vision-language model (`processor`: its HF processor) takes the round's records
+    (`takes_records`): each prompt's images, in its multimodal messages, go through the
+    processor's image processor and into the prefill; the batch carries them, row by row, for
+    the trainer's forwards. Static batches only (engines.make_rollout refuses decode slots,
+    partial rollouts and tools with images)."""
 
     def __init__(self, model_cfg, params: SamplingParams, *, pad_id: int, mesh, peft=None,
-                 partial_rollouts: tuple[int, int, int] | None = None):
+                 partial_rollouts: tuple[int, int, int] | None = None, processor=None):
+        self.processor = processor
+        self.takes_records = processor is not None
         adapters = bool(peft and peft.sampler_takes_adapters)
         self.weight_mode = WeightMode.READ_ADAPTERS if adapters else WeightMode.READ
         # A mixture of experts records its routing (router/mismatch, routing replay), through
@@ -41,6 +53,34 @@ class JaxRollout(Rollout):
                       if continuation.supported(self.sampler) and self.slots is None else None)
 
     def generate(self, weights, prompt_ids, num_generations, key, records=None) -> RolloutBatch:
+        if self.processor is not None:
+            return self.generate_images(weights, prompt_ids, num_generations, key, records)
         if self.slots is not None:
             return self.slots.generate(weights, prompt_ids, num_generations, key)
         return self.sampler.generate(weights, prompt_ids, num_generations, key)
+
+    def generate_images(self, weights, prompt_ids, num_generations, key, records
+                        ) -> RolloutBatch:
+        """generate for prompts with images: `records`' multimodal prompts give the pixels."""
+        px = images.prompt_pixels(self.processor, [rec["prompt"] for rec in records])
+        n = len(prompt_ids)
+        flat = px.pixel_values.reshape(-1, *px.pixel_values.shape[2:])
+        # Qwen-VL's grids in batch order: each prompt's, prompt after prompt.
+        grid = None if px.image_grid is None else np.tile(np.asarray(px.image_grid), (n, 1))
+        r = self.sampler.generate(weights, prompt_ids, num_generations, key, pixel_values=flat,
+                                  image_grid_thw=grid)
+        rows = np.repeat(px.pixel_values, num_generations, axis=0)
+        positions = None
+        if self.sampler.cfg.mrope_section is not None:
+            # HF's get_rope_index of the prompt; the completion's text continues from the
+            # prompt's next position on all three rows, as the sampler decodes it (and as
+            # transformers' forward over the whole row computes it).
+            prompt, deltas = qwen_vl.rope_index(
+                self.sampler.cfg.vision, r.prompt_ids, r.prompt_mask,
+                np.tile(np.asarray(px.image_grid), (len(r.prompt_ids), 1)))
+            start = r.prompt_mask.sum(axis=1) + deltas
+            completion = start[:, None] + np.arange(r.completion_ids.shape[1])
+            completion = np.broadcast_to(completion[:, None], (len(start), 3, completion.shape[1]))
+            positions = np.concatenate([prompt.transpose(1, 0, 2), completion],
+                                       axis=2).astype(np.int32)
+        return r._replace(pixel_values=rows, image_grid=px.image_grid, positions=positions)

@@ -1,0 +1,217 @@
+"""Training on images end to end on CPU: a tiny random Gemma 3 vision-language model saved
+with transformers (and a Gemma3Processor over a character tokenizer), the built-in 'squares'
+dataset, the native sampler's rounds with the prompts' images, the trainer's forwards with
+them (the tower frozen), checkpoints, --resume, and the export transformers reloads."""
+
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+import torch
+import transformers
+from flax import nnx
+from PIL import Image
+
+from grpo_jax import hf
+from grpo_jax import images as images_lib
+from grpo_jax.cli import load_config
+from grpo_jax.config.batch import OptimizerConfig
+from grpo_jax.errors import ConfigError
+from grpo_jax.export import export
+from grpo_jax.grpo.batch import Batch
+from grpo_jax.grpo.loss import LossConfig
+from grpo_jax.grpo.train_step import completion_logps
+from grpo_jax.rollout.native.rollout import JaxRollout
+from grpo_jax.rollout.native.sampling import SamplingParams
+from grpo_jax.policy import frozen_parts, split_policy, state_init
+from grpo_jax.train import train
+from hf_oracle import char_tokenizer
+from vlm_processors import QWEN_TEMPLATE, ImageOnlyQwenProcessor, gemma_processor
+
+MM = 4  # soft tokens per image (the processor's image_seq_length)
+
+
+def _tiny_gemma3(processor, seed=0):
+    tok = processor.tokenizer
+    ids = {name: tok.convert_tokens_to_ids(t) for name, t in (
+        ("image", "<image_soft_token>"), ("boi", "<start_of_image>"),
+        ("eoi", "<end_of_image>"))}
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=512, rms_norm_eps=1e-6, query_pre_attn_scalar=16,
+                sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=28, patch_size=7, num_channels=3,
+                  vision_use_head=False)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                    mm_tokens_per_image=MM, image_token_index=ids["image"],
+                                    boi_token_index=ids["boi"], eoi_token_index=ids["eoi"])
+    torch.manual_seed(seed)
+    return transformers.Gemma3ForConditionalGeneration(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    """A tiny Gemma 3 VLM directory with its processor, as transformers saves them."""
+    processor = gemma_processor()
+    path = tmp_path_factory.mktemp("gemma3_train") / "model"
+    _tiny_gemma3(processor).save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+def _cfg(vlm_dir, out, *extra):
+    sets = {"model_name_or_path": vlm_dir, "output_dir": out, "max_steps": 3,
+            "num_generations": 4, "per_device_train_batch_size": 8,
+            "max_completion_length": 6, "learning_rate": 0.01, "eval_strategy": "no",
+            "eval_on_start": "false", "save_steps": 1, "report_to": "[]",
+            "num_completions_to_print": 0, "log_completions": "false"}
+    return load_config("squares", [f"{k}={v}" for k, v in sets.items()] + list(extra))
+
+
+def _records(out) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_squares_trains_resumes_and_exports(vlm_dir, tmp_path):
+    """Three steps on 'squares' (2 images x 4 answers a step, fp32, one device): the sampler's
+    and the trainer's log-probs of the rows with images agree; a run stopped after step 2 and
+    resumed ends where the uninterrupted one does; the export reloads in transformers with the
+    vision tower as it was (frozen) and the language model trained."""
+    one = jax.devices()[:1]
+    whole = tmp_path / "whole"
+    train(_cfg(vlm_dir, whole), devices=one)
+    steps = [r for r in _records(whole) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    worst = max(r["sampling/sampling_logp_difference/max"] for r in steps)
+    print(f"sampler vs trainer log-probs, max |diff| over 3 steps: {worst:.3g}")
+    assert worst < 5e-5
+    assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in steps)
+
+    cut = tmp_path / "cut"
+    train(_cfg(vlm_dir, cut, "max_steps=2"), devices=one)
+    train(_cfg(vlm_dir, cut, "resume=true"), devices=one)
+    resumed = {r["step"]: r for r in _records(cut) if "loss" in r}
+    for key in ("loss", "reward", "grad_norm", "completions/mean_length"):
+        print(f"step 3 {key}: whole {steps[2][key]:.6g} resumed {resumed[3][key]:.6g}")
+        assert resumed[3][key] == pytest.approx(steps[2][key], rel=1e-5, abs=1e-7), key
+
+    out, step = export(whole, tmp_path / "hf", dtype="float32")
+    assert step == 3
+    before = transformers.Gemma3ForConditionalGeneration.from_pretrained(vlm_dir).state_dict()
+    after = transformers.Gemma3ForConditionalGeneration.from_pretrained(out).state_dict()
+    assert before.keys() == after.keys()
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    tower = {k for k in before if "vision_tower" in k or "multi_modal_projector" in k}
+    assert tower and not moved & tower, sorted(moved & tower)[:3]
+    assert any("language_model" in k for k in moved)
+    print(f"export: {len(moved)} of {len(before)} tensors trained, the {len(tower)} of the "
+          "tower and projector as they were")
+
+
+@pytest.mark.parametrize("setting", ["max_num_seqs=4", "backend=vllm"])
+def test_settings_images_cannot_take_are_refused(vlm_dir, tmp_path, setting):
+    with pytest.raises(ConfigError, match="static batches only; unset "
+                       + setting.split("=")[0].replace("backend", "rollout.backend")):
+        train(_cfg(vlm_dir, tmp_path / "run", setting), devices=jax.devices()[:1])
+
+
+# ---------------------------------------------------------------- Qwen2.5-VL's rows
+
+def _tiny_qwen(tok):
+    """A tiny Qwen2.5-VL whose special ids are `tok`'s (patches of 4 px, merged 2 x 2)."""
+    ids = {t: tok.convert_tokens_to_ids(t) for t in (
+        "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=128, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                           window_size=16, out_hidden_size=64, fullatt_block_indexes=[1]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+
+
+def test_qwen_rows_carry_their_images_and_positions(tmp_path):
+    """Qwen-VL through the rollout and the trainer's forward: two prompts of different lengths
+    (left padding) with a 16 x 24 image each, 2 completions each. The trainer's log-probs of the
+    rows (their pixel rows, grids and M-RoPE positions over prompt + completion) equal the
+    sampler's; a split of the rows keeps each row's images (the same log-probs); the images
+    matter (zeroed pixels change them)."""
+    tok = char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [
+        "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+        "<|video_pad|>"]})
+    tok.padding_side = "left"
+    proc = ImageOnlyQwenProcessor(
+        image_processor=transformers.Qwen2VLImageProcessorPil(
+            patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8,
+            max_pixels=32 * 32),
+        tokenizer=tok, chat_template=QWEN_TEMPLATE)
+    _tiny_qwen(tok).save_pretrained(tmp_path / "qwen")
+    model, _ = hf.load_model(str(tmp_path / "qwen"), dtype=np.float32)
+    rng = np.random.default_rng(0)
+    pictures = [Image.fromarray(rng.integers(0, 256, (16, 24, 3), dtype=np.uint8))
+                for _ in range(2)]
+    prompts = [images_lib.multimodal_messages([{"role": "user", "content": text}], [p], i)
+               for i, (text, p) in enumerate(zip(["How many?", "Count them, please."],
+                                                  pictures))]
+    ids = images_lib.process(proc, prompts)
+    records = [{"prompt": p, "prompt_ids": ids.prompt_ids(i)} for i, p in enumerate(prompts)]
+    rollout = JaxRollout(model.cfg, SamplingParams(max_completion_length=6, temperature=1.0,
+                                                   stop_token_ids=(2,)),
+                         pad_id=0, mesh=None, processor=proc)
+    assert rollout.takes_records
+    r = rollout.generate(nnx.split(model, nnx.Param)[1], [x["prompt_ids"] for x in records], 2,
+                         jax.random.key(0), records)
+    assert r.image_grid == ((1, 4, 6),) and r.pixel_values.shape == (4, 24, 96)
+    assert r.positions.shape == (4, 3, r.prompt_ids.shape[1] + 6)
+    batch = Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                  r.truncated, np.zeros(4, np.float32), pixel_values=r.pixel_values,
+                  positions=r.positions, image_grid=r.image_grid)
+    logp = np.asarray(completion_logps(model, batch, 1.0, 128)[0])
+    real = r.completion_mask.astype(bool)
+    diff = float(np.abs(logp - r.sampler_logp)[real].max())
+    print(f"Qwen-VL sampler vs trainer log-probs: max |diff| {diff:.3g}")
+    assert diff < 5e-5
+    half = np.asarray(completion_logps(model, batch.rows(slice(2, 4)), 1.0, 128)[0])
+    assert np.abs(half - logp[2:])[real[2:]].max() < 5e-5
+    blind = np.asarray(completion_logps(model, batch.replace(
+        pixel_values=np.zeros_like(r.pixel_values)), 1.0, 128)[0])
+    assert np.abs(blind - logp)[real].max() > 1e-3
+
+
+def test_the_tower_is_frozen_in_the_optimizer(vlm_dir):
+    """The optimizer leaves vision/* as it is (no update, no decay) and keeps no moments for
+    it; the language model's params move. Text-only params get the optimizer as before."""
+    model, _ = hf.load_model(str(vlm_dir), dtype=np.float32)
+    params = split_policy(model).params
+    assert frozen_parts(params) == ("vision",)
+    tx, _, init = state_init(LossConfig(), OptimizerConfig(learning_rate=0.1, weight_decay=0.1),
+                             10, frozen_parts(params))
+    state = init(params)
+    grads = jax.tree.map(np.ones_like, params)
+    updates, _ = tx.update(grads, state.opt_state, params)
+    new = optax.apply_updates(params, updates)
+    moved = {jax.tree_util.keystr(path): bool(np.any(np.asarray(a) != np.asarray(b)))
+             for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params),
+                                     jax.tree.leaves(new))}
+    tower = {k: v for k, v in moved.items() if k.startswith("['vision']")}
+    assert tower and not any(tower.values())
+    assert all(v for k, v in moved.items() if k not in tower)
+    # Adam's two moments for the language model's leaves only (besides the counters an
+    # optimizer of no params holds).
+    counters = len(jax.tree.leaves(init({}).opt_state))
+    assert len(jax.tree.leaves(state.opt_state)) == counters + 2 * (len(moved) - len(tower))
+    assert frozen_parts({"embed": 0}) == ()
