@@ -42,7 +42,9 @@ _SKIP = object()  # a transform's answer for "this value sets nothing"
 # to `not fp16`: neither flag true computes in float32 (`bf16: false`), `fp16: false` alone
 # leaves TRL's default, bf16 (here: the config's dtype).
 _PRECISION = {"bf16": "bfloat16", "fp16": "float16"}
-_FLAGS = "_precision_flags"  # a key of the tree of settings being read, not a section
+# A key of the tree of settings being read, not a section: flags that select one field
+# together, in any order (the precision flags; use_vllm with vllm_mode).
+_FLAGS = "_flags"
 
 
 def _precision(tree: dict, flag: str, value: Any) -> Any:
@@ -111,8 +113,26 @@ def _head_fp32(v):  # TRL's default (false) is what happens here
     return _SKIP
 
 
-def _use_vllm(v):
-    return "vllm" if v is True else "jax" if v is False else v
+VLLM_MODES = ("server", "colocate")
+
+
+def _vllm(tree: dict, key: str, value: Any) -> Any:
+    """The backend use_vllm and vllm_mode select together (in either order), or _SKIP. TRL's
+    colocate mode generates on the training devices, in the trainer's process: here that is
+    the native JAX sampler; its server mode is the vLLM server. A backend name is taken as is."""
+    flags = tree.setdefault(_FLAGS, {})
+    if key == "vllm_mode":
+        _check(value in VLLM_MODES, f"vllm_mode {value!r}: expected one of "
+               f"{', '.join(VLLM_MODES)}")
+        if value == "colocate" and key not in _NOTED:
+            _NOTED.add(key)
+            print("grpo_jax: vllm_mode colocate: generation runs on the training devices in "
+                  "the native JAX sampler (grpo-jax's colocated engine)", file=sys.stderr)
+    flags[key] = value
+    use = flags.get("use_vllm")
+    if not isinstance(use, bool):
+        return _SKIP if use is None else use
+    return "vllm" if use and flags.get("vllm_mode") != "colocate" else "jax"
 
 
 def _scale_rewards(v):  # TRL also takes a bool
@@ -131,7 +151,8 @@ ALIASES: dict[str, Alias] = {
     "model_name_or_path": Alias("name_or_path"),  # trl.ModelConfig
     "torch_dtype": Alias("dtype"),
     "gradient_checkpointing": Alias("remat"),
-    "use_vllm": Alias("backend", _use_vllm, boolean=True),
+    "use_vllm": Alias("backend", boolean=True),  # with vllm_mode: _vllm
+    "vllm_mode": Alias("backend"),
     "vllm_importance_sampling_cap": Alias("vllm_importance_sampling_clip_max"),  # deprecated
     "warmup_ratio": Alias("warmup_steps", _warmup_ratio),
     "scale_rewards": Alias("scale_rewards", _scale_rewards),
@@ -209,7 +230,6 @@ _NOTED: set[str] = set()
 assert not set(NO_EFFECT) & set(FIELD_SECTION), set(NO_EFFECT) & set(FIELD_SECTION)
 # TRL options that have no counterpart here, and what to do instead.
 UNSUPPORTED = {
-    "vllm_mode": "grpo-jax talks to a vLLM server only: set use_vllm: true and drop vllm_mode",
     "use_dora": "grpo-jax's adapters are LoRA (no DoRA); drop use_dora",
     "lora_modules_to_save": "only the LoRA adapters are trained; drop lora_modules_to_save",
     "use_bnb_nested_quant": "the 4-bit base keeps fp32 scales (no nested quantization); drop "
@@ -338,6 +358,10 @@ def _set(tree: dict, key: str, value: Any, raw: str | None = None) -> None:
         value = raw  # keep '007' a string rather than the number YAML reads
     if bare in _PRECISION:
         value = _precision(tree, bare, value)
+        if value is _SKIP:
+            return
+    elif bare in ("use_vllm", "vllm_mode"):
+        value = _vllm(tree, bare, value)
         if value is _SKIP:
             return
     elif alias and alias.transform:

@@ -378,9 +378,17 @@ def test_recipe_keys_mapped_noted_or_refused(capsys):
                         ({"optim": "adafactor"}, "optim 'adafactor': grpo-jax trains with AdamW"),
                         ({"optim": 3}, "optim 3: grpo-jax trains with AdamW"),
                         ({"bf16": True, "fp16": True}, "bf16 and fp16 are both true"),
-                        ({"vllm_mode": "colocate"}, "vLLM server only")]:
+                        ({"vllm_mode": "spmd"}, "expected one of server, colocate")]:
         with pytest.raises(ConfigError, match=needle):
             config_from_dict(bad)
+    # TRL's vllm_mode, in either order with use_vllm: colocate is the native JAX sampler.
+    backend = {(True, "server"): "vllm", (True, "colocate"): "jax", (False, "server"): "jax"}
+    for (use, mode), want in backend.items():
+        for pairs in ([("use_vllm", use), ("vllm_mode", mode)],
+                      [("vllm_mode", mode), ("use_vllm", use)]):
+            assert config_from_dict(dict(pairs)).rollout.backend == want, pairs
+    assert "vllm_mode colocate: generation runs" in capsys.readouterr().err
+    assert cli.parse_cli(["--use_vllm", "--vllm_mode", "colocate"]).rollout.backend == "jax"
 
 
 def test_sampler_devices_needs_partial_rollouts_and_refuses_the_rest():

@@ -307,7 +307,8 @@ def test_trl_vlm_recipe_and_squares_config_load():
     assert cfg.model.name_or_path == "Qwen/Qwen2.5-VL-3B-Instruct"
     assert cfg.data.dataset_name == "lmms-lab/multimodal-open-r1-8k-verified"
     assert cfg.data.max_prompt_length is None and cfg.peft.use_peft
-    assert cfg.numerics.dtype == "bfloat16" and cfg.rollout.backend == "vllm"
+    # vllm_mode colocate: generation on the training devices, the native JAX sampler
+    assert cfg.numerics.dtype == "bfloat16" and cfg.rollout.backend == "jax"
     sq = load_config("squares")
     assert (sq.data.dataset_name, sq.data.image_buckets) == ("squares", ("56x56",))
     assert sq.grpo.reward_funcs == ("accuracy",)
