@@ -40,7 +40,7 @@ from trl_oracle import trl_trainer  # noqa: E402
 
 from grpo_jax import hf  # noqa: E402
 from grpo_jax.grpo.batch import Batch  # noqa: E402
-from grpo_jax.grpo.loss import LossConfig  # noqa: E402
+from grpo_jax.grpo.loss import LossConfig, step_metrics  # noqa: E402
 from grpo_jax.grpo.train_step import StepConfig, completion_logps, loss_and_grads  # noqa: E402
 
 G, C, K, TEMPERATURE = 2, 5, 2, 0.9  # generations per prompt, completion tokens, micro-batches
@@ -148,7 +148,7 @@ def test_loss_and_gradients_match_trl(family):
     logp, entropy = (np.asarray(x) for x in completion_logps(model, b, TEMPERATURE, 128))
     rng = np.random.default_rng(1)
     real = b.completion_mask.astype(bool)
-    b = b.replace(old_logp=(logp + 0.1 * rng.standard_normal(logp.shape)).astype(np.float32),
+    b = b.replace(old_logp=(logp + 0.3 * rng.standard_normal(logp.shape)).astype(np.float32),
                   ref_logp=(logp + 0.2 * rng.standard_normal(logp.shape)).astype(np.float32))
     cfg = LossConfig(beta=0.04, vllm_importance_sampling_correction=False)  # TRL's loss_type
 
@@ -192,7 +192,7 @@ def test_loss_and_gradients_match_trl(family):
     # Ours: the train step's accumulation over the same k micro-batches.
     graphdef, params = nnx.split(model, nnx.Param)
     step = StepConfig(loss=cfg, temperature=TEMPERATURE, gradient_accumulation_steps=K)
-    got, grads, _ = jax.jit(lambda p, bt: loss_and_grads(graphdef, step, p, bt))(
+    got, grads, sums = jax.jit(lambda p, bt: loss_and_grads(graphdef, step, p, bt))(
         params, jax.tree.map(jnp.asarray, b))
     loss_diff = abs(float(got) - total)
 
@@ -213,6 +213,12 @@ def test_loss_and_gradients_match_trl(family):
     assert any("embed_tokens" in k for k in lm) and any("norm" in k for k in lm)
     for k in lm:
         assert rel[k] < 1e-4, (k, rel[k])
+    # The metrics TRL logs per micro-batch (entropy, KL, clip ratios): step_metrics' lists.
+    metrics, logged = step_metrics(sums), t._metrics["train"]
+    assert logged and set(logged) <= set(metrics), set(logged) - set(metrics)
+    for name, v in logged.items():
+        np.testing.assert_allclose(np.asarray(metrics[name]), v, atol=1e-5, err_msg=name)
+    assert max(logged["clip_ratio/region_mean"]) > 0  # the clipped branch is exercised
     # The tower: TRL's gradients reach it (the model leaves it trainable), ours are zero.
     assert tower and all(not np.any(ours[k]) for k in tower)
     assert any(np.abs(theirs[k]).max() > 0 for k in tower if k in theirs)
