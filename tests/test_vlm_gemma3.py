@@ -18,48 +18,18 @@ from grpo_jax.models.decoder import image_blocks
 from grpo_jax.rollout.native.sampler import Sampler
 from grpo_jax.rollout.native.sampling import SamplingParams
 
-IMG, BOI, EOI, PAD = 100, 101, 102, 0
-MM = 4  # soft tokens per image: 28 px / 7 px patches = a 4 x 4 grid, pooled 2 x 2
+from vlm_models import BOI, EOI, IMG, MM, PAD, tiny_gemma3
+
 # Row 0: one image, row 1: two images and a longer text, so row 0 is left-padded.
 ROWS = [[5, 17, BOI, *[IMG] * MM, EOI, 42, 8],
         [7, BOI, *[IMG] * MM, EOI, 9, 10, BOI, *[IMG] * MM, EOI, 11, 12, 13]]
 NUM_IMAGES = 3
 
 
-def _tiny_vlm(seed=0):
-    text = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                max_position_embeddings=256, rms_norm_eps=1e-6, query_pre_attn_scalar=24,
-                # A window of 3 < the 4 tokens of an image: a sliding layer's image token sees
-                # the later tokens of its image but not the earliest one's.
-                sliding_window=3,
-                layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
-                                                    "rope_theta": 1e6},
-                                 "sliding_attention": {"rope_type": "default",
-                                                       "rope_theta": 1e4}},
-                bos_token_id=1, eos_token_id=2, pad_token_id=PAD)
-    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                  num_attention_heads=2, image_size=28, patch_size=7, num_channels=3,
-                  vision_use_head=False)
-    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision,
-                                    mm_tokens_per_image=MM, image_token_index=IMG,
-                                    boi_token_index=BOI, eoi_token_index=EOI)
-    torch.manual_seed(seed)
-    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
-    # Init leaves norms at 1 (or 0), biases and the projection at 0: perturb them all so that
-    # the comparison sees them.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias") or "mm_input" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
-
-
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory):
     """(transformers model, its directory, our model loaded from it, batch)."""
-    ref = _tiny_vlm()
+    ref = tiny_gemma3()
     path = tmp_path_factory.mktemp("gemma3vl") / "hf"
     ref.save_pretrained(path)
     model, _ = hf.load_model(str(path), dtype=jnp.float32)

@@ -34,7 +34,8 @@ from flax import nnx
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl.trainer.grpo_trainer")
-from test_vlm_gemma3 import BOI, EOI, IMG, MM, PAD, _tiny_vlm  # noqa: E402
+from vlm_models import BOI, EOI, IMG, MM, PAD, tiny_gemma3  # noqa: E402
+import vlm_models as q  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 from trl_oracle import trl_trainer  # noqa: E402
 
@@ -63,11 +64,11 @@ def _rows(prompts, pixels, seed=0, **extra):
 
 
 def _gemma3(tmp):
-    """Gemma 3 (test_vlm_gemma3's tiny model: a sliding window shorter than an image): rows of
+    """Gemma 3 (vlm_models.tiny_gemma3: a sliding window shorter than an image): rows of
     [1 image, C, H, W]; TRL's inputs: pixel_values [images, C, H, W], num_images and the
     processor's token_type_ids (1 on the image's soft tokens) extended with zeros over the
     completion, as _generate_and_score_completions extends them."""
-    ref = _tiny_vlm()
+    ref = tiny_gemma3()
     prompts = [[5, 17, BOI, *[IMG] * MM, EOI, 42, 8],
                [7, 9, 3, 30, BOI, *[IMG] * MM, EOI, 11, 12, 13, 14]]
     images = np.random.default_rng(2).normal(size=(2, 1, 3, 28, 28)).astype(np.float32)
@@ -81,14 +82,13 @@ def _gemma3(tmp):
 
 
 def _qwen25(tmp):
-    """Qwen2.5-VL (test_vlm_qwen's tiny model) with a 4 x 6 patch image per prompt: rows of
+    """Qwen2.5-VL (vlm_models.tiny_qwen25) with a 4 x 6 patch image per prompt: rows of
     [patches, C*T*P*P] and M-RoPE positions over prompt + completion (qwen_vl.rope_index, the
     completion's padding masked); TRL's inputs: pixel_values [patches of all images, ...],
     image_grid_thw, num_images and mm_token_type_ids (zeros over the completion), from which
     transformers computes its own M-RoPE positions (get_rope_index)."""
-    import test_vlm_qwen as q
     from grpo_jax.models import qwen_vl
-    ref = q._tiny_hf()
+    ref = q.tiny_qwen25()
     grid = q.GRIDS[1]
     merged = int(grid.prod()) // 4
     prompts = [[5, 17, q.START, *[q.IMAGE] * merged, q.END, 99, 3, 42],

@@ -16,33 +16,7 @@ from grpo_jax.models import qwen_vl
 from grpo_jax.rollout.native.sampler import Sampler
 from grpo_jax.rollout.native.sampling import SamplingParams
 
-IMAGE, START, END, EOS = 150, 152, 153, 2
-# Patch grids (t, h, w): 8x10 patches merge to 4x5 tokens, windows of 2x2 merged tokens leave
-# a partial column; 4x6 patches merge to 2x3 tokens (a partial window too).
-GRIDS = np.array([[1, 8, 10], [1, 4, 6]])
-
-
-def _tiny_hf(seed=0):
-    cfg = transformers.Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=160, hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1,
-                         eos_token_id=EOS, pad_token_id=0,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
-                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
-                           window_size=16, out_hidden_size=64, fullatt_block_indexes=[1]),
-        image_token_id=IMAGE, video_token_id=151, vision_start_token_id=START,
-        vision_end_token_id=END, tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
-    # Random init leaves norms at 1 and biases at 0; perturb them so the test sees them.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or "ln_q" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+from vlm_models import END, EOS, GRIDS, IMAGE, START, tiny_qwen25
 
 
 def _batch():
@@ -92,7 +66,7 @@ def _real_diff(a, b, mask):
 def tiny(tmp_path_factory):
     """The HF model, its directory, and our model loaded from it."""
     path = tmp_path_factory.mktemp("qwen_vl") / "hf"
-    ref = _tiny_hf()
+    ref = tiny_qwen25()
     ref.save_pretrained(path)
     model, _ = hf.load_model(str(path), dtype=jnp.float32)
     return ref, path, model

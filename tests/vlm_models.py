@@ -1,0 +1,72 @@
+"""Tiny random vision-language models made with transformers (PyTorch CPU, fp32), the oracles
+of the VLM tests: Gemma 3 (a SigLIP tower, a sliding window shorter than an image) and
+Qwen2.5-VL (a 3-block ViT, windows that do not tile the images). Norms and biases are perturbed
+so that a comparison sees them."""
+
+import numpy as np
+import torch
+import transformers
+
+# Gemma 3: placeholder, begin and end of image, pad.
+IMG, BOI, EOI, PAD = 100, 101, 102, 0
+MM = 4  # soft tokens per image: 28 px / 7 px patches = a 4 x 4 grid, pooled 2 x 2
+
+
+def tiny_gemma3(seed=0):
+    text = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=256, rms_norm_eps=1e-6, query_pre_attn_scalar=24,
+                # A window of 3 < the 4 tokens of an image: a sliding layer's image token sees
+                # the later tokens of its image but not the earliest one's.
+                sliding_window=3,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                    "rope_theta": 1e6},
+                                 "sliding_attention": {"rope_type": "default",
+                                                       "rope_theta": 1e4}},
+                bos_token_id=1, eos_token_id=2, pad_token_id=PAD)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=28, patch_size=7, num_channels=3,
+                  vision_use_head=False)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                    mm_tokens_per_image=MM, image_token_index=IMG,
+                                    boi_token_index=BOI, eoi_token_index=EOI)
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    # Init leaves norms at 1 (or 0), biases and the projection at 0: perturb them all so that
+    # the comparison sees them.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias") or "mm_input" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+# Qwen2.5-VL
+IMAGE, START, END, EOS = 150, 152, 153, 2
+# Patch grids (t, h, w): 8x10 patches merge to 4x5 tokens, windows of 2x2 merged tokens leave
+# a partial column; 4x6 patches merge to 2x3 tokens (a partial window too).
+GRIDS = np.array([[1, 8, 10], [1, 4, 6]])
+
+
+def tiny_qwen25(seed=0):
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=160, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1,
+                         eos_token_id=EOS, pad_token_id=0,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                           window_size=16, out_hidden_size=64, fullatt_block_indexes=[1]),
+        image_token_id=IMAGE, video_token_id=151, vision_start_token_id=START,
+        vision_end_token_id=END, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    # Random init leaves norms at 1 and biases at 0; perturb them so the test sees them.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_q" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
