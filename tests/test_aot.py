@@ -736,12 +736,13 @@ def test_a_vision_language_model_compiles_with_its_images(tmp_path):
     (tmp_path / "vlm" / "config.json").write_text(json.dumps(vlm.to_hf()))
     proc = run_aot(tmp_path, "--topology", "v5e:2x2", "--model_name_or_path", "vlm",
                    "--json", "out.json", "--image-tokens", "16", *SHAPE,
-                   "--dp", "1", "--fsdp", "4")
+                   "--dp", "1", "--fsdp", "4", "--phases", "generate,update")  # logprobs: the
+    # update's forward, compiled by the tests above
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((tmp_path / "out.json").read_text())
     assert r["image"] == {"tokens": 16, "grid": [1, 8, 8]}
     m = r["memory_per_chip"]
-    assert set(m["phases"]) == {"generate", "logprobs", "update"}
+    assert set(m["phases"]) == {"generate", "update"}
     # The tower's fp32 params over fsdp (its small biases and norms replicated), in the
     # params; frozen, so the optimizer's moments are the decoder's alone.
     tower = sum(np.prod(s) for s, _ in vlm.vision.param_table(TINY.hidden_size).values())
