@@ -27,12 +27,14 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
-from PIL import Image, ImageOps
 
 from grpo_jax.errors import DataError
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 # TRL looks for "images" first, then "image" (grpo_trainer.py, _generate_and_score_completions).
 IMAGE_COLUMNS = ("images", "image")
@@ -89,6 +91,7 @@ def decode_image(value: Any, column: str, row: int) -> Image.Image:
     """`value` as an RGB PIL image (what a processor converts to as well): a PIL image, a file
     path, encoded bytes, or datasets' {'bytes', 'path'} dict. Anything else is refused, naming
     the column and the row."""
+    from PIL import Image  # here: grpo_jax.aot's venv (libtpu, no Pillow) imports this module
     where = f"column {column!r} row {row}"
     if isinstance(value, Image.Image):
         image = value
@@ -148,6 +151,7 @@ def pick_bucket(width: int, height: int, buckets: Sequence[Bucket]) -> Bucket:
 def bucket_image(image: Image.Image, buckets: Sequence[Bucket]) -> Image.Image:
     """`image` scaled (aspect kept) to fit its bucket and padded, centred, with black to it;
     as it is without buckets."""
+    from PIL import Image, ImageOps  # here: see decode_image
     if not buckets:
         return image
     b = pick_bucket(image.width, image.height, buckets)

@@ -203,7 +203,7 @@ def test_long_rows_get_a_context_axis_and_linear_memory(tmp_path):
 
 def test_presets_match_published_sizes():
     billions = {"smollm2-135m": 0.13, "qwen2.5-0.5b": 0.49, "qwen2.5-1.5b": 1.54,
-                "qwen2.5-7b": 7.62,
+                "qwen2.5-7b": 7.62, "qwen2.5-vl-7b": 8.29,
                 "qwen2.5-32b": 32.76, "qwen2.5-72b": 72.71, "qwen3-8b": 8.19, "qwen3-32b": 32.76,
                 "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55, "gemma-3-270m": 0.27,
                 "gemma-3-1b": 1.0, "gemma-3-4b": 3.88, "gemma-3-12b": 11.77, "gemma-3-27b": 27.01,
@@ -719,3 +719,34 @@ def test_split_forecast_keeps_the_round_and_balances_the_halves(tmp_path):
                                              * plan.gradient_accumulation_steps,
                                              plan.generation_batch_size)
     assert "choice:" in "\n".join(report.render_split(f))
+
+
+@pytest.mark.skipif(not AOT_PYTHON, reason="GRPO_JAX_AOT_PYTHON is unset (see the module doc)")
+def test_a_vision_language_model_compiles_with_its_images(tmp_path):
+    """A Qwen2.5-VL model with one 16-token image per prompt: the update and log-prob programs
+    take each row's pixels, M-RoPE positions and grid, the sampler's prompt pass the prompts'
+    images; the report names the vision tower's share of the memory."""
+    from grpo_jax.models import qwen_vl
+    vlm = TINY.replace(model_type=qwen_vl.MODEL_TYPE, mrope_section=(4, 6, 6), qkv_bias=True,
+                       vision=qwen_vl.QwenVisionConfig(
+                           depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                           out_hidden_size=TINY.hidden_size, patch_size=4, window_size=16,
+                           fullatt_block_indexes=(1,)))
+    (tmp_path / "vlm").mkdir()
+    (tmp_path / "vlm" / "config.json").write_text(json.dumps(vlm.to_hf()))
+    proc = run_aot(tmp_path, "--topology", "v5e:2x2", "--model_name_or_path", "vlm",
+                   "--json", "out.json", "--image-tokens", "16", *SHAPE,
+                   "--dp", "1", "--fsdp", "4", "--phases", "generate,update")  # logprobs: the
+    # update's forward, compiled by the tests above
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads((tmp_path / "out.json").read_text())
+    assert r["image"] == {"tokens": 16, "grid": [1, 8, 8]}
+    m = r["memory_per_chip"]
+    assert set(m["phases"]) == {"generate", "update"}
+    # The tower's fp32 params over fsdp (its small biases and norms replicated), in the
+    # params; frozen, so the optimizer's moments are the decoder's alone.
+    tower = sum(np.prod(s) for s, _ in vlm.vision.param_table(TINY.hidden_size).values())
+    assert m["vision_tower_GB"] == pytest.approx(tower * 4 / 4 / 1e9, rel=0.2)
+    assert m["optimizer_state_GB"] == pytest.approx(
+        2 * (m["params_GB"] - m["vision_tower_GB"]), rel=0.05)
+    assert "of which the vision tower" in proc.stdout and m["fits"]

@@ -10,7 +10,9 @@ Own options: --topology NAME (v5e:4x4, v5p:4x4x4, v6e:8x8, v5e-16, v5p-128, h100
 (search the layout: mesh, remat policy, micro-batch split; candidates are compiled until
 --top N of them fit, 2, or 1 with --quick), --quick (compile the sampler with 2 and 3 layers
 and extrapolate, instead of whole: minutes instead of tens of minutes for a large model),
---phases generate,logprobs,update (the programs to compile), --split (also forecast the round
+--phases generate,logprobs,update (the programs to compile), --image-tokens N (a
+Qwen2.5-VL model: each prompt holds one image of N merged tokens, within
+--max_prompt_length; the programs take its pixels, M-RoPE positions and grid), --split (also forecast the round
 split: some chips sampling while the rest train, aot/split.py; --auto always does). Without
 mesh flags
 (--dp/--fsdp/--tp/--ep/--cp) the layout is chosen as a run would need it
@@ -93,16 +95,39 @@ def check_config(cfg) -> None:
                            "length (the sampler's bucket that holds it)")
 
 
-def make_lowering(target, cfg, **device_kw):
-    """The programs.Lowering of `cfg` on `target`'s devices, meshed as train.py meshes them."""
+def check_images(cfg, model, image_tokens: int) -> None:
+    """--image-tokens: a Qwen2.5-VL model (its grids; Gemma 3's fixed-size images are not
+    laid out here yet), the placeholders within the prompt, and the sampler's one batch (the
+    refill program takes no images)."""
+    from grpo_jax.models import qwen_vl
+
+    if not image_tokens:
+        return
+    if model.model_type != qwen_vl.MODEL_TYPE:
+        raise GrpoJaxError(f"--image-tokens: {cfg.model.name_or_path} is not a Qwen2.5-VL "
+                           "model (the images aot lays out are Qwen2.5-VL's)")
+    if image_tokens >= cfg.data.max_prompt_length:
+        raise GrpoJaxError(f"--image-tokens {image_tokens}: the image's placeholders are "
+                           f"prompt tokens; --max_prompt_length {cfg.data.max_prompt_length} "
+                           "must hold them and the text")
+    if cfg.generation.max_num_seqs is not None and cfg.generation.continuous_batching:
+        raise GrpoJaxError("--image-tokens with --max_num_seqs: the refill program takes no "
+                           "images")
+
+
+def make_lowering(target, cfg, image_tokens: int = 0, **device_kw):
+    """The programs.Lowering of `cfg` on `target`'s devices, meshed as train.py meshes them;
+    `image_tokens`: merged image tokens per prompt (a vision-language model's programs)."""
     from grpo_jax import mesh as mesh_lib
     from grpo_jax.aot import hardware, programs
 
     check_config(cfg)
     model = model_config(cfg.model.name_or_path).replace(
         numerics=cfg.peft.base_numerics(cfg.numerics))
+    check_images(cfg, model, image_tokens)
     mesh = mesh_lib.make_mesh(cfg.mesh, hardware.devices(target, **device_kw))
-    return programs.Lowering(cfg, model, mesh, cfg.batch_plan(mesh_lib.batch_divisor(mesh)))
+    return programs.Lowering(cfg, model, mesh, cfg.batch_plan(mesh_lib.batch_divisor(mesh)),
+                             image_tokens)
 
 
 def evaluate(target, run, *, full_depth: bool = True, phases=("generate", "logprobs", "update"),
@@ -212,7 +237,15 @@ def _memory(run, progs, compiled: dict) -> dict:
         out[at] = report.phase_memory(mem[phase], *reads[at])
         if isinstance(compiled[phase], Refused):  # XLA's figure: a lower bound on the peak
             out[at]["refused_by_compiler"] = compiled[phase].refused
+    # The vision tower's share of the resident state: its params (frozen: no optimizer
+    # moments) and their reference copy; with LoRA it is in the frozen base.
+    vision = sum(programs.shard_bytes(tree["vision"]) for tree in (progs.state.params,
+                                                                      *progs.frozen)
+                 if "vision" in tree)
+    vision_ref = (vision * jax.numpy.dtype(run.model.dtype).itemsize
+                  / run.model.param_dtype.itemsize if ref else 0.0)
     return {"params_GB": params / report.GB, "optimizer_state_GB": opt / report.GB,
+            "vision_tower_GB": vision / report.GB, "vision_reference_GB": vision_ref / report.GB,
             "reference_params_GB": ref / report.GB, "frozen_base_GB": base / report.GB,
             "kv_cache_GB": programs.shard_bytes(progs.kv_cache) / report.GB,
             "resident_GB": resident / report.GB, "phases": out}

@@ -14,8 +14,9 @@ from grpo_jax.errors import GrpoJaxError
 
 
 def analyze_config(target, cfg, quick: bool = False,
-                   phases=("generate", "logprobs", "update")) -> dict:
-    """One layout's report: the config's mesh, or where it names none the default layout."""
+                   phases=("generate", "logprobs", "update"), image_tokens: int = 0) -> dict:
+    """One layout's report: the config's mesh, or where it names none the default layout;
+    `image_tokens`: merged image tokens per prompt (a vision-language model)."""
     import jax
 
     start = time.perf_counter()
@@ -23,10 +24,14 @@ def analyze_config(target, cfg, quick: bool = False,
     analyze.check_config(cfg)
     if not cfg.mesh.given:
         cfg, chosen = search.default_layout(target, cfg)
-    run = analyze.make_lowering(target, cfg)
+    run = analyze.make_lowering(target, cfg, image_tokens)
     ev = analyze.evaluate(target, run, full_depth=not quick,
                           phases=analyze.run_phases(run, phases))
     result = analyze.summarize(target, cfg, run, ev, start)
+    if image_tokens:
+        from grpo_jax.aot import programs
+        result["image"] = {"tokens": image_tokens, "grid": list(
+            programs.image_grid(run.model.vision, image_tokens)[0])}
     if chosen:
         result["chosen"] = chosen
     result["jax"] = jax.__version__
@@ -67,12 +72,16 @@ def main(argv=None) -> dict:
     p.add_argument("--split", action="store_true")
     p.add_argument("--top", type=int)
     p.add_argument("--phases", default="generate,logprobs,update")
+    p.add_argument("--image_tokens", "--image-tokens", type=int, default=0)
     p.add_argument("-h", "--help", action="store_true")
     args, rest = p.parse_known_args(argv)
     if args.help:
         print(analyze.__doc__)
         raise SystemExit(0)
     try:
+        if args.image_tokens and args.auto:  # search.py lowers text-only candidates
+            raise GrpoJaxError("--image-tokens with --auto: the search does not lay out "
+                               "images yet; give a mesh and batch")
         if not args.topology:
             raise GrpoJaxError("--topology is required, e.g. --topology v5e:4x4 or h100:8")
         import jax
@@ -82,7 +91,8 @@ def main(argv=None) -> dict:
         cfg = cli.parse_cli(rest)
         result = (search.auto(target, cfg, quick=args.quick, top=args.top) if args.auto
                   else analyze_config(target, cfg, quick=args.quick,
-                                      phases=tuple(args.phases.split(","))))
+                                      phases=tuple(args.phases.split(",")),
+                                      image_tokens=args.image_tokens))
         if args.auto or args.split:  # the same round split: the estimate's, no compile
             result["split"] = split.forecast(cfg, analyze.model_config(cfg.model.name_or_path),
                                              target, hardware.devices(target))

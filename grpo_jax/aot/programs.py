@@ -42,6 +42,9 @@ class Lowering:
     model: ModelConfig
     mesh: Any
     plan: BatchPlan
+    # A vision-language model: merged image tokens in each prompt (one image; its
+    # placeholders count in max_prompt_length). 0: text-only programs.
+    image_tokens: int = 0
 
     @property
     def step_config(self) -> StepConfig:
@@ -130,7 +133,9 @@ def build(run: Lowering, phases: tuple[str, ...] = PHASES) -> Programs:
     ids = _rows((sampler.prompt_rows(rows, g), width), jnp.int32, mesh)  # each prompt once
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                                sharding=replicated)
-    gen_args = (weights, ids, ids, key)
+    images, grid = _sampler_images(run, ids.shape[0], width)
+    first_row = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
+    gen_args = (weights, ids, ids, key, first_row, images)
     C, sp = run.cfg.generation.max_completion_length, run.cfg.generation
     # The refill program, where the round's rows outnumber max_num_seqs (else one batch, or
     # sub-batches of the sampler's own program without continuous_batching).
@@ -142,7 +147,8 @@ def build(run: Lowering, phases: tuple[str, ...] = PHASES) -> Programs:
     cache_sh = jax.tree.map(lambda x: mesh_lib.logical_sharding(
         mesh, *KVCache.AXES, shape=x.shape), cache)
     lower = {
-        "generate": lambda: sampler.program.lower(*gen_args, num_generations=g, rows=rows),
+        "generate": lambda: sampler.program.lower(*gen_args, num_generations=g, rows=rows,
+                                                  image_grid=grid),
         # A micro-batch at a time, as Policy.logps runs it.
         "logprobs": lambda: programs.logps.lower(
             graphdef, state.params, _batch(run, run.plan.micro_batch_size, width, logps=False),
@@ -153,7 +159,7 @@ def build(run: Lowering, phases: tuple[str, ...] = PHASES) -> Programs:
     lowered = {k: lower[k]() for k in phases}
     if refill is not None and "generate" in phases:
         rows_in_round = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-        lowered["refill"] = refill.program.lower(*gen_args, rows_in_round, num_generations=g,
+        lowered["refill"] = refill.program.lower(*gen_args[:4], rows_in_round, num_generations=g,
                                                   rows=rows)
     return Programs(lowered, state, frozen, _abstract(cache, cache_sh), rows, width,
                     takes_adapters, refill and refill.slots)
@@ -163,13 +169,50 @@ def _rows(shape, dtype, mesh) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=mesh_lib.batch_sharding(mesh, len(shape)))
 
 
+def image_grid(vision, tokens: int) -> tuple[tuple[int, int, int], ...]:
+    """One image of `tokens` merged tokens as Qwen2.5-VL's processor grids it: (1, h, w)
+    patches, h x w = tokens x merge^2, as square as `tokens` factors (1024 -> (1, 64, 64))."""
+    side = max(d for d in range(1, int(tokens ** 0.5) + 1) if tokens % d == 0)
+    m = vision.spatial_merge_size
+    return ((1, side * m, tokens // side * m),)
+
+
+def _pixels(vision, grid) -> tuple[int, int]:
+    """(patches, values per patch) of Qwen2.5-VL's pixel_values for `grid`."""
+    t, h, w = grid[0]
+    return t * h * w, (vision.in_channels * vision.temporal_patch_size
+                       * vision.patch_size ** 2)
+
+
+def _sampler_images(run: Lowering, prompts: int, width: int):
+    """The sampler's (images, image_grid) for the prompt pass, as Sampler.generate hands
+    them: pixel_values of every prompt's image [prompts x patches, values] (float32, as the
+    processor gives them; one host's, replicated), M-RoPE positions [3, prompts, width] and
+    the decode position deltas [prompts]. (None, None) without images."""
+    if not run.image_tokens:
+        return None, None
+    replicated = NamedSharding(run.mesh, P())
+    grid = image_grid(run.model.vision, run.image_tokens)
+    patches, values = _pixels(run.model.vision, grid)
+    arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,  # noqa: E731
+                                                    sharding=replicated)
+    return (arg((prompts * patches, values), jnp.float32), arg((3, prompts, width), jnp.int32),
+            arg((prompts,), jnp.int32)), grid * prompts  # every prompt's image's grid
+
+
 def _batch(run: Lowering, n: int, width: int, logps: bool = True) -> Batch:
-    """The abstract Batch a round feeds the program: what GRPORound fills in for this config."""
+    """The abstract Batch a round feeds the program: what GRPORound fills in for this config
+    (with images: each row's pixel_values, its M-RoPE positions and the static grid)."""
     C, mesh = run.cfg.generation.max_completion_length, run.mesh
     tokens = lambda: _rows((n, C), jnp.int32, mesh)  # noqa: E731
     per_token = lambda: _rows((n, C), jnp.float32, mesh)  # noqa: E731
     batch = Batch(_rows((n, width), jnp.int32, mesh), _rows((n, width), jnp.int32, mesh),
                   tokens(), tokens(), _rows((n,), jnp.bool_, mesh), _rows((n,), jnp.float32, mesh))
+    if run.image_tokens:
+        grid = image_grid(run.model.vision, run.image_tokens)
+        batch = batch.replace(
+            pixel_values=_rows((n, *_pixels(run.model.vision, grid)), jnp.float32, mesh),
+            positions=_rows((n, 3, width + C), jnp.int32, mesh), image_grid=grid)
     if not logps:
         return batch
     return batch.replace(sampler_logp=per_token(), num_items=_rows((n,), jnp.float32, mesh),

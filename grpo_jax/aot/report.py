@@ -125,6 +125,13 @@ def render(r: dict) -> str:
         f"  params {m['params_GB']:.2f}  optimizer state {m['optimizer_state_GB']:.2f}  "
         f"reference params {m['reference_params_GB']:.2f}  KV cache {m['kv_cache_GB']:.2f}",
     ]
+    if m.get("vision_tower_GB"):
+        image = r.get("image")
+        lines.append(f"  of which the vision tower (frozen: no optimizer state): params "
+                     f"{m['vision_tower_GB']:.2f}  reference {m['vision_reference_GB']:.2f}"
+                     + (f"; {image['tokens']} image tokens per prompt (patch grid "
+                        f"{'x'.join(map(str, image['grid']))})" if image else
+                        "; programs compiled without images (--image-tokens)"))
     if r.get("routing_record"):
         rec = r["routing_record"]
         lines.append(f"  routing record (top-k experts per token and sparse layer, the "

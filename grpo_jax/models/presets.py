@@ -12,6 +12,7 @@ import math
 
 from grpo_jax.errors import GrpoJaxError
 from grpo_jax.models.config import ModelConfig
+from grpo_jax.models.qwen_vl import MODEL_TYPE as QWEN_VL, QwenVisionConfig
 
 # Llama 3.1's RoPE scaling (factor, low_freq_factor, high_freq_factor, original max position).
 _LLAMA31_ROPE = (8.0, 1.0, 4.0, 8192)
@@ -90,6 +91,12 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen2.5-0.5b": _qwen25(896, 24, 14, 2, 4864, 151936, tied=True),
     "qwen2.5-1.5b": _qwen25(1536, 28, 12, 2, 8960, 151936, tied=True),
     "qwen2.5-7b": _qwen25(3584, 28, 28, 4, 18944, 152064, tied=False),
+    # Qwen2.5-VL-7B: Qwen2.5-7B's decoder with M-RoPE, and its 32-block ViT + merger.
+    "qwen2.5-vl-7b": _qwen25(3584, 28, 28, 4, 18944, 152064, tied=False).replace(
+        model_type=QWEN_VL,
+        max_position_embeddings=128000, mrope_section=(16, 24, 24),
+        vision=QwenVisionConfig(depth=32, hidden_size=1280, intermediate_size=3420,
+                                num_heads=16, out_hidden_size=3584)),
     "qwen2.5-32b": _qwen25(5120, 64, 40, 8, 27648, 152064, tied=False, eps=1e-5),
     "qwen2.5-72b": _qwen25(8192, 80, 64, 8, 29568, 152064, tied=False),
     "qwen3-8b": _qwen3(4096, 36, 32, 12288),
