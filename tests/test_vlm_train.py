@@ -113,10 +113,10 @@ def test_squares_trains_resumes_and_exports(vlm_dir, tmp_path):
           "tower and projector as they were")
 
 
-@pytest.mark.parametrize("setting", ["max_num_seqs=4", "backend=vllm"])
-def test_settings_images_cannot_take_are_refused(vlm_dir, tmp_path, setting):
-    with pytest.raises(ConfigError, match="static batches only; unset "
-                       + setting.split("=")[0].replace("backend", "rollout.backend")):
+@pytest.mark.parametrize("setting, named", [("max_num_seqs=4", "max_num_seqs"),
+                                             ("use_vllm=true", "use_vllm")])
+def test_settings_images_cannot_take_are_refused(vlm_dir, tmp_path, setting, named):
+    with pytest.raises(ConfigError, match="static batches only; unset " + named):
         train(_cfg(vlm_dir, tmp_path / "run", setting), devices=jax.devices()[:1])
 
 
