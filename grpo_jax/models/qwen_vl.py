@@ -11,7 +11,8 @@ The tokens run in window order (window_index, by merged units) and the merger (R
 an MLP over each merged unit's spatial_merge_size**2 patches) output is put back in the
 processor's order. Which patch sees which is fixed by the image sizes alone: `vision_layout`
 computes it on the host (numpy) and the tower takes it as index arrays, so it traces once per
-set of sizes.
+set of sizes. Each segment (a frame, or a window) is gathered into a padded row and attention
+runs per row, so its memory grows with the segments' sizes, not with the batch's patches.
 """
 
 from __future__ import annotations
