@@ -11,7 +11,8 @@ The tokens run in window order (window_index, by merged units) and the merger (R
 an MLP over each merged unit's spatial_merge_size**2 patches) output is put back in the
 processor's order. Which patch sees which is fixed by the image sizes alone: `vision_layout`
 computes it on the host (numpy) and the tower takes it as index arrays, so it traces once per
-set of sizes.
+set of sizes. Each segment (a frame, or a window) is gathered into a padded row and attention
+runs per row, so its memory grows with the segments' sizes, not with the batch's patches.
 """
 
 from __future__ import annotations
@@ -183,6 +184,28 @@ HF_NAMES: dict[str, tuple[str, tuple[tuple[int, ...], ...]]] = {
 
 # ---------------------------------------------------------------- which patch sees which (host)
 
+class Segments(NamedTuple):
+    """Contiguous segments of the N patches (window order) padded into S rows of the longest,
+    L: attention runs per row ([S, L, L] scores, not [N, N])."""
+
+    index: np.ndarray  # [S, L] the patch at each slot (padding: the row's first patch)
+    valid: np.ndarray  # [S, L] the slot holds a patch of the row (not padding)
+    back: np.ndarray  # [N] each patch's slot in the flattened [S * L]
+
+
+def segments(ids) -> Segments:
+    """The Segments of per-patch segment ids [N] (sorted: each segment contiguous)."""
+    ids = np.asarray(ids)
+    starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]]) if ids.size else np.zeros(0, int)
+    sizes = np.diff(np.r_[starts, ids.size])
+    slot = np.arange(sizes.max(initial=1))
+    valid = slot[None] < sizes[:, None]
+    index = starts[:, None] + np.where(valid, slot[None], 0)
+    row = np.repeat(np.arange(len(sizes)), sizes)
+    back = row * len(slot) + np.arange(ids.size) - starts[row]
+    return Segments(index.astype(np.int32), valid, back.astype(np.int32))
+
+
 class VisionLayout(NamedTuple):
     """The index arrays of one batch of images (vision_layout). N patches, u = merge_unit."""
 
@@ -190,6 +213,8 @@ class VisionLayout(NamedTuple):
     window_index: np.ndarray  # [N / u] merged units in window order (units of the processor's)
     frames: np.ndarray  # [N] in window order: the frame (image) each patch belongs to
     windows: np.ndarray  # [N] in window order: the window each patch belongs to
+    frame_rows: Segments  # the frames padded to rows: the full-attention blocks' segments
+    window_rows: Segments  # the windows padded to rows: the windowed blocks'
 
 
 def vision_layout(v: QwenVisionConfig, grid_thw) -> VisionLayout:
@@ -219,12 +244,12 @@ def vision_layout(v: QwenVisionConfig, grid_thw) -> VisionLayout:
         window_sizes += [s * u for s in sizes.tolist() if s]
         window_index.append(padded[padded >= 0] + offset)
         offset += t * gh * gw
-    segments = lambda sizes: np.repeat(np.arange(len(sizes)), sizes)  # noqa: E731
+    ids = lambda sizes: np.repeat(np.arange(len(sizes)), sizes).astype(np.int32)  # noqa: E731
     # A frame's units stay together in window order, so the frame ids need no permuting.
+    frames, windows = ids(frame_sizes), ids(window_sizes)
     return VisionLayout(np.concatenate(positions).astype(np.int32),
                         np.concatenate(window_index).astype(np.int32),
-                        segments(frame_sizes).astype(np.int32),
-                        segments(window_sizes).astype(np.int32))
+                        frames, windows, segments(frames), segments(windows))
 
 
 # ---------------------------------------------------------------- the tower (traced)
@@ -254,15 +279,26 @@ def vision_rope(v: QwenVisionConfig, positions):
     return jnp.cos(emb), jnp.sin(emb)
 
 
-def _block(v: QwenVisionConfig, p, x, cos, sin, mask, dtype):
-    """One ViT block over all patches x [N, E]; mask [N, N] (segments)."""
+def _attend(v: QwenVisionConfig, q, k, val, rows: Segments):
+    """Attention of q, k, val [N, H, Dh] within each segment of `rows`: gathered into [S, L]
+    rows, so memory is S * L**2 per head, not N**2 (the batch's patches). Padding keys are
+    masked out (every row has a real key, so no row is all -1e30); padding queries attend like
+    the row's first patch and are dropped by the gather back."""
+    index, valid = jnp.asarray(rows.index), jnp.asarray(rows.valid)
+    q, k, val = q[index], k[index], val[index]  # [S, L, H, Dh]
+    s = jnp.einsum("sqhd,skhd->shqk", q, k, preferred_element_type=jnp.float32)
+    s = jnp.where(valid[:, None, None], s * v.head_dim ** -0.5, -1e30)
+    probs = jax.nn.softmax(s, axis=-1).astype(val.dtype)
+    out = jnp.einsum("shqk,skhd->sqhd", probs, val)
+    return out.reshape(-1, *out.shape[2:])[jnp.asarray(rows.back)]
+
+
+def _block(v: QwenVisionConfig, p, x, cos, sin, rows: Segments, dtype):
+    """One ViT block over all patches x [N, E], attending within the segments `rows`."""
     h = _rms_norm(x, p["attn_norm"], dtype)
     qkv = jnp.einsum("ne,eshd->nshd", h, p["wqkv"].astype(dtype)) + p["bqkv"].astype(dtype)
     q, k, val = _rotate(qkv[:, 0], cos, sin), _rotate(qkv[:, 1], cos, sin), qkv[:, 2]
-    s = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32)
-    s = jnp.where(mask[None], s * v.head_dim ** -0.5, -1e30)
-    probs = jax.nn.softmax(s, axis=-1).astype(dtype)
-    attn = jnp.einsum("hqk,khd->qhd", probs, val)
+    attn = _attend(v, q, k, val, rows)
     x = x + jnp.einsum("nhd,hde->ne", attn, p["wo"].astype(dtype)) + p["bo"].astype(dtype)
     h = _rms_norm(x, p["mlp_norm"], dtype)
     gate = h @ p["w_gate"].astype(dtype) + p["b_gate"].astype(dtype)
@@ -282,16 +318,13 @@ def vision_forward(v: QwenVisionConfig, params: dict, pixel_values, layout: Visi
     to_windows = lambda a: a.reshape(N // u, u, -1)[order].reshape(N, -1)  # noqa: E731
     x = to_windows(x)
     cos, sin = (to_windows(a) for a in vision_rope(v, jnp.asarray(layout.positions)))
-    frames, windows = jnp.asarray(layout.frames), jnp.asarray(layout.windows)
-    masks = (frames[:, None] == frames[None], windows[:, None] == windows[None])
-    full = jnp.asarray([i in v.fullatt_block_indexes for i in range(v.depth)])
     blocks = {k[len("blocks/"):]: a for k, a in params.items() if k.startswith("blocks/")}
-
-    def body(x, xs):
-        p, is_full = xs
-        return _block(v, p, x, cos, sin, jnp.where(is_full, *masks), dtype), None
-
-    x, _ = jax.lax.scan(body, x, (blocks, full))
+    # Frames and windows pad to different [S, L], so one scan per run of same-kind blocks.
+    for is_full, run in itertools.groupby(range(v.depth), v.fullatt_block_indexes.__contains__):
+        run = list(run)
+        rows = layout.frame_rows if is_full else layout.window_rows
+        body = lambda x, p, rows=rows: (_block(v, p, x, cos, sin, rows, dtype), None)  # noqa: E731
+        x, _ = jax.lax.scan(body, x, {k: a[run[0]:run[-1] + 1] for k, a in blocks.items()})
     h = _rms_norm(x, params["merger/norm"], dtype).reshape(N // u, u * E)
     h = jax.nn.gelu(h @ params["merger/w1"].astype(dtype) + params["merger/b1"].astype(dtype),
                     approximate=False)  # torch's nn.GELU(): the exact erf form
