@@ -182,11 +182,9 @@ def test_each_prompt_trained_once_and_resume_equals_uninterrupted(tiny_dir, tmp_
     pb, _, _ = load_checkpoint(tmp_path / "cut")
     for name, x in hf.params_numpy(pa).items():
         np.testing.assert_array_equal(x, hf.params_numpy(pb)[name], name)
-    # Off: the synchronous rounds, no state carried. The partial runs' completion length, so
-    # that only the sampler is a new program (the update and log-probs come from the cache).
+    # Off: the synchronous rounds, no state carried.
     got[:] = []
-    train(config(tiny_dir, tmp_path / "off", max_steps=1, max_num_seqs=8,
-                 max_completion_length=PARTIAL["max_completion_length"]), devices=devices)
+    train(config(tiny_dir, tmp_path / "off", max_steps=1, max_num_seqs=8), devices=devices)
     assert got == [] and "staleness/mean" not in history(tmp_path / "off")[0]
     assert not (tmp_path / "off" / "rows_in_flight").exists()
 
