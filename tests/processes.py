@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from tiny_run import config
+from tiny_run import TRAIN, config
 
 # dp over processes, fsdp within each; a low learning rate keeps Adam's step on the few weights
 # whose gradients nearly cancel (where the all-reduce order shows) far under the tolerance.
@@ -68,4 +68,4 @@ def cli_config(tiny_dir, out, **extra) -> list[str]:
     cfg = config(tiny_dir, out, **{**RUN, **extra})
     path = Path(out).parent / f"{Path(out).name}.yaml"
     path.write_text(cfg.to_yaml())
-    return ["-m", "grpo_jax.train", "--config", str(path)]
+    return [*TRAIN, "--config", str(path)]  # python -m grpo_jax.train, without torch
