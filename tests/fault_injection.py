@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tiny_run import config
+from tiny_run import TRAIN, config, user_env
 
 HERE = Path(__file__).parent
 ERROR = "grpo_jax.train: error:"
@@ -54,16 +54,14 @@ def tmpfs(path: Path, size: str):
 
 
 def cli_env():
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # one device, as a user's run
-    return env
+    return user_env()
 
 
 def start_cli(tiny_dir, out, *args, **settings):  # noqa: F811
     cfg = config(tiny_dir, out, **settings)
     path = Path(out).parent / f"{Path(out).name}.yaml"
     path.write_text(cfg.to_yaml())
-    return subprocess.Popen([sys.executable, "-m", "grpo_jax.train", "--config", str(path),
+    return subprocess.Popen([sys.executable, *TRAIN, "--config", str(path),
                              *args], env=cli_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from tiny_run import TRAIN, config
+from tiny_run import FAST_COMPILE, TRAIN, config
 
 # dp over processes, fsdp within each; a low learning rate keeps Adam's step on the few weights
 # whose gradients nearly cancel (where the all-reduce order shows) far under the tolerance.
@@ -31,7 +31,7 @@ def free_port() -> int:
 
 def env(devices: int) -> dict:
     return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}",
             "JAX_DEFAULT_MATMUL_PRECISION": "highest", "HF_HUB_OFFLINE": "1",
             "TOKENIZERS_PARALLELISM": "false"}
 

@@ -16,7 +16,6 @@ clear line; a resume fails fast.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import pytest
 from grpo_jax import serve
 from vllm_server import (API_KEY, COMPLETIONS, PROMPTS, VLLM_PYTHON, needs_vllm,
                          push_initial_weights, server_env, train_config, trainer_logp)
+from tiny_run import TRAIN, user_env
 
 
 @pytest.fixture(scope="module")
@@ -70,15 +70,14 @@ def servers(tiny_vllm_server, model_dir, tmp_path_factory):
 def start_run(model_dir, tmp_path, base_url, **extra):
     cfg = train_config(model_dir, tmp_path / "run", base_url, **extra)
     (tmp_path / "run.yaml").write_text(cfg.to_yaml())
-    return subprocess.Popen([sys.executable, "-m", "grpo_jax.train", "--config",
+    return subprocess.Popen([sys.executable, *TRAIN, "--config",
                              str(tmp_path / "run.yaml")], env=train_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def train_env() -> dict:
     """A training subprocess's environment: one CPU device (not the suite's eight)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return dict(env, JAX_PLATFORMS="cpu")
+    return user_env()
 
 
 def wait_for_checkpoint(run, tmp_path, step: int) -> None:
@@ -214,7 +213,7 @@ def test_server_killed_mid_run_checkpoints_and_exits_clearly(servers, model_dir,
 
     # The server is gone: resuming fails fast, after the configured wait, with the same advice.
     start = time.monotonic()
-    again = subprocess.run([sys.executable, "-m", "grpo_jax.train", "--config",
+    again = subprocess.run([sys.executable, *TRAIN, "--config",
                             str(tmp_path / "run.yaml"), "--resume", "--vllm_server_timeout", "3"],
                            env=train_env(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "grpo_jax.serve" in again.stderr, again.stderr[-2000:]
