@@ -204,9 +204,9 @@ def test_three_turns_with_a_repetition_penalty_on_a_small_model(mesh_shape):
     whole context (the penalty sees every context token, cached or not), rows dropping out and
     budgets shrinking between turns. Shapes are held so that the turns share their programs:
     one context bucket, tool results of 8 to 15 tokens (a suffix bucket of 16), and after the
-    first turn's 6 rows 4, 3 and 1 (on the mesh, batches of 4 each: one continuation program and
-    one `generate` program for the three turns, not three of each). Moving to a larger bucket
-    between turns is test_turns_continue_as_re_prefills_do's (384 -> 512)."""
+    first turn's 6 rows 4, 3 and 3, in another order (batches of 4 each: one continuation
+    program and one `generate` program for the three turns, not three of each). Moving to a
+    larger bucket between turns is test_turns_continue_as_re_prefills_do's (384 -> 512)."""
     cfg = ModelConfig("llama", vocab_size=64, hidden_size=32, intermediate_size=48,
                       num_layers=2, num_heads=2, num_kv_heads=2,
                       head_dim=16).replace(dtype="float32")
@@ -222,7 +222,7 @@ def test_three_turns_with_a_repetition_penalty_on_a_small_model(mesh_shape):
     batch, session = turns.first_turn(params, prompts, 2, 0)
     contexts = [prompts[j // 2] + batch.completion_ids[j][batch.completion_mask[j] == 1].tolist()
                 for j in range(6)]
-    for turn, keep in enumerate(([5, 0, 2, 3], [3, 1, 0], [2])):
+    for turn, keep in enumerate(([5, 0, 2, 3], [3, 1, 0], [2, 0, 1])):
         contexts = [contexts[j] + rng.integers(3, 64, rng.integers(8, 16)).tolist()
                     for j in keep]
         limits = rng.integers(1, 7, len(keep)).tolist()
