@@ -249,7 +249,7 @@ def test_grpo_run_on_a_qwen3_template_goes_past_its_first_tool_call(tmp_path, sm
     prepared = tools.prepare_tool_tokenizer(tok)  # what the run's start-up makes of it
     opened = '<think>\n\n</think>\n\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
     with open(tmp_path / "q.jsonl", "w") as f:
-        for a, b in [(48213, 9177), (66011, 4589)]:
+        for a, b in [(48213, 9177)]:
             chat = SHOTS + [{"role": "user", "content": f"What is {a} * {b}?"}]
             prompt = prepared.apply_chat_template(chat, tools=[calculator], tokenize=False,
                                                   add_generation_prompt=True)
@@ -257,10 +257,10 @@ def test_grpo_run_on_a_qwen3_template_goes_past_its_first_tool_call(tmp_path, sm
     sets = {"dtype": "float32", "dataset_name": tmp_path / "q.jsonl", "chat_template": qwen3,
             "tools": "[grpo_jax.calculator:calculator]",
             "reward_funcs": "[grpo_jax.calculator:final_answer]",
-            # 2 x 2 rows: each prompt opens its call, so every row calls; the shape is not the
-            # point (8 rows took 11 s longer, the same assertions passing).
+            # 1 x 2 rows: the prompt opens its call, so every row calls; the shape is not the
+            # point (8 rows took 11 s longer, 2 x 2 ~30% more CPU, the same assertions passing).
             "num_generations": 2, "max_completion_length": 96, "temperature": 1.0,
-            "per_device_train_batch_size": 4, "steps_per_generation": 1, "learning_rate": 1e-5,
+            "per_device_train_batch_size": 2, "steps_per_generation": 1, "learning_rate": 1e-5,
             "beta": 0.0, "output_dir": tmp_path / "out", "report_to": "[]", "max_steps": 1,
             "dp": 1, "log_completions": True, "num_completions_to_print": 0}
     cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
