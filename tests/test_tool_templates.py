@@ -270,4 +270,7 @@ def test_grpo_run_on_a_qwen3_template_goes_past_its_first_tool_call(tmp_path, sm
     rows = [json.loads(line) for line in (tmp_path / "out" / "completions.jsonl").open()]
     result = "<tool_response>\n442450701\n</tool_response>"  # 48213 * 9177, Qwen3's format
     past = [r["completion"].split(result)[1] for r in rows if result in r["completion"]]
-    assert any(text.strip() for text in past), [r["completion"] for r in rows]
+    # What the template puts after a tool result (its end of turn, the assistant's header, an
+    # empty think block) is not the model's: some row writes more than that.
+    template = re.compile(r"^(\s|<\|im_end\|>|<\|im_start\|>|assistant|<think>|</think>)*")
+    assert any(template.sub("", text).strip() for text in past), [r["completion"] for r in rows]
