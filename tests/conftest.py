@@ -169,6 +169,23 @@ def smol_model(smol_dir):
     return model
 
 
+SMOL_FEW_LAYERS = 4
+
+
+@pytest.fixture(scope="session")
+def smol_few_layers(smol_dir):
+    """SmolLM2's first SMOL_FEW_LAYERS layers (its real weights and shapes: 9 query and 3 KV
+    heads, 576 wide, 49152 tokens; then its final norm and tied head) as the grpo_jax decoder,
+    fp32: for tests that compare two code paths (sharded vs one device, shared prefix vs plain)
+    at a real model's shapes, where 30 layers would only add run time (the layers run under one
+    lax.scan: compiling them costs the same for any count)."""
+    import jax.numpy as jnp
+
+    from grpo_jax import hf
+    model, _ = hf.load_model(str(smol_dir), dtype=jnp.float32, num_layers=SMOL_FEW_LAYERS)
+    return model
+
+
 # ------------------------------------------------------------------ vLLM server, shared
 # test_vllm, test_vllm_async, test_vllm_sampling_bias and test_vllm_restart share one server of a
 # tiny Llama (each module starts by pushing the model's initial weights back: `server` below);

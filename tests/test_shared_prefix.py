@@ -21,7 +21,8 @@ import jax.numpy as jnp
 sys.path.insert(0, {tests!r})
 from shared_prefix_parity import parity
 from grpo_jax import hf
-model, _ = hf.load_model(hf.SMOL_ALIAS, dtype=jnp.float64, param_dtype=jnp.float64)
+model, _ = hf.load_model(hf.SMOL_ALIAS, dtype=jnp.float64, param_dtype=jnp.float64,
+                         num_layers=4)
 assert model.embed[...].dtype == jnp.float64
 print("RESULT", json.dumps(parity(model)))
 """
@@ -29,10 +30,12 @@ print("RESULT", json.dumps(parity(model)))
 
 @pytest.mark.slow
 def test_smollm2_forward_and_gradients_equal_plain_in_float64():
-    """SmolLM2 (30 layers) in float64 (x64 on, in a process of its own): shared-prefix logits,
-    log-probs, entropies and gradients (with accumulation) equal the plain forward's within
-    1e-5; what is left is the fp32 log-softmax of the log-prob head, which both share. (In
-    fp32, summation order alone moves 30 layers' log-probs by ~3e-5: the fp32 test below.)"""
+    """SmolLM2's real shapes and weights in float64 (x64 on, in a process of its own), its
+    first 4 layers (the layers run under one lax.scan: more of them add run time, not code
+    path; the fp32 test below runs all 30): shared-prefix logits, log-probs, entropies and
+    gradients (with accumulation) equal the plain forward's within 1e-5; what is left is the
+    fp32 log-softmax of the log-prob head, which both share. (In fp32, summation order alone
+    moves 30 layers' log-probs by ~3e-5: the fp32 test below.)"""
     import json
 
     from x64 import run_x64
@@ -120,11 +123,15 @@ def test_prompt_group_reads_the_batch():
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py sets "
                     "XLA_FLAGS for 8 host CPU devices)")
 @pytest.mark.slow
-def test_sharded_shared_prefix_equals_plain_single_device(smol_model):
-    """SmolLM2 on a (2,2,2) mesh, 2 accumulated micro-batches of 2 groups with shared prefixes
-    (the Policy's programs: its micro-batch layout and activation constraints) vs one device
-    with numerics.shared_prefix off, in fp32: the same loss and gradients within fp32
-    summation noise, and one update's loss and gradient norm."""
+def test_sharded_shared_prefix_equals_plain_single_device(smol_few_layers):
+    """SmolLM2's real shapes and weights (its first 4 layers: conftest's smol_few_layers; the
+    point is the two code paths, and a real model's 9 query and 3 KV heads over a tensor axis
+    of 2) on a (2,2,2) mesh, 2 accumulated micro-batches of 2 groups with shared prefixes (the
+    Policy's programs: its micro-batch layout and activation constraints) vs one device with
+    numerics.shared_prefix off, in fp32: the same loss and gradients within fp32 summation
+    noise (the bounds were set for all 30 layers, which sum more), and one update's loss and
+    gradient norm."""
+    smol_model = smol_few_layers
     batch = grouped_batch(smol_model.cfg.vocab_size, seed=4, groups=4)
     one = mesh_lib.make_mesh(mesh_lib.MeshConfig(1, 1, 1), jax.devices()[:1])
     eight = mesh_lib.make_mesh(mesh_lib.MeshConfig(2, 2, 2))
