@@ -40,20 +40,82 @@ def run_aot(tmp_path, *args) -> subprocess.CompletedProcess:
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
 
 
+# `python -m grpo_jax.aot ARGS` for several ARGS in one process, one after another: the
+# module's main (what __main__ runs) with each run's stdout, stderr and exit status apart, as
+# run_aot's. One import of jax, libtpu and the CUDA plugin (tens of seconds on a busy 2-core
+# machine) instead of one per command.
+_MANY = """
+import contextlib, io, json, sys, traceback
+from grpo_jax.aot.cli import main
+runs = []
+for argv in json.loads(sys.argv[1]):
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(argv)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    runs.append({"args": argv, "returncode": code, "stdout": out.getvalue(),
+                 "stderr": err.getvalue()})
+print("RUNS " + json.dumps(runs))
+"""
+
+
+def run_aot_many(cwd, *commands) -> list[subprocess.CompletedProcess]:
+    """run_aot for each of `commands` (argument lists), in one process."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([AOT_PYTHON or sys.executable, "-c", _MANY, json.dumps(commands)],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=1800)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RUNS ")), None)
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    return [subprocess.CompletedProcess(r["args"], r["returncode"], r["stdout"], r["stderr"])
+            for r in json.loads(line[5:])]
+
+
+def tiny_dir_in(path, name="tiny", model=TINY):
+    (path / name).mkdir(exist_ok=True)
+    (path / name / "config.json").write_text(json.dumps(model.to_hf()))
+    return path
+
+
+NEEDS_AOT = pytest.mark.skipif(not AOT_PYTHON, reason="GRPO_JAX_AOT_PYTHON is unset: install "
+                               "libtpu and the CUDA plugin with `.ci/install_aot.sh DIR` and set "
+                               "it to DIR/bin/python")
+POD = {"v5e:4x4": ["--dp", "2", "--fsdp", "8"], "h100:8": ["--dp", "1", "--fsdp", "8"]}
+# With max_num_seqs: generated through 16 decode slots. The test reads the sampler's phase
+# only: the update and log-prob programs of this run are the v5e:4x4 run's above.
+REFILL = ["--topology", "v5e:4x4", "--model_name_or_path", "tiny", "--quick", *SHAPE,
+          *POD["v5e:4x4"], "--max_num_seqs", "16", "--phases", "generate"]
+
+
+@pytest.fixture(scope="module")
+def pod_runs(tmp_path_factory):
+    """The pod tests' aot runs (TPU slice, GPUs, and decode slots), in one process:
+    {name: (the CompletedProcess, its --json path)}."""
+    cwd = tiny_dir_in(tmp_path_factory.mktemp("pod"))
+    commands = {t: ["--topology", t, "--model_name_or_path", "tiny", *SHAPE, *mesh]
+                for t, mesh in POD.items()}
+    commands["refill"] = REFILL
+    procs = run_aot_many(cwd, *[[*args, "--json", f"{i}.json"]
+                                for i, args in enumerate(commands.values())])
+    return {name: (proc, cwd / f"{i}.json") for i, (name, proc) in
+            enumerate(zip(commands, procs))}
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(not AOT_PYTHON, reason="GRPO_JAX_AOT_PYTHON is unset: install libtpu and "
-                    "the CUDA plugin with `.ci/install_aot.sh DIR` and set it to DIR/bin/python")
-@pytest.mark.parametrize("topology,chips,hosts,mesh", [
-    ("v5e:4x4", 16, 4, ["--dp", "2", "--fsdp", "8"]),
-    ("h100:8", 8, 1, ["--dp", "1", "--fsdp", "8"]),
-])
-def test_compiles_for_a_pod_without_one(tmp_path, topology, chips, hosts, mesh):
-    (tmp_path / "tiny").mkdir()
-    (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY.to_hf()))
-    proc = run_aot(tmp_path, "--topology", topology, "--model_name_or_path", "tiny",
-                   "--json", "out.json", *SHAPE, *mesh)
+@NEEDS_AOT
+@pytest.mark.parametrize("topology,chips,hosts", [("v5e:4x4", 16, 4), ("h100:8", 8, 1)])
+def test_compiles_for_a_pod_without_one(pod_runs, topology, chips, hosts):
+    """A 4-host v5e slice meshed data 2 x fsdp 8, and 8 H100s meshed fsdp 8: every phase
+    compiles (the sampler whole). The two runs (and test_refilled_decode_slots_for_a_pod's)
+    share one process (pod_runs)."""
+    proc, out = pod_runs[topology]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads((tmp_path / "out.json").read_text())
+    r = json.loads(out.read_text())
     assert (r["chips"], r["hosts"]) == (chips, hosts)
     m, fsdp = r["memory_per_chip"], r["mesh"]["fsdp"]
     # fp32 params, every matrix split over fsdp (norm scales are replicated: ~1% here); AdamW's
@@ -85,44 +147,59 @@ def test_compiles_for_a_pod_without_one(tmp_path, topology, chips, hosts, mesh):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not AOT_PYTHON, reason="GRPO_JAX_AOT_PYTHON is unset")
-def test_refilled_decode_slots_for_a_pod(tmp_path):
+@NEEDS_AOT
+def test_refilled_decode_slots_for_a_pod(pod_runs):
     """With max_num_seqs the run generates through that many decode slots (refilled as rows
-    finish): the refill program compiles for the slice, and the KV cache per chip is the
-    slots' (16 over 16 chips: 1 per chip) instead of the 64 rows' (4 per chip)."""
-    (tmp_path / "tiny").mkdir()
-    (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY.to_hf()))
-    proc = run_aot(tmp_path, "--topology", "v5e:4x4", "--model_name_or_path", "tiny", "--quick",
-                   "--json", "out.json", *SHAPE, "--dp", "2", "--fsdp", "8",
-                   "--max_num_seqs", "16")
+    finish): the refill program compiles for the slice (--quick: at 2 and 3 layers), and the
+    KV cache per chip is the slots' (16 over 16 chips: 1 per chip) instead of the 64 rows' (4
+    per chip). Only the generate phase is compiled (--phases generate): nothing here reads the
+    others, which test_compiles_for_a_pod_without_one compiles for the same slice and mesh."""
+    proc, out = pod_runs["refill"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "compiled refill" in proc.stderr and "decode slots" in proc.stdout
-    r = json.loads((tmp_path / "out.json").read_text())
+    r = json.loads(out.read_text())
     assert (r["plan"]["sampler_rows"], r["plan"]["decode_slots"]) == (64, 16)
     L, K, Dh = TINY.num_layers, TINY.num_kv_heads, TINY.head_dim
     m = r["memory_per_chip"]
     assert m["kv_cache_GB"] == pytest.approx(2 * L * 1 * K * 96 * Dh * 2 / 1e9)
+    assert set(m["phases"]) == {"generate"}
     assert m["fits"] and m["phases"]["generate"]["peak_GB"] < m["peak_GB"] + 1e-9
 
 
+# QLoRA's sampler (the NF4 base and the adapters) through --quick's 2- and 3-layer programs, as
+# a large model's; LoRA's (the merged copy) compiled whole: one sampler program instead of two.
+QUANT = {"lora": [], "qlora": ["--load_in_4bit", "true", "--quick"]}
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory):
+    """test_lora_and_qlora_memory's two aot runs, in one process: {name: (the
+    CompletedProcess, its --json path)}."""
+    cwd = tiny_dir_in(tmp_path_factory.mktemp("lora"))
+    procs = run_aot_many(cwd, *[
+        ["--topology", "v5e:2x2", "--model_name_or_path", "tiny", "--json", f"{name}.json",
+         "--dp", "2", "--fsdp", "2", *SHAPE, "--use_peft", "true",
+         "--lora_target_modules", "all-linear", "--lora_r", "8", *quant]
+        for name, quant in QUANT.items()])
+    return {name: (proc, cwd / f"{name}.json") for name, proc in zip(QUANT, procs)}
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(not AOT_PYTHON, reason="GRPO_JAX_AOT_PYTHON is unset")
-@pytest.mark.parametrize("quant", [[], ["--load_in_4bit", "true"]])
-def test_lora_and_qlora_memory(tmp_path, quant):
+@NEEDS_AOT
+@pytest.mark.parametrize("name", list(QUANT))
+def test_lora_and_qlora_memory(lora_runs, name):
     """With LoRA only the adapters (fp32) and their AdamW state are trained and resident beside
     the frozen base (bf16, or NF4 codes with a fp32 scale per 64 weights); the reference is the
     base with the adapters off (no copy). The sampler reads the quantized base and the adapters
-    themselves, or, unquantized, a merged copy that its phase holds on top."""
+    themselves, or, unquantized, a merged copy that its phase holds on top (LoRA's sampler
+    compiled whole, QLoRA's at --quick's 2 and 3 layers). Both runs share one process
+    (lora_runs)."""
     from grpo_jax.models import param_table
     from grpo_jax.models.quant import PROJECTIONS
-    (tmp_path / "tiny").mkdir()
-    (tmp_path / "tiny" / "config.json").write_text(json.dumps(TINY.to_hf()))
-    proc = run_aot(tmp_path, "--topology", "v5e:2x2", "--model_name_or_path", "tiny",
-                   "--json", "out.json", "--quick", "--dp", "2", "--fsdp", "2", *SHAPE,
-                   "--use_peft", "true", "--lora_target_modules", "all-linear", "--lora_r", "8",
-                   *quant)
+    quant = name == "qlora"
+    proc, out = lora_runs[name]
     assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads((tmp_path / "out.json").read_text())
+    r = json.loads(out.read_text())
     m, fsdp = r["memory_per_chip"], 2
     table = param_table(TINY)
     size = {name: np.prod(shape) for name, (shape, _) in table.items()}

@@ -209,23 +209,25 @@ def test_adapter_errors(tmp_path):
 
 @pytest.mark.slow
 def test_lora_run_checkpoints_adapters_only_resumes_exactly_and_exports(tmp_path, tiny_dir):
-    """beta > 0 (the reference: the base, adapters off), a cut at step 3 resumed to 5 equals a
-    run to 5; checkpoints hold the adapters and their optimizer state only; both exports."""
+    """beta > 0 (the reference: the base, adapters off), a cut at step 1 resumed to 3 equals a
+    run to 3 (2 steps per generation batch: the cut falls inside one, the resumed run finishes
+    it and generates the next); checkpoints hold the adapters and their optimizer state only;
+    both exports."""
     import transformers
 
     from grpo_jax.checkpoint import load_checkpoint
     from grpo_jax.export import main as export_main
     from grpo_jax.train import train
-    four = dict(per_device_train_batch_size=4, generation_batch_size=16, beta=0.04,
+    four = dict(per_device_train_batch_size=4, generation_batch_size=8, beta=0.04,
                 use_peft="true", lora_r=4, lora_alpha=16, lora_target_modules="all-linear",
                 learning_rate=0.05)
     cpu = jax.devices()[:1]
-    train(config(tiny_dir, tmp_path / "cut", max_steps=3, **four), devices=cpu)
-    train(config(tiny_dir, tmp_path / "cut", max_steps=5, resume=True, **four), devices=cpu)
-    train(config(tiny_dir, tmp_path / "full", max_steps=5, **four), devices=cpu)
+    train(config(tiny_dir, tmp_path / "cut", max_steps=1, **four), devices=cpu)
+    train(config(tiny_dir, tmp_path / "cut", max_steps=3, resume=True, **four), devices=cpu)
+    train(config(tiny_dir, tmp_path / "full", max_steps=3, **four), devices=cpu)
     a, _, _ = load_checkpoint(tmp_path / "full")
     b, base_dir, step = load_checkpoint(tmp_path / "cut")
-    assert step == 5 and base_dir == tiny_dir
+    assert step == 3 and base_dir == tiny_dir
     adapters = lambda m: nnx.state(m, lora.LoraParam)  # noqa: E731
     diffs = jax.tree.map(lambda x, y: float(np.abs(np.asarray(x) - np.asarray(y)).max()),
                          adapters(a), adapters(b))
@@ -233,7 +235,7 @@ def test_lora_run_checkpoints_adapters_only_resumes_exactly_and_exports(tmp_path
     assert float(np.abs(np.asarray(b.layers.wq_lora_b[...])).max()) > 0  # it trained
     kl = [json.loads(line)["kl"] for line in (tmp_path / "full" / "metrics.jsonl").open()]
     assert max(kl) > 0  # the reference (the base) stays behind the trained adapters
-    saved = json.loads((tmp_path / "full" / "checkpoints" / "5" / "state" / "_METADATA")
+    saved = json.loads((tmp_path / "full" / "checkpoints" / "3" / "state" / "_METADATA")
                        .read_text())["tree_metadata"]
     params = [k for k in saved if k.startswith("('params'")]
     assert len(params) == 14 and all("_lora_" in k for k in params), params
