@@ -239,11 +239,13 @@ def tiny_vllm_server(tiny_llama_dir, tmp_path_factory):
 def smol_vllm_server(smol_dir, tmp_path_factory):
     """A vLLM CPU server for SmolLM2 (guarded by vllm_server.API_KEY) and the directories it could
     write to: its TMPDIR, its cache and the model's (test_vllm_weight_sync checks they stay
-    unchanged)."""
+    unchanged). Without inductor (vllm_server.NO_INDUCTOR): its cache is its own."""
+    from vllm_server import NO_INDUCTOR
     tmp = tmp_path_factory.mktemp("smol_server")
     (tmp / "tmp").mkdir()
     srv = _start_vllm(smol_dir, tmp, 1024, TMPDIR=str(tmp / "tmp"),
-                      VLLM_CACHE_ROOT=str(tmp / "cache"))  # its own: checked to stay unchanged
+                      VLLM_CACHE_ROOT=str(tmp / "cache"),  # its own: checked to stay unchanged
+                      **NO_INDUCTOR)
     _SHARED_SERVERS.append(srv)
     yield srv, [tmp / "tmp", tmp / "cache", smol_dir]
     srv.stop()
