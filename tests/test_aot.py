@@ -33,11 +33,17 @@ SHAPE = ["--max_prompt_length", "64", "--max_completion_length", "32", "--num_ge
          "--beta", "0.04"]
 
 
-def run_aot(tmp_path, *args) -> subprocess.CompletedProcess:
+def aot_env() -> dict:
+    """The aot subprocess's environment: this tree importable, and no XLA_FLAGS (the suite's 8
+    host devices mean nothing to the compile)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)  # the suite's 8 host devices mean nothing to the compile
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def run_aot(tmp_path, *args) -> subprocess.CompletedProcess:
     return subprocess.run([AOT_PYTHON or sys.executable, "-m", "grpo_jax.aot", *args],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+                          cwd=tmp_path, env=aot_env(), capture_output=True, text=True, timeout=900)
 
 
 # `python -m grpo_jax.aot ARGS` for several ARGS in one process, one after another: the
@@ -66,10 +72,8 @@ print("RUNS " + json.dumps(runs))
 
 def run_aot_many(cwd, *commands) -> list[subprocess.CompletedProcess]:
     """run_aot for each of `commands` (argument lists), in one process."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
     proc = subprocess.run([AOT_PYTHON or sys.executable, "-c", _MANY, json.dumps(commands)],
-                          cwd=cwd, env=env, capture_output=True, text=True, timeout=1800)
+                          cwd=cwd, env=aot_env(), capture_output=True, text=True, timeout=1800)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RUNS ")), None)
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
     return [subprocess.CompletedProcess(r["args"], r["returncode"], r["stdout"], r["stderr"])
@@ -723,9 +727,7 @@ x = jax.ShapeDtypeStruct((2**20,), jnp.float32, sharding=NamedSharding(mesh, P()
 out = analyze._compile("sort", jax.jit(lambda x: jnp.sort(jnp.outer(x, x), axis=0)[0]).lower(x))
 print("TEMP", out.temp_bytes, out.refused)
 """
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run([AOT_PYTHON, "-c", script], cwd=tmp_path, env=env,
+    proc = subprocess.run([AOT_PYTHON, "-c", script], cwd=tmp_path, env=aot_env(),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("TEMP"))
