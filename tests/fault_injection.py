@@ -53,16 +53,12 @@ def tmpfs(path: Path, size: str):
             subprocess.run(["umount", "-l", str(path)], check=True)
 
 
-def cli_env():
-    return user_env()
-
-
 def start_cli(tiny_dir, out, *args, **settings):  # noqa: F811
     cfg = config(tiny_dir, out, **settings)
     path = Path(out).parent / f"{Path(out).name}.yaml"
     path.write_text(cfg.to_yaml())
     return subprocess.Popen([sys.executable, *TRAIN, "--config", str(path),
-                             *args], env=cli_env(), stdout=subprocess.PIPE,
+                             *args], env=user_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 

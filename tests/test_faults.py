@@ -23,9 +23,9 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from fault_injection import (STALL, cli_env, export, finish, immutable, one_error_line,
+from fault_injection import (STALL, export, finish, immutable, one_error_line,
                              restorable, root_or_skip, start_cli, tmpfs, wait_for)
-from tiny_run import HERE, config
+from tiny_run import HERE, config, user_env
 
 # ------------------------------------------------------------------ checkpoint writes
 
@@ -372,7 +372,7 @@ def test_interrupted_export_leaves_no_half_model(run_dir, tmp_path, monkeypatch)
 def _export_cli(run_dir, out, *extra, cwd=None):
     """`python -m grpo_jax.export` as a user runs it: (exit code, stderr)."""
     proc = subprocess.run([sys.executable, "-m", "grpo_jax.export", "--checkpoint", str(run_dir),
-                           "--out", str(out), "--dtype", "float32", *extra], env=cli_env(),
+                           "--out", str(out), "--dtype", "float32", *extra], env=user_env(),
                           cwd=cwd, capture_output=True, text=True, timeout=300)
     return proc.returncode, proc.stderr
 

@@ -71,13 +71,8 @@ def start_run(model_dir, tmp_path, base_url, **extra):
     cfg = train_config(model_dir, tmp_path / "run", base_url, **extra)
     (tmp_path / "run.yaml").write_text(cfg.to_yaml())
     return subprocess.Popen([sys.executable, *TRAIN, "--config",
-                             str(tmp_path / "run.yaml")], env=train_env(),
+                             str(tmp_path / "run.yaml")], env=user_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def train_env() -> dict:
-    """A training subprocess's environment: one CPU device (not the suite's eight)."""
-    return user_env()
 
 
 def wait_for_checkpoint(run, tmp_path, step: int) -> None:
@@ -215,7 +210,7 @@ def test_server_killed_mid_run_checkpoints_and_exits_clearly(servers, model_dir,
     start = time.monotonic()
     again = subprocess.run([sys.executable, *TRAIN, "--config",
                             str(tmp_path / "run.yaml"), "--resume", "--vllm_server_timeout", "3"],
-                           env=train_env(), capture_output=True, text=True, timeout=300)
+                           env=user_env(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 2 and "grpo_jax.serve" in again.stderr, again.stderr[-2000:]
     assert time.monotonic() - start < 120
     assert Checkpointer(ckpts, save_total_limit=None).all_steps() == steps
