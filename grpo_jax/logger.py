@@ -109,7 +109,7 @@ class MetricsLogger:
         rows = [{"step": step, "prompt": p, "completion": c, "reward": float(r),
                  "advantage": float(a), **{k: v[i] for k, v in extra.items()}}
                 for i, (p, c, r, a) in enumerate(zip(prompts, completions, rewards, advantages))]
-        self._completions.writelines(json.dumps(row, default=str) + "\n" for row in rows)
+        self._completions.writelines(json.dumps(row, default=_jsonable) + "\n" for row in rows)
         self._completions.flush()
         shown = self.run_cfg.num_completions_to_print
         for row in rows[:len(rows) if shown is None else shown]:
@@ -141,6 +141,18 @@ class MetricsLogger:
         history = read_history(self.out / "metrics.jsonl")
         if history:
             plot_curves(history, self.out / "reward_kl.png")
+
+
+def _jsonable(v) -> str:
+    """What completions.jsonl writes for a value JSON has no form for: an image part of a
+    vision-language prompt as its size and mode (its str() is a memory address), others as str."""
+    try:
+        from PIL import Image
+    except ImportError:  # the aot venv has no Pillow, and no images either
+        return str(v)
+    if isinstance(v, Image.Image):
+        return f"<image {v.width}x{v.height} {v.mode}>"
+    return str(v)
 
 
 def _number(v) -> float | None:

@@ -42,3 +42,17 @@ def test_log_unique_prompts_keeps_one_row_per_prompt_in_the_table(tmp_path, monk
     rows, tables = _log(tmp_path, monkeypatch, log_unique_prompts=True)
     assert len(rows) == 4  # the file keeps every completion, as TRL's parquet does
     assert [r["completion"] for r in tables[0]] == ["4", "6"]
+
+
+def test_an_image_in_a_prompt_is_logged_as_its_size_and_mode(tmp_path):
+    """A vision-language prompt's image part (a PIL image, as TRL's prepare_multimodal_messages
+    leaves it) is written as what it is, not as str()'s memory address."""
+    from PIL import Image
+    prompt = [{"role": "user", "content": [{"type": "image", "image": Image.new("RGB", (28, 20))},
+                                           {"type": "text", "text": "How many red squares?"}]}]
+    logger = MetricsLogger(tmp_path, config_from_dict({"log_completions": True}).run,
+                           total_steps=1)
+    logger.log_completions(1, [prompt], ["3"], [1.0], [0.0])
+    logger.close()
+    row = json.loads((tmp_path / "completions.jsonl").read_text())
+    assert row["prompt"][0]["content"][0] == {"type": "image", "image": "<image 28x20 RGB>"}

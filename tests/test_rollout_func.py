@@ -4,7 +4,6 @@ environment's reply masked), the trainer trains on them."""
 import json
 
 import jax
-import numpy as np
 import pytest
 from tiny_run import HERE, REWARD, config
 

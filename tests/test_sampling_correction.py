@@ -14,7 +14,7 @@ from flax import nnx
 from trl_oracle import jax_step, make_inputs
 
 from grpo_jax import mesh as mesh_lib
-from grpo_jax.config import BatchPlan, GRPOArgs, TrainConfig
+from grpo_jax.config import BatchPlan, TrainConfig
 from grpo_jax.data import DataPosition
 from grpo_jax.errors import ConfigError
 from grpo_jax.grpo import loss as L

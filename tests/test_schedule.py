@@ -15,7 +15,7 @@ import pytest
 from tiny_run import HERE, config
 
 from grpo_jax import hf
-from grpo_jax.checkpoint import Checkpointer, committed_steps, load_checkpoint
+from grpo_jax.checkpoint import committed_steps, load_checkpoint
 from grpo_jax.errors import NoSignalError
 from grpo_jax.train import main, train
 

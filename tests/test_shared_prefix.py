@@ -10,7 +10,7 @@ from flax import nnx
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.grpo.optimizer import OptimizerConfig
 from grpo_jax.grpo.train_step import StepConfig, completion_logps, loss_and_grads
-from grpo_jax.models import Decoder, ModelConfig, decoder
+from grpo_jax.models import Decoder, ModelConfig
 from grpo_jax.policy import Policy
 from shared_prefix_parity import (G, GROUPS, accumulated_grads, grouped_batch, loss_config, parity,
                                   worst_relative)
