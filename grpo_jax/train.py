@@ -414,6 +414,9 @@ def run_rounds(run: Run) -> dict:
         draws = Draws(run.dataset, plan, run.data_epochs, stop)
 
         def evaluate():
+            # A split run evaluates on the sampler's devices once its advance has ended: one
+            # program there at a time, and the next round collects the same advance.
+            run.at = run.round.settle(run.at)
             step = run.at.step
             run.eval_scorer.trainer_state = run.trainer_state(step)
             with stop.interruptible():  # changes nothing a checkpoint holds

@@ -400,7 +400,6 @@ def test_sampler_devices_needs_partial_rollouts_and_refuses_the_rest():
                          "needs max_staleness >= 1"),
                         ({**split, "sampler_devices": 0}, "must be >= 1"),
                         ({**split, "dynamic_sampling": True}, "dynamic_sampling yet"),
-                        ({**split, "eval_strategy": "steps"}, "evaluation yet"),
                         ({**split, "num_processes": 2}, "built for one process"),
                         ({**split, "tools": ["math.sqrt"]}, "tools or rollout_func")]:
         with pytest.raises(ConfigError, match=needle):

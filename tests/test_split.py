@@ -18,6 +18,16 @@ from grpo_jax.train import train
 # max_staleness 1: the sampler's round-ahead version is all the staleness allowed.
 SPLIT = dict(sampler_devices=2, max_staleness=1, max_num_seqs=8, max_completion_length=12,
              per_device_train_batch_size=8, dp=1, fsdp=-1)
+# Evaluation at steps 2 and 4 on 8 held-out prompts x 2 (one eval batch), on the sampler's
+# devices once its advance has ended.
+EVAL = dict(dataset_train_split="train[:48]", dataset_test_split="train[48:56]",
+            eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8,
+            num_generations_eval=2)
+
+
+def untimed(record: dict) -> dict:
+    return {k: v for k, v in record.items()
+            if not k.startswith(("timing/", "step_time", "timeline/")) and not k.endswith(("_runtime", "_per_second"))}
 
 
 @pytest.mark.slow
@@ -26,30 +36,37 @@ def test_split_run_trains_each_prompt_once_one_version_behind_and_resumes(tiny_d
     """4 rounds: the first batch is sampled before round 1 with its own weights (staleness 0),
     every later one a round ahead (every token exactly one version old); each prompt trained
     once, in draw order; stopped at step 2 (the checkpoint holds the batch sampled ahead) and
-    resumed: the same prompts in the same order, the same metrics and bit-exact weights."""
+    resumed: the same prompts in the same order, the same metrics and bit-exact weights.
+    Evaluation at steps 2 and 4 (on the sampler's devices) changes none of that."""
     got, drawn = advances(monkeypatch)
     devices = jax.devices()[:4]
-    train(config(tiny_dir, tmp_path / "full", max_steps=4, **SPLIT), devices=devices)
+    train(config(tiny_dir, tmp_path / "full", max_steps=4, **SPLIT, **EVAL), devices=devices)
     full, full_drawn = list(got), list(drawn)
     # the first batch, then one advance per round: the last is sampled ahead, never trained
     assert len(full) == 5
     trained = [p for group in full[:4] for p in group]
     assert len(trained) == 16 and len(set(trained)) == 16 and set(trained) <= set(drawn)
-    a = history(tmp_path / "full")
+    a = [h for h in history(tmp_path / "full") if "loss" in h]
     assert [h["step"] for h in a] == [1, 2, 3, 4]
+    evals = [h for h in history(tmp_path / "full") if "eval_reward" in h]
+    assert [h["step"] for h in evals] == [2, 4]
+    assert all(np.isfinite(h["eval_reward"]) and h["eval_completions/mean_length"] > 0
+               for h in evals)
     assert a[0]["staleness/max"] == 0
     for h in a[1:]:
         assert (h["staleness/mean"], h["staleness/max"], h["staleness/tokens_1"]) == (1, 1, 1)
         assert h["timing/idle_trainer"] >= 0 and h["timing/idle_sampler"] >= 0
 
     got[:], drawn[:] = [], []
-    train(config(tiny_dir, tmp_path / "cut", max_steps=2, **SPLIT), devices=devices)
+    train(config(tiny_dir, tmp_path / "cut", max_steps=2, **SPLIT, **EVAL), devices=devices)
     assert len((tmp_path / "cut" / "queued" / "2.npz").read_bytes()) > 0
-    train(config(tiny_dir, tmp_path / "cut", max_steps=4, resume=True, **SPLIT),
+    train(config(tiny_dir, tmp_path / "cut", max_steps=4, resume=True, **SPLIT, **EVAL),
           devices=devices)
     assert got == full and drawn == full_drawn
-    b = history(tmp_path / "cut")
+    b = [h for h in history(tmp_path / "cut") if "loss" in h]
     assert [h["step"] for h in b] == [1, 2, 3, 4]
+    again = [h for h in history(tmp_path / "cut") if "eval_reward" in h]
+    assert [untimed(h) for h in again] == [untimed(h) for h in evals]
     for ha, hb in zip(a, b):
         for name in set(ha) | set(hb):
             if not name.startswith(("timing/", "step_time", "timeline/")):

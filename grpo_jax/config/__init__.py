@@ -107,9 +107,6 @@ class TrainConfig:
         check(not split or not self.grpo.dynamic_sampling,
               "sampler_devices does not take dynamic_sampling yet (the sampler runs a round ahead "
               "of the filter): unset sampler_devices, or dynamic_sampling false")
-        check(not split or not self.eval.enabled,
-              "sampler_devices does not take evaluation yet (it would decode on the sampler's "
-              "devices with the trainer's weights): unset sampler_devices, or eval_strategy no")
         check(not split or (self.distributed.num_processes or 1) == 1,
               "sampler_devices is built for one process: the sampler and trainer meshes are "
               "this process's devices; unset sampler_devices in multi-process runs")
