@@ -188,6 +188,23 @@ def test_split_by_groups_with_shared_prefix(micro):
     assert groups.tolist() != list(range(16 // G))  # shuffled
 
 
+def test_prompt_blocks_tell_same_text_with_other_images_apart():
+    """Two groups of 2 rows with the same prompt text (squares' "how many red squares?")
+    share a block of 4 only where their images are equal too: the shared prefix runs a
+    block's first image for all its rows."""
+    from grpo_jax.grpo.batch import Batch
+    from grpo_jax.policy import prompt_blocks
+    ids = np.tile(np.array([[0, 5, 9, 9, 7]], np.int32), (4, 1))
+    rows = np.ones((4, 3), np.int32)
+    pixels = np.repeat(np.arange(2, dtype=np.float32)[:, None, None], 2, axis=0) * np.ones(
+        (4, 2, 3), np.float32)
+    text = Batch(ids, (ids > 0).astype(np.int32), rows, rows, np.zeros(4, bool),
+                 np.zeros(4, np.float32))
+    assert prompt_blocks(text) == 4
+    assert prompt_blocks(text.replace(pixel_values=pixels)) == 2
+    assert prompt_blocks(text.replace(pixel_values=np.zeros_like(pixels))) == 4
+
+
 @pytest.mark.parametrize("spg,gas,ni,want", [
     (1, 1, 1, False), (2, 1, 1, True), (3, 2, 1, True), (1, 2, 1, False), (2, 4, 1, False),
     (2, 3, 1, True), (1, 2, 2, False), (1, 1, 2, True)])

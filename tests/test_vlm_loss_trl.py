@@ -20,7 +20,8 @@ the step's loss, and the gradients of every language-model parameter (attention,
 biases, the embedding and LM head). TRL's tower gets gradients too (it trains whatever the model
 leaves trainable); ours is frozen (policy.frozen_parts): its gradients are zero. Measured:
 log-probs and entropies <= 4.8e-7, loss <= 1.2e-7, gradients <= 3e-6 relative to each tensor's
-max |gradient| (contract: 1e-5, 1e-5, 1e-4)."""
+max |gradient| (contract: 1e-5, 1e-5, 1e-4). The same again with each prompt and its image run
+once per group of rows (numerics.shared_prefix, the trainer's default)."""
 
 import re
 import types
@@ -218,6 +219,22 @@ def test_loss_and_gradients_match_trl(family):
     assert logged and set(logged) <= set(metrics), set(logged) - set(metrics)
     for name, v in logged.items():
         np.testing.assert_allclose(np.asarray(metrics[name]), v, atol=1e-5, err_msg=name)
+
+    # numerics.shared_prefix (the trainer's default): each prompt, its image with it, runs once
+    # per group of G rows (the tower too); the same log-probs, entropies, loss and gradients.
+    lp_g, ent_g = (np.asarray(x) for x in completion_logps(model, b, TEMPERATURE, 128, G))
+    got_g, grads_g, _ = jax.jit(lambda p, bt: loss_and_grads(graphdef, step, p, bt, group=G))(
+        params, jax.tree.map(jnp.asarray, b))
+    ours_g = {_runtime_name(k): v for k, v in
+              hf.hf_state_dict(model.cfg, hf.params_from_state(model.cfg, grads_g)).items()}
+    rel_g = {k: float(np.abs(ours_g[k] - theirs[k]).max() / np.abs(theirs[k]).max()) for k in lm}
+    print(f"shared prefix: log-probs {np.abs(lp_g - want_lp)[real].max():.3g}, loss |diff| "
+          f"{abs(float(got_g) - total):.3g}, worst gradient {max(rel_g.values()):.3g}")
+    assert np.abs(lp_g - want_lp)[real].max() < 1e-5
+    assert np.abs(ent_g - want_ent)[real].max() < 1e-5
+    assert abs(float(got_g) - total) < 1e-5
+    for k in lm:
+        assert rel_g[k] < 1e-4, (k, rel_g[k])
     assert max(logged["clip_ratio/region_mean"]) > 0  # the clipped branch is exercised
     # The tower: TRL's gradients reach it (the model leaves it trainable), ours are zero.
     assert tower and all(not np.any(ours[k]) for k in tower)

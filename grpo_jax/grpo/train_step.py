@@ -106,14 +106,18 @@ def _forward(model, batch: Batch, temperature: float, chunk: int, group: int = 1
     # Position t predicts token t + 1: targets shifted left (the last one predicts nothing).
     shift = lambda ids: jnp.pad(ids[:, 1:], ((0, 0), (0, 1)))  # noqa: E731
     # LoRA dropout draws its masks per row: a shared prompt would share them.
-    # Images: each row's prompt runs with its own (the shared-prefix path takes text only).
-    if group > 1 and model.lora_dropout_key is None and batch.pixel_values is None:
+    if group > 1 and model.lora_dropout_key is None:
         o_p, o_c = model.sequence_order(P_len), model.sequence_order(C)
+        # Images: a group's prompt, its images with it, runs once (the tower too).
+        embeds = None if batch.pixel_values is None else prompt_embeds(model, batch, group)
+        positions = (None if batch.positions is None else  # M-RoPE's [N, 3, P + C]
+                     (batch.positions[::group, :, :P_len].transpose(1, 0, 2),
+                      batch.positions[:, :, P_len:].transpose(1, 0, 2)))
         prompt, hidden, stats, *chosen = model.shared_prefix(
             batch.prompt_ids[::group], batch.prompt_mask[::group], batch.completion_ids,
             batch.completion_mask, group, orders=(o_p, o_c), with_router=True,
             routing=(batch.prompt_routing[::group], batch.completion_routing) if replay else None,
-            record_routing=record)
+            record_routing=record, prompt_embeds=embeds, positions=positions)
         chosen = chosen[0][1] if chosen else None
         at = P_len - 1 if o_p is None else int(np.flatnonzero(o_p == P_len - 1)[0])
         last = model.shard_rows(jnp.repeat(prompt[:, at:at + 1], group, axis=0))
@@ -153,12 +157,18 @@ def multimodal_embeds(model, batch: Batch) -> jax.Array:
     embed_multimodal with each row's images (the tower frozen: no gradient reaches it), the
     completions' the tokens' own (a sampled placeholder id is text there, as the sampler fed
     it)."""
-    pv = batch.pixel_values
+    return jnp.concatenate([prompt_embeds(model, batch),
+                            model.embed_tokens(batch.completion_ids)], axis=1)
+
+
+def prompt_embeds(model, batch: Batch, group: int = 1) -> jax.Array:
+    """[N / group, P, D]: the prompt embeddings (embed_multimodal) of every group-th row, with
+    its images: of each prompt once where blocks of `group` rows share it."""
+    pv = batch.pixel_values[::group]
     grid = (None if batch.image_grid is None
             else np.tile(np.asarray(batch.image_grid), (pv.shape[0], 1)))
-    prompt = model.embed_multimodal(batch.prompt_ids, pv.reshape(-1, *pv.shape[2:]), grid,
-                                    frozen_tower=True)
-    return jnp.concatenate([prompt, model.embed_tokens(batch.completion_ids)], axis=1)
+    return model.embed_multimodal(batch.prompt_ids[::group], pv.reshape(-1, *pv.shape[2:]),
+                                  grid, frozen_tower=True)
 
 
 def _micro_loss(params, graphdef, cfg: StepConfig, mb: Batch, frozen=(),

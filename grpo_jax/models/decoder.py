@@ -447,7 +447,7 @@ class Decoder(nnx.Module):
 
     def shared_prefix(self, prompt_ids, prompt_mask, ids, mask, group: int,
                       orders=(None, None), with_router: bool = False, routing=None,
-                      record_routing: bool = False):
+                      record_routing: bool = False, prompt_embeds=None, positions=None):
         """The forward of `group` completions per prompt with each prompt computed once (Prefix
         Grouper, arXiv 2506.05433): returns (hidden [g, P, D] of the prompts, hidden [g * group,
         C, D] of the completions), equal to running every row's prompt + completion through
@@ -460,20 +460,33 @@ class Decoder(nnx.Module):
         with_router: also the RouterStats of every row's real tokens (a prompt's counted once
         per row, as running the rows one by one counts them). `routing`: replayed experts, the
         pair (prompts' [g, P, S, k], completions' [g * group, C, S, k]) (see __call__);
-        record_routing: also the pair of experts the prompts and completions ran, last."""
+        record_routing: also the pair of experts the prompts and completions ran, last.
+        A vision-language model's prompts: `prompt_embeds` [g, P, D] (embed_multimodal: the
+        tower runs once per prompt, not once per row) and, for M-RoPE, `positions` the pair
+        ([3, g, P], [3, g * group, C]); Gemma 3's image blocks attend both ways in the prompt."""
         cfg, mesh = self.cfg, self.mesh
         P_len, C = prompt_ids.shape[1], ids.shape[1]
         rep = lambda a: self.shard_rows(jnp.repeat(a, group, axis=0))  # noqa: E731
         prompt_ok, ok = prompt_mask.astype(bool), mask.astype(bool)
-        positions = {"prompt": positions_from_mask(prompt_mask),
-                     "completion": jnp.maximum(rep(prompt_mask.sum(1))[:, None]
-                                               + jnp.cumsum(mask, axis=1) - 1, 0)}
+        if positions is None:
+            positions = (positions_from_mask(prompt_mask),
+                         jnp.maximum(rep(prompt_mask.sum(1))[:, None] + jnp.cumsum(mask, axis=1)
+                                     - 1, 0))
+        positions = dict(zip(("prompt", "completion"), positions))
+        # Numbered over whole rows, as __call__ numbers them (the prompt's blocks come first).
+        blocks = None
+        if cfg.image_blocks:
+            rows = image_blocks(jnp.concatenate([rep(prompt_ids), ids], axis=1),
+                                cfg.vision.image_token_id)
+            blocks = {"prompt": rows[::group, :P_len], "completion": rows}
         o_p, o_c = orders
-        tokens = {"prompt": prompt_ids, "completion": ids}
+        x0 = {"prompt": (self.embed_tokens(prompt_ids) if prompt_embeds is None
+                         else prompt_embeds.astype(cfg.dtype)),
+              "completion": self.embed_tokens(ids)}
         forced = None if routing is None else dict(zip(("prompt", "completion"), routing))
         for part, o in (("prompt", o_p), ("completion", o_c)):
             if o is not None:
-                tokens[part], positions[part] = tokens[part][:, o], positions[part][:, o]
+                x0[part], positions[part] = x0[part][:, o], positions[part][..., o]
                 if forced is not None:
                     forced[part] = forced[part][:, o]
         sliding = cfg.sliding_layers
@@ -497,7 +510,8 @@ class Decoder(nnx.Module):
             window = _window(cfg, slides)
             q, k, v = _qkv(cfg, p, x_prompt, *_pick(sliding, slides, rope["prompt"]))
             k, v = (attention_lib.gather_keys(a, o_p, mesh) for a in (k, v))
-            attn = _attend(cfg, q, k, v, Mask(queries["prompt"], keys_ok["prompt"], window),
+            attn = _attend(cfg, q, k, v, Mask(queries["prompt"], keys_ok["prompt"], window,
+                                              None if blocks is None else blocks["prompt"]),
                            mesh, sinks=_sinks(cfg, p))
             x_prompt, prompt_stats, prompt_idx = _attn_out_and_mlp(
                 cfg, p, x_prompt, attn, tokens_ok["prompt"], self.expert_mesh, f["prompt"])
@@ -505,7 +519,9 @@ class Decoder(nnx.Module):
             k = jnp.concatenate([rep(k), attention_lib.gather_keys(kc, o_c, mesh)], axis=1)
             v = jnp.concatenate([rep(v), attention_lib.gather_keys(vc, o_c, mesh)], axis=1)
             attn = _attend(cfg, q, k, v, Mask(queries["completion"], keys_ok["completion"],
-                                              window), mesh, sinks=_sinks(cfg, p))
+                                              window,
+                                              None if blocks is None else blocks["completion"]),
+                           mesh, sinks=_sinks(cfg, p))
             x, stats, idx = _attn_out_and_mlp(cfg, p, x, attn, tokens_ok["completion"],
                                               self.expert_mesh, f["completion"])
             if stats is not None:
@@ -513,7 +529,7 @@ class Decoder(nnx.Module):
             chosen = (prompt_idx, idx) if record_routing and idx is not None else None
             return (self.shard_tokens(x_prompt), self.shard_tokens(x)), (stats, chosen)
 
-        x0 = tuple(self.shard_tokens(self.embed_tokens(tokens[part])) for part in tokens)
+        x0 = tuple(self.shard_tokens(x0[part]) for part in ("prompt", "completion"))
         routing = None if forced is None else {k: jnp.moveaxis(v, 2, 0) for k, v in forced.items()}
         (x_prompt, x), stats, chosen = self.scan_layers(body, x0, routing)
         out = (self._final_norm(x_prompt), self._final_norm(x)) + ((stats,) if with_router else ())
