@@ -460,6 +460,9 @@ def run_rounds(run: Run) -> dict:
                                            max_updates=stop_at - first, stop=stop)
                 if draw is not None and result.scores is None:
                     continue  # stopped while dynamic sampling filled the batch
+                if ahead is not None and draw is not None:  # the fill may have read on: the
+                    # batch prefetched is the one after the last prompts it read
+                    run.at = run.at.replace(in_flight=((run.at.round, run.at.position),))
                 log.round(run.at, result, first, generated=draw is not None, started=t0)
                 ckpt.poll()  # a background checkpoint write that failed stops the run now
                 if log.skips.exceeded:  # every process saw the same updates skipped

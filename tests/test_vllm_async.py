@@ -129,6 +129,7 @@ def test_async_rounds_fill_dynamic_sampling_from_batches_generated_ahead(server,
                reward_funcs=f"[{HERE / 'reward_fixtures.py'}:even_tokens_odd_words]")
     assert [h["step"] for h in hist] == [1, 2, 3, 4]
     gens = [int(h["dynamic_sampling/num_gen_batches"]) for h in hist]
+    print(f"generation batches per round: {gens}")
     assert max(gens) >= 2, gens
     assert [h["async/staleness"] for h in hist] == [0, 1, 1, 1]
     assert all(h["async/discarded"] == 0 for h in hist)
