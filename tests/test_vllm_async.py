@@ -118,20 +118,22 @@ def test_async_rounds_fill_dynamic_sampling_from_batches_generated_ahead(server,
     (the first a round before, one version old). Every prompt read is generated and scored
     once, in data order, with none prefetched in vain; each round trains the first two groups
     with signal of the batches it read, each once; the engines agree under each batch's own
-    weights (a fill mixes two versions)."""
+    weights (a fill mixes two versions). Resumed from step 4, the run goes on from the prompts
+    after the last ones read (the batch prefetched when it stopped is generated again)."""
     from tiny_run import HERE
     scored = tmp_path / "scored.jsonl"
     monkeypatch.setenv("GRPO_TEST_SCORED", str(scored))
     out = tmp_path / "filled"
-    hist = run(model_dir, out, server.base_url, max_staleness=1, max_steps=4,
-               max_completion_length=8, dynamic_sampling="true", shuffle_dataset="false",
-               log_completions="true",
-               reward_funcs=f"[{HERE / 'reward_fixtures.py'}:even_tokens_odd_words]")
-    assert [h["step"] for h in hist] == [1, 2, 3, 4]
+    settings = dict(max_staleness=1, max_completion_length=8, dynamic_sampling="true",
+                    shuffle_dataset="false", log_completions="true",
+                    reward_funcs=f"[{HERE / 'reward_fixtures.py'}:even_tokens_odd_words]")
+    run(model_dir, out, server.base_url, max_steps=4, **settings)
+    hist = run(model_dir, out, server.base_url, max_steps=6, resume="true", **settings)
+    assert [h["step"] for h in hist] == [1, 2, 3, 4, 5, 6]
     gens = [int(h["dynamic_sampling/num_gen_batches"]) for h in hist]
     print(f"generation batches per round: {gens}")
     assert max(gens) >= 2, gens
-    assert [h["async/staleness"] for h in hist] == [0, 1, 1, 1]
+    assert [h["async/staleness"] for h in hist] == [0, 1, 1, 1, 0, 1]
     assert all(h["async/discarded"] == 0 for h in hist)
     assert max(h["sampling/engine_logp_difference/max"] for h in hist[1:]) < 1e-3
     data = [json.loads(line)["prompt"] for line in (tmp_path / "prompts.jsonl").open()]
