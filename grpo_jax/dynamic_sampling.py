@@ -12,6 +12,14 @@ The kept rows of each generation are held here (`Filled`) only while the batch f
 one round: a checkpoint never holds a half-filled batch. A run stopped or killed mid-fill
 resumes from the data position before the batch and regenerates it with the same keys and
 weights, so it fills the same way (JAX sampler; a vLLM server is as repeatable as its seeds).
+
+With vLLM async rounds (max_staleness >= 1) the server generates ahead in data order: each
+generation batch the fill reads starts the next one's prefetch (train.py Draws), so a batch
+whose fill needs more finds the next one under way, and the next round's first batch is the one
+after the last prompts this round read. A batch's sampling key is then its data position's
+(`key_at`), which a prefetch knows before any fill asks; the fill's generations may come from
+two weight versions (the first prefetched a round before), each kept with its rows (`Filled.
+made_with`) for the trainer's log-probs under the weights that generated it.
 """
 
 from __future__ import annotations
@@ -97,11 +105,15 @@ class Filled:
     generations: int = 0
     groups: int = 0  # generated
     with_signal: int = 0  # of those
+    # Per generation: its kept rows and the trainer's params that generated it (Rollout.
+    # generated_with: a batch generated ahead's; None: the current weights').
+    made_with: list = dataclasses.field(default_factory=list)
 
-    def add(self, rollout, scores, weights: Sequence[float] | None) -> None:
+    def add(self, rollout, scores, weights: Sequence[float] | None, made_with=None) -> None:
         keep = groups_with_signal(scores.per_func, self.num_generations, weights)
         rows = (np.flatnonzero(keep)[:, None] * self.num_generations
                 + np.arange(self.num_generations)).ravel()
+        self.made_with.append((rows.size, made_with))
         self.rollouts.append(take_rows(rollout, rows))
         self.scores.append(take_rows(scores, rows))
         self.generations += 1
@@ -116,6 +128,14 @@ class Filled:
         """The first num_prompts kept groups: (RolloutBatch, Scores)."""
         n = np.arange(self.num_prompts * self.num_generations)
         return take_rows(concat_rows(self.rollouts), n), take_rows(concat_rows(self.scores), n)
+
+    def batch_made_with(self) -> list[tuple[int, Any]]:
+        """(rows, params that generated them) of the batch's rows in order, per generation."""
+        left, parts = self.num_prompts * self.num_generations, []
+        for n, params in self.made_with:
+            parts.append((min(n, left), params))
+            left -= parts[-1][0]
+        return parts
 
     def metrics(self) -> dict:
         return {"dynamic_sampling/num_gen_batches": float(self.generations),
@@ -134,3 +154,14 @@ def key_for(key, generation: int):
     """The sampling key of a batch's `generation`-th generation: the round's own for the first
     (a batch that fills at once is the batch without dynamic sampling), then derived from it."""
     return key if generation == 0 else jax.random.fold_in(key, generation)
+
+
+def key_at(key, position) -> Any:
+    """With async rounds, the sampling key of the generation batch of prompts that starts at
+    data position `position` (DataPosition): the prefetch and the fill that asks for the batch
+    derive the same one, whichever round and generation of its fill it turns out to be."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, AHEAD_TAG),
+                                                 position[0]), position[1])
+
+
+AHEAD_TAG = 0x41484544  # "AHED": async fills' keys, apart from the rounds'

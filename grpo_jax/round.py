@@ -70,6 +70,10 @@ class Generated(NamedTuple):
     rewards: np.ndarray  # [N] weighted sums (NaN: unscorable)
     advantages: np.ndarray  # [N]
     metrics: dict
+    # (rows, trainer params that generated them) of the batch's rows in order, when a filled
+    # batch's generations come from different weight versions (async rounds); () : one call's
+    # (Rollout.generated_with).
+    made_with: tuple = ()
 
 
 def generation_order(key, n: int) -> np.ndarray:
@@ -106,12 +110,15 @@ class Draw(NamedTuple):
     """A generation's prompts as the data gives them: `records`, the data position after them,
     whether they are the last of their epoch and, with dynamic sampling, `more()`: the next
     prompts (a Draw) while the batch fills, or None to stop. With partial
-    rollouts the records are the new groups' prompts, which join the rows in flight."""
+    rollouts the records are the new groups' prompts, which join the rows in flight. `key`:
+    the generation's sampling key when it is not the round's (async rounds with dynamic
+    sampling: dynamic_sampling.key_at its data position, which the prefetch used too)."""
     records: Sequence[dict]
     after: DataPosition
     ends_epoch: bool = False
     more: Callable[[], "Draw | None"] | None = None
     rows: Sequence[int] = ()  # the records' dataset rows (partial rollouts checkpoint them)
+    key: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,7 +206,7 @@ class GRPORound:
             batch, scores, rewards, advantages = gen.batch, gen.scores, gen.rewards, gen.advantages
             metrics.update(gen.metrics)
             t1 = time.perf_counter()
-            metrics.update(self.engine_mismatch(batch))
+            metrics.update(self.engine_mismatch(batch, gen.made_with))
             if plan.needs_old_logps:
                 old, mismatch = policy.logps_and_mismatch(at.state.params, batch,
                                                           plan.micro_batch_size)
@@ -306,16 +313,25 @@ class GRPORound:
             return None
         return self.rollout.update_weights(self.weights_for(params, mode), params)
 
-    def engine_mismatch(self, batch: Batch) -> dict:
+    def engine_mismatch(self, batch: Batch, made_with: Sequence = ()) -> dict:
         """Async rounds: the sampler's log-probs against the trainer's under the weights that
         generated the batch (a one-version-old batch's: rollout.generated_with), so the
         engines' numerical mismatch alone; TRL's sampling/sampling_logp_difference compares
-        with the current weights and so also holds the policy change of the updates between."""
-        generated_with = self.rollout.generated_with()
-        if generated_with is None or batch.sampler_logp is None:
+        with the current weights and so also holds the policy change of the updates between.
+        `made_with`: (rows, params) in row order when the batch's generations differ (a filled
+        batch's): each part is scored with its own version's params."""
+        made_with = made_with or [(batch.size, self.rollout.generated_with())]
+        if batch.sampler_logp is None:
             return {}
-        lp = self.policy.logps(generated_with, batch, self.plan.micro_batch_size)
-        diff = np.abs(lp - batch.sampler_logp)
+        diff = np.full(batch.completion_ids.shape, np.nan, np.float32)
+        logps, start = {}, 0  # per version: one forward over the batch, its rows taken
+        for n, params in made_with:
+            rows, start = slice(start, start + n), start + n
+            if params is None or not n:
+                continue
+            if id(params) not in logps:
+                logps[id(params)] = self.policy.logps(params, batch, self.plan.micro_batch_size)
+            diff[rows] = np.abs(logps[id(params)][rows] - batch.sampler_logp[rows])
         valid = (batch.model_mask() > 0) & np.isfinite(diff)
         if not valid.any():
             return {}
@@ -420,14 +436,14 @@ class GRPORound:
         which filtering leaves as they were; batch scales by the filled batch's std); with the
         data position after the last prompts read. None when draw.more() returns None (a stop,
         or the run's data used up) before the batch is full; NoSignalError after
-        max_num_gen_batches generations that did not fill it."""
+        max_num_gen_batches generations that did not fill it. A draw's own `key` (async rounds:
+        the one its prefetch used) replaces the round's for its generation."""
         g, limit = self.plan.num_generations, self.args.max_num_gen_batches
-        filled, took = ds.Filled(self.plan.prompts_per_generation, g), 0.0
-        records, after = draw.records, draw.after
+        filled, took, now = ds.Filled(self.plan.prompts_per_generation, g), 0.0, draw
         while True:
-            r, scores, t, wall = self._generate_scored(
-                weights, records, ds.key_for(key, filled.generations), g)
-            filled.add(r, scores, self.args.reward_weights)
+            k = now.key if now.key is not None else ds.key_for(key, filled.generations)
+            r, scores, t, wall = self._generate_scored(weights, now.records, k, g)
+            filled.add(r, scores, self.args.reward_weights, self.rollout.generated_with())
             took += t
             if filled.full:
                 break
@@ -435,11 +451,11 @@ class GRPORound:
                 raise filled.no_signal()
             more = draw.more()
             if more is None:
-                return None, after
-            records, after = more.records, more.after
+                return None, now.after
+            now = more
         gen = self._training_batch(*filled.batch(), g, took, wall, reference)
         gen.metrics.update(filled.metrics())
-        return gen, after
+        return gen._replace(made_with=tuple(filled.batch_made_with())), now.after
 
     def _generate_scored(self, weights, records: Sequence[dict], key, g: int,
                          score: Callable | None = None):

@@ -25,6 +25,7 @@ from grpo_jax import cli
 from grpo_jax import config as config_lib
 from grpo_jax import data as data_lib
 from grpo_jax import distributed as dist
+from grpo_jax import dynamic_sampling as ds
 from grpo_jax import evaluation
 from grpo_jax import hf
 from grpo_jax import mesh as mesh_lib
@@ -411,7 +412,10 @@ def run_rounds(run: Run) -> dict:
     # One process alone can't abort a round its peers are inside: with several, every process
     # stops after the same round.
     with StopSignal(interrupt=not dist.multi_process()) as stop:
-        draws = Draws(run.dataset, plan, run.data_epochs, stop)
+        # Async rounds with dynamic sampling: each batch drawn starts the next one's prefetch.
+        ahead = (run.rollout.prefetch if run.rollout.generates_ahead
+                 and cfg.grpo.dynamic_sampling else None)
+        draws = Draws(run.dataset, plan, run.data_epochs, stop, ahead, base_key)
 
         def evaluate():
             # A split run evaluates on the sampler's devices once its advance has ended: one
@@ -443,10 +447,11 @@ def run_rounds(run: Run) -> dict:
                     if draw is None:  # dynamic sampling read the run's last prompts
                         break
                     if run.rollout.generates_ahead:  # async rounds: the next round's, beside
-                        ahead, _ = run.dataset.batch_prompts(draw.after,
-                                                             plan.prompts_per_generation)
-                        run.rollout.prefetch(ahead, plan.num_generations,
-                                             jax.random.fold_in(base_key, at.round + 1))
+                        if not cfg.grpo.dynamic_sampling:  # (else started by the draw)
+                            ahead, _ = run.dataset.batch_prompts(draw.after,
+                                                                 plan.prompts_per_generation)
+                            run.rollout.prefetch(ahead, plan.num_generations,
+                                                 jax.random.fold_in(base_key, at.round + 1))
                         at = at.replace(in_flight=((at.round + 1, draw.after),))
                 first = at.step
                 run.scorer.trainer_state = run.trainer_state(first)
@@ -458,6 +463,9 @@ def run_rounds(run: Run) -> dict:
                                            max_updates=stop_at - first, stop=stop)
                 if draw is not None and result.scores is None:
                     continue  # stopped while dynamic sampling filled the batch
+                if ahead is not None and draw is not None:  # the fill may have read on: the
+                    # batch prefetched is the one after the last prompts it read
+                    run.at = run.at.replace(in_flight=((run.at.round, run.at.position),))
                 log.round(run.at, result, first, generated=draw is not None, started=t0)
                 ckpt.poll()  # a background checkpoint write that failed stops the run now
                 if log.skips.exceeded:  # every process saw the same updates skipped
@@ -491,11 +499,28 @@ class Draws:
     `epochs` (transformers' num_train_epochs; with max_steps, the epochs its steps touch):
     there the run ends, as verl's ends with its dataloader, endless mode
     (max_num_gen_batches 0) too. `epochs` None: no such bound (without dynamic sampling the
-    steps end the run)."""
+    steps end the run).
 
-    def __init__(self, dataset, plan: config_lib.BatchPlan, epochs: int | None, stop):
+    `prefetch` (async rounds with dynamic sampling: Rollout.prefetch): every batch handed out
+    first starts generating the one after it in data order, keyed by its data position
+    (dynamic_sampling.key_at over `key`), as is the batch handed out: the fill that asks for
+    more finds it under way, and so does the next round when this one's fill is done."""
+
+    def __init__(self, dataset, plan: config_lib.BatchPlan, epochs: int | None, stop,
+                 prefetch=None, key=None):
         self.dataset, self.plan, self.epochs, self.stop = dataset, plan, epochs, stop
+        self.prefetch, self.key = prefetch, key
         self.used_up = False
+
+    def _ahead(self, draw: Draw | None) -> Draw | None:
+        """`draw`, the prefetch of the batch after it started (none past the run's epochs)."""
+        if draw is None or self.prefetch is None:
+            return draw
+        rows, after = self.dataset.batch_rows(draw.after, self.plan.prompts_per_generation)
+        if self.epochs is None or after.epoch < self.epochs:
+            self.prefetch([self.dataset.record(i) for i in rows], self.plan.num_generations,
+                          ds.key_at(self.key, draw.after))
+        return draw
 
     def _past(self, position: data_lib.DataPosition) -> bool:
         self.used_up = self.used_up or (self.epochs is not None and position.epoch >= self.epochs)
@@ -508,7 +533,7 @@ class Draws:
         their epochs' ends don't end an update window (the groups trained are others)."""
         n = self.plan.prompts_per_generation
         batches = 1 if rows_in_flight is None else rows_in_flight.empty_groups // n
-        draw = self._read(position, batches)
+        draw = self._ahead(self._read(position, batches))
         if draw is not None and rows_in_flight is None:
             draw = draw._replace(ends_epoch=self.dataset.ends_epoch(draw.after, n))
         if draw is None or self.epochs is None:
@@ -519,7 +544,7 @@ class Draws:
             nonlocal cursor
             if dist.any_process(self.stop.should_stop()):
                 return None  # the batch is dropped; a resume regenerates it from the position
-            nxt = self._read(cursor, 1)
+            nxt = self._ahead(self._read(cursor, 1))
             if nxt is not None:
                 cursor = nxt.after
             return nxt  # None: the batch being filled is dropped, the run ends with its data
@@ -534,7 +559,8 @@ class Draws:
             rows += more
         if self._past(after):
             return None
-        return Draw([self.dataset.record(i) for i in rows], after, rows=tuple(rows))
+        key = None if self.prefetch is None else ds.key_at(self.key, position)
+        return Draw([self.dataset.record(i) for i in rows], after, rows=tuple(rows), key=key)
 
 
 def _data_used_up(run: Run) -> None:

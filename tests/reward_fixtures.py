@@ -108,3 +108,16 @@ def even_tokens_then_stall(prompts, completions, completion_ids, trainer_state, 
 def nan_rewards(prompts, completions, completion_ids, **kwargs):
     """No finite reward for any completion: NaN, which TRL treats as None."""
     return [float("nan")] * len(completions)
+
+
+def even_tokens_odd_words(prompts, completions, completion_ids, **kwargs):
+    """even_tokens on prompts of an odd number of words, 0.5 on the others (no signal there).
+    With $GRPO_TEST_SCORED, each completion's prompt and reward is appended to that file."""
+    import json
+    import os
+    scores = [e if len(str(p).split()) % 2 else 0.5
+              for e, p in zip(even_tokens(prompts, completions, completion_ids), prompts)]
+    if os.environ.get("GRPO_TEST_SCORED"):
+        with open(os.environ["GRPO_TEST_SCORED"], "a") as f:
+            f.writelines(json.dumps([str(p), s]) + "\n" for p, s in zip(prompts, scores))
+    return scores

@@ -15,6 +15,7 @@ from grpo_jax.config import BatchArgs, BatchPlan, GRPOArgs
 from grpo_jax.data import DataPosition
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.loss import LossConfig
+from grpo_jax.rollout.base import RolloutBatch
 from grpo_jax.scoring import Scores
 from grpo_jax.round import (Draw, GRPORound, completion_metrics, generation_order,
                             update_logged, window_sizes)
@@ -580,3 +581,87 @@ def test_dynamic_sampling_stopped_mid_fill_changes_nothing():
     assert after is at and result.scores is None and result.updates == 0
     assert result.num_tokens == 0 and not after.buffer and not rnd.policy.windows
     assert len(rnd.rollout.generated) == 1
+
+
+class Rows:
+    """A dataset as train.Draws reads it, in row order: prompt i is [i + 1]."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def batch_rows(self, position, k):
+        epoch, index = position
+        if index + k > self.n:
+            epoch, index = epoch + 1, 0
+        return list(range(index, index + k)), DataPosition(epoch, index + k)
+
+    def record(self, i):
+        return {"prompt_ids": [i + 1]}
+
+    def ends_epoch(self, position, k):
+        return position.index + k > self.n
+
+
+class PromptRollout(StubRollout):
+    """Prompt [i + 1]'s completions are rows i * G ... i * G + G - 1, whichever call (or
+    thread) generates them; each call's dataset rows and key are recorded."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def generate(self, weights, prompts, g, key, records=None):
+        data_rows = [p[0] - 1 for p in prompts]
+        self.calls.append((data_rows, key))
+        ids = (np.repeat(data_rows, g) * g + np.tile(np.arange(g), len(prompts))).astype(np.int32)
+        n = ids.size
+        p_ids = np.stack([np.zeros(n, np.int32), ids], 1)
+        return RolloutBatch(p_ids, np.ones((n, 2), np.int32), np.repeat(ids[:, None], C, 1),
+                            np.ones((n, C), np.int32), np.zeros(n, bool),
+                            np.zeros((n, C), np.float32))
+
+
+def test_dynamic_sampling_fills_from_batches_generated_ahead():
+    """Async rounds (AsyncRollout) with dynamic sampling, the prompts drawn by train.Draws: each
+    batch drawn starts the next one's generation, keyed by its data position, so a fill that
+    needs more takes it under way and the next round starts where this one stopped reading. Each
+    data batch is generated once, in data order; a round's first batch is one version old, the
+    rest of its fill current; the engine mismatch scores each part with its own version."""
+    from grpo_jax import dynamic_sampling as ds
+    from grpo_jax.round import NeverStop
+    from grpo_jax.rollout.vllm.async_rounds import AsyncRollout
+    from grpo_jax.train import Draws
+    p = plan(4, 1)  # 4 prompts a generation, 4 updates a round
+    rollout = AsyncRollout(PromptRollout(), max_staleness=1)
+    # Groups without signal: batch 0 keeps 3 (and batch 1 fills it, its last 3 dropped), batch 2
+    # fills at once, batches 3-5 keep 1, 2 and 4.
+    rnd = make_round(p, rollout=rollout, score=signal_scorer(lambda q: np.isin(
+        q, [0, 12, 13, 14, 16, 17])), dynamic_sampling=True)
+    base = jax.random.key(7)
+    draws = Draws(Rows(64), p, 1, NeverStop(), rollout.prefetch, base)
+    at = start()
+    rnd.sync_weights(at.state.params)  # version 1: params 0
+    want = [([1, 2, 3, 4], 8, 2, 0.0), ([8, 9, 10, 11], 12, 1, 1.0),
+            ([15, 18, 19, 20], 24, 3, 1.0)]
+    for groups, position, gens, staleness in want:
+        at, result = rnd(at, draws.draw(at.position), jax.random.fold_in(base, at.round))
+        fed = np.concatenate([row_ids(w) for w in rnd.policy.windows[-4:]])
+        assert sorted(fed.tolist()) == [q * G + i for q in groups for i in range(G)]
+        assert at.position == DataPosition(0, position)
+        assert result.metrics["dynamic_sampling/num_gen_batches"] == gens
+        sync = rollout.sync_metrics  # (the stub's push takes no time: not in the round's)
+        assert sync["async/staleness"] == staleness
+        assert sync["async/discarded"] == 0 and len(rollout.pending) == 1
+    # Round 3's rows: 4 of batch 3 on version 2 (params 4), 12 of batches 4-5 on version 3 (8).
+    assert result.metrics["sampling/engine_logp_difference/mean"] == (4 * 4 + 12 * 8) / 16
+    calls = sorted(rollout.inner.calls, key=lambda c: c[0])  # round 0's first two ran at once
+    assert [c[0] for c in calls] == [list(range(4 * b, 4 * b + 4)) for b in range(7)]
+    for b, (_, key) in enumerate(calls):
+        np.testing.assert_array_equal(jax.random.key_data(key), jax.random.key_data(
+            ds.key_at(base, DataPosition(0, 4 * b))))
+    # Drawn elsewhere (the run asked for other prompts): batch 6, prefetched, is dropped.
+    rnd(at, draws.draw(DataPosition(0, 28)), jax.random.fold_in(base, at.round))
+    assert rollout.discarded == 1 and len(rollout.pending) == 1

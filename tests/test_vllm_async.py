@@ -7,7 +7,8 @@ when the batch is in hand; timeline/update_start, _end) and of the generation th
 batch after the first is one weight version old (async/staleness 1); the sampler's log-probs
 equal the trainer's under the weights that generated the batch (sampling/engine_logp_difference
 near zero), while TRL's sampling_logp_difference, against the current weights, shows the one
-update between; and the reward rises as in the synchronous run.
+update between; and the reward rises as in the synchronous run. With dynamic sampling, a round's
+fill takes the batches generated one ahead in data order, each prompt generated once.
 """
 
 from __future__ import annotations
@@ -107,3 +108,43 @@ def test_async_rounds_run_a_rollout_funcs_whole_episodes_ahead(server, model_dir
     assert all(h["async/discarded"] == 0 for h in hist)
     assert max(h["rewards/more_moves/mean"] for h in hist) > 1.0  # second turns were played
     assert max(h["sampling/engine_logp_difference/max"] for h in hist[1:]) < 1e-3
+
+
+@needs_vllm
+def test_async_rounds_fill_dynamic_sampling_from_batches_generated_ahead(server, model_dir,
+                                                                          tmp_path, monkeypatch):
+    """dynamic_sampling with async rounds: prompts of an even number of words score alike, so
+    some rounds' fills take two generation batches, each generated one ahead in data order
+    (the first a round before, one version old). Every prompt read is generated and scored
+    once, in data order, with none prefetched in vain; each round trains the first two groups
+    with signal of the batches it read, each once; the engines agree under each batch's own
+    weights (a fill mixes two versions). Resumed from step 4, the run goes on from the prompts
+    after the last ones read (the batch prefetched when it stopped is generated again)."""
+    from tiny_run import HERE
+    scored = tmp_path / "scored.jsonl"
+    monkeypatch.setenv("GRPO_TEST_SCORED", str(scored))
+    out = tmp_path / "filled"
+    settings = dict(max_staleness=1, max_completion_length=8, dynamic_sampling="true",
+                    shuffle_dataset="false", log_completions="true",
+                    reward_funcs=f"[{HERE / 'reward_fixtures.py'}:even_tokens_odd_words]")
+    run(model_dir, out, server.base_url, max_steps=4, **settings)
+    hist = run(model_dir, out, server.base_url, max_steps=6, resume="true", **settings)
+    assert [h["step"] for h in hist] == [1, 2, 3, 4, 5, 6]
+    gens = [int(h["dynamic_sampling/num_gen_batches"]) for h in hist]
+    print(f"generation batches per round: {gens}")
+    assert max(gens) >= 2, gens
+    assert [h["async/staleness"] for h in hist] == [0, 1, 1, 1, 0, 1]
+    assert all(h["async/discarded"] == 0 for h in hist)
+    assert max(h["sampling/engine_logp_difference/max"] for h in hist[1:]) < 1e-3
+    data = [json.loads(line)["prompt"] for line in (tmp_path / "prompts.jsonl").open()]
+    rows = [json.loads(line) for line in scored.open()]
+    groups = [(rows[i][0], len({s for _, s in rows[i:i + 4]}) > 1)  # (prompt, has signal)
+              for i in range(0, len(rows), 4)]
+    assert all(p == q for i, (p, _) in enumerate(groups) for q, _ in rows[4 * i:4 * i + 4])
+    assert [p for p, _ in groups] == data[:2 * sum(gens)]  # each read once, in data order
+    trained = [json.loads(line) for line in (out / "completions.jsonl").open()]
+    for h, first in zip(hist, np.cumsum([0, *gens])):
+        read = groups[2 * first:2 * (first + gens[h["step"] - 1])]
+        want = [p for p, signal in read if signal][:2]
+        got = [t["prompt"] for t in trained if t["step"] == h["step"]]
+        assert got == [p for p in want for _ in range(4)], h["step"]

@@ -87,11 +87,6 @@ class TrainConfig:
               f"soft_punish_cache ({cache}) must be at most max_completion_length "
               f"({self.generation.max_completion_length}): the penalty starts that many tokens "
               "before it")
-        check(not (self.grpo.dynamic_sampling and self.rollout.max_staleness
-                   and self.rollout.backend == "vllm"),
-              "dynamic_sampling with max_staleness > 0 and vLLM: async rounds generate the next batch's "
-              "prompts before this batch knows how many prompts it takes to fill with groups "
-              "that have reward signal; set max_staleness 0 (or dynamic_sampling false)")
         partial = self.rollout.max_staleness and self.rollout.backend == "jax"
         check(not partial or (self.generation.max_num_seqs is not None
                               and self.generation.continuous_batching),

@@ -10,7 +10,13 @@ log-probs (of the version that generated the batch) and TRL's importance-samplin
 (vllm_importance_sampling_correction) weight it exactly; a batch more than max_staleness versions
 old is thrown away and generated again.
 
-Metrics: async/staleness (versions between generation and training), async/discarded, and wall
+With dynamic_sampling a round's fill takes as many generation batches as it needs, each asked
+for in data order, and each starts the prefetch of the one after it (train.py Draws): `pending`
+then holds the batches of the prompts the run reads next, and one the run went past (prefetched
+before the batch it asks for, or left too old) is dropped and counted.
+
+Metrics: async/staleness (versions between generation and training: the oldest batch the round
+took), async/discarded (prefetched batches thrown away), and wall
 clock timestamps: timeline/next_generate_start and _end (the generation that ran during this
 step's scoring and update, whose own timestamps GRPORound logs as timeline/train_start,
 timeline/update_start and _end).
@@ -56,6 +62,8 @@ class AsyncRollout(RolloutWrapper):
         # next update donates the trainer's buffers: these are copies; with LoRA, adapters only).
         self.version, self.pushed = 0, {}
         self.staleness = 0
+        # The staleness of each batch taken on weight version `taken[0]` (a fill takes several).
+        self.taken: tuple[int, list[int]] = (0, [])
 
     def prefetch(self, records, num_generations: int, key) -> None:
         """Start generating the round of `records` in the background; returns once it has
@@ -77,18 +85,30 @@ class AsyncRollout(RolloutWrapper):
         started.wait()
 
     def generate(self, weights, prompt_ids, num_generations, key, records=None):
-        found = self.pending.pop(_tag(prompt_ids, num_generations, key), None)
+        tag, order = _tag(prompt_ids, num_generations, key), list(self.pending)
+        # Prefetched in data order, each before the batch ahead of it is asked for: those
+        # before this one (before the latest, if this one was not prefetched) are of prompts
+        # the run went past.
+        for skipped in order[:order.index(tag) if tag in order else len(order) - 1]:
+            self.pending.pop(skipped)[1].cancel()  # a no-op once it runs
+            self.discarded += 1
+        found = self.pending.pop(tag, None)
         if found is not None:
             batch, _, _ = found[1].result()
             staleness = self.version - found[0]
             if staleness <= self.max_staleness:
-                self.staleness = staleness
-                self.metrics["async/staleness"] = float(staleness)
+                self._took(staleness)
                 return batch
             self.discarded += 1  # too old: generated again below, on the current weights
-        self.staleness = 0
-        self.metrics["async/staleness"] = 0.0
+        self._took(0)
         return self.inner.generate(weights, prompt_ids, num_generations, key, records)
+
+    def _took(self, staleness: int) -> None:
+        if self.taken[0] != self.version:
+            self.taken = (self.version, [])
+        self.taken[1].append(staleness)
+        self.staleness = staleness
+        self.metrics["async/staleness"] = float(max(self.taken[1]))
 
     def generated_with(self):
         return self.pushed.get(self.version - self.staleness)
