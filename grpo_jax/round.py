@@ -192,7 +192,7 @@ class GRPORound:
             with (contextlib.nullcontext() if self.split_rollouts is not None
                   else stop.interruptible()):
                 if self.split_rollouts is not None:  # the next advance runs beside the update
-                    gen, after = self.generate_split(weights, at, draw, key), draw.after
+                    gen, after = self.generate_split(weights, at, draw, key)
                     queued = None  # the next batch's, until settle() collects it
                 elif self.rollout.partial is not None:
                     gen, rows_in_flight, after = self.generate_partial(weights, at, draw, key)
@@ -389,26 +389,62 @@ class GRPORound:
             gen.metrics.update(filled.metrics())
         return gen, in_flight, draw.after
 
-    def generate_split(self, weights, at: RunState, draw: Draw, key) -> Generated:
+    def generate_split(self, weights, at: RunState, draw: Draw, key
+                       ) -> tuple[Generated | None, DataPosition]:
         """Disaggregated rounds (rollout/native/disaggregated.py): the training batch of the
         groups the sampler finished a round ahead (`at.queued`), and the sampler started on the
-        next round's with `weights` (version at.round) and `draw`'s new groups."""
-        q = at.queued
+        next round's with `weights` (version at.round) and `draw`'s new groups; with the data
+        position after the prompts read.
+
+        With dynamic sampling the queued groups without reward signal are dropped and, while
+        the batch is not full, the sampler's next advance runs now (the trainer waits for it:
+        `draw`'s groups join the rows in flight, decoded with the current weights), its groups
+        filtered in turn, `draw.more()`'s prompts filling the slots each advance empties; once
+        full, the advance with the next prompts runs beside the update as without it. So each
+        prompt read is generated once, in data order, and the surplus groups with signal are
+        dropped as generate_filled's. (None, the position) when draw.more() returns None first:
+        nothing of the round is kept, the run state's queued batch and rows in flight stay (a
+        resume regenerates the same advances: same weights, keys and rows)."""
+        q, split, a = at.queued, self.split_rollouts, self.args
         if q is None:
             raise ValueError("sampler_devices: nothing sampled ahead; settle() and prime() the "
                              "run state before the round")
-        idle = self.split_rollouts.start(weights, at.rows_in_flight, draw.records, draw.rows,
-                                         at.round, key)
+        g = self.plan.num_generations
+        scores = self.score(q.records, q.rollout)
+        filled = ds.Filled(self.plan.prompts_per_generation, g) if a.dynamic_sampling else None
+        in_flight, took, waited, dropped = at.rows_in_flight, q.took, q.waited, q.dropped
+        more = draw.more  # the draws it returns have none of their own
+        if filled is not None:
+            filled.add(q.rollout, scores, a.reward_weights)
+        while filled is not None and not filled.full:
+            if 0 < a.max_num_gen_batches <= filled.generations:
+                raise filled.no_signal()
+            # The advance that would have run beside the update runs now, with this round's
+            # weights: its tokens train as version at.round (staleness 0).
+            split.start(weights, in_flight, draw.records, draw.rows, at.round,
+                        ds.key_for(key, filled.generations))
+            done = split.collect()
+            in_flight, d = done.in_flight, done.queued
+            took, waited, dropped = took + d.took, waited + d.waited, dropped + d.dropped
+            filled.add(d.rollout, self.score(d.records, d.rollout), a.reward_weights)
+            draw = more()
+            if draw is None:
+                return None, at.position
+        idle = split.start(weights, in_flight, draw.records, draw.rows, at.round,
+                           key if filled is None else ds.key_for(key, filled.generations))
         r = q.rollout
-        gen = self._training_batch(r, self.score(q.records, r), self.plan.num_generations,
-                                   q.took, time.time(), at.reference)
+        if filled is not None:
+            r, scores = filled.batch()
+        gen = self._training_batch(r, scores, g, took, time.time(), at.reference)
         gen.metrics.update(staleness_metrics(r.versions, r.completion_mask, at.round,
-                                             self.split_rollouts.max_staleness))
-        gen.metrics["staleness/dropped_groups"] = float(q.dropped)
+                                             split.max_staleness))
+        gen.metrics["staleness/dropped_groups"] = float(dropped)
+        if filled is not None:
+            gen.metrics.update(filled.metrics())
         # Measured: the sampler waiting for weights, the trainer waiting for the sampler.
         gen.metrics[timing("idle_sampler")] = idle
-        gen.metrics[timing("idle_trainer")] = q.waited
-        return gen
+        gen.metrics[timing("idle_trainer")] = waited
+        return gen, draw.after
 
     def settle(self, at: RunState) -> RunState:
         """`at` whole with sampler_devices: the sampler's running advance collected (waiting

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from tiny_run import advances, config, history
+from tiny_run import ODD_POSTS, advances, config, history
 
 from grpo_jax import hf
 from grpo_jax.checkpoint import load_checkpoint
@@ -67,6 +67,63 @@ def test_split_run_trains_each_prompt_once_one_version_behind_and_resumes(tiny_d
     assert [h["step"] for h in b] == [1, 2, 3, 4]
     again = [h for h in history(tmp_path / "cut") if "eval_reward" in h]
     assert [untimed(h) for h in again] == [untimed(h) for h in evals]
+    for ha, hb in zip(a, b):
+        for name in set(ha) | set(hb):
+            if not name.startswith(("timing/", "step_time", "timeline/")):
+                assert ha.get(name) == hb.get(name), (ha["step"], name)
+    pa, _, _ = load_checkpoint(tmp_path / "full")
+    pb, _, _ = load_checkpoint(tmp_path / "cut")
+    for name, x in hf.params_numpy(pa).items():
+        np.testing.assert_array_equal(x, hf.params_numpy(pb)[name], name)
+
+
+def post(prompt: str) -> int:
+    return int(prompt.split()[2].rstrip(":"))
+
+
+@pytest.mark.slow
+def test_split_dynamic_sampling_fills_from_the_samplers_next_advances_and_resumes(
+        tiny_dir, tmp_path, monkeypatch):
+    """dynamic_sampling with sampler_devices: posts with an even number score alike (no
+    signal), so a round's queued batch (4 groups sampled a round ahead) is short and the round
+    takes the sampler's next advances until 4 groups with signal are whole, then starts the
+    next round's beside the update. Replayed from the advances' groups, each round takes the
+    queued advance and as many more as it needs (its num_gen_batches), every prompt drawn is
+    generated once, each group kept trains once; stopped at step 2 and resumed: the same
+    advances, metrics and weights."""
+    got, drawn = advances(monkeypatch)
+    devices = jax.devices()[:4]
+    settings = {**SPLIT, **ODD_POSTS, "save_steps": 100}
+    train(config(tiny_dir, tmp_path / "full", **settings), devices=devices)
+    full, full_drawn = list(got), list(drawn)
+    a = [h for h in history(tmp_path / "full") if "loss" in h]
+    assert [h["step"] for h in a] == [1, 2, 3]
+    assert max(h["dynamic_sampling/num_gen_batches"] for h in a) >= 2
+    assert len(set(drawn)) == len(drawn)  # each prompt drawn once ...
+    returned = [p for group in full for p in group]
+    assert len(set(returned)) == len(returned) and set(returned) <= set(drawn)  # ... made once
+    assert any(post(p) % 2 == 0 for p in returned)  # returned, filtered out
+    # The rounds replayed: each takes the next advance (queued a round ahead), then more until
+    # 4 odd posts are kept (the first 4, in order); the advance after them is the next round's.
+    left, trained = list(full), []
+    for h in a:
+        kept, n = [], 0
+        while len(kept) < 4:
+            kept += [p for p in left.pop(0) if post(p) % 2]
+            n += 1
+        assert h["dynamic_sampling/num_gen_batches"] == n, h["step"]
+        trained += kept[:4]
+    assert len(left) == 1  # the last round's advance ahead, never trained
+    assert len(set(trained)) == len(trained) == 12
+    # the queued batch is a version old; the ones the fill waited for are the round's own
+    assert all(0 <= h["staleness/mean"] <= 1 for h in a) and a[0]["staleness/max"] == 0
+
+    got[:], drawn[:] = [], []
+    train(config(tiny_dir, tmp_path / "cut", **{**settings, "max_steps": 2}), devices=devices)
+    train(config(tiny_dir, tmp_path / "cut", resume=True, **settings), devices=devices)
+    assert got == full and drawn == full_drawn
+    b = [h for h in history(tmp_path / "cut") if "loss" in h]
+    assert [h["step"] for h in b] == [1, 2, 3]
     for ha, hb in zip(a, b):
         for name in set(ha) | set(hb):
             if not name.startswith(("timing/", "step_time", "timeline/")):

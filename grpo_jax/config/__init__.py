@@ -99,9 +99,6 @@ class TrainConfig:
         check(not split or partial and self.generation.max_num_seqs is not None,
               "sampler_devices runs partial rollouts on devices of their own: it needs "
               "max_staleness >= 1, the JAX sampler (use_vllm false) and max_num_seqs")
-        check(not split or not self.grpo.dynamic_sampling,
-              "sampler_devices does not take dynamic_sampling yet (the sampler runs a round ahead "
-              "of the filter): unset sampler_devices, or dynamic_sampling false")
         check(not split or (self.distributed.num_processes or 1) == 1,
               "sampler_devices is built for one process: the sampler and trainer meshes are "
               "this process's devices; unset sampler_devices in multi-process runs")
