@@ -60,7 +60,8 @@ class GRPOArgs:
         "groups with signal, at most max_num_gen_batches generations per batch (<= 0: no limit; "
         "10 as DAPO's recipe, verl's default is 0), then the run stops with an error. With vLLM "
         "async rounds (max_staleness >= 1) the batches are generated one ahead in data order "
-        "and a fill takes as many as it needs.")
+        "and a fill takes as many as it needs; with sampler_devices a fill takes the batch "
+        "sampled a round ahead, then the sampler's next advances.")
     max_num_gen_batches: int = arg(
         10,
         "dynamic_sampling: generations per batch before the run stops with an error (<= 0: no "

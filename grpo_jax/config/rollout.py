@@ -124,8 +124,10 @@ class RolloutArgs:
         "Partial rollouts on devices of their own (rollout/native/disaggregated.py): the first "
         "N local devices decode, the rest train, each mesh laid out by the usual rules; round "
         "n+1's rows decode with round n's weights while round n trains, so every token is at "
-        "least one version old and max_staleness counts that version. Unset: one set of "
-        "devices, the sampler and the trainer taking turns.")
+        "least one version old and max_staleness counts that version (with dynamic_sampling, "
+        "a round short of groups with signal waits for the sampler's next advances, decoded "
+        "with its own weights). Unset: one set of devices, the sampler and the trainer taking "
+        "turns.")
 
     def __post_init__(self):
         check(0 < self.vllm_server_port < 65536, f"vllm_server_port {self.vllm_server_port} "

@@ -17,6 +17,11 @@ What the sampler finished and the trainer has not taken yet is `Queued`, part of
 state (RunState.queued) and of each checkpoint: before a checkpoint, `collect` waits for the
 advance running, so the run state saved is whole and a resumed run trains the very batch the
 uninterrupted run would.
+
+With dynamic sampling (round.py GRPORound.generate_split) a round whose queued batch holds too
+few groups with signal runs the sampler's next advances at once, with its own weights (their
+tokens train 0 versions old), until the batch is full; only then does the next round's advance
+start beside the update.
 """
 
 from __future__ import annotations
