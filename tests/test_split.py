@@ -112,11 +112,12 @@ def test_split_dynamic_sampling_fills_from_the_samplers_next_advances_and_resume
             kept += [p for p in left.pop(0) if post(p) % 2]
             n += 1
         assert h["dynamic_sampling/num_gen_batches"] == n, h["step"]
+        if h["step"] > 1:  # the queued groups a version old, those waited for the round's own
+            assert (h["staleness/tokens_0"] > 0) == (n > 1), h["step"]
         trained += kept[:4]
     assert len(left) == 1  # the last round's advance ahead, never trained
     assert len(set(trained)) == len(trained) == 12
-    # the queued batch is a version old; the ones the fill waited for are the round's own
-    assert all(0 <= h["staleness/mean"] <= 1 for h in a) and a[0]["staleness/max"] == 0
+    assert a[0]["staleness/max"] == 0
 
     got[:], drawn[:] = [], []
     train(config(tiny_dir, tmp_path / "cut", **{**settings, "max_steps": 2}), devices=devices)
