@@ -108,8 +108,8 @@ def test_async_rounds_run_a_rollout_funcs_whole_episodes_ahead_in_one_process_or
     device each (process 0 runs the episodes ahead, every process keeps the versions) train as
     one process with both devices: the server seeds each request from the round's key, so the
     same weights sample the same completions, and the rounds' metrics and the params agree."""
-    from processes import TRAIN, launch, log, wait_all
-    from test_multihost import assert_same_metrics, assert_same_params, params
+    from processes import (TRAIN, assert_same_metrics, assert_same_params, launch, log, params,
+                           wait_all)
     from tiny_run import HERE
     game = dict(max_staleness=1, max_steps=4, max_completion_length=24, dp=2,
                 per_device_train_batch_size=4,
