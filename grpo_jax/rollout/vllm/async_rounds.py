@@ -68,8 +68,8 @@ class AsyncRollout(RolloutWrapper):
         self.inner, self.max_staleness, self.ahead = inner, max_staleness, ahead
         self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix="vllm-prefetch")
         # tag -> (weight version at start, future of (batch, start, end), None on a process
-        # that doesn't generate ahead); train.py asks for
-        # round n+1 before round n takes its own, so two can be here at once.
+        # that doesn't generate ahead); train.py asks for round n+1 before round n takes its
+        # own, so two can be here at once.
         self.pending: dict[tuple, tuple] = {}
         self.latest = None  # the future of the last prefetch
         self.metrics: dict = {}
