@@ -1,6 +1,7 @@
 """Training runs as several processes on 127.0.0.1 (JAX's multi-controller runtime): the
-launch, the wait, the logs, and the settings of the suite's two-process run. Shared by
-test_multihost and test_run_dir."""
+launch, the wait, the logs, the settings of the suite's two-process run, and the comparisons
+of a run's params and metrics with the one-process run's. Shared by test_multihost, test_run_dir
+and test_vllm_async."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 from tiny_run import FAST_COMPILE, TRAIN, config
+
+from grpo_jax import hf
+from grpo_jax.checkpoint import load_checkpoint
 
 # dp over processes, fsdp within each; a low learning rate keeps Adam's step on the few weights
 # whose gradients nearly cancel (where the all-reduce order shows) far under the tolerance.
@@ -69,3 +74,27 @@ def cli_config(tiny_dir, out, **extra) -> list[str]:
     path = Path(out).parent / f"{Path(out).name}.yaml"
     path.write_text(cfg.to_yaml())
     return [*TRAIN, "--config", str(path)]  # python -m grpo_jax.train, without torch
+
+
+def params(out, step) -> dict[str, np.ndarray]:
+    model, _, got = load_checkpoint(out, step)
+    assert got == step
+    return hf.params_numpy(model)
+
+
+def assert_same_params(a, b, tol=1e-5):
+    assert a.keys() == b.keys()
+    worst = {k: float(np.abs(a[k] - b[k]).max()) for k in a}
+    assert max(worst.values()) < tol, worst
+
+
+TRAIN_KEYS = ("reward", "reward_std", "loss", "grad_norm", "entropy", "kl",
+              "completions/mean_length", "num_tokens", "logged/score_mean")
+EVAL_KEYS = tuple(f"eval_{k}" for k in TRAIN_KEYS if k != "grad_norm")
+
+
+def assert_same_metrics(a: list[dict], b: list[dict], keys=TRAIN_KEYS):
+    assert [m["step"] for m in a] == [m["step"] for m in b]
+    for ma, mb in zip(a, b):
+        for k in keys:
+            assert abs(ma[k] - mb[k]) < 1e-4 * max(1.0, abs(ma[k])), (ma["step"], k, ma[k], mb[k])

@@ -19,43 +19,20 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 import pytest
-from processes import RUN, cli_config, launch, log, wait_all
+from processes import (RUN, TRAIN_KEYS, assert_same_metrics, assert_same_params, cli_config,
+                       launch, log, params, wait_all)
 from tiny_run import config
 
-from grpo_jax import hf
-from grpo_jax.checkpoint import load_checkpoint
 from grpo_jax.train import main, train
 
 HEARTBEAT = 10  # seconds: how long a dead peer may go unnoticed
-def params(out, step) -> dict[str, np.ndarray]:
-    model, _, got = load_checkpoint(out, step)
-    assert got == step
-    return hf.params_numpy(model)
-
-
-def assert_same_params(a, b, tol=1e-5):
-    assert a.keys() == b.keys()
-    worst = {k: float(np.abs(a[k] - b[k]).max()) for k in a}
-    assert max(worst.values()) < tol, worst
-
-
 def metrics(out, kind: str = "reward") -> list[dict]:
     """The training records (kind "eval_reward": the evaluations') of a run's metrics.jsonl."""
     return [r for line in (Path(out) / "metrics.jsonl").open() if kind in (r := json.loads(line))]
 
 
-TRAIN_KEYS = ("reward", "reward_std", "loss", "grad_norm", "entropy", "kl",
-              "completions/mean_length", "num_tokens", "logged/score_mean")
 EVAL_KEYS = tuple(f"eval_{k}" for k in TRAIN_KEYS if k != "grad_norm")
-
-
-def assert_same_metrics(a: list[dict], b: list[dict], keys=TRAIN_KEYS):
-    assert [m["step"] for m in a] == [m["step"] for m in b]
-    for ma, mb in zip(a, b):
-        for k in keys:
-            assert abs(ma[k] - mb[k]) < 1e-4 * max(1.0, abs(ma[k])), (ma["step"], k, ma[k], mb[k])
 
 
 def logged_extra(out, upto: int) -> list:

@@ -8,7 +8,9 @@ batch after the first is one weight version old (async/staleness 1); the sampler
 equal the trainer's under the weights that generated the batch (sampling/engine_logp_difference
 near zero), while TRL's sampling_logp_difference, against the current weights, shows the one
 update between; and the reward rises as in the synchronous run. With dynamic sampling, a round's
-fill takes the batches generated one ahead in data order, each prompt generated once.
+fill takes the batches generated one ahead in data order, each prompt generated once. Two
+processes (a multi-controller run, process 0 generating ahead) run a rollout_func's rounds as one
+process does.
 """
 
 from __future__ import annotations
@@ -28,12 +30,15 @@ STEPS = 20
 LENGTH = 48
 
 
-def run(model_dir, out, base_url, **extra) -> list[dict]:
-    from grpo_jax.train import train
-    cfg = train_config(model_dir, out, base_url, **{
+def settings(model_dir, out, base_url, **extra):
+    return train_config(model_dir, out, base_url, **{
         "max_steps": STEPS, "save_steps": 100, "learning_rate": 5e-3,
         "max_completion_length": LENGTH, **extra})
-    train(cfg, devices=jax.devices()[:1])
+
+
+def run(model_dir, out, base_url, devices: int = 1, **extra) -> list[dict]:
+    from grpo_jax.train import train
+    train(settings(model_dir, out, base_url, **extra), devices=jax.devices()[:devices])
     return [json.loads(line) for line in (out / "metrics.jsonl").open()]
 
 
@@ -94,20 +99,42 @@ def test_async_rounds_overlap_generation_with_update(server, model_dir, tmp_path
 
 
 @needs_vllm
-def test_async_rounds_run_a_rollout_funcs_whole_episodes_ahead(server, model_dir, tmp_path):
+def test_async_rounds_run_a_rollout_funcs_whole_episodes_ahead_in_one_process_or_two(
+        server, model_dir, tmp_path):
     """A rollout_func's episodes (TRL's signature: two model turns around an environment reply)
     generated a round ahead: every batch after the first one version old, none dropped, and
     the sampler's log-probs of both model turns equal the trainer's under the weights that drew
-    them (the background thread's whole episode ran on one version)."""
+    them (the background thread's whole episode ran on one version). Two processes of one
+    device each (process 0 runs the episodes ahead, every process keeps the versions) train as
+    one process with both devices: the server seeds each request from the round's key, so the
+    same weights sample the same completions, and the rounds' metrics and the params agree."""
+    from processes import (TRAIN, assert_same_metrics, assert_same_params, launch, log, params,
+                           wait_all)
     from tiny_run import HERE
-    hist = run(model_dir, tmp_path / "game", server.base_url, max_staleness=1, max_steps=4,
-               max_completion_length=24, rollout_func=f"{HERE / 'reward_fixtures.py'}:two_turn_game",
-               reward_funcs=f"[{HERE / 'reward_fixtures.py'}:more_moves]")
+    game = dict(max_staleness=1, max_steps=4, max_completion_length=24, dp=2,
+                per_device_train_batch_size=4,
+                rollout_func=f"{HERE / 'reward_fixtures.py'}:two_turn_game",
+                reward_funcs=f"[{HERE / 'reward_fixtures.py'}:more_moves]")
+    hist = run(model_dir, tmp_path / "game", server.base_url, devices=2, **game)
     assert [h["step"] for h in hist] == [1, 2, 3, 4]
     assert [h["async/staleness"] for h in hist] == [0, 1, 1, 1]
     assert all(h["async/discarded"] == 0 for h in hist)
     assert max(h["rewards/more_moves/mean"] for h in hist) > 1.0  # second turns were played
     assert max(h["sampling/engine_logp_difference/max"] for h in hist[1:]) < 1e-3
+
+    root = tmp_path / "two"
+    root.mkdir()
+    out = root / "game"
+    (root / "game.yaml").write_text(settings(model_dir, out, server.base_url, **game).to_yaml())
+    procs = launch([*TRAIN, "--config", str(root / "game.yaml")], devices=1, log_dir=root)
+    codes = wait_all(procs, timeout=300)
+    assert codes == [0, 0], log(root, "p0.err")[-3000:] + log(root, "p1.err")[-3000:]
+    two = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    assert [h["async/staleness"] for h in two] == [0, 1, 1, 1]
+    assert all(h["async/discarded"] == 0 for h in two)
+    assert_same_metrics(hist, two, ("reward", "rewards/more_moves/mean", "loss", "grad_norm",
+                                    "completions/mean_length", "num_tokens"))
+    assert_same_params(params(tmp_path / "game", 4), params(out, 4))
 
 
 @needs_vllm

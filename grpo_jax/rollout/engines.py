@@ -21,10 +21,12 @@ class MainProcessRollout(RolloutWrapper):
 
     generates_ahead = False  # async rounds wrap this one (AsyncRollout), never the reverse
     turns = None
-    takes_records = False  # a rollout_func wraps this one (CustomRollout)
+    takes_records = False  # set per run below (RolloutWrapper's would ask `inner`, process 0's)
 
-    def __init__(self, make):
-        self.inner = None
+    def __init__(self, make, takes_records: bool = False):
+        """`make`: process 0's rollout; a server's, or with async rounds a round's whole
+        episodes of it (its rollout_func, when `takes_records`, or its tool loop)."""
+        self.inner, self.takes_records = None, takes_records
 
         def build():
             self.inner = make()
@@ -38,7 +40,7 @@ class MainProcessRollout(RolloutWrapper):
 
     def generate(self, weights, prompt_ids, num_generations, key, records=None) -> RolloutBatch:
         return dist.from_main(
-            lambda: self.inner.generate(weights, prompt_ids, num_generations, key),
+            lambda: self.inner.generate(weights, prompt_ids, num_generations, key, records),
             VLLMServerError)
 
     def update_weights(self, weights, params) -> float:
@@ -111,21 +113,30 @@ def _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools, batch_divisor):
 
         def make():
             return VLLMRollout(cfg, model_cfg, sp, pad_id(tokenizer))
-        if cfg.rollout.max_staleness and dist.multi_process():
-            raise ConfigError("max_staleness (async rounds with vLLM) is built for single-process "
-                              "runs; set max_staleness: 0")
+        if cfg.rollout.max_staleness:
+            return _async_rounds(cfg, make, tokenizer, tools, sp)
         rollout = MainProcessRollout(make) if dist.multi_process() else make()
-    rollout = _episodes(cfg, rollout, tokenizer, tools, sp)
-    if cfg.rollout.backend == "vllm" and cfg.rollout.max_staleness:
-        from grpo_jax.rollout.vllm.async_rounds import AsyncRollout
-        # Outermost: a round's whole episodes (every tool turn, the rollout_func's calls) run
-        # ahead on one weight version, since a push waits for the generation in flight.
-        return AsyncRollout(rollout, cfg.rollout.max_staleness)
-    return rollout
+    return _episodes(cfg, rollout, tokenizer, tools, sp)
 
 
-def _episodes(cfg, rollout, tokenizer, tools, sp):
-    """`rollout` inside what makes a round's episodes of it: a rollout_func, or the tool loop."""
+def _async_rounds(cfg, make, tokenizer, tools, sp):
+    """Outermost: a round's whole episodes (every tool turn, the rollout_func's calls) run ahead
+    on one weight version, since a push waits for the generation in flight. In a multi-process
+    run they run on process 0 alone, in its background thread (tools too: no broadcast there),
+    and the finished batch goes to every process as the round takes it."""
+    from grpo_jax.rollout.vllm.async_rounds import AsyncRollout
+    if not dist.multi_process():
+        rollout = _episodes(cfg, make(), tokenizer, tools, sp)
+        return AsyncRollout(rollout, cfg.rollout.max_staleness, ahead=rollout)
+    shared = MainProcessRollout(
+        lambda: _episodes(cfg, make(), tokenizer, tools, sp, shared=False),
+        takes_records=bool(cfg.multi_turn.rollout_func))
+    return AsyncRollout(shared, cfg.rollout.max_staleness, ahead=shared.inner)
+
+
+def _episodes(cfg, rollout, tokenizer, tools, sp, shared: bool = True):
+    """`rollout` inside what makes a round's episodes of it: a rollout_func, or the tool loop
+    (`shared`: every process runs it, process 0 the tools; else this process alone)."""
     t = cfg.multi_turn
     if t.rollout_func:
         from grpo_jax.rollout.custom import CustomRollout, load_rollout_func
@@ -136,4 +147,4 @@ def _episodes(cfg, rollout, tokenizer, tools, sp):
     from grpo_jax.rollout.tools import Toolbox, ToolRollout
     return ToolRollout(rollout, tokenizer, Toolbox(list(tools), t.tool_timeout),
                        t.max_tool_calling_iterations, sp.stop_token_ids, pad_id(tokenizer),
-                       cfg.data.chat_template_kwargs)
+                       cfg.data.chat_template_kwargs, shared=shared)

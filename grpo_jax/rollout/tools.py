@@ -319,6 +319,9 @@ class ToolRollout(RolloutWrapper):
     stop_token_ids: tuple[int, ...]  # the backend's: a completion ending in none is truncated
     pad_id: int
     template_kwargs: dict | None = None  # the run's chat_template_kwargs
+    # Every process runs the loop and process 0 the tools (False: this process runs the whole
+    # episode alone, process 0 in a multi-process run's async rounds, in a background thread).
+    shared: bool = True
 
     def __post_init__(self):
         if getattr(self.tokenizer, "response_template", None) is None:
@@ -358,9 +361,10 @@ class ToolRollout(RolloutWrapper):
                                  else np.iinfo(np.int64).max):
             # Process 0 runs the tools and every process gets its results: a tool that answers
             # differently per host must not split the processes' batches.
-            results = dist.from_main(lambda: [[self.toolbox.call(c) for c in
-                                               rows[i].messages[-1]["tool_calls"]]
-                                              for i in active], ToolError)
+            def call():
+                return [[self.toolbox.call(c) for c in rows[i].messages[-1]["tool_calls"]]
+                        for i in active]
+            results = dist.from_main(call, ToolError) if self.shared else call()
             contexts, kept = [], []
             for i, calls in zip(active, results):
                 msgs = [{"role": "tool", "name": name, "content": out if isinstance(out, list)

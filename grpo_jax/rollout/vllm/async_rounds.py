@@ -15,6 +15,13 @@ for in data order, and each starts the prefetch of the one after it (train.py Dr
 then holds the batches of the prompts the run reads next, and one the run went past (prefetched
 before the batch it asks for, or left too old) is dropped and counted.
 
+Several processes (a multi-controller run): process 0 alone generates ahead, with whole episodes
+(its thread sends HTTP requests only: a collective there would misorder against the train step's),
+while every process keeps the same bookkeeping below (versions, pending tags, the params of recent
+versions, staleness, discarded counts), so all take the same decisions; the batch a round takes
+is broadcast from process 0 in the main thread (a server error in the thread is raised there, on
+every process), and a push gathers the params on every process before process 0 sends them.
+
 Metrics: async/staleness (versions between generation and training: the oldest batch the round
 took), async/discarded (prefetched batches thrown away), and wall
 clock timestamps: timeline/next_generate_start and _end (the generation that ran during this
@@ -32,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from grpo_jax import distributed as dist
+from grpo_jax.errors import VLLMServerError
 from grpo_jax.rollout.base import RolloutWrapper
 
 
@@ -45,15 +54,22 @@ class AsyncRollout(RolloutWrapper):
     """A VLLMRollout (with its tool loop or rollout_func, if any: a round's whole episodes)
     whose next round can be generated ahead (`prefetch`). It keeps the trainer's params of each
     version a batch in flight may come from, so the trainer scores a batch with the weights
-    that generated it (`generated_with`)."""
+    that generated it (`generated_with`).
+
+    `inner`: what every process calls in the main thread (a round's generation when none was
+    prefetched, weight pushes): the rollout itself, or in a multi-process run the
+    MainProcessRollout around process 0's. `ahead`: what this process's background thread
+    generates with: the rollout itself; in a multi-process run process 0's (None elsewhere:
+    those processes take the batch process 0 broadcasts)."""
 
     generates_ahead = True
 
-    def __init__(self, inner, max_staleness: int):
-        self.inner, self.max_staleness = inner, max_staleness
+    def __init__(self, inner, max_staleness: int, ahead):
+        self.inner, self.max_staleness, self.ahead = inner, max_staleness, ahead
         self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix="vllm-prefetch")
-        # tag -> (weight version at start, future of (batch, start, end)); train.py asks for
-        # round n+1 before round n takes its own, so two can be here at once.
+        # tag -> (weight version at start, future of (batch, start, end), None on a process
+        # that doesn't generate ahead); train.py asks for round n+1 before round n takes its
+        # own, so two can be here at once.
         self.pending: dict[tuple, tuple] = {}
         self.latest = None  # the future of the last prefetch
         self.metrics: dict = {}
@@ -71,6 +87,11 @@ class AsyncRollout(RolloutWrapper):
         thread. Waiting here costs that round nothing, and the next generation is under way
         before the trainer's work on it starts, however busy the host's CPUs are.)"""
         ids = [rec["prompt_ids"] for rec in records]
+        self.latest = None if self.ahead is None else self._start(ids, num_generations, key,
+                                                                    records)
+        self.pending[_tag(ids, num_generations, key)] = (self.version, self.latest)
+
+    def _start(self, ids, num_generations: int, key, records) -> cf.Future:
         started = threading.Event()
 
         given = records if self.inner.takes_records else None  # a rollout_func reads them
@@ -78,11 +99,11 @@ class AsyncRollout(RolloutWrapper):
         def run():
             start = time.time()
             started.set()
-            batch = self.inner.generate(None, ids, num_generations, key, given)
+            batch = self.ahead.generate(None, ids, num_generations, key, given)
             return batch, start, time.time()
-        self.latest = self.pool.submit(run)
-        self.pending[_tag(ids, num_generations, key)] = (self.version, self.latest)
+        future = self.pool.submit(run)
         started.wait()
+        return future
 
     def generate(self, weights, prompt_ids, num_generations, key, records=None):
         tag, order = _tag(prompt_ids, num_generations, key), list(self.pending)
@@ -90,13 +111,16 @@ class AsyncRollout(RolloutWrapper):
         # before this one (before the latest, if this one was not prefetched) are of prompts
         # the run went past.
         for skipped in order[:order.index(tag) if tag in order else len(order) - 1]:
-            self.pending.pop(skipped)[1].cancel()  # a no-op once it runs
+            future = self.pending.pop(skipped)[1]
+            if future is not None:
+                future.cancel()  # a no-op once it runs
             self.discarded += 1
         found = self.pending.pop(tag, None)
         if found is not None:
-            batch, _, _ = found[1].result()
             staleness = self.version - found[0]
             if staleness <= self.max_staleness:
+                # Process 0's batch on every process, in the main thread (one process: as is).
+                batch = dist.from_main(lambda: found[1].result()[0], VLLMServerError)
                 self._took(staleness)
                 return batch
             self.discarded += 1  # too old: generated again below, on the current weights
@@ -128,7 +152,7 @@ class AsyncRollout(RolloutWrapper):
                 self.metrics["timeline/next_generate_start"] = start
                 self.metrics["timeline/next_generate_end"] = end
             self.latest = None
-        took = self.inner.update_weights(weights, params)
+        took = self.inner.update_weights(weights, params)  # every process (a gather)
         self.version += 1
         self.pushed[self.version] = jax.tree.map(jnp.copy, params)
         for old in [v for v in self.pushed if v < self.version - self.max_staleness]:
