@@ -288,6 +288,7 @@ def test_presets_match_published_sizes():
                 "qwen2.5-32b": 32.76, "qwen2.5-72b": 72.71, "qwen3-8b": 8.19, "qwen3-32b": 32.76,
                 "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55, "gemma-3-270m": 0.27,
                 "gemma-3-1b": 1.0, "gemma-3-4b": 3.88, "gemma-3-12b": 11.77, "gemma-3-27b": 27.01,
+                "gemma-3-4b-vlm": 4.3, "gemma-3-12b-vlm": 12.19,
                 "gemma-2-2b": 2.61, "gemma-2-9b": 9.24, "gemma-2-27b": 27.23,
                 "qwen3-30b-a3b": 30.53, "qwen3-235b-a22b": 235.09, "mixtral-8x7b": 46.7,
                 "gpt-oss-120b": 116.83, "gpt-oss-20b": 20.91}

@@ -96,16 +96,15 @@ def check_config(cfg) -> None:
 
 
 def check_images(cfg, model, image_tokens: int) -> None:
-    """--image-tokens: a Qwen2.5-VL model (its grids; Gemma 3's fixed-size images are not
-    laid out here yet), the placeholders within the prompt, and the sampler's one batch (the
-    refill program takes no images)."""
-    from grpo_jax.models import qwen_vl
-
+    """--image-tokens: a vision-language model (Qwen2.5-VL: one image of that many tokens;
+    Gemma 3: images of mm_tokens_per_image each), the placeholders within the prompt, and the
+    sampler's one batch (the refill program takes no images)."""
     if not image_tokens:
         return
-    if model.model_type != qwen_vl.MODEL_TYPE:
-        raise GrpoJaxError(f"--image-tokens: {cfg.model.name_or_path} is not a Qwen2.5-VL "
-                           "model (the images aot lays out are Qwen2.5-VL's)")
+    if model.vision is None:
+        raise GrpoJaxError(f"--image-tokens: {cfg.model.name_or_path} is not a vision-language "
+                           "model (Qwen2.5-VL or Gemma 3 with its vision tower)")
+    model.vision.encoded(image_tokens)  # a count its images can make
     if image_tokens >= cfg.data.max_prompt_length:
         raise GrpoJaxError(f"--image-tokens {image_tokens}: the image's placeholders are "
                            f"prompt tokens; --max_prompt_length {cfg.data.max_prompt_length} "
@@ -380,6 +379,7 @@ def summarize(target, cfg, run, ev: dict, start: float) -> dict:
     result = {
         "model": cfg.model.name_or_path, "params_B": model.num_params() / 1e9,
         "active_params_B": model.num_params(active=True) / 1e9,
+        "vision_params_B": model.vision_params() / 1e9,
         "topology": target.name, "chip": chip.name, "chips": run.mesh.size,
         "hosts": len({d.process_index for d in devices}), "mesh": dict(run.mesh.shape),
         "flags": flags_of(cfg),

@@ -29,13 +29,20 @@ def analyze_config(target, cfg, quick: bool = False,
                           phases=analyze.run_phases(run, phases))
     result = analyze.summarize(target, cfg, run, ev, start)
     if image_tokens:
-        from grpo_jax.aot import programs
-        result["image"] = {"tokens": image_tokens, "grid": list(
-            programs.image_grid(run.model.vision, image_tokens)[0])}
+        result["image"] = image_facts(run, image_tokens)
     if chosen:
         result["chosen"] = chosen
     result["jax"] = jax.__version__
     return result
+
+
+def image_facts(run, image_tokens: int) -> dict:
+    """The report's image section: tokens, images and patches per prompt (Qwen2.5-VL: the
+    patch grid)."""
+    from grpo_jax.aot import programs
+    shape, grid = run.model.vision.encoded(image_tokens), programs.image_grid(run)
+    return {"tokens": image_tokens, "images": shape.images, "patches": shape.patches,
+            **({"grid": list(grid[0])} if grid else {})}
 
 
 # Training flags a layout sets (and their config keys): left out of the command to run with.
