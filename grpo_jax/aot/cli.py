@@ -23,26 +23,15 @@ def analyze_config(target, cfg, quick: bool = False,
     chosen = None
     analyze.check_config(cfg)
     if not cfg.mesh.given:
-        cfg, chosen = search.default_layout(target, cfg)
+        cfg, chosen = search.default_layout(target, cfg, image_tokens)
     run = analyze.make_lowering(target, cfg, image_tokens)
     ev = analyze.evaluate(target, run, full_depth=not quick,
                           phases=analyze.run_phases(run, phases))
     result = analyze.summarize(target, cfg, run, ev, start)
-    if image_tokens:
-        result["image"] = image_facts(run, image_tokens)
     if chosen:
         result["chosen"] = chosen
     result["jax"] = jax.__version__
     return result
-
-
-def image_facts(run, image_tokens: int) -> dict:
-    """The report's image section: tokens, images and patches per prompt (Qwen2.5-VL: the
-    patch grid)."""
-    from grpo_jax.aot import programs
-    shape, grid = run.model.vision.encoded(image_tokens), programs.image_grid(run)
-    return {"tokens": image_tokens, "images": shape.images, "patches": shape.patches,
-            **({"grid": list(grid[0])} if grid else {})}
 
 
 # Training flags a layout sets (and their config keys): left out of the command to run with.
@@ -78,6 +67,7 @@ def main(argv=None) -> dict:
     p.add_argument("--auto", action="store_true")
     p.add_argument("--split", action="store_true")
     p.add_argument("--top", type=int)
+    p.add_argument("--margin", type=float, default=search.MARGIN)
     p.add_argument("--phases", default="generate,logprobs,update")
     p.add_argument("--image_tokens", "--image-tokens", type=int, default=0)
     p.add_argument("-h", "--help", action="store_true")
@@ -86,9 +76,6 @@ def main(argv=None) -> dict:
         print(analyze.__doc__)
         raise SystemExit(0)
     try:
-        if args.image_tokens and args.auto:  # search.py lowers text-only candidates
-            raise GrpoJaxError("--image-tokens with --auto: the search does not lay out "
-                               "images yet; give a mesh and batch")
         if not args.topology:
             raise GrpoJaxError("--topology is required, e.g. --topology v5e:4x4 or h100:8")
         import jax
@@ -96,7 +83,8 @@ def main(argv=None) -> dict:
         from grpo_jax import cli
         target = hardware.parse_target(args.topology, args.num_slices)
         cfg = cli.parse_cli(rest)
-        result = (search.auto(target, cfg, quick=args.quick, top=args.top) if args.auto
+        result = (search.auto(target, cfg, quick=args.quick, top=args.top,
+                              image_tokens=args.image_tokens, margin=args.margin) if args.auto
                   else analyze_config(target, cfg, quick=args.quick,
                                       phases=tuple(args.phases.split(",")),
                                       image_tokens=args.image_tokens))
