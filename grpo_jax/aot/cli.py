@@ -90,7 +90,8 @@ def main(argv=None) -> dict:
                                       image_tokens=args.image_tokens))
         if args.auto or args.split:  # the same round split: the estimate's, no compile
             result["split"] = split.forecast(cfg, analyze.model_config(cfg.model.name_or_path),
-                                             target, hardware.devices(target))
+                                             target, hardware.devices(target),
+                                             args.image_tokens, args.margin)
     except GrpoJaxError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
