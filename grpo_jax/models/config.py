@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from grpo_jax.config.model import Numerics  # noqa: F401 (this module's API)
 from grpo_jax.errors import ModelConfigError
+from grpo_jax.models.tower_shape import TowerShape
 from grpo_jax.models import qwen_vl
 from grpo_jax.models.siglip import SiglipConfig
 
@@ -101,20 +102,6 @@ class ImageTower(Protocol):
 
     def params(self) -> dict[str, jax.Array]:
         """Its parameters by the vision table's names (param_table's without "vision/")."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TowerShape:
-    """A prompt's images as its vision tower encodes them: what aot lays out and sizes."""
-    images: int  # images per prompt
-    patches: int  # patches per image: the tower's sequence
-    width: int  # the tower's hidden size
-    mlp: int  # its MLP's
-    heads: int
-    layers: int
-    full_layers: int  # layers attending over a whole image; the rest over windows of `window`
-    window: int  # patches per window
-    pixels: tuple[int, ...]  # one image's pixel_values as the processor gives them
 
 
 class VisionConfig(Protocol):

@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.errors import ModelConfigError
+from grpo_jax.models.tower_shape import TowerShape
 
 MODEL_TYPE = "qwen2_5_vl"
 # The vision tower's tensors live under this root of an HF directory (transformers 5 saves them
@@ -103,7 +104,6 @@ class QwenVisionConfig:
 
     def encoded(self, image_tokens: int):
         """One image of `image_tokens` merged tokens (image_grid's)."""
-        from grpo_jax.models.config import TowerShape
         t, h, w = self.image_grid(image_tokens)[0]
         window = (self.window_size // self.patch_size) ** 2
         return TowerShape(1, t * h * w, self.hidden_size, self.intermediate_size,

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from grpo_jax.errors import ModelConfigError
+from grpo_jax.models.tower_shape import TowerShape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +84,6 @@ class SiglipConfig:
 
     def encoded(self, image_tokens: int):
         """Images of mm_tokens_per_image tokens each, every one image_size square."""
-        from grpo_jax.models.config import TowerShape
         if image_tokens % self.mm_tokens_per_image:
             raise ModelConfigError(f"{image_tokens} image tokens: Gemma 3's images have "
                                    f"{self.mm_tokens_per_image} each; use a multiple")
