@@ -201,7 +201,9 @@ def render(r: dict) -> str:
                  f"{_percent(t['mfu'][1])}% - {_percent(t['mfu'][0])}% "
                  f"({t['model_tflop']:.1f} model TFLOP per chip)")
     if "update_model_tflop" in t:
-        lines.append(f"  an update's model FLOPs (6 x active params x tokens, per chip): "
+        # A vision-language model's update trains the language model only (the tower frozen).
+        counted = "language-model" if r.get("vision_params_B") else "active"
+        lines.append(f"  an update's model FLOPs (6 x {counted} params x tokens, per chip): "
                      f"{t['update_model_tflop']:.2f} TFLOP")
     return "\n".join(lines)
 
