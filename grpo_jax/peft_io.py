@@ -3,13 +3,18 @@
 A PEFT adapter directory holds `adapter_config.json` and `adapter_model.safetensors` with keys
 like `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` ([r, in], torch's
 Linear layout) and `...lora_B.weight` ([out, r]). Ours are stacked over layers with the
-weight's own dims: A [L, in..., r], B [L, r, out...] (models/lora.py).
+weight's own dims: A [L, in..., r], B [L, r, out...] (models/lora.py). On a vision-language
+model the adapters are the language model's only (the tower stays frozen): the keys name
+its modules under `model.language_model.`, and `target_modules` is a regular expression that
+PEFT matches against those modules alone (its all-linear, or a bare `q_proj`, would adapt the
+tower's too).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -27,6 +32,9 @@ from grpo_jax.models.decoder import stack_of
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 PREFIX = "base_model.model."
+# Where transformers 5's vision-language wrappers (Gemma 3, Qwen2.5-VL) keep the decoder's
+# "model.": PEFT's keys name live modules, not the checkpoint's tensors (hf.export_name).
+VLM_TEXT_ROOT = "model.language_model."
 
 
 def adapter_dir(name_or_path: str) -> Path | None:
@@ -62,6 +70,10 @@ def adapter_settings(cfg):
                           "export a merged model and train that")
     conf = read_adapter_config(path)
     targets = conf.get("target_modules") or list(lora.DEFAULT_TARGETS)
+    if isinstance(targets, str) and targets != "all-linear":
+        # A regular expression (ours on a vision-language model): the module names it
+        # spells out; load_adapter refuses any key of a module outside them.
+        targets = [n for n in lora.TARGETS if re.search(rf"\b{n}\b", targets)]
     targets = [targets] if isinstance(targets, str) else targets
     # PEFT matches a name against the end of a module's path; all-linear is saved as paths.
     targets = tuple(dict.fromkeys(t.rsplit(".", 1)[-1] for t in targets))
@@ -106,9 +118,13 @@ def _keys(model) -> dict[str, str]:
 
 
 def _keys_for(cfg, leaves) -> dict[str, str]:
-    names = hf.hf_names(cfg)
-    return {leaf: PREFIX + names[f"layers/{leaf}"][:-len("weight")] + "{m}.weight"
-            for leaf in leaves}
+    return {leaf: PREFIX + _module(cfg, leaf) + ".{m}.weight" for leaf in leaves}
+
+
+def _module(cfg, leaf: str) -> str:
+    """The path of the transformers module that weight `leaf` belongs to ({i}: the layer)."""
+    name = hf.hf_names(cfg)[f"layers/{leaf}"][:-len(".weight")]
+    return name if cfg.vision is None else VLM_TEXT_ROOT + name[len("model."):]
 
 
 def _layers(cfg, leaf: str) -> tuple[int, ...]:
@@ -142,11 +158,18 @@ def layer_adapter_tensors(cfg, layers, dtype: str = "float32") -> dict[str, np.n
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
-def adapter_config(peft: lora.PeftArgs, base: str) -> dict:
-    """adapter_config.json's content for adapters made with `peft` on model `base`."""
+def adapter_config(peft: lora.PeftArgs, base: str, model_cfg=None) -> dict:
+    """adapter_config.json's content for adapters made with `peft` on model `base` (whose
+    config `model_cfg` is needed for a vision-language model)."""
+    targets = list(peft.target_modules())
+    if model_cfg is not None and model_cfg.vision is not None:
+        # The language model's modules only, as adapted here; PEFT fullmatches the pattern.
+        leaves = lora.model_targets(peft, model_cfg)
+        targets = "|".join(re.escape(_module(model_cfg, leaf)).replace(r"\{i\}", r"\d+")
+                           for leaf in leaves)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
             "r": peft.lora_r, "lora_alpha": peft.lora_alpha, "lora_dropout": peft.lora_dropout,
-            "target_modules": list(peft.target_modules()), "use_rslora": peft.use_rslora,
+            "target_modules": targets, "use_rslora": peft.use_rslora,
             "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
             "init_lora_weights": True, "modules_to_save": None, "use_dora": False}
 
@@ -164,7 +187,8 @@ def save_adapter(model, peft: lora.PeftArgs, out_dir, base: str,
                  dtype: str = "float32") -> Path:
     """A PEFT adapter directory that `peft.PeftModel.from_pretrained(base_model, out_dir)`
     loads."""
-    return write_adapter(out_dir, adapter_tensors(model, dtype), adapter_config(peft, base))
+    return write_adapter(out_dir, adapter_tensors(model, dtype),
+                         adapter_config(peft, base, model.cfg))
 
 
 def load_adapter(model, path: Path) -> None:

@@ -21,6 +21,7 @@ from grpo_jax.aot.analyze import model_config
 from grpo_jax.errors import GrpoJaxError
 from grpo_jax.models import ModelConfig
 from grpo_jax.models.presets import PRESETS
+from grpo_jax.models.siglip import SiglipConfig
 
 AOT_PYTHON = os.environ.get("GRPO_JAX_AOT_PYTHON")
 ROOT = Path(__file__).resolve().parents[1]
@@ -288,6 +289,7 @@ def test_presets_match_published_sizes():
                 "qwen2.5-32b": 32.76, "qwen2.5-72b": 72.71, "qwen3-8b": 8.19, "qwen3-32b": 32.76,
                 "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55, "gemma-3-270m": 0.27,
                 "gemma-3-1b": 1.0, "gemma-3-4b": 3.88, "gemma-3-12b": 11.77, "gemma-3-27b": 27.01,
+                "gemma-3-4b-vlm": 4.3, "gemma-3-12b-vlm": 12.19,
                 "gemma-2-2b": 2.61, "gemma-2-9b": 9.24, "gemma-2-27b": 27.23,
                 "qwen3-30b-a3b": 30.53, "qwen3-235b-a22b": 235.09, "mixtral-8x7b": 46.7,
                 "gpt-oss-120b": 116.83, "gpt-oss-20b": 20.91}
@@ -800,26 +802,40 @@ def test_split_forecast_keeps_the_round_and_balances_the_halves(tmp_path):
     assert "choice:" in "\n".join(report.render_split(f))
 
 
+# A tiny Gemma 3 with its SigLIP tower: images of 4 tokens (28 px, 7 px patches pooled 2 x 2);
+# three layers, so that --quick's 3-layer sampler has its layer types.
+TINY_GEMMA3 = PRESETS["gemma-3-270m"].replace(
+    vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=3, num_heads=4,
+    num_kv_heads=2, head_dim=32, sliding_window=16, max_position_embeddings=512,
+    layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+    vision=SiglipConfig(hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2,
+                        image_size=28, patch_size=7, mm_tokens_per_image=4))
+
+
 @pytest.mark.skipif(not AOT_PYTHON, reason="GRPO_JAX_AOT_PYTHON is unset (see the module doc)")
-def test_a_vision_language_model_compiles_with_its_images(tmp_path):
+def test_vision_language_models_compile_with_their_images(tmp_path):
     """A Qwen2.5-VL model with one 16-token image per prompt: the update and log-prob programs
     take each row's pixels, M-RoPE positions and grid, the sampler's prompt pass the prompts'
-    images; the report names the vision tower's share of the memory."""
+    images; the report names the vision tower's share of the memory. A Gemma 3 with two
+    4-token images per prompt through --auto: the search lays out and compiles its images
+    ([rows, 2, 3, 28, 28] pixels), and the header gives its params as language model + tower."""
     from grpo_jax.models import qwen_vl
     vlm = TINY.replace(model_type=qwen_vl.MODEL_TYPE, mrope_section=(4, 6, 6), qkv_bias=True,
                        vision=qwen_vl.QwenVisionConfig(
                            depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
                            out_hidden_size=TINY.hidden_size, patch_size=4, window_size=16,
                            fullatt_block_indexes=(1,)))
-    (tmp_path / "vlm").mkdir()
-    (tmp_path / "vlm" / "config.json").write_text(json.dumps(vlm.to_hf()))
-    proc = run_aot(tmp_path, "--topology", "v5e:2x2", "--model_name_or_path", "vlm",
-                   "--json", "out.json", "--image-tokens", "16", *SHAPE,
-                   "--dp", "1", "--fsdp", "4", "--phases", "generate,update")  # logprobs: the
-    # update's forward, compiled by the tests above
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads((tmp_path / "out.json").read_text())
-    assert r["image"] == {"tokens": 16, "grid": [1, 8, 8]}
+    tiny_dir_in(tiny_dir_in(tmp_path, "vlm", vlm), "gemma", TINY_GEMMA3)
+    qwen, gemma = run_aot_many(
+        tmp_path, ["--topology", "v5e:2x2", "--model_name_or_path", "vlm", "--json", "q.json",
+                   "--image-tokens", "16", *SHAPE, "--dp", "1", "--fsdp", "4",
+                   "--phases", "generate,update"],  # logprobs: the update's forward, compiled
+        # by the tests above
+        ["--topology", "v5e:2x2", "--model_name_or_path", "gemma", "--json", "g.json",
+         "--image-tokens", "8", *SHAPE, "--auto", "--quick"])
+    assert qwen.returncode == 0, qwen.stderr[-3000:]
+    r = json.loads((tmp_path / "q.json").read_text())
+    assert r["image"] == {"tokens": 16, "images": 1, "patches": 64, "grid": [1, 8, 8]}
     m = r["memory_per_chip"]
     assert set(m["phases"]) == {"generate", "update"}
     # The tower's fp32 params over fsdp (its small biases and norms replicated), in the
@@ -828,4 +844,47 @@ def test_a_vision_language_model_compiles_with_its_images(tmp_path):
     assert m["vision_tower_GB"] == pytest.approx(tower * 4 / 4 / 1e9, rel=0.2)
     assert m["optimizer_state_GB"] == pytest.approx(
         2 * (m["params_GB"] - m["vision_tower_GB"]), rel=0.05)
-    assert "of which the vision tower" in proc.stdout and m["fits"]
+    assert "of which the vision tower" in qwen.stdout and m["fits"]
+
+    assert gemma.returncode == 0, gemma.stderr[-3000:]
+    r = json.loads((tmp_path / "g.json").read_text())
+    assert r["image"] == {"tokens": 8, "images": 2, "patches": 16}
+    assert r["search"]["compiled"][0]["fits"] and r["memory_per_chip"]["fits"]
+    m = r["memory_per_chip"]
+    assert m["vision_tower_GB"] > 0 and m["optimizer_state_GB"] == pytest.approx(
+        2 * (m["params_GB"] - m["vision_tower_GB"]), rel=0.05)
+    head = gemma.stdout.splitlines()[0]
+    assert "B language model + " in head and "vision tower" in head
+    assert "active" not in gemma.stdout  # a mixture of experts' label
+    assert r["vision_params_B"] == pytest.approx(TINY_GEMMA3.vision_params() / 1e9)
+
+
+def test_the_estimate_counts_a_frozen_tower_and_its_images():
+    """No compile: the layout estimate of Qwen2.5-VL-7B on v5e-16 with a 1024-token image
+    (docs/scaling.md's run: fsdp 4 x tensor 4, 1 row per chip x 2, beta 0.04) against what that
+    run compiled to: resident 6.93 GB (the tower frozen: no moments), peak 14.62 GB (update).
+    Images cost memory a text prompt of the same length does not; Gemma 3 takes whole
+    images only."""
+    from grpo_jax import cli
+    from grpo_jax.aot import search
+
+    target = hardware.parse_target("v5e-16", 1)
+    cfg = cli.parse_cli(["--model_name_or_path", "qwen2.5-vl-7b", "--max_prompt_length", "1536",
+                         "--max_completion_length", "1024", "--num_generations", "8",
+                         "--beta", "0.04", "--dp", "1", "--fsdp", "4", "--tp", "4",
+                         "--per_device_train_batch_size", "1",
+                         "--gradient_accumulation_steps", "2", "--generation_batch_size", "8"])
+    model = PRESETS["qwen2.5-vl-7b"]
+    lay = search.current(cfg, 16)
+    images = search.estimate(lay, cfg, model, target, 16, image_tokens=1024)
+    text = search.estimate(lay, cfg, model, target, 16)
+    # (AdamW's moments of the 0.17 GB tower would add 0.34 GB: 5%.)
+    assert images["resident_GB"] == pytest.approx(2.08 + 3.81 + 1.04, rel=0.02)
+    assert images["peak_GB"] == pytest.approx(14.62, rel=0.1)
+    for phase in search.PHASES:
+        assert images["temporaries_GB"][phase] > text["temporaries_GB"][phase]
+    assert images["phases"]["update"]["compute_s"] > text["phases"]["update"]["compute_s"]
+    assert not images["fits"]  # 14.4 GB with 10% to spare; with 5% it does
+    assert search.estimate(lay, cfg, model, target, 16, image_tokens=1024, margin=0.05)["fits"]
+    with pytest.raises(GrpoJaxError, match="multiple"):
+        PRESETS["gemma-3-4b-vlm"].vision.encoded(300)

@@ -9,12 +9,13 @@ import jax
 import numpy as np
 import optax
 import pytest
+import safetensors.numpy
 import torch
 import transformers
 from flax import nnx
 from PIL import Image
 
-from grpo_jax import hf
+from grpo_jax import hf, peft_io
 from grpo_jax import images as images_lib
 from grpo_jax.cli import load_config
 from grpo_jax.config.batch import OptimizerConfig
@@ -23,6 +24,7 @@ from grpo_jax.export import export
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.grpo.train_step import completion_logps
+from grpo_jax.models import lora
 from grpo_jax.rollout.native.rollout import JaxRollout
 from grpo_jax.rollout.native.sampling import SamplingParams
 from grpo_jax.policy import frozen_parts, split_policy, state_init
@@ -215,3 +217,45 @@ def test_the_tower_is_frozen_in_the_optimizer(vlm_dir):
     counters = len(jax.tree.leaves(init({}).opt_state))
     assert len(jax.tree.leaves(state.opt_state)) == counters + 2 * (len(moved) - len(tower))
     assert frozen_parts({"embed": 0}) == ()
+
+
+def test_lora_adapters_load_in_peft_on_the_vlm(vlm_dir, tmp_path):
+    """Two LoRA steps (all-linear) on 'squares': the adapters are the language model's only
+    (the tower frozen, as PEFT's all-linear is not); exported as a PEFT directory they load
+    with PeftModel onto transformers' Gemma 3 (its target_modules match no tower module) and
+    give, on prompts with images, the logits of our merged export; as model_name_or_path the
+    directory loads back (its targets read from the pattern)."""
+    run = tmp_path / "lora"
+    train(_cfg(vlm_dir, run, "max_steps=2", "use_peft=true", "lora_target_modules=all-linear",
+               "learning_rate=0.05", "save_steps=2"), devices=jax.devices()[:1])
+    adapter, _ = export(run, tmp_path / "adapter", dtype="float32")
+    merged, _ = export(run, tmp_path / "merged", dtype="float32", merge=True)
+    peft = pytest.importorskip("peft")
+    base = transformers.Gemma3ForConditionalGeneration.from_pretrained(vlm_dir).eval()
+    ours = transformers.Gemma3ForConditionalGeneration.from_pretrained(merged).eval()
+    proc = transformers.AutoProcessor.from_pretrained(vlm_dir)
+    rng = np.random.default_rng(0)
+    pictures = [Image.fromarray(rng.integers(0, 256, (28, 28, 3), dtype=np.uint8))
+                for _ in range(2)]
+    inputs = proc(text=["<start_of_image> how many?", "count <start_of_image>"],
+                  images=[[p] for p in pictures], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        before = base(**inputs).logits
+        model = peft.PeftModel.from_pretrained(base, adapter).eval()
+        adapted = [n for n, _ in model.named_modules() if n.endswith(".lora_A")]
+        assert len(adapted) == 2 * 7 and not [n for n in adapted if "language_model" not in n]
+        got, want = model(**inputs).logits, ours(**inputs).logits
+    mask = inputs["attention_mask"].bool()
+    diff = float((got - want).abs()[mask].max())
+    moved = float((want - before).abs()[mask].max())
+    print(f"PEFT on transformers vs our merged export: max |logit diff| {diff:.3g} "
+          f"(the adapters moved them by {moved:.3g})")
+    assert diff < 1e-4 and moved > 1e-3
+
+    # The directory as model_name_or_path: its regex targets read back, its adapters loaded.
+    cfg = peft_io.adapter_settings(_cfg(adapter, tmp_path / "again", "use_peft=true",
+                                        "lora_target_modules=q_proj"))
+    assert cfg.peft.target_modules() == tuple(lora.TARGETS)
+    again, _ = peft_io.load_model(cfg, None)
+    saved = safetensors.numpy.load_file(adapter / peft_io.WEIGHTS_NAME)
+    assert all(np.array_equal(v, saved[k]) for k, v in peft_io.adapter_tensors(again).items())

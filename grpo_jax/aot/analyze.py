@@ -8,14 +8,15 @@ See docs/scaling.md.
 Own options: --topology NAME (v5e:4x4, v5p:4x4x4, v6e:8x8, v5e-16, v5p-128, h100:8),
 --num_slices N (TPU slices joined over DCN; the data axis spans them), --json PATH, --auto
 (search the layout: mesh, remat policy, micro-batch split; candidates are compiled until
---top N of them fit, 2, or 1 with --quick), --quick (compile the sampler with 2 and 3 layers
-and extrapolate, instead of whole: minutes instead of tens of minutes for a large model),
---phases generate,logprobs,update (the programs to compile), --image-tokens N (a
-Qwen2.5-VL model: each prompt holds one image of N merged tokens, within
---max_prompt_length; the programs take its pixels, M-RoPE positions and grid), --split (also forecast the round
-split: some chips sampling while the rest train, aot/split.py; --auto always does). Without
-mesh flags
-(--dp/--fsdp/--tp/--ep/--cp) the layout is chosen as a run would need it
+--top N of them fit, 2, or 1 with --quick; a layout fits with --margin F of HBM to spare,
+0.1), --quick (compile the sampler with 2 and 3 layers and extrapolate, instead of whole:
+minutes instead of tens of minutes for a large model), --phases generate,logprobs,update (the
+programs to compile), --image-tokens N (a vision-language model, N image tokens per prompt
+within --max_prompt_length: Qwen2.5-VL one image of N merged tokens, its pixels, M-RoPE
+positions and grid; Gemma 3 N / 256 images; the layout search and estimate count its frozen
+tower and its images), --split (also forecast the round split: some chips sampling while the
+rest train, aot/split.py; --auto always does). Without mesh flags (--dp/--fsdp/--tp/--ep/--cp)
+the layout is chosen as a run would need it
 (search.default_layout; for long rows with a context axis) and said. Every other option is a
 training option with TRL's name, as grpo-jax-train takes it (--config NAME|PATH, --set
 key=value, --key value); the model is --model_name_or_path: a preset (grpo_jax.models.presets),
@@ -96,16 +97,15 @@ def check_config(cfg) -> None:
 
 
 def check_images(cfg, model, image_tokens: int) -> None:
-    """--image-tokens: a Qwen2.5-VL model (its grids; Gemma 3's fixed-size images are not
-    laid out here yet), the placeholders within the prompt, and the sampler's one batch (the
-    refill program takes no images)."""
-    from grpo_jax.models import qwen_vl
-
+    """--image-tokens: a vision-language model (Qwen2.5-VL: one image of that many tokens;
+    Gemma 3: images of mm_tokens_per_image each), the placeholders within the prompt, and the
+    sampler's one batch (the refill program takes no images)."""
     if not image_tokens:
         return
-    if model.model_type != qwen_vl.MODEL_TYPE:
-        raise GrpoJaxError(f"--image-tokens: {cfg.model.name_or_path} is not a Qwen2.5-VL "
-                           "model (the images aot lays out are Qwen2.5-VL's)")
+    if model.vision is None:
+        raise GrpoJaxError(f"--image-tokens: {cfg.model.name_or_path} is not a vision-language "
+                           "model (Qwen2.5-VL or Gemma 3 with its vision tower)")
+    model.vision.encoded(image_tokens)  # a count its images can make
     if image_tokens >= cfg.data.max_prompt_length:
         raise GrpoJaxError(f"--image-tokens {image_tokens}: the image's placeholders are "
                            f"prompt tokens; --max_prompt_length {cfg.data.max_prompt_length} "
@@ -369,6 +369,15 @@ def timing(run, target, ev: dict) -> tuple[dict | None, dict]:
             }, communication
 
 
+def image_facts(run) -> dict:
+    """The report's image section: tokens, images and patches per prompt (Qwen2.5-VL: the
+    patch grid)."""
+    from grpo_jax.aot import programs
+    shape, grid = run.model.vision.encoded(run.image_tokens), programs.image_grid(run)
+    return {"tokens": run.image_tokens, "images": shape.images, "patches": shape.patches,
+            **({"grid": list(grid[0])} if grid else {})}
+
+
 def summarize(target, cfg, run, ev: dict, start: float) -> dict:
     """The report's dict (rendered by report.render, written by --json)."""
     plan, chip, progs, model = run.plan, target.chip, ev["progs"], run.model
@@ -380,6 +389,8 @@ def summarize(target, cfg, run, ev: dict, start: float) -> dict:
     result = {
         "model": cfg.model.name_or_path, "params_B": model.num_params() / 1e9,
         "active_params_B": model.num_params(active=True) / 1e9,
+        "vision_params_B": model.vision_params() / 1e9,
+        "image": image_facts(run) if run.image_tokens else None,
         "topology": target.name, "chip": chip.name, "chips": run.mesh.size,
         "hosts": len({d.process_index for d in devices}), "mesh": dict(run.mesh.shape),
         "flags": flags_of(cfg),

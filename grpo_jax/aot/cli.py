@@ -23,15 +23,11 @@ def analyze_config(target, cfg, quick: bool = False,
     chosen = None
     analyze.check_config(cfg)
     if not cfg.mesh.given:
-        cfg, chosen = search.default_layout(target, cfg)
+        cfg, chosen = search.default_layout(target, cfg, image_tokens)
     run = analyze.make_lowering(target, cfg, image_tokens)
     ev = analyze.evaluate(target, run, full_depth=not quick,
                           phases=analyze.run_phases(run, phases))
     result = analyze.summarize(target, cfg, run, ev, start)
-    if image_tokens:
-        from grpo_jax.aot import programs
-        result["image"] = {"tokens": image_tokens, "grid": list(
-            programs.image_grid(run.model.vision, image_tokens)[0])}
     if chosen:
         result["chosen"] = chosen
     result["jax"] = jax.__version__
@@ -71,6 +67,7 @@ def main(argv=None) -> dict:
     p.add_argument("--auto", action="store_true")
     p.add_argument("--split", action="store_true")
     p.add_argument("--top", type=int)
+    p.add_argument("--margin", type=float, default=search.MARGIN)
     p.add_argument("--phases", default="generate,logprobs,update")
     p.add_argument("--image_tokens", "--image-tokens", type=int, default=0)
     p.add_argument("-h", "--help", action="store_true")
@@ -79,9 +76,6 @@ def main(argv=None) -> dict:
         print(analyze.__doc__)
         raise SystemExit(0)
     try:
-        if args.image_tokens and args.auto:  # search.py lowers text-only candidates
-            raise GrpoJaxError("--image-tokens with --auto: the search does not lay out "
-                               "images yet; give a mesh and batch")
         if not args.topology:
             raise GrpoJaxError("--topology is required, e.g. --topology v5e:4x4 or h100:8")
         import jax
@@ -89,13 +83,15 @@ def main(argv=None) -> dict:
         from grpo_jax import cli
         target = hardware.parse_target(args.topology, args.num_slices)
         cfg = cli.parse_cli(rest)
-        result = (search.auto(target, cfg, quick=args.quick, top=args.top) if args.auto
+        result = (search.auto(target, cfg, quick=args.quick, top=args.top,
+                              image_tokens=args.image_tokens, margin=args.margin) if args.auto
                   else analyze_config(target, cfg, quick=args.quick,
                                       phases=tuple(args.phases.split(",")),
                                       image_tokens=args.image_tokens))
         if args.auto or args.split:  # the same round split: the estimate's, no compile
             result["split"] = split.forecast(cfg, analyze.model_config(cfg.model.name_or_path),
-                                             target, hardware.devices(target))
+                                             target, hardware.devices(target),
+                                             args.image_tokens, args.margin)
     except GrpoJaxError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

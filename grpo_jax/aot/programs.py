@@ -169,33 +169,30 @@ def _rows(shape, dtype, mesh) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, dtype, sharding=mesh_lib.batch_sharding(mesh, len(shape)))
 
 
-def image_grid(vision, tokens: int) -> tuple[tuple[int, int, int], ...]:
-    """One image of `tokens` merged tokens as Qwen2.5-VL's processor grids it: (1, h, w)
-    patches, h x w = tokens x merge^2, as square as `tokens` factors (1024 -> (1, 64, 64))."""
-    side = max(d for d in range(1, int(tokens ** 0.5) + 1) if tokens % d == 0)
-    m = vision.spatial_merge_size
-    return ((1, side * m, tokens // side * m),)
-
-
-def _pixels(vision, grid) -> tuple[int, int]:
-    """(patches, values per patch) of Qwen2.5-VL's pixel_values for `grid`."""
-    t, h, w = grid[0]
-    return t * h * w, (vision.in_channels * vision.temporal_patch_size
-                       * vision.patch_size ** 2)
+def image_grid(run: Lowering) -> tuple | None:
+    """A row's images' patch grids as the Batch and the sampler carry them (Qwen2.5-VL's
+    one image; None for Gemma 3's fixed-size images, or text)."""
+    return (run.model.vision.image_grid(run.image_tokens)
+            if run.image_tokens and run.model.mrope_section is not None else None)
 
 
 def _sampler_images(run: Lowering, prompts: int, width: int):
     """The sampler's (images, image_grid) for the prompt pass, as Sampler.generate hands
-    them: pixel_values of every prompt's image [prompts x patches, values] (float32, as the
-    processor gives them; one host's, replicated), M-RoPE positions [3, prompts, width] and
-    the decode position deltas [prompts]. (None, None) without images."""
+    them: pixel_values of every prompt's images (float32, as the processor gives them; one
+    host's, replicated: Qwen2.5-VL [prompts x patches, values], Gemma 3 [prompts x images, C,
+    H, W]), positions (M-RoPE's [3, prompts, width]; Gemma 3's [prompts, width]) and the decode
+    position deltas [prompts]. (None, None) without images."""
     if not run.image_tokens:
         return None, None
     replicated = NamedSharding(run.mesh, P())
-    grid = image_grid(run.model.vision, run.image_tokens)
-    patches, values = _pixels(run.model.vision, grid)
+    shape = run.model.vision.encoded(run.image_tokens)
     arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,  # noqa: E731
                                                     sharding=replicated)
+    grid = image_grid(run)
+    if grid is None:  # Gemma 3: positions as for text
+        return (arg((prompts * shape.images, *shape.pixels), jnp.float32),
+                arg((prompts, width), jnp.int32), arg((prompts,), jnp.int32)), None
+    patches, values = shape.pixels
     return (arg((prompts * patches, values), jnp.float32), arg((3, prompts, width), jnp.int32),
             arg((prompts,), jnp.int32)), grid * prompts  # every prompt's image's grid
 
@@ -208,11 +205,12 @@ def _batch(run: Lowering, n: int, width: int, logps: bool = True) -> Batch:
     per_token = lambda: _rows((n, C), jnp.float32, mesh)  # noqa: E731
     batch = Batch(_rows((n, width), jnp.int32, mesh), _rows((n, width), jnp.int32, mesh),
                   tokens(), tokens(), _rows((n,), jnp.bool_, mesh), _rows((n,), jnp.float32, mesh))
-    if run.image_tokens:
-        grid = image_grid(run.model.vision, run.image_tokens)
-        batch = batch.replace(
-            pixel_values=_rows((n, *_pixels(run.model.vision, grid)), jnp.float32, mesh),
-            positions=_rows((n, 3, width + C), jnp.int32, mesh), image_grid=grid)
+    if run.image_tokens:  # images.PromptPixels' rows
+        shape, grid = run.model.vision.encoded(run.image_tokens), image_grid(run)
+        batch = batch.replace(pixel_values=_rows(
+            (n, *shape.pixels) if grid else (n, shape.images, *shape.pixels), jnp.float32, mesh),
+            positions=_rows((n, 3, width + C), jnp.int32, mesh) if grid else None,
+            image_grid=grid)
     if not logps:
         return batch
     return batch.replace(sampler_logp=per_token(), num_items=_rows((n,), jnp.float32, mesh),

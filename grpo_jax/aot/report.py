@@ -107,13 +107,22 @@ def phase_memory(mem, resident: float, in_resident: float) -> dict:
             "peak_GB": (resident + extra + mem.temp_size_in_bytes) / GB}
 
 
+def _params_split(r: dict) -> str:
+    """A vision-language model's params as the language model's and the tower's; a mixture of
+    experts' active params (those one token runs through)."""
+    if r.get("vision_params_B"):
+        return (f": {r['params_B'] - r['vision_params_B']:.2f}B language model + "
+                f"{r['vision_params_B']:.2f}B vision tower")
+    active = r.get("active_params_B", r["params_B"])
+    return f", {active:.2f}B active" if active < r["params_B"] else ""
+
+
 def render(r: dict) -> str:
     """The report as text (`r` is what __main__ also writes as JSON)."""
     m, t = r["memory_per_chip"], r.get("time")
     lines = [
-        f"{r['model']} ({r['params_B']:.2f}B params"
-        + (f", {r['active_params_B']:.2f}B active" if r.get("active_params_B", r["params_B"])
-           < r["params_B"] else "") + f") on {r['topology']}: {r['chips']} x "
+        f"{r['model']} ({r['params_B']:.2f}B params" + _params_split(r)
+        + f") on {r['topology']}: {r['chips']} x "
         f"{r['chip']}, mesh {r['mesh']}, {r['hosts']} hosts",
         f"round: {r['plan']['generation_batch_size']} completions ({r['plan']['prompts']} prompts"
         f" x {r['plan']['num_generations']}), prompt {r['prompt_width']} + completion "
@@ -127,10 +136,13 @@ def render(r: dict) -> str:
     ]
     if m.get("vision_tower_GB"):
         image = r.get("image")
+        grid = f", patch grid {'x'.join(map(str, image['grid']))}" if image and image.get(
+            "grid") else ""
         lines.append(f"  of which the vision tower (frozen: no optimizer state): params "
-                     f"{m['vision_tower_GB']:.2f}  reference {m['vision_reference_GB']:.2f}"
-                     + (f"; {image['tokens']} image tokens per prompt (patch grid "
-                        f"{'x'.join(map(str, image['grid']))})" if image else
+                     f"{m['vision_tower_GB']:.2f} ({m['vision_tower_GB'] / m['params_GB']:.0%})"
+                     f"  reference {m['vision_reference_GB']:.2f}"
+                     + (f"; {image['tokens']} image tokens per prompt ({image['images']} "
+                        f"image(s) of {image['patches']} patches{grid})" if image else
                         "; programs compiled without images (--image-tokens)"))
     if r.get("routing_record"):
         rec = r["routing_record"]
@@ -189,7 +201,9 @@ def render(r: dict) -> str:
                  f"{_percent(t['mfu'][1])}% - {_percent(t['mfu'][0])}% "
                  f"({t['model_tflop']:.1f} model TFLOP per chip)")
     if "update_model_tflop" in t:
-        lines.append(f"  an update's model FLOPs (6 x active params x tokens, per chip): "
+        # A vision-language model's update trains the language model only (the tower frozen).
+        counted = "language-model" if r.get("vision_params_B") else "active"
+        lines.append(f"  an update's model FLOPs (6 x {counted} params x tokens, per chip): "
                      f"{t['update_model_tflop']:.2f} TFLOP")
     return "\n".join(lines)
 

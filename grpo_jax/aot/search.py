@@ -34,7 +34,7 @@ import time
 from grpo_jax import run_facts
 from grpo_jax.errors import GrpoJaxError
 
-MARGIN = 0.1  # of HBM left free by a layout that "fits"
+MARGIN = 0.1  # of HBM left free by a layout that "fits" (--margin's default)
 # A candidate whose estimated round is more than FAR times the best compiled fitting one's
 # estimate is not compiled (the estimate's time is rough, but not off by that much).
 FAR = 1.25
@@ -130,11 +130,12 @@ class _AbstractMesh:
         self.axis_names = tuple(sizes)
 
 
-def candidates(cfg, model, devices, remat=None) -> list[Layout]:
+def candidates(cfg, model, devices, remat=None, image_tokens: int = 0) -> list[Layout]:
     """Every layout of `devices` over mesh_axes(model) for `cfg`'s round (the rows per update
     and the generation batch of `cfg` as planned on its own mesh, pure data parallelism without
     one) whose mesh mesh.make_mesh can lay over them (jax.make_mesh maps axes onto the torus,
-    and not every split of a 4x4 slice has a mapping)."""
+    and not every split of a 4x4 slice has a mapping). With images (`image_tokens`) no decode
+    slots: the refill program takes no images."""
     from grpo_jax import mesh as mesh_lib
 
     chips = len(devices)
@@ -161,7 +162,8 @@ def candidates(cfg, model, devices, remat=None) -> list[Layout]:
         # quarter of them (a whole number a batch shard), refilled: less KV cache, more steps.
         gen, given = base.generation_batch_size, cfg.generation.max_num_seqs
         slots = ([given] if given is not None else [None] if cfg.rollout.backend != "jax"
-                 else [None] + [gen // d for d in SLOT_SPLITS if gen % (d * dp) == 0])
+                 or image_tokens else [None] + [gen // d for d in SLOT_SPLITS
+                                                if gen % (d * dp) == 0])
         for per_device in divisors(rows // dp):
             for (on, policy), n in itertools.product(remat or REMAT, slots):
                 lay = Layout(tuple(named.items()), per_device, rows // dp // per_device, on,
@@ -195,7 +197,8 @@ def current(cfg, chips: int) -> Layout:
 
 # ---------------------------------------------------------------- the estimate (no compile)
 
-def estimate(lay: Layout, cfg, model, target, chips: int, phases=PHASES) -> dict:
+def estimate(lay: Layout, cfg, model, target, chips: int, phases=PHASES,
+             image_tokens: int = 0, margin: float = MARGIN) -> dict:
     """Memory per chip (GB) and round time (s) of a layout, from shapes alone. The resident
     state and KV cache are what the programs hold; the phases' working memory (saved layer
     inputs or matmul outputs by remat policy, one layer's attention scores and MLP, a gathered
@@ -207,7 +210,12 @@ def estimate(lay: Layout, cfg, model, target, chips: int, phases=PHASES) -> dict
 
     `phases`: the programs these chips run (aot/split.py: a sampler mesh runs `generate`
     alone and holds no training state, only the weights it decodes with; a trainer mesh the
-    other two)."""
+    other two).
+
+    `image_tokens` (a vision-language model's image tokens per prompt, within the prompt):
+    its tower is frozen (policy.frozen_parts: its params and reference copy, no moments or
+    gradient), and each phase runs it forward over its rows' images (_tower_memory).
+    It fits with `margin` of HBM to spare."""
     import jax.numpy as jnp
 
     from grpo_jax import mesh as mesh_lib
@@ -223,14 +231,22 @@ def estimate(lay: Layout, cfg, model, target, chips: int, phases=PHASES) -> dict
     g = f * cp  # the devices a weight is split over, besides tensor (mesh.RULES' embed)
     c_bytes = jnp.dtype(cfg.numerics.dtype).itemsize
     peft = cfg.peft.use_peft
-    elems = 0.0  # weights per chip
-    for shape, names in param_table(model).values():
+    elems = tower = 0.0  # weights per chip, and the vision tower's of them
+    tower_split = 1  # what the tower's heads are split over
+    for name, (shape, names) in param_table(model).items():
         spec = mesh_lib.spec_for(names, shape, mesh)
-        elems += math.prod(shape) / math.prod(sizes[a] for s in spec for a in _flat(s))
+        axes = [a for s in spec for a in _flat(s)]
+        local = math.prod(shape) / math.prod(sizes[a] for a in axes)
+        elems += local
+        if name.startswith("vision/"):
+            tower += local
+            tower_split = max(tower_split, math.prod(
+                sizes[a] for a in axes if a in _flat(mesh_lib.RULES["heads"])))
     n_params = model.num_params()
     # params, AdamW's moments, the reference copy, LoRA's base (the gradient: in `update`)
-    held = run_facts.state_bytes(cfg, elems)
-    resident = held.resident
+    held = run_facts.state_bytes(cfg, elems - tower)
+    frozen = run_facts.state_bytes(cfg, tower)  # the tower's: no moments, never a gradient
+    resident = held.resident + frozen.params + frozen.reference + frozen.frozen_base
     plan = lay.apply(cfg, cfg.batch_plan(batch_size(cfg, chips)).generation_batch_size
                      ).batch_plan(dp)
     L, D, F, V = model.num_layers, model.hidden_size, model.intermediate_size, model.vocab_size
@@ -270,6 +286,15 @@ def estimate(lay: Layout, cfg, model, target, chips: int, phases=PHASES) -> dict
     logits = r * dp * min(C, 128) * V / chips * 4 * 3
     slack = 0.02 * chip.hbm_bytes  # XLA's own buffers, scratch
     trained = held.params
+    images = model.vision.encoded(image_tokens) if image_tokens else None
+    prompts = -(-rows // plan.num_generations)
+    # The sampler's images are one host's, replicated: every chip encodes every prompt's.
+    seen = {"generate": prompts, "logprobs": r, "update": r}
+    towers = {p: _tower_memory(images, n, tower_split, c_bytes) if images else 0.0
+              for p, n in seen.items()}
+    # The update's batch holds its accumulation steps' pixels at once.
+    towers["update"] += (r * lay.accumulation * images.images * math.prod(images.pixels) * 4
+                         if images else 0.0)
     temps = {
         "generate": kv + elems * c_bytes + gathered + prompts_chip * h * P * P * 4
         # refill's store of each prompt's prefilled keys and values, for the waves to come
@@ -281,6 +306,7 @@ def estimate(lay: Layout, cfg, model, target, chips: int, phases=PHASES) -> dict
         "update": 3 * trained + gathered + UPDATE_SLACK * chip.hbm_bytes
         + UPDATE_ROWS * (saved * L + 2 * scores + r * Tc * ff * 2 * 3 + logits + 2 * kv_gathered),
     }
+    temps = {p: v + towers[p] for p, v in temps.items()}
     if "update" not in phases:  # a sampler mesh: its weights are generate's own copy
         resident = 0.0
     peak = max(resident + temps[p] for p in phases)
@@ -297,6 +323,13 @@ def estimate(lay: Layout, cfg, model, target, chips: int, phases=PHASES) -> dict
                                * plan.gradient_accumulation_steps,
                                run_facts.planned_prompt_group(cfg, plan))
     flops["update"] *= (4 / 3) if lay.remat and lay.remat_policy == "full" else 1.0
+    if images:  # the tower's forward (frozen: no backward) over each phase's images
+        encoded = {"generate": prompts * dp,  # replicated: each batch shard encodes them all
+                   "logprobs": runs["logprobs"] * plan.micro_batch_size,
+                   "update": runs["update"] * plan.micro_batch_size
+                   * plan.gradient_accumulation_steps}
+        for p, n in encoded.items():
+            flops[p] += n * images.images * _tower_flops(images, model.vision_params())
     weights_chip = elems * c_bytes
     hbm = {"generate": waves * (C - 1) * (weights_chip + kv),
            "logprobs": runs["logprobs"] * (n_params * c_bytes / tp + 4 * r * Tc * D * 2 * L),
@@ -339,7 +372,28 @@ def estimate(lay: Layout, cfg, model, target, chips: int, phases=PHASES) -> dict
     return {"peak_GB": peak / 1e9, "resident_GB": resident / 1e9,
             "temporaries_GB": {p: temps[p] / 1e9 for p in phases},
             "phases": times, "seconds": seconds, "weights_GB": weights_chip / 1e9,
-            "fits": peak <= (1 - MARGIN) * chip.hbm_bytes}
+            "fits": peak <= (1 - margin) * chip.hbm_bytes}
+
+
+def _tower_memory(t, images_of: int, split: int, c_bytes: int) -> float:
+    """Bytes of a vision tower's forward over the images of `images_of` prompts (or rows) at
+    once (models/qwen_vl.py, siglip.py): one layer's activations of every patch (its input,
+    q, k, v, attention output and MLP), and its attention scores per head in fp32, over a
+    whole image in a full-attention layer (the largest), else over a window of patches. The
+    tower is frozen, so nothing is kept for a backward. `split`: what its heads and MLP are
+    split over (the tensor axis, for a tower whose weights follow mesh.RULES)."""
+    n = images_of * t.images
+    heads = t.heads // split if t.heads % split == 0 else t.heads
+    acts = n * t.patches * (5 * t.width + 2 * t.mlp // split) * c_bytes
+    span = t.patches if t.full_layers else t.window
+    return acts + n * heads * t.patches * span * 4
+
+
+def _tower_flops(t, params: int) -> float:
+    """One image's FLOPs through the tower: its weights over every patch, and attention (QK
+    and AV) over an image in full layers, a window in the others."""
+    spans = t.full_layers * t.patches + (t.layers - t.full_layers) * t.window
+    return 2 * params * t.patches + 4 * t.patches * spans * t.width
 
 
 def _weight_traffic(model, sizes: dict[str, int]) -> tuple[float, float]:
@@ -403,19 +457,20 @@ def bandwidth(target, size: int, dcn: bool = False) -> float:
 
 # ---------------------------------------------------------------- choosing
 
-def ranked(cfg, model, target, devices, remat=None, phases=PHASES
-           ) -> list[tuple[Layout, dict]]:
+def ranked(cfg, model, target, devices, remat=None, phases=PHASES, image_tokens: int = 0,
+           margin: float = MARGIN) -> list[tuple[Layout, dict]]:
     """The layouts of `devices` for `phases`, fitting ones first, by estimated time."""
     chips = len(devices)
-    lays = candidates(cfg, model, devices, remat)
+    lays = candidates(cfg, model, devices, remat, image_tokens)
     if not lays:
         raise GrpoJaxError(f"no layout of {chips} chips divides the round: rows per update and "
                            "the generation batch must split over the batch axes")
-    scored = [(lay, estimate(lay, cfg, model, target, chips, phases)) for lay in lays]
+    scored = [(lay, estimate(lay, cfg, model, target, chips, phases, image_tokens, margin))
+              for lay in lays]
     return sorted(scored, key=lambda x: (not x[1]["fits"], x[1]["seconds"]))
 
 
-def default_layout(target, cfg) -> tuple:
+def default_layout(target, cfg, image_tokens: int = 0) -> tuple:
     """A config without a mesh, laid out as the estimate ranks best among layouts that keep its
     remat setting (the user's, or TRL's gradient checkpointing), preferring its own per-device
     batch and accumulation when they fit. Rows longer than mesh.CONTEXT_TOKENS get
@@ -433,7 +488,8 @@ def default_layout(target, cfg) -> tuple:
         return dataclasses.replace(cfg, mesh=long[0]), (
             f"no mesh given: chose {' '.join(mesh_lib.flags(long[0]))} ({long[1]})")
     mine = current(cfg, chips)
-    scored = ranked(cfg, model, target, devices, remat=((mine.remat, mine.remat_policy),))
+    scored = ranked(cfg, model, target, devices, remat=((mine.remat, mine.remat_policy),),
+                    image_tokens=image_tokens)
     fitting = [x for x in scored if x[1]["fits"]]
     same_split = [x for x in fitting if x[0].per_device * data_parallel(x[0]) == mine.per_device
                   * data_parallel(mine) and x[0].accumulation == mine.accumulation]
@@ -456,11 +512,14 @@ def _devices(target):
     return hardware.devices(target)
 
 
-def auto(target, cfg, quick: bool = False, top: int | None = None) -> dict:
+def auto(target, cfg, quick: bool = False, top: int | None = None,
+         image_tokens: int = 0, margin: float = MARGIN) -> dict:
     """The search (see the module's doc). Returns analyze's report of the winner with a
     `search` section: the candidates compiled, the winner's flags, the runner-up and why it
     lost. `top`: compiled layouts that must fit before the search stops (default 2, 1 with
-    `quick`; the runner-up is then the estimate's next)."""
+    `quick`; the runner-up is then the estimate's next). `image_tokens`: a vision-language
+    model's image tokens per prompt, estimated and compiled with its images. `margin`: the
+    fraction of HBM a layout must leave free to fit."""
     from grpo_jax.aot import analyze
 
     top = top or (1 if quick else 2)
@@ -469,7 +528,7 @@ def auto(target, cfg, quick: bool = False, top: int | None = None) -> dict:
     model = analyze.model_config(cfg.model.name_or_path)
     devices = _devices(target)
     chips = len(devices)
-    scored = ranked(cfg, model, target, devices)
+    scored = ranked(cfg, model, target, devices, image_tokens=image_tokens, margin=margin)
     gen = cfg.batch_plan(batch_size(cfg, chips)).generation_batch_size
     fitting = [x for x in scored if x[1]["fits"]]
     ruled_out = len(scored) - len(fitting)
@@ -487,7 +546,7 @@ def auto(target, cfg, quick: bool = False, top: int | None = None) -> dict:
         if fit and est["seconds"] > FAR * min(fit):
             skipped += 1 + len(queue)
             break
-        tried.append(_try(target, cfg, lay, est, gen, samplers))
+        tried.append(_try(target, cfg, lay, est, gen, samplers, image_tokens, margin))
         if not queue and not any(t["fits"] for t in tried) and safest[0] not in [
                 t["layout"] for t in tried]:
             queue.append(safest)
@@ -495,10 +554,10 @@ def auto(target, cfg, quick: bool = False, top: int | None = None) -> dict:
     best = order[0]
     if not best["fits"]:
         raise GrpoJaxError(
-            f"no layout fits {target.name} with {MARGIN:.0%} of HBM to spare: the best tried, "
-            f"{best['layout'].describe()}, peaks at {best['peak_GB']:.1f} GB of "
+            f"no layout fits {target.name} with {margin:.0%} of HBM to spare: the best tried, "
+            f"{best['layout'].describe()}, peaks at {best['peak_GB']:.2f} GB of "
             f"{target.chip.hbm_bytes / 1e9:.0f}; use more chips, LoRA, or a shorter "
-            "completion")
+            "completion (or a smaller --margin)")
     ev = best["ev"]
     if not quick:  # the sampler whole; the update and log-prob programs as the search had them
         phases = analyze.run_phases(best["run"])
@@ -510,7 +569,7 @@ def auto(target, cfg, quick: bool = False, top: int | None = None) -> dict:
     runner = next((t for t in order[1:] if t["fits"]), order[1] if len(order) > 1 else None)
     runner_up = None if runner is None else {
         "layout": runner["layout"].describe(), "flags": analyze.flags_of(runner["cfg"]),
-        "why": _why_lost(runner, best)}
+        "why": _why_lost(runner, best, margin)}
     if runner is None or not runner["fits"]:  # the estimate's next, not compiled
         done = [t["layout"] for t in tried]
         nxt = next(((lay, est) for lay, est in fitting if lay not in done), None)
@@ -531,20 +590,21 @@ def auto(target, cfg, quick: bool = False, top: int | None = None) -> dict:
     return result
 
 
-def _try(target, cfg, lay: Layout, est: dict, gen: int, samplers: dict) -> dict:
+def _try(target, cfg, lay: Layout, est: dict, gen: int, samplers: dict,
+         image_tokens: int = 0, margin: float = MARGIN) -> dict:
     """A candidate compiled: its update (and log-prob) programs first, and, only when they fit,
     the sampler at analyze.QUICK_LAYERS (analyze.evaluate's shortcut), which depends on the
     mesh and the decode slots alone: `samplers` keeps it per both for the candidates after."""
     from grpo_jax.aot import analyze
 
     lcfg = lay.apply(cfg, gen)
-    run = analyze.make_lowering(target, lcfg)
+    run = analyze.make_lowering(target, lcfg, image_tokens)
     t0 = time.perf_counter()
     phases = analyze.run_phases(run)
     trained = tuple(p for p in phases if p != "generate")
     ev = analyze.evaluate(target, run, full_depth=False, phases=trained)
     mem = ev["memory"]
-    room = lambda m: m["peak_GB"] <= (1 - MARGIN) * m["hbm_GB"]  # noqa: E731
+    room = lambda m: m["peak_GB"] <= (1 - margin) * m["hbm_GB"]  # noqa: E731
     refused = lambda m: any("refused_by_compiler" in p for p in m["phases"].values())  # noqa
     done, sampled = list(trained), "generate" not in phases
     if not sampled and room(mem) and not refused(mem):
@@ -569,9 +629,9 @@ def _try(target, cfg, lay: Layout, est: dict, gen: int, samplers: dict) -> dict:
             "mfu": time_["mfu"] if time_ else None, "programs": done}
 
 
-def _why_lost(loser: dict, best: dict) -> str:
+def _why_lost(loser: dict, best: dict, margin: float) -> str:
     if not loser["fits"]:
-        return (f"does not fit with {MARGIN:.0%} to spare (peak {loser['peak_GB']:.1f} GB)")
+        return (f"does not fit with {margin:.0%} to spare (peak {loser['peak_GB']:.1f} GB)")
     ratio = loser["round_s"] / best["round_s"]
     return (f"forecast round {loser['round_s']:.1f} s against {best['round_s']:.1f} s "
             f"({ratio:.2f}x)")

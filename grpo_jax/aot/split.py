@@ -45,9 +45,11 @@ def pinned(cfg, rows: int, gen: int, chips: int):
                                   generation_batch_size=gen, steps_per_generation=None))
 
 
-def _best(cfg, model, target, devices, phases):
+def _best(cfg, model, target, devices, phases, image_tokens: int = 0,
+          margin: float = search.MARGIN):
     try:
-        scored = search.ranked(cfg, model, target, devices, phases=phases)
+        scored = search.ranked(cfg, model, target, devices, phases=phases,
+                               image_tokens=image_tokens, margin=margin)
     except GrpoJaxError:
         return None
     lay, est = scored[0]
@@ -64,13 +66,16 @@ def _phase_s(est: dict, phases) -> float:
     return sum(sum(est["phases"][p].values()) for p in phases)
 
 
-def forecast(cfg, model, target, devices) -> dict:
-    """The colocated round and every split of `devices` (SHARES) that fits, by estimate; the
+def forecast(cfg, model, target, devices, image_tokens: int = 0,
+             margin: float = search.MARGIN) -> dict:
+    """The colocated round and every split of `devices` (SHARES) that fits with `margin` of
+    HBM to spare, by estimate (a vision-language model's with `image_tokens` per prompt); the
     best of them and why."""
+    fit = dict(image_tokens=image_tokens, margin=margin)
     chips = len(devices)
     if target.platform == "tpu":  # so that the first n chips are a box of the torus (a slab)
         devices = sorted(devices, key=lambda d: tuple(reversed(d.coords)))
-    both = _best(cfg, model, target, devices, search.PHASES)
+    both = _best(cfg, model, target, devices, search.PHASES, **fit)
     if both is None:
         raise GrpoJaxError(f"no layout of {chips} chips fits the round, colocated: nothing "
                            "to compare a split with")
@@ -86,8 +91,10 @@ def forecast(cfg, model, target, devices) -> dict:
     for s in sorted({chips * k // 8 for k in SHARES if chips * k % 8 == 0}):
         if not 0 < s < chips:
             continue
-        sampler = _best(pinned(cfg, rows, gen, s), model, target, devices[:s], ("generate",))
-        trainer = _best(pinned(cfg, rows, gen, chips - s), model, target, devices[s:], TRAIN)
+        sampler = _best(pinned(cfg, rows, gen, s), model, target, devices[:s], ("generate",),
+                        **fit)
+        trainer = _best(pinned(cfg, rows, gen, chips - s), model, target, devices[s:], TRAIN,
+                        **fit)
         if sampler is None or trainer is None:
             continue
         g_s, t_s = _phase_s(sampler[1], ("generate",)), _phase_s(trainer[1], TRAIN)

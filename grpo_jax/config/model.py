@@ -113,7 +113,8 @@ class PeftArgs:
         "PEFT's dropout on each adapter's input, in the train step's forward only (TRL: 0.05).")
     lora_target_modules: tuple[str, ...] | None = arg(
         None,
-        "Names of PEFT's modules, or \"all-linear\"; None: PEFT's default for the model (q, v).")
+        "Names of PEFT's modules, or \"all-linear\"; None: PEFT's default for the model (q, v). "
+        "On a vision-language model: the language model's (the tower stays frozen).")
     use_rslora: bool = arg(
         False,
         "Scale the adapters by lora_alpha / sqrt(r) instead of lora_alpha / r (rsLoRA).")

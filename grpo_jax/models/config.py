@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from grpo_jax.config.model import Numerics  # noqa: F401 (this module's API)
 from grpo_jax.errors import ModelConfigError
+from grpo_jax.models.tower_shape import TowerShape
 from grpo_jax.models import qwen_vl
 from grpo_jax.models.siglip import SiglipConfig
 
@@ -125,6 +126,10 @@ class VisionConfig(Protocol):
 
     def tower(self) -> ImageTower:
         """The Decoder's holder of these parameters (set from the table), which encodes."""
+
+    def encoded(self, image_tokens: int) -> TowerShape:
+        """A prompt's `image_tokens` image tokens as the tower makes them (ModelConfigError
+        when no set of its images gives that many)."""
 
     def to_hf(self, text_config: dict, tie_word_embeddings: bool) -> dict:
         """The wrapper's config.json around the decoder's `text_config` (ModelConfig.to_hf's)."""
@@ -330,6 +335,10 @@ class ModelConfig:
         return self.replace(num_layers=n, layer_types=self.layer_types and self.layer_types[:n],
                             mlp_only_layers=tuple(i for i in self.mlp_only_layers if i < n))
 
+    def vision_params(self) -> int:
+        """The vision tower's and projector's parameters (0 for a text model)."""
+        return sum(math.prod(shape) for shape, _ in vision_table(self).values())
+
     def num_params(self, active: bool = False) -> int:
         """All parameters (a vision tower's included); active: those one token runs through
         (its k experts of each sparse layer; no vision tower), the count a step's FLOPs scale
@@ -352,8 +361,7 @@ class ModelConfig:
         moe = d * experts + (experts if self.router_bias else 0) + expert * (
             self.num_experts_per_tok if active else experts)
         head = 0 if self.tie_word_embeddings else d * v
-        vision = 0 if active or self.vision is None else sum(
-            math.prod(shape) for shape, _ in vision_table(self).values())
+        vision = 0 if active else self.vision_params()
         return (v * d + l * per_layer + (l - sparse) * 3 * d * f + sparse * moe + d + head
                 + vision)
 

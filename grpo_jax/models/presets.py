@@ -13,6 +13,7 @@ import math
 from grpo_jax.errors import GrpoJaxError
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.models.qwen_vl import MODEL_TYPE as QWEN_VL, QwenVisionConfig
+from grpo_jax.models.siglip import SiglipConfig
 
 # Llama 3.1's RoPE scaling (factor, low_freq_factor, high_freq_factor, original max position).
 _LLAMA31_ROPE = (8.0, 1.0, 4.0, 8192)
@@ -83,6 +84,9 @@ def _gpt_oss(layers, experts) -> ModelConfig:
                        router_aux_coef=0.9)
 
 
+_SIGLIP_896 = SiglipConfig(hidden_size=1152, intermediate_size=4304, num_layers=27,
+                           num_heads=16, image_size=896, patch_size=14)
+
 PRESETS: dict[str, ModelConfig] = {
     # The embedded model (SmolLM2-135M-Instruct): `bench --preset smollm2-135m` sizes CPU runs.
     "smollm2-135m": ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, rms_norm_eps=1e-5,
@@ -108,6 +112,10 @@ PRESETS: dict[str, ModelConfig] = {
     "gemma-3-4b": _gemma3(2560, 34, 8, 4, 10240),
     "gemma-3-12b": _gemma3(3840, 48, 16, 8, 15360),
     "gemma-3-27b": _gemma3(5376, 62, 32, 16, 21504, head_dim=128, scalar=168),
+    # Gemma 3 4B / 12B as the Hub ships them (Gemma3ForConditionalGeneration): the text model
+    # and SigLIP-So400m at 896 px (4096 patches, pooled to 256 tokens an image).
+    "gemma-3-4b-vlm": _gemma3(2560, 34, 8, 4, 10240).replace(vision=_SIGLIP_896),
+    "gemma-3-12b-vlm": _gemma3(3840, 48, 16, 8, 15360).replace(vision=_SIGLIP_896),
     "gemma-2-2b": _gemma2(2304, 26, 8, 4, 9216),
     "gemma-2-9b": _gemma2(3584, 42, 16, 8, 14336),
     "gemma-2-27b": _gemma2(4608, 46, 32, 16, 36864, head_dim=128, scalar=144),

@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.errors import ModelConfigError
+from grpo_jax.models.tower_shape import TowerShape
 
 MODEL_TYPE = "qwen2_5_vl"
 # The vision tower's tensors live under this root of an HF directory (transformers 5 saves them
@@ -93,6 +94,22 @@ class QwenVisionConfig:
 
     def tower(self) -> "QwenVision":
         return QwenVision(self)
+
+    def image_grid(self, tokens: int) -> tuple[tuple[int, int, int], ...]:
+        """One image of `tokens` merged tokens as the processor grids it: (1, h, w) patches,
+        h x w = tokens x merge^2, as square as `tokens` factors (1024 -> (1, 64, 64))."""
+        side = max(d for d in range(1, int(tokens ** 0.5) + 1) if tokens % d == 0)
+        m = self.spatial_merge_size
+        return ((1, side * m, tokens // side * m),)
+
+    def encoded(self, image_tokens: int):
+        """One image of `image_tokens` merged tokens (image_grid's)."""
+        t, h, w = self.image_grid(image_tokens)[0]
+        window = (self.window_size // self.patch_size) ** 2
+        return TowerShape(1, t * h * w, self.hidden_size, self.intermediate_size,
+                          self.num_heads, self.depth, len(self.fullatt_block_indexes), window,
+                          (t * h * w, self.in_channels * self.temporal_patch_size
+                           * self.patch_size ** 2))
 
     def to_hf(self, text_config: dict, tie_word_embeddings: bool) -> dict:
         """Qwen2.5-VL's config.json around the decoder's `text_config`: vision_config and

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from grpo_jax.errors import ModelConfigError
+from grpo_jax.models.tower_shape import TowerShape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,16 @@ class SiglipConfig:
 
     def tower(self) -> "VisionTower":
         return VisionTower(self)
+
+    def encoded(self, image_tokens: int):
+        """Images of mm_tokens_per_image tokens each, every one image_size square."""
+        if image_tokens % self.mm_tokens_per_image:
+            raise ModelConfigError(f"{image_tokens} image tokens: Gemma 3's images have "
+                                   f"{self.mm_tokens_per_image} each; use a multiple")
+        return TowerShape(image_tokens // self.mm_tokens_per_image, self.num_patches,
+                          self.hidden_size, self.intermediate_size, self.num_heads,
+                          self.num_layers, self.num_layers, self.num_patches,
+                          (self.num_channels, self.image_size, self.image_size))
 
     def to_hf(self, text_config: dict, tie_word_embeddings: bool) -> dict:
         """Gemma3ForConditionalGeneration's config.json around the decoder's `text_config`.

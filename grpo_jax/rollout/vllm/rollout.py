@@ -73,7 +73,8 @@ class VLLMRollout(Rollout):
                       file=sys.stderr)
             else:
                 self.weight_mode = WeightMode.PUSH_ADAPTERS
-                self.adapter_conf = peft_io.adapter_config(cfg.peft, peft_io.base_name(cfg))
+                self.adapter_conf = peft_io.adapter_config(cfg.peft, peft_io.base_name(cfg),
+                                                            model_cfg)
 
     def generate(self, weights, prompt_ids, num_generations, key, records=None) -> RolloutBatch:
         seed = int(jax.random.randint(key, (), 0, 2**30))
