@@ -97,8 +97,7 @@ def check_config(cfg) -> None:
 
 def check_images(cfg, model, image_tokens: int) -> None:
     """--image-tokens: a Qwen2.5-VL model (its grids; Gemma 3's fixed-size images are not
-    laid out here yet), the placeholders within the prompt, and the sampler's one batch (the
-    refill program takes no images)."""
+    laid out here yet) and the placeholders within the prompt."""
     from grpo_jax.models import qwen_vl
 
     if not image_tokens:
@@ -110,9 +109,6 @@ def check_images(cfg, model, image_tokens: int) -> None:
         raise GrpoJaxError(f"--image-tokens {image_tokens}: the image's placeholders are "
                            f"prompt tokens; --max_prompt_length {cfg.data.max_prompt_length} "
                            "must hold them and the text")
-    if cfg.generation.max_num_seqs is not None and cfg.generation.continuous_batching:
-        raise GrpoJaxError("--image-tokens with --max_num_seqs: the refill program takes no "
-                           "images")
 
 
 def make_lowering(target, cfg, image_tokens: int = 0, **device_kw):
