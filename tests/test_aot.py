@@ -803,8 +803,8 @@ def test_split_forecast_keeps_the_round_and_balances_the_halves(tmp_path):
 @pytest.mark.skipif(not AOT_PYTHON, reason="GRPO_JAX_AOT_PYTHON is unset (see the module doc)")
 def test_a_vision_language_model_compiles_with_its_images(tmp_path):
     """A Qwen2.5-VL model with one 16-token image per prompt: the update and log-prob programs
-    take each row's pixels, M-RoPE positions and grid, the sampler's prompt pass the prompts'
-    images; the report names the vision tower's share of the memory."""
+    take each row's pixels, M-RoPE positions and grid, the sampler's and its 4 decode slots'
+    prompt passes the prompts' images; the report names the vision tower's share of the memory."""
     from grpo_jax.models import qwen_vl
     vlm = TINY.replace(model_type=qwen_vl.MODEL_TYPE, mrope_section=(4, 6, 6), qkv_bias=True,
                        vision=qwen_vl.QwenVisionConfig(
@@ -815,10 +815,13 @@ def test_a_vision_language_model_compiles_with_its_images(tmp_path):
     (tmp_path / "vlm" / "config.json").write_text(json.dumps(vlm.to_hf()))
     proc = run_aot(tmp_path, "--topology", "v5e:2x2", "--model_name_or_path", "vlm",
                    "--json", "out.json", "--image-tokens", "16", *SHAPE,
-                   "--dp", "1", "--fsdp", "4", "--phases", "generate,update")  # logprobs: the
-    # update's forward, compiled by the tests above
+                   "--dp", "1", "--fsdp", "4", "--max_num_seqs", "4",
+                   "--phases", "generate,update")  # logprobs: the update's forward, compiled
+    # by the tests above
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads((tmp_path / "out.json").read_text())
+    # the refill program too, its prompt pass taking the images
+    assert "compiled refill" in proc.stderr and r["plan"]["decode_slots"] == 4
     assert r["image"] == {"tokens": 16, "grid": [1, 8, 8]}
     m = r["memory_per_chip"]
     assert set(m["phases"]) == {"generate", "update"}
