@@ -815,10 +815,11 @@ TINY_GEMMA3 = PRESETS["gemma-3-270m"].replace(
 @pytest.mark.skipif(not AOT_PYTHON, reason="GRPO_JAX_AOT_PYTHON is unset (see the module doc)")
 def test_vision_language_models_compile_with_their_images(tmp_path):
     """A Qwen2.5-VL model with one 16-token image per prompt: the update and log-prob programs
-    take each row's pixels, M-RoPE positions and grid, the sampler's prompt pass the prompts'
-    images; the report names the vision tower's share of the memory. A Gemma 3 with two
-    4-token images per prompt through --auto: the search lays out and compiles its images
-    ([rows, 2, 3, 28, 28] pixels), and the header gives its params as language model + tower."""
+    take each row's pixels, M-RoPE positions and grid, the sampler's and its 4 decode slots'
+    prompt passes the prompts' images; the report names the vision tower's share of the memory.
+    A Gemma 3 with two 4-token images per prompt through --auto: the search lays out and
+    compiles its images ([rows, 2, 3, 28, 28] pixels), and the header gives its params as
+    language model + tower."""
     from grpo_jax.models import qwen_vl
     vlm = TINY.replace(model_type=qwen_vl.MODEL_TYPE, mrope_section=(4, 6, 6), qkv_bias=True,
                        vision=qwen_vl.QwenVisionConfig(
@@ -829,12 +830,14 @@ def test_vision_language_models_compile_with_their_images(tmp_path):
     qwen, gemma = run_aot_many(
         tmp_path, ["--topology", "v5e:2x2", "--model_name_or_path", "vlm", "--json", "q.json",
                    "--image-tokens", "16", *SHAPE, "--dp", "1", "--fsdp", "4",
-                   "--phases", "generate,update"],  # logprobs: the update's forward, compiled
-        # by the tests above
+                   "--max_num_seqs", "4", "--phases", "generate,update"],  # logprobs: the
+        # update's forward, compiled by the tests above
         ["--topology", "v5e:2x2", "--model_name_or_path", "gemma", "--json", "g.json",
          "--image-tokens", "8", *SHAPE, "--auto", "--quick"])
     assert qwen.returncode == 0, qwen.stderr[-3000:]
     r = json.loads((tmp_path / "q.json").read_text())
+    # the refill program too, its prompt pass taking the images
+    assert "compiled refill" in qwen.stderr and r["plan"]["decode_slots"] == 4
     assert r["image"] == {"tokens": 16, "images": 1, "patches": 64, "grid": [1, 8, 8]}
     m = r["memory_per_chip"]
     assert set(m["phases"]) == {"generate", "update"}

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from grpo_jax import hf
 from grpo_jax.models import positions_from_mask
 from grpo_jax.models.decoder import image_blocks
+from grpo_jax.rollout.native.refill import Refill
 from grpo_jax.rollout.native.sampler import Sampler
 from grpo_jax.rollout.native.sampling import SamplingParams
 
@@ -91,7 +92,7 @@ def test_logits_match_transformers(vlm):
 def test_greedy_generation_matches_generate(vlm):
     """The sampler prefills the prompts with their images (Sampler.generate's images) into
     the KV cache (rings of 3 slots on the sliding layers), then decodes 6 greedy tokens
-    through it: transformers' generate's tokens."""
+    through it: transformers' generate's tokens; and so do refilled decode slots."""
     ref, _, model, (ids, mask, pixels) = vlm
     n, P = 6, ids.shape[1]
     with torch.no_grad():
@@ -106,6 +107,15 @@ def test_greedy_generation_matches_generate(vlm):
                                                                      pixel_values=pixels)
     print("greedy", want.tolist())
     np.testing.assert_array_equal(got.completion_ids, want)
+    # Through 3 refilled decode slots, 2 rows a prompt (4 rows): each prompt's images encoded
+    # and prefilled once, its rows admitted into whichever slot is free.
+    sp = dataclasses.replace(sp, max_num_seqs=3)
+    slots = Refill(Sampler(model.cfg, sp, pad_id=PAD, buckets=(32,))).generate(
+        model, ROWS, 2, pixel_values=pixels)
+    m = slots.metrics  # the refill program ran (a static batch would have 4 slots)
+    assert m["generate/slot_steps"] == 3 * m["generate/decode_steps"], m
+    np.testing.assert_array_equal(slots.completion_ids, np.repeat(want, 2, axis=0))
+    assert np.abs(slots.sampler_logp - np.repeat(got.sampler_logp, 2, axis=0)).max() < 5e-5
 
 
 def test_export_round_trip(vlm, tmp_path):

@@ -3,6 +3,8 @@
 prompts with images of different sizes: the logits, greedy generation over the KV cache with
 M-RoPE's decode positions, and a load / export round trip through an HF directory."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ from flax import nnx
 
 from grpo_jax import hf
 from grpo_jax.models import qwen_vl
+from grpo_jax.rollout.native.refill import Refill
 from grpo_jax.rollout.native.sampler import Sampler
 from grpo_jax.rollout.native.sampling import SamplingParams
 
@@ -114,7 +117,8 @@ def test_greedy_generation_matches_transformers(tiny):
     """The native sampler given the images (its prompt pass: embed_multimodal's embeddings,
     M-RoPE positions, over the KV cache; its decode steps: text positions plus the rope delta;
     the prompts padded to a wider bucket than HF's) against transformers' generate; its
-    log-probs against one forward over prompt + completion, as the trainer would run it."""
+    log-probs against one forward over prompt + completion, as the trainer would run it; and
+    so do refilled decode slots."""
     ref, _, model = tiny
     batch, n = _batch(), 6
     with torch.no_grad():
@@ -136,6 +140,15 @@ def test_greedy_generation_matches_transformers(tiny):
     logp = np.take_along_axis(np.asarray(logp), want[..., None], axis=-1)[..., 0]
     print(f"max |sampler - forward log-prob| {np.abs(out.sampler_logp - logp).max():.2e}")
     np.testing.assert_allclose(out.sampler_logp, logp, atol=1e-4)
+    # Through 3 refilled decode slots, 2 rows a prompt (4 rows): a row's M-RoPE delta follows
+    # it into its slot.
+    sp = dataclasses.replace(sp, max_num_seqs=3)
+    slots = Refill(Sampler(model.cfg, sp, pad_id=0, buckets=(32,))).generate(
+        model, prompts, 2, pixel_values=pixels, image_grid_thw=GRIDS)
+    m = slots.metrics  # the refill program ran (a static batch would have 4 slots)
+    assert m["generate/slot_steps"] == 3 * m["generate/decode_steps"], m
+    np.testing.assert_array_equal(slots.completion_ids, np.repeat(want, 2, axis=0))
+    assert np.abs(slots.sampler_logp - np.repeat(out.sampler_logp, 2, axis=0)).max() < 5e-5
 
 
 def test_export_round_trip(tiny, tmp_path):

@@ -98,8 +98,7 @@ def check_config(cfg) -> None:
 
 def check_images(cfg, model, image_tokens: int) -> None:
     """--image-tokens: a vision-language model (Qwen2.5-VL: one image of that many tokens;
-    Gemma 3: images of mm_tokens_per_image each), the placeholders within the prompt, and the
-    sampler's one batch (the refill program takes no images)."""
+    Gemma 3: images of mm_tokens_per_image each) and the placeholders within the prompt."""
     if not image_tokens:
         return
     if model.vision is None:
@@ -110,9 +109,6 @@ def check_images(cfg, model, image_tokens: int) -> None:
         raise GrpoJaxError(f"--image-tokens {image_tokens}: the image's placeholders are "
                            f"prompt tokens; --max_prompt_length {cfg.data.max_prompt_length} "
                            "must hold them and the text")
-    if cfg.generation.max_num_seqs is not None and cfg.generation.continuous_batching:
-        raise GrpoJaxError("--image-tokens with --max_num_seqs: the refill program takes no "
-                           "images")
 
 
 def make_lowering(target, cfg, image_tokens: int = 0, **device_kw):

@@ -159,8 +159,8 @@ def build(run: Lowering, phases: tuple[str, ...] = PHASES) -> Programs:
     lowered = {k: lower[k]() for k in phases}
     if refill is not None and "generate" in phases:
         rows_in_round = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
-        lowered["refill"] = refill.program.lower(*gen_args[:4], rows_in_round, num_generations=g,
-                                                  rows=rows)
+        lowered["refill"] = refill.program.lower(*gen_args[:4], rows_in_round, images,
+                                                 num_generations=g, rows=rows, image_grid=grid)
     return Programs(lowered, state, frozen, _abstract(cache, cache_sh), rows, width,
                     takes_adapters, refill and refill.slots)
 

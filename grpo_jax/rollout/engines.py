@@ -73,20 +73,23 @@ def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir, tools=(), *,
 
 def refuse_images(cfg, model_cfg, tools=()) -> None:
     """A vision-language model trains on images through the native sampler's static batches
-    only: the settings that need more are refused, naming what to unset. (model_cfg None: a
+    or its refilled decode slots (max_num_seqs) only: the settings that need more are refused, naming what to unset. (model_cfg None: a
     server's rollout whose model the server holds; nothing to check here.)"""
     if model_cfg is None or model_cfg.vision is None:
         return
     r = cfg.rollout
     unset = [name for name, on in (("use_vllm (or vllm_mode: colocate)", r.backend == "vllm"),
-                                   ("max_num_seqs", cfg.generation.max_num_seqs is not None),
+                                   ("max_num_seqs with continuous_batching false",
+                                    cfg.generation.max_num_seqs is not None
+                                    and not cfg.generation.continuous_batching),
                                    ("max_staleness", bool(r.max_staleness)),
                                    ("sampler_devices", r.sampler_devices is not None),
                                    ("tools", bool(tools)),
                                    ("rollout_func", bool(cfg.multi_turn.rollout_func))) if on]
     if unset:
         raise ConfigError(f"a vision-language model ({model_cfg.model_type}) trains on images "
-                          "with the native sampler's static batches only; unset "
+                          "with the native sampler's static batches or refilled decode slots "
+                          "only; unset "
                           + ", ".join(unset))
 
 

@@ -56,6 +56,7 @@ class _Store(NamedTuple):
     logits: jax.Array        # [prompts, V] fp32: the first token's
     mask: jax.Array          # [prompts, P] int32
     seen: jax.Array | None   # [prompts, V] bool: its tokens, with a repetition penalty
+    prompt_len: jax.Array    # [prompts] int32: real tokens (+ Qwen2.5-VL's M-RoPE delta)
 
 
 class _Slots(NamedTuple):
@@ -67,7 +68,7 @@ class _Slots(NamedTuple):
     length: jax.Array        # [S] int32: tokens that row has
     free: jax.Array          # [S] bool: the slot's row ended (or it never had one)
     last: jax.Array          # [S] int32: the row's last token, fed next
-    prompt_len: jax.Array    # [S] int32: real prompt tokens of the row
+    prompt_len: jax.Array    # [S] int32: the row's first decode position (_Store.prompt_len)
     key_mask: jax.Array      # [S, P + C] int32: which cache slots hold real keys
     cache: KVCache           # [L, S, K, P + C (sliding: at most the window), Dh] per run
     seen: jax.Array | None   # [S, V] bool, with a repetition penalty
@@ -92,28 +93,38 @@ class Refill:
             raise ValueError("Refill needs sampling_params.max_num_seqs (the decode slots)")
         div = 1 if sampler.mesh is None else mesh_lib.batch_divisor(sampler.mesh)
         self.slots = -(-sp.max_num_seqs // div) * div
-        self.program = jax.jit(self._refill, static_argnames=("num_generations", "rows"))
+        self.program = jax.jit(self._refill, static_argnames=("num_generations", "rows",
+                                                                  "image_grid"))
 
     # ------------------------------------------------------------------ host side
 
     def generate(self, params, prompt_token_ids: Sequence[Sequence[int]],
-                 num_generations: int = 1, rng: int | jax.Array = 0) -> RolloutBatch:
+                 num_generations: int = 1, rng: int | jax.Array = 0, pixel_values=None,
+                 image_grid_thw=None) -> RolloutBatch:
+        """pixel_values, image_grid_thw: the prompts' images, as Sampler.generate takes them;
+        the prompts' pass encodes each prompt's images once, its rows admit its keys and
+        values (and, Qwen2.5-VL, its M-RoPE delta) into whichever slot they decode in."""
         s = self.sampler
         n = len(prompt_token_ids) * int(num_generations)
         if n <= self.slots:
-            return s.generate(params, prompt_token_ids, num_generations, rng)
+            return s.generate(params, prompt_token_ids, num_generations, rng,
+                              pixel_values=pixel_values, image_grid_thw=image_grid_thw)
         if not s.sampling_params.continuous_batching:
+            if pixel_values is not None:
+                raise ValueError("images through decode slots need continuous_batching")
             return self.sub_batches(params, prompt_token_ids, num_generations, rng)
         params, prompts, g, n, rows = s.inputs(params, prompt_token_ids, num_generations)
         ids, mask = left_pad(prompts, 1, s.bucket(max(map(len, prompts))), s.pad_id,
                              rows=s.prompt_rows(rows, g))
         args = (ids, mask)
+        images, grid = s.image_inputs(ids, mask, pixel_values, image_grid_thw)
         if s.mesh is not None:  # as Sampler.generate: each process places its own rows
             args = tuple(dist.shard_host_array(x, mesh_lib.logical_sharding(
                 s.mesh, "batch", None, shape=x.shape)) for x in args)
             params = jax.device_put(params, mesh_lib.param_shardings(params, s.mesh))
         tokens, cmask, logp, steps, busy, *routing = dist.to_host(self.program(
-            params, *args, as_key(rng), np.int32(n), num_generations=g, rows=rows))
+            params, *args, as_key(rng), np.int32(n), images, num_generations=g, rows=rows,
+            image_grid=grid))
         tokens, cmask, logp = tokens[:n], cmask[:n], logp[:n]
         stopped = (np.isin(tokens, s.sampling_params.stop_token_ids) & (cmask > 0)).any(axis=1)
         ids, mask = np.repeat(ids, g, axis=0)[:n], np.repeat(mask, g, axis=0)[:n]
@@ -157,19 +168,21 @@ class Refill:
 
     # ------------------------------------------------------------------ compiled program
 
-    def _refill(self, params, prompt_ids, prompt_mask, key, n, *, num_generations: int,
-                  rows: int):
+    def _refill(self, params, prompt_ids, prompt_mask, key, n, images=None, *,
+                num_generations: int, rows: int, image_grid=None):
         s, sp, cfg = self.sampler, self.sampler.sampling_params, self.sampler.cfg
         prompt_ids = s.constrain(prompt_ids, "batch", None)
         prompt_mask = s.constrain(prompt_mask, "batch", None)
         cast, layers, cache, logits, *prompt_routing = s.prompt_pass(
-            params, prompt_ids, prompt_mask, s.record_routing)
+            params, prompt_ids, prompt_mask, s.record_routing, images, image_grid)
         seen = None
         if sp.repetition_penalty != 1.0:
             seen = jnp.zeros((prompt_ids.shape[0], cfg.vocab_size), bool)
             seen = seen.at[jnp.arange(prompt_ids.shape[0])[:, None], prompt_ids].max(
                 prompt_mask.astype(bool))
-        store = _Store(cache, logits, prompt_mask, seen)
+        # a row's decode positions follow its prompt's real tokens (+ its M-RoPE delta)
+        prompt_len = jnp.sum(prompt_mask, axis=1) + (0 if images is None else images[2])
+        store = _Store(cache, logits, prompt_mask, seen, prompt_len)
         model = s.decoder(cast)
         state = self._empty(prompt_ids.shape[1], rows, seen is not None)
 
@@ -224,7 +237,7 @@ class Refill:
         st = st._replace(
             queued=st.queued + jnp.sum(admit), row=row, free=st.free & ~admit,
             length=jnp.where(admit, 0, st.length),
-            prompt_len=jnp.where(admit, jnp.sum(store.mask, axis=1)[prompt], st.prompt_len),
+            prompt_len=jnp.where(admit, store.prompt_len[prompt], st.prompt_len),
             key_mask=st.key_mask.at[at, :width].set(store.mask[prompt], mode="drop"),
             cache=s.constrain_cache(cache), seen=seen)
         token, logp = sampling.sample(row_keys(key, 0, row), store.logits[prompt],

@@ -67,8 +67,9 @@ class JaxRollout(Rollout):
         flat = px.pixel_values.reshape(-1, *px.pixel_values.shape[2:])
         # Qwen-VL's grids in batch order: each prompt's, prompt after prompt.
         grid = None if px.image_grid is None else np.tile(np.asarray(px.image_grid), (n, 1))
-        r = self.sampler.generate(weights, prompt_ids, num_generations, key, pixel_values=flat,
-                                  image_grid_thw=grid)
+        sampler = self.sampler if self.slots is None else self.slots
+        r = sampler.generate(weights, prompt_ids, num_generations, key, pixel_values=flat,
+                             image_grid_thw=grid)
         rows = np.repeat(px.pixel_values, num_generations, axis=0)
         positions = None
         if self.sampler.cfg.mrope_section is not None:

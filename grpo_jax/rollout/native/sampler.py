@@ -141,14 +141,7 @@ class Sampler:
                              rows=self.prompt_rows(rows, g))
         key = as_key(rng)
         args = (ids, mask)
-        images, grid = None, None
-        if pixel_values is not None and self.cfg.mrope_section is not None:  # Qwen2.5-VL
-            positions, deltas = qwen_vl.rope_index(self.cfg.vision, ids, mask, image_grid_thw)
-            images = (jnp.asarray(pixel_values), positions, deltas)
-            grid = tuple(map(tuple, np.asarray(image_grid_thw, np.int64).tolist()))
-        elif pixel_values is not None:  # one position row, decode positions as for text
-            images = (jnp.asarray(pixel_values), positions_from_mask(jnp.asarray(mask)),
-                      jnp.zeros(len(ids), jnp.int32))
+        images, grid = self.image_inputs(ids, mask, pixel_values, image_grid_thw)
         if self.mesh is not None:
             # With several processes each places only its own devices' rows, and gets every
             # row back (the train batch is built on every host alike).
@@ -166,6 +159,19 @@ class Sampler:
         return RolloutBatch(ids, mask, tokens[:n], cmask[:n], ~done[:n], logp[:n],
                             metrics=decode_metrics(int(decoded.max()), int(decoded.sum()), rows),
                             prompt_routing=prompt_routing, completion_routing=completion_routing)
+
+    def image_inputs(self, ids, mask, pixel_values, image_grid_thw):
+        """The program's `images` and static `image_grid` for padded prompts (see generate);
+        (None, None) without images."""
+        if pixel_values is None:
+            return None, None
+        if self.cfg.mrope_section is not None:  # Qwen2.5-VL
+            positions, deltas = qwen_vl.rope_index(self.cfg.vision, ids, mask, image_grid_thw)
+            grid = tuple(map(tuple, np.asarray(image_grid_thw, np.int64).tolist()))
+            return (jnp.asarray(pixel_values), positions, deltas), grid
+        # one position row, decode positions as for text
+        return (jnp.asarray(pixel_values), positions_from_mask(jnp.asarray(mask)),
+                jnp.zeros(len(ids), jnp.int32)), None
 
     def inputs(self, params, prompt_token_ids, num_generations):
         """(params, prompts, g, n, rows) of a generate call, checked: n = prompts x g rows
