@@ -635,7 +635,8 @@ def test_dynamic_sampling_fills_from_batches_generated_ahead():
     from grpo_jax.rollout.vllm.async_rounds import AsyncRollout
     from grpo_jax.train import Draws
     p = plan(4, 1)  # 4 prompts a generation, 4 updates a round
-    rollout = AsyncRollout(PromptRollout(), max_staleness=1)
+    inner = PromptRollout()
+    rollout = AsyncRollout(inner, max_staleness=1, ahead=inner)  # one process: itself
     # Groups without signal: batch 0 keeps 3 (and batch 1 fills it, its last 3 dropped), batch 2
     # fills at once, batches 3-5 keep 1, 2 and 4.
     rnd = make_round(p, rollout=rollout, score=signal_scorer(lambda q: np.isin(
