@@ -25,9 +25,24 @@ EVAL = dict(dataset_train_split="train[:48]", dataset_test_split="train[48:56]",
             num_generations_eval=2)
 
 
+def assert_resumed_like_whole(tmp_path, a: list[dict], b: list[dict]) -> None:
+    """The resumed run ("cut") logged what the uninterrupted one ("full") did, timings aside,
+    and ended with bit-exact weights."""
+    for ha, hb in zip(a, b):
+        for name in set(ha) | set(hb):
+            if not name.startswith(("timing/", "step_time", "timeline/")):
+                assert ha.get(name) == hb.get(name), (ha["step"], name)
+    pa, _, _ = load_checkpoint(tmp_path / "full")
+    pb, _, _ = load_checkpoint(tmp_path / "cut")
+    for name, x in hf.params_numpy(pa).items():
+        np.testing.assert_array_equal(x, hf.params_numpy(pb)[name], name)
+
+
 def untimed(record: dict) -> dict:
+    """An evaluation's record without its wall-clock figures."""
     return {k: v for k, v in record.items()
-            if not k.startswith(("timing/", "step_time", "timeline/")) and not k.endswith(("_runtime", "_per_second"))}
+            if not k.startswith(("timing/", "step_time", "timeline/"))
+            and not k.endswith(("_runtime", "_per_second"))}
 
 
 @pytest.mark.slow
@@ -67,14 +82,7 @@ def test_split_run_trains_each_prompt_once_one_version_behind_and_resumes(tiny_d
     assert [h["step"] for h in b] == [1, 2, 3, 4]
     again = [h for h in history(tmp_path / "cut") if "eval_reward" in h]
     assert [untimed(h) for h in again] == [untimed(h) for h in evals]
-    for ha, hb in zip(a, b):
-        for name in set(ha) | set(hb):
-            if not name.startswith(("timing/", "step_time", "timeline/")):
-                assert ha.get(name) == hb.get(name), (ha["step"], name)
-    pa, _, _ = load_checkpoint(tmp_path / "full")
-    pb, _, _ = load_checkpoint(tmp_path / "cut")
-    for name, x in hf.params_numpy(pa).items():
-        np.testing.assert_array_equal(x, hf.params_numpy(pb)[name], name)
+    assert_resumed_like_whole(tmp_path, a, b)
 
 
 def post(prompt: str) -> int:
@@ -125,11 +133,4 @@ def test_split_dynamic_sampling_fills_from_the_samplers_next_advances_and_resume
     assert got == full and drawn == full_drawn
     b = [h for h in history(tmp_path / "cut") if "loss" in h]
     assert [h["step"] for h in b] == [1, 2, 3]
-    for ha, hb in zip(a, b):
-        for name in set(ha) | set(hb):
-            if not name.startswith(("timing/", "step_time", "timeline/")):
-                assert ha.get(name) == hb.get(name), (ha["step"], name)
-    pa, _, _ = load_checkpoint(tmp_path / "full")
-    pb, _, _ = load_checkpoint(tmp_path / "cut")
-    for name, x in hf.params_numpy(pa).items():
-        np.testing.assert_array_equal(x, hf.params_numpy(pb)[name], name)
+    assert_resumed_like_whole(tmp_path, a, b)
