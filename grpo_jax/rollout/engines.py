@@ -73,8 +73,9 @@ def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir, tools=(), *,
 
 def refuse_images(cfg, model_cfg, tools=()) -> None:
     """A vision-language model trains on images through the native sampler's static batches
-    or its refilled decode slots (max_num_seqs) only: the settings that need more are refused, naming what to unset. (model_cfg None: a
-    server's rollout whose model the server holds; nothing to check here.)"""
+    or its refilled decode slots (max_num_seqs) only: the settings that need more are refused,
+    naming what to unset. (model_cfg None: a server's rollout whose model the server holds;
+    nothing to check here.)"""
     if model_cfg is None or model_cfg.vision is None:
         return
     r = cfg.rollout
