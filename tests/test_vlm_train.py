@@ -16,15 +16,18 @@ from flax import nnx
 from PIL import Image
 
 from grpo_jax import hf, peft_io
+from grpo_jax import mesh as mesh_lib
 from grpo_jax import images as images_lib
 from grpo_jax.cli import load_config
 from grpo_jax.config.batch import OptimizerConfig
+from grpo_jax.config.run import MeshConfig
 from grpo_jax.errors import ConfigError
 from grpo_jax.export import export
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.grpo.train_step import completion_logps
 from grpo_jax.models import lora
+from grpo_jax.models.config import ModelConfig, param_table
 from grpo_jax.rollout.native.rollout import JaxRollout
 from grpo_jax.rollout.native.sampling import SamplingParams
 from grpo_jax.policy import frozen_parts, split_policy, state_init
@@ -79,14 +82,20 @@ def _records(out) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_squares_trains_resumes_and_exports(vlm_dir, tmp_path):
+@pytest.fixture(scope="module")
+def whole(vlm_dir, tmp_path_factory):
+    """Three steps on 'squares' on one device: the run the other runs are held against."""
+    out = tmp_path_factory.mktemp("squares") / "whole"
+    train(_cfg(vlm_dir, out), devices=jax.devices()[:1])
+    return out
+
+
+def test_squares_trains_resumes_and_exports(vlm_dir, whole, tmp_path):
     """Three steps on 'squares' (2 images x 4 answers a step, fp32, one device): the sampler's
     and the trainer's log-probs of the rows with images agree; a run stopped after step 2 and
     resumed ends where the uninterrupted one does; the export reloads in transformers with the
     vision tower as it was (frozen) and the language model trained."""
     one = jax.devices()[:1]
-    whole = tmp_path / "whole"
-    train(_cfg(vlm_dir, whole), devices=one)
     steps = [r for r in _records(whole) if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     worst = max(r["sampling/sampling_logp_difference/max"] for r in steps)
@@ -113,6 +122,27 @@ def test_squares_trains_resumes_and_exports(vlm_dir, tmp_path):
     assert any("language_model" in k for k in moved)
     print(f"export: {len(moved)} of {len(before)} tensors trained, the {len(tower)} of the "
           "tower and projector as they were")
+
+
+def test_squares_sharded_equals_one_device(vlm_dir, whole, tmp_path):
+    """The same three steps on a 2 x 2 mesh (fsdp x tensor: the tower's and the decoder's
+    weights split by the one rule table, mesh.RULES) train as on one device."""
+    cfg = ModelConfig.from_hf(hf.read_config(vlm_dir))
+    mesh = mesh_lib.make_mesh(MeshConfig(fsdp=2, tp=2), jax.devices()[:4])
+    specs = {name: mesh_lib.spec_for(axes, shape, mesh)
+             for name, (shape, axes) in param_table(cfg).items() if name.startswith("vision/")}
+    split = [name for name, spec in specs.items() if any(a is not None for a in spec)]
+    assert {"vision/layers/wq", "vision/layers/fc1", "vision/mm_proj"} <= set(split), specs
+    out = tmp_path / "sharded"
+    train(_cfg(vlm_dir, out, "mesh.fsdp=2", "mesh.tp=2", "per_device_train_batch_size=4"),
+          devices=jax.devices()[:4])
+    one = [r for r in _records(whole) if "loss" in r]
+    four = [r for r in _records(out) if "loss" in r]
+    assert [r["step"] for r in four] == [1, 2, 3]
+    for a, b in zip(one, four):
+        for key in ("loss", "reward", "grad_norm", "completions/mean_length"):
+            print(f"step {a['step']} {key}: one device {a[key]:.6g} 2 x 2 mesh {b[key]:.6g}")
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
 
 
 def test_squares_trains_through_refilled_slots(vlm_dir, tmp_path):

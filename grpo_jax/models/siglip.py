@@ -112,29 +112,35 @@ class SiglipConfig:
 
 def param_table(v: SiglipConfig, text_hidden: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
     """name -> (shape, logical axes) of the tower and projector, under the decoder's "vision/"
-    prefix. The tower is small next to the decoder (SigLIP-So400m: 0.4B), so its weights are
-    replicated (axes None). L layers, Dv the tower's width, F its MLP width, D the decoder's.
+    prefix. The axes follow the decoder's mesh rules (mesh.RULES), as Qwen2.5-VL's tower does:
+    the tower's width is "embed" (FSDP), its fused heads "heads" and its MLP "mlp" (tensor),
+    so no chip holds the whole frozen tower (SigLIP-So400m replicated in fp32 was 1.68 GB a
+    chip, docs/scaling.md). L layers, Dv the tower's width, F its MLP width, D the decoder's.
     Names follow decoder._init_value's rules (a LayerNorm's "layernorm*" scale 1 and shift 0,
     biases "b*" 0, mm_norm Gemma's 1 + w) and keep "bias"/"norm" where the optimizer's
     decay mask reads them."""
     L, Dv, F, D = v.num_layers, v.hidden_size, v.intermediate_size, text_hidden
-    n = (None,)
     p = v.patch_size
     table = {
-        "patch_embed": ((v.num_channels, p, p, Dv), n * 4),  # [C, p, p, Dv]: the conv's kernel
-        "bias_patch": ((Dv,), n),
-        "pos_embed": ((v.num_patches, Dv), n * 2),
-        "post_layernorm": ((Dv,), n), "post_layernorm_bias": ((Dv,), n),
-        "mm_norm": ((Dv,), n),               # the projector's RMSNorm (stored as w, scale 1 + w)
-        "mm_proj": ((Dv, D), n * 2),
+        # [C, p, p, Dv]: the conv's kernel
+        "patch_embed": ((v.num_channels, p, p, Dv), (None, None, None, "embed")),
+        "bias_patch": ((Dv,), (None,)),
+        "pos_embed": ((v.num_patches, Dv), (None, "embed")),
+        "post_layernorm": ((Dv,), ("norm",)), "post_layernorm_bias": ((Dv,), ("norm",)),
+        "mm_norm": ((Dv,), ("norm",)),       # the projector's RMSNorm (stored as w, scale 1 + w)
+        "mm_proj": ((Dv, D), ("mlp", "embed")),
     }
-    for name, shape in (("layernorm1", (Dv,)), ("layernorm1_bias", (Dv,)), ("wq", (Dv, Dv)),
-                        ("bq", (Dv,)), ("wk", (Dv, Dv)), ("bk", (Dv,)), ("wv", (Dv, Dv)),
-                        ("bv", (Dv,)), ("wo", (Dv, Dv)), ("bo", (Dv,)),
-                        ("layernorm2", (Dv,)), ("layernorm2_bias", (Dv,)),
-                        ("fc1", (Dv, F)), ("bias_fc1", (F,)), ("fc2", (F, Dv)),
-                        ("bias_fc2", (Dv,))):
-        table["layers/" + name] = ((L, *shape), n * (1 + len(shape)))
+    vec, heads, norm = ("layers", None), ("layers", "heads"), ("layers", "norm")
+    for name, shape, axes in (
+            ("layernorm1", (Dv,), norm), ("layernorm1_bias", (Dv,), norm),
+            ("wq", (Dv, Dv), ("layers", "embed", "heads")), ("bq", (Dv,), heads),
+            ("wk", (Dv, Dv), ("layers", "embed", "heads")), ("bk", (Dv,), heads),
+            ("wv", (Dv, Dv), ("layers", "embed", "heads")), ("bv", (Dv,), heads),
+            ("wo", (Dv, Dv), ("layers", "heads", "embed")), ("bo", (Dv,), vec),
+            ("layernorm2", (Dv,), norm), ("layernorm2_bias", (Dv,), norm),
+            ("fc1", (Dv, F), ("layers", "embed", "mlp")), ("bias_fc1", (F,), ("layers", "mlp")),
+            ("fc2", (F, Dv), ("layers", "mlp", "embed")), ("bias_fc2", (Dv,), vec)):
+        table["layers/" + name] = ((L, *shape), axes)
     return table
 
 
