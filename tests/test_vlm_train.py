@@ -33,6 +33,8 @@ from grpo_jax.rollout.native.sampling import SamplingParams
 from grpo_jax.policy import frozen_parts, split_policy, state_init
 from grpo_jax.train import train
 from hf_oracle import char_tokenizer
+from processes import launch, log, wait_all
+from tiny_run import TRAIN
 from vlm_processors import QWEN_TEMPLATE, ImageOnlyQwenProcessor, gemma_processor
 
 MM = 4  # soft tokens per image (the processor's image_seq_length)
@@ -69,12 +71,16 @@ def vlm_dir(tmp_path_factory):
     return path
 
 
-def _cfg(vlm_dir, out, *extra):
-    sets = {"model_name_or_path": vlm_dir, "output_dir": out, "max_steps": 3,
+def _settings(vlm_dir, out) -> dict:
+    return {"model_name_or_path": vlm_dir, "output_dir": out, "max_steps": 3,
             "num_generations": 4, "per_device_train_batch_size": 8,
             "max_completion_length": 6, "learning_rate": 0.01, "eval_strategy": "no",
             "eval_on_start": "false", "save_steps": 1, "report_to": "[]",
             "num_completions_to_print": 0, "log_completions": "false"}
+
+
+def _cfg(vlm_dir, out, *extra):
+    sets = _settings(vlm_dir, out)
     return load_config("squares", [f"{k}={v}" for k, v in sets.items()] + list(extra))
 
 
@@ -143,6 +149,25 @@ def test_squares_sharded_equals_one_device(vlm_dir, whole, tmp_path):
         for key in ("loss", "reward", "grad_norm", "completions/mean_length"):
             print(f"step {a['step']} {key}: one device {a[key]:.6g} 2 x 2 mesh {b[key]:.6g}")
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+
+
+def test_two_processes_train_on_images_like_one_device(vlm_dir, whole, tmp_path):
+    """The same three steps as two processes of one device each (JAX's multi-controller
+    runtime on 127.0.0.1, data parallel over the processes): each process reads, encodes and
+    samples its own rows' images, and the run trains as the one-device run."""
+    sets = {**_settings(vlm_dir, tmp_path / "run"), "per_device_train_batch_size": 4, "dp": 2}
+    argv = [*TRAIN, "--config", "squares",
+            *(x for k, v in sets.items() for x in (f"--{k}", str(v)))]
+    codes = wait_all(launch(argv, n=2, devices=1, log_dir=tmp_path), timeout=300)
+    assert codes == [0, 0], log(tmp_path, "p0.err")[-3000:] + log(tmp_path, "p1.err")[-3000:]
+    one = [r for r in _records(whole) if "loss" in r]
+    two = [r for r in _records(tmp_path / "run") if "loss" in r]
+    assert [r["step"] for r in two] == [1, 2, 3]
+    for a, b in zip(one, two):
+        for key in ("loss", "reward", "grad_norm", "completions/mean_length"):
+            print(f"step {a['step']} {key}: one device {a[key]:.6g} two processes {b[key]:.6g}")
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+        assert b["sampling/sampling_logp_difference/max"] < 5e-5
 
 
 def test_squares_trains_through_refilled_slots(vlm_dir, tmp_path):
