@@ -1,0 +1,120 @@
+"""Partial rollouts with tools (rollout/native/partial.py with rollout/tools.py PartialTurns):
+a row that ends a turn with a tool call stays in flight, gets the tool's result as tokens
+masked from the loss, and decodes its next turn in its slot, over rounds and versions.
+
+A tiny random Llama over SmolLM2's vocabulary (its tool template and parser, the real
+calculator): each prompt ends in an assistant turn that already holds a calculator call (a
+prefill; the parser reads a turn after the last assistant header), so every row's first turn,
+whatever random tokens end it, is a call; a sixteenth of the vocabulary stops a turn, so turns
+end at different lengths and some results do not fit the budget."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from model_oracle import trainer_logp
+from tool_rollouts import SHOTS, tool_tokenizer
+
+from grpo_jax import data
+from grpo_jax.calculator import calculator
+from grpo_jax.models import Decoder, ModelConfig
+from grpo_jax.rollout import tools
+from grpo_jax.rollout.native.partial import from_arrays, staleness_metrics, to_arrays
+from grpo_jax.rollout.native.rollout import JaxRollout
+from grpo_jax.rollout.native.sampling import SamplingParams
+
+C, G, K = 64, 4, 1  # completion budget, rows a group, groups a round
+EXPRESSIONS = ["48213 * 9177", "66011 - 4589", "312 + 97", "7 * 8", "90000 - 1", "123 * 45",
+               "5 + 5"]
+
+
+@pytest.fixture(scope="module")
+def tok(smol_dir):
+    return tool_tokenizer(smol_dir)
+
+
+def _prompt(tok, expression):
+    """The calculator's few-shot prompt for `expression`, its assistant turn begun with the
+    call."""
+    messages = SHOTS + [{"role": "user", "content": f"What is {expression}?"}]
+    ids = data.tokenize_prompts([messages], tok, tools=[calculator])[0]
+    call = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n'
+            "</tool_call>" % expression)
+    return list(ids) + tok.encode(call, add_special_tokens=False)
+
+
+def _runs(mask):
+    """[(start, stop)] of the runs of 1s in `mask`."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+    return list(zip(edges[::2], edges[1::2]))
+
+
+def test_tool_turns_carry_over_rounds(tok):
+    """Rounds of one group each, 4 rows a group through 3 slots, a version a round and
+    max_staleness 1 (the last round three versions on, so the groups carried start over): each returned row made its call, its result (when it fit the budget) is in
+    the row as the chat template's tokens for the calculator's answer, masked from the loss,
+    and the model's next turn follows it; rows span versions, and every model token's sampler
+    log-prob is the trainer's (the weights stay the same: the bookkeeping is what is checked).
+    The rows in flight, tool messages included, survive a checkpoint's arrays."""
+    cfg = ModelConfig("llama", vocab_size=len(tok), hidden_size=32, intermediate_size=48,
+                      num_layers=2, num_heads=2, num_kv_heads=1,
+                      head_dim=16).replace(dtype="float32")
+    model = Decoder(cfg, rngs=nnx.Rngs(0))
+    params = nnx.state(model, nnx.Param)
+    stops = (tok.eos_token_id, *range(1000, 1000 + len(tok) // 16))
+    sp = SamplingParams(max_completion_length=C, temperature=1.0, stop_token_ids=stops,
+                        max_num_seqs=3)
+    inner = JaxRollout(cfg, sp, pad_id=tok.pad_token_id, mesh=None, partial_rollouts=(G, K, 1))
+    rollout = tools.ToolRollout(inner, tok, tools.Toolbox([calculator], 10.0), None, stops,
+                                tok.pad_token_id)
+    partial = rollout.partial
+    assert partial is not None and inner.partial.turn_ends is None
+    prompts = [_prompt(tok, e) for e in EXPRESSIONS]
+    at, drawn, spanned, resumed, staleness, dropped = partial.empty(
+        max(map(len, prompts))), 0, 0, 0, 0.0, 0
+    for version in (0, 1, 2, 3, 4, 7):  # the last round drops the groups carried (stale)
+        n = at.empty_groups
+        records = [{"prompt_ids": p, "i": drawn + j} for j, p in enumerate(prompts[drawn:drawn + n])]
+        done = partial.advance(params, at, records, list(range(drawn, drawn + n)), version,
+                               jax.random.key(0))
+        drawn, at, dropped = drawn + n, done.in_flight, dropped + done.dropped
+        r = done.rollout
+        assert len(done.records) == K and r.tool_mask is not None
+        model_mask = r.completion_mask * r.tool_mask
+        np.testing.assert_array_equal(r.sampler_logp[r.tool_mask == 0], 0)
+        for row in range(G):
+            expression = EXPRESSIONS[done.records[row // G]["i"]]
+            messages, m = r.completions[row], r.completion_mask[row]
+            assert r.tool_calls[row] == 1 and r.tool_failures[row] == 0  # the prefilled call
+            assert messages[0]["tool_calls"][0]["function"]["arguments"] == {
+                "expression": expression}
+            results = _runs((r.tool_mask[row] == 0) & (m > 0))
+            assert len(results) <= 1
+            if not results:  # the result did not fit: the episode ended with the call
+                assert len(messages) == 1
+                assert m.sum() + len(tools.tool_suffix_ids(tok, [{
+                    "role": "tool", "name": "calculator", "content": calculator(expression)}])) > C
+                continue
+            (a, b), = results
+            assert messages[1] == {"role": "tool", "name": "calculator",
+                                   "content": calculator(expression)}
+            assert r.completion_ids[row, a:b].tolist() == tools.tool_suffix_ids(tok,
+                                                                                [messages[1]])
+            resumed += m[b:].sum() > 0  # the model's next turn, after the result
+            assert (model_mask[row, :a] == 1).all() and (model_mask[row, b:] == m[b:]).all()
+        versions = r.versions[model_mask > 0]
+        assert versions.max() <= version and versions.min() >= version - 1
+        spanned += sum(len(set(v[k > 0])) > 1 for v, k in zip(r.versions, model_mask))
+        staleness = max(staleness, staleness_metrics(r.versions, model_mask, version,
+                                                     1)["staleness/max"])
+        logp = trainer_logp(model, r, 1.0)
+        assert np.abs(logp - r.sampler_logp)[model_mask > 0].max() < 1e-4
+    assert resumed > 0 and spanned > 0 and staleness >= 1, (resumed, spanned, staleness)
+    assert done.dropped > 0 and (r.versions[model_mask > 0] == 7).all()
+    assert any(e["results"] for e in at.episodes)  # rows left in flight after their call
+    back = from_arrays(partial.empty(max(map(len, prompts))), to_arrays(at),
+                       lambda i: {"i": i})
+    assert back.episodes == at.episodes
+    for x, y in zip(jax.tree.leaves(at.rows), jax.tree.leaves(back.rows), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
