@@ -8,21 +8,26 @@ prefill; the parser reads a turn after the last assistant header), so every row'
 whatever random tokens end it, is a call; a sixteenth of the vocabulary stops a turn, so turns
 end at different lengths and some results do not fit the budget."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
 from model_oracle import trainer_logp
+from tiny_run import advances, config, history
 from tool_rollouts import SHOTS, tool_tokenizer
 
-from grpo_jax import data
+from grpo_jax import data, hf
+from grpo_jax.checkpoint import load_checkpoint
 from grpo_jax.calculator import calculator
 from grpo_jax.models import Decoder, ModelConfig
 from grpo_jax.rollout import tools
 from grpo_jax.rollout.native.partial import from_arrays, staleness_metrics, to_arrays
 from grpo_jax.rollout.native.rollout import JaxRollout
 from grpo_jax.rollout.native.sampling import SamplingParams
+from grpo_jax.train import train
 
 C, G, K = 64, 4, 1  # completion budget, rows a group, groups a round
 EXPRESSIONS = ["48213 * 9177", "66011 - 4589", "312 + 97", "7 * 8", "90000 - 1", "123 * 45",
@@ -118,3 +123,55 @@ def test_tool_turns_carry_over_rounds(tok):
     assert back.episodes == at.episodes
     for x, y in zip(jax.tree.leaves(at.rows), jax.tree.leaves(back.rows), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope="module")
+def tool_dir(tmp_path_factory, tok):
+    """A tiny random Llama with SmolLM2's tokenizer, and 24 plain-text prompts: the calculator's
+    few-shot chat rendered, its assistant turn begun with the call (as `_prompt`)."""
+    from hf_oracle import tiny_hf_model
+    out = tmp_path_factory.mktemp("tools")
+    tiny_hf_model("llama", tie=True, vocab=len(tok), seed=0,
+                  max_position_embeddings=2048).save_pretrained(out)
+    tok.save_pretrained(out)
+    with open(out / "prompts.jsonl", "w") as f:
+        for i in range(24):
+            f.write(json.dumps({"prompt": tok.decode(_prompt(tok, f"{1000 + 37 * i} * {i}"))})
+                    + "\n")
+    return out
+
+
+@pytest.mark.slow
+def test_training_with_tool_turns_in_flight_and_resume(tool_dir, tok, tmp_path, monkeypatch):
+    """A run with the calculator and max_staleness 1: every row's call is made and counted,
+    groups train with tokens of two versions (staleness/max 1), each prompt once; stopped at
+    step 2 with tool-calling rows in flight (their messages in the checkpoint) and resumed, the
+    same prompts, metrics and weights as the run that did not stop."""
+    stops = [tok.eos_token_id, *range(1000, 1000 + len(tok) // 16)]
+    sets = dict(chat_template="chatml_tools", tools="[grpo_jax.calculator:calculator]",
+                max_staleness=1, max_num_seqs=6, max_completion_length=48,
+                per_device_train_batch_size=8, stop_token_ids=json.dumps(stops), max_steps=4)
+    got, drawn = advances(monkeypatch)
+    devices = jax.devices()[:1]
+    train(config(tool_dir, tmp_path / "full", **sets), devices=devices)
+    full, got[:], full_drawn, drawn[:] = list(got), [], list(drawn), []
+    train(config(tool_dir, tmp_path / "cut", **dict(sets, max_steps=2)), devices=devices)
+    episodes = json.loads(str(np.load(tmp_path / "cut" / "rows_in_flight" / "2.npz")[
+        "episodes"]))
+    assert any(e["results"] for e in episodes)  # rows in flight after a tool's result
+    train(config(tool_dir, tmp_path / "cut", resume=True, **sets), devices=devices)
+    assert got == full and drawn == full_drawn
+    trained = [p for group in full for p in group]
+    assert len(trained) == 8 and len(set(trained)) == 8  # 2 groups a step, each prompt once
+    a, b = history(tmp_path / "full"), history(tmp_path / "cut")
+    assert [h["step"] for h in b] == [1, 2, 3, 4]
+    for ha, hb in zip(a, b):
+        for name in ("reward", "loss", "staleness/mean", "staleness/max", "num_tokens",
+                     "tools/call_frequency", "tools/failure_frequency"):
+            assert ha.get(name) == hb.get(name), (ha["step"], name, ha.get(name), hb.get(name))
+    assert all(h["tools/call_frequency"] > 0 and np.isfinite(h["loss"]) for h in a)
+    assert max(h["staleness/max"] for h in a) == 1
+    pa, _, _ = load_checkpoint(tmp_path / "full")
+    pb, _, _ = load_checkpoint(tmp_path / "cut")
+    for name, x in hf.params_numpy(pa).items():
+        np.testing.assert_array_equal(x, hf.params_numpy(pb)[name], name)
