@@ -20,6 +20,7 @@ from tiny_run import advances, config, history
 from tool_rollouts import SHOTS, tool_tokenizer
 
 from grpo_jax import data, hf
+from grpo_jax import mesh as mesh_lib
 from grpo_jax.checkpoint import load_checkpoint
 from grpo_jax.calculator import calculator
 from grpo_jax.models import Decoder, ModelConfig
@@ -55,13 +56,15 @@ def _runs(mask):
     return list(zip(edges[::2], edges[1::2]))
 
 
-def test_tool_turns_carry_over_rounds(tok):
+@pytest.mark.parametrize("mesh", [False, True])
+def test_tool_turns_carry_over_rounds(tok, mesh):
     """Rounds of one group each, 4 rows a group through 3 slots, a version a round and
     max_staleness 1 (the last round three versions on, so the groups carried start over): each returned row made its call, its result (when it fit the budget) is in
     the row as the chat template's tokens for the calculator's answer, masked from the loss,
     and the model's next turn follows it; rows span versions, and every model token's sampler
     log-prob is the trainer's (the weights stay the same: the bookkeeping is what is checked).
-    The rows in flight, tool messages included, survive a checkpoint's arrays."""
+    The rows in flight, tool messages included, survive a checkpoint's arrays. On a 2x2x2 mesh
+    too (4 slots: rounded up to the batch shards)."""
     cfg = ModelConfig("llama", vocab_size=len(tok), hidden_size=32, intermediate_size=48,
                       num_layers=2, num_heads=2, num_kv_heads=1,
                       head_dim=16).replace(dtype="float32")
@@ -70,7 +73,9 @@ def test_tool_turns_carry_over_rounds(tok):
     stops = (tok.eos_token_id, *range(1000, 1000 + len(tok) // 16))
     sp = SamplingParams(max_completion_length=C, temperature=1.0, stop_token_ids=stops,
                         max_num_seqs=3)
-    inner = JaxRollout(cfg, sp, pad_id=tok.pad_token_id, mesh=None, partial_rollouts=(G, K, 1))
+    inner = JaxRollout(cfg, sp, pad_id=tok.pad_token_id, partial_rollouts=(G, K, 1),
+                       mesh=mesh_lib.make_mesh(mesh_lib.MeshConfig(2, 2, 2), jax.devices()[:8])
+                       if mesh else None)
     rollout = tools.ToolRollout(inner, tok, tools.Toolbox([calculator], 10.0), None, stops,
                                 tok.pad_token_id)
     partial = rollout.partial
