@@ -382,7 +382,7 @@ class GRPORound:
             if draw is None:
                 return None, at.rows_in_flight, at.position
         gen = self._training_batch(r, scores, g, took, wall, at.reference)
-        gen.metrics.update(staleness_metrics(r.versions, r.completion_mask, at.round,
+        gen.metrics.update(staleness_metrics(r.versions, gen.batch.model_mask(), at.round,
                                              partial.max_staleness))
         gen.metrics["staleness/dropped_groups"] = float(dropped)
         if filled is not None:

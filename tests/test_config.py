@@ -401,7 +401,7 @@ def test_sampler_devices_needs_partial_rollouts_and_refuses_the_rest():
                          "needs max_staleness >= 1"),
                         ({**split, "sampler_devices": 0}, "must be >= 1"),
                         ({**split, "num_processes": 2}, "built for one process"),
-                        ({**split, "tools": ["math.sqrt"]}, "tools or rollout_func")]:
+                        ({**split, "tools": ["math.sqrt"]}, "sampler_devices with tools")]:
         with pytest.raises(ConfigError, match=needle):
             config_from_dict(bad)
 

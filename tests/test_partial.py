@@ -140,11 +140,14 @@ def test_stale_groups_start_over():
 def test_settings():
     with pytest.raises(ConfigError, match="set max_num_seqs"):
         TrainConfig(rollout=dataclasses.replace(TrainConfig().rollout, max_staleness=2))
-    with pytest.raises(ConfigError, match="tools or rollout_func"):
-        TrainConfig(generation=SamplingParams(max_num_seqs=8),
-                    rollout=dataclasses.replace(TrainConfig().rollout, max_staleness=2),
-                    multi_turn=dataclasses.replace(TrainConfig().multi_turn,
-                                                   rollout_func="x.py:f"))
+    partial = dict(generation=SamplingParams(max_num_seqs=8),
+                   rollout=dataclasses.replace(TrainConfig().rollout, max_staleness=2))
+    with pytest.raises(ConfigError, match="rollout_func makes whole episodes in one call"):
+        TrainConfig(**partial, multi_turn=dataclasses.replace(TrainConfig().multi_turn,
+                                                              rollout_func="x.py:f"))
+    # tools run row by row in the partial rollouts (test_partial_tools.py)
+    TrainConfig(**partial, multi_turn=dataclasses.replace(TrainConfig().multi_turn,
+                                                          tools=("math.sqrt",)))
 
 
 PARTIAL = dict(max_staleness=2, max_num_seqs=8, max_completion_length=12)

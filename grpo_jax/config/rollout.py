@@ -116,7 +116,8 @@ class RolloutArgs:
         "GRPOTrainer). >= 1 with vLLM: async rounds (rollout/vllm/async_rounds.py), round n+1 "
         "generated during round n's update. >= 1 with the JAX sampler and max_num_seqs: partial "
         "rollouts (rollout/native/partial.py), a round trains as soon as a generation batch of "
-        "whole groups is done and the rows still decoding go on under the next weights. Either "
+        "whole groups is done and the rows still decoding (or waiting on a tool) go on under the "
+        "next weights; not with a rollout_func. Either "
         "way a batch or group with tokens more than this many weight versions old is generated "
         "again (TRL AsyncGRPOConfig: max_staleness, 4 there).")
     sampler_devices: int | None = arg(

@@ -18,6 +18,10 @@ The tool-result tokens stay in the sequence (the model attends to them) but carr
 or entropy: `tool_mask` 0 (TRL's name). The native sampler continues follow-up turns from its KV
 cache, prefilling only the tool-result tokens (rollout/native/continuation.py); other backends get
 prompt + completion so far as a new prompt through their own `generate`.
+
+With partial rollouts (max_staleness >= 1 on the native sampler) the same loop runs row by row
+inside the sampler's rounds (rollout/native/partial.py): `PartialTurns` is its host side, the
+turns of a row decoded in its decode slot, possibly over several rounds and weight versions.
 """
 
 from __future__ import annotations
@@ -327,6 +331,11 @@ class ToolRollout(RolloutWrapper):
         if getattr(self.tokenizer, "response_template", None) is None:
             raise ToolError("the tokenizer has no response_template to parse tool calls with: "
                             "prepare it with grpo_jax.rollout.tools.prepare_tool_tokenizer")
+        # The native sampler's partial rollouts run this loop row by row (PartialTurns); the
+        # round drives them instead of generate.
+        self.partial = None if self.inner.partial is None else self.inner.partial.with_turns(
+            PartialTurns(self.tokenizer, self.toolbox, self.max_iterations,
+                         self.template_kwargs, self.shared))
 
     def generate(self, weights, prompt_ids, num_generations, key, records=None) -> RolloutBatch:
         import jax
@@ -460,3 +469,78 @@ def _assemble(first: RolloutBatch, rows: list[_Row], pad: int, stops: set) -> Ro
                           completions=[row.messages for row in rows],
                           tool_calls=np.array([r.calls for r in rows], np.int32),
                           tool_failures=np.array([r.failures for r in rows], np.int32))
+
+
+@dataclasses.dataclass
+class PartialTurns:
+    """The tool loop's host side for partial rollouts (rollout/native/partial.py TurnEnds): a
+    row that ended a turn is parsed and its calls run as ToolRollout does (every call of the
+    rows that ended a turn together, on process 0 when `shared`), and its completion gets the
+    results' tokens unless max_iterations tool turns were run or they would pass the budget
+    (TRL: the row ends there). An episode: the tool messages appended after each turn and the
+    row's call and failure counts; the assistant messages are parsed from the tokens at the end."""
+    tokenizer: Any
+    toolbox: Toolbox
+    max_iterations: int | None
+    template_kwargs: dict | None = None
+    shared: bool = True
+
+    def start(self) -> dict:
+        return {"results": [], "calls": 0, "failures": 0}
+
+    def end_turns(self, ended: list[tuple], budget: int) -> list[tuple[list[int] | None, dict]]:
+        todo = []
+        for prompt, ids, forced, episode in ended:
+            turn = _turns(ids, forced)[-1]
+            room = self.max_iterations is None or len(episode["results"]) < self.max_iterations
+            if turn.stop == turn.start or not room:  # a result filled the budget, or the cap
+                todo.append([])
+                continue
+            msg = parse_turn(self.tokenizer, ids[turn], prompt + ids[:turn.start],
+                             self.toolbox.fns)
+            todo.append(msg.get("tool_calls") or [])
+
+        def call():
+            return [[self.toolbox.call(c) for c in calls] for calls in todo]
+        results = dist.from_main(call, ToolError) if self.shared and any(todo) else call()
+        out = []
+        for (_, ids, _, episode), calls in zip(ended, results):
+            if not calls:
+                out.append((None, episode))
+                continue
+            msgs = [{"role": "tool", "name": name, "content": res if isinstance(res, list)
+                     else str(res)} for name, res, _ in calls]
+            episode = dict(episode, calls=episode["calls"] + len(calls),
+                           failures=episode["failures"] + sum(f for _, _, f in calls))
+            suffix = tool_suffix_ids(self.tokenizer, msgs, self.template_kwargs)
+            if len(ids) + len(suffix) > budget:  # TRL: the row ends here, results dropped
+                out.append((None, episode))
+                continue
+            out.append((suffix, dict(episode, results=episode["results"] + [msgs])))
+        return out
+
+    def fields(self, rows: list[tuple]) -> dict:
+        completions = []
+        for prompt, ids, forced, episode in rows:
+            messages = []
+            for k, turn in enumerate(_turns(ids, forced)):
+                if turn.stop > turn.start:
+                    messages.append(parse_turn(self.tokenizer, ids[turn], prompt + ids[:turn.start],
+                                               self.toolbox.fns))
+                if k < len(episode["results"]):
+                    messages.extend(episode["results"][k])
+            completions.append(messages)
+        return dict(completions=completions,
+                    tool_calls=np.array([r[3]["calls"] for r in rows], np.int32),
+                    tool_failures=np.array([r[3]["failures"] for r in rows], np.int32))
+
+
+def _turns(ids: list[int], forced: list[int]) -> list[slice]:
+    """The model's turns in a completion: the runs of tokens between the forced (tool result)
+    ones; the last may be empty (a result that filled the budget)."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[1], forced, [1]])) != 0)
+    # runs of 0s start where forced falls to 0 and stop where it rises to 1
+    turns = [slice(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
+    if not turns or turns[-1].stop < len(ids):
+        turns.append(slice(len(ids), len(ids)))
+    return turns

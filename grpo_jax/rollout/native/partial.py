@@ -35,11 +35,31 @@ the decode slots, the prompt width of the run's longest prompt), so it compiles 
 With Sampler.record_routing (a mixture of experts: router/mismatch, routing replay) the rows
 carry the experts each completion token ran across rounds, and each group its prompt's (the
 latest prefill its rows were admitted from, see _admit): in InFlight, so in checkpoints too.
+
+Tools (`turn_ends`: the tool loop's host side, rollout/tools.py PartialTurns). A row that writes
+its stop token ends a turn, not its episode: it becomes TURN and keeps its slot, KV cache and
+tokens, and the compiled loop returns to the host as soon as any row is TURN. The host parses the
+turn, runs its tool calls (TRL's rules: max_tool_calling_iterations, the completion budget) and
+either ends the row (DONE, its slot freed) or writes the tool result's tokens after it as
+"forced" tokens and makes it LIVE again; the loop goes on from the same prompt pass, and the slot
+feeds the forced tokens one a step in place of what it samples (log-prob 0, tool_mask 0, so no
+loss), then samples the model's next turn. So a row waiting on a tool is a row in flight like any
+other: it may end its episode rounds later, under newer weights, each model token keeping the
+log-prob and version that drew it, and its group trains once every row's episode has ended.
+Why not leave the slot and come back as a new prompt (re-prefilled, as the synchronous loop
+does through decode slots)? Its prompt would be prompt + completion so far, wider than the group
+prompts the program is compiled for, and its keys would be recomputed under the current
+weights, unlike the rest of the row; feeding the result through the slot writes the cache
+exactly where the row's next tokens read it, costs one decode step per result token (results
+are short), and needs no second program. The rounds never end with a row TURN (advance resolves
+every turn first), so a checkpoint holds no tool call pending: its per-row tool messages and
+call counts (`InFlight.episodes`) are saved with the rows.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+import json
+from typing import Any, NamedTuple, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -49,9 +69,10 @@ from grpo_jax import distributed as dist
 from grpo_jax.models import KVCache, moe
 from grpo_jax.rollout.base import RolloutBatch
 from grpo_jax.rollout.native import sampling
-from grpo_jax.rollout.native.sampler import Sampler, as_key, decode_metrics, left_pad, row_keys
+from grpo_jax.rollout.native.sampler import (Sampler, as_key, cast_matrices, decode_metrics,
+                                             left_pad, row_keys)
 
-WAITING, LIVE, DONE, EMPTY = 0, 1, 2, 3  # a row's status
+WAITING, LIVE, DONE, EMPTY, TURN = 0, 1, 2, 3, 4  # a row's status (TURN: with tools, see above)
 _LAST = np.iinfo(np.int32).max  # sorts after every real priority
 
 
@@ -73,6 +94,26 @@ class Rows(NamedTuple):
     # fed (-1: never fed), and [groups, P, S_l, k] each group's prompt's (see _admit).
     routing: jax.Array | None = None
     prompt_routing: jax.Array | None = None
+    # With tools: [R, C] int32, 1 on the tool-result tokens the host wrote into `tokens`, which
+    # the row's slot feeds in place of what it samples.
+    forced: jax.Array | None = None
+
+
+class TurnEnds(Protocol):
+    """The host side of multi-turn rows (rollout/tools.py PartialTurns). A row is given as
+    (prompt ids, completion ids so far, forced mask of those, episode): an episode is the
+    JSON-able host state of one row's tool loop (checkpointed with the rows)."""
+
+    def start(self) -> dict:
+        """The episode of a row with nothing drawn."""
+
+    def end_turns(self, ended: list[tuple], budget: int) -> list[tuple[list[int] | None, dict]]:
+        """For each row that ended a turn: the tokens to append (its tool results and the
+        next turn's header) or None when its episode ends, and its episode after it. `budget`:
+        max_completion_length (a row's completion holds its turns and tool results)."""
+
+    def fields(self, rows: list[tuple]) -> dict:
+        """RolloutBatch fields of finished rows: completions, tool_calls, tool_failures."""
 
 
 class InFlight(NamedTuple):
@@ -86,6 +127,7 @@ class InFlight(NamedTuple):
     records: tuple  # [groups] the prompts' dataset records (None: empty)
     drawn: int = 0  # groups drawn so far: the next one's draw number
     key: Any = None  # the run's sampling key (a jax key), set by the first round
+    episodes: tuple | None = None  # with tools: [R] each row's TurnEnds episode
 
     @property
     def empty_groups(self) -> int:
@@ -106,12 +148,17 @@ class PartialRollouts:
     prompts_per_generation) whole groups a round, through `slots` decode slots."""
 
     def __init__(self, sampler: Sampler, slots: int, num_generations: int, groups: int,
-                 max_staleness: int):
+                 max_staleness: int, turn_ends: TurnEnds | None = None):
         self.sampler, self.slots, self.g, self.groups = sampler, slots, num_generations, groups
-        self.max_staleness = max_staleness
+        self.max_staleness, self.turn_ends = max_staleness, turn_ends
         self.group_slots = 2 * groups  # one generation batch trained, one more in flight
         self.program = jax.jit(self._advance, static_argnames=("width",))
         self._empty_program = jax.jit(self._empty_rows, static_argnames=("width", "penalty"))
+
+    def with_turns(self, turn_ends: TurnEnds) -> "PartialRollouts":
+        """These partial rollouts, their rows multi-turn episodes (the tool loop's)."""
+        return PartialRollouts(self.sampler, self.slots, self.g, self.groups, self.max_staleness,
+                               turn_ends)
 
     def empty(self, prompt_width: int) -> InFlight:
         """Nothing in flight, for prompts up to `prompt_width` tokens (the run's longest)."""
@@ -123,7 +170,8 @@ class PartialRollouts:
             prompt_ids=np.full((gs, width), s.pad_id, np.int32),
             prompt_mask=np.zeros((gs, width), np.int32),
             data_rows=np.full(gs, -1, np.int64), seq=np.full(gs, -1, np.int64),
-            records=(None,) * gs)
+            records=(None,) * gs, episodes=None if self.turn_ends is None else
+            (self.turn_ends.start(),) * (gs * self.g))
 
     def advance(self, params, at: InFlight, records: Sequence[dict], data_rows: Sequence[int],
                 version: int, key) -> Advanced:
@@ -152,15 +200,46 @@ class PartialRollouts:
             for i, rec in zip(put, records):
                 recs[i] = rec
         run_key = as_key(key) if at.key is None else at.key
-        rows, chosen, steps, busy, dropped = self.program(
-            params, at.rows, jnp.asarray(ids), jnp.asarray(pmask), jnp.asarray(seq, jnp.int32),
-            jnp.asarray(fresh), run_key, np.int32(version), width=width)
-        chosen, steps, busy, dropped = dist.to_host((chosen, steps, busy, dropped))
+        rows, store, ends, steps, busy = at.rows, None, None, 0, 0
+        episodes = None if at.episodes is None else list(at.episodes)
+        args = jnp.asarray(ids), jnp.asarray(pmask), jnp.asarray(seq, jnp.int32)
+        while True:  # without tools once; with tools until no row waits on its tool calls
+            rows, chosen, n, live, stale, *kept = self.program(
+                params, rows, *args, jnp.asarray(fresh), run_key, np.int32(version), store,
+                ends, width=width)
+            chosen, n, live, stale = dist.to_host((chosen, n, live, stale))
+            steps, busy = steps + int(n), busy + int(live)
+            if store is None:  # the round's first pass: it admitted and restarted groups
+                dropped = stale
+                if episodes is not None:
+                    for i in np.flatnonzero(np.repeat(fresh | stale, g)):
+                        episodes[i] = self.turn_ends.start()
+                fresh = np.zeros_like(fresh)
+            if episodes is None:
+                break
+            store = kept[0]  # the round's prompt pass, for the passes after tool calls
+            ends = self._end_turns(rows, ids, pmask, episodes)
+            if ends is None:
+                break
         chosen = chosen[chosen >= 0]
         out_rows = (chosen[:, None] * g + np.arange(g)).ravel()
         tokens, cmask, logp, versions = dist.to_host(
             (rows.tokens[out_rows], rows.mask[out_rows], rows.logp[out_rows],
              rows.version[out_rows]))
+        fields, stopped = {}, None
+        if episodes is not None:
+            forced = dist.to_host(rows.forced[out_rows])
+            turns = [(ids[i // g][pmask[i // g] > 0].tolist(), tokens[k][cmask[k] > 0].tolist(),
+                      forced[k][cmask[k] > 0].tolist(), episodes[i])
+                     for k, i in enumerate(out_rows)]
+            fields = dict(self.turn_ends.fields(turns),
+                          tool_mask=np.where(cmask > 0, 1 - forced, 1).astype(np.int32))
+            # The tool loop's rule (TRL's): truncated unless the last token is a stop (a tool
+            # result holds the chat template's end-of-turn token too).
+            stopped = np.array([bool(t[1]) and t[1][-1] in set(s.sampling_params.stop_token_ids)
+                                | {s.pad_id} for t in turns])
+            for i in out_rows:
+                episodes[i] = self.turn_ends.start()
         prompt_routing = completion_routing = None
         if rows.routing is not None:
             prompt_routing, completion_routing = dist.to_host(
@@ -172,35 +251,74 @@ class PartialRollouts:
         for i in chosen:
             recs[i] = None
         stops = s.sampling_params.stop_token_ids
-        stopped = (np.isin(tokens, stops) & (cmask > 0)).any(axis=1)
+        if stopped is None:
+            stopped = (np.isin(tokens, stops) & (cmask > 0)).any(axis=1)
         batch = RolloutBatch(np.repeat(ids[chosen], g, axis=0), np.repeat(pmask[chosen], g, axis=0),
                              tokens, cmask, ~stopped, logp,
-                             metrics=decode_metrics(int(steps), int(busy), self.slots),
+                             metrics=decode_metrics(steps, busy, self.slots),
                              versions=np.where(cmask > 0, versions, 0).astype(np.int32),
-                             prompt_routing=prompt_routing, completion_routing=completion_routing)
+                             prompt_routing=prompt_routing, completion_routing=completion_routing,
+                             **fields)
         left = at._replace(rows=rows, prompt_ids=ids, prompt_mask=pmask, data_rows=data,
                            seq=seq, records=tuple(recs), drawn=at.drawn + len(prompts),
-                           key=run_key)
-        return Advanced(left, batch, done_records, int(dropped))
+                           key=run_key, episodes=None if episodes is None else tuple(episodes))
+        return Advanced(left, batch, done_records, int(dropped.sum()))
+
+    def _end_turns(self, rows: Rows, ids, pmask, episodes: list):
+        """The rows that ended a turn (TURN) through the host's tool loop: the program's
+        `ends` argument (which end, which go on, the tokens they are fed), None when no row
+        did. Updates `episodes`."""
+        status = dist.to_host(rows.status)
+        ended = np.flatnonzero(status == TURN)
+        if not ended.size:
+            return None
+        tokens, mask, forced = dist.to_host((rows.tokens, rows.mask, rows.forced))
+        g, C = self.g, tokens.shape[1]
+        turns = [(ids[i // g][pmask[i // g] > 0].tolist(), tokens[i][mask[i] > 0].tolist(),
+                  forced[i][mask[i] > 0].tolist(), episodes[i]) for i in ended]
+        resume = np.zeros(len(status), bool)
+        put, put_mask = np.zeros_like(tokens), np.zeros_like(forced)
+        for i, (_, done, _, _), (more, episode) in zip(
+                ended, turns, self.turn_ends.end_turns(turns, C)):
+            episodes[i] = episode
+            if more is not None and len(done) + len(more) <= C:
+                resume[i] = True
+                put[i, len(done):len(done) + len(more)] = more
+                put_mask[i, len(done):len(done) + len(more)] = 1
+        finish = np.zeros(len(status), bool)
+        finish[ended] = ~resume[ended]
+        return tuple(map(jnp.asarray, (finish, resume, put, put_mask)))
 
     # ------------------------------------------------------------------ compiled program
 
-    def _advance(self, params, rows: Rows, prompt_ids, prompt_mask, seq, fresh, key, version, *,
-                 width: int):
+    def _advance(self, params, rows: Rows, prompt_ids, prompt_mask, seq, fresh, key, version,
+                 store=None, ends=None, *, width: int):
+        """Decode until `groups` whole groups are done (then returned, `chosen`) or nothing is
+        left to decode; with tools also until a row ends a turn (then nothing is chosen: the
+        host resolves the turns, `ends`, and runs the program again with the round's prompt
+        pass, `store`, which it returns)."""
         s, g = self.sampler, self.g
+        if ends is not None:
+            rows = self._resolve(rows, *ends)
         # Groups too stale to train (a token more than max_staleness versions old) start over.
         oldest = jnp.min(jnp.where(rows.mask > 0, rows.version, _LAST), axis=1)
         stale = jnp.any((oldest < version - self.max_staleness).reshape(-1, g), axis=1)
         stale = stale & (seq >= 0) & ~fresh
         rows = self._restart(rows, jnp.repeat(fresh | stale, g))
-        cast, layers, cache, logits, *routing = s.prompt_pass(
-            params, s.constrain(prompt_ids, "batch", None), s.constrain(prompt_mask, "batch", None),
-            s.record_routing)
+        if store is None:
+            cast, layers, cache, logits, *routing = s.prompt_pass(
+                params, s.constrain(prompt_ids, "batch", None),
+                s.constrain(prompt_mask, "batch", None), s.record_routing)
+        else:  # a later pass of the round: its prompts' keys and values as the first computed
+            cast = cast_matrices(params, s.cfg.dtype)
+            layers = s.decoder(cast).decode_layers()
+            cache, logits, *routing = store
         pen = None
         if rows.seen is not None:
             pen = jnp.zeros((prompt_ids.shape[0], s.cfg.vocab_size), bool)
             pen = pen.at[jnp.arange(prompt_ids.shape[0])[:, None], prompt_ids].max(
                 prompt_mask.astype(bool))
+        kept = (cache, logits, *routing)
         store = (cache, logits, prompt_mask, pen, *routing)
         model = s.decoder(cast)
         gid = jnp.repeat(seq, g) * g + jnp.tile(jnp.arange(g, dtype=jnp.int32), seq.shape[0])
@@ -211,7 +329,7 @@ class PartialRollouts:
         def going(st):
             r = st[0]
             pending = jnp.any(r.status == WAITING) | jnp.any(r.slot_row >= 0)
-            return (jnp.sum(whole(st)) < self.groups) & pending
+            return (jnp.sum(whole(st)) < self.groups) & pending & ~jnp.any(r.status == TURN)
 
         def step(st):
             r, steps, busy = st
@@ -222,12 +340,25 @@ class PartialRollouts:
             return r, steps + 1, busy + jnp.sum(live)
         rows, steps, busy = jax.lax.while_loop(
             going, step, (rows, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)))
-        done = whole((rows,))
+        done = whole((rows,)) & ~jnp.any(rows.status == TURN)  # no choice while turns wait
         order = jnp.argsort(jnp.where(done, seq, _LAST))[:self.groups]
         chosen = jnp.where(done[order], order, -1)
-        taken = jnp.zeros(seq.shape[0], bool).at[chosen].set(True, mode="drop")
+        # (-1 would index the last group: out of range instead, so the write is dropped)
+        taken = jnp.zeros(seq.shape[0], bool).at[jnp.where(chosen >= 0, chosen, seq.shape[0])
+                                                 ].set(True, mode="drop")
         rows = rows._replace(status=jnp.where(jnp.repeat(taken, g), EMPTY, rows.status))
-        return self._laid_out(rows), chosen, steps, busy, jnp.sum(stale)
+        out = self._laid_out(rows), chosen, steps, busy, stale
+        return out if self.turn_ends is None else (*out, kept)
+
+    def _resolve(self, rows: Rows, finish, resume, tokens, forced) -> Rows:
+        """The host's word on the rows that ended a turn: `finish` ([R] bool) end their episode
+        and free their slots; `resume` decode on, fed the `tokens` where `forced` ([R, C])."""
+        turn = rows.status == TURN
+        freed = (rows.slot_row >= 0) & finish[jnp.maximum(rows.slot_row, 0)]
+        status = jnp.where(turn & finish, DONE, jnp.where(turn & resume, LIVE, rows.status))
+        return rows._replace(status=status, slot_row=jnp.where(freed, -1, rows.slot_row),
+                             tokens=jnp.where(forced > 0, tokens, rows.tokens),
+                             forced=jnp.maximum(rows.forced, forced))
 
     def _laid_out(self, rows: Rows) -> Rows:
         """The rows' layout, the same out of every program (so the next round's input matches
@@ -238,7 +369,7 @@ class PartialRollouts:
         maybe = lambda f, x: None if x is None else f(x)  # noqa: E731
         return Rows(*map(whole, rows[:5]), *map(slot, rows[5:10]), s.constrain_cache(rows.cache),
                     maybe(slot, rows.seen), maybe(whole, rows.routing),
-                    maybe(whole, rows.prompt_routing))
+                    maybe(whole, rows.prompt_routing), maybe(whole, rows.forced))
 
     def _empty_rows(self, *, width: int, penalty: bool) -> Rows:
         s = self.sampler
@@ -256,7 +387,8 @@ class PartialRollouts:
             key_mask=jnp.zeros((S, width + C), jnp.int32),
             cache=KVCache.zeros(cfg, S, width + C, s.cache_dtype),
             seen=jnp.zeros((S, cfg.vocab_size), bool) if penalty else None,
-            routing=unrecorded(R, C), prompt_routing=unrecorded(self.group_slots, width)))
+            routing=unrecorded(R, C), prompt_routing=unrecorded(self.group_slots, width),
+            forced=None if self.turn_ends is None else jnp.zeros((R, C), jnp.int32)))
 
     def _restart(self, rows: Rows, restart) -> Rows:
         """Rows `restart` ([R] bool) back to waiting with nothing drawn; their slots freed."""
@@ -269,7 +401,8 @@ class PartialRollouts:
             version=jnp.where(keep, rows.version, 0),
             slot_row=jnp.where(evict, -1, rows.slot_row),
             routing=None if rows.routing is None else jnp.where(keep[..., None, None],
-                                                                rows.routing, -1))
+                                                                rows.routing, -1),
+            forced=None if rows.forced is None else jnp.where(keep, rows.forced, 0))
 
     def _admit(self, store, r: Rows, seq, gid, key, version) -> Rows:
         """Free slots take the waiting rows, oldest group first: their prompts' keys and values
@@ -315,7 +448,7 @@ class PartialRollouts:
     def _decode(self, model, layers, r: Rows, gid, key, version, width: int):
         """Every live slot feeds its row's last token and samples the next."""
         s = self.sampler
-        live = r.slot_row >= 0
+        live = (r.slot_row >= 0) & (r.status[jnp.maximum(r.slot_row, 0)] == LIVE)  # not TURN
         hidden, cache, *chosen = model(
             r.last[:, None], (r.prompt_len + r.length - 1)[:, None], r.key_mask, cache=r.cache,
             cache_index=width + r.length - 1, layers=layers, record_routing=r.routing is not None)
@@ -331,21 +464,34 @@ class PartialRollouts:
 
     def _record(self, r: Rows, live, token, logp, version) -> Rows:
         """The live slots' new tokens into their rows; a row that stops (a stop token, or
-        max_completion_length tokens) is done and frees its slot."""
+        max_completion_length tokens) is done and frees its slot. With tools a forced token
+        (a tool result's) replaces the one sampled, and the row ends a turn instead (TURN: it
+        keeps its slot until the host has seen its tool calls)."""
         sp = self.sampler.sampling_params
+        C = sp.max_completion_length
         at = jnp.where(live, r.slot_row, r.tokens.shape[0])  # a slot not live writes nowhere
+        forced = jnp.zeros(live.shape, bool)
+        if r.forced is not None:
+            row, pos = jnp.maximum(r.slot_row, 0), jnp.minimum(r.length, C - 1)
+            forced = live & (r.forced[row, pos] > 0)
+            token = jnp.where(forced, r.tokens[row, pos], token)
+            logp = jnp.where(forced, 0.0, logp)
         put = lambda buf, x: buf.at[at, r.length].set(  # noqa: E731
             jnp.broadcast_to(x, live.shape).astype(buf.dtype), mode="drop")
         length = r.length + live
-        ends = length >= sp.max_completion_length
+        stop = jnp.zeros(live.shape, bool)
         if sp.stop_token_ids:
-            ends = ends | jnp.isin(token, jnp.asarray(sp.stop_token_ids))
+            stop = jnp.isin(token, jnp.asarray(sp.stop_token_ids)) & ~forced
         seen = r.seen
         if seen is not None:
             seen = seen.at[jnp.arange(self.slots), token].max(live)
-        finished = live & ends
+        ends = live & ((length >= C) | stop)
+        # With tools the host sees every turn's end, also one cut by the budget (whose calls
+        # TRL's loop still runs and counts).
+        finished, turn = (ends, ends & False) if r.forced is None else (ends & False, ends)
         status = r.status.at[jnp.where(finished, r.slot_row, r.status.shape[0])].set(
             DONE, mode="drop")
+        status = status.at[jnp.where(turn, r.slot_row, r.status.shape[0])].set(TURN, mode="drop")
         return r._replace(tokens=put(r.tokens, token), mask=put(r.mask, 1),
                           logp=put(r.logp, logp), version=put(r.version, version),
                           status=status, length=length, last=jnp.where(live, token, r.last),
@@ -373,6 +519,8 @@ def to_arrays(at: InFlight) -> dict[str, np.ndarray]:
                seq=at.seq, drawn=np.int64(at.drawn))
     if at.key is not None:
         out["key"] = np.asarray(jax.random.key_data(at.key))
+    if at.episodes is not None:  # the tool loop's messages and counts, as JSON text
+        out["episodes"] = np.asarray(json.dumps(at.episodes, default=str))
     return out
 
 
@@ -399,4 +547,6 @@ def from_arrays(template: InFlight, arrays: dict, record) -> InFlight:
                     np.asarray(arrays["prompt_mask"]), data, np.asarray(arrays["seq"]),
                     tuple(None if i < 0 else record(int(i)) for i in data),
                     int(arrays["drawn"]),
-                    None if key is None else jax.random.wrap_key_data(np.asarray(key)))
+                    None if key is None else jax.random.wrap_key_data(np.asarray(key)),
+                    template.episodes if "episodes" not in arrays
+                    else tuple(json.loads(str(arrays["episodes"]))))
