@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 import sys
 from pathlib import Path
@@ -35,6 +36,7 @@ PREFIX = "base_model.model."
 # Where transformers 5's vision-language wrappers (Gemma 3, Qwen2.5-VL) keep the decoder's
 # "model.": PEFT's keys name live modules, not the checkpoint's tensors (hf.export_name).
 VLM_TEXT_ROOT = "model.language_model."
+logger = logging.getLogger(__name__)
 
 
 def adapter_dir(name_or_path: str) -> Path | None:
@@ -104,12 +106,38 @@ def load_model(cfg, mesh):
         return hf.load_model(cfg.model.name_or_path, mesh, numerics=numerics)
     model, model_dir = hf.load_model(base_name(cfg), mesh, quant_bits=cfg.peft.quant_bits,
                                      numerics=cfg.peft.base_numerics(numerics))
+    skipped = tower_modules(cfg.peft, model.cfg)
+    if skipped:
+        logger.warning("lora_target_modules %s: PEFT's rules would also adapt the vision "
+                       "tower's %s; grpo-jax adapts the language model only (its exported "
+                       "target_modules is a regex that excludes the tower)",
+                       list(cfg.peft.lora_target_modules or lora.DEFAULT_TARGETS), skipped)
     lora.add_adapters(model, cfg.peft, jax.random.key(cfg.data.seed),
                       dtype=jnp.dtype(numerics.param_dtype))
     path = adapter_dir(cfg.model.name_or_path)
     if path is not None:
         load_adapter(model, path)
     return model, model_dir
+
+
+def tower_modules(peft: lora.PeftArgs, model_cfg) -> list[str]:
+    """The vision tower's modules (HF names, {i}: each layer) that PEFT's rules adapt for
+    `peft`'s lora_target_modules on the wrapper (...ForConditionalGeneration), which
+    grpo-jax does not: a name adapts each module whose name ends with it, all-linear every
+    nn.Linear. [] for a text model."""
+    if model_cfg.vision is None:
+        return []
+    names = peft.lora_target_modules or lora.DEFAULT_TARGETS
+    names = (names,) if isinstance(names, str) else names
+    table = model_cfg.vision.hf_names()
+    tensors = {hf_name for hf_name, _ in table.values()}
+    # A Linear: a weight of two groups (in, out) beside a bias (which no embedding table has).
+    linear = [hf_name[:-len(".weight")] for hf_name, groups in table.values()
+              if hf_name.endswith(".weight") and len(groups) == 2
+              and hf_name[:-len("weight")] + "bias" in tensors]
+    if "all-linear" in names:
+        return linear
+    return [m for m in linear if m.rsplit(".", 1)[-1] in names]
 
 
 def _keys(model) -> dict[str, str]:

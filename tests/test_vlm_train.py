@@ -4,6 +4,7 @@ dataset, the native sampler's rounds with the prompts' images, the trainer's for
 them (the tower frozen), checkpoints, --resume, and the export transformers reloads."""
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -330,3 +331,25 @@ def test_lora_adapters_load_in_peft_on_the_vlm(vlm_dir, tmp_path):
     again, _ = peft_io.load_model(cfg, None)
     saved = safetensors.numpy.load_file(adapter / peft_io.WEIGHTS_NAME)
     assert all(np.array_equal(v, saved[k]) for k, v in peft_io.adapter_tensors(again).items())
+
+
+@pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("gate_proj",), "all-linear"])
+def test_tower_modules_are_the_ones_peft_adapts(targets):
+    """peft_io.tower_modules (what the run warns grpo-jax leaves out) is the set of tower
+    modules peft.get_peft_model adapts for the same target_modules, on Gemma 3's SigLIP and
+    Qwen2.5-VL's ViT and merger."""
+    peft = pytest.importorskip("peft")
+    from grpo_jax.models.config import ModelConfig
+    from vlm_models import tiny_gemma3, tiny_qwen25
+    for hf_model, tower in ((tiny_gemma3(), "vision_tower."), (tiny_qwen25(), "visual.")):
+        cfg = ModelConfig.from_hf(hf_model.config.to_dict())
+        args = lora.PeftArgs(use_peft=True, lora_target_modules=targets)
+        # PEFT takes all-linear as a string only (a list would be module names).
+        names = targets if isinstance(targets, str) else list(targets)
+        model = peft.get_peft_model(hf_model, peft.LoraConfig(target_modules=names))
+        # base_model.model.model.vision_tower.encoder.layers.0.self_attn.q_proj.lora_A ->
+        # vision_tower.encoder.layers.{i}.self_attn.q_proj, the tower's HF name.
+        theirs = sorted({re.sub(r"\.\d+\.", ".{i}.", n[n.index("." + tower) + 1:-7], count=1)
+                         for n, _ in model.named_modules()
+                         if n.endswith(".lora_A") and "." + tower in n})
+        assert theirs == sorted(peft_io.tower_modules(args, cfg)), (cfg.model_type, targets)

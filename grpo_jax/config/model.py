@@ -114,7 +114,8 @@ class PeftArgs:
     lora_target_modules: tuple[str, ...] | None = arg(
         None,
         "Names of PEFT's modules, or \"all-linear\"; None: PEFT's default for the model (q, v). "
-        "On a vision-language model: the language model's (the tower stays frozen).")
+        "On a vision-language model: the language model's only (the tower stays frozen, where "
+        "PEFT's rules would adapt the tower's modules of these names too: a warning says so).")
     use_rslora: bool = arg(
         False,
         "Scale the adapters by lora_alpha / sqrt(r) instead of lora_alpha / r (rsLoRA).")
