@@ -82,10 +82,13 @@ def main(argv=None):
     p.add_argument("--xla", action="append", default=[], metavar="FLAG=VALUE",
                    help="an XLA debug option for this compile, e.g. "
                         "xla_gpu_enable_triton_gemm=false")
+    p.add_argument("--num-layers", type=int, help="compile this many of the model's layers")
     args, rest = p.parse_known_args(argv)
     target = hardware.parse_target("h100:1")
     config = open(args.target_config).read() if args.target_config else hardware.H100_TARGET
     run = analyze.make_lowering(target, cli.parse_cli(BENCH + rest), gpu_target_config=config)
+    if args.num_layers:
+        run = run.with_layers(args.num_layers)
     options = {}
     for kv in args.xla:
         k, v = kv.split("=", 1)
@@ -104,6 +107,9 @@ def main(argv=None):
     for scope, counts in launches_by_scope(thunks).items():
         total = sum(v for k, v in counts.items() if k != "kCommandBuffer")
         print(f"{scope:<14} {total:>5} launches  {dict(counts)}")
+    mem = compiled.memory_analysis()
+    print(f"temporaries {mem.temp_size_in_bytes / 2**30:.2f} GiB, arguments "
+          f"{mem.argument_size_in_bytes / 2**30:.2f} GiB")
     copies = big_copies(compiled.as_text())
     print(f"copies of >= 1M elements: {len(copies)}")
     for line in copies[:10]:

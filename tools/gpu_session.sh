@@ -20,7 +20,7 @@ if jax.default_backend() == "gpu":
 EOF
 
 CMD_BUFFERS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
-VARIANTS="${VARIANTS:-auto dots cudnn dots_cudnn_cmdbuf dots_no_shared_prefix tldr_like}"
+VARIANTS="${VARIANTS:-gmm auto dots cudnn dots_cudnn_cmdbuf dots_no_shared_prefix tldr_like}"
 run() {  # name, XLA_FLAGS, bench args...
   local name=$1 flags=$2
   shift 2
@@ -32,6 +32,10 @@ run() {  # name, XLA_FLAGS, bench args...
   grep -E "^(train_step_s|mfu|generate_s|prefill|decode_ms|decode_fraction|grpo_step|peak)" \
     "$OUT/$name.log"
 }
+# The MoE grouped matmuls (models/gmm.py): Mosaic GPU kernels against XLA's ragged_dot (~1 min).
+case " $VARIANTS " in *" gmm "*)
+  echo "== gmm"; timeout 300 python tools/gmm_gpu_check.py > "$OUT/gmm.log" 2>&1
+  echo "   exit $?"; cat "$OUT/gmm.log" | tail -8 ;; esac
 run auto "--xla_gpu_dump_autotune_results_to=$OUT/autotune.pbtxt" "$@"
 run dots "" --remat-policy dots "$@"
 run cudnn "" --attention cudnn "$@"

@@ -60,6 +60,12 @@ class Numerics:
         "matmul over the tokens sorted by expert); a number c gives each expert room for c * "
         "tokens * k / experts assignments and drops the rest (GShard's capacity factor), as "
         "transformers never does: outputs then differ from it wherever an expert overflows.")
+    moe_gmm: Literal["auto", "xla", "megablox", "mosaic_gpu"] = arg(
+        "auto",
+        "Mixture-of-experts grouped matmuls (dropless): \"auto\" runs megablox on TPUs, jax's "
+        "Mosaic GPU kernels on Hopper and later GPUs (forward and both gradients) and XLA's "
+        "ragged_dot elsewhere (a masked dense product over every expert on GPUs); the others "
+        "force one implementation (models/gmm.py).")
     router_replay: Literal["disabled", "R3"] = arg(
         "disabled",
         "Mixture-of-experts routing replay, verl's actor.router_replay.mode names (slime: "
@@ -79,6 +85,8 @@ class Numerics:
               f"sampler_layers={self.sampler_layers!r}: use 'auto', 'scan' or 'unroll'")
         check(self.moe_capacity_factor is None or self.moe_capacity_factor > 0,
               f"moe_capacity_factor={self.moe_capacity_factor}: must be > 0, or null (dropless)")
+        check(self.moe_gmm in ("auto", "xla", "megablox", "mosaic_gpu"),
+              f"moe_gmm={self.moe_gmm!r}: use 'auto', 'xla', 'megablox' or 'mosaic_gpu'")
         check(self.router_replay in ("disabled", "R3"),
               f"router_replay={self.router_replay!r}: use 'disabled' or 'R3'")
 

@@ -11,7 +11,8 @@ Dropless by default: each token's k assignments are sorted by expert and every p
 as one grouped matmul over the sorted rows: megablox's gmm (Pallas) on TPU, `jax.lax.ragged_dot`
 elsewhere (a masked dense matmul in XLA, on CPU and on GPU: every row times every expert, E times
 the memory and work of the routed rows; fine for tests, too big for a GPU's training rows, see
-docs/benchmarks.md, 2026-11-26; Pallas' ragged_dot_mgpu would be the GPU's gmm). Why not
+docs/benchmarks.md, 2026-11-26), jax's Mosaic GPU kernels on Hopper and later GPUs
+(models/gmm.py). Why not
 ragged_dot on TPU too: its gradient w.r.t. the experts' weights is a contraction over every row
 for every expert, which XLA's TPU cost analysis counts at E times the work (measured: a 4096 x
 1024 @ 8 x 1024 x 2048 grad, 155 GFLOP where 34 are needed); megablox's tgmm visits each
@@ -57,6 +58,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from grpo_jax import mesh as mesh_lib
+from grpo_jax.models import gmm as gmm_lib
 from grpo_jax.errors import GrpoJaxError
 
 ACTIVATIONS = {"silu": jax.nn.silu,
@@ -286,27 +288,17 @@ def _grouped(cfg, w, rows, key_sorted, sizes, num_local):
     the last local group (other shards' experts) come out 0."""
     ok = (key_sorted < num_local)[:, None]
     rows = jnp.where(ok, rows, 0)
-    gate = _gmm(rows, w["we_gate"], sizes) + _bias(w, "be_gate", key_sorted)
-    up = _gmm(rows, w["we_up"], sizes) + _bias(w, "be_up", key_sorted)
-    return jnp.where(ok, _gmm(jnp.where(ok, gated(cfg, gate, up), 0), w["we_down"], sizes), 0)
+    gate = _gmm(cfg, rows, w["we_gate"], sizes) + _bias(w, "be_gate", key_sorted)
+    up = _gmm(cfg, rows, w["we_up"], sizes) + _bias(w, "be_up", key_sorted)
+    hidden = jnp.where(ok, gated(cfg, gate, up), 0)
+    return jnp.where(ok, _gmm(cfg, hidden, w["we_down"], sizes), 0)
 
 
-MEGABLOX_TILE = 128
-
-
-def _gmm(lhs, rhs, sizes):
-    """lhs [M, K] (rows grouped by `sizes`, then rows in no group) @ rhs [G, K, N] per group.
-    On TPU megablox's grouped matmul (Pallas), whose weight gradient visits each group's rows
-    only: XLA's ragged_dot gradient w.r.t. the weights is a contraction over all M rows per
-    group, G times the work in XLA's cost analysis. Elsewhere (GPU, CPU) jax.lax.ragged_dot.
-    Rows in no group come out unspecified from megablox: callers mask them (_grouped)."""
-    def tpu(lhs, rhs, sizes):
-        from jax.experimental.pallas.ops.tpu.megablox import ops
-        m = lhs.shape[0]
-        lhs = jnp.pad(lhs, ((0, -m % MEGABLOX_TILE), (0, 0)))
-        tile = (MEGABLOX_TILE,) * 3
-        return ops.gmm(lhs, rhs, sizes, lhs.dtype, tile)[:m]
-    return jax.lax.platform_dependent(lhs, rhs, sizes, tpu=tpu, default=jax.lax.ragged_dot)
+def _gmm(cfg, lhs, rhs, sizes):
+    """lhs [M, K] (rows grouped by `sizes`, then rows in no group) @ rhs [G, K, N] per group, by
+    models/gmm.py's choice (megablox on TPU, Mosaic GPU on Hopper+, XLA's ragged_dot elsewhere;
+    Numerics.moe_gmm forces one). Rows in no group come out unspecified: callers mask them."""
+    return gmm_lib.gmm(lhs, rhs, sizes, cfg.numerics.moe_gmm)
 
 
 def _with_capacity(cfg, w, rows, key_sorted, sizes, capacity: int):
