@@ -61,7 +61,7 @@ def worst_relative(a, b) -> float:
 def parity(model) -> dict:
     """Shared prefixes vs the plain forward on grouped_batch: the largest logit gap (every real
     prompt and completion position) relative to the largest logit, log-prob and entropy gaps,
-    and the gradients' worst relative gap: three accumulated micro-batches of one group each
+    (and the log-prob gap in fp32 ulps of the value), and the gradients' worst relative gap: three accumulated micro-batches of one group each
     (shared) vs the whole batch as one micro-batch (plain)."""
     b = jax.tree.map(jnp.asarray, grouped_batch(model.cfg.vocab_size))
     plain = np.asarray(model.logits(plain_hidden(model, b)))
@@ -73,9 +73,12 @@ def parity(model) -> dict:
     want = completion_logps(model, b, 0.9, 4)
     got = completion_logps(model, b, 0.9, 4, group=G)
     gaps = [float(np.abs(np.asarray(w) - np.asarray(g))[c_real].max()) for w, g in zip(want, got)]
+    # The log-prob gap in units in the last place of the fp32 log-softmax both share.
+    w = np.asarray(want[0], np.float32)[c_real]
+    ulps = float((np.abs(w - np.asarray(got[0], np.float32)[c_real]) / np.spacing(np.abs(w))).max())
     batch = grouped_batch(model.cfg.vocab_size, seed=1)
     loss_plain, g_plain = accumulated_grads(model, batch, 1, 1)
     loss_shared, g_shared = accumulated_grads(model, batch, GROUPS, G)
     return {"logits": float(np.abs(plain - shared)[real].max() / np.abs(plain[real]).max()),
-            "logp": gaps[0], "entropy": gaps[1], "loss": abs(loss_plain - loss_shared),
+            "logp": gaps[0], "logp_ulps": ulps, "entropy": gaps[1], "loss": abs(loss_plain - loss_shared),
             "grads": worst_relative(g_plain, g_shared)}

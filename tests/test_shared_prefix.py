@@ -44,7 +44,14 @@ def test_smollm2_forward_and_gradients_equal_plain_in_float64():
     # 1e-7 relative nudge of the hidden states moves SmolLM2's by 1.1e-4, and its gap to the
     # float64 value is 5e-5 either way); it only feeds metrics and the entropy bonus.
     entropy = gaps.pop("entropy")
-    assert all(v < 1e-5 for v in gaps.values()) and entropy < 5e-4, (gaps, entropy)
+    # The log-probs leave the fp32 head too (its input, the hidden states, cast to fp32 from
+    # float64 values that differ in their last bits): within 1e-5, or within 4 fp32 ulps of the
+    # value. Seen 2026-12-05 on a CPU whose codegen gives, at the commit that passed here before,
+    # a largest gap of 1.5e-5 (one ulp of a log-prob below -128) and at most 3 ulps anywhere.
+    ulps = gaps.pop("logp_ulps")
+    logp_ok = gaps.pop("logp") < 1e-5 or ulps <= 4
+    assert logp_ok and all(v < 1e-5 for v in gaps.values()) and entropy < 5e-4, (
+        gaps, ulps, entropy)
 
 
 @pytest.mark.slow
