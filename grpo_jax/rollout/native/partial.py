@@ -229,9 +229,7 @@ class PartialRollouts:
         fields, stopped = {}, None
         if episodes is not None:
             forced = dist.to_host(rows.forced[out_rows])
-            turns = [(ids[i // g][pmask[i // g] > 0].tolist(), tokens[k][cmask[k] > 0].tolist(),
-                      forced[k][cmask[k] > 0].tolist(), episodes[i])
-                     for k, i in enumerate(out_rows)]
+            turns = _turn_rows(ids, pmask, tokens, cmask, forced, episodes, out_rows, g)
             fields = dict(self.turn_ends.fields(turns),
                           tool_mask=np.where(cmask > 0, 1 - forced, 1).astype(np.int32))
             # The tool loop's rule (TRL's): truncated unless the last token is a stop (a tool
@@ -274,8 +272,8 @@ class PartialRollouts:
             return None
         tokens, mask, forced = dist.to_host((rows.tokens, rows.mask, rows.forced))
         g, C = self.g, tokens.shape[1]
-        turns = [(ids[i // g][pmask[i // g] > 0].tolist(), tokens[i][mask[i] > 0].tolist(),
-                  forced[i][mask[i] > 0].tolist(), episodes[i]) for i in ended]
+        turns = _turn_rows(ids, pmask, tokens[ended], mask[ended], forced[ended], episodes,
+                           ended, g)
         resume = np.zeros(len(status), bool)
         put, put_mask = np.zeros_like(tokens), np.zeros_like(forced)
         for i, (_, done, _, _), (more, episode) in zip(
@@ -550,3 +548,11 @@ def from_arrays(template: InFlight, arrays: dict, record) -> InFlight:
                     None if key is None else jax.random.wrap_key_data(np.asarray(key)),
                     template.episodes if "episodes" not in arrays
                     else tuple(json.loads(str(arrays["episodes"]))))
+
+
+def _turn_rows(ids, pmask, tokens, mask, forced, episodes, rows, g: int) -> list[tuple]:
+    """TurnEnds' rows: for each row index in `rows` (its group's prompt is ids[row // g]) and
+    the k-th of `tokens`/`mask`/`forced` ([len(rows), C]), (prompt ids, completion ids so far,
+    forced mask of those, episode)."""
+    return [(ids[i // g][pmask[i // g] > 0].tolist(), tokens[k][mask[k] > 0].tolist(),
+             forced[k][mask[k] > 0].tolist(), episodes[i]) for k, i in enumerate(rows)]
