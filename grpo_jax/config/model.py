@@ -21,6 +21,10 @@ class ModelArgs:
 Dtype = Literal["bfloat16", "float16", "float32"]
 
 
+# Numerics.moe_gmm's values (models/gmm.py's implementations)
+MOE_GMM = ("auto", "xla", "megablox", "mosaic_gpu")
+
+
 @dataclasses.dataclass(frozen=True)
 class Numerics:
     """How the model runs, the config's `numerics` section: dtypes and rematerialisation."""
@@ -85,8 +89,8 @@ class Numerics:
               f"sampler_layers={self.sampler_layers!r}: use 'auto', 'scan' or 'unroll'")
         check(self.moe_capacity_factor is None or self.moe_capacity_factor > 0,
               f"moe_capacity_factor={self.moe_capacity_factor}: must be > 0, or null (dropless)")
-        check(self.moe_gmm in ("auto", "xla", "megablox", "mosaic_gpu"),
-              f"moe_gmm={self.moe_gmm!r}: use 'auto', 'xla', 'megablox' or 'mosaic_gpu'")
+        check(self.moe_gmm in MOE_GMM,
+              f"moe_gmm={self.moe_gmm!r}: use one of {', '.join(MOE_GMM)}")
         check(self.router_replay in ("disabled", "R3"),
               f"router_replay={self.router_replay!r}: use 'disabled' or 'R3'")
 

@@ -19,9 +19,10 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.config.model import MOE_GMM
 from grpo_jax.errors import GrpoJaxError
 
-IMPLS = ("auto", "xla", "megablox", "mosaic_gpu")
+IMPLS = MOE_GMM
 MEGABLOX_TILE = 128
 HOPPER = 9.0  # Mosaic GPU's wgmma kernels need sm_90 or later
 
