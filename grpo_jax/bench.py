@@ -34,6 +34,7 @@ from grpo_jax.rollout.native.disaggregated import SplitRollouts
 from grpo_jax.rollout.native.rollout import JaxRollout
 from grpo_jax.rollout.native.refill import Refill
 from grpo_jax.rollout.native.sampler import Sampler
+from grpo_jax.rollout.native.sampler_process import SamplerProcess, SamplerSpec
 from grpo_jax.rollout.native.sampling import SamplingParams
 from grpo_jax.scoring import Scores
 from grpo_jax.data import DataPosition
@@ -403,7 +404,8 @@ def bench_partial(args, cfg, model, mesh, prompts):
 def bench_split(args, cfg, model, mesh, prompts):
     """Partial rollouts on every device, the sampler and trainer taking turns, against
     disaggregated rounds (rollout/native/disaggregated.py): the sampler on the first
-    --sampler-devices devices a round ahead, the trainer on the rest; trained groups per second
+    --sampler-devices devices a round ahead (in this process, or with `--ways process` in a
+    process of its own on as many devices), the trainer on the rest; trained groups per second
     and the measured idle time of each side over --rounds rounds of --prompts groups (after one
     rounds that warm up: the first compiles, and in the second the split sampler's wait still
     holds the trainer's compiling; random rewards, stop tokens as `partial`)."""
@@ -421,7 +423,9 @@ def bench_split(args, cfg, model, mesh, prompts):
         return Scores(rng.standard_normal((len(r.truncated), 1)).astype(np.float32))
     pool, result = list(prompts) * (args.rounds + 5), {}
     start = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))  # each way from the same
-    for name in ("colocated", "split"):
+    width = max(map(len, prompts))
+    ways = args.ways.split(",")
+    for name in ways:
         nnx.update(model, start)
         t_mesh = mesh if name == "colocated" else mesh_lib.make_mesh(
             mesh_lib.MeshConfig(dp=1, fsdp=-1), devices[s:])
@@ -433,7 +437,9 @@ def bench_split(args, cfg, model, mesh, prompts):
         rollout = JaxRollout(cfg, sp, pad_id=0, mesh=s_mesh or t_mesh,
                              partial_rollouts=(g, k, staleness))
         split = (None if s_mesh is None else
-                 SplitRollouts(rollout.partial, s_mesh, args.max_staleness))
+                 SplitRollouts(rollout.partial, s_mesh, args.max_staleness) if name == "split"
+                 else SamplerProcess(SamplerSpec(rollout.settings, dict(s_mesh.shape), width),
+                                     s, args.max_staleness))
         round_ = GRPORound(policy, rollout, plan, score, ["random"], run_config(args, n).grpo,
                            split)
         at = RunState(policy.init_state, rows_in_flight=rollout.partial.empty(
@@ -459,11 +465,15 @@ def bench_split(args, cfg, model, mesh, prompts):
                 for part, got in idle.items():
                     got.append(r.metrics[timing(part)])
         at = round_.settle(at)  # no advance left running
+        if split is not None:
+            split.close()
         sec = float(np.sum(times))
         result.update({f"{name}_groups_per_s": args.rounds * k / sec,
                        f"{name}_round_s": sec / args.rounds,
                        **{f"{name}_{part}_s": float(np.mean(v)) for part, v in idle.items()}})
-    result["split_speedup"] = result["split_groups_per_s"] / result["colocated_groups_per_s"]
+    for name in (w for w in ways if w != "colocated" and "colocated" in ways):
+        result[f"{name}_speedup"] = (result[f"{name}_groups_per_s"]
+                                     / result["colocated_groups_per_s"])
     result["sampler_devices"], result["trainer_devices"] = s, len(devices) - s
     return result
 
@@ -515,6 +525,10 @@ def main(argv=None):
                    help="partial: the partial rollouts' max_staleness")
     p.add_argument("--sampler-devices", type=int,
                    help="split: the sampler's devices (the first N; default half)")
+    p.add_argument("--ways", default="colocated,split",
+                   help="split: the ways timed, of colocated (one set of devices, taking "
+                   "turns), split (the sampler on devices of its own, this process) and "
+                   "process (the sampler in a process of its own: rollout.sampler_process)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", help="also write the figures to this file")
     args = p.parse_args(argv)

@@ -71,6 +71,10 @@ class NoSignalError(GrpoJaxError):
     """max_num_gen_batches generations did not fill a batch with groups that have signal."""
 
 
+class SamplerProcessError(GrpoJaxError, RuntimeError):
+    """The sampler's process (rollout.sampler_process) died or failed; the message says how."""
+
+
 class DistributedError(GrpoJaxError, RuntimeError):
     """Processes that can't be joined, or a failure on another process."""
 

@@ -27,7 +27,7 @@ from grpo_jax.metrics import Logged, timing
 from grpo_jax.models import moe
 from grpo_jax.policy import Policy
 from grpo_jax.rollout.base import Rollout, WeightMode
-from grpo_jax.rollout.native.disaggregated import SplitRollouts
+from grpo_jax.rollout.native.disaggregated import Split
 from grpo_jax.rollout.native.partial import staleness_metrics
 from grpo_jax.run_state import RunState
 from grpo_jax.scoring import Scores
@@ -158,8 +158,8 @@ class GRPORound:
     reward_names: Sequence[str]
     args: GRPOArgs
     # sampler_devices: partial rollouts on a sampler mesh of their own, a round ahead
-    # (rollout/native/disaggregated.py SplitRollouts); None: the sampler and trainer take turns.
-    split_rollouts: SplitRollouts | None = None
+    # (rollout/native/disaggregated.py Split); None: the sampler and trainer take turns.
+    split_rollouts: Split | None = None
 
     @property
     def ref_sync(self) -> tuple[int, float] | None:

@@ -43,6 +43,7 @@ from grpo_jax.rollout import tools as tools_lib
 from grpo_jax.rollout.engines import make_rollout, refuse_images
 from grpo_jax.rollout.native import disaggregated, partial
 from grpo_jax.rollout.native.sampler import reference_copy
+from grpo_jax.rollout.native.sampler_process import SamplerProcess, SamplerSpec
 from grpo_jax.run_dir import RunDirLock
 from grpo_jax.run_log import RunLog
 from grpo_jax.run_state import ADAPTERS_OFF, RunState
@@ -333,8 +334,9 @@ def _build_run(cfg: config_lib.TrainConfig, out: Path, lock: RunDirLock, devices
     del model
     rollout = make_rollout(cfg, policy.model_config, tokenizer, sampler_mesh or mesh, model_dir,
                            tools, batch_divisor=mesh_lib.batch_divisor(mesh))
-    split = (None if sampler_mesh is None else
-             disaggregated.SplitRollouts(rollout.partial, sampler_mesh, cfg.rollout.max_staleness))
+    # Partial rollouts' rows in flight start empty, for prompts up to the data's longest.
+    width = None if rollout.partial is None else int(max(np.diff(dataset.offsets)))
+    split = _split(cfg, rollout, sampler_mesh, width)
     scorer = RewardScorer(funcs, tokenizer, mesh, cfg.grpo.num_generations)
     run_round = GRPORound(policy, rollout, plan, scorer, scorer.names, cfg.grpo, split)
     # beta = 0: no reference model is kept at all.
@@ -352,9 +354,7 @@ def _build_run(cfg: config_lib.TrainConfig, out: Path, lock: RunDirLock, devices
     positions = {"num_prompts": len(dataset), **{
         k: v for k, v in dataclasses.asdict(plan).items() if k != "data_parallel_size"}}
     checkpoints = RunCheckpoints.open(out, cfg, positions, record=dataset.record)
-    # Partial rollouts' rows in flight start empty, for prompts up to the data's longest.
-    rows_in_flight = (None if rollout.partial is None else
-                      rollout.partial.empty(int(max(np.diff(dataset.offsets)))))
+    rows_in_flight = None if rollout.partial is None else rollout.partial.empty(width)
     at = checkpoints.resume(cfg, out, RunState(state, reference=reference,
                                                rows_in_flight=rows_in_flight))
     if dist.is_main():  # without this process's id: the file serves every process of a resume
@@ -376,6 +376,10 @@ def _meshes(cfg: config_lib.TrainConfig, devices):
         raise ConfigError("sampler_devices is built for one process: unset it in "
                           "multi-process runs")
     devices = list(jax.local_devices() if devices is None else devices)
+    if cfg.rollout.sampler_process and devices[0].platform != "cpu":
+        raise ConfigError(f"sampler_process runs on CPU hosts only for now (this run's devices "
+                          f"are {devices[0].platform}): unset sampler_process to split the "
+                          "devices within this process (sampler_devices)")
     if n >= len(devices):
         raise ConfigError(f"sampler_devices {n} leaves no device to train on: this process "
                           f"has {len(devices)}")
@@ -385,12 +389,27 @@ def _meshes(cfg: config_lib.TrainConfig, devices):
             mesh_lib.make_mesh(own.mesh, devices[:n]))
 
 
+def _split(cfg: config_lib.TrainConfig, rollout, sampler_mesh, width: int | None
+           ) -> disaggregated.Split | None:
+    """With sampler_devices, the sampler a round ahead: in this process on `sampler_mesh`, or
+    (sampler_process) in a process of its own laid out the same."""
+    if sampler_mesh is None:
+        return None
+    r = cfg.rollout
+    if not r.sampler_process:
+        return disaggregated.SplitRollouts(rollout.partial, sampler_mesh, r.max_staleness)
+    spec = SamplerSpec(rollout.settings, dict(sampler_mesh.shape), width)
+    return SamplerProcess(spec, r.sampler_devices, r.max_staleness)
+
+
 def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
     """Run (or resume) training on `devices` (default: all). Returns the last metrics."""
     run = build_run(cfg, devices)
     try:
         return run_rounds(run)
     finally:
+        if run.round.split_rollouts is not None:
+            run.round.split_rollouts.close()  # after _finish collected its last advance
         run.lock.release()  # after _finish: the run writes nothing more in output_dir
 
 
@@ -605,8 +624,8 @@ def _finish(run: Run, failure: BaseException | None, log: RunLog) -> None:
         except CheckpointWriteError as e:
             final_error = e
         except Exception as e:  # e.g. buffers donated to a step that failed
-            print(f"no final checkpoint ({type(e).__name__}: {e}); the last periodic "
-                  "one stands", file=sys.stderr)
+            why = "" if e is failure else f" ({type(e).__name__}: {e})"  # said once, below
+            print(f"no final checkpoint{why}; the last periodic one stands", file=sys.stderr)
         try:
             ckpt.close()  # waits for the last write
         except CheckpointWriteError as e:

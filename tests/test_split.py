@@ -4,6 +4,12 @@ round ahead of the trainer; every prompt trains once, each token one version beh
 weights that train it, and a stopped run resumes to the uninterrupted run's result."""
 
 
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -11,7 +17,8 @@ import pytest
 from tiny_run import ODD_POSTS, advances, config, history
 
 from grpo_jax import hf
-from grpo_jax.checkpoint import load_checkpoint
+from grpo_jax.checkpoint import committed_steps, load_checkpoint
+from grpo_jax.errors import SamplerProcessError
 from grpo_jax.train import train
 
 # 2 sampler devices (data parallel) and 2 trainer devices (FSDP): 16 rows, 4 groups a round;
@@ -134,3 +141,61 @@ def test_split_dynamic_sampling_fills_from_the_samplers_next_advances_and_resume
     b = [h for h in history(tmp_path / "cut") if "loss" in h]
     assert [h["step"] for h in b] == [1, 2, 3]
     assert_resumed_like_whole(tmp_path, a, b)
+
+
+def sampler_processes() -> list[int]:
+    """The pids of this process's sampler processes (rollout.sampler_process)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == os.getpid() and b"sampler_process" in cmd:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow
+def test_sampler_process_equals_the_one_process_split_resumes_and_dies_with_one_line(
+        tiny_dir, tmp_path):
+    """rollout.sampler_process: the same split, the sampler in a process of its own (2 host
+    devices there): stopped at step 2 and resumed, it logs what the one-process split logs and
+    ends with its weights, bit for bit; its process ends with the run. Then a sampler process
+    killed (SIGKILL) after the run's first checkpoint: the run stops within seconds with one
+    SamplerProcessError naming the kill, its checkpoints whole, and --resume finishes it."""
+    devices = jax.devices()[:4]
+    train(config(tiny_dir, tmp_path / "full", max_steps=3, **SPLIT), devices=devices)
+    own = dict(SPLIT, sampler_process=True)
+    train(config(tiny_dir, tmp_path / "cut", max_steps=2, **own), devices=devices)
+    assert not sampler_processes()
+    train(config(tiny_dir, tmp_path / "cut", max_steps=3, resume=True, **own), devices=devices)
+    a = [h for h in history(tmp_path / "full") if "loss" in h]
+    b = [h for h in history(tmp_path / "cut") if "loss" in h]
+    assert [h["step"] for h in b] == [1, 2, 3]
+    assert_resumed_like_whole(tmp_path, a, b)
+    assert b[-1]["timing/idle_trainer"] >= 0 and b[-1]["timing/idle_sampler"] >= 0
+
+    out, killed = tmp_path / "killed", []
+
+    def kill_after_first_checkpoint():
+        while not killed:
+            if (out / "checkpoints" / "1").exists():
+                for pid in sampler_processes():
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+            time.sleep(0.05)
+    watcher = threading.Thread(target=kill_after_first_checkpoint, daemon=True)
+    watcher.start()
+    t0 = time.perf_counter()
+    with pytest.raises(SamplerProcessError, match=r"sampler process .* killed by SIGKILL.*"
+                                                   r"--resume"):
+        train(config(tiny_dir, out, max_steps=6, save_steps=1, **own), devices=devices)
+    assert killed and time.perf_counter() - t0 < 120
+    steps = committed_steps(out / "checkpoints")
+    assert steps and max(steps) < 6
+    train(config(tiny_dir, out, max_steps=6, save_steps=1, resume=True, **own), devices=devices)
+    assert max(committed_steps(out / "checkpoints")) == 6
+    c = [h for h in history(out) if "loss" in h]
+    assert sorted({h["step"] for h in c}) == list(range(1, 7))

@@ -129,6 +129,12 @@ class RolloutArgs:
         "a round short of groups with signal waits for the sampler's next advances, decoded "
         "with its own weights). Unset: one set of devices, the sampler and the trainer taking "
         "turns.")
+    sampler_process: bool = arg(
+        False,
+        "With sampler_devices: the sampler in a process of its own "
+        "(rollout/native/sampler_process.py), on sampler_devices host devices, started and "
+        "ended by the run; the trainer's weights reach it through host memory each round. CPU "
+        "hosts only for now.")
 
     def __post_init__(self):
         check(0 < self.vllm_server_port < 65536, f"vllm_server_port {self.vllm_server_port} "
@@ -138,6 +144,9 @@ class RolloutArgs:
         check(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")
         check(self.sampler_devices is None or self.sampler_devices >= 1,
               f"sampler_devices must be >= 1, got {self.sampler_devices}")
+        check(not self.sampler_process or self.sampler_devices is not None,
+              "sampler_process runs the sampler of a split run (sampler_devices) in a process "
+              "of its own: set sampler_devices too")
         for name in ("generation_kwargs", "vllm_structured_outputs_regex"):
             check(self.backend == "vllm" or not getattr(self, name), f"{name} applies to vLLM "
                   "rollouts (use_vllm: true); the JAX sampler's options are the generation "

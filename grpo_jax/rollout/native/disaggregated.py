@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 import jax
 import numpy as np
@@ -57,6 +57,39 @@ class Collected(NamedTuple):
     queued: Queued
 
 
+class Split(Protocol):
+    """A sampler a round ahead of the trainer: start an advance, collect it later. Two kinds:
+    SplitRollouts (this process, a worker thread) and sampler_process.SamplerProcess (a
+    process of its own)."""
+    max_staleness: int
+
+    @property
+    def running(self) -> bool:
+        """Whether an advance was started and not collected yet."""
+
+    def start(self, params, in_flight: InFlight, records: Sequence[dict],
+              data_rows: Sequence[int], version: int, key) -> float:
+        """Advance `in_flight` with `records`' new groups under `params` (version `version`);
+        returns the sampler's idle seconds since its last advance ended."""
+
+    def collect(self) -> Collected:
+        """The running advance's result, waiting for it. Its error is raised here, and again
+        by every later collect: a failed advance stays running."""
+
+    def close(self) -> None:
+        """Release what runs the advances (nothing may be running)."""
+
+
+def done_data_rows(at: InFlight, records: Sequence[dict], data_rows: Sequence[int],
+                   done: Sequence[dict]) -> np.ndarray:
+    """The dataset rows of an advance's finished groups `done` (records of `at` or the new
+    `records`, whose rows are `data_rows`): matched by identity, the records being those
+    objects."""
+    rows_of = {id(r): int(i) for r, i in zip(at.records, at.data_rows) if r is not None}
+    rows_of.update((id(r), int(i)) for r, i in zip(records, data_rows))
+    return np.array([rows_of[id(r)] for r in done], np.int64)
+
+
 class SplitRollouts:
     """`partial`'s advances (its sampler built on `mesh`, the sampler's devices) one at a time
     in a worker thread: start(...) then collect()."""
@@ -83,9 +116,6 @@ class SplitRollouts:
         params = jax.device_put(params, mesh_lib.param_shardings(params, self.mesh))
         # The copy finishes before the trainer's next update may donate the buffers it reads.
         jax.block_until_ready(params)
-        rows_of = {id(r): int(i) for r, i in zip(in_flight.records, in_flight.data_rows)
-                   if r is not None}
-        rows_of.update((id(r), int(i)) for r, i in zip(records, data_rows))
         records, data_rows = list(records), list(data_rows)
 
         def work() -> tuple[Advanced, np.ndarray, float]:
@@ -93,7 +123,7 @@ class SplitRollouts:
             done = self.partial.advance(params, in_flight, records, data_rows, version, key)
             jax.block_until_ready(done.in_flight.rows)
             self._finished = time.perf_counter()
-            return (done, np.array([rows_of[id(r)] for r in done.records], np.int64),
+            return (done, done_data_rows(in_flight, records, data_rows, done.records),
                     self._finished - t0)
 
         now = time.perf_counter()
@@ -106,11 +136,16 @@ class SplitRollouts:
         if self._running is None:
             raise RuntimeError("no advance is running")
         t0 = time.perf_counter()
-        future, self._running = self._running, None
-        done, data_rows, took = future.result()
+        # A failed advance stays running: every later collect raises its error again, so no
+        # checkpoint is written of a state whose next batch was lost (GRPORound.settle).
+        done, data_rows, took = self._running.result()
+        self._running = None
         waited = time.perf_counter() - t0
         queued = Queued(done.rollout, tuple(done.records), data_rows, done.dropped, took, waited)
         return Collected(done.in_flight, queued)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
 
 
 def to_arrays(q: Queued) -> dict[str, np.ndarray]:

@@ -31,6 +31,9 @@ class JaxRollout(Rollout):
 
     def __init__(self, model_cfg, params: SamplingParams, *, pad_id: int, mesh, peft=None,
                  partial_rollouts: tuple[int, int, int] | None = None, processor=None):
+        # What builds this rollout again elsewhere, less the mesh (a sampler process's).
+        self.settings = dict(model_cfg=model_cfg, params=params, pad_id=pad_id, peft=peft,
+                             partial_rollouts=partial_rollouts, processor=processor)
         self.processor = processor
         self.takes_records = processor is not None
         adapters = bool(peft and peft.sampler_takes_adapters)
