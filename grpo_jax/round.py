@@ -436,7 +436,7 @@ class GRPORound:
         if filled is not None:
             r, scores = filled.batch()
         gen = self._training_batch(r, scores, g, took, time.time(), at.reference)
-        gen.metrics.update(staleness_metrics(r.versions, r.completion_mask, at.round,
+        gen.metrics.update(staleness_metrics(r.versions, gen.batch.model_mask(), at.round,
                                              split.max_staleness))
         gen.metrics["staleness/dropped_groups"] = float(dropped)
         if filled is not None:

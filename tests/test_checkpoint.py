@@ -257,8 +257,8 @@ def test_run_state_is_checkpointed_and_restored_whole(tmp_path, tiny_dir):
     sync_ref_model, the reference params, and the partial rollouts' rows in flight (their
     device arrays, draw numbers and keys; their records read again from the dataset's rows)
     and, with sampler_devices, the batch sampled ahead (its rollout arrays, versions, decode
-    metrics and groups' records); the restore fills each field from the checkpoint, none from
-    the live run it is given."""
+    metrics, the tool loop's fields and its groups' records); the restore fills each field from
+    the checkpoint, none from the live run it is given."""
     from tiny_run import config
 
     from grpo_jax.models import ModelConfig
@@ -315,7 +315,15 @@ def test_run_state_is_checkpointed_and_restored_whole(tmp_path, tiny_dir):
                                  versions=np.full((4, 5), 4, np.int32),
                                  prompt_routing=r.integers(-1, 8, (4, 5, 2, 2)).astype(np.int8),
                                  completion_routing=r.integers(-1, 8, (4, 5, 2, 2)
-                                                               ).astype(np.int8)),
+                                                               ).astype(np.int8),
+                                 tool_mask=r.integers(0, 2, (4, 5)).astype(np.int32),
+                                 completions=[[{"role": "assistant", "content": f"{i}",
+                                                "tool_calls": [{"type": "function", "function": {
+                                                    "name": "calc", "arguments": {"x": i}}}]},
+                                               {"role": "tool", "name": "calc",
+                                                "content": str(i)}] for i in range(4)],
+                                 tool_calls=np.array([1, 0, 2, 1], np.int32),
+                                 tool_failures=np.array([0, 0, 1, 0], np.int32)),
                     (record(5), record(1)), np.array([5, 1]), dropped=2, took=1.5, waited=0.5)
     saved = RunState(state_of(0), DataPosition(1, 8), round=5, tokens_seen=1234,
                      buffer=(micro(2, 0), micro(5, 1)), epoch_end=1,
@@ -351,13 +359,14 @@ def test_run_state_is_checkpointed_and_restored_whole(tmp_path, tiny_dir):
     np.testing.assert_array_equal(jax.random.key_data(got.key), jax.random.key_data(want.key))
     got, want = back.queued, saved.queued
     for name in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated",
-                 "sampler_logp", "versions", "prompt_routing", "completion_routing"):
+                 "sampler_logp", "versions", "prompt_routing", "completion_routing",
+                 "tool_mask", "tool_calls", "tool_failures"):
         np.testing.assert_array_equal(getattr(got.rollout, name), getattr(want.rollout, name),
                                       name)
         assert getattr(got.rollout, name).dtype == getattr(want.rollout, name).dtype, name
     np.testing.assert_array_equal(got.data_rows, want.data_rows)
-    assert (got.records, got.dropped, got.rollout.metrics) == (
-        want.records, 2, {"sampler/decode_steps": 7.0})
+    assert (got.records, got.dropped, got.rollout.metrics, got.rollout.completions) == (
+        want.records, 2, {"sampler/decode_steps": 7.0}, want.rollout.completions)
     assert {f.name for f in dataclasses.fields(RunState)} == {
         "state", "position", "round", "tokens_seen", "buffer", "epoch_end", "reference",
         "in_flight", "rows_in_flight", "queued"}, ("a new RunState field: save and restore it in "

@@ -395,13 +395,13 @@ def test_sampler_devices_needs_partial_rollouts_and_refuses_the_rest():
     split = {"sampler_devices": 2, "max_staleness": 1, "max_num_seqs": 8}
     assert config_from_dict(split).rollout.sampler_devices == 2
     assert config_from_dict({**split, "dynamic_sampling": True}).grpo.dynamic_sampling
+    assert config_from_dict({**split, "tools": ["math.sqrt"]}).multi_turn.tools
     for bad, needle in [({"sampler_devices": 2}, "needs max_staleness >= 1"),
                         ({**split, "max_num_seqs": None}, "max_num_seqs"),
                         ({**split, "use_vllm": True, "max_num_seqs": None},
                          "needs max_staleness >= 1"),
                         ({**split, "sampler_devices": 0}, "must be >= 1"),
-                        ({**split, "num_processes": 2}, "built for one process"),
-                        ({**split, "tools": ["math.sqrt"]}, "sampler_devices with tools")]:
+                        ({**split, "num_processes": 2}, "built for one process")]:
         with pytest.raises(ConfigError, match=needle):
             config_from_dict(bad)
 

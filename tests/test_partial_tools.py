@@ -152,26 +152,42 @@ def tool_dir(tmp_path_factory, tok):
 
 
 @pytest.mark.slow
-def test_training_with_tool_turns_in_flight_and_resume(tool_dir, tok, tmp_path, monkeypatch):
-    """A run with the calculator and max_staleness 1: every row's call is made and counted,
-    groups train with tokens of two versions (staleness/max 1), each prompt once; stopped at
-    step 2 with tool-calling rows in flight (their messages in the checkpoint) and resumed, the
-    same prompts, metrics and weights as the run that did not stop."""
+@pytest.mark.parametrize("split", [False, True], ids=["shared", "sampler_devices"])
+def test_training_with_tool_turns_in_flight_and_resume(tool_dir, tok, tmp_path, monkeypatch,
+                                                       split):
+    """A run with the calculator and partial rollouts: every row's call is made and counted,
+    groups train with tokens of max_staleness versions (rows carried over rounds), each prompt
+    once; stopped at step 2 with tool-calling rows in flight (their messages in the checkpoint)
+    and resumed, the same prompts, metrics and weights as the run that did not stop.
+
+    With sampler_devices (1 of 2 devices; max_staleness 2, since every token is a version
+    behind) the tools run in the sampler's thread, a round ahead: the batch sampled ahead in
+    the checkpoint holds the tool loop's fields (results masked from the loss, the messages the
+    rewards read), and its first batch trains at staleness 0."""
     stops = [tok.eos_token_id, *range(1000, 1000 + len(tok) // 16)]
     sets = dict(chat_template="chatml_tools", tools="[grpo_jax.calculator:calculator]",
-                max_staleness=1, max_num_seqs=6, max_completion_length=48,
+                max_staleness=1 + split, max_num_seqs=6, max_completion_length=48,
                 per_device_train_batch_size=8, stop_token_ids=json.dumps(stops), max_steps=4)
+    if split:
+        sets["sampler_devices"] = 1
     got, drawn = advances(monkeypatch)
-    devices = jax.devices()[:1]
+    devices = jax.devices()[:1 + split]
     train(config(tool_dir, tmp_path / "full", **sets), devices=devices)
     full, got[:], full_drawn, drawn[:] = list(got), [], list(drawn), []
     train(config(tool_dir, tmp_path / "cut", **dict(sets, max_steps=2)), devices=devices)
     episodes = json.loads(str(np.load(tmp_path / "cut" / "rows_in_flight" / "2.npz")[
         "episodes"]))
     assert any(e["results"] for e in episodes)  # rows in flight after a tool's result
+    if split:  # the batch sampled ahead: its tool results masked, its messages kept
+        queued = np.load(tmp_path / "cut" / "queued" / "2.npz")
+        assert ((queued["tool_mask"] == 0) & (queued["completion_mask"] > 0)).any()
+        assert queued["tool_calls"].min() >= 1
+        assert any(m["role"] == "tool" for row in json.loads(str(queued["completions"]))
+                   for m in row)
     train(config(tool_dir, tmp_path / "cut", resume=True, **sets), devices=devices)
     assert got == full and drawn == full_drawn
-    trained = [p for group in full for p in group]
+    assert len(full) == 4 + split  # a split run's last advance is sampled ahead, never trained
+    trained = [p for group in full[:4] for p in group]
     assert len(trained) == 8 and len(set(trained)) == 8  # 2 groups a step, each prompt once
     a, b = history(tmp_path / "full"), history(tmp_path / "cut")
     assert [h["step"] for h in b] == [1, 2, 3, 4]
@@ -180,7 +196,9 @@ def test_training_with_tool_turns_in_flight_and_resume(tool_dir, tok, tmp_path, 
                      "tools/call_frequency", "tools/failure_frequency"):
             assert ha.get(name) == hb.get(name), (ha["step"], name, ha.get(name), hb.get(name))
     assert all(h["tools/call_frequency"] > 0 and np.isfinite(h["loss"]) for h in a)
-    assert max(h["staleness/max"] for h in a) == 1
+    assert max(h["staleness/max"] for h in a) == sets["max_staleness"]
+    if split:
+        assert a[0]["staleness/max"] == 0 and min(h["staleness/max"] for h in a[1:]) >= 1
     pa, _, _ = load_checkpoint(tmp_path / "full")
     pb, _, _ = load_checkpoint(tmp_path / "cut")
     for name, x in hf.params_numpy(pa).items():

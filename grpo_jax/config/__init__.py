@@ -97,9 +97,6 @@ class TrainConfig:
               "sampler, and a rollout_func makes whole episodes in one call of your function: "
               "set max_staleness 0 (or use tools, which partial rollouts run row by row)")
         split = self.rollout.sampler_devices is not None
-        check(not split or not self.multi_turn.tools, "sampler_devices with tools: the "
-              "sampler's advance runs beside the update and can't stop for tool calls yet; "
-              "unset sampler_devices (partial rollouts on shared devices take tools)")
         check(not split or partial and self.generation.max_num_seqs is not None,
               "sampler_devices runs partial rollouts on devices of their own: it needs "
               "max_staleness >= 1, the JAX sampler (use_vllm false) and max_num_seqs")

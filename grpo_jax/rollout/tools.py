@@ -22,6 +22,10 @@ prompt + completion so far as a new prompt through their own `generate`.
 With partial rollouts (max_staleness >= 1 on the native sampler) the same loop runs row by row
 inside the sampler's rounds (rollout/native/partial.py): `PartialTurns` is its host side, the
 turns of a row decoded in its decode slot, possibly over several rounds and weight versions.
+With sampler_devices those rounds run in the sampler's worker thread
+(rollout/native/disaggregated.py), and the tools with them: nothing here needs the main thread
+(a call's timeout is Toolbox's thread pool's, not a signal's, and every call runs in that pool
+whatever thread asks for it).
 """
 
 from __future__ import annotations
@@ -332,9 +336,12 @@ class ToolRollout(RolloutWrapper):
             raise ToolError("the tokenizer has no response_template to parse tool calls with: "
                             "prepare it with grpo_jax.rollout.tools.prepare_tool_tokenizer")
         # The native sampler's partial rollouts run this loop row by row (PartialTurns); the
-        # round drives them instead of generate.
+        # round drives them instead of generate. With sampler_devices it runs in the sampler's
+        # thread beside the trainer's, which uses the run's tokenizer: a tokenizer of its own,
+        # since a fast tokenizer keeps truncation and padding as state each call sets before
+        # it encodes (transformers' set_truncation_and_padding), which two threads would mix.
         self.partial = None if self.inner.partial is None else self.inner.partial.with_turns(
-            PartialTurns(self.tokenizer, self.toolbox, self.max_iterations,
+            PartialTurns(copy.deepcopy(self.tokenizer), self.toolbox, self.max_iterations,
                          self.template_kwargs, self.shared))
 
     def generate(self, weights, prompt_ids, num_generations, key, records=None) -> RolloutBatch:

@@ -26,6 +26,7 @@ start beside the update.
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple, Protocol, Sequence
@@ -148,15 +149,23 @@ class SplitRollouts:
         self._pool.shutdown(wait=False)
 
 
+# RolloutBatch's optional arrays a queued batch may hold.
+_OPTIONAL = ("prompt_routing", "completion_routing", "tool_mask", "tool_calls", "tool_failures")
+
+
 def to_arrays(q: Queued) -> dict[str, np.ndarray]:
     """Queued as named host arrays for a checkpoint (the records as their dataset rows)."""
     r = q.rollout
     out = {name: np.asarray(getattr(r, name)) for name in (
         "prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated",
         "sampler_logp", "versions")}
-    # A mixture of experts' routing record (routing replay): saved where the sampler kept one.
-    out.update({name: np.asarray(v) for name, v in (("prompt_routing", r.prompt_routing), (
-        "completion_routing", r.completion_routing)) if v is not None})
+    # A mixture of experts' routing record (routing replay) and, with tools, the tool loop's
+    # fields (tool_mask, call counts): saved where the sampler made them.
+    fields = r._asdict()
+    out.update({name: np.asarray(fields[name]) for name in _OPTIONAL
+                if fields[name] is not None})
+    if r.completions is not None:  # the tool loop's messages (what rewards read), as JSON text
+        out["completions"] = np.asarray(json.dumps(r.completions, default=str))
     out.update({f"metric/{k}": np.float64(v) for k, v in (r.metrics or {}).items()})
     out.update(data_rows=q.data_rows, dropped=np.int64(q.dropped))
     return out
@@ -166,10 +175,12 @@ def from_arrays(arrays: dict, record) -> Queued:
     """A checkpoint's Queued; `record(i)`: the dataset's record of row i."""
     a = {k: np.asarray(v) for k, v in arrays.items()}
     metrics = {k[len("metric/"):]: float(v) for k, v in a.items() if k.startswith("metric/")}
+    completions = a.get("completions")
     rollout = RolloutBatch(a["prompt_ids"], a["prompt_mask"], a["completion_ids"],
                            a["completion_mask"], a["truncated"], a["sampler_logp"],
                            metrics=metrics or None, versions=a["versions"],
-                           prompt_routing=a.get("prompt_routing"),
-                           completion_routing=a.get("completion_routing"))
+                           completions=None if completions is None
+                           else json.loads(str(completions)),
+                           **{name: a.get(name) for name in _OPTIONAL})
     return Queued(rollout, tuple(record(int(i)) for i in a["data_rows"]), a["data_rows"],
                   int(a["dropped"]))
