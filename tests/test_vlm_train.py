@@ -186,11 +186,30 @@ def test_squares_trains_through_refilled_slots(vlm_dir, tmp_path):
     assert worst < 5e-5
 
 
-@pytest.mark.parametrize("settings, named", [(("max_num_seqs=4", "max_staleness=1"),
-                                               "max_staleness"),
+def test_squares_trains_through_partial_rollouts(vlm_dir, tmp_path):
+    """Two steps of partial rollouts (max_staleness 1, 3 decode slots for 4 group slots of 4
+    rows): rows carry over into the next round with their prompts' images (each round's prompt
+    pass encodes every group slot's), and the sampler's log-probs of them are the trainer's.
+    Learning rate 0, so that every round's weights are the same: a carried token's log-prob,
+    drawn a round earlier, is then the trainer's too."""
+    out = tmp_path / "partial"
+    train(_cfg(vlm_dir, out, "max_steps=2", "save_steps=10", "max_num_seqs=3",
+               "max_staleness=1", "learning_rate=0.0"), devices=jax.devices()[:1])
+    steps = [r for r in _records(out) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    worst = max(r["sampling/sampling_logp_difference/max"] for r in steps)
+    print(f"partial rollouts, sampler vs trainer log-probs, max |diff| over 2 steps: {worst:.3g}"
+          f"; staleness/max {[r['staleness/max'] for r in steps]}")
+    assert worst < 5e-5
+    assert max(r["staleness/max"] for r in steps) >= 1  # tokens of the last round's weights
+
+
+@pytest.mark.parametrize("settings, named", [(("max_num_seqs=4", "continuous_batching=false"),
+                                               "max_num_seqs with continuous_batching false"),
                                               (("use_vllm=true",), "use_vllm")])
 def test_settings_images_cannot_take_are_refused(vlm_dir, tmp_path, settings, named):
-    with pytest.raises(ConfigError, match="refilled decode slots only; unset " + named):
+    with pytest.raises(ConfigError, match="partial rollouts on shared devices only; unset "
+                       + named):
         train(_cfg(vlm_dir, tmp_path / "run", *settings), devices=jax.devices()[:1])
 
 
