@@ -224,11 +224,13 @@ def test_squares_trains_through_partial_rollouts(seeing_dir, tmp_path):
 
 @pytest.mark.parametrize("settings, named", [(("max_num_seqs=4", "continuous_batching=false"),
                                                "max_num_seqs with continuous_batching false"),
+                                              (("max_num_seqs=4", "max_staleness=1",
+                                                "sampler_devices=1", "dp=1"), "sampler_devices"),
                                               (("use_vllm=true",), "use_vllm")])
 def test_settings_images_cannot_take_are_refused(vlm_dir, tmp_path, settings, named):
     with pytest.raises(ConfigError, match="partial rollouts on shared devices only; unset "
                        + named):
-        train(_cfg(vlm_dir, tmp_path / "run", *settings), devices=jax.devices()[:1])
+        train(_cfg(vlm_dir, tmp_path / "run", *settings), devices=jax.devices()[:2])
 
 
 # ---------------------------------------------------------------- Qwen2.5-VL's rows

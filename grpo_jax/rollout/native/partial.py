@@ -32,6 +32,15 @@ every group slot (each prompt once: 1/G of running its rows), so a row admitted 
 its prompt through the weights it decodes with. One program: static shapes (the group slots,
 the decode slots, the prompt width of the run's longest prompt), so it compiles once.
 
+Images (a vision-language model: PartialRollouts' `processor`). Each group slot keeps its
+prompt's images (InFlight.pixel_values, images.PromptPixels' block; Qwen-VL's grid, the same for
+every prompt), drawn through the processor when its group is, so the round's prompt pass
+encodes them with the prompt under that round's weights, as refill.py's does; a row admitted
+into a slot starts its decode positions at its prompt's length plus its M-RoPE delta
+(Qwen2.5-VL). The finished groups' rows carry their images (and M-RoPE positions) to the
+trainer, and a checkpoint's rows in flight hold them. Every prompt in flight needs the same
+number of images of one size (one image bucket): the group slots run in one program.
+
 With Sampler.record_routing (a mixture of experts: router/mismatch, routing replay) the rows
 carry the experts each completion token ran across rounds, and each group its prompt's (the
 latest prefill its rows were admitted from, see _admit): in InFlight, so in checkpoints too.
