@@ -209,10 +209,11 @@ def test_squares_trains_through_partial_rollouts(seeing_dir, tmp_path):
     rows): rows carry over into the next round with their prompts' images (each round's prompt
     pass encodes every group slot's), and the sampler's log-probs of them are the trainer's.
     Learning rate 0, so that every round's weights are the same: a carried token's log-prob,
-    drawn a round earlier, is then the trainer's too."""
+    drawn a round earlier, is then the trainer's too. A run stopped after step 1 (its
+    checkpoint holds the rows in flight and their images) and resumed makes the same step 2."""
+    one, partial = jax.devices()[:1], ("max_num_seqs=3", "max_staleness=1", "learning_rate=0.0")
     out = tmp_path / "partial"
-    train(_cfg(seeing_dir, out, "max_steps=2", "save_steps=10", "max_num_seqs=3",
-               "max_staleness=1", "learning_rate=0.0"), devices=jax.devices()[:1])
+    train(_cfg(seeing_dir, out, "max_steps=2", *partial), devices=one)
     steps = [r for r in _records(out) if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
     worst = max(r["sampling/sampling_logp_difference/max"] for r in steps)
@@ -220,6 +221,15 @@ def test_squares_trains_through_partial_rollouts(seeing_dir, tmp_path):
           f"; staleness/max {[r['staleness/max'] for r in steps]}")
     assert worst < 5e-5
     assert max(r["staleness/max"] for r in steps) >= 1  # tokens of the last round's weights
+
+    cut = tmp_path / "cut"
+    train(_cfg(seeing_dir, cut, "max_steps=1", *partial), devices=one)
+    train(_cfg(seeing_dir, cut, "max_steps=2", "resume=true", *partial), devices=one)
+    resumed = {r["step"]: r for r in _records(cut) if "loss" in r}
+    for key in ("reward", "completions/mean_length", "staleness/mean",
+                "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"):
+        print(f"step 2 {key}: whole {steps[1][key]:.6g} resumed {resumed[2][key]:.6g}")
+        assert resumed[2][key] == pytest.approx(steps[1][key], rel=1e-5, abs=1e-7), key
 
 
 @pytest.mark.parametrize("settings, named", [(("max_num_seqs=4", "continuous_batching=false"),
