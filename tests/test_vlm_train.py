@@ -22,7 +22,7 @@ from grpo_jax import images as images_lib
 from grpo_jax.cli import load_config
 from grpo_jax.config.batch import OptimizerConfig
 from grpo_jax.config.run import MeshConfig
-from grpo_jax.errors import ConfigError
+from grpo_jax.errors import ConfigError, DataError
 from grpo_jax.export import export
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.loss import LossConfig
@@ -417,7 +417,8 @@ def test_partial_rollouts_carry_each_groups_images(family, seeing_dir, tmp_path)
     trainer's log-probs of its rows (with their images, and Qwen-VL's M-RoPE positions) are
     the sampler's, and with the images zeroed they are not: the pixels reach the sampler. A
     checkpoint's rows in flight (to_arrays, from_arrays) keep each group slot's images: the
-    next round from them is the next round from the rows themselves."""
+    next round from them is the next round from the rows themselves. A prompt with another
+    number of images than those in flight is refused."""
     if family == "gemma3":
         model, proc, size = hf.load_model(str(seeing_dir), dtype=np.float32)[0], \
             images_lib.load_processor(seeing_dir), (28, 28)
@@ -481,3 +482,9 @@ def test_partial_rollouts_carry_each_groups_images(family, seeing_dir, tmp_path)
     for name in ("completion_ids", "sampler_logp", "versions", "pixel_values", "positions"):
         x, y = getattr(a.rollout, name), getattr(b.rollout, name)
         assert (x is None) == (y is None) and (x is None or np.array_equal(x, y)), name
+    picture = images_lib.prompt_images(prompts[0])[0]
+    two = images_lib.multimodal_messages([{"role": "user", "content": "count"}],
+                                         [picture, picture], 0)
+    with pytest.raises(DataError, match="same number of images of one size"):
+        partial.advance(params, a.in_flight, [{**records[0], "prompt": two}], [0], 3,
+                        jax.random.key(7))
