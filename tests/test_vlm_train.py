@@ -22,13 +22,14 @@ from grpo_jax import images as images_lib
 from grpo_jax.cli import load_config
 from grpo_jax.config.batch import OptimizerConfig
 from grpo_jax.config.run import MeshConfig
-from grpo_jax.errors import ConfigError
+from grpo_jax.errors import ConfigError, DataError
 from grpo_jax.export import export
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.grpo.train_step import completion_logps
 from grpo_jax.models import lora
 from grpo_jax.models.config import ModelConfig, param_table
+from grpo_jax.rollout.native.partial import from_arrays, to_arrays
 from grpo_jax.rollout.native.rollout import JaxRollout
 from grpo_jax.rollout.native.sampling import SamplingParams
 from grpo_jax.policy import frozen_parts, split_policy, state_init
@@ -68,6 +69,23 @@ def vlm_dir(tmp_path_factory):
     processor = gemma_processor()
     path = tmp_path_factory.mktemp("gemma3_train") / "model"
     _tiny_gemma3(processor).save_pretrained(path)
+    processor.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def seeing_dir(tmp_path_factory):
+    """vlm_dir's model with its image projection (and norms) perturbed: transformers
+    initialises the projection to zeros, so vlm_dir's image features are zeros, whatever the
+    pixels; this one's depend on them."""
+    processor = gemma_processor()
+    path = tmp_path_factory.mktemp("gemma3_seeing") / "model"
+    model = _tiny_gemma3(processor)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "mm_input" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
     processor.save_pretrained(path)
     return path
 
@@ -186,12 +204,43 @@ def test_squares_trains_through_refilled_slots(vlm_dir, tmp_path):
     assert worst < 5e-5
 
 
-@pytest.mark.parametrize("settings, named", [(("max_num_seqs=4", "max_staleness=1"),
-                                               "max_staleness"),
+def test_squares_trains_through_partial_rollouts(seeing_dir, tmp_path):
+    """Two steps of partial rollouts (max_staleness 1, 3 decode slots for 4 group slots of 4
+    rows): rows carry over into the next round with their prompts' images (each round's prompt
+    pass encodes every group slot's), and the sampler's log-probs of them are the trainer's.
+    Learning rate 0, so that every round's weights are the same: a carried token's log-prob,
+    drawn a round earlier, is then the trainer's too. A run stopped after step 1 (its
+    checkpoint holds the rows in flight and their images) and resumed makes the same step 2."""
+    one, partial = jax.devices()[:1], ("max_num_seqs=3", "max_staleness=1", "learning_rate=0.0")
+    out = tmp_path / "partial"
+    train(_cfg(seeing_dir, out, "max_steps=2", *partial), devices=one)
+    steps = [r for r in _records(out) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    worst = max(r["sampling/sampling_logp_difference/max"] for r in steps)
+    print(f"partial rollouts, sampler vs trainer log-probs, max |diff| over 2 steps: {worst:.3g}"
+          f"; staleness/max {[r['staleness/max'] for r in steps]}")
+    assert worst < 5e-5
+    assert max(r["staleness/max"] for r in steps) >= 1  # tokens of the last round's weights
+
+    cut = tmp_path / "cut"
+    train(_cfg(seeing_dir, cut, "max_steps=1", *partial), devices=one)
+    train(_cfg(seeing_dir, cut, "max_steps=2", "resume=true", *partial), devices=one)
+    resumed = {r["step"]: r for r in _records(cut) if "loss" in r}
+    for key in ("reward", "completions/mean_length", "staleness/mean",
+                "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"):
+        print(f"step 2 {key}: whole {steps[1][key]:.6g} resumed {resumed[2][key]:.6g}")
+        assert resumed[2][key] == pytest.approx(steps[1][key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.parametrize("settings, named", [(("max_num_seqs=4", "continuous_batching=false"),
+                                               "max_num_seqs with continuous_batching false"),
+                                              (("max_num_seqs=4", "max_staleness=1",
+                                                "sampler_devices=1", "dp=1"), "sampler_devices"),
                                               (("use_vllm=true",), "use_vllm")])
 def test_settings_images_cannot_take_are_refused(vlm_dir, tmp_path, settings, named):
-    with pytest.raises(ConfigError, match="refilled decode slots only; unset " + named):
-        train(_cfg(vlm_dir, tmp_path / "run", *settings), devices=jax.devices()[:1])
+    with pytest.raises(ConfigError, match="partial rollouts on shared devices only; unset "
+                       + named):
+        train(_cfg(vlm_dir, tmp_path / "run", *settings), devices=jax.devices()[:2])
 
 
 # ---------------------------------------------------------------- Qwen2.5-VL's rows
@@ -217,12 +266,8 @@ def _tiny_qwen(tok):
     return transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
 
 
-def test_qwen_rows_carry_their_images_and_positions(tmp_path):
-    """Qwen-VL through the rollout and the trainer's forward: two prompts of different lengths
-    (left padding) with a 16 x 24 image each, 2 completions each. The trainer's log-probs of the
-    rows (their pixel rows, grids and M-RoPE positions over prompt + completion) equal the
-    sampler's; a split of the rows keeps each row's images (the same log-probs); the images
-    matter (zeroed pixels change them)."""
+def _qwen_model(tmp_path):
+    """(the tiny Qwen2.5-VL loaded in fp32, its processor: 4 px patches, up to 32 x 32 px)."""
     tok = char_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": [
         "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
@@ -234,7 +279,16 @@ def test_qwen_rows_carry_their_images_and_positions(tmp_path):
             max_pixels=32 * 32),
         tokenizer=tok, chat_template=QWEN_TEMPLATE)
     _tiny_qwen(tok).save_pretrained(tmp_path / "qwen")
-    model, _ = hf.load_model(str(tmp_path / "qwen"), dtype=np.float32)
+    return hf.load_model(str(tmp_path / "qwen"), dtype=np.float32)[0], proc
+
+
+def test_qwen_rows_carry_their_images_and_positions(tmp_path):
+    """Qwen-VL through the rollout and the trainer's forward: two prompts of different lengths
+    (left padding) with a 16 x 24 image each, 2 completions each. The trainer's log-probs of the
+    rows (their pixel rows, grids and M-RoPE positions over prompt + completion) equal the
+    sampler's; a split of the rows keeps each row's images (the same log-probs); the images
+    matter (zeroed pixels change them)."""
+    model, proc = _qwen_model(tmp_path)
     rng = np.random.default_rng(0)
     pictures = [Image.fromarray(rng.integers(0, 256, (16, 24, 3), dtype=np.uint8))
                 for _ in range(2)]
@@ -353,3 +407,84 @@ def test_tower_modules_are_the_ones_peft_adapts(targets):
                          for n, _ in model.named_modules()
                          if n.endswith(".lora_A") and "." + tower in n})
         assert theirs == sorted(peft_io.tower_modules(args, cfg)), (cfg.model_type, targets)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])
+def test_partial_rollouts_carry_each_groups_images(family, seeing_dir, tmp_path):
+    """Partial rollouts of prompts with images (fixed weights; 3 decode slots, groups of 4, 2
+    groups a round, 2 rounds): each group returned, rows decoded over two rounds among them,
+    is what one static batch of its prompt and its images draws from the same keys; the
+    trainer's log-probs of its rows (with their images, and Qwen-VL's M-RoPE positions) are
+    the sampler's, and with the images zeroed they are not: the pixels reach the sampler. A
+    checkpoint's rows in flight (to_arrays, from_arrays) keep each group slot's images: the
+    next round from them is the next round from the rows themselves. A prompt with another
+    number of images than those in flight is refused."""
+    if family == "gemma3":
+        model, proc, size = hf.load_model(str(seeing_dir), dtype=np.float32)[0], \
+            images_lib.load_processor(seeing_dir), (28, 28)
+    else:
+        (model, proc), size = _qwen_model(tmp_path), (16, 24)
+    g, k, tok = 4, 2, proc.tokenizer
+    rng = np.random.default_rng(0)
+    prompts = [images_lib.multimodal_messages(
+        [{"role": "user", "content": "count" + "!" * int(rng.integers(0, 9))}],
+        [Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))], i)
+        for i in range(10)]
+    ids = images_lib.process(proc, prompts)
+    records = [{"prompt": p, "prompt_ids": ids.prompt_ids(i)} for i, p in enumerate(prompts)]
+    # Many stop tokens: rows end after 1 to 6 tokens, so slots free at different steps and
+    # rows are left mid-way when a round's groups are whole.
+    sp = SamplingParams(max_completion_length=6, temperature=1.0, max_num_seqs=3,
+                        stop_token_ids=tuple(range(2, 40)))
+    rollout = JaxRollout(model.cfg, sp, pad_id=tok.pad_token_id, mesh=None,
+                         partial_rollouts=(g, k, 100), processor=proc)
+    params, partial = nnx.split(model, nnx.Param)[1], rollout.partial
+    width = max(len(r["prompt_ids"]) for r in records)
+    at, drawn, spanned = partial.empty(width), 0, 0
+
+    def advance(at, version):
+        new = records[drawn:drawn + at.empty_groups]
+        return partial.advance(params, at, new, list(range(drawn, drawn + len(new))), version,
+                               jax.random.key(7)), len(new)
+    for version in range(2):
+        done, n = advance(at, version)
+        at, drawn, r = done.in_flight, drawn + n, done.rollout
+        spanned += sum(len(set(v[m > 0])) > 1 for v, m in zip(r.versions, r.completion_mask))
+        for j, rec in enumerate(done.records):
+            i = next(i for i, x in enumerate(records) if x is rec)
+            px = images_lib.prompt_pixels(proc, [rec["prompt"]])
+            one = rollout.sampler.generate(
+                params, [rec["prompt_ids"]], g, jax.random.key(7), first_row=i * g,
+                pixel_values=px.pixel_values.reshape(-1, *px.pixel_values.shape[2:]),
+                image_grid_thw=None if px.image_grid is None else np.asarray(px.image_grid))
+            rows = slice(j * g, (j + 1) * g)
+            np.testing.assert_array_equal(r.completion_ids[rows], one.completion_ids)
+            np.testing.assert_allclose(r.sampler_logp[rows], one.sampler_logp, atol=2e-6)
+            np.testing.assert_array_equal(r.pixel_values[rows],
+                                          np.repeat(px.pixel_values, g, axis=0))
+        batch = Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                      r.truncated, np.zeros(len(r.truncated), np.float32),
+                      pixel_values=r.pixel_values, positions=r.positions, image_grid=r.image_grid)
+        real = r.completion_mask.astype(bool)
+        logp = np.asarray(completion_logps(model, batch, 1.0, 128)[0])
+        blind = np.asarray(completion_logps(model, batch.replace(
+            pixel_values=np.zeros_like(r.pixel_values)), 1.0, 128)[0])
+        print(f"{family} round {version}: sampler vs trainer max |diff| "
+              f"{np.abs(logp - r.sampler_logp)[real].max():.3g}, images zeroed "
+              f"{np.abs(blind - r.sampler_logp)[real].max():.3g}")
+        assert np.abs(logp - r.sampler_logp)[real].max() < 5e-5
+        assert np.abs(blind - r.sampler_logp)[real].max() > 1e-3
+    assert spanned > 0
+    back = from_arrays(partial.empty(width), to_arrays(at), records.__getitem__)
+    np.testing.assert_array_equal(back.pixel_values, at.pixel_values)
+    assert back.image_grid == at.image_grid and at.pixel_values.any()
+    (a, _), (b, _) = advance(at, 2), advance(back, 2)
+    for name in ("completion_ids", "sampler_logp", "versions", "pixel_values", "positions"):
+        x, y = getattr(a.rollout, name), getattr(b.rollout, name)
+        assert (x is None) == (y is None) and (x is None or np.array_equal(x, y)), name
+    picture = images_lib.prompt_images(prompts[0])[0]
+    two = images_lib.multimodal_messages([{"role": "user", "content": "count"}],
+                                         [picture, picture], 0)
+    with pytest.raises(DataError, match="same number of images of one size"):
+        partial.advance(params, a.in_flight, [{**records[0], "prompt": two}], [0], 3,
+                        jax.random.key(7))

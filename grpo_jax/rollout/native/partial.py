@@ -32,6 +32,15 @@ every group slot (each prompt once: 1/G of running its rows), so a row admitted 
 its prompt through the weights it decodes with. One program: static shapes (the group slots,
 the decode slots, the prompt width of the run's longest prompt), so it compiles once.
 
+Images (a vision-language model: PartialRollouts' `processor`). Each group slot keeps its
+prompt's images (InFlight.pixel_values, images.PromptPixels' block; Qwen-VL's grid, the same for
+every prompt), drawn through the processor when its group is, so the round's prompt pass
+encodes them with the prompt under that round's weights, as refill.py's does; a row admitted
+into a slot starts its decode positions at its prompt's length plus its M-RoPE delta
+(Qwen2.5-VL). The finished groups' rows carry their images (and M-RoPE positions) to the
+trainer, and a checkpoint's rows in flight hold them. Every prompt in flight needs the same
+number of images of one size (one image bucket): the group slots run in one program.
+
 With Sampler.record_routing (a mixture of experts: router/mismatch, routing replay) the rows
 carry the experts each completion token ran across rounds, and each group its prompt's (the
 latest prefill its rows were admitted from, see _admit): in InFlight, so in checkpoints too.
@@ -66,6 +75,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import distributed as dist
+from grpo_jax import images as images_lib
+from grpo_jax.errors import DataError
 from grpo_jax.models import KVCache, moe
 from grpo_jax.rollout.base import RolloutBatch
 from grpo_jax.rollout.native import sampling
@@ -128,6 +139,12 @@ class InFlight(NamedTuple):
     drawn: int = 0  # groups drawn so far: the next one's draw number
     key: Any = None  # the run's sampling key (a jax key), set by the first round
     episodes: tuple | None = None  # with tools: [R] each row's TurnEnds episode
+    # A vision-language model: each group slot's prompt images (images.PromptPixels' block of
+    # its prompt, zeros until a prompt with images fills it), fed to every round's prompt pass
+    # and to the trainer with its rows; Qwen-VL's grids of one prompt's images (the same for
+    # every prompt). None: no images.
+    pixel_values: np.ndarray | None = None
+    image_grid: tuple | None = None
 
     @property
     def empty_groups(self) -> int:
@@ -148,17 +165,20 @@ class PartialRollouts:
     prompts_per_generation) whole groups a round, through `slots` decode slots."""
 
     def __init__(self, sampler: Sampler, slots: int, num_generations: int, groups: int,
-                 max_staleness: int, turn_ends: TurnEnds | None = None):
+                 max_staleness: int, turn_ends: TurnEnds | None = None, processor=None):
+        """`processor`: a vision-language model's HF processor; the records' multimodal
+        prompts (their "prompt") then give each group's images."""
         self.sampler, self.slots, self.g, self.groups = sampler, slots, num_generations, groups
         self.max_staleness, self.turn_ends = max_staleness, turn_ends
+        self.processor = processor
         self.group_slots = 2 * groups  # one generation batch trained, one more in flight
-        self.program = jax.jit(self._advance, static_argnames=("width",))
+        self.program = jax.jit(self._advance, static_argnames=("width", "image_grid"))
         self._empty_program = jax.jit(self._empty_rows, static_argnames=("width", "penalty"))
 
     def with_turns(self, turn_ends: TurnEnds) -> "PartialRollouts":
         """These partial rollouts, their rows multi-turn episodes (the tool loop's)."""
         return PartialRollouts(self.sampler, self.slots, self.g, self.groups, self.max_staleness,
-                               turn_ends)
+                               turn_ends, self.processor)
 
     def empty(self, prompt_width: int) -> InFlight:
         """Nothing in flight, for prompts up to `prompt_width` tokens (the run's longest)."""
@@ -199,6 +219,8 @@ class PartialRollouts:
             fresh[put] = True
             for i, rec in zip(put, records):
                 recs[i] = rec
+        pixels, grid = self._pixels(at, records, free[:len(prompts)])
+        images, image_grid = self._images(ids, pmask, pixels, grid)
         run_key = as_key(key) if at.key is None else at.key
         rows, store, ends, steps, busy = at.rows, None, None, 0, 0
         episodes = None if at.episodes is None else list(at.episodes)
@@ -206,7 +228,7 @@ class PartialRollouts:
         while True:  # without tools once; with tools until no row waits on its tool calls
             rows, chosen, n, live, stale, *kept = self.program(
                 params, rows, *args, jnp.asarray(fresh), run_key, np.int32(version), store,
-                ends, width=width)
+                ends, images, width=width, image_grid=image_grid)
             chosen, n, live, stale = dist.to_host((chosen, n, live, stale))
             steps, busy = steps + int(n), busy + int(live)
             if store is None:  # the round's first pass: it admitted and restarted groups
@@ -251,16 +273,58 @@ class PartialRollouts:
         stops = s.sampling_params.stop_token_ids
         if stopped is None:
             stopped = (np.isin(tokens, stops) & (cmask > 0)).any(axis=1)
-        batch = RolloutBatch(np.repeat(ids[chosen], g, axis=0), np.repeat(pmask[chosen], g, axis=0),
-                             tokens, cmask, ~stopped, logp,
+        out_ids, out_mask = np.repeat(ids[chosen], g, axis=0), np.repeat(pmask[chosen], g, axis=0)
+        if pixels is not None:  # the rows' images for the trainer's forwards, as refill's
+            fields.update(pixel_values=np.repeat(pixels[chosen], g, axis=0), image_grid=grid,
+                          positions=None if s.cfg.mrope_section is None else s.row_positions(
+                              out_ids, out_mask, grid, tokens.shape[1]))
+        batch = RolloutBatch(out_ids, out_mask, tokens, cmask, ~stopped, logp,
                              metrics=decode_metrics(steps, busy, self.slots),
                              versions=np.where(cmask > 0, versions, 0).astype(np.int32),
                              prompt_routing=prompt_routing, completion_routing=completion_routing,
                              **fields)
         left = at._replace(rows=rows, prompt_ids=ids, prompt_mask=pmask, data_rows=data,
                            seq=seq, records=tuple(recs), drawn=at.drawn + len(prompts),
-                           key=run_key, episodes=None if episodes is None else tuple(episodes))
+                           key=run_key, episodes=None if episodes is None else tuple(episodes),
+                           pixel_values=pixels, image_grid=grid)
         return Advanced(left, batch, done_records, int(dropped.sum()))
+
+    def _pixels(self, at: InFlight, records, put):
+        """(pixel_values, image_grid) of the group slots after `records`' groups fill the slots
+        `put`: their images through the processor, the other slots' kept (an emptied slot's
+        stay with its prompt ids, which the prompt pass still reads)."""
+        if self.processor is None or not len(records):
+            return at.pixel_values, at.image_grid
+        px = images_lib.prompt_pixels(self.processor, [rec["prompt"] for rec in records])
+        pixels, grid = at.pixel_values, at.image_grid
+        if pixels is None:
+            pixels = np.zeros((self.group_slots, *px.pixel_values.shape[1:]),
+                              px.pixel_values.dtype)
+            grid = px.image_grid
+        elif pixels.shape[1:] != px.pixel_values.shape[1:] or grid != px.image_grid:
+            raise DataError(f"prompts with images of shape {px.pixel_values.shape[1:]} (grids "
+                            f"{px.image_grid}) join rows in flight with {pixels.shape[1:]} "
+                            f"({grid}): partial rollouts decode every group slot in one "
+                            "program, so every prompt needs the same number of images of one "
+                            "size; set data.image_buckets to one size (e.g. [448x448])")
+        pixels = pixels.copy()
+        pixels[put] = px.pixel_values
+        return pixels, grid
+
+    def _images(self, ids, pmask, pixels, grid):
+        """The program's `images` and static `image_grid` (Sampler.image_inputs) for the group
+        slots. The prompt pass gives the k-th image placeholder of the batch the k-th image
+        (decoder.scatter_images, row-major), and a slot never filled has pixels but no
+        placeholders: the slots whose prompts hold placeholders pass their images first, in
+        slot order, the others' after (read by no placeholder)."""
+        if pixels is None:
+            return None, None
+        s = self.sampler
+        has = (ids == s.cfg.vision.image_token_id).any(axis=1)
+        order = np.argsort(~has, kind="stable")
+        flat = pixels[order].reshape(-1, *pixels.shape[2:])
+        thw = None if grid is None else np.tile(np.asarray(grid), (len(ids), 1))
+        return s.image_inputs(ids, pmask, flat, thw)
 
     def _end_turns(self, rows: Rows, ids, pmask, episodes: list):
         """The rows that ended a turn (TURN) through the host's tool loop: the program's
@@ -290,11 +354,12 @@ class PartialRollouts:
     # ------------------------------------------------------------------ compiled program
 
     def _advance(self, params, rows: Rows, prompt_ids, prompt_mask, seq, fresh, key, version,
-                 store=None, ends=None, *, width: int):
+                 store=None, ends=None, images=None, *, width: int, image_grid=None):
         """Decode until `groups` whole groups are done (then returned, `chosen`) or nothing is
         left to decode; with tools also until a row ends a turn (then nothing is chosen: the
         host resolves the turns, `ends`, and runs the program again with the round's prompt
-        pass, `store`, which it returns)."""
+        pass, `store`, which it returns). `images`: the group slots' (Sampler.image_inputs),
+        encoded by the prompt pass each round."""
         s, g = self.sampler, self.g
         if ends is not None:
             rows = self._resolve(rows, *ends)
@@ -306,7 +371,7 @@ class PartialRollouts:
         if store is None:
             cast, layers, cache, logits, *routing = s.prompt_pass(
                 params, s.constrain(prompt_ids, "batch", None),
-                s.constrain(prompt_mask, "batch", None), s.record_routing)
+                s.constrain(prompt_mask, "batch", None), s.record_routing, images, image_grid)
         else:  # a later pass of the round: its prompts' keys and values as the first computed
             cast = cast_matrices(params, s.cfg.dtype)
             layers = s.decoder(cast).decode_layers()
@@ -317,7 +382,9 @@ class PartialRollouts:
             pen = pen.at[jnp.arange(prompt_ids.shape[0])[:, None], prompt_ids].max(
                 prompt_mask.astype(bool))
         kept = (cache, logits, *routing)
-        store = (cache, logits, prompt_mask, pen, *routing)
+        # a row's decode positions follow its prompt's real tokens (+ its M-RoPE delta)
+        prompt_len = jnp.sum(prompt_mask, axis=1) + (0 if images is None else images[2])
+        store = (cache, logits, prompt_mask, pen, prompt_len, *routing)
         model = s.decoder(cast)
         gid = jnp.repeat(seq, g) * g + jnp.tile(jnp.arange(g, dtype=jnp.int32), seq.shape[0])
 
@@ -413,7 +480,7 @@ class PartialRollouts:
         one record of it. The latest is the prefill whose keys and values the group's last
         decoded tokens read, the one closest to the weights that train on them."""
         s, S, g = self.sampler, self.slots, self.g
-        cache, logits, pmask, pen, *routing = store
+        cache, logits, pmask, pen, prompt_len, *routing = store
         waiting = r.status == WAITING
         priority = jnp.where(waiting, gid, _LAST)
         order = jnp.argsort(priority)
@@ -436,7 +503,7 @@ class PartialRollouts:
             r = r._replace(prompt_routing=r.prompt_routing.at[
                 jnp.where(admit, prompt, pmask.shape[0])].set(routing[0][prompt], mode="drop"))
         r = r._replace(status=status, slot_row=row, length=jnp.where(admit, 0, r.length),
-                       prompt_len=jnp.where(admit, jnp.sum(pmask, axis=1)[prompt], r.prompt_len),
+                       prompt_len=jnp.where(admit, prompt_len[prompt], r.prompt_len),
                        key_mask=jnp.where(admit[:, None], mask_rows, r.key_mask),
                        cache=s.constrain_cache(kv), seen=seen)
         token, logp = sampling.sample(row_keys(key, 0, gid[row]), logits[prompt],
@@ -519,6 +586,10 @@ def to_arrays(at: InFlight) -> dict[str, np.ndarray]:
         out["key"] = np.asarray(jax.random.key_data(at.key))
     if at.episodes is not None:  # the tool loop's messages and counts, as JSON text
         out["episodes"] = np.asarray(json.dumps(at.episodes, default=str))
+    if at.pixel_values is not None:  # each group slot's images, its prompt ids' placeholders'
+        out["pixel_values"] = at.pixel_values
+        if at.image_grid is not None:
+            out["image_grid"] = np.asarray(at.image_grid, np.int64)
     return out
 
 
@@ -547,7 +618,10 @@ def from_arrays(template: InFlight, arrays: dict, record) -> InFlight:
                     int(arrays["drawn"]),
                     None if key is None else jax.random.wrap_key_data(np.asarray(key)),
                     template.episodes if "episodes" not in arrays
-                    else tuple(json.loads(str(arrays["episodes"]))))
+                    else tuple(json.loads(str(arrays["episodes"]))),
+                    None if "pixel_values" not in arrays else np.asarray(arrays["pixel_values"]),
+                    None if "image_grid" not in arrays
+                    else tuple(map(tuple, np.asarray(arrays["image_grid"]).tolist())))
 
 
 def _turn_rows(ids, pmask, tokens, mask, forced, episodes, rows, g: int) -> list[tuple]:

@@ -6,7 +6,6 @@ import numpy as np
 
 from grpo_jax import images
 from grpo_jax.config.rollout import SamplingParams
-from grpo_jax.models import qwen_vl
 from grpo_jax.rollout.base import Rollout, RolloutBatch, WeightMode
 from grpo_jax.rollout.native import continuation, partial, refill
 from grpo_jax.rollout.native.sampler import Sampler
@@ -26,8 +25,9 @@ class JaxRollout(Rollout):
     A vision-language model (`processor`: its HF processor) takes the round's records
     (`takes_records`): each prompt's images, in its multimodal messages, go through the
     processor's image processor and into the prefill; the batch carries them, row by row, for
-    the trainer's forwards. Static batches only (engines.make_rollout refuses decode slots,
-    partial rollouts and tools with images)."""
+    the trainer's forwards. Through static batches, refilled decode slots and partial
+    rollouts (whose group slots keep their prompts' images across rounds); engines.refuse_images
+    refuses the rest (tools, sampler_devices)."""
 
     def __init__(self, model_cfg, params: SamplingParams, *, pad_id: int, mesh, peft=None,
                  partial_rollouts: tuple[int, int, int] | None = None, processor=None):
@@ -47,7 +47,8 @@ class JaxRollout(Rollout):
         # (num_generations, groups a round, max_staleness): rounds of whole groups from rows
         # that carry over between rounds (rollout/native/partial.py).
         self.partial = (None if partial_rollouts is None else
-                        partial.PartialRollouts(self.sampler, self.slots.slots, *partial_rollouts))
+                        partial.PartialRollouts(self.sampler, self.slots.slots, *partial_rollouts,
+                                                processor=processor))
         # Multi-turn rollouts continue from the KV cache (None: sliding-window models, which
         # re-prefill every turn's context; and with decode slots, since continuing needs every
         # row's cache kept between turns: there each turn re-prefills its context, and a row
@@ -74,17 +75,7 @@ class JaxRollout(Rollout):
         r = sampler.generate(weights, prompt_ids, num_generations, key, pixel_values=flat,
                              image_grid_thw=grid)
         rows = np.repeat(px.pixel_values, num_generations, axis=0)
-        positions = None
-        if self.sampler.cfg.mrope_section is not None:
-            # HF's get_rope_index of the prompt; the completion's text continues from the
-            # prompt's next position on all three rows, as the sampler decodes it (and as
-            # transformers' forward over the whole row computes it).
-            prompt, deltas = qwen_vl.rope_index(
-                self.sampler.cfg.vision, r.prompt_ids, r.prompt_mask,
-                np.tile(np.asarray(px.image_grid), (len(r.prompt_ids), 1)))
-            start = r.prompt_mask.sum(axis=1) + deltas
-            completion = start[:, None] + np.arange(r.completion_ids.shape[1])
-            completion = np.broadcast_to(completion[:, None], (len(start), 3, completion.shape[1]))
-            positions = np.concatenate([prompt.transpose(1, 0, 2), completion],
-                                       axis=2).astype(np.int32)
+        positions = (None if self.sampler.cfg.mrope_section is None else
+                     self.sampler.row_positions(r.prompt_ids, r.prompt_mask, px.image_grid,
+                                                r.completion_ids.shape[1]))
         return r._replace(pixel_values=rows, image_grid=px.image_grid, positions=positions)

@@ -173,6 +173,19 @@ class Sampler:
         return (jnp.asarray(pixel_values), positions_from_mask(jnp.asarray(mask)),
                 jnp.zeros(len(ids), jnp.int32)), None
 
+    def row_positions(self, prompt_ids, prompt_mask, image_grid, completion_width: int):
+        """Qwen2.5-VL's M-RoPE positions [N, 3, P + C] of rows (RolloutBatch.positions), each
+        prompt's images of `image_grid` (one prompt's grids, the same for every row): HF's
+        get_rope_index of the prompt; the completion's text continues from the prompt's next
+        position on all three rows, as the sampler decodes it (and as transformers' forward
+        over the whole row computes it)."""
+        prompt, deltas = qwen_vl.rope_index(self.cfg.vision, prompt_ids, prompt_mask,
+                                            np.tile(np.asarray(image_grid), (len(prompt_ids), 1)))
+        start = np.asarray(prompt_mask).sum(axis=1) + deltas
+        completion = start[:, None] + np.arange(completion_width)
+        completion = np.broadcast_to(completion[:, None], (len(start), 3, completion_width))
+        return np.concatenate([prompt.transpose(1, 0, 2), completion], axis=2).astype(np.int32)
+
     def inputs(self, params, prompt_token_ids, num_generations):
         """(params, prompts, g, n, rows) of a generate call, checked: n = prompts x g rows
         sampled, padded to `rows`."""
