@@ -150,7 +150,8 @@ class SplitRollouts:
 
 
 # RolloutBatch's optional arrays a queued batch may hold.
-_OPTIONAL = ("prompt_routing", "completion_routing", "tool_mask", "tool_calls", "tool_failures")
+_OPTIONAL = ("prompt_routing", "completion_routing", "tool_mask", "tool_calls", "tool_failures",
+             "pixel_values", "positions")
 
 
 def to_arrays(q: Queued) -> dict[str, np.ndarray]:
@@ -166,6 +167,8 @@ def to_arrays(q: Queued) -> dict[str, np.ndarray]:
                 if fields[name] is not None})
     if r.completions is not None:  # the tool loop's messages (what rewards read), as JSON text
         out["completions"] = np.asarray(json.dumps(r.completions, default=str))
+    if r.image_grid is not None:  # Qwen-VL's grids of one prompt's images
+        out["image_grid"] = np.asarray(r.image_grid, np.int64)
     out.update({f"metric/{k}": np.float64(v) for k, v in (r.metrics or {}).items()})
     out.update(data_rows=q.data_rows, dropped=np.int64(q.dropped))
     return out
@@ -175,12 +178,13 @@ def from_arrays(arrays: dict, record) -> Queued:
     """A checkpoint's Queued; `record(i)`: the dataset's record of row i."""
     a = {k: np.asarray(v) for k, v in arrays.items()}
     metrics = {k[len("metric/"):]: float(v) for k, v in a.items() if k.startswith("metric/")}
-    completions = a.get("completions")
+    completions, grid = a.get("completions"), a.get("image_grid")
     rollout = RolloutBatch(a["prompt_ids"], a["prompt_mask"], a["completion_ids"],
                            a["completion_mask"], a["truncated"], a["sampler_logp"],
                            metrics=metrics or None, versions=a["versions"],
                            completions=None if completions is None
                            else json.loads(str(completions)),
+                           image_grid=None if grid is None else tuple(map(tuple, grid.tolist())),
                            **{name: a.get(name) for name in _OPTIONAL})
     return Queued(rollout, tuple(record(int(i)) for i in a["data_rows"]), a["data_rows"],
                   int(a["dropped"]))
