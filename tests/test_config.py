@@ -397,15 +397,15 @@ def test_sampler_devices_needs_partial_rollouts_and_refuses_the_rest():
     assert config_from_dict({**split, "dynamic_sampling": True}).grpo.dynamic_sampling
     assert config_from_dict({**split, "tools": ["math.sqrt"]}).multi_turn.tools
     assert config_from_dict({**split, "sampler_process": True}).rollout.sampler_process
+    assert config_from_dict({**split, "sampler_process": True,
+                             "tools": ["math.sqrt"]}).multi_turn.tools
     for bad, needle in [({"sampler_devices": 2}, "needs max_staleness >= 1"),
                         ({**split, "max_num_seqs": None}, "max_num_seqs"),
                         ({**split, "use_vllm": True, "max_num_seqs": None},
                          "needs max_staleness >= 1"),
                         ({**split, "sampler_devices": 0}, "must be >= 1"),
                         ({**split, "num_processes": 2}, "built for one process"),
-                        ({"sampler_process": True}, "set sampler_devices too"),
-                        ({**split, "sampler_process": True, "tools": ["math.sqrt"]},
-                         "sampler_process with tools")]:
+                        ({"sampler_process": True}, "set sampler_devices too")]:
         with pytest.raises(ConfigError, match=needle):
             config_from_dict(bad)
 

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from model_oracle import trainer_logp
-from tiny_run import advances, config, history
+from tiny_run import advances, assert_resumed_like_whole, config, history
 from tool_rollouts import SHOTS, tool_tokenizer
 
 from grpo_jax import data, hf
@@ -203,3 +203,33 @@ def test_training_with_tool_turns_in_flight_and_resume(tool_dir, tok, tmp_path, 
     pb, _, _ = load_checkpoint(tmp_path / "cut")
     for name, x in hf.params_numpy(pa).items():
         np.testing.assert_array_equal(x, hf.params_numpy(pb)[name], name)
+
+
+@pytest.mark.slow
+def test_sampler_process_with_tools_equals_the_one_process_split(tool_dir, tok, tmp_path):
+    """rollout.sampler_process with the calculator: the sampler's process builds the same tool
+    loop (TurnsSpec: the tools by name, the prepared tokenizer) and calls the tools itself.
+    Stopped at step 1 with tool-calling rows in flight (their episodes cross to a fresh sampler
+    process on resume) and resumed, it logs what the one-process split logs, tool calls
+    counted, and ends with its weights bit for bit."""
+    stops = [tok.eos_token_id, *range(1000, 1000 + len(tok) // 16)]
+    sets = dict(chat_template="chatml_tools", tools="[grpo_jax.calculator:calculator]",
+                max_staleness=2, max_num_seqs=6, max_completion_length=48,
+                per_device_train_batch_size=8, stop_token_ids=json.dumps(stops), max_steps=2,
+                sampler_devices=1)
+    devices = jax.devices()[:2]
+    train(config(tool_dir, tmp_path / "full", **sets), devices=devices)
+    own = dict(sets, sampler_process=True)
+    train(config(tool_dir, tmp_path / "cut", **dict(own, max_steps=1)), devices=devices)
+    episodes = json.loads(str(np.load(tmp_path / "cut" / "rows_in_flight" / "1.npz")[
+        "episodes"]))
+    assert any(e["results"] for e in episodes)  # rows in flight after a tool's result
+    queued = np.load(tmp_path / "cut" / "queued" / "1.npz")  # the tool loop's fields came back
+    assert ((queued["tool_mask"] == 0) & (queued["completion_mask"] > 0)).any()
+    assert any(m["role"] == "tool" for row in json.loads(str(queued["completions"]))
+               for m in row)
+    train(config(tool_dir, tmp_path / "cut", resume=True, **own), devices=devices)
+    a, b = history(tmp_path / "full"), history(tmp_path / "cut")
+    assert [h["step"] for h in a] == [h["step"] for h in b] == [1, 2]
+    assert all(h["tools/call_frequency"] > 0 for h in b)
+    assert_resumed_like_whole(tmp_path, a, b)

@@ -14,10 +14,9 @@ import jax
 import numpy as np
 import pytest
 
-from tiny_run import ODD_POSTS, advances, config, history
+from tiny_run import ODD_POSTS, advances, assert_resumed_like_whole, config, history
 
-from grpo_jax import hf
-from grpo_jax.checkpoint import committed_steps, load_checkpoint
+from grpo_jax.checkpoint import committed_steps
 from grpo_jax.errors import SamplerProcessError
 from grpo_jax.train import train
 
@@ -30,19 +29,6 @@ SPLIT = dict(sampler_devices=2, max_staleness=1, max_num_seqs=8, max_completion_
 EVAL = dict(dataset_train_split="train[:48]", dataset_test_split="train[48:56]",
             eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=8,
             num_generations_eval=2)
-
-
-def assert_resumed_like_whole(tmp_path, a: list[dict], b: list[dict]) -> None:
-    """The resumed run ("cut") logged what the uninterrupted one ("full") did, timings aside,
-    and ended with bit-exact weights."""
-    for ha, hb in zip(a, b):
-        for name in set(ha) | set(hb):
-            if not name.startswith(("timing/", "step_time", "timeline/")):
-                assert ha.get(name) == hb.get(name), (ha["step"], name)
-    pa, _, _ = load_checkpoint(tmp_path / "full")
-    pb, _, _ = load_checkpoint(tmp_path / "cut")
-    for name, x in hf.params_numpy(pa).items():
-        np.testing.assert_array_equal(x, hf.params_numpy(pb)[name], name)
 
 
 def untimed(record: dict) -> dict:

@@ -1,6 +1,7 @@
 """The tiny training run most end-to-end tests start from: its settings (`config`), reward and
 command line (`run_cli`, `cli_args`), and what a run's partial rollouts returned (`advances`)
-and logged (`history`).
+and logged (`history`), and that a resumed run ended as the whole one
+(`assert_resumed_like_whole`).
 The model and prompts it trains on are conftest.py's `tiny_dir` fixture."""
 
 import json
@@ -9,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
+from grpo_jax import hf
+from grpo_jax.checkpoint import load_checkpoint
 from grpo_jax.cli import load_config
 
 HERE = Path(__file__).parent
@@ -95,3 +100,16 @@ def advances(monkeypatch):
 def history(out):
     """The run's metrics.jsonl records."""
     return [json.loads(line) for line in (out / "metrics.jsonl").open()]
+
+
+def assert_resumed_like_whole(tmp_path, a: list[dict], b: list[dict]) -> None:
+    """The resumed run ("cut") logged what the uninterrupted one ("full") did, timings aside,
+    and ended with bit-exact weights."""
+    for ha, hb in zip(a, b):
+        for name in set(ha) | set(hb):
+            if not name.startswith(("timing/", "step_time", "timeline/")):
+                assert ha.get(name) == hb.get(name), (ha["step"], name)
+    pa, _, _ = load_checkpoint(tmp_path / "full")
+    pb, _, _ = load_checkpoint(tmp_path / "cut")
+    for name, x in hf.params_numpy(pa).items():
+        np.testing.assert_array_equal(x, hf.params_numpy(pb)[name], name)

@@ -100,10 +100,6 @@ class TrainConfig:
         check(not split or partial and self.generation.max_num_seqs is not None,
               "sampler_devices runs partial rollouts on devices of their own: it needs "
               "max_staleness >= 1, the JAX sampler (use_vllm false) and max_num_seqs")
-        check(not self.rollout.sampler_process or not self.multi_turn.tools,
-              "sampler_process with tools: the tool loop would run in the sampler's process, "
-              "which builds no tools yet; unset sampler_process (sampler_devices alone takes "
-              "tools)")
         check(not split or (self.distributed.num_processes or 1) == 1,
               "sampler_devices is built for one process: the sampler and trainer meshes are "
               "this process's devices; unset sampler_devices in multi-process runs")

@@ -25,7 +25,8 @@ turns of a row decoded in its decode slot, possibly over several rounds and weig
 With sampler_devices those rounds run in the sampler's worker thread
 (rollout/native/disaggregated.py), and the tools with them: nothing here needs the main thread
 (a call's timeout is Toolbox's thread pool's, not a signal's, and every call runs in that pool
-whatever thread asks for it).
+whatever thread asks for it). With sampler_process they run in the sampler's process, which
+builds the same PartialTurns from a TurnsSpec (rollout/native/sampler_process.py).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import inspect
 import json
 import warnings
 from importlib import resources
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -336,13 +337,17 @@ class ToolRollout(RolloutWrapper):
             raise ToolError("the tokenizer has no response_template to parse tool calls with: "
                             "prepare it with grpo_jax.rollout.tools.prepare_tool_tokenizer")
         # The native sampler's partial rollouts run this loop row by row (PartialTurns); the
-        # round drives them instead of generate. With sampler_devices it runs in the sampler's
-        # thread beside the trainer's, which uses the run's tokenizer: a tokenizer of its own,
-        # since a fast tokenizer keeps truncation and padding as state each call sets before
-        # it encodes (transformers' set_truncation_and_padding), which two threads would mix.
+        # round drives them instead of generate.
         self.partial = None if self.inner.partial is None else self.inner.partial.with_turns(
-            PartialTurns(copy.deepcopy(self.tokenizer), self.toolbox, self.max_iterations,
-                         self.template_kwargs, self.shared))
+            partial_turns(self.toolbox, self.tokenizer, self.max_iterations,
+                          self.template_kwargs, self.shared))
+
+    def turns_spec(self, tools: Sequence[str]) -> "TurnsSpec":
+        """Its partial rollouts' tool loop, for the sampler's process to build the same
+        (rollout.sampler_process): `tools` the names its toolbox's functions were loaded by
+        (load_tools; cfg.multi_turn.tools)."""
+        return TurnsSpec(tuple(tools), self.toolbox.timeout, self.tokenizer, self.max_iterations,
+                         self.template_kwargs, self.shared)
 
     def generate(self, weights, prompt_ids, num_generations, key, records=None) -> RolloutBatch:
         import jax
@@ -540,6 +545,35 @@ class PartialTurns:
         return dict(completions=completions,
                     tool_calls=np.array([r[3]["calls"] for r in rows], np.int32),
                     tool_failures=np.array([r[3]["failures"] for r in rows], np.int32))
+
+
+def partial_turns(toolbox: Toolbox, tokenizer, max_iterations: int | None,
+                  template_kwargs: dict | None, shared: bool) -> PartialTurns:
+    """The tool loop's host side for partial rollouts, as ToolRollout and the sampler's process
+    (TurnsSpec) build it. With sampler_devices it runs in the sampler's thread beside the
+    trainer's, which uses the run's tokenizer: a tokenizer of its own, since a fast tokenizer
+    keeps truncation and padding as state each call sets before it encodes (transformers'
+    set_truncation_and_padding), which two threads would mix."""
+    return PartialTurns(copy.deepcopy(tokenizer), toolbox, max_iterations, template_kwargs,
+                        shared)
+
+
+class TurnsSpec(NamedTuple):
+    """A ToolRollout's PartialTurns as the sampler's process builds it again
+    (rollout.sampler_process; ToolRollout.turns_spec), picklable: the tools by the names
+    load_tools loads them by (a function from a file pickles as a reference to a module that
+    process lacks), the tokenizer whole as prepare_tool_tokenizer left it (its chat template
+    and response_template pickle with it)."""
+    tools: tuple[str, ...]
+    timeout: float
+    tokenizer: Any
+    max_iterations: int | None
+    template_kwargs: dict | None
+    shared: bool
+
+    def build(self) -> PartialTurns:
+        return partial_turns(Toolbox(load_tools(self.tools), self.timeout), self.tokenizer,
+                             self.max_iterations, self.template_kwargs, self.shared)
 
 
 def _turns(ids: list[int], forced: list[int]) -> list[slice]:

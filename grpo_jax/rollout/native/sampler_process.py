@@ -43,27 +43,38 @@ import time
 import traceback
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, Protocol, Sequence
 
 import jax
 import numpy as np
 
 from grpo_jax.errors import SamplerProcessError
 from grpo_jax.rollout.native.disaggregated import Collected, Queued, done_data_rows
-from grpo_jax.rollout.native.partial import InFlight
+from grpo_jax.rollout.native.partial import InFlight, TurnEnds
 
 # How long the sampler's process may take to start (import, build the sampler, compile its empty
 # rows) and to end after the trainer asks it to.
 START_TIMEOUT_S, CLOSE_TIMEOUT_S = 600.0, 30.0
 
 
+class TurnsSpec(Protocol):
+    """A picklable description of the rows' tool loop that the sampler's process builds
+    (rollout/tools.py TurnsSpec; the native sampler imports no tool loop)."""
+
+    def build(self) -> TurnEnds:
+        """The tool loop's host side, as the trainer's process built its own."""
+
+
 class SamplerSpec(NamedTuple):
     """What the sampler's process builds its rollout from: JaxRollout's settings (its
-    `settings`, without the mesh), the sampler mesh's axis sizes, and the prompt width of the
-    rows in flight (the run's longest prompt)."""
+    `settings`, without the mesh), the sampler mesh's axis sizes, the prompt width of the
+    rows in flight (the run's longest prompt) and, with tools, the tool loop its rows run (the
+    tools are called in the sampler's process, as the one-process split calls them in the
+    sampler's thread)."""
     settings: dict
     mesh_sizes: dict
     prompt_width: int
+    turns: TurnsSpec | None = None
 
 
 class SamplerProcess:
@@ -221,6 +232,8 @@ def serve(conn: Connection) -> None:
     try:
         mesh = mesh_lib.make_mesh(mesh_lib.config_for(spec.mesh_sizes), jax.devices())
         partial = JaxRollout(**spec.settings, mesh=mesh).partial
+        if spec.turns is not None:
+            partial = partial.with_turns(spec.turns.build())
         template = partial.empty(spec.prompt_width)
     except Exception:
         conn.send(("error", _last_line()))
