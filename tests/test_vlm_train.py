@@ -204,7 +204,8 @@ def test_squares_trains_through_refilled_slots(vlm_dir, tmp_path):
     assert worst < 5e-5
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["shared", "sampler_devices"])
+@pytest.mark.parametrize("split", [None, "thread", "process"],
+                         ids=["shared", "sampler_devices", "sampler_process"])
 def test_squares_trains_through_partial_rollouts(seeing_dir, tmp_path, split):
     """Two steps of partial rollouts (max_staleness 1, 3 decode slots for 4 group slots of 4
     rows): rows carry over into the next round with their prompts' images (each round's prompt
@@ -214,11 +215,13 @@ def test_squares_trains_through_partial_rollouts(seeing_dir, tmp_path, split):
     checkpoint holds the rows in flight and their images, and with sampler_devices the batch
     sampled ahead with its images) and resumed makes the same step 2. With sampler_devices the
     sampler decodes on a device of its own a round ahead (max_staleness 2 there: one version
-    for the round ahead, one for carried rows)."""
+    for the round ahead, one for carried rows), with sampler_process in a process of its own
+    (the processor sent there with the sampler's settings)."""
     one, partial = jax.devices()[:1], ("max_num_seqs=3", "max_staleness=1", "learning_rate=0.0")
     if split:
         one, partial = jax.devices()[:2], ("max_num_seqs=3", "max_staleness=2",
-                                           "learning_rate=0.0", "sampler_devices=1", "dp=1")
+                                           "learning_rate=0.0", "sampler_devices=1", "dp=1",
+                                           f"sampler_process={split == 'process'}")
     out = tmp_path / "partial"
     train(_cfg(seeing_dir, out, "max_steps=2", *partial), devices=one)
     steps = [r for r in _records(out) if "loss" in r]
@@ -241,13 +244,9 @@ def test_squares_trains_through_partial_rollouts(seeing_dir, tmp_path, split):
 
 @pytest.mark.parametrize("settings, named", [(("max_num_seqs=4", "continuous_batching=false"),
                                                "max_num_seqs with continuous_batching false"),
-                                              (("max_num_seqs=4", "max_staleness=1",
-                                                "sampler_devices=1", "sampler_process=true",
-                                                "dp=1"), "sampler_process"),
                                               (("use_vllm=true",), "use_vllm")])
 def test_settings_images_cannot_take_are_refused(vlm_dir, tmp_path, settings, named):
-    with pytest.raises(ConfigError, match=r"partial rollouts \(sampler_devices too, in one "
-                       r"process\) only; unset " + named):
+    with pytest.raises(ConfigError, match="partial rollouts only; unset " + named):
         train(_cfg(vlm_dir, tmp_path / "run", *settings), devices=jax.devices()[:2])
 
 
