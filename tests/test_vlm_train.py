@@ -353,21 +353,27 @@ def test_the_tower_is_frozen_in_the_optimizer(vlm_dir):
     assert frozen_parts({"embed": 0}) == ()
 
 
-def test_lora_adapters_load_in_peft_on_the_vlm(vlm_dir, tmp_path):
-    """Two LoRA steps (all-linear) on 'squares': the adapters are the language model's only
-    (the tower frozen, as PEFT's all-linear is not); exported as a PEFT directory they load
-    with PeftModel onto transformers' Gemma 3 (its target_modules match no tower module) and
-    give, on prompts with images, the logits of our merged export; as model_name_or_path the
-    directory loads back (its targets read from the pattern)."""
+def test_lora_adapters_load_in_peft_on_the_vlm(seeing_dir, tmp_path):
+    """Two LoRA steps (all-linear) on 'squares' with a tower whose features reach the
+    language model: the adapters are the language model's and, as PEFT's all-linear adapts
+    them, the SigLIP tower's linears (trained: their lora_B moved off zero; the tower's base
+    weights as they were). Exported as a PEFT directory they load with PeftModel onto
+    transformers' Gemma 3, adapting the modules PEFT would, and give, on prompts with images,
+    the logits of our merged export; as model_name_or_path the directory loads back (its
+    targets read from the pattern), and its tower runs the adapters as the merged one."""
     run = tmp_path / "lora"
-    train(_cfg(vlm_dir, run, "max_steps=2", "use_peft=true", "lora_target_modules=all-linear",
-               "learning_rate=0.05", "save_steps=2"), devices=jax.devices()[:1])
+    train(_cfg(seeing_dir, run, "max_steps=2", "use_peft=true",
+               "lora_target_modules=all-linear", "learning_rate=0.05", "save_steps=2"),
+          devices=jax.devices()[:1])
     adapter, _ = export(run, tmp_path / "adapter", dtype="float32")
     merged, _ = export(run, tmp_path / "merged", dtype="float32", merge=True)
+    saved = safetensors.numpy.load_file(adapter / peft_io.WEIGHTS_NAME)
+    tower_b = {k: v for k, v in saved.items() if "vision_tower" in k and "lora_B" in k}
+    assert len(tower_b) == 2 * 6 and all(np.abs(v).max() > 0 for v in tower_b.values())
     peft = pytest.importorskip("peft")
-    base = transformers.Gemma3ForConditionalGeneration.from_pretrained(vlm_dir).eval()
+    base = transformers.Gemma3ForConditionalGeneration.from_pretrained(seeing_dir).eval()
     ours = transformers.Gemma3ForConditionalGeneration.from_pretrained(merged).eval()
-    proc = transformers.AutoProcessor.from_pretrained(vlm_dir)
+    proc = transformers.AutoProcessor.from_pretrained(seeing_dir)
     rng = np.random.default_rng(0)
     pictures = [Image.fromarray(rng.integers(0, 256, (28, 28, 3), dtype=np.uint8))
                 for _ in range(2)]
@@ -376,8 +382,8 @@ def test_lora_adapters_load_in_peft_on_the_vlm(vlm_dir, tmp_path):
     with torch.no_grad():
         before = base(**inputs).logits
         model = peft.PeftModel.from_pretrained(base, adapter).eval()
-        adapted = [n for n, _ in model.named_modules() if n.endswith(".lora_A")]
-        assert len(adapted) == 2 * 7 and not [n for n in adapted if "language_model" not in n]
+        adapted = {n for n, _ in model.named_modules() if n.endswith(".lora_A")}
+        assert len(adapted) == 2 * 7 + 2 * 6
         got, want = model(**inputs).logits, ours(**inputs).logits
     mask = inputs["attention_mask"].bool()
     diff = float((got - want).abs()[mask].max())
@@ -385,14 +391,55 @@ def test_lora_adapters_load_in_peft_on_the_vlm(vlm_dir, tmp_path):
     print(f"PEFT on transformers vs our merged export: max |logit diff| {diff:.3g} "
           f"(the adapters moved them by {moved:.3g})")
     assert diff < 1e-4 and moved > 1e-3
+    # The export's tower (merged) holds the base weights plus the adapters; its base is the
+    # checkpoint's own (only the adapters were trained).
+    base_tower = {k: v for k, v in model.base_model.model.state_dict().items()
+                  if "vision_tower" in k and "lora_" not in k}
+    original = transformers.Gemma3ForConditionalGeneration.from_pretrained(
+        seeing_dir).state_dict()
+    assert base_tower and all(torch.equal(v, original[k.replace(".base_layer", "")])
+                              for k, v in base_tower.items())
 
     # The directory as model_name_or_path: its regex targets read back, its adapters loaded.
     cfg = peft_io.adapter_settings(_cfg(adapter, tmp_path / "again", "use_peft=true",
                                         "lora_target_modules=q_proj"))
-    assert cfg.peft.target_modules() == tuple(lora.TARGETS)
+    assert cfg.peft.lora_target_modules == ("all-linear",)
     again, _ = peft_io.load_model(cfg, None)
-    saved = safetensors.numpy.load_file(adapter / peft_io.WEIGHTS_NAME)
     assert all(np.array_equal(v, saved[k]) for k, v in peft_io.adapter_tensors(again).items())
+    # Our tower with its adapters applied (the trainer's, and the sampler's with READ_ADAPTERS)
+    # gives the image features of the tower they are merged into (READ, and the export).
+    pixels = inputs["pixel_values"].numpy()
+    tokens = np.full((1, 2 * MM), again.cfg.vision.image_token_id)
+    applied = np.asarray(again.embed_multimodal(tokens, pixels, None))
+    merged_features = np.asarray(peft_io.merged_model(again).embed_multimodal(tokens, pixels,
+                                                                             None))
+    assert np.abs(applied - merged_features).max() < 1e-5
+    assert np.abs(applied).max() > 0
+
+
+@pytest.mark.parametrize("targets", [("q_proj", "v_proj"), "all-linear"])
+def test_adapted_modules_are_peft_s(vlm_dir, tmp_path, targets):
+    """The modules grpo-jax adapts on Gemma 3 (language model and SigLIP tower) are the ones
+    peft.get_peft_model adapts on the transformers VLM for the same target_modules, and the
+    exported adapter_config makes PeftModel adapt those again (no warning: nothing left out)."""
+    peft = pytest.importorskip("peft")
+    args = lora.PeftArgs(use_peft=True, lora_target_modules=(
+        (targets,) if isinstance(targets, str) else targets))
+    model, _ = hf.load_model(str(vlm_dir), dtype=np.float32)
+    lora.add_adapters(model, args, jax.random.key(0))
+    ours = {k[len(peft_io.PREFIX):-len(".lora_A.weight")]
+            for k in peft_io.adapter_tensors(model) if k.endswith(".lora_A.weight")}
+    hf_model = transformers.Gemma3ForConditionalGeneration.from_pretrained(vlm_dir)
+    names = targets if isinstance(targets, str) else list(targets)
+    theirs = {n[len("base_model.model."):-len(".lora_A")] for n, _ in peft.get_peft_model(
+        hf_model, peft.LoraConfig(target_modules=names)).named_modules()
+        if n.endswith(".lora_A")}
+    assert ours == theirs and any(".vision_tower." in m for m in ours)
+    out = peft_io.save_adapter(model, args, tmp_path / "adapter", str(vlm_dir))
+    base = transformers.Gemma3ForConditionalGeneration.from_pretrained(vlm_dir)
+    again = {n[len("base_model.model."):-len(".lora_A")] for n, _ in peft.PeftModel.from_pretrained(
+        base, out).named_modules() if n.endswith(".lora_A")}
+    assert again == theirs
 
 
 @pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("gate_proj",), "all-linear"])
