@@ -443,6 +443,35 @@ def test_adapted_modules_are_peft_s(vlm_dir, tmp_path, targets):
     assert again == theirs
 
 
+def test_tower_adapters_take_gradient_and_dropout_in_the_train_forward_only(seeing_dir):
+    """With adapters on SigLIP (q_proj, v_proj, lora_dropout 0.5) the train forward's image
+    features take gradient into the tower's adapters and PEFT's dropout on their inputs (a
+    mask per key); without a dropout key (sampler, reference, evaluation) they are the plain
+    forward's."""
+    model, _ = hf.load_model(str(seeing_dir), dtype=np.float32)
+    args = lora.PeftArgs(use_peft=True, lora_dropout=0.5)
+    lora.add_adapters(model, args, jax.random.key(0))
+    b = model.vision.layers.wq_lora_b
+    b.set_value(np.full(b.shape, 0.1, np.float32))  # trained off zero: the adapter counts
+    v = model.cfg.vision
+    pixels = np.random.default_rng(0).normal(size=(1, 3, v.image_size, v.image_size))
+    tokens = np.full((1, v.mm_tokens_per_image), v.image_token_id)
+    plain = np.asarray(model.embed_multimodal(tokens, pixels, None))
+    graphdef, adapters, base = nnx.split(model, lora.LoraParam, nnx.Param)
+
+    def features(adapters, key):
+        m = lora.with_dropout(nnx.merge(graphdef, adapters, base), key)
+        return m.embed_multimodal(tokens, pixels, None, frozen_tower=not lora.tower_adapted(m))
+
+    one, two = (np.asarray(features(adapters, jax.random.key(k))) for k in (1, 2))
+    assert np.abs(one - plain).max() > 1e-3 and np.abs(one - two).max() > 1e-3
+    assert np.array_equal(np.asarray(features(adapters, None)), plain)
+    grads = jax.grad(lambda a: (features(a, None) ** 2).sum())(adapters)["vision"]["layers"]
+    assert sorted(grads) == ["wq_lora_a", "wq_lora_b", "wv_lora_a", "wv_lora_b"]
+    assert all(np.abs(np.asarray(grads[n][...])).max() > 0
+               for n in ("wq_lora_a", "wq_lora_b", "wv_lora_b"))
+
+
 @pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("gate_proj",), "all-linear"])
 def test_tower_modules_are_the_ones_peft_adapts(targets):
     """peft_io.tower_modules (what the run warns grpo-jax leaves out) is the set of tower
