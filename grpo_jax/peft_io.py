@@ -4,10 +4,10 @@ A PEFT adapter directory holds `adapter_config.json` and `adapter_model.safetens
 like `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` ([r, in], torch's
 Linear layout) and `...lora_B.weight` ([out, r]). Ours are stacked over layers with the
 weight's own dims: A [L, in..., r], B [L, r, out...] (models/lora.py). On a vision-language
-model the adapters are the language model's only (the tower stays frozen): the keys name
-its modules under `model.language_model.`, and `target_modules` is a regular expression that
-PEFT matches against those modules alone (its all-linear, or a bare `q_proj`, would adapt the
-tower's too).
+model the keys name the language model's modules under `model.language_model.` and, where
+PEFT's rules adapt the tower's modules too (a bare `q_proj`, all-linear), the tower's under
+`model.vision_tower.` (Gemma 3's SigLIP; Qwen2.5-VL's tower gets none, with a warning).
+`target_modules` is then a regular expression naming exactly the adapted modules.
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ PREFIX = "base_model.model."
 # Where transformers 5's vision-language wrappers (Gemma 3, Qwen2.5-VL) keep the decoder's
 # "model.": PEFT's keys name live modules, not the checkpoint's tensors (hf.export_name).
 VLM_TEXT_ROOT = "model.language_model."
+# Where they keep the tower's modules: its checkpoint names (siglip.HF_NAMES) under "model.".
+VLM_TOWER_ROOT = "model."
+TOWER = "vision/"  # our name of a tower adapter's weight here: "vision/<leaf>"
 logger = logging.getLogger(__name__)
 
 
@@ -73,12 +76,18 @@ def adapter_settings(cfg):
     conf = read_adapter_config(path)
     targets = conf.get("target_modules") or list(lora.DEFAULT_TARGETS)
     if isinstance(targets, str) and targets != "all-linear":
-        # A regular expression (ours on a vision-language model): the module names it
-        # spells out; load_adapter refuses any key of a module outside them.
-        targets = [n for n in lora.TARGETS if re.search(rf"\b{n}\b", targets)]
+        # A regular expression (ours on a vision-language model): the module names it spells
+        # out, each alternative's last; load_adapter refuses any key of a module outside them.
+        ends = [part.rsplit("\\.", 1)[-1] for part in targets.split("|")]
+        targets = [n for n in lora.TARGETS if re.search(rf"\b{n}\b", targets)] + [
+            e for e in ends if re.fullmatch(r"\w+", e) and e not in lora.TARGETS]
     targets = [targets] if isinstance(targets, str) else targets
     # PEFT matches a name against the end of a module's path; all-linear is saved as paths.
     targets = tuple(dict.fromkeys(t.rsplit(".", 1)[-1] for t in targets))
+    if any(t not in lora.TARGETS and t != "all-linear" for t in targets):
+        # A tower's linears (SigLIP's out_proj, fc1, fc2) that no decoder name reaches: only
+        # all-linear adapts them with the decoder's (load_adapter checks every key).
+        targets = ("all-linear",)
     peft = dataclasses.replace(
         cfg.peft, lora_r=int(conf["r"]), lora_alpha=conf.get("lora_alpha", 8),
         lora_target_modules=targets,
@@ -106,12 +115,14 @@ def load_model(cfg, mesh):
         return hf.load_model(cfg.model.name_or_path, mesh, numerics=numerics)
     model, model_dir = hf.load_model(base_name(cfg), mesh, quant_bits=cfg.peft.quant_bits,
                                      numerics=cfg.peft.base_numerics(numerics))
-    skipped = tower_modules(cfg.peft, model.cfg)
+    skipped = [m for m in tower_modules(cfg.peft, model.cfg)
+               if m not in _tower_adapted_modules(cfg.peft, model.cfg)]
     if skipped:
         logger.warning("lora_target_modules %s: PEFT's rules would also adapt the vision "
-                       "tower's %s; grpo-jax adapts the language model only (its exported "
-                       "target_modules is a regex that excludes the tower)",
-                       list(cfg.peft.lora_target_modules or lora.DEFAULT_TARGETS), skipped)
+                       "tower's %s, which grpo-jax's LoRA does not adapt on %s (its exported "
+                       "target_modules is a regex that excludes them)",
+                       list(cfg.peft.lora_target_modules or lora.DEFAULT_TARGETS), skipped,
+                       model.cfg.model_type)
     lora.add_adapters(model, cfg.peft, jax.random.key(cfg.data.seed),
                       dtype=jnp.dtype(numerics.param_dtype))
     path = adapter_dir(cfg.model.name_or_path)
@@ -122,26 +133,20 @@ def load_model(cfg, mesh):
 
 def tower_modules(peft: lora.PeftArgs, model_cfg) -> list[str]:
     """The vision tower's modules (HF names, {i}: each layer) that PEFT's rules adapt for
-    `peft`'s lora_target_modules on the wrapper (...ForConditionalGeneration), which
-    grpo-jax does not: a name adapts each module whose name ends with it, all-linear every
-    nn.Linear. [] for a text model."""
-    if model_cfg.vision is None:
-        return []
-    names = peft.lora_target_modules or lora.DEFAULT_TARGETS
-    names = (names,) if isinstance(names, str) else names
-    table = model_cfg.vision.hf_names()
-    tensors = {hf_name for hf_name, _ in table.values()}
-    # A Linear: a weight of two groups (in, out) beside a bias (which no embedding table has).
-    linear = [hf_name[:-len(".weight")] for hf_name, groups in table.values()
-              if hf_name.endswith(".weight") and len(groups) == 2
-              and hf_name[:-len("weight")] + "bias" in tensors]
-    if "all-linear" in names:
-        return linear
-    return [m for m in linear if m.rsplit(".", 1)[-1] in names]
+    `peft`'s lora_target_modules on the wrapper (...ForConditionalGeneration): a name adapts
+    each module whose name ends with it, all-linear every nn.Linear. [] for a text model."""
+    return list(lora.tower_linears(peft, model_cfg).values())
+
+
+def _tower_adapted_modules(peft: lora.PeftArgs, model_cfg) -> list[str]:
+    """tower_modules that grpo-jax adapts too (lora.tower_targets)."""
+    linears = lora.tower_linears(peft, model_cfg)
+    return [linears["layers/" + leaf] for leaf in lora.tower_targets(peft, model_cfg)]
 
 
 def _keys(model) -> dict[str, str]:
-    """Our leaf -> PEFT's key pattern ({i}: layer, {m}: lora_A or lora_B)."""
+    """Our leaf ("vision/<leaf>": the tower's) -> PEFT's key pattern ({i}: layer, {m}: lora_A
+    or lora_B)."""
     return _keys_for(model.cfg, _adapted(model))
 
 
@@ -151,36 +156,51 @@ def _keys_for(cfg, leaves) -> dict[str, str]:
 
 def _module(cfg, leaf: str) -> str:
     """The path of the transformers module that weight `leaf` belongs to ({i}: the layer)."""
+    if leaf.startswith(TOWER):
+        name = cfg.vision.hf_names()["layers/" + leaf[len(TOWER):]][0]
+        return VLM_TOWER_ROOT + name[:-len(".weight")]
     name = hf.hf_names(cfg)[f"layers/{leaf}"][:-len(".weight")]
     return name if cfg.vision is None else VLM_TEXT_ROOT + name[len("model."):]
 
 
-def _layers(cfg, leaf: str) -> tuple[int, ...]:
-    """The layers whose module `leaf`'s stacked adapters hold, in order (a mixture of experts'
-    dense MLPs: only its dense layers)."""
+def _layers(cfg, leaf: str, stacked: int) -> tuple[int, ...]:
+    """The layers whose module `leaf`'s stacked adapters (`stacked` of them) hold, in order (a
+    mixture of experts' dense MLPs: only its dense layers; the tower: all of its)."""
+    if leaf.startswith(TOWER):
+        return tuple(range(stacked))
     return cfg.stack_layers(stack_of(cfg, leaf))
 
 
+def _adapter_vars(model) -> dict:
+    """The model's adapter variables {leaf_lora_a: A, ...}, the tower's as vision/leaf_lora_a."""
+    out = {name: var for name, var in vars(model.layers).items()
+           if isinstance(var, lora.LoraParam)}
+    if lora.tower_adapted(model):
+        out.update({TOWER + name: var for name, var in vars(model.vision.layers).items()
+                    if isinstance(var, lora.LoraParam)})
+    return out
+
+
 def _adapted(model) -> list[str]:
-    return [name[:-len("_lora_a")] for name in vars(model.layers) if name.endswith("_lora_a")]
+    return [name[:-len("_lora_a")] for name in _adapter_vars(model) if name.endswith("_lora_a")]
 
 
 def adapter_tensors(model, dtype: str = "float32") -> dict[str, np.ndarray]:
     """The model's adapters under PEFT's key names and layouts."""
-    return layer_adapter_tensors(model.cfg, {name: var for name, var in vars(model.layers).items()
-                                             if isinstance(var, lora.LoraParam)}, dtype)
+    return layer_adapter_tensors(model.cfg, _adapter_vars(model), dtype)
 
 
 def layer_adapter_tensors(cfg, layers, dtype: str = "float32") -> dict[str, np.ndarray]:
     """PEFT's tensors of stacked adapters {leaf_lora_a: A, leaf_lora_b: B} (arrays or
-    variables: the `layers` of a model's LoraParam state, as the trainer holds them)."""
+    variables: the `layers` of a model's LoraParam state, as the trainer holds them; the
+    tower's as vision/leaf_lora_a ...)."""
     out = {}
     leaves = [name[:-len("_lora_a")] for name in layers if name.endswith("_lora_a")]
     for leaf, key in _keys_for(cfg, leaves).items():
         a, b = (np.asarray(jax.device_get(layers[f"{leaf}{m}"][...]))
                 for m in ("_lora_a", "_lora_b"))
         r = a.shape[-1]
-        for row, i in enumerate(_layers(cfg, leaf)):
+        for row, i in enumerate(_layers(cfg, leaf, len(a))):
             out[key.format(i=i, m="lora_A")] = a[row].reshape(-1, r).T.astype(dtype)
             out[key.format(i=i, m="lora_B")] = b[row].reshape(r, -1).T.astype(dtype)
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
@@ -191,8 +211,10 @@ def adapter_config(peft: lora.PeftArgs, base: str, model_cfg=None) -> dict:
     config `model_cfg` is needed for a vision-language model)."""
     targets = list(peft.target_modules())
     if model_cfg is not None and model_cfg.vision is not None:
-        # The language model's modules only, as adapted here; PEFT fullmatches the pattern.
-        leaves = lora.model_targets(peft, model_cfg)
+        # The modules adapted here (the tower's where grpo-jax adapts them as PEFT's rules
+        # do); PEFT fullmatches the pattern.
+        leaves = [*lora.model_targets(peft, model_cfg),
+                  *(TOWER + leaf for leaf in lora.tower_targets(peft, model_cfg))]
         targets = "|".join(re.escape(_module(model_cfg, leaf)).replace(r"\{i\}", r"\d+")
                            for leaf in leaves)
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
@@ -226,14 +248,15 @@ def load_adapter(model, path: Path) -> None:
         raise AdapterError(f"{path} has no {WEIGHTS_NAME} (only safetensors adapters are read)")
     tensors = safetensors.numpy.load_file(file)
     base = read_adapter_config(Path(path))["base_model_name_or_path"]
+    variables = _adapter_vars(model)
     for leaf, key in _keys(model).items():
         for m, suffix in (("lora_A", "_lora_a"), ("lora_B", "_lora_b")):
-            var = getattr(model.layers, leaf + suffix)
+            var = variables[leaf + suffix]
             shape = var.shape[1:]
             expected = (shape[-1], int(np.prod(shape[:-1]))) if m == "lora_A" else (
                 int(np.prod(shape[1:])), shape[0])
             layers = []
-            for i in _layers(model.cfg, leaf):
+            for i in _layers(model.cfg, leaf, var.shape[0]):
                 name = key.format(i=i, m=m)
                 if name not in tensors:
                     raise AdapterError(f"PEFT adapter {path} has no {name}: grpo-jax adapts "
@@ -250,7 +273,8 @@ def load_adapter(model, path: Path) -> None:
             var.set_value(jax.device_put(np.stack(layers).astype(var.dtype),
                                          var.get_value().sharding))
     extra = set(tensors) - {key.format(i=i, m=m) for leaf, key in _keys(model).items()
-                            for i in _layers(model.cfg, leaf) for m in ("lora_A", "lora_B")}
+                            for i in _layers(model.cfg, leaf, variables[leaf + "_lora_a"].shape[0])
+                            for m in ("lora_A", "lora_B")}
     if extra:
         raise AdapterError(f"PEFT adapter {path} has weights for modules the settings don't "
                            f"adapt or the base lacks, e.g. {sorted(extra)[0]}: it was trained "

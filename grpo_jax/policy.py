@@ -80,8 +80,13 @@ def frozen_parts(params) -> tuple[str, ...]:
     """The parts of the trained params (top-level names) the optimizer never updates: a
     vision-language model's tower (`vision/*`), as TRL's vision-language recipes train the
     language model only; its forwards take no gradient into it (Decoder.embed_multimodal's
-    frozen_tower). It stays in the state, so checkpoints and exports hold the whole model."""
-    return ("vision",) if "vision" in params else ()
+    frozen_tower). It stays in the state, so checkpoints and exports hold the whole model.
+    A LoRA run's params are its adapters: the tower's (models/lora.py, as PEFT adapts them)
+    are trained."""
+    if "vision" not in params:
+        return ()
+    leaves = jax.tree.leaves(params["vision"], is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return () if all(isinstance(x, lora.LoraParam) for x in leaves) else ("vision",)
 
 
 def state_init(loss: loss_lib.LossConfig, optim: OptimizerConfig, total_steps: int,

@@ -289,6 +289,23 @@ def _qwen_model(tmp_path):
     return hf.load_model(str(tmp_path / "qwen"), dtype=np.float32)[0], proc
 
 
+def test_qwen_tower_lora_is_one_warning_naming_its_modules(tmp_path, caplog):
+    """Qwen2.5-VL's tower gets no adapters (its attention is one fused qkv linear): with
+    all-linear a run loads the language model's adapters only and warns once, naming each
+    tower module PEFT's rules would adapt; the exported pattern names none of them."""
+    _tiny_qwen(char_tokenizer()).save_pretrained(tmp_path / "qwen")
+    cfg = _cfg(tmp_path / "qwen", tmp_path / "run", "use_peft=true",
+               "lora_target_modules=all-linear")
+    with caplog.at_level("WARNING", logger="grpo_jax.peft_io"):
+        model, _ = peft_io.load_model(cfg, None)
+    [warning] = [r.getMessage() for r in caplog.records if "vision tower" in r.getMessage()]
+    skipped = peft_io.tower_modules(cfg.peft, model.cfg)
+    assert skipped and all(m in warning for m in skipped)
+    assert not lora.tower_adapted(model)
+    pattern = peft_io.adapter_config(cfg.peft, "base", model.cfg)["target_modules"]
+    assert "visual" not in pattern and "language_model" in pattern
+
+
 def test_qwen_rows_carry_their_images_and_positions(tmp_path):
     """Qwen-VL through the rollout and the trainer's forward: two prompts of different lengths
     (left padding) with a 16 x 24 image each, 2 completions each. The trainer's log-probs of the
@@ -352,21 +369,31 @@ def test_the_tower_is_frozen_in_the_optimizer(vlm_dir):
     assert frozen_parts({"embed": 0}) == ()
 
 
-def test_lora_adapters_load_in_peft_on_the_vlm(vlm_dir, tmp_path):
-    """Two LoRA steps (all-linear) on 'squares': the adapters are the language model's only
-    (the tower frozen, as PEFT's all-linear is not); exported as a PEFT directory they load
-    with PeftModel onto transformers' Gemma 3 (its target_modules match no tower module) and
-    give, on prompts with images, the logits of our merged export; as model_name_or_path the
-    directory loads back (its targets read from the pattern)."""
+def test_lora_adapters_load_in_peft_on_the_vlm(seeing_dir, tmp_path):
+    """Two LoRA steps (all-linear) on 'squares' with a tower whose features reach the
+    language model: the adapters are the language model's and, as PEFT's all-linear adapts
+    them, the SigLIP tower's linears (trained: their lora_B moved off zero; the tower's base
+    weights as they were). Exported as a PEFT directory they load with PeftModel onto
+    transformers' Gemma 3, adapting the modules PEFT would, and give, on prompts with images,
+    the logits of our merged export; as model_name_or_path the directory loads back (its
+    targets read from the pattern), the optimizer's params are its adapters (the tower's
+    base is no part of them), and its tower runs the adapters as the merged one."""
     run = tmp_path / "lora"
-    train(_cfg(vlm_dir, run, "max_steps=2", "use_peft=true", "lora_target_modules=all-linear",
-               "learning_rate=0.05", "save_steps=2"), devices=jax.devices()[:1])
+    train(_cfg(seeing_dir, run, "max_steps=2", "use_peft=true",
+               "lora_target_modules=all-linear", "learning_rate=0.05", "save_steps=2"),
+          devices=jax.devices()[:1])
+    # The sampler runs the tower's adapters as the trainer does (step 2: trained ones).
+    worst = max(r["sampling/sampling_logp_difference/max"] for r in _records(run) if "loss" in r)
+    assert worst < 5e-5
     adapter, _ = export(run, tmp_path / "adapter", dtype="float32")
     merged, _ = export(run, tmp_path / "merged", dtype="float32", merge=True)
+    saved = safetensors.numpy.load_file(adapter / peft_io.WEIGHTS_NAME)
+    tower_b = {k: v for k, v in saved.items() if "vision_tower" in k and "lora_B" in k}
+    assert len(tower_b) == 2 * 6 and all(np.abs(v).max() > 0 for v in tower_b.values())
     peft = pytest.importorskip("peft")
-    base = transformers.Gemma3ForConditionalGeneration.from_pretrained(vlm_dir).eval()
+    base = transformers.Gemma3ForConditionalGeneration.from_pretrained(seeing_dir).eval()
     ours = transformers.Gemma3ForConditionalGeneration.from_pretrained(merged).eval()
-    proc = transformers.AutoProcessor.from_pretrained(vlm_dir)
+    proc = transformers.AutoProcessor.from_pretrained(seeing_dir)
     rng = np.random.default_rng(0)
     pictures = [Image.fromarray(rng.integers(0, 256, (28, 28, 3), dtype=np.uint8))
                 for _ in range(2)]
@@ -375,8 +402,8 @@ def test_lora_adapters_load_in_peft_on_the_vlm(vlm_dir, tmp_path):
     with torch.no_grad():
         before = base(**inputs).logits
         model = peft.PeftModel.from_pretrained(base, adapter).eval()
-        adapted = [n for n, _ in model.named_modules() if n.endswith(".lora_A")]
-        assert len(adapted) == 2 * 7 and not [n for n in adapted if "language_model" not in n]
+        adapted = {n for n, _ in model.named_modules() if n.endswith(".lora_A")}
+        assert len(adapted) == 2 * 7 + 2 * 6
         got, want = model(**inputs).logits, ours(**inputs).logits
     mask = inputs["attention_mask"].bool()
     diff = float((got - want).abs()[mask].max())
@@ -388,10 +415,77 @@ def test_lora_adapters_load_in_peft_on_the_vlm(vlm_dir, tmp_path):
     # The directory as model_name_or_path: its regex targets read back, its adapters loaded.
     cfg = peft_io.adapter_settings(_cfg(adapter, tmp_path / "again", "use_peft=true",
                                         "lora_target_modules=q_proj"))
-    assert cfg.peft.target_modules() == tuple(lora.TARGETS)
+    assert cfg.peft.lora_target_modules == ("all-linear",)
     again, _ = peft_io.load_model(cfg, None)
-    saved = safetensors.numpy.load_file(adapter / peft_io.WEIGHTS_NAME)
     assert all(np.array_equal(v, saved[k]) for k, v in peft_io.adapter_tensors(again).items())
+    # What the optimizer trains: the adapters, the tower's among them (not frozen); the
+    # tower's base weights are no part of it.
+    params = split_policy(again).params
+    assert frozen_parts(params) == () and sorted(params["vision"]["layers"]) == sorted(
+        f"{w}_lora_{m}" for w in ("wq", "wk", "wv", "wo", "fc1", "fc2") for m in "ab")
+    # Our tower with its adapters applied (the trainer's, and the sampler's with READ_ADAPTERS)
+    # gives the image features of the tower they are merged into (READ, and the export).
+    pixels = inputs["pixel_values"].numpy()
+    tokens = np.full((1, 2 * MM), again.cfg.vision.image_token_id)
+    applied = np.asarray(again.embed_multimodal(tokens, pixels, None))
+    merged_features = np.asarray(peft_io.merged_model(again).embed_multimodal(tokens, pixels,
+                                                                             None))
+    assert np.abs(applied - merged_features).max() < 1e-5
+    assert np.abs(applied).max() > 0
+
+
+@pytest.mark.parametrize("targets", [("q_proj", "v_proj"), "all-linear"])
+def test_adapted_modules_are_peft_s(vlm_dir, tmp_path, targets):
+    """The modules grpo-jax adapts on Gemma 3 (language model and SigLIP tower) are the ones
+    peft.get_peft_model adapts on the transformers VLM for the same target_modules, and the
+    exported adapter_config makes PeftModel adapt those again (no warning: nothing left out)."""
+    peft = pytest.importorskip("peft")
+    args = lora.PeftArgs(use_peft=True, lora_target_modules=(
+        (targets,) if isinstance(targets, str) else targets))
+    model, _ = hf.load_model(str(vlm_dir), dtype=np.float32)
+    lora.add_adapters(model, args, jax.random.key(0))
+    ours = {k[len(peft_io.PREFIX):-len(".lora_A.weight")]
+            for k in peft_io.adapter_tensors(model) if k.endswith(".lora_A.weight")}
+    hf_model = transformers.Gemma3ForConditionalGeneration.from_pretrained(vlm_dir)
+    names = targets if isinstance(targets, str) else list(targets)
+    theirs = {n[len("base_model.model."):-len(".lora_A")] for n, _ in peft.get_peft_model(
+        hf_model, peft.LoraConfig(target_modules=names)).named_modules()
+        if n.endswith(".lora_A")}
+    assert ours == theirs and any(".vision_tower." in m for m in ours)
+    out = peft_io.save_adapter(model, args, tmp_path / "adapter", str(vlm_dir))
+    base = transformers.Gemma3ForConditionalGeneration.from_pretrained(vlm_dir)
+    again = {n[len("base_model.model."):-len(".lora_A")] for n, _ in peft.PeftModel.from_pretrained(
+        base, out).named_modules() if n.endswith(".lora_A")}
+    assert again == theirs
+
+
+def test_tower_adapters_take_gradient_and_dropout_in_the_train_forward_only(seeing_dir):
+    """With adapters on SigLIP (q_proj, v_proj, lora_dropout 0.5) the train forward's image
+    features take gradient into the tower's adapters and PEFT's dropout on their inputs (a
+    mask per key); without a dropout key (sampler, reference, evaluation) they are the plain
+    forward's."""
+    model, _ = hf.load_model(str(seeing_dir), dtype=np.float32)
+    args = lora.PeftArgs(use_peft=True, lora_dropout=0.5)
+    lora.add_adapters(model, args, jax.random.key(0))
+    b = model.vision.layers.wq_lora_b
+    b.set_value(np.full(b.shape, 0.1, np.float32))  # trained off zero: the adapter counts
+    v = model.cfg.vision
+    pixels = np.random.default_rng(0).normal(size=(1, 3, v.image_size, v.image_size))
+    tokens = np.full((1, v.mm_tokens_per_image), v.image_token_id)
+    plain = np.asarray(model.embed_multimodal(tokens, pixels, None))
+    graphdef, adapters, base = nnx.split(model, lora.LoraParam, nnx.Param)
+
+    def features(adapters, key):
+        m = lora.with_dropout(nnx.merge(graphdef, adapters, base), key)
+        return m.embed_multimodal(tokens, pixels, None, frozen_tower=not lora.tower_adapted(m))
+
+    one, two = (np.asarray(features(adapters, jax.random.key(k))) for k in (1, 2))
+    assert np.abs(one - plain).max() > 1e-3 and np.abs(one - two).max() > 1e-3
+    assert np.array_equal(np.asarray(features(adapters, None)), plain)
+    grads = jax.grad(lambda a: (features(a, None) ** 2).sum())(adapters)["vision"]["layers"]
+    assert sorted(grads) == ["wq_lora_a", "wq_lora_b", "wv_lora_a", "wv_lora_b"]
+    assert all(np.abs(np.asarray(grads[n][...])).max() > 0
+               for n in ("wq_lora_a", "wq_lora_b", "wv_lora_b"))
 
 
 @pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("gate_proj",), "all-linear"])

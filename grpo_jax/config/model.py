@@ -126,8 +126,9 @@ class PeftArgs:
     lora_target_modules: tuple[str, ...] | None = arg(
         None,
         "Names of PEFT's modules, or \"all-linear\"; None: PEFT's default for the model (q, v). "
-        "On a vision-language model: the language model's only (the tower stays frozen, where "
-        "PEFT's rules would adapt the tower's modules of these names too: a warning says so).")
+        "On a vision-language model PEFT's rules also reach the tower's modules of these names "
+        "(all-linear: every tower linear): Gemma 3's SigLIP gets them; Qwen2.5-VL's tower "
+        "none yet (a warning names them).")
     use_rslora: bool = arg(
         False,
         "Scale the adapters by lora_alpha / sqrt(r) instead of lora_alpha / r (rsLoRA).")

@@ -154,7 +154,8 @@ def _forward(model, batch: Batch, temperature: float, chunk: int, group: int = 1
 
 def multimodal_embeds(model, batch: Batch) -> jax.Array:
     """[N, P + C, D] input embeddings of a batch with images: the prompts' through
-    embed_multimodal with each row's images (the tower frozen: no gradient reaches it), the
+    embed_multimodal with each row's images (the tower frozen, no gradient reaching it, unless
+    it has LoRA adapters: lora.tower_adapted), the
     completions' the tokens' own (a sampled placeholder id is text there, as the sampler fed
     it)."""
     return jnp.concatenate([prompt_embeds(model, batch),
@@ -168,7 +169,7 @@ def prompt_embeds(model, batch: Batch, group: int = 1) -> jax.Array:
     grid = (None if batch.image_grid is None
             else np.tile(np.asarray(batch.image_grid), (pv.shape[0], 1)))
     return model.embed_multimodal(batch.prompt_ids[::group], pv.reshape(-1, *pv.shape[2:]),
-                                  grid, frozen_tower=True)
+                                  grid, frozen_tower=not lora.tower_adapted(model))
 
 
 def _micro_loss(params, graphdef, cfg: StepConfig, mb: Batch, frozen=(),

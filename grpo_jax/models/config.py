@@ -95,7 +95,12 @@ _NUMERICS = tuple(f.name for f in dataclasses.fields(Numerics))
 class ImageTower(Protocol):
     """A vision-language model's image encoder (Decoder.vision): qwen_vl.QwenVision,
     siglip.VisionTower, each a holder its VisionConfig builds (config.VisionConfig.tower) and
-    the table walk fills."""
+    the table walk fills. With LoRA adapters on it (models/lora.py) their scale, dropout and
+    dropout key, as the Decoder's; lora_scale None: none."""
+
+    lora_scale: float | None
+    lora_dropout: float
+    lora_dropout_key: jax.Array | None
 
     def __call__(self, pixel_values, image_grid_thw, dtype) -> jax.Array:
         """The features [n, D] that replace the batch's n image placeholders, in order."""
@@ -116,6 +121,8 @@ class VisionConfig(Protocol):
     hf_anchors: dict[str, str]
     # Where the wrapper's save_pretrained nests the decoder's tensors ("": as a causal LM's).
     hf_text_root: str
+    # The table names of the linears whose LoRA adapters the tower's forward applies.
+    lora_leaves: tuple[str, ...]
 
     def param_table(self, text_hidden: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
         """name (without "vision/") -> (shape, logical axes); text_hidden: the decoder's."""

@@ -65,9 +65,39 @@ def model_targets(peft: PeftArgs, cfg) -> tuple[str, ...]:
     return tuple(t for t in peft.targets() if t in have)
 
 
+def tower_linears(peft: PeftArgs, cfg) -> dict[str, str]:
+    """The vision tower's linear modules that PEFT's rules adapt for `peft`'s
+    lora_target_modules on the wrapper (...ForConditionalGeneration), by table name (without
+    "vision/") -> HF module name ({i}: each layer): a name adapts each module whose name ends
+    with it, all-linear every nn.Linear. {} for a text model."""
+    if cfg.vision is None:
+        return {}
+    names = peft.lora_target_modules or DEFAULT_TARGETS
+    names = (names,) if isinstance(names, str) else names
+    table = cfg.vision.hf_names()
+    tensors = {hf_name for hf_name, _ in table.values()}
+    # A Linear: a weight of two groups (in, out) beside a bias (which no embedding table has).
+    linear = {name: hf_name[:-len(".weight")] for name, (hf_name, groups) in table.items()
+              if hf_name.endswith(".weight") and len(groups) == 2
+              and hf_name[:-len("weight")] + "bias" in tensors}
+    if "all-linear" in names:
+        return linear
+    return {n: m for n, m in linear.items() if m.rsplit(".", 1)[-1] in names}
+
+
+def tower_targets(peft: PeftArgs, cfg) -> tuple[str, ...]:
+    """The tower's stacked weights (names under the tower's `layers`) that get adapters: those
+    of tower_linears its forward adapts (VisionConfig.lora_leaves: SigLIP's; Qwen2.5-VL's
+    fused qkv is not PEFT-shaped, so its tower gets none and the run warns)."""
+    linears = tower_linears(peft, cfg)
+    return tuple(n[len("layers/"):] for n in linears if n in cfg.vision.lora_leaves)
+
+
 def add_adapters(model, peft: PeftArgs, key: jax.Array, dtype=None) -> None:
     """Give `model` (a Decoder) fresh adapters in `dtype` (default: the model's param dtype):
-    A kaiming-uniform as PEFT's (bound 1/sqrt(fan_in)), B zero. Axes follow the weight's."""
+    A kaiming-uniform as PEFT's (bound 1/sqrt(fan_in)), B zero. Axes follow the weight's. On a
+    vision-language model the tower's modules that PEFT's rules select get theirs too (beside
+    the tower's stacked weights, in `model.vision.layers`)."""
     # PEFT adapts Phi-3's fused qkv_proj / gate_up_proj as single modules; our split weights
     # would give adapters of another shape than PEFT's, so refuse rather than export a mismatch.
     check(model.cfg.model_type != "phi3", "LoRA on Phi-3 (fused qkv_proj and gate_up_proj) "
@@ -75,16 +105,27 @@ def add_adapters(model, peft: PeftArgs, key: jax.Array, dtype=None) -> None:
     dtype = model.cfg.param_dtype if dtype is None else dtype
     model.lora_scale = peft.scale
     model.lora_dropout = peft.lora_dropout
-    targets = [(leaf, getattr(model.layers, leaf), quant.num_inputs(leaf))
+    targets = [(model.layers, leaf, getattr(model.layers, leaf), quant.num_inputs(leaf))
                for leaf in model_targets(peft, model.cfg)]
+    tower = tower_targets(peft, model.cfg) if model.vision is not None else ()
+    if tower:
+        model.vision.lora_scale = peft.scale
+        model.vision.lora_dropout = peft.lora_dropout
+        targets += [(model.vision.layers, leaf, getattr(model.vision.layers, leaf), 1)
+                    for leaf in tower]
     shapes = tuple(((*w.shape[:1 + n], peft.lora_r), (w.shape[0], peft.lora_r, *w.shape[1 + n:]))
-                   for _, w, n in targets)  # (A, B) of each
-    bounds = tuple(1.0 / math.sqrt(math.prod(w.shape[1:1 + n])) for _, w, n in targets)
+                   for _, _, w, n in targets)  # (A, B) of each
+    bounds = tuple(1.0 / math.sqrt(math.prod(w.shape[1:1 + n])) for _, _, w, n in targets)
     drawn = _draw_adapters(key, shapes, bounds, jnp.dtype(dtype))
-    for (leaf, w, n), (a, b) in zip(targets, drawn):
-        setattr(model.layers, f"{leaf}_lora_a", LoraParam(a, axes=_fsdp((*w.axes[:1 + n], None))))
-        setattr(model.layers, f"{leaf}_lora_b",
+    for (holder, leaf, w, n), (a, b) in zip(targets, drawn):
+        setattr(holder, f"{leaf}_lora_a", LoraParam(a, axes=_fsdp((*w.axes[:1 + n], None))))
+        setattr(holder, f"{leaf}_lora_b",
                 LoraParam(b, axes=_fsdp((w.axes[0], None, *w.axes[1 + n:]))))
+
+
+def tower_adapted(model) -> bool:
+    """Whether `model`'s vision tower has adapters (its forwards then train through it)."""
+    return model.vision is not None and model.vision.lora_scale is not None
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -113,6 +154,8 @@ def with_dropout(model, key: jax.Array | None):
     it runs the adapters without dropout, as PEFT in eval mode."""
     if key is not None and model.lora_dropout > 0:
         model.lora_dropout_key = key
+        if tower_adapted(model):  # its own stream of masks
+            model.vision.lora_dropout_key = jax.random.fold_in(key, len(quant.PROJECTIONS))
     return model
 
 
@@ -183,13 +226,16 @@ def merge_into_base(base, adapters, scale: float):
     weights the sampler (and a vLLM server) run; a quantized base comes back dequantized.
     `adapters`: the LoraParam state."""
     merged = jax.tree.map(lambda x: x, quant.dequantized_base(base))  # a new State
-    layers = adapters["layers"]
-    for name in layers:
-        if name.endswith("_lora_a"):
-            leaf = name[:-len("_lora_a")]
-            var = merged["layers"][leaf]
-            var.set_value(merged_weight(var.get_value(), layers[name].get_value(),
-                                        layers[f"{leaf}_lora_b"].get_value() * scale))
+    holders = [(adapters["layers"], merged["layers"])]
+    if "vision" in adapters:  # the tower's adapters (add_adapters)
+        holders.append((adapters["vision"]["layers"], merged["vision"]["layers"]))
+    for layers, weights in holders:
+        for name in layers:
+            if name.endswith("_lora_a"):
+                leaf = name[:-len("_lora_a")]
+                var = weights[leaf]
+                var.set_value(merged_weight(var.get_value(), layers[name].get_value(),
+                                            layers[f"{leaf}_lora_b"].get_value() * scale))
     return merged
 
 

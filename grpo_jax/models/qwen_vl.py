@@ -91,6 +91,9 @@ class QwenVisionConfig:
     # (hf.py finds transformers 5's model.language_model. by the embeddings).
     hf_anchors = property(lambda self: {})
     hf_text_root = property(lambda self: "")
+    # No LoRA on the tower: its attention is one fused qkv linear, which PEFT's q_proj /
+    # v_proj names don't reach and all-linear adapts as one module (not done here yet).
+    lora_leaves = ()
 
     def tower(self) -> "QwenVision":
         return QwenVision(self)
@@ -356,6 +359,10 @@ class _Holder(nnx.Module):
 class QwenVision(nnx.Module):
     """The tower's parameters (set by the Decoder from the vision table: vision/blocks/...,
     vision/merger/..., vision/patch_embed)."""
+
+    lora_scale: float | None = None  # no adapters on this tower (QwenVisionConfig.lora_leaves)
+    lora_dropout: float = 0.0
+    lora_dropout_key: jax.Array | None = None
 
     def __init__(self, cfg: QwenVisionConfig):
         self.cfg = cfg

@@ -78,6 +78,10 @@ class SiglipConfig:
 
     hf_anchors = property(lambda self: HF_ANCHORS)
     hf_text_root = property(lambda self: HF_TEXT_ROOT)
+    # The linears whose LoRA adapters the forward applies: all of the encoder layers' (PEFT's
+    # q_proj, k_proj, v_proj, out_proj, fc1, fc2).
+    lora_leaves = ("layers/wq", "layers/wk", "layers/wv", "layers/wo", "layers/fc1",
+                   "layers/fc2")
 
     def tower(self) -> "VisionTower":
         return VisionTower(self)
@@ -195,26 +199,41 @@ def patchify(v: SiglipConfig, pixels):
     return x.reshape(N, P * P, C * p * p)
 
 
+def _linear(p, name: str, x, dt, key_index: int):
+    """x W (+ its LoRA adapter when `p` has one: (x A) (scale B), PEFT's dropout on the
+    adapter's input, torch's nn.Dropout, when `p` has a dropout key)."""
+    y = x @ p[name].astype(dt)
+    if f"{name}_lora_a" not in p:
+        return y
+    if "lora_dropout_key" in p:
+        rate = p["lora_dropout_rate"]
+        keep = jax.random.bernoulli(jax.random.fold_in(p["lora_dropout_key"], key_index),
+                                    1.0 - rate, x.shape)
+        x = jnp.where(keep, x / (1.0 - rate).astype(dt), jnp.zeros((), dt))
+    return y + (x @ p[f"{name}_lora_a"].astype(dt)) @ p[f"{name}_lora_b"].astype(dt)
+
+
 def _encoder_layer(v: SiglipConfig, x, p):
     """One pre-norm SigLIP layer over x [N, S, Dv]: every patch attends to every patch."""
     dt, eps = x.dtype, v.layer_norm_eps
     h = layer_norm(x, p["layernorm1"], p["layernorm1_bias"], eps)
-    heads = lambda w, b: (h @ w.astype(dt) + b.astype(dt)).reshape(  # noqa: E731
+    heads = lambda w, b, i: (_linear(p, w, h, dt, i) + p[b].astype(dt)).reshape(  # noqa: E731
         *h.shape[:2], v.num_heads, v.head_dim)
-    q, k, val = heads(p["wq"], p["bq"]), heads(p["wk"], p["bk"]), heads(p["wv"], p["bv"])
+    q, k, val = heads("wq", "bq", 0), heads("wk", "bk", 1), heads("wv", "bv", 2)
     s = jnp.einsum("nqhd,nkhd->nhqk", q, k, preferred_element_type=jnp.float32)
     probs = jax.nn.softmax(s * v.head_dim ** -0.5, axis=-1).astype(dt)
     attn = jnp.einsum("nhqk,nkhd->nqhd", probs, val).reshape(h.shape)
-    x = x + attn @ p["wo"].astype(dt) + p["bo"].astype(dt)
+    x = x + _linear(p, "wo", attn, dt, 3) + p["bo"].astype(dt)
     h = layer_norm(x, p["layernorm2"], p["layernorm2_bias"], eps)
-    h = jax.nn.gelu(h @ p["fc1"].astype(dt) + p["bias_fc1"].astype(dt), approximate=True)
-    return x + h @ p["fc2"].astype(dt) + p["bias_fc2"].astype(dt)
+    h = jax.nn.gelu(_linear(p, "fc1", h, dt, 4) + p["bias_fc1"].astype(dt), approximate=True)
+    return x + _linear(p, "fc2", h, dt, 5) + p["bias_fc2"].astype(dt)
 
 
 def encode(v: SiglipConfig, params: dict, pixels, dtype):
     """Images [N, C, H, W] -> their soft tokens [N, mm_tokens_per_image, D] in `dtype`: the
     tower's last hidden states, pooled, normalised and projected (Gemma3Model's
-    get_image_features). `params`: param_table's names -> arrays."""
+    get_image_features). `params`: param_table's names -> arrays, and the layers' LoRA
+    adapters (VisionTower.adapters) when it has them."""
     patch = params["patch_embed"].astype(dtype).reshape(-1, v.hidden_size)  # [C p p, Dv]
     x = patchify(v, pixels.astype(dtype)) @ patch
     x = x + params["bias_patch"].astype(dtype) + params["pos_embed"].astype(dtype)
@@ -239,7 +258,13 @@ class _Layers(nnx.Module):
 
 class VisionTower(nnx.Module):
     """The tower's and projector's parameters (set by the Decoder from the vision table:
-    vision/layers/..., vision/patch_embed, ...)."""
+    vision/layers/..., vision/patch_embed, ...), and its layers' LoRA adapters when
+    models/lora.py gave it some (`layers.<leaf>_lora_a|b`, beside the stacked weights)."""
+
+    # Set by models/lora.py (add_adapters, with_dropout) with adapters: as the Decoder's.
+    lora_scale: float | None = None
+    lora_dropout: float = 0.0
+    lora_dropout_key: jax.Array | None = None
 
     def __init__(self, v: SiglipConfig):
         self.v = v
@@ -250,8 +275,22 @@ class VisionTower(nnx.Module):
         return {name: getattr(self.layers if name.startswith("layers/") else self,
                               name.split("/")[-1])[...] for name in HF_NAMES}
 
+    def adapters(self) -> dict[str, jax.Array]:
+        """The layers' adapters by table name ({layers/<leaf>_lora_a: A, ..._lora_b: scale B}),
+        and under with_dropout a dropout key and rate per layer; {} without adapters. B is
+        scaled here, once per forward, as the decoder's (lora.layer_extras)."""
+        if self.lora_scale is None:
+            return {}
+        out = {f"layers/{name}": var[...] * self.lora_scale if name.endswith("_lora_b")
+               else var[...] for name, var in vars(self.layers).items() if "_lora_" in name}
+        if self.lora_dropout_key is not None:
+            L = self.v.num_layers
+            out["layers/lora_dropout_key"] = jax.random.split(self.lora_dropout_key, L)
+            out["layers/lora_dropout_rate"] = jnp.full((L,), self.lora_dropout, jnp.float32)
+        return out
+
     def __call__(self, pixel_values, image_grid_thw, dtype):
         """The images' soft tokens [N * mm_tokens_per_image, D]; pixel_values [N, C, H, W]
         (every image at image_size: no grid, image_grid_thw is None)."""
-        soft = encode(self.v, self.params(), pixel_values, dtype)
+        soft = encode(self.v, {**self.params(), **self.adapters()}, pixel_values, dtype)
         return soft.reshape(-1, soft.shape[-1])
