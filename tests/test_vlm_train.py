@@ -3,6 +3,7 @@ with transformers (and a Gemma3Processor over a character tokenizer), the built-
 dataset, the native sampler's rounds with the prompts' images, the trainer's forwards with
 them (the tower frozen), checkpoints, --resume, and the export transformers reloads."""
 
+import copy
 import json
 import re
 
@@ -16,19 +17,21 @@ import transformers
 from flax import nnx
 from PIL import Image
 
-from grpo_jax import hf, peft_io
+from grpo_jax import data, hf, peft_io
 from grpo_jax import mesh as mesh_lib
 from grpo_jax import images as images_lib
 from grpo_jax.cli import load_config
 from grpo_jax.config.batch import OptimizerConfig
 from grpo_jax.config.run import MeshConfig
-from grpo_jax.errors import ConfigError, DataError
+from grpo_jax.calculator import calculator
+from grpo_jax.errors import ConfigError, DataError, ToolError
 from grpo_jax.export import export
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.grpo.train_step import completion_logps
 from grpo_jax.models import lora
 from grpo_jax.models.config import ModelConfig, param_table
+from grpo_jax.rollout import tools
 from grpo_jax.rollout.native.partial import from_arrays, to_arrays
 from grpo_jax.rollout.native.rollout import JaxRollout
 from grpo_jax.rollout.native.sampling import SamplingParams
@@ -496,3 +499,108 @@ def test_partial_rollouts_carry_each_groups_images(family, seeing_dir, tmp_path)
     with pytest.raises(DataError, match="same number of images of one size"):
         partial.advance(params, a.in_flight, [{**records[0], "prompt": two}], [0], 3,
                         jax.random.key(7))
+
+
+# ---------------------------------------------------------------- tools with images
+
+def _tool_tokenizer(proc):
+    """The processor's character tokenizer with the shipped ChatML tool template and its
+    Hermes parser, anchored without the newline the character vocabulary lacks (it reads
+    "<unk>")."""
+    tok = copy.deepcopy(proc.tokenizer)
+    tok.chat_template = data.chat_template("chatml_tools")
+    tok.response_template = dict(tools.HERMES_RESPONSE_TEMPLATE,
+                                 start_anchor="<|im_start|>assistant")
+    return tools.prepare_tool_tokenizer(tok)
+
+
+@pytest.mark.parametrize("family, partial", [("gemma3", False), ("qwen2_5_vl", False),
+                                             ("gemma3", True)],
+                         ids=["gemma3", "qwen2_5_vl", "gemma3-partial"])
+def test_tool_turns_see_the_prompts_images(family, partial, seeing_dir, tmp_path):
+    """The calculator tool with prompts that hold an image, each prompt's assistant turn begun
+    with a call (so every row's first turn, whatever random tokens end it, is a call): each
+    row runs its call, gets the result's tokens (tool_mask 0) and writes a second turn; the
+    second turn is re-prefilled as prompt + completion so far with the prompt's images
+    (static batches), or fed the result in its decode slot (partial rollouts). The trainer's
+    log-probs of every model token, over the whole row with its images (and Qwen-VL's M-RoPE
+    positions over prompt + completion with the result), are the sampler's; with the images
+    zeroed the second turns' are not: the pixels reach every turn. A tool that returns an
+    image is refused, naming it."""
+    if family == "gemma3":
+        model, proc, size = hf.load_model(str(seeing_dir), dtype=np.float32)[0], \
+            images_lib.load_processor(seeing_dir), (28, 28)
+    else:
+        (model, proc), size = _qwen_model(tmp_path), (16, 24)
+    tok, g = _tool_tokenizer(proc), 2
+    rng = np.random.default_rng(0)
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
+    prompts = [images_lib.multimodal_messages(
+        [{"role": "user", "content": "how many" + "?" * i}],
+        [Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))], i)
+        for i in range(2)]
+    ids = images_lib.process(proc, prompts)
+    records = [{"prompt": p, "prompt_ids": ids.prompt_ids(i) + tok.encode(
+        call % e, add_special_tokens=False)} for i, (p, e) in enumerate(zip(prompts,
+                                                                             ["7 * 8", "5 + 5"]))]
+    C, stops = 96, tuple(range(2, 40))  # many stop tokens: turns of a few tokens
+    sp = SamplingParams(max_completion_length=C, temperature=1.0, stop_token_ids=stops,
+                        **({"max_num_seqs": 3} if partial else {}))
+    inner = JaxRollout(model.cfg, sp, pad_id=tok.pad_token_id, mesh=None, processor=proc,
+                       partial_rollouts=(g, 2, 1) if partial else None)
+    assert inner.turns is None  # with images every turn re-prefills (no cache continuation)
+
+    def rollout(fn):
+        return tools.ToolRollout(inner, tok, tools.Toolbox([fn], 10.0), None, stops,
+                                 tok.pad_token_id)
+    params = nnx.split(model, nnx.Param)[1]
+    if partial:
+        p = rollout(calculator).partial
+        done = p.advance(params, p.empty(max(len(r["prompt_ids"]) for r in records)), records,
+                         [0, 1], 0, jax.random.key(3))
+        r = done.rollout
+        assert done.records == records
+    else:
+        r = rollout(calculator).generate(params, [x["prompt_ids"] for x in records], g,
+                                         jax.random.key(3), records)
+    np.testing.assert_array_equal(r.tool_calls, 1)
+    assert r.tool_failures.sum() == 0
+    model_tok = (r.completion_mask * r.tool_mask).astype(bool)
+    # the tokens after each row's tool result: its second turn
+    second = model_tok & (np.cumsum(r.tool_mask == 0, axis=1) > 0)
+    assert second.any(axis=1).all()
+    for row, msgs in enumerate(r.completions):
+        answer = "56" if row // g == 0 else "10"
+        assert [m["role"] for m in msgs][:2] == ["assistant", "tool"] and msgs[1]["content"] \
+            == answer
+    batch = Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                  r.truncated, np.zeros(len(r.truncated), np.float32), tool_mask=r.tool_mask,
+                  pixel_values=r.pixel_values, positions=r.positions, image_grid=r.image_grid)
+    if family == "qwen2_5_vl":
+        assert r.positions.shape == (2 * g, 3, r.prompt_ids.shape[1] + C)
+    logp = np.asarray(completion_logps(model, batch, 1.0, 128)[0])
+    blind = np.asarray(completion_logps(model, batch.replace(
+        pixel_values=np.zeros_like(r.pixel_values)), 1.0, 128)[0])
+    diff = np.abs(logp - r.sampler_logp)[model_tok].max()
+    zeroed = np.abs(blind - r.sampler_logp)[second].max()
+    print(f"{family}{' partial' if partial else ''} tools: sampler vs trainer max |diff| "
+          f"{diff:.3g}; second turns with the images zeroed {zeroed:.3g}")
+    assert diff < 5e-5
+    assert zeroed > 1e-3
+
+    def calculator_image(expression: str) -> list:
+        """A picture of the answer.
+
+        Args:
+            expression: The expression.
+        """
+        return [{"type": "image"}, {"type": "text", "text": expression}]
+    calculator_image.__name__ = "calculator"
+    with pytest.raises(ToolError, match="tool 'calculator' returned an image"):
+        if partial:
+            p = rollout(calculator_image).partial
+            p.advance(params, p.empty(max(len(r["prompt_ids"]) for r in records)), records,
+                      [0, 1], 0, jax.random.key(3))
+        else:
+            rollout(calculator_image).generate(params, [x["prompt_ids"] for x in records], g,
+                                               jax.random.key(3), records)

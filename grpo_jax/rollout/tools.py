@@ -353,7 +353,13 @@ class ToolRollout(RolloutWrapper):
         if turns is not None:
             first, session = turns.first_turn(weights, prompt_ids, num_generations, key)
         else:
-            first = self.inner.generate(weights, prompt_ids, num_generations, key)
+            first = self.inner.generate(weights, prompt_ids, num_generations, key, records)
+        # A vision-language model's turns re-prefill prompt + completion so far as a prompt with
+        # its record's images (JaxRollout.turns is None with images); the batch keeps the first
+        # turn's pixels and positions, which cover prompt + the whole completion.
+        row_records = (None if records is None
+                       else [records[i // num_generations] for i in range(len(prompt_ids)
+                                                                          * num_generations)])
         where = list(range(len(first.completion_ids)))  # row i's row in the session's cache
         n, C = first.completion_ids.shape
         prompts = [row[m.astype(bool)].tolist() for row, m in zip(first.prompt_ids,
@@ -383,8 +389,7 @@ class ToolRollout(RolloutWrapper):
             results = dist.from_main(call, ToolError) if self.shared else call()
             contexts, kept = [], []
             for i, calls in zip(active, results):
-                msgs = [{"role": "tool", "name": name, "content": out if isinstance(out, list)
-                         else str(out)} for name, out, _ in calls]
+                msgs = tool_messages(calls)
                 rows[i].calls += len(calls)
                 rows[i].failures += sum(failed for _, _, failed in calls)
                 suffix = tool_suffix_ids(self.tokenizer, msgs, self.template_kwargs)
@@ -403,7 +408,9 @@ class ToolRollout(RolloutWrapper):
                                                 turn_key)
                 where = {i: j for j, i in enumerate(kept)}
             else:
-                more = self.inner.generate(weights, contexts, 1, turn_key)
+                more = self.inner.generate(weights, contexts, 1, turn_key,
+                                           None if row_records is None
+                                           else [row_records[i] for i in kept])
             decoded.append(more.metrics)
             for j, (i, context) in enumerate(zip(kept, contexts)):
                 m = more.completion_mask[j].astype(bool)
@@ -420,6 +427,19 @@ class ToolRollout(RolloutWrapper):
         return _assemble(first._replace(metrics=merge_decode_metrics(decoded),
                                         completion_routing=routing), rows,
                          self.pad_id, set(self.stop_token_ids))
+
+
+def tool_messages(calls: list[tuple[str, Any, bool]]) -> list[dict]:
+    """The `tool` messages of a turn's calls (Toolbox.call's results): a list result as its
+    parts (TRL's multimodal content), anything else as its str. A result holding an image part
+    (TRL 1.16 injects those into the completion) is refused: not built here."""
+    for name, out, _ in calls:
+        if isinstance(out, list) and any(isinstance(p, dict) and p.get("type") == "image"
+                                         for p in out):
+            raise ToolError(f"tool {name!r} returned an image ({{'type': 'image'}} part): "
+                            "images in tool results are not supported; return text")
+    return [{"role": "tool", "name": name, "content": out if isinstance(out, list) else str(out)}
+            for name, out, _ in calls]
 
 
 def record_turn_routing(routing: np.ndarray, turn: RolloutBatch, j: int, start: int,
@@ -515,8 +535,7 @@ class PartialTurns:
             if not calls:
                 out.append((None, episode))
                 continue
-            msgs = [{"role": "tool", "name": name, "content": res if isinstance(res, list)
-                     else str(res)} for name, res, _ in calls]
+            msgs = tool_messages(calls)
             episode = dict(episode, calls=episode["calls"] + len(calls),
                            failures=episode["failures"] + sum(f for _, _, f in calls))
             suffix = tool_suffix_ids(self.tokenizer, msgs, self.template_kwargs)
