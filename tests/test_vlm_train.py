@@ -6,6 +6,7 @@ them (the tower frozen), checkpoints, --resume, and the export transformers relo
 import copy
 import json
 import re
+import shutil
 
 import jax
 import numpy as np
@@ -525,8 +526,9 @@ def test_tool_turns_see_the_prompts_images(family, partial, seeing_dir, tmp_path
     (static batches), or fed the result in its decode slot (partial rollouts). The trainer's
     log-probs of every model token, over the whole row with its images (and Qwen-VL's M-RoPE
     positions over prompt + completion with the result), are the sampler's; with the images
-    zeroed the second turns' are not: the pixels reach every turn. A tool that returns an
-    image is refused, naming it."""
+    zeroed the second turns' are not: the pixels reach every turn. The tool's result holds the
+    image placeholder's text: a placeholder token in a completion is text, in the re-prefill
+    as for the trainer. A tool that returns an image is refused, naming it."""
     if family == "gemma3":
         model, proc, size = hf.load_model(str(seeing_dir), dtype=np.float32)[0], \
             images_lib.load_processor(seeing_dir), (28, 28)
@@ -553,16 +555,25 @@ def test_tool_turns_see_the_prompts_images(family, partial, seeing_dir, tmp_path
     def rollout(fn):
         return tools.ToolRollout(inner, tok, tools.Toolbox([fn], 10.0), None, stops,
                                  tok.pad_token_id)
+    def answer(expression: str) -> str:
+        """The calculator's answer and the image placeholder's text, which the result's
+        tokens hold as text (as the trainer embeds a completion), not as an image.
+
+        Args:
+            expression: The expression.
+        """
+        return calculator(expression) + proc.image_token
+    answer.__name__ = "calculator"
     params = nnx.split(model, nnx.Param)[1]
     if partial:
-        p = rollout(calculator).partial
+        p = rollout(answer).partial
         done = p.advance(params, p.empty(max(len(r["prompt_ids"]) for r in records)), records,
                          [0, 1], 0, jax.random.key(3))
         r = done.rollout
         assert done.records == records
     else:
-        r = rollout(calculator).generate(params, [x["prompt_ids"] for x in records], g,
-                                         jax.random.key(3), records)
+        r = rollout(answer).generate(params, [x["prompt_ids"] for x in records], g,
+                                     jax.random.key(3), records)
     np.testing.assert_array_equal(r.tool_calls, 1)
     assert r.tool_failures.sum() == 0
     model_tok = (r.completion_mask * r.tool_mask).astype(bool)
@@ -572,7 +583,7 @@ def test_tool_turns_see_the_prompts_images(family, partial, seeing_dir, tmp_path
     for row, msgs in enumerate(r.completions):
         answer = "56" if row // g == 0 else "10"
         assert [m["role"] for m in msgs][:2] == ["assistant", "tool"] and msgs[1]["content"] \
-            == answer
+            == answer + proc.image_token
     batch = Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
                   r.truncated, np.zeros(len(r.truncated), np.float32), tool_mask=r.tool_mask,
                   pixel_values=r.pixel_values, positions=r.positions, image_grid=r.image_grid)
@@ -604,3 +615,58 @@ def test_tool_turns_see_the_prompts_images(family, partial, seeing_dir, tmp_path
         else:
             rollout(calculator_image).generate(params, [x["prompt_ids"] for x in records], g,
                                                jax.random.key(3), records)
+
+
+# ChatML with image parts and tool calls; its generation prompt begins the assistant's turn
+# with a calculator call, so that a random model's every turn is one (the tool loop's suffix
+# ends in the generation prompt: each result is followed by another call).
+FORCED_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "7 * 8"}}</tool_call>'
+TOOL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+    "{{ m['content'] }}{% elif m['content'] %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<start_of_image>{% elif c['type'] == 'text' %}{{ c['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}{% if m['tool_calls'] is defined and m['tool_calls'] %}"
+    "{% for call in m['tool_calls'] %}<tool_call>{\"name\": \"{{ call['function']['name'] }}\", "
+    "\"arguments\": {{ call['function']['arguments'] | tojson }}}</tool_call>{% endfor %}"
+    "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    + FORCED_CALL + "{% endif %}")
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["static", "partial"])
+def test_squares_trains_with_tools(seeing_dir, tmp_path, partial):
+    """Two steps on 'squares' with the calculator tool (seeing_dir's Gemma 3 with TOOL_TEMPLATE
+    and its parser saved with the tokenizer; many stop tokens, so turns are short): every row
+    calls the calculator, turns after the results are re-prefilled with the prompts' images
+    (static batches) or fed in their slots (partial rollouts), and the sampler's log-probs of
+    the rows with images and tool results are the trainer's. A reward function checks each
+    completion's messages: the call, its result and the turn after it."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(seeing_dir, model_dir)
+    tok = images_lib.load_processor(seeing_dir).tokenizer
+    tok.chat_template = TOOL_TEMPLATE
+    tok.response_template = dict(tools.HERMES_RESPONSE_TEMPLATE,
+                                 start_anchor="<|im_start|>assistant")
+    tok.save_pretrained(model_dir)
+    gen = json.loads((model_dir / "generation_config.json").read_text())
+    (model_dir / "generation_config.json").write_text(json.dumps(
+        {**gen, "eos_token_id": list(range(2, 40))}))
+    # 1.0 for a completion that is a call, the calculator's answer and another turn
+    (tmp_path / "episode.py").write_text(
+        "def episode(prompts, completions, **kw):\n"
+        "    return [float([m['role'] for m in c] == ['assistant', 'tool', 'assistant']\n"
+        "                  and c[1]['content'] == '56') for c in completions]\n")
+    out = tmp_path / "tools"
+    extra = ("max_num_seqs=3", "max_staleness=1", "learning_rate=0.0") if partial else ()
+    train(_cfg(model_dir, out, "max_steps=2", "save_steps=10", "max_completion_length=192",
+               "tools=[grpo_jax.calculator:calculator]", "max_tool_calling_iterations=1",
+               f"reward_funcs=[accuracy,{tmp_path / 'episode.py'}:episode]", *extra),
+          devices=jax.devices()[:1])
+    steps = [r for r in _records(out) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    worst = max(r["sampling/sampling_logp_difference/max"] for r in steps)
+    print(f"tools ({'partial' if partial else 'static'}), sampler vs trainer log-probs, max "
+          f"|diff| over 2 steps: {worst:.3g}; tools/call_frequency "
+          f"{[r['tools/call_frequency'] for r in steps]}")
+    assert worst < 5e-5
+    assert all(r["tools/call_frequency"] == 1 and r["tools/failure_frequency"] == 0
+               and r["rewards/episode/mean"] == 1 for r in steps)

@@ -75,10 +75,14 @@ class JaxRollout(Rollout):
         # Qwen-VL's grids in batch order: each prompt's, prompt after prompt.
         grid = None if px.image_grid is None else np.tile(np.asarray(px.image_grid), (n, 1))
         sampler = self.sampler if self.slots is None else self.slots
+        # A tool turn's prompt is its record's prompt + the completion so far: only the
+        # record's prompt holds images, the rest is text (as the trainer embeds it).
+        limits = [len(rec["prompt_ids"]) for rec in records]
         r = sampler.generate(weights, prompt_ids, num_generations, key, pixel_values=flat,
-                             image_grid_thw=grid)
+                             image_grid_thw=grid, image_tokens=limits)
         rows = np.repeat(px.pixel_values, num_generations, axis=0)
         positions = (None if self.sampler.cfg.mrope_section is None else
                      self.sampler.row_positions(r.prompt_ids, r.prompt_mask, px.image_grid,
-                                                r.completion_ids.shape[1]))
+                                                r.completion_ids.shape[1],
+                                                np.repeat(limits, num_generations)))
         return r._replace(pixel_values=rows, image_grid=px.image_grid, positions=positions)
