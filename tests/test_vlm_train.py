@@ -562,7 +562,8 @@ def test_tool_turns_see_the_prompts_images(family, partial, seeing_dir, tmp_path
         Args:
             expression: The expression.
         """
-        return calculator(expression) + proc.image_token
+        return calculator(expression) + placeholder
+    placeholder = tok.convert_ids_to_tokens(model.cfg.vision.image_token_id)
     answer.__name__ = "calculator"
     params = nnx.split(model, nnx.Param)[1]
     if partial:
@@ -583,7 +584,7 @@ def test_tool_turns_see_the_prompts_images(family, partial, seeing_dir, tmp_path
     for row, msgs in enumerate(r.completions):
         answer = "56" if row // g == 0 else "10"
         assert [m["role"] for m in msgs][:2] == ["assistant", "tool"] and msgs[1]["content"] \
-            == answer + proc.image_token
+            == answer + placeholder
     batch = Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
                   r.truncated, np.zeros(len(r.truncated), np.float32), tool_mask=r.tool_mask,
                   pixel_values=r.pixel_values, positions=r.positions, image_grid=r.image_grid)
