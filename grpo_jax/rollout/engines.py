@@ -74,8 +74,8 @@ def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir, tools=(), *,
 def refuse_images(cfg, model_cfg, tools=()) -> None:
     """A vision-language model trains on images through the native sampler's static batches,
     its refilled decode slots (max_num_seqs) or its partial rollouts (max_staleness), also on
-    devices of their own in this process (sampler_devices) only, and with tools on shared
-    devices (each turn re-prefilled with the prompt's images, or fed in its slot): the settings
+    devices of their own in this process (sampler_devices) only, with tools too (each turn
+    re-prefilled with the prompt's images, or, partial rollouts, fed in its slot): the settings
     that need more are refused, naming what to unset. (model_cfg None: a server's rollout whose
     model the server holds; nothing to check here.)"""
     if model_cfg is None or model_cfg.vision is None:
@@ -86,9 +86,6 @@ def refuse_images(cfg, model_cfg, tools=()) -> None:
                                     cfg.generation.max_num_seqs is not None
                                     and not cfg.generation.continuous_batching),
                                    ("sampler_process", r.sampler_process),
-                                   # not built: the split sampler's tool turns with images
-                                   ("tools with sampler_devices",
-                                    bool(tools) and r.sampler_devices is not None),
                                    ("rollout_func", bool(cfg.multi_turn.rollout_func))) if on]
     if unset:
         raise ConfigError(f"a vision-language model ({model_cfg.model_type}) trains on images "

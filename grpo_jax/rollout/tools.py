@@ -17,7 +17,10 @@ raises, times out, is unknown or is called with malformed arguments returns TRL'
 The tool-result tokens stay in the sequence (the model attends to them) but carry no loss, KL
 or entropy: `tool_mask` 0 (TRL's name). The native sampler continues follow-up turns from its KV
 cache, prefilling only the tool-result tokens (rollout/native/continuation.py); other backends get
-prompt + completion so far as a new prompt through their own `generate`.
+prompt + completion so far as a new prompt through their own `generate`, as does the native
+sampler with images: the rows' records (`records`, a vision-language model's) go with each turn,
+so that its prompt's images fill its placeholders again. A tool result holding an image is
+refused (tool_messages).
 
 With partial rollouts (max_staleness >= 1 on the native sampler) the same loop runs row by row
 inside the sampler's rounds (rollout/native/partial.py): `PartialTurns` is its host side, the
