@@ -633,14 +633,14 @@ TOOL_TEMPLATE = (
     + FORCED_CALL + "{% endif %}")
 
 
-@pytest.mark.parametrize("partial", [False, True, "split"],
-                         ids=["static", "partial", "sampler_devices"])
-def test_squares_trains_with_tools(seeing_dir, tmp_path, partial):
+@pytest.mark.parametrize("rounds", ["static", "refill", "sampler_devices"])
+def test_squares_trains_with_tools(seeing_dir, tmp_path, rounds):
     """Two steps on 'squares' with the calculator tool (seeing_dir's Gemma 3 with TOOL_TEMPLATE
     and its parser saved with the tokenizer; many stop tokens, so turns are short): every row
     calls the calculator, turns after the results are re-prefilled with the prompts' images
-    (static batches) or fed in their slots (partial rollouts, on shared devices or on a
-    sampler device of their own, whose thread runs the tools), and the sampler's log-probs of
+    (static batches, refilled decode slots) or fed in their slots (partial rollouts on a
+    sampler device of their own, whose thread runs the tools; on shared devices:
+    test_tool_turns_see_the_prompts_images), and the sampler's log-probs of
     the rows with images and tool results are the trainer's. A reward function checks each
     completion's messages: the call, its result and the turn after it."""
     model_dir = tmp_path / "model"
@@ -659,9 +659,8 @@ def test_squares_trains_with_tools(seeing_dir, tmp_path, partial):
         "    return [float([m['role'] for m in c] == ['assistant', 'tool', 'assistant']\n"
         "                  and c[1]['content'] == '56') for c in completions]\n")
     out = tmp_path / "tools"
-    extra = ("max_num_seqs=3", "max_staleness=1", "learning_rate=0.0") if partial else ()
-    devices = jax.devices()[:1]
-    if partial == "split":  # the sampler on a device of its own, a round ahead
+    extra, devices = {"static": (), "refill": ("max_num_seqs=3",)}.get(rounds), jax.devices()[:1]
+    if rounds == "sampler_devices":  # partial rollouts on a device of their own, a round ahead
         extra, devices = ("max_num_seqs=3", "max_staleness=2", "learning_rate=0.0",
                           "sampler_devices=1", "dp=1"), jax.devices()[:2]
     train(_cfg(model_dir, out, "max_steps=2", "save_steps=10", "max_completion_length=192",
@@ -671,7 +670,7 @@ def test_squares_trains_with_tools(seeing_dir, tmp_path, partial):
     steps = [r for r in _records(out) if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
     worst = max(r["sampling/sampling_logp_difference/max"] for r in steps)
-    print(f"tools ({partial}), sampler vs trainer log-probs, max "
+    print(f"tools ({rounds}), sampler vs trainer log-probs, max "
           f"|diff| over 2 steps: {worst:.3g}; tools/call_frequency "
           f"{[r['tools/call_frequency'] for r in steps]}")
     assert worst < 5e-5
