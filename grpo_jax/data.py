@@ -134,7 +134,7 @@ def load_prompts(cfg: DataArgs, tokenizer, *, test: bool = False,
             raise DataError(f"dataset {name!r} has images (column {column!r}) but no model "
                             "was given to read them with")
         images_lib.require_vision(str(model_dir), model_dir, column)
-        prompts, ids = _image_prompts(prompts, images, cfg, model_dir, tools)
+        prompts, ids = _image_prompts(prompts, images, cfg, model_dir, tools, tokenizer)
     limit = cfg.max_prompt_length
     truncated = 0
     if limit is not None:
@@ -163,15 +163,19 @@ def load_prompts(cfg: DataArgs, tokenizer, *, test: bool = False,
 
 
 def _image_prompts(prompts: Sequence[Any], images: Sequence[list[Any]], cfg: DataArgs,
-                   model_dir: str | Path, tools: Sequence[Any], chunk: int = 64
+                   model_dir: str | Path, tools: Sequence[Any], tokenizer, chunk: int = 64
                    ) -> tuple[list[Any], list[list[int]]]:
     """(multimodal prompts, their token ids) of an image dataset: each row's images put in the
     prompt's image parts (TRL's prepare_multimodal_messages), and the prompts through the
-    model's processor."""
+    model's processor. With tools the processor renders with the template the tool loop
+    parses and extends (the tokenizer's, as rollout/tools.py prepare_tool_tokenizer left it:
+    TRL renders with its swapped training template too)."""
     prompts = [images_lib.multimodal_messages(p, im, i)
                for i, (p, im) in enumerate(zip(prompts, images))]
     processor = images_lib.load_processor(model_dir)
-    if cfg.chat_template:
+    if tools:
+        processor.chat_template = tokenizer.chat_template
+    elif cfg.chat_template:
         processor.chat_template = chat_template(cfg.chat_template)
     ids = []
     for start in range(0, len(prompts), chunk):

@@ -3,8 +3,10 @@ with transformers (and a Gemma3Processor over a character tokenizer), the built-
 dataset, the native sampler's rounds with the prompts' images, the trainer's forwards with
 them (the tower frozen), checkpoints, --resume, and the export transformers reloads."""
 
+import copy
 import json
 import re
+import shutil
 
 import jax
 import numpy as np
@@ -16,19 +18,21 @@ import transformers
 from flax import nnx
 from PIL import Image
 
-from grpo_jax import hf, peft_io
+from grpo_jax import data, hf, peft_io
 from grpo_jax import mesh as mesh_lib
 from grpo_jax import images as images_lib
 from grpo_jax.cli import load_config
 from grpo_jax.config.batch import OptimizerConfig
 from grpo_jax.config.run import MeshConfig
-from grpo_jax.errors import ConfigError, DataError
+from grpo_jax.calculator import calculator
+from grpo_jax.errors import ConfigError, DataError, ToolError
 from grpo_jax.export import export
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.loss import LossConfig
 from grpo_jax.grpo.train_step import completion_logps
 from grpo_jax.models import lora
 from grpo_jax.models.config import ModelConfig, param_table
+from grpo_jax.rollout import tools
 from grpo_jax.rollout.native.partial import from_arrays, to_arrays
 from grpo_jax.rollout.native.rollout import JaxRollout
 from grpo_jax.rollout.native.sampling import SamplingParams
@@ -244,7 +248,11 @@ def test_squares_trains_through_partial_rollouts(seeing_dir, tmp_path, split):
 
 @pytest.mark.parametrize("settings, named", [(("max_num_seqs=4", "continuous_batching=false"),
                                                "max_num_seqs with continuous_batching false"),
-                                              (("use_vllm=true",), "use_vllm")])
+                                              (("use_vllm=true",), "use_vllm"),
+                                              (("max_num_seqs=4", "max_staleness=2",
+                                                "sampler_devices=1", "sampler_process=true",
+                                                "dp=1", "tools=[grpo_jax.calculator:calculator]"),
+                                               "sampler_process with tools")])
 def test_settings_images_cannot_take_are_refused(vlm_dir, tmp_path, settings, named):
     with pytest.raises(ConfigError, match="partial rollouts only; unset " + named):
         train(_cfg(vlm_dir, tmp_path / "run", *settings), devices=jax.devices()[:2])
@@ -589,3 +597,179 @@ def test_partial_rollouts_carry_each_groups_images(family, seeing_dir, tmp_path)
     with pytest.raises(DataError, match="same number of images of one size"):
         partial.advance(params, a.in_flight, [{**records[0], "prompt": two}], [0], 3,
                         jax.random.key(7))
+
+
+# ---------------------------------------------------------------- tools with images
+
+def _tool_tokenizer(proc):
+    """The processor's character tokenizer with the shipped ChatML tool template and its
+    Hermes parser, anchored without the newline the character vocabulary lacks (it reads
+    "<unk>")."""
+    tok = copy.deepcopy(proc.tokenizer)
+    tok.chat_template = data.chat_template("chatml_tools")
+    tok.response_template = dict(tools.HERMES_RESPONSE_TEMPLATE,
+                                 start_anchor="<|im_start|>assistant")
+    return tools.prepare_tool_tokenizer(tok)
+
+
+@pytest.mark.parametrize("family, partial", [("gemma3", False), ("qwen2_5_vl", False),
+                                             ("gemma3", True)],
+                         ids=["gemma3", "qwen2_5_vl", "gemma3-partial"])
+def test_tool_turns_see_the_prompts_images(family, partial, seeing_dir, tmp_path):
+    """The calculator tool with prompts that hold an image, each prompt's assistant turn begun
+    with a call (so every row's first turn, whatever random tokens end it, is a call): each
+    row runs its call, gets the result's tokens (tool_mask 0) and writes a second turn; the
+    second turn is re-prefilled as prompt + completion so far with the prompt's images
+    (static batches), or fed the result in its decode slot (partial rollouts). The trainer's
+    log-probs of every model token, over the whole row with its images (and Qwen-VL's M-RoPE
+    positions over prompt + completion with the result), are the sampler's; with the images
+    zeroed the second turns' are not: the pixels reach every turn. The tool's result holds the
+    image placeholder's text: a placeholder token in a completion is text, in the re-prefill
+    as for the trainer. A tool that returns an image is refused, naming it."""
+    if family == "gemma3":
+        model, proc, size = hf.load_model(str(seeing_dir), dtype=np.float32)[0], \
+            images_lib.load_processor(seeing_dir), (28, 28)
+    else:
+        (model, proc), size = _qwen_model(tmp_path), (16, 24)
+    tok, g = _tool_tokenizer(proc), 2
+    rng = np.random.default_rng(0)
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
+    prompts = [images_lib.multimodal_messages(
+        [{"role": "user", "content": "how many" + "?" * i}],
+        [Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))], i)
+        for i in range(2)]
+    ids = images_lib.process(proc, prompts)
+    records = [{"prompt": p, "prompt_ids": ids.prompt_ids(i) + tok.encode(
+        call % e, add_special_tokens=False)} for i, (p, e) in enumerate(zip(prompts,
+                                                                             ["7 * 8", "5 + 5"]))]
+    C, stops = 96, tuple(range(2, 40))  # many stop tokens: turns of a few tokens
+    sp = SamplingParams(max_completion_length=C, temperature=1.0, stop_token_ids=stops,
+                        **({"max_num_seqs": 3} if partial else {}))
+    inner = JaxRollout(model.cfg, sp, pad_id=tok.pad_token_id, mesh=None, processor=proc,
+                       partial_rollouts=(g, 2, 1) if partial else None)
+    assert inner.turns is None  # with images every turn re-prefills (no cache continuation)
+
+    def rollout(fn):
+        return tools.ToolRollout(inner, tok, tools.Toolbox([fn], 10.0), None, stops,
+                                 tok.pad_token_id)
+    def answer(expression: str) -> str:
+        """The calculator's answer and the image placeholder's text, which the result's
+        tokens hold as text (as the trainer embeds a completion), not as an image.
+
+        Args:
+            expression: The expression.
+        """
+        return calculator(expression) + placeholder
+    placeholder = tok.convert_ids_to_tokens(model.cfg.vision.image_token_id)
+    answer.__name__ = "calculator"
+    params = nnx.split(model, nnx.Param)[1]
+    if partial:
+        p = rollout(answer).partial
+        done = p.advance(params, p.empty(max(len(r["prompt_ids"]) for r in records)), records,
+                         [0, 1], 0, jax.random.key(3))
+        r = done.rollout
+        assert done.records == records
+    else:
+        r = rollout(answer).generate(params, [x["prompt_ids"] for x in records], g,
+                                     jax.random.key(3), records)
+    np.testing.assert_array_equal(r.tool_calls, 1)
+    assert r.tool_failures.sum() == 0
+    model_tok = (r.completion_mask * r.tool_mask).astype(bool)
+    # the tokens after each row's tool result: its second turn
+    second = model_tok & (np.cumsum(r.tool_mask == 0, axis=1) > 0)
+    assert second.any(axis=1).all()
+    for row, msgs in enumerate(r.completions):
+        answer = "56" if row // g == 0 else "10"
+        assert [m["role"] for m in msgs][:2] == ["assistant", "tool"] and msgs[1]["content"] \
+            == answer + placeholder
+    batch = Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                  r.truncated, np.zeros(len(r.truncated), np.float32), tool_mask=r.tool_mask,
+                  pixel_values=r.pixel_values, positions=r.positions, image_grid=r.image_grid)
+    if family == "qwen2_5_vl":
+        assert r.positions.shape == (2 * g, 3, r.prompt_ids.shape[1] + C)
+    logp = np.asarray(completion_logps(model, batch, 1.0, 128)[0])
+    blind = np.asarray(completion_logps(model, batch.replace(
+        pixel_values=np.zeros_like(r.pixel_values)), 1.0, 128)[0])
+    diff = np.abs(logp - r.sampler_logp)[model_tok].max()
+    zeroed = np.abs(blind - r.sampler_logp)[second].max()
+    print(f"{family}{' partial' if partial else ''} tools: sampler vs trainer max |diff| "
+          f"{diff:.3g}; second turns with the images zeroed {zeroed:.3g}")
+    assert diff < 5e-5
+    assert zeroed > 1e-3
+
+    def calculator_image(expression: str) -> list:
+        """A picture of the answer.
+
+        Args:
+            expression: The expression.
+        """
+        return [{"type": "image"}, {"type": "text", "text": expression}]
+    calculator_image.__name__ = "calculator"
+    with pytest.raises(ToolError, match="tool 'calculator' returned an image"):
+        if partial:
+            p = rollout(calculator_image).partial
+            p.advance(params, p.empty(max(len(r["prompt_ids"]) for r in records)), records,
+                      [0, 1], 0, jax.random.key(3))
+        else:
+            rollout(calculator_image).generate(params, [x["prompt_ids"] for x in records], g,
+                                               jax.random.key(3), records)
+
+
+# ChatML with image parts and tool calls; its generation prompt begins the assistant's turn
+# with a calculator call, so that a random model's every turn is one (the tool loop's suffix
+# ends in the generation prompt: each result is followed by another call).
+FORCED_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "7 * 8"}}</tool_call>'
+TOOL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+    "{{ m['content'] }}{% elif m['content'] %}{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<start_of_image>{% elif c['type'] == 'text' %}{{ c['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}{% if m['tool_calls'] is defined and m['tool_calls'] %}"
+    "{% for call in m['tool_calls'] %}<tool_call>{\"name\": \"{{ call['function']['name'] }}\", "
+    "\"arguments\": {{ call['function']['arguments'] | tojson }}}</tool_call>{% endfor %}"
+    "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    + FORCED_CALL + "{% endif %}")
+
+
+@pytest.mark.parametrize("rounds", ["static", "refill", "sampler_devices"])
+def test_squares_trains_with_tools(seeing_dir, tmp_path, rounds):
+    """Two steps on 'squares' with the calculator tool (seeing_dir's Gemma 3 with TOOL_TEMPLATE
+    and its parser saved with the tokenizer; many stop tokens, so turns are short): every row
+    calls the calculator, turns after the results are re-prefilled with the prompts' images
+    (static batches, refilled decode slots) or fed in their slots (partial rollouts on a
+    sampler device of their own, whose thread runs the tools; on shared devices:
+    test_tool_turns_see_the_prompts_images), and the sampler's log-probs of
+    the rows with images and tool results are the trainer's. A reward function checks each
+    completion's messages: the call, its result and the turn after it."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(seeing_dir, model_dir)
+    tok = images_lib.load_processor(seeing_dir).tokenizer
+    tok.chat_template = TOOL_TEMPLATE
+    tok.response_template = dict(tools.HERMES_RESPONSE_TEMPLATE,
+                                 start_anchor="<|im_start|>assistant")
+    tok.save_pretrained(model_dir)
+    gen = json.loads((model_dir / "generation_config.json").read_text())
+    (model_dir / "generation_config.json").write_text(json.dumps(
+        {**gen, "eos_token_id": list(range(2, 40))}))
+    # 1.0 for a completion that is a call, the calculator's answer and another turn
+    (tmp_path / "episode.py").write_text(
+        "def episode(prompts, completions, **kw):\n"
+        "    return [float([m['role'] for m in c] == ['assistant', 'tool', 'assistant']\n"
+        "                  and c[1]['content'] == '56') for c in completions]\n")
+    out = tmp_path / "tools"
+    extra, devices = {"static": (), "refill": ("max_num_seqs=3",)}.get(rounds), jax.devices()[:1]
+    if rounds == "sampler_devices":  # partial rollouts on a device of their own, a round ahead
+        extra, devices = ("max_num_seqs=3", "max_staleness=2", "learning_rate=0.0",
+                          "sampler_devices=1", "dp=1"), jax.devices()[:2]
+    train(_cfg(model_dir, out, "max_steps=2", "save_steps=10", "max_completion_length=192",
+               "tools=[grpo_jax.calculator:calculator]", "max_tool_calling_iterations=1",
+               f"reward_funcs=[accuracy,{tmp_path / 'episode.py'}:episode]", *extra),
+          devices=devices)
+    steps = [r for r in _records(out) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    worst = max(r["sampling/sampling_logp_difference/max"] for r in steps)
+    print(f"tools ({rounds}), sampler vs trainer log-probs, max "
+          f"|diff| over 2 steps: {worst:.3g}; tools/call_frequency "
+          f"{[r['tools/call_frequency'] for r in steps]}")
+    assert worst < 5e-5
+    assert all(r["tools/call_frequency"] == 1 and r["tools/failure_frequency"] == 0
+               and r["rewards/episode/mean"] == 1 for r in steps)

@@ -181,7 +181,8 @@ def _sampler_images(run: Lowering, prompts: int, width: int):
     them: pixel_values of every prompt's images (float32, as the processor gives them; one
     host's, replicated: Qwen2.5-VL [prompts x patches, values], Gemma 3 [prompts x images, C,
     H, W]), positions (M-RoPE's [3, prompts, width]; Gemma 3's [prompts, width]) and the decode
-    position deltas [prompts]. (None, None) without images."""
+    position deltas [prompts] and the placeholders to fill [prompts, width]. (None, None)
+    without images."""
     if not run.image_tokens:
         return None, None
     replicated = NamedSharding(run.mesh, P())
@@ -191,10 +192,12 @@ def _sampler_images(run: Lowering, prompts: int, width: int):
     grid = image_grid(run)
     if grid is None:  # Gemma 3: positions as for text
         return (arg((prompts * shape.images, *shape.pixels), jnp.float32),
-                arg((prompts, width), jnp.int32), arg((prompts,), jnp.int32)), None
+                arg((prompts, width), jnp.int32), arg((prompts,), jnp.int32),
+                arg((prompts, width), jnp.bool_)), None
     patches, values = shape.pixels
     return (arg((prompts * patches, values), jnp.float32), arg((3, prompts, width), jnp.int32),
-            arg((prompts,), jnp.int32)), grid * prompts  # every prompt's image's grid
+            arg((prompts,), jnp.int32), arg((prompts, width), jnp.bool_)
+            ), grid * prompts  # every prompt's image's grid
 
 
 def _batch(run: Lowering, n: int, width: int, logps: bool = True) -> Batch:

@@ -236,7 +236,7 @@ class Decoder(nnx.Module):
         return x
 
     def embed_multimodal(self, tokens, pixel_values, image_grid_thw=None,
-                         frozen_tower: bool = False) -> jax.Array:
+                         frozen_tower: bool = False, is_image=None) -> jax.Array:
         """The input embeddings [B, T, D] of a prompt with images, for `__call__`/`prefill`'s
         inputs_embeds: the tokens' embeddings, the k-th image placeholder of the batch
         (image_token_id, row by row) taking the k-th of the tower's features, as HF's
@@ -244,8 +244,11 @@ class Decoder(nnx.Module):
         them: Qwen2.5-VL [N, C*T*P*P] with its grids [n, 3] (read on the host: static);
         Gemma 3 [N, C, H, W], no grid. The features are not scaled by sqrt(hidden) (HF
         scatters them after Gemma's scaled embedding). frozen_tower: no gradient flows into
-        the tower (a training forward whose tower is not trained: no backward through it)."""
-        is_image = tokens == self.cfg.vision.image_token_id
+        the tower (a training forward whose tower is not trained: no backward through it).
+        is_image [B, T] bool: the placeholders to fill (default: every image_token_id; a
+        multi-turn context's completion holds text whatever its ids)."""
+        if is_image is None:
+            is_image = tokens == self.cfg.vision.image_token_id
         # The placeholder's own embedding is replaced (Gemma's id is out of its vocabulary).
         x = self.embed_tokens(jnp.where(is_image, 0, tokens))
         features = self.vision(pixel_values, image_grid_thw, self.cfg.dtype)

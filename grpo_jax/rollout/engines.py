@@ -74,8 +74,10 @@ def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir, tools=(), *,
 def refuse_images(cfg, model_cfg, tools=()) -> None:
     """A vision-language model trains on images through the native sampler's static batches,
     its refilled decode slots (max_num_seqs) or its partial rollouts (max_staleness), also on
-    devices of their own (sampler_devices, sampler_process) only: the settings that need more
-    are refused, naming what to unset. (model_cfg None: a server's rollout whose model the server holds; nothing to check here.)"""
+    devices of their own (sampler_devices, sampler_process) only, with tools too (each turn
+    re-prefilled with the prompt's images, or, partial rollouts, fed in its slot; not yet in a
+    sampler process): the settings that need more are refused, naming what to unset.
+    (model_cfg None: a server's rollout whose model the server holds; nothing to check here.)"""
     if model_cfg is None or model_cfg.vision is None:
         return
     r = cfg.rollout
@@ -83,7 +85,8 @@ def refuse_images(cfg, model_cfg, tools=()) -> None:
                                    ("max_num_seqs with continuous_batching false",
                                     cfg.generation.max_num_seqs is not None
                                     and not cfg.generation.continuous_batching),
-                                   ("tools", bool(tools)),
+                                   ("sampler_process with tools",
+                                    r.sampler_process and bool(tools)),
                                    ("rollout_func", bool(cfg.multi_turn.rollout_func))) if on]
     if unset:
         raise ConfigError(f"a vision-language model ({model_cfg.model_type}) trains on images "

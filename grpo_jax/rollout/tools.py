@@ -17,7 +17,10 @@ raises, times out, is unknown or is called with malformed arguments returns TRL'
 The tool-result tokens stay in the sequence (the model attends to them) but carry no loss, KL
 or entropy: `tool_mask` 0 (TRL's name). The native sampler continues follow-up turns from its KV
 cache, prefilling only the tool-result tokens (rollout/native/continuation.py); other backends get
-prompt + completion so far as a new prompt through their own `generate`.
+prompt + completion so far as a new prompt through their own `generate`, as does the native
+sampler with images: the rows' records (`records`, a vision-language model's) go with each turn,
+so that its prompt's images fill its placeholders again. A tool result holding an image is
+refused (tool_messages).
 
 With partial rollouts (max_staleness >= 1 on the native sampler) the same loop runs row by row
 inside the sampler's rounds (rollout/native/partial.py): `PartialTurns` is its host side, the
@@ -358,7 +361,13 @@ class ToolRollout(RolloutWrapper):
         if turns is not None:
             first, session = turns.first_turn(weights, prompt_ids, num_generations, key)
         else:
-            first = self.inner.generate(weights, prompt_ids, num_generations, key)
+            first = self.inner.generate(weights, prompt_ids, num_generations, key, records)
+        # A vision-language model's turns re-prefill prompt + completion so far as a prompt with
+        # its record's images (JaxRollout.turns is None with images); the batch keeps the first
+        # turn's pixels and positions, which cover prompt + the whole completion.
+        row_records = (None if records is None
+                       else [records[i // num_generations] for i in range(len(prompt_ids)
+                                                                          * num_generations)])
         where = list(range(len(first.completion_ids)))  # row i's row in the session's cache
         n, C = first.completion_ids.shape
         prompts = [row[m.astype(bool)].tolist() for row, m in zip(first.prompt_ids,
@@ -388,8 +397,7 @@ class ToolRollout(RolloutWrapper):
             results = dist.from_main(call, ToolError) if self.shared else call()
             contexts, kept = [], []
             for i, calls in zip(active, results):
-                msgs = [{"role": "tool", "name": name, "content": out if isinstance(out, list)
-                         else str(out)} for name, out, _ in calls]
+                msgs = tool_messages(calls)
                 rows[i].calls += len(calls)
                 rows[i].failures += sum(failed for _, _, failed in calls)
                 suffix = tool_suffix_ids(self.tokenizer, msgs, self.template_kwargs)
@@ -408,7 +416,9 @@ class ToolRollout(RolloutWrapper):
                                                 turn_key)
                 where = {i: j for j, i in enumerate(kept)}
             else:
-                more = self.inner.generate(weights, contexts, 1, turn_key)
+                more = self.inner.generate(weights, contexts, 1, turn_key,
+                                           None if row_records is None
+                                           else [row_records[i] for i in kept])
             decoded.append(more.metrics)
             for j, (i, context) in enumerate(zip(kept, contexts)):
                 m = more.completion_mask[j].astype(bool)
@@ -425,6 +435,19 @@ class ToolRollout(RolloutWrapper):
         return _assemble(first._replace(metrics=merge_decode_metrics(decoded),
                                         completion_routing=routing), rows,
                          self.pad_id, set(self.stop_token_ids))
+
+
+def tool_messages(calls: list[tuple[str, Any, bool]]) -> list[dict]:
+    """The `tool` messages of a turn's calls (Toolbox.call's results): a list result as its
+    parts (TRL's multimodal content), anything else as its str. A result holding an image part
+    (TRL 1.16 injects those into the completion) is refused: not built here."""
+    for name, out, _ in calls:
+        if isinstance(out, list) and any(isinstance(p, dict) and p.get("type") == "image"
+                                         for p in out):
+            raise ToolError(f"tool {name!r} returned an image ({{'type': 'image'}} part): "
+                            "images in tool results are not supported; return text")
+    return [{"role": "tool", "name": name, "content": out if isinstance(out, list) else str(out)}
+            for name, out, _ in calls]
 
 
 def record_turn_routing(routing: np.ndarray, turn: RolloutBatch, j: int, start: int,
@@ -520,8 +543,7 @@ class PartialTurns:
             if not calls:
                 out.append((None, episode))
                 continue
-            msgs = [{"role": "tool", "name": name, "content": res if isinstance(res, list)
-                     else str(res)} for name, res, _ in calls]
+            msgs = tool_messages(calls)
             episode = dict(episode, calls=episode["calls"] + len(calls),
                            failures=episode["failures"] + sum(f for _, _, f in calls))
             suffix = tool_suffix_ids(self.tokenizer, msgs, self.template_kwargs)

@@ -26,8 +26,8 @@ class JaxRollout(Rollout):
     (`takes_records`): each prompt's images, in its multimodal messages, go through the
     processor's image processor and into the prefill; the batch carries them, row by row, for
     the trainer's forwards. Through static batches, refilled decode slots and partial
-    rollouts (whose group slots keep their prompts' images across rounds); engines.refuse_images
-    refuses the rest (tools, sampler_devices)."""
+    rollouts (whose group slots keep their prompts' images across rounds), with tools too (each
+    turn's context a prompt with its record's images); engines.refuse_images refuses the rest."""
 
     def __init__(self, model_cfg, params: SamplingParams, *, pad_id: int, mesh, peft=None,
                  partial_rollouts: tuple[int, int, int] | None = None, processor=None):
@@ -50,11 +50,14 @@ class JaxRollout(Rollout):
                         partial.PartialRollouts(self.sampler, self.slots.slots, *partial_rollouts,
                                                 processor=processor))
         # Multi-turn rollouts continue from the KV cache (None: sliding-window models, which
-        # re-prefill every turn's context; and with decode slots, since continuing needs every
+        # re-prefill every turn's context; with decode slots, since continuing needs every
         # row's cache kept between turns: there each turn re-prefills its context, and a row
-        # waiting for its tools has left its slot to the next row).
+        # waiting for its tools has left its slot to the next row; and with images, whose
+        # prefill Continuation's first turn lacks: each turn re-prefills the context with the
+        # prompt's images, its M-RoPE positions those of the longer prompt).
         self.turns = (continuation.Continuation(self.sampler)
-                      if continuation.supported(self.sampler) and self.slots is None else None)
+                      if continuation.supported(self.sampler) and self.slots is None
+                      and processor is None else None)
 
     def generate(self, weights, prompt_ids, num_generations, key, records=None) -> RolloutBatch:
         if self.processor is not None:
@@ -72,10 +75,14 @@ class JaxRollout(Rollout):
         # Qwen-VL's grids in batch order: each prompt's, prompt after prompt.
         grid = None if px.image_grid is None else np.tile(np.asarray(px.image_grid), (n, 1))
         sampler = self.sampler if self.slots is None else self.slots
+        # A tool turn's prompt is its record's prompt + the completion so far: only the
+        # record's prompt holds images, the rest is text (as the trainer embeds it).
+        limits = [len(rec["prompt_ids"]) for rec in records]
         r = sampler.generate(weights, prompt_ids, num_generations, key, pixel_values=flat,
-                             image_grid_thw=grid)
+                             image_grid_thw=grid, image_tokens=limits)
         rows = np.repeat(px.pixel_values, num_generations, axis=0)
         positions = (None if self.sampler.cfg.mrope_section is None else
                      self.sampler.row_positions(r.prompt_ids, r.prompt_mask, px.image_grid,
-                                                r.completion_ids.shape[1]))
+                                                r.completion_ids.shape[1],
+                                                np.repeat(limits, num_generations)))
         return r._replace(pixel_values=rows, image_grid=px.image_grid, positions=positions)

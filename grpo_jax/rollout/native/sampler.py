@@ -120,7 +120,8 @@ class Sampler:
 
     def generate(self, params, prompt_token_ids: Sequence[Sequence[int]],
                  num_generations: int = 1, rng: int | jax.Array = 0,
-                 first_row: int = 0, pixel_values=None, image_grid_thw=None) -> RolloutBatch:
+                 first_row: int = 0, pixel_values=None, image_grid_thw=None,
+                 image_tokens=None) -> RolloutBatch:
         """Sample `num_generations` completions per prompt.
 
         params: the model's nnx.State of nnx.Param (`nnx.split(model, nnx.Param)[1]`) or the
@@ -132,7 +133,9 @@ class Sampler:
         processor gives them (a vision-language model, each prompt holding its images'
         placeholders; Decoder.embed_multimodal): Qwen2.5-VL [N, C*T*P*P] with its grids
         [n, 3], Gemma 3 [N, C, H, W] and no grid. One program per set of image sizes; one host
-        (not split over a mesh).
+        (not split over a mesh). image_tokens: per prompt, how many of its first tokens may
+        hold image placeholders (None: all); the rest is text whatever its ids, as the trainer
+        embeds a completion (a multi-turn context: prompt + completion so far).
         """
         params, prompts, g, n, rows = self.inputs(params, prompt_token_ids, num_generations)
         # The program prefills each prompt once and copies its cache to its g rows: prompts
@@ -141,7 +144,7 @@ class Sampler:
                              rows=self.prompt_rows(rows, g))
         key = as_key(rng)
         args = (ids, mask)
-        images, grid = self.image_inputs(ids, mask, pixel_values, image_grid_thw)
+        images, grid = self.image_inputs(ids, mask, pixel_values, image_grid_thw, image_tokens)
         if self.mesh is not None:
             # With several processes each places only its own devices' rows, and gets every
             # row back (the train batch is built on every host alike).
@@ -160,25 +163,42 @@ class Sampler:
                             metrics=decode_metrics(int(decoded.max()), int(decoded.sum()), rows),
                             prompt_routing=prompt_routing, completion_routing=completion_routing)
 
-    def image_inputs(self, ids, mask, pixel_values, image_grid_thw):
-        """The program's `images` and static `image_grid` for padded prompts (see generate);
-        (None, None) without images."""
+    def image_inputs(self, ids, mask, pixel_values, image_grid_thw, image_tokens=None):
+        """The program's `images` (pixel_values, positions, decode position deltas, the
+        placeholders to fill [B, width]) and static `image_grid` for padded prompts (see
+        generate); (None, None) without images."""
         if pixel_values is None:
             return None, None
+        is_image, text = self.placeholders(ids, mask, image_tokens)
         if self.cfg.mrope_section is not None:  # Qwen2.5-VL
-            positions, deltas = qwen_vl.rope_index(self.cfg.vision, ids, mask, image_grid_thw)
+            positions, deltas = qwen_vl.rope_index(self.cfg.vision, text, mask, image_grid_thw)
             grid = tuple(map(tuple, np.asarray(image_grid_thw, np.int64).tolist()))
-            return (jnp.asarray(pixel_values), positions, deltas), grid
+            return (jnp.asarray(pixel_values), positions, deltas, jnp.asarray(is_image)), grid
         # one position row, decode positions as for text
         return (jnp.asarray(pixel_values), positions_from_mask(jnp.asarray(mask)),
-                jnp.zeros(len(ids), jnp.int32)), None
+                jnp.zeros(len(ids), jnp.int32), jnp.asarray(is_image)), None
 
-    def row_positions(self, prompt_ids, prompt_mask, image_grid, completion_width: int):
+    def placeholders(self, ids, mask, image_tokens=None):
+        """(the image placeholders to fill [B, width] bool, the ids with every other
+        placeholder id as padding, for M-RoPE's rope_index) of padded prompts whose first
+        image_tokens[b] real tokens may hold images (None: all; rows past it: none)."""
+        ids, real = np.asarray(ids), np.asarray(mask).astype(bool)
+        is_image = (ids == self.cfg.vision.image_token_id) & real
+        if image_tokens is not None:  # past its first image_tokens, a prompt's ids are text
+            limit = np.zeros(len(ids), np.int64)
+            limit[:len(image_tokens)] = image_tokens
+            is_image &= np.cumsum(real, axis=1) <= limit[:, None]
+        return is_image, np.where(is_image | (ids != self.cfg.vision.image_token_id), ids,
+                                  self.pad_id)
+
+    def row_positions(self, prompt_ids, prompt_mask, image_grid, completion_width: int,
+                      image_tokens=None):
         """Qwen2.5-VL's M-RoPE positions [N, 3, P + C] of rows (RolloutBatch.positions), each
         prompt's images of `image_grid` (one prompt's grids, the same for every row): HF's
         get_rope_index of the prompt; the completion's text continues from the prompt's next
         position on all three rows, as the sampler decodes it (and as transformers' forward
-        over the whole row computes it)."""
+        over the whole row computes it). image_tokens: per row, as `placeholders` reads it."""
+        prompt_ids = self.placeholders(prompt_ids, prompt_mask, image_tokens)[1]
         prompt, deltas = qwen_vl.rope_index(self.cfg.vision, prompt_ids, prompt_mask,
                                             np.tile(np.asarray(image_grid), (len(prompt_ids), 1)))
         start = np.asarray(prompt_mask).sum(axis=1) + deltas
@@ -277,7 +297,8 @@ class Sampler:
         KV cache [L, prompts, K, width, Dh] per run (a sliding layer's: its window at most), the
         last logits [prompts, V]); record_routing: and, fifth, the experts each prompt token
         ran [prompts, width, S, k] (moe.routing_dtype; -1 on padding). images: (pixel_values,
-        positions [B, width] or M-RoPE's [3, prompts, width], decode position deltas) of the
+        positions [B, width] or M-RoPE's [3, prompts, width], decode position deltas, the
+        placeholders to fill [B, width]) of the
         prompts' images, whose patch grids are image_grid (Qwen2.5-VL; see generate)."""
         cfg = self.cfg
         cast = cast_matrices(params, cfg.dtype)
@@ -286,9 +307,9 @@ class Sampler:
         cache = self.constrain_cache(KVCache.zeros(cfg, *prompt_ids.shape, self.cache_dtype))
         positions, embeds = positions_from_mask(prompt_mask), None
         if images is not None:
-            pixel_values, positions, _ = images
+            pixel_values, positions, _, is_image = images
             grid = None if image_grid is None else np.asarray(image_grid)
-            embeds = model.embed_multimodal(prompt_ids, pixel_values, grid)
+            embeds = model.embed_multimodal(prompt_ids, pixel_values, grid, is_image=is_image)
         hidden, cache, *chosen = model.prefill(
             prompt_ids, positions, prompt_mask, cache, layers,
             chunk=self.sampling_params.prefill_chunk_size, record_routing=record_routing,
