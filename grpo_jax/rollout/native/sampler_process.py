@@ -31,6 +31,7 @@ seeing only its own chips (the trainer too, before its runtime starts), which th
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -139,11 +140,8 @@ class SamplerProcess:
     def close(self) -> None:
         """End the sampler's process (asked, then killed after CLOSE_TIMEOUT_S)."""
         if self.proc.poll() is None:
-            try:
-                with self._send_lock:
-                    self.conn.send(None)
-            except OSError:
-                pass
+            with contextlib.suppress(OSError), self._send_lock:  # it may die as it is asked
+                self.conn.send(None)
             try:
                 self.proc.wait(CLOSE_TIMEOUT_S)
             except subprocess.TimeoutExpired:
@@ -278,10 +276,8 @@ def _last_line() -> str:
 
 def _die_with_parent() -> None:
     """Linux: SIGKILL this process when the trainer's dies (prctl PR_SET_PDEATHSIG)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the EOF alone ends it
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
     if os.getppid() == 1:  # the trainer died before the call above took effect
         os._exit(1)
 
