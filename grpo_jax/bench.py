@@ -118,6 +118,12 @@ def make_workload(args):
     return cfg, model, mesh, prompts
 
 
+# --long-every: most prompts ask for a few words, every K-th for a long text, so a real model's
+# own lengths (to its EOS) are long-tailed: short groups mostly, a long one now and then.
+SHORT_ASK = "\n\nAnswer in one short sentence."
+LONG_ASK = "\n\nWrite a long, detailed story of at least 600 words inspired by this post."
+
+
 def real_workload(args):
     """make_workload with a real model's weights and the shipped prompts (the embedded
     SmolLM2's `smol` config data), each cut to --prompt-len tokens."""
@@ -130,6 +136,9 @@ def real_workload(args):
     tok = AutoTokenizer.from_pretrained(model_dir)
     lines = resources.files("grpo_jax").joinpath("assets/smol_prompts.jsonl").read_text()
     texts = [json.loads(line)["prompt"] for line in lines.splitlines()[:args.prompts]]
+    if args.long_every:  # a long-tailed mix of asks, as reasoning prompts have
+        texts = [t + (LONG_ASK if i % args.long_every == args.long_every - 1 else SHORT_ASK)
+                 for i, t in enumerate(texts)]
     prompts = [tok(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                            add_generation_prompt=True),
                    add_special_tokens=False)["input_ids"][-args.prompt_len:] for t in texts]
@@ -497,6 +506,9 @@ def main(argv=None):
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--generations", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--long-every", type=int, default=0,
+                   help="with --model: every K-th prompt asks for a long text and the rest for "
+                        "one sentence (long-tailed lengths); 0: the shipped prompts as they are")
     p.add_argument("--completion-len", type=int, default=256)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--num-iterations", type=int, default=1,

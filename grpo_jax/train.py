@@ -398,10 +398,7 @@ def _split(cfg: config_lib.TrainConfig, rollout, sampler_mesh, width: int | None
     r = cfg.rollout
     if not r.sampler_process:
         return disaggregated.SplitRollouts(rollout.partial, sampler_mesh, r.max_staleness)
-    if isinstance(rollout, tools_lib.ToolRollout):  # its tool loop, built again there
-        settings, turns = rollout.inner.settings, rollout.turns_spec(cfg.multi_turn.tools)
-    else:
-        settings, turns = rollout.settings, None
+    settings, turns = rollout.process_parts(cfg.multi_turn.tools)
     spec = SamplerSpec(settings, dict(sampler_mesh.shape), width, turns)
     return SamplerProcess(spec, r.sampler_devices, r.max_staleness)
 

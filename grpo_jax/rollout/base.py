@@ -132,6 +132,13 @@ class Rollout(abc.ABC):
         ones (a batch generated ahead, on weights since updated); else None."""
         return None
 
+    def process_parts(self, tools: Sequence[str]) -> tuple[dict, Any]:
+        """What a process of its own needs to build this rollout's partial rollouts again
+        (rollout.sampler_process): the JAX sampler's settings, less the mesh, and its tool
+        loop's TurnsSpec (None without tools; `tools` the names its functions were loaded by).
+        Only the JAX sampler has them (config validation keeps the rest from asking)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run in a sampler process")
+
 
 class RolloutWrapper(Rollout):
     """A rollout around another (`inner`) that changes how generate works: the rest of the

@@ -345,12 +345,12 @@ class ToolRollout(RolloutWrapper):
             partial_turns(self.toolbox, self.tokenizer, self.max_iterations,
                           self.template_kwargs, self.shared))
 
-    def turns_spec(self, tools: Sequence[str]) -> "TurnsSpec":
-        """Its partial rollouts' tool loop, for the sampler's process to build the same
-        (rollout.sampler_process): `tools` the names its toolbox's functions were loaded by
-        (load_tools; cfg.multi_turn.tools)."""
-        return TurnsSpec(tuple(tools), self.toolbox.timeout, self.tokenizer, self.max_iterations,
-                         self.template_kwargs, self.shared)
+    def process_parts(self, tools: Sequence[str]) -> tuple[dict, "TurnsSpec"]:
+        """The inner sampler's settings and this tool loop, for the sampler's process to build
+        the same (rollout.sampler_process)."""
+        return self.inner.process_parts(tools)[0], TurnsSpec(
+            tuple(tools), self.toolbox.timeout, self.tokenizer, self.max_iterations,
+            self.template_kwargs, self.shared)
 
     def generate(self, weights, prompt_ids, num_generations, key, records=None) -> RolloutBatch:
         import jax
@@ -582,7 +582,7 @@ def partial_turns(toolbox: Toolbox, tokenizer, max_iterations: int | None,
 
 class TurnsSpec(NamedTuple):
     """A ToolRollout's PartialTurns as the sampler's process builds it again
-    (rollout.sampler_process; ToolRollout.turns_spec), picklable: the tools by the names
+    (rollout.sampler_process; ToolRollout.process_parts), picklable: the tools by the names
     load_tools loads them by (a function from a file pickles as a reference to a module that
     process lacks), the tokenizer whole as prepare_tool_tokenizer left it (its chat template
     and response_template pickle with it)."""

@@ -59,6 +59,9 @@ class JaxRollout(Rollout):
                       if continuation.supported(self.sampler) and self.slots is None
                       and processor is None else None)
 
+    def process_parts(self, tools) -> tuple[dict, None]:
+        return self.settings, None
+
     def generate(self, weights, prompt_ids, num_generations, key, records=None) -> RolloutBatch:
         if self.processor is not None:
             return self.generate_images(weights, prompt_ids, num_generations, key, records)
