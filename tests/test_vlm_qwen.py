@@ -233,9 +233,10 @@ def test_tower_lora_logits_are_peft_s(tiny, tmp_path):
     directory and loaded by PeftModel.from_pretrained onto transformers' model: its logits on
     prompts with images equal ours (adapters applied, and merged into the base as the sampler
     and --merge get them), and differ from the base's. The image features take gradient into
-    every tower adapter (the qkv's, the merger's among them)."""
+    every tower adapter (the qkv's, the merger's among them), as many as aot's estimate
+    counts."""
     peft = pytest.importorskip("peft")
-    _, path, base = tiny
+    ref, path, _ = tiny
     model, args = _adapted(hf.load_model(str(path), dtype=jnp.float32)[0], "all-linear")
     out = peft_io.save_adapter(model, args, tmp_path / "adapter", str(path))
     fresh = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(path).eval()
@@ -243,15 +244,17 @@ def test_tower_lora_logits_are_peft_s(tiny, tmp_path):
     want = _hf_logits(peft.PeftModel.from_pretrained(fresh, out).eval(), batch)
     ours = _our_logits(model, batch)
     merged = _our_logits(peft_io.merged_model(model), batch)
-    diff, moved = _real_diff(ours, want, batch[1]), _real_diff(_our_logits(base, batch), want,
+    diff, moved = _real_diff(ours, want, batch[1]), _real_diff(_hf_logits(ref, batch), want,
                                                               batch[1])
     print(f"tower LoRA: ours vs PEFT max |logits diff| {diff:.2e} (the adapters moved them "
           f"by {moved:.2e}); merged vs PEFT {_real_diff(merged, want, batch[1]):.2e}")
     assert diff < 1e-4 and _real_diff(merged, want, batch[1]) < 1e-4 and moved > 1e-2
     tokens, _, pixels = batch
     graphdef, adapters, rest = nnx.split(model, lora.LoraParam, nnx.Param)
+    # aot's estimate counts them from the config alone.
+    assert lora.tower_adapter_params(args, model.cfg) == lora.count(adapters["vision"])
     features = lambda a: nnx.merge(graphdef, a, rest).embed_multimodal(  # noqa: E731
         tokens, pixels, GRIDS)
-    grads = jax.grad(lambda a: (features(a) ** 2).sum())(adapters)["vision"]
+    grads = jax.jit(jax.grad(lambda a: (features(a) ** 2).sum()))(adapters)["vision"]
     assert sorted(grads) == ["blocks", "merger"]
     assert all(np.abs(np.asarray(g[...])).max() > 0 for g in jax.tree.leaves(grads))

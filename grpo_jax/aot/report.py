@@ -138,7 +138,9 @@ def render(r: dict) -> str:
         image = r.get("image")
         grid = f", patch grid {'x'.join(map(str, image['grid']))}" if image and image.get(
             "grid") else ""
-        lines.append(f"  of which the vision tower (frozen: no optimizer state): params "
+        state = ("its LoRA adapters trained" if m.get("vision_adapted")
+                 else "frozen: no optimizer state")
+        lines.append(f"  of which the vision tower ({state}): params "
                      f"{m['vision_tower_GB']:.2f} ({m['vision_tower_GB'] / m['params_GB']:.0%})"
                      f"  reference {m['vision_reference_GB']:.2f}"
                      + (f"; {image['tokens']} image tokens per prompt ({image['images']} "

@@ -93,6 +93,22 @@ def tower_targets(peft: PeftArgs, cfg) -> tuple[str, ...]:
     return tuple(tower_linears(peft, cfg)) if cfg.vision is not None else ()
 
 
+def tower_adapter_params(peft: PeftArgs, cfg) -> int:
+    """The trainable parameters of the tower's adapters (r x (in + out) a module, each layer's
+    of a stacked weight): what a tower-adapted run trains there, from the config alone."""
+    if cfg.vision is None or not peft.use_peft:
+        return 0
+    table = cfg.vision.param_table(cfg.hidden_size)
+    total = 0
+    for name in tower_targets(peft, cfg):
+        hf_name, groups = cfg.vision.hf_names()[name]
+        shape = table[name][0]
+        stack, shape = (shape[0], shape[1:]) if "{i}" in hf_name else (1, shape)
+        n = len(groups[1])
+        total += stack * peft.lora_r * (math.prod(shape[:n]) + math.prod(shape[n:]))
+    return total
+
+
 def _tower_target(vision, cfg, name: str) -> tuple:
     """(holder, leaf, shape, axes, inputs) of tower weight `name`: a weight outside the
     stacked layers (Qwen2.5-VL's merger) as a stack of one, so its adapters have the layer
