@@ -14,6 +14,7 @@ import transformers
 from flax import nnx
 
 from grpo_jax import hf, peft_io
+from grpo_jax.cli import load_config
 from grpo_jax.models import lora, qwen_vl
 from grpo_jax.rollout.native.refill import Refill
 from grpo_jax.rollout.native.sampler import Sampler
@@ -213,7 +214,8 @@ def test_lora_adapts_the_modules_peft_adapts(tiny, tmp_path, targets):
     those peft.get_peft_model adapts on the transformers model for the same target_modules
     (q_proj / v_proj: none of the tower's, whose attention is one fused qkv; the MLP names:
     the ViT's MLPs too; all-linear: also qkv as one module, proj and the merger's mlp.0 /
-    mlp.2), and the exported adapter_config makes PeftModel adapt those again."""
+    mlp.2), and the exported adapter_config makes PeftModel adapt those again and loads back
+    as model_name_or_path (the same adapters)."""
     peft = pytest.importorskip("peft")
     _, path, _ = tiny
     model, args = _adapted(hf.load_model(str(path), dtype=jnp.float32)[0], targets)
@@ -226,6 +228,13 @@ def test_lora_adapts_the_modules_peft_adapts(tiny, tmp_path, targets):
     assert any(".visual." in m for m in ours) == (targets != ("q_proj", "v_proj"))
     out = peft_io.save_adapter(model, args, tmp_path / "adapter", str(path))
     assert _peft_modules(peft.PeftModel.from_pretrained(fresh(), out)) == theirs
+    # As model_name_or_path the directory loads back: its targets read from the pattern.
+    cfg = peft_io.adapter_settings(load_config("squares", [
+        f"model_name_or_path={out}", "use_peft=true", f"output_dir={tmp_path / 'run'}"]))
+    again, _ = peft_io.load_model(cfg, None)
+    saved = peft_io.adapter_tensors(model)
+    assert all(np.array_equal(v, saved[k]) for k, v in peft_io.adapter_tensors(again).items())
+    assert set(peft_io.adapter_tensors(again)) == set(saved)
 
 
 def test_tower_lora_logits_are_peft_s(tiny, tmp_path):
