@@ -6,7 +6,7 @@ Linear layout) and `...lora_B.weight` ([out, r]). Ours are stacked over layers w
 weight's own dims: A [L, in..., r], B [L, r, out...] (models/lora.py). On a vision-language
 model the keys name the language model's modules under `model.language_model.` and, where
 PEFT's rules adapt the tower's modules too (a bare `q_proj`, all-linear), the tower's under
-`model.vision_tower.` (Gemma 3's SigLIP; Qwen2.5-VL's tower gets none, with a warning).
+`model.vision_tower.` (Gemma 3's SigLIP) or `model.visual.` (Qwen2.5-VL's ViT and merger).
 `target_modules` is then a regular expression naming exactly the adapted modules.
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import re
 import sys
 from pathlib import Path
@@ -38,8 +37,7 @@ PREFIX = "base_model.model."
 VLM_TEXT_ROOT = "model.language_model."
 # Where they keep the tower's modules: its checkpoint names (siglip.HF_NAMES) under "model.".
 VLM_TOWER_ROOT = "model."
-TOWER = "vision/"  # our name of a tower adapter's weight here: "vision/<leaf>"
-logger = logging.getLogger(__name__)
+TOWER = "vision/"  # our name of a tower adapter's weight here: "vision/<table name>"
 
 
 def adapter_dir(name_or_path: str) -> Path | None:
@@ -115,14 +113,6 @@ def load_model(cfg, mesh):
         return hf.load_model(cfg.model.name_or_path, mesh, numerics=numerics)
     model, model_dir = hf.load_model(base_name(cfg), mesh, quant_bits=cfg.peft.quant_bits,
                                      numerics=cfg.peft.base_numerics(numerics))
-    skipped = [m for m in tower_modules(cfg.peft, model.cfg)
-               if m not in _tower_adapted_modules(cfg.peft, model.cfg)]
-    if skipped:
-        logger.warning("lora_target_modules %s: PEFT's rules would also adapt the vision "
-                       "tower's %s, which grpo-jax's LoRA does not adapt on %s (its exported "
-                       "target_modules is a regex that excludes them)",
-                       list(cfg.peft.lora_target_modules or lora.DEFAULT_TARGETS), skipped,
-                       model.cfg.model_type)
     lora.add_adapters(model, cfg.peft, jax.random.key(cfg.data.seed),
                       dtype=jnp.dtype(numerics.param_dtype))
     path = adapter_dir(cfg.model.name_or_path)
@@ -138,15 +128,9 @@ def tower_modules(peft: lora.PeftArgs, model_cfg) -> list[str]:
     return list(lora.tower_linears(peft, model_cfg).values())
 
 
-def _tower_adapted_modules(peft: lora.PeftArgs, model_cfg) -> list[str]:
-    """tower_modules that grpo-jax adapts too (lora.tower_targets)."""
-    linears = lora.tower_linears(peft, model_cfg)
-    return [linears["layers/" + leaf] for leaf in lora.tower_targets(peft, model_cfg)]
-
-
 def _keys(model) -> dict[str, str]:
-    """Our leaf ("vision/<leaf>": the tower's) -> PEFT's key pattern ({i}: layer, {m}: lora_A
-    or lora_B)."""
+    """Our leaf ("vision/<table name>": the tower's) -> PEFT's key pattern ({i}: layer, {m}:
+    lora_A or lora_B)."""
     return _keys_for(model.cfg, _adapted(model))
 
 
@@ -157,7 +141,7 @@ def _keys_for(cfg, leaves) -> dict[str, str]:
 def _module(cfg, leaf: str) -> str:
     """The path of the transformers module that weight `leaf` belongs to ({i}: the layer)."""
     if leaf.startswith(TOWER):
-        name = cfg.vision.hf_names()["layers/" + leaf[len(TOWER):]][0]
+        name = cfg.vision.hf_names()[leaf[len(TOWER):]][0]
         return VLM_TOWER_ROOT + name[:-len(".weight")]
     name = hf.hf_names(cfg)[f"layers/{leaf}"][:-len(".weight")]
     return name if cfg.vision is None else VLM_TEXT_ROOT + name[len("model."):]
@@ -165,19 +149,23 @@ def _module(cfg, leaf: str) -> str:
 
 def _layers(cfg, leaf: str, stacked: int) -> tuple[int, ...]:
     """The layers whose module `leaf`'s stacked adapters (`stacked` of them) hold, in order (a
-    mixture of experts' dense MLPs: only its dense layers; the tower: all of its)."""
+    mixture of experts' dense MLPs: only its dense layers; the tower: all of its, and a
+    weight outside its layers, its stack of one, names no layer: its key has no {i})."""
     if leaf.startswith(TOWER):
         return tuple(range(stacked))
     return cfg.stack_layers(stack_of(cfg, leaf))
 
 
 def _adapter_vars(model) -> dict:
-    """The model's adapter variables {leaf_lora_a: A, ...}, the tower's as vision/leaf_lora_a."""
+    """The model's adapter variables {leaf_lora_a: A, ...}, the tower's as
+    vision/<holder>/<w>_lora_a (vision/layers/wq_lora_a, vision/merger/w1_lora_a)."""
     out = {name: var for name, var in vars(model.layers).items()
            if isinstance(var, lora.LoraParam)}
     if lora.tower_adapted(model):
-        out.update({TOWER + name: var for name, var in vars(model.vision.layers).items()
-                    if isinstance(var, lora.LoraParam)})
+        for part, holder in vars(model.vision).items():
+            if isinstance(holder, nnx.Module):  # layers; blocks and merger
+                out.update({f"{TOWER}{part}/{name}": var for name, var in vars(holder).items()
+                            if isinstance(var, lora.LoraParam)})
     return out
 
 
@@ -193,7 +181,7 @@ def adapter_tensors(model, dtype: str = "float32") -> dict[str, np.ndarray]:
 def layer_adapter_tensors(cfg, layers, dtype: str = "float32") -> dict[str, np.ndarray]:
     """PEFT's tensors of stacked adapters {leaf_lora_a: A, leaf_lora_b: B} (arrays or
     variables: the `layers` of a model's LoraParam state, as the trainer holds them; the
-    tower's as vision/leaf_lora_a ...)."""
+    tower's as vision/<holder>/<w>_lora_a ...)."""
     out = {}
     leaves = [name[:-len("_lora_a")] for name in layers if name.endswith("_lora_a")]
     for leaf, key in _keys_for(cfg, leaves).items():
@@ -211,8 +199,8 @@ def adapter_config(peft: lora.PeftArgs, base: str, model_cfg=None) -> dict:
     config `model_cfg` is needed for a vision-language model)."""
     targets = list(peft.target_modules())
     if model_cfg is not None and model_cfg.vision is not None:
-        # The modules adapted here (the tower's where grpo-jax adapts them as PEFT's rules
-        # do); PEFT fullmatches the pattern.
+        # The modules adapted here (the tower's as PEFT's rules select them); PEFT
+        # fullmatches the pattern.
         leaves = [*lora.model_targets(peft, model_cfg),
                   *(TOWER + leaf for leaf in lora.tower_targets(peft, model_cfg))]
         targets = "|".join(re.escape(_module(model_cfg, leaf)).replace(r"\{i\}", r"\d+")

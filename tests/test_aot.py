@@ -867,9 +867,13 @@ def test_the_estimate_counts_a_frozen_tower_and_its_images():
     (docs/scaling.md's run: fsdp 4 x tensor 4, 1 row per chip x 2, beta 0.04) against what that
     run compiled to: resident 6.93 GB (the tower frozen: no moments), peak 14.62 GB (update).
     Images cost memory a text prompt of the same length does not; Gemma 3 takes whole
-    images only."""
+    images only. With LoRA on the tower the estimate counts its adapters' state and the
+    activations its backward keeps."""
+    import dataclasses
+
     from grpo_jax import cli
     from grpo_jax.aot import search
+    from grpo_jax.models import lora
 
     target = hardware.parse_target("v5e-16", 1)
     cfg = cli.parse_cli(["--model_name_or_path", "qwen2.5-vl-7b", "--max_prompt_length", "1536",
@@ -891,3 +895,19 @@ def test_the_estimate_counts_a_frozen_tower_and_its_images():
     assert search.estimate(lay, cfg, model, target, 16, image_tokens=1024, margin=0.05)["fits"]
     with pytest.raises(GrpoJaxError, match="multiple"):
         PRESETS["gemma-3-4b-vlm"].vision.encoded(300)
+    # LoRA: all-linear adapts the tower too (its adapters trained, the tower differentiated:
+    # its activations kept for the update's backward); q_proj / v_proj reach no tower module
+    # of Qwen2.5-VL's (its attention is one fused qkv), which then stays frozen.
+    lora_runs = {t: search.estimate(lay, dataclasses.replace(cfg, peft=dataclasses.replace(
+        cfg.peft, use_peft=True, lora_target_modules=t)), model, target, 16, image_tokens=1024)
+        for t in (("q_proj", "v_proj"), ("all-linear",))}
+    frozen, adapted = lora_runs[("q_proj", "v_proj")], lora_runs[("all-linear",)]
+    adapters = lora.tower_adapter_params(
+        dataclasses.replace(cfg.peft, use_peft=True, lora_target_modules=("all-linear",)), model)
+    assert 0 < adapters < 0.05 * model.vision_params()
+    assert adapted["resident_GB"] - frozen["resident_GB"] == pytest.approx(3 * 4 * adapters / 1e9)
+    kept = adapted["temporaries_GB"]["update"] - frozen["temporaries_GB"]["update"]
+    assert kept > 10 * 4 * adapters / 1e9  # the tower's activations, beyond its gradients
+    assert adapted["phases"]["update"]["compute_s"] > frozen["phases"]["update"]["compute_s"]
+    for phase in ("generate", "logprobs"):
+        assert adapted["temporaries_GB"][phase] == frozen["temporaries_GB"][phase]

@@ -13,8 +13,9 @@ import torch
 import transformers
 from flax import nnx
 
-from grpo_jax import hf
-from grpo_jax.models import qwen_vl
+from grpo_jax import hf, peft_io
+from grpo_jax.cli import load_config
+from grpo_jax.models import lora, qwen_vl
 from grpo_jax.rollout.native.refill import Refill
 from grpo_jax.rollout.native.sampler import Sampler
 from grpo_jax.rollout.native.sampling import SamplingParams
@@ -186,3 +187,83 @@ def test_num_params_counts_the_tower(tiny):
     assert model.cfg.num_params() == sum(p.numel() for p in ref.parameters())
     assert model.cfg.num_params(active=True) == sum(
         p.numel() for n, p in ref.named_parameters() if not n.startswith("model.visual."))
+
+
+def _adapted(model, targets):
+    """A fresh copy of our tiny model with LoRA adapters on `targets` (PEFT's
+    target_modules), every A and B random (B off zero: each adapter counts)."""
+    args = lora.PeftArgs(use_peft=True, lora_r=4, lora_alpha=8, lora_target_modules=targets)
+    lora.add_adapters(model, args, jax.random.key(0))
+    rng = np.random.default_rng(1)
+    nnx.update(model, jax.tree.map(lambda a: jnp.asarray(
+        0.1 * rng.standard_normal(a.shape), jnp.float32), nnx.state(model, lora.LoraParam)))
+    assert all(np.abs(np.asarray(b)).min() > 0 for b in jax.tree.leaves(
+        nnx.state(model, lora.LoraParam)))
+    return model, args
+
+
+def _peft_modules(model) -> set[str]:
+    return {n[len("base_model.model."):-len(".lora_A")] for n, _ in model.named_modules()
+            if n.endswith(".lora_A")}
+
+
+@pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("gate_proj", "down_proj"),
+                                     "all-linear"])
+def test_lora_adapts_the_modules_peft_adapts(tiny, tmp_path, targets):
+    """The modules grpo-jax adapts on Qwen2.5-VL (language model, ViT blocks and merger) are
+    those peft.get_peft_model adapts on the transformers model for the same target_modules
+    (q_proj / v_proj: none of the tower's, whose attention is one fused qkv; the MLP names:
+    the ViT's MLPs too; all-linear: also qkv as one module, proj and the merger's mlp.0 /
+    mlp.2), and the exported adapter_config makes PeftModel adapt those again and loads back
+    as model_name_or_path (the same adapters)."""
+    peft = pytest.importorskip("peft")
+    _, path, _ = tiny
+    model, args = _adapted(hf.load_model(str(path), dtype=jnp.float32)[0], targets)
+    ours = {k[len(peft_io.PREFIX):-len(".lora_A.weight")]
+            for k in peft_io.adapter_tensors(model) if k.endswith(".lora_A.weight")}
+    names = targets if isinstance(targets, str) else list(targets)
+    fresh = lambda: transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(path)  # noqa
+    theirs = _peft_modules(peft.get_peft_model(fresh(), peft.LoraConfig(target_modules=names)))
+    assert ours == theirs
+    assert any(".visual." in m for m in ours) == (targets != ("q_proj", "v_proj"))
+    out = peft_io.save_adapter(model, args, tmp_path / "adapter", str(path))
+    assert _peft_modules(peft.PeftModel.from_pretrained(fresh(), out)) == theirs
+    # As model_name_or_path the directory loads back: its targets read from the pattern.
+    cfg = peft_io.adapter_settings(load_config("squares", [
+        f"model_name_or_path={out}", "use_peft=true", f"output_dir={tmp_path / 'run'}"]))
+    again, _ = peft_io.load_model(cfg, None)
+    saved = peft_io.adapter_tensors(model)
+    assert all(np.array_equal(v, saved[k]) for k, v in peft_io.adapter_tensors(again).items())
+    assert set(peft_io.adapter_tensors(again)) == set(saved)
+
+
+def test_tower_lora_logits_are_peft_s(tiny, tmp_path):
+    """All-linear adapters (random A and B) on the tiny Qwen2.5-VL, exported as a PEFT
+    directory and loaded by PeftModel.from_pretrained onto transformers' model: its logits on
+    prompts with images equal ours (adapters applied, and merged into the base as the sampler
+    and --merge get them), and differ from the base's. The image features take gradient into
+    every tower adapter (the qkv's, the merger's among them), as many as aot's estimate
+    counts."""
+    peft = pytest.importorskip("peft")
+    ref, path, _ = tiny
+    model, args = _adapted(hf.load_model(str(path), dtype=jnp.float32)[0], "all-linear")
+    out = peft_io.save_adapter(model, args, tmp_path / "adapter", str(path))
+    fresh = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(path).eval()
+    batch = _batch()
+    want = _hf_logits(peft.PeftModel.from_pretrained(fresh, out).eval(), batch)
+    ours = _our_logits(model, batch)
+    merged = _our_logits(peft_io.merged_model(model), batch)
+    diff, moved = _real_diff(ours, want, batch[1]), _real_diff(_hf_logits(ref, batch), want,
+                                                              batch[1])
+    print(f"tower LoRA: ours vs PEFT max |logits diff| {diff:.2e} (the adapters moved them "
+          f"by {moved:.2e}); merged vs PEFT {_real_diff(merged, want, batch[1]):.2e}")
+    assert diff < 1e-4 and _real_diff(merged, want, batch[1]) < 1e-4 and moved > 1e-2
+    tokens, _, pixels = batch
+    graphdef, adapters, rest = nnx.split(model, lora.LoraParam, nnx.Param)
+    # aot's estimate counts them from the config alone.
+    assert lora.tower_adapter_params(args, model.cfg) == lora.count(adapters["vision"])
+    features = lambda a: nnx.merge(graphdef, a, rest).embed_multimodal(  # noqa: E731
+        tokens, pixels, GRIDS)
+    grads = jax.jit(jax.grad(lambda a: (features(a) ** 2).sum()))(adapters)["vision"]
+    assert sorted(grads) == ["blocks", "merger"]
+    assert all(np.abs(np.asarray(g[...])).max() > 0 for g in jax.tree.leaves(grads))

@@ -297,23 +297,6 @@ def _qwen_model(tmp_path):
     return hf.load_model(str(tmp_path / "qwen"), dtype=np.float32)[0], proc
 
 
-def test_qwen_tower_lora_is_one_warning_naming_its_modules(tmp_path, caplog):
-    """Qwen2.5-VL's tower gets no adapters (its attention is one fused qkv linear): with
-    all-linear a run loads the language model's adapters only and warns once, naming each
-    tower module PEFT's rules would adapt; the exported pattern names none of them."""
-    _tiny_qwen(char_tokenizer()).save_pretrained(tmp_path / "qwen")
-    cfg = _cfg(tmp_path / "qwen", tmp_path / "run", "use_peft=true",
-               "lora_target_modules=all-linear")
-    with caplog.at_level("WARNING", logger="grpo_jax.peft_io"):
-        model, _ = peft_io.load_model(cfg, None)
-    [warning] = [r.getMessage() for r in caplog.records if "vision tower" in r.getMessage()]
-    skipped = peft_io.tower_modules(cfg.peft, model.cfg)
-    assert skipped and all(m in warning for m in skipped)
-    assert not lora.tower_adapted(model)
-    pattern = peft_io.adapter_config(cfg.peft, "base", model.cfg)["target_modules"]
-    assert "visual" not in pattern and "language_model" in pattern
-
-
 def test_qwen_rows_carry_their_images_and_positions(tmp_path):
     """Qwen-VL through the rollout and the trainer's forward: two prompts of different lengths
     (left padding) with a 16 x 24 image each, 2 completions each. The trainer's log-probs of the
@@ -498,7 +481,7 @@ def test_tower_adapters_take_gradient_and_dropout_in_the_train_forward_only(seei
 
 @pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("gate_proj",), "all-linear"])
 def test_tower_modules_are_the_ones_peft_adapts(targets):
-    """peft_io.tower_modules (what the run warns grpo-jax leaves out) is the set of tower
+    """peft_io.tower_modules (the tower's modules grpo-jax adapts) is the set of tower
     modules peft.get_peft_model adapts for the same target_modules, on Gemma 3's SigLIP and
     Qwen2.5-VL's ViT and merger."""
     peft = pytest.importorskip("peft")

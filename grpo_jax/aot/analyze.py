@@ -209,6 +209,7 @@ def _memory(run, progs, compiled: dict) -> dict:
     import jax
 
     from grpo_jax.aot import programs
+    from grpo_jax.models import lora
 
     params = programs.shard_bytes(progs.state.params)  # with LoRA: the adapters
     opt = programs.shard_bytes(progs.state.opt_state)
@@ -234,7 +235,8 @@ def _memory(run, progs, compiled: dict) -> dict:
         if isinstance(compiled[phase], Refused):  # XLA's figure: a lower bound on the peak
             out[at]["refused_by_compiler"] = compiled[phase].refused
     # The vision tower's share of the resident state: its params (frozen: no optimizer
-    # moments) and their reference copy; with LoRA it is in the frozen base.
+    # moments) and their reference copy; with LoRA it is in the frozen base, beside its
+    # adapters (trained, with their moments) where PEFT's rules adapt the tower.
     vision = sum(programs.shard_bytes(tree["vision"]) for tree in (progs.state.params,
                                                                       *progs.frozen)
                  if "vision" in tree)
@@ -242,6 +244,8 @@ def _memory(run, progs, compiled: dict) -> dict:
                   / run.model.param_dtype.itemsize if ref else 0.0)
     return {"params_GB": params / report.GB, "optimizer_state_GB": opt / report.GB,
             "vision_tower_GB": vision / report.GB, "vision_reference_GB": vision_ref / report.GB,
+            "vision_adapted": bool(run.cfg.peft.use_peft
+                                   and lora.tower_targets(run.cfg.peft, run.model)),
             "reference_params_GB": ref / report.GB, "frozen_base_GB": base / report.GB,
             "kv_cache_GB": programs.shard_bytes(progs.kv_cache) / report.GB,
             "resident_GB": resident / report.GB, "phases": out}

@@ -134,12 +134,17 @@ def render(r: dict) -> str:
         f"  params {m['params_GB']:.2f}  optimizer state {m['optimizer_state_GB']:.2f}  "
         f"reference params {m['reference_params_GB']:.2f}  KV cache {m['kv_cache_GB']:.2f}",
     ]
+    state_line = len(lines) - 1  # LoRA's replaces it (the tower's line may follow)
     if m.get("vision_tower_GB"):
         image = r.get("image")
         grid = f", patch grid {'x'.join(map(str, image['grid']))}" if image and image.get(
             "grid") else ""
-        lines.append(f"  of which the vision tower (frozen: no optimizer state): params "
-                     f"{m['vision_tower_GB']:.2f} ({m['vision_tower_GB'] / m['params_GB']:.0%})"
+        state = ("its LoRA adapters trained" if m.get("vision_adapted")
+                 else "frozen: no optimizer state")
+        # (With LoRA the params are the adapters; the tower's weights are in the frozen base.)
+        share = "" if r.get("lora") else f" ({m['vision_tower_GB'] / m['params_GB']:.0%})"
+        lines.append(f"  of which the vision tower ({state}): params "
+                     f"{m['vision_tower_GB']:.2f}{share}"
                      f"  reference {m['vision_reference_GB']:.2f}"
                      + (f"; {image['tokens']} image tokens per prompt ({image['images']} "
                         f"image(s) of {image['patches']} patches{grid})" if image else
@@ -152,11 +157,11 @@ def render(r: dict) -> str:
     if r.get("lora"):
         lo = r["lora"]
         bits = f", base in {lo['quant_bits']} bits" if lo["quant_bits"] else ""
+        lines[state_line] = (f"  adapters {m['params_GB']:.2f}  their optimizer state "
+                             f"{m['optimizer_state_GB']:.2f}  frozen base "
+                             f"{m['frozen_base_GB']:.2f}  KV cache {m['kv_cache_GB']:.2f}")
         lines[3:3] = [f"LoRA r={lo['r']} on {', '.join(lo['target_modules'])}{bits}; the "
                       f"sampler runs {lo['sampler']}"]
-        lines[-1] = (f"  adapters {m['params_GB']:.2f}  their optimizer state "
-                     f"{m['optimizer_state_GB']:.2f}  frozen base {m['frozen_base_GB']:.2f}  "
-                     f"KV cache {m['kv_cache_GB']:.2f}")
     if r.get("mesh_chosen"):
         flags = " ".join(f"--{k} {v}" for k, v in _mesh_flags(r["mesh"]).items())
         lines.insert(1, f"layout chosen by aot (no mesh settings given): {flags}")

@@ -214,13 +214,16 @@ def estimate(lay: Layout, cfg, model, target, chips: int, phases=PHASES,
 
     `image_tokens` (a vision-language model's image tokens per prompt, within the prompt):
     its tower is frozen (policy.frozen_parts: its params and reference copy, no moments or
-    gradient), and each phase runs it forward over its rows' images (_tower_memory).
+    gradient), and each phase runs it forward over its rows' images (_tower_memory). With LoRA
+    adapters on the tower (lora.tower_targets) they are trained (their params, gradients and
+    AdamW's moments, replicated) and the update differentiates the tower: it keeps every
+    tower layer's activations for the backward and runs it (about the forward's FLOPs again).
     It fits with `margin` of HBM to spare."""
     import jax.numpy as jnp
 
     from grpo_jax import mesh as mesh_lib
     from grpo_jax.aot import report
-    from grpo_jax.models import param_table
+    from grpo_jax.models import lora, param_table
     from grpo_jax.shapes import bucket_width
 
 
@@ -246,7 +249,11 @@ def estimate(lay: Layout, cfg, model, target, chips: int, phases=PHASES,
     # params, AdamW's moments, the reference copy, LoRA's base (the gradient: in `update`)
     held = run_facts.state_bytes(cfg, elems - tower)
     frozen = run_facts.state_bytes(cfg, tower)  # the tower's: no moments, never a gradient
-    resident = held.resident + frozen.params + frozen.reference + frozen.frozen_base
+    # The tower's LoRA adapters (trained: the tower is then differentiated in the update).
+    tower_lora = lora.tower_adapter_params(cfg.peft, model) * jnp.dtype(
+        cfg.numerics.param_dtype).itemsize
+    resident = (held.resident + frozen.params + frozen.reference + frozen.frozen_base
+                + 3 * tower_lora)  # the adapters and their two moments
     plan = lay.apply(cfg, cfg.batch_plan(batch_size(cfg, chips)).generation_batch_size
                      ).batch_plan(dp)
     L, D, F, V = model.num_layers, model.hidden_size, model.intermediate_size, model.vocab_size
@@ -290,8 +297,10 @@ def estimate(lay: Layout, cfg, model, target, chips: int, phases=PHASES,
     prompts = -(-rows // plan.num_generations)
     # The sampler's images are one host's, replicated: every chip encodes every prompt's.
     seen = {"generate": prompts, "logprobs": r, "update": r}
-    towers = {p: _tower_memory(images, n, tower_split, c_bytes) if images else 0.0
+    towers = {p: _tower_memory(images, n, tower_split, c_bytes,
+                               backward=p == "update" and tower_lora > 0) if images else 0.0
               for p, n in seen.items()}
+    towers["update"] += tower_lora  # the adapters' gradients
     # The update's batch holds its accumulation steps' pixels at once.
     towers["update"] += (r * lay.accumulation * images.images * math.prod(images.pixels) * 4
                          if images else 0.0)
@@ -323,13 +332,15 @@ def estimate(lay: Layout, cfg, model, target, chips: int, phases=PHASES,
                                * plan.gradient_accumulation_steps,
                                run_facts.planned_prompt_group(cfg, plan))
     flops["update"] *= (4 / 3) if lay.remat and lay.remat_policy == "full" else 1.0
-    if images:  # the tower's forward (frozen: no backward) over each phase's images
+    if images:  # the tower's forward over each phase's images (frozen: no backward)
         encoded = {"generate": prompts * dp,  # replicated: each batch shard encodes them all
                    "logprobs": runs["logprobs"] * plan.micro_batch_size,
                    "update": runs["update"] * plan.micro_batch_size
                    * plan.gradient_accumulation_steps}
+        backward = 2 if tower_lora else 1  # an adapted tower's backward: the forward again
         for p, n in encoded.items():
-            flops[p] += n * images.images * _tower_flops(images, model.vision_params())
+            flops[p] += (n * images.images * _tower_flops(images, model.vision_params())
+                         * (backward if p == "update" else 1))
     weights_chip = elems * c_bytes
     hbm = {"generate": waves * (C - 1) * (weights_chip + kv),
            "logprobs": runs["logprobs"] * (n_params * c_bytes / tp + 4 * r * Tc * D * 2 * L),
@@ -375,18 +386,25 @@ def estimate(lay: Layout, cfg, model, target, chips: int, phases=PHASES,
             "fits": peak <= (1 - margin) * chip.hbm_bytes}
 
 
-def _tower_memory(t, images_of: int, split: int, c_bytes: int) -> float:
+def _tower_memory(t, images_of: int, split: int, c_bytes: int,
+                  backward: bool = False) -> float:
     """Bytes of a vision tower's forward over the images of `images_of` prompts (or rows) at
     once (models/qwen_vl.py, siglip.py): one layer's activations of every patch (its input,
     q, k, v, attention output and MLP), and its attention scores per head in fp32, over a
-    whole image in a full-attention layer (the largest), else over a window of patches. The
-    tower is frozen, so nothing is kept for a backward. `split`: what its heads and MLP are
-    split over (the tensor axis, for a tower whose weights follow mesh.RULES)."""
+    whole image in a full-attention layer (the largest), else over a window of patches. A
+    frozen tower keeps nothing for a backward; with `backward` (LoRA adapters on it, the
+    update differentiates it) every layer's activations and attention probabilities (fp32
+    scores and their compute-dtype softmax) are kept as well. `split`: what its heads and
+    MLP are split over (the tensor axis, for a tower whose weights follow mesh.RULES)."""
     n = images_of * t.images
     heads = t.heads // split if t.heads % split == 0 else t.heads
     acts = n * t.patches * (5 * t.width + 2 * t.mlp // split) * c_bytes
     span = t.patches if t.full_layers else t.window
-    return acts + n * heads * t.patches * span * 4
+    working = acts + n * heads * t.patches * span * 4
+    if not backward:
+        return working
+    spans = t.full_layers * t.patches + (t.layers - t.full_layers) * t.window
+    return working + t.layers * acts + n * heads * t.patches * spans * (4 + c_bytes)
 
 
 def _tower_flops(t, params: int) -> float:

@@ -127,8 +127,8 @@ class PeftArgs:
         None,
         "Names of PEFT's modules, or \"all-linear\"; None: PEFT's default for the model (q, v). "
         "On a vision-language model PEFT's rules also reach the tower's modules of these names "
-        "(all-linear: every tower linear): Gemma 3's SigLIP gets them; Qwen2.5-VL's tower "
-        "none yet (a warning names them).")
+        "(all-linear: every tower linear, Qwen2.5-VL's fused attn.qkv as one module), and "
+        "they get adapters there too.")
     use_rslora: bool = arg(
         False,
         "Scale the adapters by lora_alpha / sqrt(r) instead of lora_alpha / r (rsLoRA).")

@@ -96,7 +96,9 @@ class ImageTower(Protocol):
     """A vision-language model's image encoder (Decoder.vision): qwen_vl.QwenVision,
     siglip.VisionTower, each a holder its VisionConfig builds (config.VisionConfig.tower) and
     the table walk fills. With LoRA adapters on it (models/lora.py) their scale, dropout and
-    dropout key, as the Decoder's; lora_scale None: none."""
+    dropout key, as the Decoder's; lora_scale None: none. Its forward applies the adapters of
+    every linear of its HF names (lora.tower_linears: each has one when PEFT's rules adapt
+    it), beside the weight each adapts (`<holder>.<w>_lora_a|b`)."""
 
     lora_scale: float | None
     lora_dropout: float
@@ -121,8 +123,6 @@ class VisionConfig(Protocol):
     hf_anchors: dict[str, str]
     # Where the wrapper's save_pretrained nests the decoder's tensors ("": as a causal LM's).
     hf_text_root: str
-    # The table names of the linears whose LoRA adapters the tower's forward applies.
-    lora_leaves: tuple[str, ...]
 
     def param_table(self, text_hidden: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
         """name (without "vision/") -> (shape, logical axes); text_hidden: the decoder's."""

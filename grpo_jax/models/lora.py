@@ -86,18 +86,48 @@ def tower_linears(peft: PeftArgs, cfg) -> dict[str, str]:
 
 
 def tower_targets(peft: PeftArgs, cfg) -> tuple[str, ...]:
-    """The tower's stacked weights (names under the tower's `layers`) that get adapters: those
-    of tower_linears its forward adapts (VisionConfig.lora_leaves: SigLIP's; Qwen2.5-VL's
-    fused qkv is not PEFT-shaped, so its tower gets none and the run warns)."""
-    linears = tower_linears(peft, cfg)
-    return tuple(n[len("layers/"):] for n in linears if n in cfg.vision.lora_leaves)
+    """The tower's weights (table names without "vision/": "layers/wq", "blocks/wqkv",
+    "merger/w1") that get adapters: every linear of tower_linears, as PEFT adapts them (a
+    fused linear such as Qwen2.5-VL's attn.qkv is one module: one adapter, its B as wide as
+    the fused output)."""
+    return tuple(tower_linears(peft, cfg)) if cfg.vision is not None else ()
+
+
+def tower_adapter_params(peft: PeftArgs, cfg) -> int:
+    """The trainable parameters of the tower's adapters (r x (in + out) a module, each layer's
+    of a stacked weight): what a tower-adapted run trains there, from the config alone."""
+    if cfg.vision is None or not peft.use_peft:
+        return 0
+    table = cfg.vision.param_table(cfg.hidden_size)
+    total = 0
+    for name in tower_targets(peft, cfg):
+        hf_name, groups = cfg.vision.hf_names()[name]
+        shape = table[name][0]
+        stack, shape = (shape[0], shape[1:]) if "{i}" in hf_name else (1, shape)
+        n = len(groups[1])
+        total += stack * peft.lora_r * (math.prod(shape[:n]) + math.prod(shape[n:]))
+    return total
+
+
+def _tower_target(vision, cfg, name: str) -> tuple:
+    """(holder, leaf, shape, axes, inputs) of tower weight `name`: a weight outside the
+    stacked layers (Qwen2.5-VL's merger) as a stack of one, so its adapters have the layer
+    axis every other adapter has (merging, export and sharding read them alike)."""
+    part, leaf = name.split("/")
+    holder = getattr(vision, part)
+    w = getattr(holder, leaf)
+    hf_name, groups = cfg.vision.hf_names()[name]
+    inputs = len(groups[1])  # torch's [out, in]: the HF tensor's second group is the input
+    if "{i}" in hf_name:
+        return holder, leaf, w.shape, w.axes, inputs
+    return holder, leaf, (1, *w.shape), (None, *w.axes), inputs
 
 
 def add_adapters(model, peft: PeftArgs, key: jax.Array, dtype=None) -> None:
     """Give `model` (a Decoder) fresh adapters in `dtype` (default: the model's param dtype):
     A kaiming-uniform as PEFT's (bound 1/sqrt(fan_in)), B zero. Axes follow the weight's. On a
     vision-language model the tower's modules that PEFT's rules select get theirs too (beside
-    the tower's stacked weights, in `model.vision.layers`)."""
+    the tower's weights: `model.vision.layers`, or Qwen2.5-VL's `.blocks` and `.merger`)."""
     # PEFT adapts Phi-3's fused qkv_proj / gate_up_proj as single modules; our split weights
     # would give adapters of another shape than PEFT's, so refuse rather than export a mismatch.
     check(model.cfg.model_type != "phi3", "LoRA on Phi-3 (fused qkv_proj and gate_up_proj) "
@@ -105,22 +135,22 @@ def add_adapters(model, peft: PeftArgs, key: jax.Array, dtype=None) -> None:
     dtype = model.cfg.param_dtype if dtype is None else dtype
     model.lora_scale = peft.scale
     model.lora_dropout = peft.lora_dropout
-    targets = [(model.layers, leaf, getattr(model.layers, leaf), quant.num_inputs(leaf))
+    targets = [(model.layers, leaf, getattr(model.layers, leaf).shape,
+                getattr(model.layers, leaf).axes, quant.num_inputs(leaf))
                for leaf in model_targets(peft, model.cfg)]
     tower = tower_targets(peft, model.cfg) if model.vision is not None else ()
     if tower:
         model.vision.lora_scale = peft.scale
         model.vision.lora_dropout = peft.lora_dropout
-        targets += [(model.vision.layers, leaf, getattr(model.vision.layers, leaf), 1)
-                    for leaf in tower]
-    shapes = tuple(((*w.shape[:1 + n], peft.lora_r), (w.shape[0], peft.lora_r, *w.shape[1 + n:]))
-                   for _, _, w, n in targets)  # (A, B) of each
-    bounds = tuple(1.0 / math.sqrt(math.prod(w.shape[1:1 + n])) for _, _, w, n in targets)
+        targets += [_tower_target(model.vision, model.cfg, name) for name in tower]
+    shapes = tuple(((*shape[:1 + n], peft.lora_r), (shape[0], peft.lora_r, *shape[1 + n:]))
+                   for _, _, shape, _, n in targets)  # (A, B) of each
+    bounds = tuple(1.0 / math.sqrt(math.prod(shape[1:1 + n])) for _, _, shape, _, n in targets)
     drawn = _draw_adapters(key, shapes, bounds, jnp.dtype(dtype))
-    for (holder, leaf, w, n), (a, b) in zip(targets, drawn):
-        setattr(holder, f"{leaf}_lora_a", LoraParam(a, axes=_fsdp((*w.axes[:1 + n], None))))
+    for (holder, leaf, _, axes, n), (a, b) in zip(targets, drawn):
+        setattr(holder, f"{leaf}_lora_a", LoraParam(a, axes=_fsdp((*axes[:1 + n], None))))
         setattr(holder, f"{leaf}_lora_b",
-                LoraParam(b, axes=_fsdp((w.axes[0], None, *w.axes[1 + n:]))))
+                LoraParam(b, axes=_fsdp((axes[0], None, *axes[1 + n:]))))
 
 
 def tower_adapted(model) -> bool:
@@ -214,7 +244,8 @@ def project(p: dict, leaf: str, eq: str, x: jax.Array, dtype) -> jax.Array:
 
 
 def merged_weight(w: jax.Array, a: jax.Array, b_scaled: jax.Array) -> jax.Array:
-    """W + A (scale B) for stacked [L, in..., out...] W, in fp32, cast back to W's dtype."""
+    """W + A (scale B) for stacked [L, in..., out...] W, in fp32, cast back to W's dtype (a
+    W outside the stacked layers: [in..., out...] with its adapters a stack of one)."""
     L, r = a.shape[0], a.shape[-1]
     delta = jnp.matmul(a.reshape(L, -1, r).astype(jnp.float32),
                        b_scaled.reshape(L, r, -1).astype(jnp.float32))
@@ -227,8 +258,9 @@ def merge_into_base(base, adapters, scale: float):
     `adapters`: the LoraParam state."""
     merged = jax.tree.map(lambda x: x, quant.dequantized_base(base))  # a new State
     holders = [(adapters["layers"], merged["layers"])]
-    if "vision" in adapters:  # the tower's adapters (add_adapters)
-        holders.append((adapters["vision"]["layers"], merged["vision"]["layers"]))
+    if "vision" in adapters:  # the tower's adapters (add_adapters), by holder (layers, merger)
+        holders += [(adapters["vision"][part], merged["vision"][part])
+                    for part in adapters["vision"]]
     for layers, weights in holders:
         for name in layers:
             if name.endswith("_lora_a"):

@@ -91,9 +91,6 @@ class QwenVisionConfig:
     # (hf.py finds transformers 5's model.language_model. by the embeddings).
     hf_anchors = property(lambda self: {})
     hf_text_root = property(lambda self: "")
-    # No LoRA on the tower: its attention is one fused qkv linear, which PEFT's q_proj /
-    # v_proj names don't reach and all-linear adapts as one module (not done here yet).
-    lora_leaves = ()
 
     def tower(self) -> "QwenVision":
         return QwenVision(self)
@@ -313,24 +310,44 @@ def _attend(v: QwenVisionConfig, q, k, val, rows: Segments):
     return out.reshape(-1, *out.shape[2:])[jnp.asarray(rows.back)]
 
 
+def _linear(p, name: str, eq: str, x, dtype, index: int):
+    """einsum(eq, x, W) for weight `name` of `p`, plus its LoRA adapter when `p` has one:
+    x [N, in...] A [in..., r] (scale B) [r, out...], PEFT's one adapter per module (the fused
+    qkv's delta added before the split into q, k, v), with PEFT's dropout on the adapter's
+    input (torch's nn.Dropout) when `p` has a dropout key (lora.with_dropout)."""
+    y = jnp.einsum(eq, x, p[name].astype(dtype))
+    if f"{name}_lora_a" not in p:
+        return y
+    if "lora_dropout_key" in p:
+        rate = p["lora_dropout_rate"]
+        keep = jax.random.bernoulli(jax.random.fold_in(p["lora_dropout_key"], index),
+                                    1.0 - rate, x.shape)
+        x = jnp.where(keep, x / (1.0 - rate).astype(dtype), jnp.zeros((), dtype))
+    a, b = p[f"{name}_lora_a"].astype(dtype), p[f"{name}_lora_b"].astype(dtype)
+    r = x.reshape(x.shape[0], -1) @ a.reshape(-1, a.shape[-1])
+    return y + (r @ b.reshape(b.shape[0], -1)).reshape(y.shape)
+
+
 def _block(v: QwenVisionConfig, p, x, cos, sin, rows: Segments, dtype):
     """One ViT block over all patches x [N, E], attending within the segments `rows`."""
     h = _rms_norm(x, p["attn_norm"], dtype)
-    qkv = jnp.einsum("ne,eshd->nshd", h, p["wqkv"].astype(dtype)) + p["bqkv"].astype(dtype)
+    qkv = _linear(p, "wqkv", "ne,eshd->nshd", h, dtype, 0) + p["bqkv"].astype(dtype)
     q, k, val = _rotate(qkv[:, 0], cos, sin), _rotate(qkv[:, 1], cos, sin), qkv[:, 2]
     attn = _attend(v, q, k, val, rows)
-    x = x + jnp.einsum("nhd,hde->ne", attn, p["wo"].astype(dtype)) + p["bo"].astype(dtype)
+    x = x + _linear(p, "wo", "nhd,hde->ne", attn, dtype, 1) + p["bo"].astype(dtype)
     h = _rms_norm(x, p["mlp_norm"], dtype)
-    gate = h @ p["w_gate"].astype(dtype) + p["b_gate"].astype(dtype)
-    up = h @ p["w_up"].astype(dtype) + p["b_up"].astype(dtype)
-    return x + (jax.nn.silu(gate) * up) @ p["w_down"].astype(dtype) + p["b_down"].astype(dtype)
+    gate = _linear(p, "w_gate", "ne,ef->nf", h, dtype, 2) + p["b_gate"].astype(dtype)
+    up = _linear(p, "w_up", "ne,ef->nf", h, dtype, 3) + p["b_up"].astype(dtype)
+    down = _linear(p, "w_down", "nf,fe->ne", jax.nn.silu(gate) * up, dtype, 4)
+    return x + down + p["b_down"].astype(dtype)
 
 
 def vision_forward(v: QwenVisionConfig, params: dict, pixel_values, layout: VisionLayout,
                    dtype):
     """The image embeddings [N / merge_unit, out_hidden_size] of pixel_values [N, C*T*P*P]
     (the images of `layout`, their patches in the processor's order), in that order.
-    params: the vision table's arrays by name (blocks stacked [depth, ...])."""
+    params: the vision table's arrays by name (blocks stacked [depth, ...]), and the LoRA
+    adapters of QwenVision.adapters when it has them."""
     N, u, E = pixel_values.shape[0], v.merge_unit, v.hidden_size
     patch = params["patch_embed"].astype(dtype).reshape(-1, E)
     x = pixel_values.astype(dtype) @ patch  # the Conv3d: its kernel is the whole patch
@@ -346,9 +363,11 @@ def vision_forward(v: QwenVisionConfig, params: dict, pixel_values, layout: Visi
         body = lambda x, p, rows=rows: (_block(v, p, x, cos, sin, rows, dtype), None)  # noqa: E731
         x, _ = jax.lax.scan(body, x, {k: a[run[0]:run[-1] + 1] for k, a in blocks.items()})
     h = _rms_norm(x, params["merger/norm"], dtype).reshape(N // u, u * E)
-    h = jax.nn.gelu(h @ params["merger/w1"].astype(dtype) + params["merger/b1"].astype(dtype),
+    merger = {k[len("merger/"):]: a for k, a in params.items() if k.startswith("merger/")}
+    h = jax.nn.gelu(_linear(merger, "w1", "nu,uv->nv", h, dtype, 0)
+                    + params["merger/b1"].astype(dtype),
                     approximate=False)  # torch's nn.GELU(): the exact erf form
-    out = h @ params["merger/w2"].astype(dtype) + params["merger/b2"].astype(dtype)
+    out = _linear(merger, "w2", "nu,uo->no", h, dtype, 1) + params["merger/b2"].astype(dtype)
     return out[jnp.argsort(order)]  # back to the processor's (and the placeholders') order
 
 
@@ -358,9 +377,12 @@ class _Holder(nnx.Module):
 
 class QwenVision(nnx.Module):
     """The tower's parameters (set by the Decoder from the vision table: vision/blocks/...,
-    vision/merger/..., vision/patch_embed)."""
+    vision/merger/..., vision/patch_embed), and the LoRA adapters models/lora.py gave its
+    linears (`blocks.<w>_lora_a|b` stacked as the blocks, `merger.<w>_lora_a|b` a stack of
+    one)."""
 
-    lora_scale: float | None = None  # no adapters on this tower (QwenVisionConfig.lora_leaves)
+    # Set by models/lora.py (add_adapters, with_dropout) with adapters: as the Decoder's.
+    lora_scale: float | None = None
     lora_dropout: float = 0.0
     lora_dropout_key: jax.Array | None = None
 
@@ -378,10 +400,31 @@ class QwenVision(nnx.Module):
             out[name] = node[...]
         return out
 
+    def adapters(self) -> dict[str, jax.Array]:
+        """The adapters by table name ({blocks/<w>_lora_a: A, ..._lora_b: scale B,
+        merger/...} the merger's without their stack of one) and under with_dropout a dropout
+        key and rate per block and the merger's; {} without adapters. B is scaled here, once
+        per forward, as the decoder's (lora.layer_extras)."""
+        if self.lora_scale is None:
+            return {}
+        out = {}
+        for part, holder in (("blocks", self.blocks), ("merger", self.merger)):
+            for name, var in vars(holder).items():
+                if "_lora_" in name:
+                    a = var[...] * self.lora_scale if name.endswith("_lora_b") else var[...]
+                    out[f"{part}/{name}"] = a if part == "blocks" else a[0]
+        if self.lora_dropout_key is not None:
+            L, key = self.cfg.depth, self.lora_dropout_key
+            out["blocks/lora_dropout_key"] = jax.random.split(key, L)
+            out["blocks/lora_dropout_rate"] = jnp.full((L,), self.lora_dropout, jnp.float32)
+            out["merger/lora_dropout_key"] = jax.random.fold_in(key, L)
+            out["merger/lora_dropout_rate"] = jnp.asarray(self.lora_dropout, jnp.float32)
+        return out
+
     def __call__(self, pixel_values, image_grid_thw, dtype) -> jax.Array:
         """Image embeddings [sum of t*h*w / merge_unit, out_hidden_size]; image_grid_thw is
         read on the host (numpy): the layout is static."""
-        return vision_forward(self.cfg, self.params(), pixel_values,
+        return vision_forward(self.cfg, {**self.params(), **self.adapters()}, pixel_values,
                               vision_layout(self.cfg, image_grid_thw), dtype)
 
 

@@ -78,10 +78,6 @@ class SiglipConfig:
 
     hf_anchors = property(lambda self: HF_ANCHORS)
     hf_text_root = property(lambda self: HF_TEXT_ROOT)
-    # The linears whose LoRA adapters the forward applies: all of the encoder layers' (PEFT's
-    # q_proj, k_proj, v_proj, out_proj, fc1, fc2).
-    lora_leaves = ("layers/wq", "layers/wk", "layers/wv", "layers/wo", "layers/fc1",
-                   "layers/fc2")
 
     def tower(self) -> "VisionTower":
         return VisionTower(self)
