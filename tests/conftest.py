@@ -57,8 +57,8 @@ LONGEST_FIRST = ("vllm_smol", "vllm_tiny", "test_aot", "test_lora", "test_train"
                  "test_partial_tools", "test_partial", "test_moe", "test_shared_prefix",
                  "test_faults", "test_sampler", "test_refill", "test_split",
                  "test_context_parallel", "test_tool_templates", "test_vllm_lora",
-                 "test_vlm_qwen", "test_vlm_gemma3", "test_run_dir", "test_schedule",
-                 "test_integrity", "test_bench", "test_families", "test_train_step")
+                 "test_run_dir", "test_schedule", "test_integrity", "test_bench",
+                 "test_families", "test_train_step")
 
 
 def _group(nodeid: str) -> str:
