@@ -45,18 +45,20 @@ def pytest_unconfigure(config):
 # tests/run.sh runs two pytest-xdist workers. A module goes to one worker whole (its module
 # fixtures are made once), modules that share a session fixture go to the same one, and the
 # longest groups start first so that no worker is left with a long module at the end (the order
-# is from `--durations` of a full run).
+# is from `--durations` of a full run). A module left out runs after these, in file order: one
+# of a minute or more left out ends up alone at the end (test_vlm_train, second to last, did).
 SHARED_GROUPS = {  # modules that use the same session-scoped vLLM server
     "test_vllm": "vllm_tiny", "test_vllm_async": "vllm_tiny", "test_vllm_sampling_bias": "vllm_tiny",
     "test_vllm_restart": "vllm_tiny",
     "test_tools": "vllm_smol", "test_vllm_weight_sync": "vllm_smol",
 }
 LONGEST_FIRST = ("vllm_smol", "vllm_tiny", "test_aot", "test_lora", "test_train",
-                 "test_tool_continuation", "test_multihost", "test_partial", "test_moe",
-                 "test_shared_prefix", "test_faults", "test_refill", "test_split",
-                 "test_context_parallel",
-                 "test_tool_templates", "test_vllm_lora", "test_run_dir", "test_schedule",
-                 "test_integrity")
+                 "test_vlm_train", "test_tool_continuation", "test_multihost",
+                 "test_partial_tools", "test_partial", "test_moe", "test_shared_prefix",
+                 "test_faults", "test_sampler", "test_refill", "test_split",
+                 "test_context_parallel", "test_tool_templates", "test_vllm_lora",
+                 "test_run_dir", "test_schedule", "test_integrity", "test_bench",
+                 "test_families", "test_train_step")
 
 
 def _group(nodeid: str) -> str:

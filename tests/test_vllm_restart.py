@@ -187,9 +187,11 @@ def test_server_restarted_mid_run_is_resynced(servers, model_dir, tmp_path):
 @pytest.mark.kills_shared_server
 def test_server_killed_mid_run_checkpoints_and_exits_clearly(servers, model_dir, tmp_path):
     """The server (after the tests above; it stays down: the group's last test), killed during a
-    run: the run saves its last completed step and exits with one clear error."""
+    run: the run waits vllm_server_timeout for it (5 s here: train_config's 30 s was idle
+    time), saves its last completed step and exits with one clear error."""
     from grpo_jax.checkpoint import Checkpointer
-    run = start_run(model_dir, tmp_path, servers.current.base_url, max_steps=200)
+    run = start_run(model_dir, tmp_path, servers.current.base_url, max_steps=200,
+                    vllm_server_timeout=5)
     try:
         wait_for_checkpoint(run, tmp_path, 2)
     except BaseException:
