@@ -268,8 +268,8 @@ def test_grpo_run_with_a_calculator(tmp_path):
     turns as messages, and checkpoints hold the tool mask of buffered micro-batches."""
     from grpo_jax.cli import load_config
     from grpo_jax.train import train
-    # 2 prompts x 2 rows: 2 steps' batches of 2, one trained and one buffered (2 x 4 rows took
-    # 91 s against 73 s on a loaded 2-core machine, the same assertions passing).
+    # 2 prompts x 4 rows: 2 steps' batches of 4, one trained and one buffered (16 rows took
+    # 7 s longer, the same assertions passing).
     with open(tmp_path / "q.jsonl", "w") as f:
         for a, b in [(48213, 9177), (66011, 4589)]:
             f.write(json.dumps({"prompt": SHOTS + [{"role": "user",
@@ -278,8 +278,8 @@ def test_grpo_run_with_a_calculator(tmp_path):
     sets = {"dtype": "float32", "dataset_name": tmp_path / "q.jsonl",
             "tools": "[grpo_jax.calculator:calculator]", "chat_template": "chatml_tools",
             "reward_funcs": "[grpo_jax.calculator:final_answer]",
-            "num_generations": 2, "max_completion_length": 40, "temperature": 1.0,
-            "per_device_train_batch_size": 2, "steps_per_generation": 2, "learning_rate": 1e-5,
+            "num_generations": 4, "max_completion_length": 40, "temperature": 1.0,
+            "per_device_train_batch_size": 4, "steps_per_generation": 2, "learning_rate": 1e-5,
             "beta": 0.0, "output_dir": tmp_path / "out", "report_to": "[]", "max_steps": 1,
             "dp": 1, "log_completions": True, "num_completions_to_print": 0, "save_steps": 1}
     cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
