@@ -26,6 +26,7 @@ from flax import nnx
 
 from grpo_jax import hf
 from grpo_jax.errors import ConfigError, AdapterError
+from grpo_jax.config.model import TOWER_TARGETS
 from grpo_jax.models import Decoder, build, lora
 from grpo_jax.models.decoder import stack_of
 
@@ -82,9 +83,10 @@ def adapter_settings(cfg):
     targets = [targets] if isinstance(targets, str) else targets
     # PEFT matches a name against the end of a module's path; all-linear is saved as paths.
     targets = tuple(dict.fromkeys(t.rsplit(".", 1)[-1] for t in targets))
-    if any(t not in lora.TARGETS and t != "all-linear" for t in targets):
-        # A tower's linears (SigLIP's out_proj, fc1, fc2) that no decoder name reaches: only
-        # all-linear adapts them with the decoder's (load_adapter checks every key).
+    if any(t not in lora.TARGETS and t not in TOWER_TARGETS and t != "all-linear"
+           for t in targets):
+        # A module no name of ours reaches (Qwen2.5-VL's merger, mlp.0 / mlp.2): only
+        # all-linear adapts it with the rest (load_adapter checks every key).
         targets = ("all-linear",)
     peft = dataclasses.replace(
         cfg.peft, lora_r=int(conf["r"]), lora_alpha=conf.get("lora_alpha", 8),

@@ -63,7 +63,8 @@ def test_scale_and_init_follow_peft():
 
 @pytest.mark.parametrize("kw,msg", [
     (dict(lora_r=0), "lora_r must be >= 1"),
-    (dict(lora_target_modules=("q_proj", "qkv")), "match no module"),
+    (dict(lora_target_modules=("q_proj", "qkv_proj")), "match no module"),
+    (dict(lora_target_modules=("qkv", "fc1")), "select no module of the language model"),
     (dict(lora_dropout=1.0), "lora_dropout=1.0: a dropout probability"),
 ])
 def test_bad_settings_are_one_clear_error(kw, msg):

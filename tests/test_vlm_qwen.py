@@ -208,7 +208,7 @@ def _peft_modules(model) -> set[str]:
 
 
 @pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("gate_proj", "down_proj"),
-                                     "all-linear"])
+                                     ("v_proj", "qkv", "fc1"), "all-linear"])
 def test_lora_adapts_the_modules_peft_adapts(tiny, tmp_path, targets):
     """The modules grpo-jax adapts on Qwen2.5-VL (language model, ViT blocks and merger) are
     those peft.get_peft_model adapts on the transformers model for the same target_modules

@@ -479,7 +479,8 @@ def test_tower_adapters_take_gradient_and_dropout_in_the_train_forward_only(seei
                for n in ("wq_lora_a", "wq_lora_b", "wv_lora_b"))
 
 
-@pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("gate_proj",), "all-linear"])
+@pytest.mark.parametrize("targets", [("q_proj", "v_proj"), ("gate_proj",),
+                                     ("q_proj", "qkv", "fc1"), "all-linear"])
 def test_tower_modules_are_the_ones_peft_adapts(targets):
     """peft_io.tower_modules (the tower's modules grpo-jax adapts) is the set of tower
     modules peft.get_peft_model adapts for the same target_modules, on Gemma 3's SigLIP and

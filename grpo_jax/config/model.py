@@ -107,6 +107,11 @@ TARGETS = dict(zip(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pro
                    PROJECTIONS))
 
 
+# PEFT's module names that only a vision tower has (SigLIP's out_proj, fc1, fc2; Qwen2.5-VL's
+# fused attn.qkv and attn.proj): valid in lora_target_modules beside the decoder's, they adapt
+# the tower's modules of that name (models/lora.py refuses them on a model without such).
+TOWER_TARGETS = ("qkv", "proj", "out_proj", "fc1", "fc2")
+
 # PEFT's default target_modules for the llama / qwen2 / qwen3 families.
 DEFAULT_TARGETS = ("q_proj", "v_proj")
 
@@ -127,8 +132,9 @@ class PeftArgs:
         None,
         "Names of PEFT's modules, or \"all-linear\"; None: PEFT's default for the model (q, v). "
         "On a vision-language model PEFT's rules also reach the tower's modules of these names "
-        "(all-linear: every tower linear, Qwen2.5-VL's fused attn.qkv as one module), and "
-        "they get adapters there too.")
+        "(all-linear: every tower linear, Qwen2.5-VL's fused attn.qkv as one module; the "
+        "tower's own names qkv, proj, out_proj, fc1, fc2 may be given too), and they get "
+        "adapters there too.")
     use_rslora: bool = arg(
         False,
         "Scale the adapters by lora_alpha / sqrt(r) instead of lora_alpha / r (rsLoRA).")
@@ -183,10 +189,15 @@ class PeftArgs:
             names = (names,)
         if "all-linear" in names:
             return tuple(TARGETS)
-        unknown = [n for n in names if n not in TARGETS]
+        unknown = [n for n in names if n not in TARGETS and n not in TOWER_TARGETS]
         check(not unknown, f"lora_target_modules {unknown} match no module of the decoder; use "
-              f"some of {', '.join(TARGETS)}, or all-linear")
-        return tuple(n for n in TARGETS if n in names)
+              f"some of {', '.join(TARGETS)} (a vision tower's: {', '.join(TOWER_TARGETS)}), "
+              "or all-linear")
+        out = tuple(n for n in TARGETS if n in names)
+        check(bool(out), f"lora_target_modules {list(names)} select no module of the language "
+              f"model: grpo-jax's LoRA adapts it, and the tower beside it; add some of "
+              f"{', '.join(TARGETS)}, or all-linear")
+        return out
 
     def targets(self) -> tuple[str, ...]:
         """The decoder's weight names of the adapted modules."""

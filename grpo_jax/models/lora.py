@@ -82,6 +82,8 @@ def tower_linears(peft: PeftArgs, cfg) -> dict[str, str]:
               and hf_name[:-len("weight")] + "bias" in tensors}
     if "all-linear" in names:
         return linear
+    # As PEFT: a name that matches no module here adapts nothing (a config may serve models
+    # with other towers); the config refuses names no model has.
     return {n: m for n, m in linear.items() if m.rsplit(".", 1)[-1] in names}
 
 
