@@ -18,7 +18,7 @@ import transformers
 from flax import nnx
 from PIL import Image
 
-from grpo_jax import data, hf, peft_io
+from grpo_jax import data, hf, image_blocks, peft_io
 from grpo_jax import mesh as mesh_lib
 from grpo_jax import images as images_lib
 from grpo_jax.cli import load_config
@@ -597,6 +597,86 @@ def test_partial_rollouts_carry_each_groups_images(family, seeing_dir, tmp_path)
     with pytest.raises(DataError, match="same number of images of one size"):
         partial.advance(params, a.in_flight, [{**records[0], "prompt": two}], [0], 3,
                         jax.random.key(7))
+
+
+# ---------------------------------------------------------------- different numbers of images
+
+def _family(family, seeing_dir, tmp_path):
+    """(model in fp32, processor, image size) of a tiny VLM: Gemma 3's seeing one or Qwen-VL's."""
+    if family == "gemma3":
+        return (hf.load_model(str(seeing_dir), dtype=np.float32)[0],
+                images_lib.load_processor(seeing_dir), (28, 28))
+    return (*_qwen_model(tmp_path), (16, 24))
+
+
+def _counted_records(proc, size, counts, seed=0) -> list[dict]:
+    """Records of chat prompts holding counts[i] random images each, their own ids."""
+    rng = np.random.default_rng(seed)
+    prompts = [images_lib.multimodal_messages(
+        [{"role": "user", "content": "count" + "!" * i}],
+        [Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)) for _ in range(n)], i)
+        for i, n in enumerate(counts)]
+    return [{"prompt": p, "prompt_ids": images_lib.process(proc, [p]).prompt_ids(0)}
+            for p in prompts]
+
+
+def _rows_batch(r, pixel_values=None) -> Batch:
+    return Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.truncated,
+                 np.zeros(len(r.truncated), np.float32),
+                 pixel_values=r.pixel_values if pixel_values is None else pixel_values,
+                 positions=r.positions, image_grid=r.image_grid)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])
+def test_prompts_with_different_numbers_of_images(family, seeing_dir, tmp_path):
+    """A batch of prompts holding 1, 0, 2 and 1 images (TRL's: each row its own list), 2
+    completions each: each prompt's block holds its images then blanks up to 2. Each prompt's
+    rows sample what the prompt alone with its own images samples (the same keys), and the
+    trainer's log-probs of them are the sampler's and those of the prompt's rows alone. A
+    blank's pixels reach nothing; a real image's reach its rows only."""
+    model, proc, size = _family(family, seeing_dir, tmp_path)
+    g, counts = 2, [1, 0, 2, 1]
+    records = _counted_records(proc, size, counts)
+    sp = SamplingParams(max_completion_length=6, temperature=1.0,
+                        stop_token_ids=(proc.tokenizer.eos_token_id,))
+    rollout = JaxRollout(model.cfg, sp, pad_id=proc.tokenizer.pad_token_id, mesh=None,
+                         processor=proc)
+    params = nnx.split(model, nnx.Param)[1]
+    r = rollout.generate(params, [x["prompt_ids"] for x in records], g, jax.random.key(3),
+                         records)
+    assert image_blocks.count(r.pixel_values, r.image_grid) == 2
+    real = r.completion_mask.astype(bool)
+    logp = np.asarray(completion_logps(model, _rows_batch(r), 1.0, 128)[0])
+    print(f"{family}: sampler vs trainer |diff| {np.abs(logp - r.sampler_logp)[real].max():.3g}")
+    assert np.abs(logp - r.sampler_logp)[real].max() < 5e-5
+    for i, rec in enumerate(records):
+        px = images_lib.prompt_pixels(proc, [rec["prompt"]])
+        pixels = px.pixel_values.reshape(-1, *px.pixel_values.shape[2:])
+        one = rollout.sampler.generate(  # HF's order, the prompt's own images (or none)
+            params, [rec["prompt_ids"]], g, jax.random.key(3), first_row=i * g,
+            pixel_values=pixels if counts[i] else None,
+            image_grid_thw=np.asarray(px.image_grid) if counts[i] and px.image_grid else None)
+        rows = slice(i * g, (i + 1) * g)
+        np.testing.assert_array_equal(r.completion_ids[rows], one.completion_ids)
+        np.testing.assert_allclose(r.sampler_logp[rows], one.sampler_logp, atol=2e-6)
+        alone = one._replace(
+            pixel_values=np.repeat(px.pixel_values, g, axis=0), image_grid=px.image_grid,
+            positions=None if px.image_grid is None else rollout.sampler.row_positions(
+                one.prompt_ids, one.prompt_mask, px.image_grid, 6))
+        mine = np.asarray(completion_logps(model, _rows_batch(alone), 1.0, 128)[0])
+        np.testing.assert_allclose(np.where(real[rows], logp[rows], 0),
+                                   np.where(real[rows], mine, 0), atol=1e-5)
+    # Prompt 0's block: its image, then a blank (image rows: Qwen-VL's patches of one).
+    per = r.pixel_values.shape[1] // 2
+    blanks, seen = r.pixel_values.copy(), r.pixel_values.copy()
+    noise = np.random.default_rng(1).normal(size=blanks[2:4].shape)  # prompt 1's: all blank
+    blanks[:2, per:], blanks[2:4] = noise[:, per:], noise
+    seen[:2, :per] = 0
+    noise = np.asarray(completion_logps(model, _rows_batch(r, blanks), 1.0, 128)[0])
+    blind = np.asarray(completion_logps(model, _rows_batch(r, seen), 1.0, 128)[0])
+    assert np.abs(noise - logp)[real].max() < 1e-6
+    assert np.abs(blind - logp)[:2][real[:2]].max() > 1e-3
+    assert np.abs(blind - logp)[2:][real[2:]].max() < 1e-6
 
 
 # ---------------------------------------------------------------- tools with images
