@@ -526,8 +526,9 @@ def test_partial_rollouts_carry_each_groups_images(family, seeing_dir, tmp_path)
     trainer's log-probs of its rows (with their images, and Qwen-VL's M-RoPE positions) are
     the sampler's, and with the images zeroed they are not: the pixels reach the sampler. A
     checkpoint's rows in flight (to_arrays, from_arrays) keep each group slot's images: the
-    next round from them is the next round from the rows themselves. A prompt with another
-    number of images than those in flight is refused."""
+    next round from them is the next round from the rows themselves. A prompt with more
+    images than those in flight joins them (each slot's block widened with a blank); with
+    Qwen-VL one of another size is refused."""
     if family == "gemma3":
         model, proc, size = hf.load_model(str(seeing_dir), dtype=np.float32)[0], \
             images_lib.load_processor(seeing_dir), (28, 28)
@@ -591,12 +592,21 @@ def test_partial_rollouts_carry_each_groups_images(family, seeing_dir, tmp_path)
     for name in ("completion_ids", "sampler_logp", "versions", "pixel_values", "positions"):
         x, y = getattr(a.rollout, name), getattr(b.rollout, name)
         assert (x is None) == (y is None) and (x is None or np.array_equal(x, y)), name
-    picture = images_lib.prompt_images(prompts[0])[0]
-    two = images_lib.multimodal_messages([{"role": "user", "content": "count"}],
-                                         [picture, picture], 0)
-    with pytest.raises(DataError, match="same number of images of one size"):
-        partial.advance(params, a.in_flight, [{**records[0], "prompt": two}], [0], 3,
-                        jax.random.key(7))
+    # A prompt of two images joins: every slot's block widens to two, the others' a blank.
+    [two] = _counted_records(proc, size, [2], seed=1)
+    wide = partial.advance(params, a.in_flight, [two], [0], 3, jax.random.key(7)).in_flight
+    slot = next(i for i, x in enumerate(wide.records) if x is two)
+    per, before = wide.pixel_values.shape[1] // 2, a.in_flight.pixel_values
+    assert image_blocks.count(wide.pixel_values, wide.image_grid) == 2
+    np.testing.assert_array_equal(wide.pixel_values[slot], images_lib.prompt_pixels(
+        proc, [two["prompt"]]).pixel_values[0])
+    others = [i for i in range(len(wide.records)) if i != slot]
+    np.testing.assert_array_equal(wide.pixel_values[others, :per], before[others])
+    assert not wide.pixel_values[others, per:].any()
+    if family == "qwen2_5_vl":  # another image size: another tower layout
+        [other] = _counted_records(proc, size[::-1], [1])
+        with pytest.raises(DataError, match="images of one size"):
+            partial.advance(params, wide, [other], [0], 4, jax.random.key(7))
 
 
 # ---------------------------------------------------------------- different numbers of images
