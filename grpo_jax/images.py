@@ -270,9 +270,9 @@ def process(processor, prompts: Sequence[Sequence[dict]], chat_template_kwargs=N
             tools: Sequence[Any] = ()) -> ImageBatch:
     """Multimodal prompts (multimodal_messages' output) through `processor` as TRL's
     _generate_and_score_completions calls it: the rendered texts and each prompt's images
-    (None for one without), padded."""
+    (an empty list for one without: processors refuse TRL's None there), padded."""
     texts = [render(processor, p, chat_template_kwargs, tools) for p in prompts]
-    images = [prompt_images(p) or None for p in prompts]
+    images = [prompt_images(p) for p in prompts]
     out = processor(images=images if any(images) else None, text=texts, padding=True,
                     return_tensors="np")
     pixels, grid = out.get("pixel_values"), out.get("image_grid_thw")
@@ -280,7 +280,7 @@ def process(processor, prompts: Sequence[Sequence[dict]], chat_template_kwargs=N
                       attention_mask=np.asarray(out["attention_mask"], np.int32),
                       pixel_values=None if pixels is None else np.asarray(pixels),
                       image_grid_thw=None if grid is None else np.asarray(grid, np.int32),
-                      num_images=tuple(len(x or ()) for x in images))
+                      num_images=tuple(map(len, images)))
 
 
 @dataclass(frozen=True)
