@@ -295,7 +295,6 @@ class PromptPixels:
     # Qwen-VL: a block's K patch grids (t, h, w), one size, the same for every prompt; the
     # tower's layout is static, so they are read on the host. None: Gemma 3 (no grid).
     image_grid: tuple[tuple[int, int, int], ...] | None
-    counts: tuple[int, ...] = ()  # each prompt's own images (the rest of its block blank)
 
 
 def prompt_pixels(processor, prompts: Sequence[Sequence[dict]]) -> PromptPixels:
@@ -312,5 +311,4 @@ def prompt_pixels(processor, prompts: Sequence[Sequence[dict]]) -> PromptPixels:
     grid = out.get("image_grid_thw")
     if grid is not None and not any(counts):
         grid = grid[:0]
-    pixels, grid = image_blocks.blocks(np.asarray(out["pixel_values"]), grid, counts)
-    return PromptPixels(pixels, grid, counts)
+    return PromptPixels(*image_blocks.blocks(np.asarray(out["pixel_values"]), grid, counts))

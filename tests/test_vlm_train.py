@@ -643,7 +643,8 @@ def test_prompts_with_different_numbers_of_images(family, seeing_dir, tmp_path):
     completions each: each prompt's block holds its images then blanks up to 2. Each prompt's
     rows sample what the prompt alone with its own images samples (the same keys), and the
     trainer's log-probs of them are the sampler's and those of the prompt's rows alone. A
-    blank's pixels reach nothing; a real image's reach its rows only."""
+    blank's pixels reach nothing; a real image's reach its rows only. A batch of prompts
+    without images samples as text."""
     model, proc, size = _family(family, seeing_dir, tmp_path)
     g, counts = 2, [1, 0, 2, 1]
     records = _counted_records(proc, size, counts)
@@ -687,6 +688,14 @@ def test_prompts_with_different_numbers_of_images(family, seeing_dir, tmp_path):
     assert np.abs(noise - logp)[real].max() < 1e-6
     assert np.abs(blind - logp)[:2][real[:2]].max() > 1e-3
     assert np.abs(blind - logp)[2:][real[2:]].max() < 1e-6
+    # A batch without any image samples as text; its rows still carry (empty) blocks.
+    text = rollout.generate(params, [records[1]["prompt_ids"]], g, jax.random.key(3),
+                            [records[1]])
+    plain = rollout.sampler.generate(params, [records[1]["prompt_ids"]], g, jax.random.key(3))
+    np.testing.assert_array_equal(text.completion_ids, plain.completion_ids)
+    assert image_blocks.count(text.pixel_values, text.image_grid) == 0
+    mine = np.asarray(completion_logps(model, _rows_batch(text), 1.0, 128)[0])
+    assert np.abs(mine - text.sampler_logp)[text.completion_mask.astype(bool)].max() < 5e-5
 
 
 def _counted_squares(path, counts) -> str:
