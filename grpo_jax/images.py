@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
+from grpo_jax import image_blocks
 from grpo_jax.errors import DataError
 
 if TYPE_CHECKING:
@@ -269,9 +270,9 @@ def process(processor, prompts: Sequence[Sequence[dict]], chat_template_kwargs=N
             tools: Sequence[Any] = ()) -> ImageBatch:
     """Multimodal prompts (multimodal_messages' output) through `processor` as TRL's
     _generate_and_score_completions calls it: the rendered texts and each prompt's images
-    (None for one without), padded."""
+    (an empty list for one without: processors refuse TRL's None there), padded."""
     texts = [render(processor, p, chat_template_kwargs, tools) for p in prompts]
-    images = [prompt_images(p) or None for p in prompts]
+    images = [prompt_images(p) for p in prompts]
     out = processor(images=images if any(images) else None, text=texts, padding=True,
                     return_tensors="np")
     pixels, grid = out.get("pixel_values"), out.get("image_grid_thw")
@@ -279,19 +280,19 @@ def process(processor, prompts: Sequence[Sequence[dict]], chat_template_kwargs=N
                       attention_mask=np.asarray(out["attention_mask"], np.int32),
                       pixel_values=None if pixels is None else np.asarray(pixels),
                       image_grid_thw=None if grid is None else np.asarray(grid, np.int32),
-                      num_images=tuple(len(x or ()) for x in images))
+                      num_images=tuple(map(len, images)))
 
 
 @dataclass(frozen=True)
 class PromptPixels:
     """The images of a generation's prompts as the vision tower takes them, one block per
-    prompt. Every prompt holds the same number of images of one size (one image bucket), so
+    prompt (image_blocks): each prompt's images, then blank ones up to the batch's most, so
     that a batch's rows split into micro-batches with their images: the trainer's step sees
     [rows, ...] arrays only."""
-    # [prompts, I, C, H, W] (Gemma 3: I images per prompt) or [prompts, patches, C*T*P*P]
-    # (Qwen-VL: the I images' patch rows of a prompt, in order)
+    # [prompts, K, C, H, W] (Gemma 3: K images per prompt) or [prompts, K x patches, C*T*P*P]
+    # (Qwen-VL: the K images' patch rows of a prompt, in order)
     pixel_values: np.ndarray
-    # Qwen-VL: one prompt's I images' patch grids (t, h, w), the same for every prompt; the
+    # Qwen-VL: a block's K patch grids (t, h, w), one size, the same for every prompt; the
     # tower's layout is static, so they are read on the host. None: Gemma 3 (no grid).
     image_grid: tuple[tuple[int, int, int], ...] | None
 
@@ -299,23 +300,15 @@ class PromptPixels:
 def prompt_pixels(processor, prompts: Sequence[Sequence[dict]]) -> PromptPixels:
     """The images of multimodal prompts (multimodal_messages' output) through the processor's
     image processor, as its __call__ makes pixel_values and image_grid_thw, in blocks of one
-    prompt. Prompts with different numbers of images, or images of different sizes, are
-    refused: their rows could not be stacked."""
+    prompt (image_blocks.blocks). Prompts holding different numbers of images (none too) are
+    taken; Qwen-VL's images of different sizes are refused."""
+    from PIL import Image  # here: see decode_image
     images = [prompt_images(p) for p in prompts]
-    counts = sorted({len(x) for x in images})
-    if counts == [0]:
-        raise DataError("no prompt of the batch has an image")
-    out = processor.image_processor(images=[im for row in images for im in row],
-                                    return_tensors="np")
-    pixels = np.asarray(out["pixel_values"])
+    # Without any image, one blank tells the blocks' shape (they hold no image).
+    flat = [im for row in images for im in row] or [Image.new("RGB", (56, 56))]
+    out = processor.image_processor(images=flat, return_tensors="np")
+    counts = tuple(map(len, images))
     grid = out.get("image_grid_thw")
-    sizes = {im.size for row in images for im in row}
-    if len(counts) > 1 or (grid is not None and len(sizes) > 1):
-        raise DataError(f"the batch's prompts have {counts} images of sizes {sorted(sizes)}: "
-                        "training on images needs the same number of images of one size in "
-                        "every prompt; set data.image_buckets to one size (e.g. [448x448])")
-    if grid is None:  # Gemma 3: every image resized to the tower's one size
-        return PromptPixels(pixels.reshape(len(prompts), counts[0], *pixels.shape[1:]), None)
-    grid = np.asarray(grid, np.int64).reshape(len(prompts), counts[0], 3)
-    return PromptPixels(pixels.reshape(len(prompts), -1, pixels.shape[-1]),
-                        tuple(map(tuple, grid[0].tolist())))
+    if grid is not None and not any(counts):
+        grid = grid[:0]
+    return PromptPixels(*image_blocks.blocks(np.asarray(out["pixel_values"]), grid, counts))

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from grpo_jax import dynamic_sampling as ds
+from grpo_jax import image_blocks
 from grpo_jax import run_facts
 from grpo_jax.grpo import advantages as adv_lib
 from grpo_jax.grpo import loss as loss_lib
@@ -103,6 +104,9 @@ def concat_rows(parts: Sequence[Batch]) -> Batch:
                          prompt_routing=routing, positions=positions)
     if len(parts) == 1:
         return parts[0]
+    if parts[0].pixel_values is not None:  # image blocks padded to the most per prompt
+        blocks = image_blocks.common([(p.pixel_values, p.image_grid) for p in parts])
+        parts = [p.replace(pixel_values=v, image_grid=g) for p, (v, g) in zip(parts, blocks)]
     return jax.tree.map(lambda *xs: np.concatenate(xs), *map(widen, parts))
 
 

@@ -18,7 +18,7 @@ import transformers
 from flax import nnx
 from PIL import Image
 
-from grpo_jax import data, hf, peft_io
+from grpo_jax import data, hf, image_blocks, peft_io, squares
 from grpo_jax import mesh as mesh_lib
 from grpo_jax import images as images_lib
 from grpo_jax.cli import load_config
@@ -510,8 +510,9 @@ def test_partial_rollouts_carry_each_groups_images(family, seeing_dir, tmp_path)
     trainer's log-probs of its rows (with their images, and Qwen-VL's M-RoPE positions) are
     the sampler's, and with the images zeroed they are not: the pixels reach the sampler. A
     checkpoint's rows in flight (to_arrays, from_arrays) keep each group slot's images: the
-    next round from them is the next round from the rows themselves. A prompt with another
-    number of images than those in flight is refused."""
+    next round from them is the next round from the rows themselves. A prompt with more
+    images than those in flight joins them (each slot's block widened with a blank); with
+    Qwen-VL one of another size is refused."""
     if family == "gemma3":
         model, proc, size = hf.load_model(str(seeing_dir), dtype=np.float32)[0], \
             images_lib.load_processor(seeing_dir), (28, 28)
@@ -575,12 +576,146 @@ def test_partial_rollouts_carry_each_groups_images(family, seeing_dir, tmp_path)
     for name in ("completion_ids", "sampler_logp", "versions", "pixel_values", "positions"):
         x, y = getattr(a.rollout, name), getattr(b.rollout, name)
         assert (x is None) == (y is None) and (x is None or np.array_equal(x, y)), name
-    picture = images_lib.prompt_images(prompts[0])[0]
-    two = images_lib.multimodal_messages([{"role": "user", "content": "count"}],
-                                         [picture, picture], 0)
-    with pytest.raises(DataError, match="same number of images of one size"):
-        partial.advance(params, a.in_flight, [{**records[0], "prompt": two}], [0], 3,
-                        jax.random.key(7))
+    # A prompt of two images joins: every slot's block widens to two, the others' a blank.
+    [two] = _counted_records(proc, size, [2], seed=1)
+    wide = partial.advance(params, a.in_flight, [two], [0], 3, jax.random.key(7)).in_flight
+    slot = next(i for i, x in enumerate(wide.records) if x is two)
+    per, before = wide.pixel_values.shape[1] // 2, a.in_flight.pixel_values
+    assert image_blocks.count(wide.pixel_values, wide.image_grid) == 2
+    np.testing.assert_array_equal(wide.pixel_values[slot], images_lib.prompt_pixels(
+        proc, [two["prompt"]]).pixel_values[0])
+    others = [i for i in range(len(wide.records)) if i != slot]
+    np.testing.assert_array_equal(wide.pixel_values[others, :per], before[others])
+    assert not wide.pixel_values[others, per:].any()
+    if family == "qwen2_5_vl":  # another image size: another tower layout
+        [other] = _counted_records(proc, size[::-1], [1])
+        with pytest.raises(DataError, match="images of one size"):
+            partial.advance(params, wide, [other], [0], 4, jax.random.key(7))
+
+
+# ---------------------------------------------------------------- different numbers of images
+
+def _family(family, seeing_dir, tmp_path):
+    """(model in fp32, processor, image size) of a tiny VLM: Gemma 3's seeing one or Qwen-VL's."""
+    if family == "gemma3":
+        return (hf.load_model(str(seeing_dir), dtype=np.float32)[0],
+                images_lib.load_processor(seeing_dir), (28, 28))
+    return (*_qwen_model(tmp_path), (16, 24))
+
+
+def _counted_records(proc, size, counts, seed=0) -> list[dict]:
+    """Records of chat prompts holding counts[i] random images each, their own ids."""
+    rng = np.random.default_rng(seed)
+    prompts = [images_lib.multimodal_messages(
+        [{"role": "user", "content": "count" + "!" * i}],
+        [Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)) for _ in range(n)], i)
+        for i, n in enumerate(counts)]
+    return [{"prompt": p, "prompt_ids": images_lib.process(proc, [p]).prompt_ids(0)}
+            for p in prompts]
+
+
+def _rows_batch(r, pixel_values=None) -> Batch:
+    return Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, r.truncated,
+                 np.zeros(len(r.truncated), np.float32),
+                 pixel_values=r.pixel_values if pixel_values is None else pixel_values,
+                 positions=r.positions, image_grid=r.image_grid)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])
+def test_prompts_with_different_numbers_of_images(family, seeing_dir, tmp_path):
+    """A batch of prompts holding 1, 0, 2 and 1 images (TRL's: each row its own list), 2
+    completions each: each prompt's block holds its images then blanks up to 2. Each prompt's
+    rows sample what the prompt alone with its own images samples (the same keys), and the
+    trainer's log-probs of them are the sampler's and those of the prompt's rows alone. A
+    blank's pixels reach nothing; a real image's reach its rows only. A batch of prompts
+    without images samples as text."""
+    model, proc, size = _family(family, seeing_dir, tmp_path)
+    g, counts = 2, [1, 0, 2, 1]
+    records = _counted_records(proc, size, counts)
+    sp = SamplingParams(max_completion_length=6, temperature=1.0,
+                        stop_token_ids=(proc.tokenizer.eos_token_id,))
+    rollout = JaxRollout(model.cfg, sp, pad_id=proc.tokenizer.pad_token_id, mesh=None,
+                         processor=proc)
+    params = nnx.split(model, nnx.Param)[1]
+    r = rollout.generate(params, [x["prompt_ids"] for x in records], g, jax.random.key(3),
+                         records)
+    assert image_blocks.count(r.pixel_values, r.image_grid) == 2
+    real = r.completion_mask.astype(bool)
+    logp = np.asarray(completion_logps(model, _rows_batch(r), 1.0, 128)[0])
+    print(f"{family}: sampler vs trainer |diff| {np.abs(logp - r.sampler_logp)[real].max():.3g}")
+    assert np.abs(logp - r.sampler_logp)[real].max() < 5e-5
+    for i, rec in enumerate(records):
+        px = images_lib.prompt_pixels(proc, [rec["prompt"]])
+        pixels = px.pixel_values.reshape(-1, *px.pixel_values.shape[2:])
+        one = rollout.sampler.generate(  # HF's order, the prompt's own images (or none)
+            params, [rec["prompt_ids"]], g, jax.random.key(3), first_row=i * g,
+            pixel_values=pixels if counts[i] else None,
+            image_grid_thw=np.asarray(px.image_grid) if counts[i] and px.image_grid else None)
+        rows = slice(i * g, (i + 1) * g)
+        np.testing.assert_array_equal(r.completion_ids[rows], one.completion_ids)
+        np.testing.assert_allclose(r.sampler_logp[rows], one.sampler_logp, atol=2e-6)
+        alone = one._replace(
+            pixel_values=np.repeat(px.pixel_values, g, axis=0), image_grid=px.image_grid,
+            positions=None if px.image_grid is None else rollout.sampler.row_positions(
+                one.prompt_ids, one.prompt_mask, px.image_grid, 6))
+        mine = np.asarray(completion_logps(model, _rows_batch(alone), 1.0, 128)[0])
+        np.testing.assert_allclose(np.where(real[rows], logp[rows], 0),
+                                   np.where(real[rows], mine, 0), atol=1e-5)
+    # Prompt 0's block: its image, then a blank (image rows: Qwen-VL's patches of one).
+    per = r.pixel_values.shape[1] // 2
+    blanks, seen = r.pixel_values.copy(), r.pixel_values.copy()
+    noise = np.random.default_rng(1).normal(size=blanks[2:4].shape)  # prompt 1's: all blank
+    blanks[:2, per:], blanks[2:4] = noise[:, per:], noise
+    seen[:2, :per] = 0
+    noise = np.asarray(completion_logps(model, _rows_batch(r, blanks), 1.0, 128)[0])
+    blind = np.asarray(completion_logps(model, _rows_batch(r, seen), 1.0, 128)[0])
+    assert np.abs(noise - logp)[real].max() < 1e-6
+    assert np.abs(blind - logp)[:2][real[:2]].max() > 1e-3
+    assert np.abs(blind - logp)[2:][real[2:]].max() < 1e-6
+    # A batch without any image samples as text; its rows still carry (empty) blocks.
+    text = rollout.generate(params, [records[1]["prompt_ids"]], g, jax.random.key(3),
+                            [records[1]])
+    plain = rollout.sampler.generate(params, [records[1]["prompt_ids"]], g, jax.random.key(3))
+    np.testing.assert_array_equal(text.completion_ids, plain.completion_ids)
+    assert image_blocks.count(text.pixel_values, text.image_grid) == 0
+    mine = np.asarray(completion_logps(model, _rows_batch(text), 1.0, 128)[0])
+    assert np.abs(mine - text.sampler_logp)[text.completion_mask.astype(bool)].max() < 5e-5
+
+
+def _counted_squares(path, counts) -> str:
+    """A jsonl dataset of 'squares' rows holding counts[i] images each (an `images` column of
+    file paths, TRL's list per row; [] for none), the answer their red squares in all."""
+    rng, rows = np.random.default_rng(0), []
+    path.mkdir()
+    for i, n in enumerate(counts):
+        drawn = [squares.draw(rng) for _ in range(n)]
+        for j, (image, _) in enumerate(drawn):
+            image.save(path / f"{i}_{j}.png")
+        rows.append({"prompt": [{"role": "user", "content": squares.QUESTION}],
+                     "images": [str(path / f"{i}_{j}.png") for j in range(n)],
+                     "answer": str(sum(c for _, c in drawn))})
+    (path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path / "data.jsonl")
+
+
+@pytest.mark.parametrize("rounds", ["static", "partial"])
+def test_trains_on_prompts_with_different_numbers_of_images(seeing_dir, tmp_path, rounds):
+    """Two steps on a dataset whose prompts hold 0, 1 or 2 images (3 prompts a step, one of
+    each), through static rounds and through partial rollouts (rows carried over, learning
+    rate 0 as in the partial test above): the sampler's log-probs of every row are the
+    trainer's."""
+    data = _counted_squares(tmp_path / "data", [0, 1, 2] * 4)
+    extra = (("max_num_seqs=3", "max_staleness=1", "learning_rate=0.0")
+             if rounds == "partial" else ())
+    out = tmp_path / "run"
+    train(_cfg(seeing_dir, out, f"dataset_name={data}", "shuffle_dataset=false",
+               "per_device_train_batch_size=12", "max_steps=2", "save_steps=10", *extra),
+          devices=jax.devices()[:1])
+    steps = [r for r in _records(out) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    worst = max(r["sampling/sampling_logp_difference/max"] for r in steps)
+    print(f"{rounds}: 0 to 2 images a prompt, sampler vs trainer max |diff| {worst:.3g}")
+    assert worst < 5e-5
 
 
 # ---------------------------------------------------------------- tools with images

@@ -18,6 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from grpo_jax import image_blocks
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.grpo import loss as loss_lib
 from grpo_jax.grpo.batch import Batch
@@ -164,12 +165,17 @@ def multimodal_embeds(model, batch: Batch) -> jax.Array:
 
 def prompt_embeds(model, batch: Batch, group: int = 1) -> jax.Array:
     """[N / group, P, D]: the prompt embeddings (embed_multimodal) of every group-th row, with
-    its images: of each prompt once where blocks of `group` rows share it."""
-    pv = batch.pixel_values[::group]
+    its images: of each prompt once where blocks of `group` rows share it. Each row's block of
+    k images (its own, then blanks: image_blocks) feeds its own placeholders only."""
+    pv, ids = batch.pixel_values[::group], batch.prompt_ids[::group]
+    k = image_blocks.count(pv, batch.image_grid)
+    if not k:  # no prompt of the batch holds an image
+        return model.embed_tokens(ids)
     grid = (None if batch.image_grid is None
             else np.tile(np.asarray(batch.image_grid), (pv.shape[0], 1)))
-    return model.embed_multimodal(batch.prompt_ids[::group], pv.reshape(-1, *pv.shape[2:]),
-                                  grid, frozen_tower=not lora.tower_adapted(model))
+    return model.embed_multimodal(ids, pv.reshape(-1, *pv.shape[2:]), grid,
+                                  frozen_tower=not lora.tower_adapted(model),
+                                  first_image=jnp.arange(pv.shape[0], dtype=jnp.int32) * k)
 
 
 def _micro_loss(params, graphdef, cfg: StepConfig, mb: Batch, frozen=(),

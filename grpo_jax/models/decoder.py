@@ -82,11 +82,16 @@ def _init_value(name: str, shape, dtype, key, norm_offset: bool):
     return (0.02 * z).astype(dtype)
 
 
-def scatter_images(x, is_image, features):
+def scatter_images(x, is_image, features, starts=None):
     """x [B, T, D] with the image placeholders (is_image [B, T]) replaced, in row-major order,
-    by features [n, D] (n = placeholders), as HF's masked_scatter."""
-    flat = is_image.reshape(-1)
-    index = jnp.clip(jnp.cumsum(flat) - 1, 0, features.shape[0] - 1)
+    by features [n, D] (n = placeholders), as HF's masked_scatter. starts [B]: row b's
+    placeholders take features from starts[b] on instead (rows whose images come in blocks
+    padded with blank images, which no placeholder takes)."""
+    if starts is None:
+        index = jnp.cumsum(is_image.reshape(-1)) - 1
+    else:
+        index = (starts[:, None] + jnp.cumsum(is_image, axis=1) - 1).reshape(-1)
+    index = jnp.clip(index, 0, features.shape[0] - 1)
     picked = features.astype(x.dtype)[index].reshape(x.shape)
     return jnp.where(is_image[..., None], picked, x)
 
@@ -236,7 +241,8 @@ class Decoder(nnx.Module):
         return x
 
     def embed_multimodal(self, tokens, pixel_values, image_grid_thw=None,
-                         frozen_tower: bool = False, is_image=None) -> jax.Array:
+                         frozen_tower: bool = False, is_image=None,
+                         first_image=None) -> jax.Array:
         """The input embeddings [B, T, D] of a prompt with images, for `__call__`/`prefill`'s
         inputs_embeds: the tokens' embeddings, the k-th image placeholder of the batch
         (image_token_id, row by row) taking the k-th of the tower's features, as HF's
@@ -246,7 +252,10 @@ class Decoder(nnx.Module):
         scatters them after Gemma's scaled embedding). frozen_tower: no gradient flows into
         the tower (a training forward whose tower is not trained: no backward through it).
         is_image [B, T] bool: the placeholders to fill (default: every image_token_id; a
-        multi-turn context's completion holds text whatever its ids)."""
+        multi-turn context's completion holds text whatever its ids). first_image [B] int:
+        the index of row b's first image in pixel_values, its placeholders taking that image's
+        features on (images of one size, in blocks per row padded with blank images:
+        image_blocks); None: HF's order, the k-th placeholder of the batch the k-th feature."""
         if is_image is None:
             is_image = tokens == self.cfg.vision.image_token_id
         # The placeholder's own embedding is replaced (Gemma's id is out of its vocabulary).
@@ -254,7 +263,11 @@ class Decoder(nnx.Module):
         features = self.vision(pixel_values, image_grid_thw, self.cfg.dtype)
         if frozen_tower:
             features = jax.lax.stop_gradient(features)
-        return scatter_images(x, is_image, features)
+        starts = None
+        if first_image is not None:  # every image the same number of features
+            n = pixel_values.shape[0] if image_grid_thw is None else len(image_grid_thw)
+            starts = first_image * (features.shape[0] // n)
+        return scatter_images(x, is_image, features, starts)
 
     def decode_layers(self) -> list[dict[str, jax.Array]]:
         """The weights of each run of cache_runs(), stacked [L, ...], for `__call__(...,

@@ -38,8 +38,10 @@ every prompt), drawn through the processor when its group is, so the round's pro
 encodes them with the prompt under that round's weights, as refill.py's does; a row admitted
 into a slot starts its decode positions at its prompt's length plus its M-RoPE delta
 (Qwen2.5-VL). The finished groups' rows carry their images (and M-RoPE positions) to the
-trainer, and a checkpoint's rows in flight hold them. Every prompt in flight needs the same
-number of images of one size (one image bucket): the group slots run in one program.
+trainer, and a checkpoint's rows in flight hold them. The slots' blocks hold the most images
+a prompt in flight has (image_blocks: a prompt's own, then blanks; the program compiles again
+when a new prompt holds more); Qwen-VL's images need one size (one image bucket): the group
+slots run in one program.
 
 With Sampler.record_routing (a mixture of experts: router/mismatch, routing replay) the rows
 carry the experts each completion token ran across rounds, and each group its prompt's (the
@@ -75,8 +77,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo_jax import distributed as dist
+from grpo_jax import image_blocks
 from grpo_jax import images as images_lib
-from grpo_jax.errors import DataError
 from grpo_jax.models import KVCache, moe
 from grpo_jax.rollout.base import RolloutBatch
 from grpo_jax.rollout.native import sampling
@@ -301,30 +303,23 @@ class PartialRollouts:
             pixels = np.zeros((self.group_slots, *px.pixel_values.shape[1:]),
                               px.pixel_values.dtype)
             grid = px.image_grid
-        elif pixels.shape[1:] != px.pixel_values.shape[1:] or grid != px.image_grid:
-            raise DataError(f"prompts with images of shape {px.pixel_values.shape[1:]} (grids "
-                            f"{px.image_grid}) join rows in flight with {pixels.shape[1:]} "
-                            f"({grid}): partial rollouts decode every group slot in one "
-                            "program, so every prompt needs the same number of images of one "
-                            "size; set data.image_buckets to one size (e.g. [448x448])")
+        # The slots' blocks and the new prompts' padded to the most images per prompt of both.
+        (pixels, grid), (new, _) = image_blocks.common(
+            [(pixels, grid), (px.pixel_values, px.image_grid)])
         pixels = pixels.copy()
-        pixels[put] = px.pixel_values
+        pixels[put] = new
         return pixels, grid
 
     def _images(self, ids, pmask, pixels, grid):
         """The program's `images` and static `image_grid` (Sampler.image_inputs) for the group
-        slots. The prompt pass gives the k-th image placeholder of the batch the k-th image
-        (decoder.scatter_images, row-major), and a slot never filled has pixels but no
-        placeholders: the slots whose prompts hold placeholders pass their images first, in
-        slot order, the others' after (read by no placeholder)."""
-        if pixels is None:
+        slots: each slot's block of images (its prompt's, then blanks; a slot never filled
+        holds blanks only), its placeholders taking its own block's (images_per_prompt)."""
+        k = 0 if pixels is None else image_blocks.count(pixels, grid)
+        if not k:
             return None, None
-        s = self.sampler
-        has = (ids == s.cfg.vision.image_token_id).any(axis=1)
-        order = np.argsort(~has, kind="stable")
-        flat = pixels[order].reshape(-1, *pixels.shape[2:])
+        flat = pixels.reshape(-1, *pixels.shape[2:])
         thw = None if grid is None else np.tile(np.asarray(grid), (len(ids), 1))
-        return s.image_inputs(ids, pmask, flat, thw)
+        return self.sampler.image_inputs(ids, pmask, flat, thw, images_per_prompt=k)
 
     def _end_turns(self, rows: Rows, ids, pmask, episodes: list):
         """The rows that ended a turn (TURN) through the host's tool loop: the program's

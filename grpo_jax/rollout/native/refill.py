@@ -100,9 +100,10 @@ class Refill:
 
     def generate(self, params, prompt_token_ids: Sequence[Sequence[int]],
                  num_generations: int = 1, rng: int | jax.Array = 0, pixel_values=None,
-                 image_grid_thw=None, image_tokens=None) -> RolloutBatch:
-        """pixel_values, image_grid_thw, image_tokens: the prompts' images, as
-        Sampler.generate takes them;
+                 image_grid_thw=None, image_tokens=None,
+                 images_per_prompt: int | None = None) -> RolloutBatch:
+        """pixel_values, image_grid_thw, image_tokens, images_per_prompt: the prompts'
+        images, as Sampler.generate takes them;
         the prompts' pass encodes each prompt's images once, its rows admit its keys and
         values (and, Qwen2.5-VL, its M-RoPE delta) into whichever slot they decode in."""
         s = self.sampler
@@ -110,7 +111,7 @@ class Refill:
         if n <= self.slots:
             return s.generate(params, prompt_token_ids, num_generations, rng,
                               pixel_values=pixel_values, image_grid_thw=image_grid_thw,
-                              image_tokens=image_tokens)
+                              image_tokens=image_tokens, images_per_prompt=images_per_prompt)
         if not s.sampling_params.continuous_batching:
             if pixel_values is not None:
                 raise ValueError("images through decode slots need continuous_batching")
@@ -119,7 +120,8 @@ class Refill:
         ids, mask = left_pad(prompts, 1, s.bucket(max(map(len, prompts))), s.pad_id,
                              rows=s.prompt_rows(rows, g))
         args = (ids, mask)
-        images, grid = s.image_inputs(ids, mask, pixel_values, image_grid_thw, image_tokens)
+        images, grid = s.image_inputs(ids, mask, pixel_values, image_grid_thw, image_tokens,
+                                      images_per_prompt)
         if s.mesh is not None:  # as Sampler.generate: each process places its own rows
             args = tuple(dist.shard_host_array(x, mesh_lib.logical_sharding(
                 s.mesh, "batch", None, shape=x.shape)) for x in args)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from grpo_jax import images
+from grpo_jax import image_blocks, images
 from grpo_jax.config.rollout import SamplingParams
 from grpo_jax.rollout.base import Rollout, RolloutBatch, WeightMode
 from grpo_jax.rollout.native import continuation, partial, refill
@@ -73,16 +73,18 @@ class JaxRollout(Rollout):
                         ) -> RolloutBatch:
         """generate for prompts with images: `records`' multimodal prompts give the pixels."""
         px = images.prompt_pixels(self.processor, [rec["prompt"] for rec in records])
-        n = len(prompt_ids)
-        flat = px.pixel_values.reshape(-1, *px.pixel_values.shape[2:])
-        # Qwen-VL's grids in batch order: each prompt's, prompt after prompt.
-        grid = None if px.image_grid is None else np.tile(np.asarray(px.image_grid), (n, 1))
+        n, k = len(prompt_ids), image_blocks.count(px.pixel_values, px.image_grid)
+        # Each prompt's block of k images (its own, then blanks), prompt after prompt; none:
+        # the prompts are text.
+        flat = px.pixel_values.reshape(-1, *px.pixel_values.shape[2:]) if k else None
+        grid = (None if px.image_grid is None or not k
+                else np.tile(np.asarray(px.image_grid), (n, 1)))
         sampler = self.sampler if self.slots is None else self.slots
         # A tool turn's prompt is its record's prompt + the completion so far: only the
         # record's prompt holds images, the rest is text (as the trainer embeds it).
         limits = [len(rec["prompt_ids"]) for rec in records]
         r = sampler.generate(weights, prompt_ids, num_generations, key, pixel_values=flat,
-                             image_grid_thw=grid, image_tokens=limits)
+                             image_grid_thw=grid, image_tokens=limits, images_per_prompt=k)
         rows = np.repeat(px.pixel_values, num_generations, axis=0)
         positions = (None if self.sampler.cfg.mrope_section is None else
                      self.sampler.row_positions(r.prompt_ids, r.prompt_mask, px.image_grid,

@@ -121,7 +121,7 @@ class Sampler:
     def generate(self, params, prompt_token_ids: Sequence[Sequence[int]],
                  num_generations: int = 1, rng: int | jax.Array = 0,
                  first_row: int = 0, pixel_values=None, image_grid_thw=None,
-                 image_tokens=None) -> RolloutBatch:
+                 image_tokens=None, images_per_prompt: int | None = None) -> RolloutBatch:
         """Sample `num_generations` completions per prompt.
 
         params: the model's nnx.State of nnx.Param (`nnx.split(model, nnx.Param)[1]`) or the
@@ -136,6 +136,8 @@ class Sampler:
         (not split over a mesh). image_tokens: per prompt, how many of its first tokens may
         hold image placeholders (None: all); the rest is text whatever its ids, as the trainer
         embeds a completion (a multi-turn context: prompt + completion so far).
+        images_per_prompt: the images come in blocks of that many per prompt, a prompt's own
+        then blank ones (image_blocks), which no placeholder takes; None: HF's order.
         """
         params, prompts, g, n, rows = self.inputs(params, prompt_token_ids, num_generations)
         # The program prefills each prompt once and copies its cache to its g rows: prompts
@@ -144,7 +146,8 @@ class Sampler:
                              rows=self.prompt_rows(rows, g))
         key = as_key(rng)
         args = (ids, mask)
-        images, grid = self.image_inputs(ids, mask, pixel_values, image_grid_thw, image_tokens)
+        images, grid = self.image_inputs(ids, mask, pixel_values, image_grid_thw, image_tokens,
+                                         images_per_prompt)
         if self.mesh is not None:
             # With several processes each places only its own devices' rows, and gets every
             # row back (the train batch is built on every host alike).
@@ -163,20 +166,24 @@ class Sampler:
                             metrics=decode_metrics(int(decoded.max()), int(decoded.sum()), rows),
                             prompt_routing=prompt_routing, completion_routing=completion_routing)
 
-    def image_inputs(self, ids, mask, pixel_values, image_grid_thw, image_tokens=None):
+    def image_inputs(self, ids, mask, pixel_values, image_grid_thw, image_tokens=None,
+                     images_per_prompt: int | None = None):
         """The program's `images` (pixel_values, positions, decode position deltas, the
-        placeholders to fill [B, width]) and static `image_grid` for padded prompts (see
-        generate); (None, None) without images."""
+        placeholders to fill [B, width], each prompt's first image or None) and static
+        `image_grid` for padded prompts (see generate); (None, None) without images."""
         if pixel_values is None:
             return None, None
+        first = (None if images_per_prompt is None else
+                 jnp.arange(len(ids), dtype=jnp.int32) * images_per_prompt)
         is_image, text = self.placeholders(ids, mask, image_tokens)
         if self.cfg.mrope_section is not None:  # Qwen2.5-VL
             positions, deltas = qwen_vl.rope_index(self.cfg.vision, text, mask, image_grid_thw)
             grid = tuple(map(tuple, np.asarray(image_grid_thw, np.int64).tolist()))
-            return (jnp.asarray(pixel_values), positions, deltas, jnp.asarray(is_image)), grid
+            return (jnp.asarray(pixel_values), positions, deltas, jnp.asarray(is_image),
+                    first), grid
         # one position row, decode positions as for text
         return (jnp.asarray(pixel_values), positions_from_mask(jnp.asarray(mask)),
-                jnp.zeros(len(ids), jnp.int32), jnp.asarray(is_image)), None
+                jnp.zeros(len(ids), jnp.int32), jnp.asarray(is_image), first), None
 
     def placeholders(self, ids, mask, image_tokens=None):
         """(the image placeholders to fill [B, width] bool, the ids with every other
@@ -298,7 +305,7 @@ class Sampler:
         last logits [prompts, V]); record_routing: and, fifth, the experts each prompt token
         ran [prompts, width, S, k] (moe.routing_dtype; -1 on padding). images: (pixel_values,
         positions [B, width] or M-RoPE's [3, prompts, width], decode position deltas, the
-        placeholders to fill [B, width]) of the
+        placeholders to fill [B, width], each prompt's first image [B] or None) of the
         prompts' images, whose patch grids are image_grid (Qwen2.5-VL; see generate)."""
         cfg = self.cfg
         cast = cast_matrices(params, cfg.dtype)
@@ -307,9 +314,10 @@ class Sampler:
         cache = self.constrain_cache(KVCache.zeros(cfg, *prompt_ids.shape, self.cache_dtype))
         positions, embeds = positions_from_mask(prompt_mask), None
         if images is not None:
-            pixel_values, positions, _, is_image = images
+            pixel_values, positions, _, is_image, *first = images  # aot's: no first
             grid = None if image_grid is None else np.asarray(image_grid)
-            embeds = model.embed_multimodal(prompt_ids, pixel_values, grid, is_image=is_image)
+            embeds = model.embed_multimodal(prompt_ids, pixel_values, grid, is_image=is_image,
+                                            first_image=first[0] if first else None)
         hidden, cache, *chosen = model.prefill(
             prompt_ids, positions, prompt_mask, cache, layers,
             chunk=self.sampling_params.prefill_chunk_size, record_routing=record_routing,
