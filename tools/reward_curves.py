@@ -120,7 +120,7 @@ def report(args) -> None:
             ax.fill_between(xs, [_stats(curves[w][s])[1] for s in xs],
                             [_stats(curves[w][s])[2] for s in xs], alpha=0.2)
         ax.set_xlabel("step")
-        ax.set_ylabel("reward (reward_len), mean and min-max over seeds")
+        ax.set_ylabel("reward: mean, min-max of seeds")
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.png, dpi=100)
