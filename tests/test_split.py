@@ -54,6 +54,9 @@ def test_split_run_trains_each_prompt_once_one_version_behind_and_resumes(tiny_d
     assert len(full) == 5
     trained = [p for group in full[:4] for p in group]
     assert len(trained) == 16 and len(set(trained)) == 16 and set(trained) <= set(drawn)
+    # As many group slots as a round's groups (no row may carry over at max_staleness 1): each
+    # advance draws 4 prompts and none decodes only to start over in the next.
+    assert len(drawn) == 5 * 4
     a = [h for h in history(tmp_path / "full") if "loss" in h]
     assert [h["step"] for h in a] == [1, 2, 3, 4]
     evals = [h for h in history(tmp_path / "full") if "eval_reward" in h]
@@ -63,6 +66,7 @@ def test_split_run_trains_each_prompt_once_one_version_behind_and_resumes(tiny_d
     assert a[0]["staleness/max"] == 0
     for h in a[1:]:
         assert (h["staleness/mean"], h["staleness/max"], h["staleness/tokens_1"]) == (1, 1, 1)
+        assert h["staleness/dropped_groups"] == 0
         assert h["timing/idle_trainer"] >= 0 and h["timing/idle_sampler"] >= 0
 
     got[:], drawn[:] = [], []

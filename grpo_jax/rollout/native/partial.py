@@ -5,8 +5,9 @@ rollouts, AReaL's interruptible generation and verl's fully-async `partial_rollo
 devices: no slot waits for a round's longest row, as the refill sampler (refill.py) still does
 at the end of every round.
 
-The sampler keeps 2 x prompts_per_generation groups ("group slots", G rows each) in flight: the
-round's draw fills the group slots the last round emptied, and the compiled loop decodes until
+The sampler keeps 2 x prompts_per_generation groups ("group slots", G rows each; one batch's
+where no row may carry over: a split run at max_staleness 1) in flight: the round's draw
+fills the group slots the last round emptied, and the compiled loop decodes until
 prompts_per_generation groups are whole (each of their rows stopped), which it returns (the
 oldest drawn first) and empties. Everything else is carried to the next round in `InFlight`:
 rows waiting for a slot, rows decoding (their slot, KV cache and tokens so far), rows done whose
@@ -173,7 +174,10 @@ class PartialRollouts:
         self.sampler, self.slots, self.g, self.groups = sampler, slots, num_generations, groups
         self.max_staleness, self.turn_ends = max_staleness, turn_ends
         self.processor = processor
-        self.group_slots = 2 * groups  # one generation batch trained, one more in flight
+        # One generation batch trained, one more in flight; with a bound of 0 (a split run at
+        # max_staleness 1) no row may carry over to the next advance, and the second batch's
+        # rows would only be decoded to be restarted there: one batch.
+        self.group_slots = groups if max_staleness == 0 else 2 * groups
         self.program = jax.jit(self._advance, static_argnames=("width", "image_grid"))
         self._empty_program = jax.jit(self._empty_rows, static_argnames=("width", "penalty"))
 
