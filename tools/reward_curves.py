@@ -11,8 +11,8 @@ over seeds) with the staleness each way trained at, and draws the curves.
 
 The ways (everything else is the smol config):
   sync     the synchronous loop (max_staleness 0), one device
-  partial  partial rollouts on the same device: 24 decode slots (6 groups in flight for a round
-           of 4), max_staleness 2
+  partial  partial rollouts on the same device: 8 group slots (a round's 4 groups and the next
+           4) through 24 decode slots, max_staleness 2
   split    partial rollouts on a sampler device of their own, the trainer on another (two host
            devices, sampler_devices 1, max_staleness 1: every token one version old). The
            two-process split trains the same thing bit for bit (tests/test_split.py).
