@@ -27,6 +27,7 @@ import numpy as np
 from flax import nnx
 
 from grpo_jax.errors import ModelConfigError
+from grpo_jax.models import tower_lora
 from grpo_jax.models.tower_shape import TowerShape
 
 MODEL_TYPE = "qwen2_5_vl"
@@ -310,35 +311,17 @@ def _attend(v: QwenVisionConfig, q, k, val, rows: Segments):
     return out.reshape(-1, *out.shape[2:])[jnp.asarray(rows.back)]
 
 
-def _linear(p, name: str, eq: str, x, dtype, index: int):
-    """einsum(eq, x, W) for weight `name` of `p`, plus its LoRA adapter when `p` has one:
-    x [N, in...] A [in..., r] (scale B) [r, out...], PEFT's one adapter per module (the fused
-    qkv's delta added before the split into q, k, v), with PEFT's dropout on the adapter's
-    input (torch's nn.Dropout) when `p` has a dropout key (lora.with_dropout)."""
-    y = jnp.einsum(eq, x, p[name].astype(dtype))
-    if f"{name}_lora_a" not in p:
-        return y
-    if "lora_dropout_key" in p:
-        rate = p["lora_dropout_rate"]
-        keep = jax.random.bernoulli(jax.random.fold_in(p["lora_dropout_key"], index),
-                                    1.0 - rate, x.shape)
-        x = jnp.where(keep, x / (1.0 - rate).astype(dtype), jnp.zeros((), dtype))
-    a, b = p[f"{name}_lora_a"].astype(dtype), p[f"{name}_lora_b"].astype(dtype)
-    r = x.reshape(x.shape[0], -1) @ a.reshape(-1, a.shape[-1])
-    return y + (r @ b.reshape(b.shape[0], -1)).reshape(y.shape)
-
-
 def _block(v: QwenVisionConfig, p, x, cos, sin, rows: Segments, dtype):
     """One ViT block over all patches x [N, E], attending within the segments `rows`."""
     h = _rms_norm(x, p["attn_norm"], dtype)
-    qkv = _linear(p, "wqkv", "ne,eshd->nshd", h, dtype, 0) + p["bqkv"].astype(dtype)
+    qkv = tower_lora.linear(p, "wqkv", "ne,eshd->nshd", h, dtype, 0) + p["bqkv"].astype(dtype)
     q, k, val = _rotate(qkv[:, 0], cos, sin), _rotate(qkv[:, 1], cos, sin), qkv[:, 2]
     attn = _attend(v, q, k, val, rows)
-    x = x + _linear(p, "wo", "nhd,hde->ne", attn, dtype, 1) + p["bo"].astype(dtype)
+    x = x + tower_lora.linear(p, "wo", "nhd,hde->ne", attn, dtype, 1) + p["bo"].astype(dtype)
     h = _rms_norm(x, p["mlp_norm"], dtype)
-    gate = _linear(p, "w_gate", "ne,ef->nf", h, dtype, 2) + p["b_gate"].astype(dtype)
-    up = _linear(p, "w_up", "ne,ef->nf", h, dtype, 3) + p["b_up"].astype(dtype)
-    down = _linear(p, "w_down", "nf,fe->ne", jax.nn.silu(gate) * up, dtype, 4)
+    gate = tower_lora.linear(p, "w_gate", "ne,ef->nf", h, dtype, 2) + p["b_gate"].astype(dtype)
+    up = tower_lora.linear(p, "w_up", "ne,ef->nf", h, dtype, 3) + p["b_up"].astype(dtype)
+    down = tower_lora.linear(p, "w_down", "nf,fe->ne", jax.nn.silu(gate) * up, dtype, 4)
     return x + down + p["b_down"].astype(dtype)
 
 
@@ -364,10 +347,11 @@ def vision_forward(v: QwenVisionConfig, params: dict, pixel_values, layout: Visi
         x, _ = jax.lax.scan(body, x, {k: a[run[0]:run[-1] + 1] for k, a in blocks.items()})
     h = _rms_norm(x, params["merger/norm"], dtype).reshape(N // u, u * E)
     merger = {k[len("merger/"):]: a for k, a in params.items() if k.startswith("merger/")}
-    h = jax.nn.gelu(_linear(merger, "w1", "nu,uv->nv", h, dtype, 0)
+    h = jax.nn.gelu(tower_lora.linear(merger, "w1", "nu,uv->nv", h, dtype, 0)
                     + params["merger/b1"].astype(dtype),
                     approximate=False)  # torch's nn.GELU(): the exact erf form
-    out = _linear(merger, "w2", "nu,uo->no", h, dtype, 1) + params["merger/b2"].astype(dtype)
+    out = (tower_lora.linear(merger, "w2", "nu,uo->no", h, dtype, 1)
+           + params["merger/b2"].astype(dtype))
     return out[jnp.argsort(order)]  # back to the processor's (and the placeholders') order
 
 

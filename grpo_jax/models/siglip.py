@@ -21,7 +21,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from grpo_jax.errors import ModelConfigError
+from grpo_jax.models import tower_lora
 from grpo_jax.models.tower_shape import TowerShape
+
+MATMUL = "...i,io->...o"  # x W over x's last axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,34 +198,21 @@ def patchify(v: SiglipConfig, pixels):
     return x.reshape(N, P * P, C * p * p)
 
 
-def _linear(p, name: str, x, dt, key_index: int):
-    """x W (+ its LoRA adapter when `p` has one: (x A) (scale B), PEFT's dropout on the
-    adapter's input, torch's nn.Dropout, when `p` has a dropout key)."""
-    y = x @ p[name].astype(dt)
-    if f"{name}_lora_a" not in p:
-        return y
-    if "lora_dropout_key" in p:
-        rate = p["lora_dropout_rate"]
-        keep = jax.random.bernoulli(jax.random.fold_in(p["lora_dropout_key"], key_index),
-                                    1.0 - rate, x.shape)
-        x = jnp.where(keep, x / (1.0 - rate).astype(dt), jnp.zeros((), dt))
-    return y + (x @ p[f"{name}_lora_a"].astype(dt)) @ p[f"{name}_lora_b"].astype(dt)
-
-
 def _encoder_layer(v: SiglipConfig, x, p):
     """One pre-norm SigLIP layer over x [N, S, Dv]: every patch attends to every patch."""
     dt, eps = x.dtype, v.layer_norm_eps
+    lin = lambda w, x, i: tower_lora.linear(p, w, MATMUL, x, dt, i)  # noqa: E731
     h = layer_norm(x, p["layernorm1"], p["layernorm1_bias"], eps)
-    heads = lambda w, b, i: (_linear(p, w, h, dt, i) + p[b].astype(dt)).reshape(  # noqa: E731
+    heads = lambda w, b, i: (lin(w, h, i) + p[b].astype(dt)).reshape(  # noqa: E731
         *h.shape[:2], v.num_heads, v.head_dim)
     q, k, val = heads("wq", "bq", 0), heads("wk", "bk", 1), heads("wv", "bv", 2)
     s = jnp.einsum("nqhd,nkhd->nhqk", q, k, preferred_element_type=jnp.float32)
     probs = jax.nn.softmax(s * v.head_dim ** -0.5, axis=-1).astype(dt)
     attn = jnp.einsum("nhqk,nkhd->nqhd", probs, val).reshape(h.shape)
-    x = x + _linear(p, "wo", attn, dt, 3) + p["bo"].astype(dt)
+    x = x + lin("wo", attn, 3) + p["bo"].astype(dt)
     h = layer_norm(x, p["layernorm2"], p["layernorm2_bias"], eps)
-    h = jax.nn.gelu(_linear(p, "fc1", h, dt, 4) + p["bias_fc1"].astype(dt), approximate=True)
-    return x + _linear(p, "fc2", h, dt, 5) + p["bias_fc2"].astype(dt)
+    h = jax.nn.gelu(lin("fc1", h, 4) + p["bias_fc1"].astype(dt), approximate=True)
+    return x + lin("fc2", h, 5) + p["bias_fc2"].astype(dt)
 
 
 def encode(v: SiglipConfig, params: dict, pixels, dtype):
