@@ -1,6 +1,7 @@
 """models/gmm.py: which grouped matmul runs where, and the custom_vjp the Mosaic GPU kernels run
 under (wired here around XLA's ragged_dot, checked against jax.grad of the plain op; the kernels
-themselves need a Hopper GPU: tools/gpu_session.sh)."""
+themselves need a Hopper GPU: tools/gpu_session.sh), and the kernels a deviceless trace for an
+H100 picks."""
 
 import jax
 import jax.numpy as jnp
@@ -64,3 +65,34 @@ def test_custom_vjp_matches_ragged_dot_grad():
         argnums=(0, 1)))(jnp.ones((M, 64)), big)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_deviceless_trace_for_an_h100_runs_all_three_kernels():
+    """Compiled without a GPU (grpo_jax.aot's h100 target), the experts' mesh names the chip: its
+    abstract device says H100 with 132 SMs, so "auto" picks the Mosaic GPU kernels, and the
+    weight gradient's kernel, which sizes its grid from jax.devices() while tracing, sees that
+    count. Each Mosaic GPU kernel reads its SM index once (`axis_index[axis_name=sm]`)."""
+    import re
+
+    from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    sizes = jnp.array([100, 0, 120, 30], jnp.int32)
+    args = (jax.ShapeDtypeStruct((256, 64), jnp.bfloat16),
+            jax.ShapeDtypeStruct((4, 64, 128), jnp.bfloat16))
+
+    def kernels(device, impl="auto"):
+        mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Explicit,), abstract_device=device)
+        experts = jax.shard_map(lambda a, b: gmm.gmm(a, b, sizes, impl), mesh=mesh,
+                                in_specs=(jax.P(), jax.P()), out_specs=jax.P(), check_vma=False)
+        grads = jax.grad(lambda a, b: jnp.sum(experts(a, b)), argnums=(0, 1))
+        return len(re.findall(r"axis_index\[axis_name=sm\]", str(jax.jit(grads).trace(*args).jaxpr)))
+
+    cpu = AbstractDevice("cpu", None, "cpu")
+    # forward, row gradient and weight gradient
+    assert kernels(AbstractDevice("NVIDIA H100 80GB HBM3", 132, "gpu")) == 3
+    assert transposed_ragged_dot_mgpu.jax is jax  # the SM count was lent for the trace only
+    assert kernels(cpu, "mosaic_gpu") == 2  # no SM count known: XLA's weight gradient
+    assert kernels(cpu) == 0
+    assert kernels(AbstractDevice("NVIDIA A100-SXM4-80GB", 108, "gpu")) == 0  # no wgmma
+    assert gmm.target_gpu() is None  # outside a mesh, on this CPU: no GPU

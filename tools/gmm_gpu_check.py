@@ -23,7 +23,9 @@ def timed(f, *args, repeats=10):
 
 
 def main(rows=8192, E=128, D=2048, F=768):
-    print("chosen:", gmm.choose("auto", jax.default_backend(), gmm.local_compute_capability()))
+    gpu = gmm.target_gpu()
+    print("chosen:", gmm.choose("auto", jax.default_backend(), gpu and gpu.compute_capability),
+          gpu)
     k1, k2, k3, k4 = jax.random.split(jax.random.key(0), 4)
     share = jax.random.dirichlet(k1, jnp.full((E,), 0.5))
     sizes = jnp.floor(share * rows).astype(jnp.int32)

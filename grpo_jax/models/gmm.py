@@ -10,10 +10,18 @@ out unspecified; moe.py masks them). Implementations (Numerics.moe_gmm, "auto" p
   runs out of memory at 16 x 512 tokens, docs/benchmarks.md 2026-11-26); these were measured
   bit-identical and 14-17x faster on an H100.
 - "xla": jax.lax.ragged_dot (CPU, GPUs before Hopper, and the oracle in tests).
+
+Which GPU a program is for (target_gpu): the local one, or in a compile without one (grpo_jax.aot's
+h100 target, tools/gpu_aot.py) the abstract device of the mesh the experts are traced under
+(moe.py runs them in shard_map, whose mesh of compile-only devices names the chip and its SM
+count), so a deviceless compile runs the kernels the device would run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import types
 from typing import Callable, NamedTuple
 
 import jax
@@ -25,12 +33,16 @@ from grpo_jax.errors import GrpoJaxError
 IMPLS = MOE_GMM
 MEGABLOX_TILE = 128
 HOPPER = 9.0  # Mosaic GPU's wgmma kernels need sm_90 or later
+# Compute capability by device kind, for a GPU known only by its description (a deviceless
+# compile's); first match wins.
+KIND_CAPABILITY = (("GB200", "10.0"), ("B200", "10.0"), ("B100", "10.0"), ("GH200", "9.0"),
+                   ("H200", "9.0"), ("H100", "9.0"), ("H800", "9.0"), ("H20", "9.0"))
 
 
 def choose(impl: str, platform: str, compute_capability: str | None = None) -> str:
     """The implementation that runs for a requested `impl` when lowering for `platform` ("cpu",
-    "cuda", "tpu"). compute_capability: the local GPU's ("9.0"), None when the program is
-    compiled without one (grpo_jax.aot's deviceless GPU target is an H100: Hopper)."""
+    "cuda", "tpu"). compute_capability: the target GPU's ("9.0", target_gpu), None where
+    unknown (then XLA's)."""
     if impl not in IMPLS:
         raise GrpoJaxError(f"moe_gmm={impl!r}: use one of {', '.join(IMPLS)}")
     if impl != "auto":
@@ -43,11 +55,25 @@ def choose(impl: str, platform: str, compute_capability: str | None = None) -> s
     return "xla"
 
 
-def local_compute_capability() -> str | None:
-    """The default device's CUDA compute capability; None without a local GPU runtime."""
-    if jax.default_backend() != "gpu":
+class TargetGpu(NamedTuple):
+    """The GPU a program is traced for."""
+
+    compute_capability: str | None  # "9.0"; None for a kind KIND_CAPABILITY does not know
+    sms: int | None  # streaming multiprocessors
+    local: bool  # a device of this process (else a deviceless compile's description)
+
+
+def target_gpu() -> TargetGpu | None:
+    """The local GPU, else the GPU of the mesh being traced under (shard_map's abstract mesh,
+    whose devices in a deviceless compile are the target's descriptions); None for neither."""
+    if jax.default_backend() == "gpu":
+        device = jax.devices()[0]
+        return TargetGpu(device.compute_capability, device.core_count, True)
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    if device is None or device.platform != "gpu":
         return None
-    return jax.devices()[0].compute_capability
+    capability = next((cc for kind, cc in KIND_CAPABILITY if kind in device.device_kind), None)
+    return TargetGpu(capability, device.num_cores, False)
 
 
 class Blocks(NamedTuple):
@@ -84,13 +110,38 @@ def _mgpu_fwd(lhs, rhs, sizes, transpose_rhs=False):
                                       **blocks(lhs.shape[1], n)._asdict())
 
 
-def _mgpu_tgmm(lhs, dout, sizes):
-    """[G, K, N]: per group lhs_g^T @ dout_g (lhs [M, K], dout [M, N] grouped alike)."""
+def _mgpu_tgmm(lhs, dout, sizes, sms: int | None = None):
+    """[G, K, N]: per group lhs_g^T @ dout_g (lhs [M, K], dout [M, N] grouped alike). `sms`:
+    the target GPU's SM count where no local GPU gives it (a deviceless compile)."""
     from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
     b = blocks(lhs.shape[0], dout.shape[1])
     b = b._replace(block_m=128 if lhs.shape[1] % 128 == 0 else 64)
-    return transposed_ragged_dot_mgpu.transposed_ragged_dot(
-        lhs, dout, group_sizes=sizes, **b._asdict())
+    seen = contextlib.nullcontext() if sms is None else _devices_seen_by(
+        transposed_ragged_dot_mgpu, sms)
+    with seen:
+        return transposed_ragged_dot_mgpu.transposed_ragged_dot(
+            lhs, dout, group_sizes=sizes, **b._asdict())
+
+
+@contextlib.contextmanager
+def _devices_seen_by(module, sms: int):
+    """While `module` is traced, its `jax.devices()` is one GPU description with `sms` SMs.
+    Why: jax's transposed_ragged_dot_mgpu (0.10-0.11) sizes its grid from
+    jax.devices()[0].core_count and takes no count; a deviceless compile's devices are the
+    host's CPUs. Everything else the module reads from `jax` is jax's own."""
+    real = module.jax
+
+    class Jax(types.ModuleType):
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    shim = Jax("jax")
+    shim.devices = lambda *_, **__: [types.SimpleNamespace(core_count=sms)]
+    module.jax = shim
+    try:
+        yield
+    finally:
+        module.jax = real
 
 
 def _xla_tgmm(lhs, dout, sizes):
@@ -129,9 +180,17 @@ def _xla_fwd(lhs, rhs, sizes, transpose_rhs=False):
 # The custom_vjp with XLA's kernels inside: tests check the wiring against jax.grad of ragged_dot.
 xla_with_vjp = with_vjp(_xla_fwd, _xla_tgmm)
 mosaic_gpu = with_vjp(_mgpu_fwd, _mgpu_tgmm)
-# Without a local GPU (a deviceless compile): the weight gradient by XLA, since
-# transposed_ragged_dot_mgpu sizes its grid from jax.devices()[0].core_count while tracing.
+# Traced where no GPU is known (neither local nor the mesh's): the weight gradient by XLA, since
+# transposed_ragged_dot_mgpu needs an SM count to be traced at all.
 mosaic_gpu_deviceless = with_vjp(_mgpu_fwd, _xla_tgmm)
+
+
+def mosaic_gpu_for(gpu: TargetGpu | None) -> Callable:
+    """The Mosaic GPU kernels for the GPU a program is traced for."""
+    if gpu is None or gpu.sms is None:
+        return mosaic_gpu_deviceless
+    return mosaic_gpu if gpu.local else with_vjp(
+        _mgpu_fwd, functools.partial(_mgpu_tgmm, sms=gpu.sms))
 
 
 def megablox(lhs, rhs, sizes):
@@ -144,9 +203,9 @@ def megablox(lhs, rhs, sizes):
 def gmm(lhs, rhs, sizes, impl: str = "auto"):
     """lhs [M, K] @ rhs [G, K, N] per group of `sizes`, by the implementation `impl` resolves to
     for the platform the program is lowered for (choose)."""
-    cc = local_compute_capability()
-    run = {"xla": jax.lax.ragged_dot, "megablox": megablox,
-           "mosaic_gpu": mosaic_gpu if cc else mosaic_gpu_deviceless}
+    gpu = target_gpu()
+    cc = gpu.compute_capability if gpu else None
+    run = {"xla": jax.lax.ragged_dot, "megablox": megablox, "mosaic_gpu": mosaic_gpu_for(gpu)}
     if impl != "auto":
         return run[choose(impl, "cpu")](lhs, rhs, sizes)
     on_cuda = choose(impl, "cuda", cc)
