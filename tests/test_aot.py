@@ -629,6 +629,8 @@ def test_moe_without_an_expert_axis_compiles_for_tpu_and_its_flops_are_counted(t
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     r = json.loads((tmp_path / "out.json").read_text())
     assert r["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1} and r["attention"] == "splash"
+    assert r["experts_kernel"] == "megablox, tiles 128x128x128"
+    assert "experts' grouped matmuls: megablox" in proc.stdout
     update = r["time"]["phases"]["update"]
     # Model FLOPs (report.model_flops): 3 forwards of 2 x active matmul weights per token and
     # 4 x L x q_size per (token, key seen); remat "full" runs the forward once more.

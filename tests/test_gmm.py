@@ -96,3 +96,15 @@ def test_a_deviceless_trace_for_an_h100_runs_all_three_kernels():
     assert kernels(cpu) == 0
     assert kernels(AbstractDevice("NVIDIA A100-SXM4-80GB", 108, "gpu")) == 0  # no wgmma
     assert gmm.target_gpu() is None  # outside a mesh, on this CPU: no GPU
+
+
+def test_the_kernel_aot_reports_per_target():
+    """What grpo_jax.aot's report says the experts run, by the target chip's kind."""
+    h100 = gmm.describe("auto", "cuda", "NVIDIA H100 80GB HBM3", 2048, 768)
+    assert h100 == "mosaic_gpu: gate/up 128x128x64, 4 in flight; down 128x128x64, 4 in flight"
+    assert gmm.describe("auto", "cuda", "NVIDIA A100-SXM4-80GB", 2048, 768) == "xla"
+    gpt_oss = gmm.describe("auto", "cuda", "NVIDIA H100 80GB HBM3", 2880, 2880)  # 45 x 64
+    assert gpt_oss == "mosaic_gpu: gate/up 128x64x64, 4 in flight; down 128x64x64, 4 in flight"
+    assert gmm.describe("auto", "cuda", "NVIDIA H100 80GB HBM3", 96, 48).startswith("xla (")
+    assert gmm.describe("auto", "tpu", "TPU v5 lite", 2048, 768).startswith("megablox")
+    assert gmm.describe("xla", "cuda", "NVIDIA H200", 2048, 768) == "xla"

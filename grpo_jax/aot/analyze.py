@@ -406,6 +406,11 @@ def summarize(target, cfg, run, ev: dict, start: float) -> dict:
                  "rows_per_update": plan.micro_batch_size * plan.gradient_accumulation_steps},
         "memory_per_chip": memory,
     }
+    if model.num_experts:
+        from grpo_jax.models import gmm
+        result["experts_kernel"] = gmm.describe(
+            model.numerics.moe_gmm, target.platform, run.mesh.devices.flat[0].device_kind,
+            model.hidden_size, model.moe_intermediate_size)
     if model.num_experts and not progs.decode_slots:  # the sampler records the routing
         from grpo_jax import mesh as mesh_lib
         record = report.routing_record_bytes(model, progs.sampler_rows, progs.prompt_width + C)

@@ -175,6 +175,8 @@ def render(r: dict) -> str:
     lines.append(f"  attention: {r['attention']}; compiled in {r['compile_s']:.0f} s on "
                  f"{r['host']} (jax {r['jax']}"
                  f"{', libtpu ' + r['libtpu'] if r.get('libtpu') else ''})")
+    if r.get("experts_kernel"):
+        lines.append(f"  experts' grouped matmuls: {r['experts_kernel']}")
     if r.get("chosen"):
         lines.insert(1, f"layout: {r['chosen']}")
     if r.get("search"):

@@ -96,6 +96,26 @@ def blocks(k: int, n: int) -> Blocks:
     return Blocks(128, block_n, 64, max(2, min(4, k // 64)))
 
 
+def describe(impl: str, platform: str, device_kind: str, d: int, f: int) -> str:
+    """What the experts of width d -> f -> d run on `platform` ("cuda", "tpu", "cpu") for a
+    device of `device_kind`: the implementation and, for Mosaic GPU, the blocks per product
+    (as grpo_jax.aot reports it)."""
+    capability = next((cc for kind, cc in KIND_CAPABILITY if kind in device_kind), None)
+    name = choose(impl, platform, capability)
+    if name == "mosaic_gpu" and not fits(d, f):
+        return "xla (the expert width is not a multiple of 64)"
+    if name == "megablox":
+        return f"megablox, tiles {MEGABLOX_TILE}x{MEGABLOX_TILE}x{MEGABLOX_TILE}"
+    if name != "mosaic_gpu":
+        return name
+    parts = []
+    for what, k, n in (("gate/up", d, f), ("down", f, d)):
+        b = blocks(k, n)
+        parts.append(f"{what} {b.block_m}x{b.block_n}x{b.block_k}, {b.max_concurrent_steps} "
+                     "in flight")
+    return "mosaic_gpu: " + "; ".join(parts)
+
+
 def fits(k: int, n: int) -> bool:
     """Whether the Mosaic GPU kernels take rhs [G, k, n]: both sides whole 64-wide tiles (the
     forward and row gradient contract k and n in 64-wide k tiles; the weight gradient tiles k
