@@ -363,7 +363,7 @@ class QwenVision(nnx.Module):
     """The tower's parameters (set by the Decoder from the vision table: vision/blocks/...,
     vision/merger/..., vision/patch_embed), and the LoRA adapters models/lora.py gave its
     linears (`blocks.<w>_lora_a|b` stacked as the blocks, `merger.<w>_lora_a|b` a stack of
-    one)."""
+    one) and a quantized base's scales (`<w>_qscale` beside each weight, models/quant.py)."""
 
     # Set by models/lora.py (add_adapters, with_dropout) with adapters: as the Decoder's.
     lora_scale: float | None = None
@@ -382,6 +382,9 @@ class QwenVision(nnx.Module):
             for part in name.split("/"):
                 node = getattr(node, part)
             out[name] = node[...]
+        for part, holder in (("blocks", self.blocks), ("merger", self.merger)):
+            out |= {f"{part}/{name}": var[...] for name, var in vars(holder).items()
+                    if name.endswith("_qscale")}  # a quantized base's (models/quant.py)
         return out
 
     def adapters(self) -> dict[str, jax.Array]:

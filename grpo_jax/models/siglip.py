@@ -244,8 +244,9 @@ class _Layers(nnx.Module):
 
 class VisionTower(nnx.Module):
     """The tower's and projector's parameters (set by the Decoder from the vision table:
-    vision/layers/..., vision/patch_embed, ...), and its layers' LoRA adapters when
-    models/lora.py gave it some (`layers.<leaf>_lora_a|b`, beside the stacked weights)."""
+    vision/layers/..., vision/patch_embed, ...), its layers' LoRA adapters when
+    models/lora.py gave it some (`layers.<leaf>_lora_a|b`, beside the stacked weights) and
+    a quantized base's scales (`layers.<leaf>_qscale`, models/quant.py)."""
 
     # Set by models/lora.py (add_adapters, with_dropout) with adapters: as the Decoder's.
     lora_scale: float | None = None
@@ -257,9 +258,12 @@ class VisionTower(nnx.Module):
         self.layers = _Layers()
 
     def params(self) -> dict[str, jax.Array]:
-        """param_table's names -> the current values."""
+        """param_table's names -> the current values, and a quantized base's scales
+        (layers/<leaf>_qscale, models/quant.py)."""
+        scales = {f"layers/{name}": var[...] for name, var in vars(self.layers).items()
+                  if name.endswith("_qscale")}
         return {name: getattr(self.layers if name.startswith("layers/") else self,
-                              name.split("/")[-1])[...] for name in HF_NAMES}
+                              name.split("/")[-1])[...] for name in HF_NAMES} | scales
 
     def adapters(self) -> dict[str, jax.Array]:
         """The layers' adapters by table name ({layers/<leaf>_lora_a: A, ..._lora_b: scale B}),
