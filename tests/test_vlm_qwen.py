@@ -274,10 +274,10 @@ def test_load_in_4bit_quantizes_the_tower_as_bitsandbytes(tiny):
     """QLoRA's base (load_in_4bit) quantizes the ViT's and the merger's linears, those
     transformers' bitsandbytes quantizer replaces on the same model (and no others: the
     Conv3d patch embedding stays): their codes and scales are quant.py's of the fp32 weights
-    (the merger's, outside the stacked blocks, as a stack of one), and the image features and
-    logits stay near the fp32 model's (NF4 on a tiny random model: the features within 5% of
-    the largest, where 0.034 was measured; the logits, the decoder's projections quantized
-    too, within 20% of the largest, where 0.135 was)."""
+    (the merger's, outside the stacked blocks, as a stack of one); the tower's features are
+    those of its dequantized weights, and near the fp32 model's (NF4 on a tiny random model:
+    within 5% of the largest, 0.034 measured; the logits, the decoder's projections quantized
+    too, within 20%, 0.135 measured)."""
     ref, path, model = tiny
     q, _ = hf.load_model(str(path), dtype=jnp.float32, quant_bits=4)
     theirs = {n for n in bnb_quantized(ref) if ".visual." in n}
@@ -296,6 +296,14 @@ def test_load_in_4bit_quantizes_the_tower_as_bitsandbytes(tiny):
     batch = _batch()
     features = [np.asarray(m.vision(jnp.asarray(batch[2]), GRIDS, jnp.float32))
                 for m in (model, q)]
+    params = q.vision.params()  # the weights dequantized, without their scales
+    scales = {k[:-len("_qscale")]: v for k, v in params.items() if k.endswith("_qscale")}
+    params = {k: quant.dequantize(v, scales[k], jnp.float32, stacked=scales[k].ndim == 3)
+              if k in scales else v
+              for k, v in params.items() if not k.endswith("_qscale")}
+    dequantized = qwen_vl.vision_forward(q.cfg.vision, params, jnp.asarray(batch[2]),
+                                         qwen_vl.vision_layout(q.cfg.vision, GRIDS), jnp.float32)
+    np.testing.assert_allclose(features[1], np.asarray(dequantized), atol=1e-6)
     feature_err = np.abs(features[1] - features[0]).max() / np.abs(features[0]).max()
     want = _our_logits(model, batch)
     logit_err = _real_diff(_our_logits(q, batch), want, batch[1]) / np.abs(want).max()
