@@ -304,6 +304,11 @@ def test_load_in_4bit_quantizes_the_tower_as_bitsandbytes(tiny):
     dequantized = qwen_vl.vision_forward(q.cfg.vision, params, jnp.asarray(batch[2]),
                                          qwen_vl.vision_layout(q.cfg.vision, GRIDS), jnp.float32)
     np.testing.assert_allclose(features[1], np.asarray(dequantized), atol=1e-6)
+    # What a merge (the sampler's merged copy, export --merge) starts from: the same weights.
+    base = quant.dequantized_base(nnx.state(q, nnx.Param))["vision"]
+    assert all(np.array_equal(base[part][leaf][...], params[f"{part}/{leaf}"])
+               for part, leaf in (n.split("/") for n in quant.tower_linears(q.cfg.vision)))
+    assert not any(k.endswith("_qscale") for part in ("blocks", "merger") for k in base[part])
     feature_err = np.abs(features[1] - features[0]).max() / np.abs(features[0]).max()
     want = _our_logits(model, batch)
     logit_err = _real_diff(_our_logits(q, batch), want, batch[1]) / np.abs(want).max()
