@@ -103,11 +103,17 @@ class QwenVisionConfig:
         m = self.spatial_merge_size
         return ((1, side * m, tokens // side * m),)
 
-    def encoded(self, image_tokens: int):
-        """One image of `image_tokens` merged tokens (image_grid's)."""
-        t, h, w = self.image_grid(image_tokens)[0]
+    def encoded(self, image_tokens: int, images: int | None = None):
+        """A prompt's `image_tokens` merged tokens as `images` images (default one) of equal
+        size, each gridded as image_grid grids its share (the images of a block share one
+        size: image_blocks)."""
+        images = images or 1
+        if image_tokens % images:
+            raise ModelConfigError(f"{image_tokens} image tokens in {images} images: Qwen2.5-VL's"
+                                   " images of a prompt share one size; give a multiple")
+        t, h, w = self.image_grid(image_tokens // images)[0]
         window = (self.window_size // self.patch_size) ** 2
-        return TowerShape(1, t * h * w, self.hidden_size, self.intermediate_size,
+        return TowerShape(images, t * h * w, self.hidden_size, self.intermediate_size,
                           self.num_heads, self.depth, len(self.fullatt_block_indexes), window,
                           (t * h * w, self.in_channels * self.temporal_patch_size
                            * self.patch_size ** 2))

@@ -85,12 +85,16 @@ class SiglipConfig:
     def tower(self) -> "VisionTower":
         return VisionTower(self)
 
-    def encoded(self, image_tokens: int):
-        """Images of mm_tokens_per_image tokens each, every one image_size square."""
-        if image_tokens % self.mm_tokens_per_image:
-            raise ModelConfigError(f"{image_tokens} image tokens: Gemma 3's images have "
-                                   f"{self.mm_tokens_per_image} each; use a multiple")
-        return TowerShape(image_tokens // self.mm_tokens_per_image, self.num_patches,
+    def encoded(self, image_tokens: int, images: int | None = None):
+        """A prompt's `image_tokens` as images of mm_tokens_per_image tokens each, every one
+        image_size square; `images`, where given, must be their count."""
+        count = image_tokens // self.mm_tokens_per_image
+        if image_tokens % self.mm_tokens_per_image or images not in (None, count):
+            raise ModelConfigError(
+                f"{image_tokens} image tokens{'' if images is None else f' in {images} images'}"
+                f": Gemma 3's images have {self.mm_tokens_per_image} each; give a multiple "
+                "(as many images as it makes)")
+        return TowerShape(count, self.num_patches,
                           self.hidden_size, self.intermediate_size, self.num_heads,
                           self.num_layers, self.num_layers, self.num_patches,
                           (self.num_channels, self.image_size, self.image_size))
