@@ -913,6 +913,20 @@ def test_the_estimate_counts_a_frozen_tower_and_its_images():
     assert search.estimate(lay, cfg, model, target, 16, image_tokens=1024, margin=0.05)["fits"]
     with pytest.raises(GrpoJaxError, match="multiple"):
         PRESETS["gemma-3-4b-vlm"].vision.encoded(300)
+    # --images-per-prompt 2: the 1024 tokens as two 512-token images (two 32 x 64 grids),
+    # whose full-attention scores are per image: half the one image's (compiled: 7.24 GB of
+    # update temporaries against 7.64, docs/scaling.md). Images of one size only.
+    two = search.estimate(lay, cfg, model, target, 16, image_tokens=1024, images=2)
+    assert two["resident_GB"] == images["resident_GB"]
+    assert text["temporaries_GB"]["update"] < two["temporaries_GB"]["update"] < images[
+        "temporaries_GB"]["update"]
+    assert model.vision.encoded(1024, 2).patches == 2048
+    for vision, tokens, k in ((model.vision, 1024, 3), (PRESETS["gemma-3-4b-vlm"].vision, 512, 3)):
+        with pytest.raises(GrpoJaxError, match="multiple"):
+            vision.encoded(tokens, k)
+    from grpo_jax.aot import analyze
+    with pytest.raises(GrpoJaxError, match="--image-tokens too"):
+        analyze.check_images(cfg, model, 0, 2)
     # LoRA: all-linear adapts the tower too (its adapters trained, the tower differentiated:
     # its activations kept for the update's backward); q_proj / v_proj reach no tower module
     # of Qwen2.5-VL's (its attention is one fused qkv), which then stays frozen.
