@@ -816,13 +816,17 @@ TINY_GEMMA3 = PRESETS["gemma-3-270m"].replace(
 
 @pytest.mark.skipif(not AOT_PYTHON, reason="GRPO_JAX_AOT_PYTHON is unset (see the module doc)")
 def test_vision_language_models_compile_with_their_images(tmp_path):
-    """A Qwen2.5-VL model with one 16-token image per prompt: the update and log-prob programs
-    take each row's pixels, M-RoPE positions and grid, the sampler's and its 4 decode slots'
-    prompt passes the prompts' images; the report names the vision tower's share of the memory.
+    """A Qwen2.5-VL model under QLoRA with two 16-token images per prompt (--image-tokens 32
+    --images-per-prompt 2, a batch's blocks of two): the update and log-prob programs take each
+    row's pixels, M-RoPE positions and two grids, the sampler's and its 4 decode slots' prompt
+    passes the prompts' images; the report names the vision tower's share of the memory, its
+    linears counted as NF4 codes and scales (load_in_4bit quantizes them, as bitsandbytes).
     A Gemma 3 with two 4-token images per prompt through --auto: the search lays out and
     compiles its images ([rows, 2, 3, 28, 28] pixels), and the header gives its params as
     language model + tower."""
-    from grpo_jax.models import qwen_vl
+    import jax
+
+    from grpo_jax.models import quant, qwen_vl
     vlm = TINY.replace(model_type=qwen_vl.MODEL_TYPE, mrope_section=(4, 6, 6), qkv_bias=True,
                        vision=qwen_vl.QwenVisionConfig(
                            depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
@@ -831,8 +835,10 @@ def test_vision_language_models_compile_with_their_images(tmp_path):
     tiny_dir_in(tiny_dir_in(tmp_path, "vlm", vlm), "gemma", TINY_GEMMA3)
     qwen, gemma = run_aot_many(
         tmp_path, ["--topology", "v5e:2x2", "--model_name_or_path", "vlm", "--json", "q.json",
-                   "--image-tokens", "16", *SHAPE, "--dp", "1", "--fsdp", "4",
-                   "--max_num_seqs", "4", "--phases", "generate,update"],  # logprobs: the
+                   "--image-tokens", "32", "--images-per-prompt", "2", *SHAPE, "--dp", "1",
+                   "--fsdp", "4", "--max_num_seqs", "4", "--phases", "generate,update",
+                   "--use_peft", "true", "--load_in_4bit", "true",
+                   "--lora_target_modules", "q_proj"],  # logprobs: the
         # update's forward, compiled by the tests above
         ["--topology", "v5e:2x2", "--model_name_or_path", "gemma", "--json", "g.json",
          "--image-tokens", "8", *SHAPE, "--auto", "--quick"])
@@ -840,15 +846,25 @@ def test_vision_language_models_compile_with_their_images(tmp_path):
     r = json.loads((tmp_path / "q.json").read_text())
     # the refill program too, its prompt pass taking the images
     assert "compiled refill" in qwen.stderr and r["plan"]["decode_slots"] == 4
-    assert r["image"] == {"tokens": 16, "images": 1, "patches": 64, "grid": [1, 8, 8]}
+    assert r["image"] == {"tokens": 32, "images": 2, "patches": 64, "grid": [1, 8, 8]}
     m = r["memory_per_chip"]
     assert set(m["phases"]) == {"generate", "update"}
-    # The tower's fp32 params over fsdp (its small biases and norms replicated), in the
-    # params; frozen, so the optimizer's moments are the decoder's alone.
-    tower = sum(np.prod(s) for s, _ in vlm.vision.param_table(TINY.hidden_size).values())
-    assert m["vision_tower_GB"] == pytest.approx(tower * 4 / 4 / 1e9, rel=0.2)
-    assert m["optimizer_state_GB"] == pytest.approx(
-        2 * (m["params_GB"] - m["vision_tower_GB"]), rel=0.05)
+    # The tower in the frozen base over fsdp 4: its linears NF4 codes (half a byte) with a
+    # fp32 scale per block and output (those of a weight of fewer than 64 inputs: one block,
+    # which does not split 4 ways), the rest as loaded (the base's compute dtype, bf16; biases
+    # and norms replicated); no adapters on it (q_proj: its attention is one fused qkv).
+    # Unquantized, bf16 over 4 chips would be twice the codes' share or more.
+    table, linears = vlm.vision.param_table(TINY.hidden_size), quant.tower_linears(vlm.vision)
+    codes = sum(np.prod(table[n][0]) for n in linears)
+    scales = sum(np.prod(jax.eval_shape(  # [L, blocks, out] (the merger's a stack of one)
+        lambda w, n_in=n_in: quant.quantize(w, n_in, 4)[1], jax.ShapeDtypeStruct(
+            table[n][0] if "{i}" in hf else (1, *table[n][0]), np.float32)).shape)
+        for n, (hf, n_in) in linears.items())
+    rest = sum(np.prod(s) for n, (s, _) in table.items() if n not in linears)
+    got = m["vision_tower_GB"] * 1e9
+    assert (codes / 2 + 4 * scales + 2 * rest) / 4 <= got <= codes / 2 / 4 + 4 * scales + 2 * rest
+    assert got < 0.6 * (codes + rest) * 2 / 4
+    assert m["optimizer_state_GB"] == pytest.approx(2 * m["params_GB"], rel=0.05)
     assert "of which the vision tower" in qwen.stdout and m["fits"]
 
     assert gemma.returncode == 0, gemma.stderr[-3000:]
@@ -897,6 +913,20 @@ def test_the_estimate_counts_a_frozen_tower_and_its_images():
     assert search.estimate(lay, cfg, model, target, 16, image_tokens=1024, margin=0.05)["fits"]
     with pytest.raises(GrpoJaxError, match="multiple"):
         PRESETS["gemma-3-4b-vlm"].vision.encoded(300)
+    # --images-per-prompt 2: the 1024 tokens as two 512-token images (two 32 x 64 grids),
+    # whose full-attention scores are per image: half the one image's (compiled: 7.24 GB of
+    # update temporaries against 7.64, docs/scaling.md). Images of one size only.
+    two = search.estimate(lay, cfg, model, target, 16, image_tokens=1024, images=2)
+    assert two["resident_GB"] == images["resident_GB"]
+    assert text["temporaries_GB"]["update"] < two["temporaries_GB"]["update"] < images[
+        "temporaries_GB"]["update"]
+    assert model.vision.encoded(1024, 2).patches == 2048
+    for vision, tokens, k in ((model.vision, 1024, 3), (PRESETS["gemma-3-4b-vlm"].vision, 512, 3)):
+        with pytest.raises(GrpoJaxError, match="multiple"):
+            vision.encoded(tokens, k)
+    from grpo_jax.aot import analyze
+    with pytest.raises(GrpoJaxError, match="--image-tokens too"):
+        analyze.check_images(cfg, model, 0, 2)
     # LoRA: all-linear adapts the tower too (its adapters trained, the tower differentiated:
     # its activations kept for the update's backward); q_proj / v_proj reach no tower module
     # of Qwen2.5-VL's (its attention is one fused qkv), which then stays frozen.

@@ -13,13 +13,14 @@ import transformers
 from safetensors import safe_open
 
 from grpo_jax import hf
-from grpo_jax.models import positions_from_mask
+from grpo_jax.models import positions_from_mask, quant, siglip
 from grpo_jax.models.decoder import image_blocks
 from grpo_jax.rollout.native.refill import Refill
 from grpo_jax.rollout.native.sampler import Sampler
 from grpo_jax.rollout.native.sampling import SamplingParams
 
-from vlm_models import BOI, EOI, IMG, MM, PAD, tiny_gemma3
+from vlm_models import (BOI, EOI, IMG, MM, PAD, bnb_quantized, quantized_tower, same_modules,
+                        tiny_gemma3)
 
 # Row 0: one image, row 1: two images and a longer text, so row 0 is left-padded.
 ROWS = [[5, 17, BOI, *[IMG] * MM, EOI, 42, 8],
@@ -155,3 +156,39 @@ def test_loads_the_hub_and_transformers_5_nestings(vlm, tmp_path):
                   tmp_path / name / "model.safetensors")
         again, _ = hf.load_model(str(tmp_path / name), dtype=jnp.float32)
         assert _diff(_logits(again, ids, mask, pixels), want, mask) == 0, name
+
+
+def test_load_in_4bit_quantizes_the_tower_as_bitsandbytes(vlm):
+    """QLoRA's base (load_in_4bit) quantizes SigLIP's attention and MLP linears, those
+    transformers' bitsandbytes quantizer replaces on the same model; the patch conv, the
+    position embedding and the projector (mm_input_projection_weight: a bare nn.Parameter)
+    stay in fp32, as bitsandbytes leaves them. The codes and scales are quant.py's of the fp32
+    weights; the tower's features are those of its dequantized weights, and near the fp32
+    model's: NF4 rounds a weight by up to 15% of its block's absmax (here a block is a whole
+    32-input row), so on this tiny random model the features are within 25% of the largest
+    (0.168 measured) and the logits, the decoder quantized too, within 60% (0.430)."""
+    ref, path, model, (ids, mask, pixels) = vlm
+    q, _ = hf.load_model(str(path), dtype=jnp.float32, quant_bits=4)
+    theirs = {n for n in bnb_quantized(ref) if "vision_tower" in n or "projector" in n}
+    assert same_modules(theirs, quantized_tower(q)) and len(theirs) == 2 * 6
+    for name, (_, n_in) in quant.tower_linears(q.cfg.vision).items():
+        leaf = name.split("/")[1]
+        codes, scale = quant.quantize(getattr(model.vision.layers, leaf)[...], n_in, 4)
+        np.testing.assert_array_equal(getattr(q.vision.layers, leaf)[...], codes)
+        np.testing.assert_array_equal(getattr(q.vision.layers, f"{leaf}_qscale")[...], scale)
+    assert {q.vision.mm_proj[...].dtype, q.vision.patch_embed[...].dtype} == {np.dtype(np.float32)}
+    features = [np.asarray(m.vision(jnp.asarray(pixels), None, jnp.float32))
+                for m in (model, q)]
+    params = q.vision.params()  # the weights dequantized, without their scales
+    params = {k: quant.dequantize(v, params[f"{k}_qscale"], jnp.float32, stacked=True)
+              if f"{k}_qscale" in params else v
+              for k, v in params.items() if not k.endswith("_qscale")}
+    dequantized = siglip.encode(q.cfg.vision, params, jnp.asarray(pixels), jnp.float32)
+    np.testing.assert_allclose(features[1], np.asarray(dequantized).reshape(features[1].shape),
+                               atol=1e-6)
+    feature_err = np.abs(features[1] - features[0]).max() / np.abs(features[0]).max()
+    want = _logits(model, ids, mask, pixels)
+    logit_err = _diff(_logits(q, ids, mask, pixels), want, mask) / np.abs(want).max()
+    print(f"NF4 tower: image features within {feature_err:.3f}, logits {logit_err:.3f} of "
+          "the largest (fp32)")
+    assert 0 < feature_err < 0.25 and 0 < logit_err < 0.6

@@ -9,6 +9,7 @@ import re
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -358,6 +359,24 @@ def test_the_tower_is_frozen_in_the_optimizer(vlm_dir):
     counters = len(jax.tree.leaves(init({}).opt_state))
     assert len(jax.tree.leaves(state.opt_state)) == counters + 2 * (len(moved) - len(tower))
     assert frozen_parts({"embed": 0}) == ()
+
+
+def test_qlora_trains_on_a_quantized_tower(seeing_dir, tmp_path):
+    """QLoRA (load_in_4bit, all-linear) on the VLM: the tower's linears are NF4 codes as the
+    decoder's projections, frozen, with adapters trained on top; two steps run and the sampler
+    (the adapters on the quantized base, the tower's too) gives the trainer's log-probs."""
+    run = tmp_path / "qlora"
+    cfg = _cfg(seeing_dir, run, "max_steps=2", "use_peft=true", "load_in_4bit=true",
+               "lora_target_modules=all-linear", "learning_rate=0.05", "save_steps=2")
+    model, _ = peft_io.load_model(cfg, None)
+    assert model.vision.layers.fc1[...].dtype == jnp.uint4
+    params = split_policy(model).params
+    assert sorted(params["vision"]["layers"]) == sorted(
+        f"{w}_lora_{m}" for w in ("wq", "wk", "wv", "wo", "fc1", "fc2") for m in "ab")
+    train(cfg, devices=jax.devices()[:1])
+    steps = [r for r in _records(run) if "loss" in r]
+    assert len(steps) == 2 and all(np.isfinite(r["loss"]) for r in steps)
+    assert max(r["sampling/sampling_logp_difference/max"] for r in steps) < 5e-5
 
 
 def test_lora_adapters_load_in_peft_on_the_vlm(seeing_dir, tmp_path):

@@ -70,3 +70,39 @@ def tiny_qwen25(seed=0):
             if "norm" in name or "ln_q" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
     return model
+
+
+def bnb_quantized(model) -> set[str]:
+    """The modules transformers' bitsandbytes quantizer replaces under load_in_4bit (and
+    load_in_8bit: the same filter): every `nn.Linear` but those get_modules_to_not_convert
+    keeps (lm_head, tied weights, the last module, llm_int8_skip_modules, the model's
+    _keep_in_fp32_modules), as the bnb quantizer's _process_model_before_weight_loading and
+    replace_with_bnb_linear select them; bitsandbytes itself is not needed to read them."""
+    from transformers.quantizers.base import HfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+    config = transformers.BitsAndBytesConfig(load_in_4bit=True)
+    skip = HfQuantizer.get_modules_to_not_convert(model, config.llm_int8_skip_modules,
+                                                  model._keep_in_fp32_modules)
+    return {n for n, m in model.named_modules()
+            if type(m) is torch.nn.Linear and should_convert_module(n, skip)}
+
+
+def quantized_tower(model) -> set[str]:
+    """The HF module names ({i}: each layer) of our model's tower linears stored quantized."""
+    from grpo_jax.models import quant
+    out = set()
+    for name, (module, _) in quant.tower_linears(model.cfg.vision).items():
+        part, leaf = name.split("/")
+        holder = vars(getattr(model.vision, part))
+        if f"{leaf}_qscale" in holder:
+            layers = range(holder[leaf].shape[0]) if "{i}" in module else [None]
+            out |= {module.format(i=i) for i in layers}
+    return out
+
+
+def same_modules(theirs: set[str], ours: set[str]) -> bool:
+    """Each of transformers' module names ends with exactly one of ours, each of ours is
+    matched (checkpoint roots differ: "model.visual." / "visual.")."""
+    matches = {t: [o for o in ours if t == o or t.endswith("." + o)] for t in theirs}
+    return (all(len(m) == 1 for m in matches.values())
+            and {m[0] for m in matches.values()} == ours)

@@ -14,7 +14,8 @@ minutes instead of tens of minutes for a large model), --phases generate,logprob
 programs to compile), --image-tokens N (a vision-language model, N image tokens per prompt
 within --max_prompt_length: Qwen2.5-VL one image of N merged tokens, its pixels, M-RoPE
 positions and grid; Gemma 3 N / 256 images; the layout search and estimate count its frozen
-tower and its images), --split (also forecast the round split: some chips sampling while the
+tower and its images), --images-per-prompt K (those tokens as K images of N / K tokens each,
+a batch's blocks of K images: Qwen2.5-VL's K grids; Gemma 3's K must be N / 256), --split (also forecast the round split: some chips sampling while the
 rest train, aot/split.py; --auto always does). Without mesh flags (--dp/--fsdp/--tp/--ep/--cp)
 the layout is chosen as a run would need it
 (search.default_layout; for long rows with a context axis) and said. Every other option is a
@@ -96,34 +97,38 @@ def check_config(cfg) -> None:
                            "length (the sampler's bucket that holds it)")
 
 
-def check_images(cfg, model, image_tokens: int) -> None:
-    """--image-tokens: a vision-language model (Qwen2.5-VL: one image of that many tokens;
-    Gemma 3: images of mm_tokens_per_image each) and the placeholders within the prompt."""
+def check_images(cfg, model, image_tokens: int, images: int | None = None) -> None:
+    """--image-tokens: a vision-language model (Qwen2.5-VL: one image of that many tokens, or
+    --images-per-prompt images sharing them; Gemma 3: images of mm_tokens_per_image each) and
+    the placeholders within the prompt."""
     if not image_tokens:
+        if images:
+            raise GrpoJaxError("--images-per-prompt: give the prompt's --image-tokens too")
         return
     if model.vision is None:
         raise GrpoJaxError(f"--image-tokens: {cfg.model.name_or_path} is not a vision-language "
                            "model (Qwen2.5-VL or Gemma 3 with its vision tower)")
-    model.vision.encoded(image_tokens)  # a count its images can make
+    model.vision.encoded(image_tokens, images)  # a count its images can make
     if image_tokens >= cfg.data.max_prompt_length:
         raise GrpoJaxError(f"--image-tokens {image_tokens}: the image's placeholders are "
                            f"prompt tokens; --max_prompt_length {cfg.data.max_prompt_length} "
                            "must hold them and the text")
 
 
-def make_lowering(target, cfg, image_tokens: int = 0, **device_kw):
+def make_lowering(target, cfg, image_tokens: int = 0, images: int | None = None, **device_kw):
     """The programs.Lowering of `cfg` on `target`'s devices, meshed as train.py meshes them;
-    `image_tokens`: merged image tokens per prompt (a vision-language model's programs)."""
+    `image_tokens`: merged image tokens per prompt (a vision-language model's programs), in
+    `images` images (programs.Lowering.images)."""
     from grpo_jax import mesh as mesh_lib
     from grpo_jax.aot import hardware, programs
 
     check_config(cfg)
     model = model_config(cfg.model.name_or_path).replace(
         numerics=cfg.peft.base_numerics(cfg.numerics))
-    check_images(cfg, model, image_tokens)
+    check_images(cfg, model, image_tokens, images)
     mesh = mesh_lib.make_mesh(cfg.mesh, hardware.devices(target, **device_kw))
     return programs.Lowering(cfg, model, mesh, cfg.batch_plan(mesh_lib.batch_divisor(mesh)),
-                             image_tokens)
+                             image_tokens, images)
 
 
 def evaluate(target, run, *, full_depth: bool = True, phases=("generate", "logprobs", "update"),
@@ -373,7 +378,7 @@ def image_facts(run) -> dict:
     """The report's image section: tokens, images and patches per prompt (Qwen2.5-VL: the
     patch grid)."""
     from grpo_jax.aot import programs
-    shape, grid = run.model.vision.encoded(run.image_tokens), programs.image_grid(run)
+    shape, grid = run.tower_shape, programs.image_grid(run)
     return {"tokens": run.image_tokens, "images": shape.images, "patches": shape.patches,
             **({"grid": list(grid[0])} if grid else {})}
 

@@ -14,17 +14,19 @@ from grpo_jax.errors import GrpoJaxError
 
 
 def analyze_config(target, cfg, quick: bool = False,
-                   phases=("generate", "logprobs", "update"), image_tokens: int = 0) -> dict:
+                   phases=("generate", "logprobs", "update"), image_tokens: int = 0,
+                   images: int | None = None) -> dict:
     """One layout's report: the config's mesh, or where it names none the default layout;
-    `image_tokens`: merged image tokens per prompt (a vision-language model)."""
+    `image_tokens`: merged image tokens per prompt (a vision-language model), in `images`
+    images of equal size."""
     import jax
 
     start = time.perf_counter()
     chosen = None
     analyze.check_config(cfg)
     if not cfg.mesh.given:
-        cfg, chosen = search.default_layout(target, cfg, image_tokens)
-    run = analyze.make_lowering(target, cfg, image_tokens)
+        cfg, chosen = search.default_layout(target, cfg, image_tokens, images)
+    run = analyze.make_lowering(target, cfg, image_tokens, images)
     ev = analyze.evaluate(target, run, full_depth=not quick,
                           phases=analyze.run_phases(run, phases))
     result = analyze.summarize(target, cfg, run, ev, start)
@@ -70,6 +72,7 @@ def main(argv=None) -> dict:
     p.add_argument("--margin", type=float, default=search.MARGIN)
     p.add_argument("--phases", default="generate,logprobs,update")
     p.add_argument("--image_tokens", "--image-tokens", type=int, default=0)
+    p.add_argument("--images_per_prompt", "--images-per-prompt", type=int)
     p.add_argument("-h", "--help", action="store_true")
     args, rest = p.parse_known_args(argv)
     if args.help:
@@ -84,14 +87,17 @@ def main(argv=None) -> dict:
         target = hardware.parse_target(args.topology, args.num_slices)
         cfg = cli.parse_cli(rest)
         result = (search.auto(target, cfg, quick=args.quick, top=args.top,
-                              image_tokens=args.image_tokens, margin=args.margin) if args.auto
+                              image_tokens=args.image_tokens, margin=args.margin,
+                              images=args.images_per_prompt) if args.auto
                   else analyze_config(target, cfg, quick=args.quick,
                                       phases=tuple(args.phases.split(",")),
-                                      image_tokens=args.image_tokens))
+                                      image_tokens=args.image_tokens,
+                                      images=args.images_per_prompt))
         if args.auto or args.split:  # the same round split: the estimate's, no compile
             result["split"] = split.forecast(cfg, analyze.model_config(cfg.model.name_or_path),
                                              target, hardware.devices(target),
-                                             args.image_tokens, args.margin)
+                                             args.image_tokens, args.margin,
+                                             args.images_per_prompt)
     except GrpoJaxError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

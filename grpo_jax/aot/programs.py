@@ -42,13 +42,22 @@ class Lowering:
     model: ModelConfig
     mesh: Any
     plan: BatchPlan
-    # A vision-language model: merged image tokens in each prompt (one image; its
+    # A vision-language model: merged image tokens in each prompt (all its images'; their
     # placeholders count in max_prompt_length). 0: text-only programs.
     image_tokens: int = 0
+    # --images-per-prompt: the images they make, of equal size (a batch's blocks of K images,
+    # image_blocks); None: the tower's count (Qwen2.5-VL one, Gemma 3 one per
+    # mm_tokens_per_image).
+    images: int | None = None
 
     @property
     def step_config(self) -> StepConfig:
         return step_config(self.cfg, self.plan, self.model)
+
+    @property
+    def tower_shape(self):
+        """What the vision tower makes of a prompt's images (TowerShape)."""
+        return self.model.vision.encoded(self.image_tokens, self.images)
 
     def with_layers(self, n: int) -> "Lowering":
         return dataclasses.replace(self, model=self.model.with_layers(n))
@@ -170,23 +179,25 @@ def _rows(shape, dtype, mesh) -> jax.ShapeDtypeStruct:
 
 
 def image_grid(run: Lowering) -> tuple | None:
-    """A row's images' patch grids as the Batch and the sampler carry them (Qwen2.5-VL's
-    one image; None for Gemma 3's fixed-size images, or text)."""
-    return (run.model.vision.image_grid(run.image_tokens)
-            if run.image_tokens and run.model.mrope_section is not None else None)
+    """A row's images' patch grids as the Batch and the sampler carry them (Qwen2.5-VL's K
+    images of one size; None for Gemma 3's fixed-size images, or text)."""
+    if not run.image_tokens or run.model.mrope_section is None:
+        return None
+    k = run.tower_shape.images
+    return run.model.vision.image_grid(run.image_tokens // k) * k
 
 
 def _sampler_images(run: Lowering, prompts: int, width: int):
     """The sampler's (images, image_grid) for the prompt pass, as Sampler.generate hands
     them: pixel_values of every prompt's images (float32, as the processor gives them; one
-    host's, replicated: Qwen2.5-VL [prompts x patches, values], Gemma 3 [prompts x images, C,
-    H, W]), positions (M-RoPE's [3, prompts, width]; Gemma 3's [prompts, width]) and the decode
+    host's, replicated: Qwen2.5-VL [prompts x images x patches, values], Gemma 3 [prompts x
+    images, C, H, W]), positions (M-RoPE's [3, prompts, width]; Gemma 3's [prompts, width]) and the decode
     position deltas [prompts] and the placeholders to fill [prompts, width]. (None, None)
     without images."""
     if not run.image_tokens:
         return None, None
     replicated = NamedSharding(run.mesh, P())
-    shape = run.model.vision.encoded(run.image_tokens)
+    shape = run.tower_shape
     arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,  # noqa: E731
                                                     sharding=replicated)
     grid = image_grid(run)
@@ -195,9 +206,9 @@ def _sampler_images(run: Lowering, prompts: int, width: int):
                 arg((prompts, width), jnp.int32), arg((prompts,), jnp.int32),
                 arg((prompts, width), jnp.bool_)), None
     patches, values = shape.pixels
-    return (arg((prompts * patches, values), jnp.float32), arg((3, prompts, width), jnp.int32),
-            arg((prompts,), jnp.int32), arg((prompts, width), jnp.bool_)
-            ), grid * prompts  # every prompt's image's grid
+    return (arg((prompts * shape.images * patches, values), jnp.float32),
+            arg((3, prompts, width), jnp.int32), arg((prompts,), jnp.int32),
+            arg((prompts, width), jnp.bool_)), grid * prompts  # every prompt's images' grids
 
 
 def _batch(run: Lowering, n: int, width: int, logps: bool = True) -> Batch:
@@ -209,9 +220,10 @@ def _batch(run: Lowering, n: int, width: int, logps: bool = True) -> Batch:
     batch = Batch(_rows((n, width), jnp.int32, mesh), _rows((n, width), jnp.int32, mesh),
                   tokens(), tokens(), _rows((n,), jnp.bool_, mesh), _rows((n,), jnp.float32, mesh))
     if run.image_tokens:  # images.PromptPixels' rows
-        shape, grid = run.model.vision.encoded(run.image_tokens), image_grid(run)
-        batch = batch.replace(pixel_values=_rows(
-            (n, *shape.pixels) if grid else (n, shape.images, *shape.pixels), jnp.float32, mesh),
+        shape, grid = run.tower_shape, image_grid(run)
+        pixels = ((shape.images * shape.pixels[0], *shape.pixels[1:]) if grid
+                  else (shape.images, *shape.pixels))  # Qwen2.5-VL: the K images' patch rows
+        batch = batch.replace(pixel_values=_rows((n, *pixels), jnp.float32, mesh),
             positions=_rows((n, 3, width + C), jnp.int32, mesh) if grid else None,
             image_grid=grid)
     if not logps:

@@ -198,7 +198,7 @@ def current(cfg, chips: int) -> Layout:
 # ---------------------------------------------------------------- the estimate (no compile)
 
 def estimate(lay: Layout, cfg, model, target, chips: int, phases=PHASES,
-             image_tokens: int = 0, margin: float = MARGIN) -> dict:
+             image_tokens: int = 0, margin: float = MARGIN, images: int | None = None) -> dict:
     """Memory per chip (GB) and round time (s) of a layout, from shapes alone. The resident
     state and KV cache are what the programs hold; the phases' working memory (saved layer
     inputs or matmul outputs by remat policy, one layer's attention scores and MLP, a gathered
@@ -212,7 +212,8 @@ def estimate(lay: Layout, cfg, model, target, chips: int, phases=PHASES,
     alone and holds no training state, only the weights it decodes with; a trainer mesh the
     other two).
 
-    `image_tokens` (a vision-language model's image tokens per prompt, within the prompt):
+    `image_tokens` (a vision-language model's image tokens per prompt, within the prompt, in
+    `images` images: programs.Lowering.images):
     its tower is frozen (policy.frozen_parts: its params and reference copy, no moments or
     gradient), and each phase runs it forward over its rows' images (_tower_memory). With LoRA
     adapters on the tower (lora.tower_targets) they are trained (their params, gradients and
@@ -293,7 +294,7 @@ def estimate(lay: Layout, cfg, model, target, chips: int, phases=PHASES,
     logits = r * dp * min(C, 128) * V / chips * 4 * 3
     slack = 0.02 * chip.hbm_bytes  # XLA's own buffers, scratch
     trained = held.params
-    images = model.vision.encoded(image_tokens) if image_tokens else None
+    images = model.vision.encoded(image_tokens, images) if image_tokens else None
     prompts = -(-rows // plan.num_generations)
     # The sampler's images are one host's, replicated: every chip encodes every prompt's.
     seen = {"generate": prompts, "logprobs": r, "update": r}
@@ -476,6 +477,7 @@ def bandwidth(target, size: int, dcn: bool = False) -> float:
 # ---------------------------------------------------------------- choosing
 
 def ranked(cfg, model, target, devices, remat=None, phases=PHASES, image_tokens: int = 0,
+           images: int | None = None,
            margin: float = MARGIN) -> list[tuple[Layout, dict]]:
     """The layouts of `devices` for `phases`, fitting ones first, by estimated time."""
     chips = len(devices)
@@ -483,12 +485,13 @@ def ranked(cfg, model, target, devices, remat=None, phases=PHASES, image_tokens:
     if not lays:
         raise GrpoJaxError(f"no layout of {chips} chips divides the round: rows per update and "
                            "the generation batch must split over the batch axes")
-    scored = [(lay, estimate(lay, cfg, model, target, chips, phases, image_tokens, margin))
+    scored = [(lay, estimate(lay, cfg, model, target, chips, phases, image_tokens, margin,
+                             images))
               for lay in lays]
     return sorted(scored, key=lambda x: (not x[1]["fits"], x[1]["seconds"]))
 
 
-def default_layout(target, cfg, image_tokens: int = 0) -> tuple:
+def default_layout(target, cfg, image_tokens: int = 0, images: int | None = None) -> tuple:
     """A config without a mesh, laid out as the estimate ranks best among layouts that keep its
     remat setting (the user's, or TRL's gradient checkpointing), preferring its own per-device
     batch and accumulation when they fit. Rows longer than mesh.CONTEXT_TOKENS get
@@ -507,7 +510,7 @@ def default_layout(target, cfg, image_tokens: int = 0) -> tuple:
             f"no mesh given: chose {' '.join(mesh_lib.flags(long[0]))} ({long[1]})")
     mine = current(cfg, chips)
     scored = ranked(cfg, model, target, devices, remat=((mine.remat, mine.remat_policy),),
-                    image_tokens=image_tokens)
+                    image_tokens=image_tokens, images=images)
     fitting = [x for x in scored if x[1]["fits"]]
     same_split = [x for x in fitting if x[0].per_device * data_parallel(x[0]) == mine.per_device
                   * data_parallel(mine) and x[0].accumulation == mine.accumulation]
@@ -531,12 +534,13 @@ def _devices(target):
 
 
 def auto(target, cfg, quick: bool = False, top: int | None = None,
-         image_tokens: int = 0, margin: float = MARGIN) -> dict:
+         image_tokens: int = 0, margin: float = MARGIN, images: int | None = None) -> dict:
     """The search (see the module's doc). Returns analyze's report of the winner with a
     `search` section: the candidates compiled, the winner's flags, the runner-up and why it
     lost. `top`: compiled layouts that must fit before the search stops (default 2, 1 with
     `quick`; the runner-up is then the estimate's next). `image_tokens`: a vision-language
-    model's image tokens per prompt, estimated and compiled with its images. `margin`: the
+    model's image tokens per prompt (in `images` images), estimated and compiled with its
+    images. `margin`: the
     fraction of HBM a layout must leave free to fit."""
     from grpo_jax.aot import analyze
 
@@ -546,7 +550,8 @@ def auto(target, cfg, quick: bool = False, top: int | None = None,
     model = analyze.model_config(cfg.model.name_or_path)
     devices = _devices(target)
     chips = len(devices)
-    scored = ranked(cfg, model, target, devices, image_tokens=image_tokens, margin=margin)
+    scored = ranked(cfg, model, target, devices, image_tokens=image_tokens, margin=margin,
+                    images=images)
     gen = cfg.batch_plan(batch_size(cfg, chips)).generation_batch_size
     fitting = [x for x in scored if x[1]["fits"]]
     ruled_out = len(scored) - len(fitting)
@@ -564,7 +569,7 @@ def auto(target, cfg, quick: bool = False, top: int | None = None,
         if fit and est["seconds"] > FAR * min(fit):
             skipped += 1 + len(queue)
             break
-        tried.append(_try(target, cfg, lay, est, gen, samplers, image_tokens, margin))
+        tried.append(_try(target, cfg, lay, est, gen, samplers, image_tokens, margin, images))
         if not queue and not any(t["fits"] for t in tried) and safest[0] not in [
                 t["layout"] for t in tried]:
             queue.append(safest)
@@ -609,14 +614,14 @@ def auto(target, cfg, quick: bool = False, top: int | None = None,
 
 
 def _try(target, cfg, lay: Layout, est: dict, gen: int, samplers: dict,
-         image_tokens: int = 0, margin: float = MARGIN) -> dict:
+         image_tokens: int = 0, margin: float = MARGIN, images: int | None = None) -> dict:
     """A candidate compiled: its update (and log-prob) programs first, and, only when they fit,
     the sampler at analyze.QUICK_LAYERS (analyze.evaluate's shortcut), which depends on the
     mesh and the decode slots alone: `samplers` keeps it per both for the candidates after."""
     from grpo_jax.aot import analyze
 
     lcfg = lay.apply(cfg, gen)
-    run = analyze.make_lowering(target, lcfg, image_tokens)
+    run = analyze.make_lowering(target, lcfg, image_tokens, images)
     t0 = time.perf_counter()
     phases = analyze.run_phases(run)
     trained = tuple(p for p in phases if p != "generate")

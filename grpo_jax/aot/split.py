@@ -46,10 +46,10 @@ def pinned(cfg, rows: int, gen: int, chips: int):
 
 
 def _best(cfg, model, target, devices, phases, image_tokens: int = 0,
-          margin: float = search.MARGIN):
+          margin: float = search.MARGIN, images: int | None = None):
     try:
         scored = search.ranked(cfg, model, target, devices, phases=phases,
-                               image_tokens=image_tokens, margin=margin)
+                               image_tokens=image_tokens, margin=margin, images=images)
     except GrpoJaxError:
         return None
     lay, est = scored[0]
@@ -67,11 +67,12 @@ def _phase_s(est: dict, phases) -> float:
 
 
 def forecast(cfg, model, target, devices, image_tokens: int = 0,
-             margin: float = search.MARGIN) -> dict:
+             margin: float = search.MARGIN, images: int | None = None) -> dict:
     """The colocated round and every split of `devices` (SHARES) that fits with `margin` of
-    HBM to spare, by estimate (a vision-language model's with `image_tokens` per prompt); the
+    HBM to spare, by estimate (a vision-language model's with `image_tokens` per prompt, in
+    `images` images); the
     best of them and why."""
-    fit = dict(image_tokens=image_tokens, margin=margin)
+    fit = dict(image_tokens=image_tokens, margin=margin, images=images)
     chips = len(devices)
     if target.platform == "tpu":  # so that the first n chips are a box of the torus (a slab)
         devices = sorted(devices, key=lambda d: tuple(reversed(d.coords)))

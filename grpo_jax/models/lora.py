@@ -74,12 +74,7 @@ def tower_linears(peft: PeftArgs, cfg) -> dict[str, str]:
         return {}
     names = peft.lora_target_modules or DEFAULT_TARGETS
     names = (names,) if isinstance(names, str) else names
-    table = cfg.vision.hf_names()
-    tensors = {hf_name for hf_name, _ in table.values()}
-    # A Linear: a weight of two groups (in, out) beside a bias (which no embedding table has).
-    linear = {name: hf_name[:-len(".weight")] for name, (hf_name, groups) in table.items()
-              if hf_name.endswith(".weight") and len(groups) == 2
-              and hf_name[:-len("weight")] + "bias" in tensors}
+    linear = {name: module for name, (module, _) in quant.tower_linears(cfg.vision).items()}
     if "all-linear" in names:
         return linear
     # As PEFT: a name that matches no module here adapts nothing (a config may serve models

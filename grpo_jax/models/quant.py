@@ -6,8 +6,14 @@ levels) with one absmax scale per block of 64 inputs and output channel, as bits
 blocksize 64 (no nested quantization of the scales). Codes keep the weight's own shape and
 axes ([L, in..., out...], so sharding is unchanged); the scales are [L, blocks, out] fp32.
 
-Only the seven projections are quantized (embedding, head and norms stay as loaded), as
-bitsandbytes quantizes nn.Linear layers but not lm_head.
+The decoder's seven projections are quantized (embedding, head and norms stay as loaded), and
+on a vision-language model every nn.Linear of the vision tower and its projector
+(tower_linears): transformers' bitsandbytes quantizer replaces every nn.Linear but lm_head (the
+output embedding, tied weights and the model's last module: quantizers/base.py's
+get_keys_to_not_convert), so under TRL's QLoRA recipe a VLM's tower is quantized too. Convs
+(the patch embeddings), position embeddings and Gemma 3's projection (a bare nn.Parameter, not
+an nn.Linear) stay as loaded. A weight outside a stack of layers (Qwen2.5-VL's merger) has
+scales [blocks, out].
 """
 
 from __future__ import annotations
@@ -80,10 +86,25 @@ def quantize_stacked(w: jax.Array, leaf: str, bits: int) -> tuple[jax.Array, jax
     return _quantize(w, num_inputs(leaf), bits)
 
 
+def tower_linears(vision) -> dict[str, tuple[str, int]]:
+    """The nn.Linear modules of a vision config's tower and projector, by table name (without
+    "vision/") -> (HF module name ({i}: each layer), inputs: how many of the weight's dims,
+    after a stack's L, are contracted). A linear is a weight of two groups (torch's [out, in])
+    beside a bias, which no conv kernel, embedding table or bare projection (Gemma 3's
+    mm_input_projection_weight) of the towers has."""
+    table = vision.hf_names()
+    tensors = {hf_name for hf_name, _ in table.values()}
+    return {name: (hf_name[:-len(".weight")], len(groups[1]))
+            for name, (hf_name, groups) in table.items()
+            if hf_name.endswith(".weight") and len(groups) == 2
+            and hf_name[:-len("weight")] + "bias" in tensors}
+
+
 def quantize_model(model, bits: int, scales: dict | None = None) -> None:
-    """Replace the base's projection weights with their codes and add `<leaf>_qscale`.
-    `scales` ({leaf: scales}): the weights are codes already (hf.load_model quantizes each as it
-    is loaded, so no device holds the whole base unquantized); only the scales are added."""
+    """Replace the base's projection weights with their codes and add `<leaf>_qscale`, and
+    the same for a vision tower's linears (quantize_tower). `scales` ({leaf: scales}): the
+    decoder's weights are codes already (hf.load_model quantizes each as it is loaded, so no
+    device holds the whole base unquantized); only the scales are added."""
     for leaf in PROJECTIONS:
         var = getattr(model.layers, leaf, None)
         if var is None:  # a mixture of experts' sparse layers: experts stay unquantized
@@ -98,6 +119,27 @@ def quantize_model(model, bits: int, scales: dict | None = None) -> None:
         # output dim (NF4's scales are 1/16 byte per weight: replicated, 70B's would be 4 GB).
         setattr(model.layers, f"{leaf}_qscale",
                 nnx.Param(scale, axes=(var.axes[0], var.axes[1], var.axes[1 + n_in])))
+    if model.vision is not None:
+        quantize_tower(model.vision, model.cfg.vision, bits)
+
+
+def quantize_tower(tower, vision, bits: int) -> None:
+    """The linears of `tower` (a Decoder's vision submodule, of config `vision`) as codes,
+    with their `<leaf>_qscale` beside them in the same holder (the stacked layers, or
+    Qwen2.5-VL's merger). A tower is small beside its decoder (SigLIP-So400m 0.4B): each weight
+    is quantized once loaded."""
+    for name, (hf_name, n_in) in tower_linears(vision).items():
+        part, leaf = name.split("/")
+        holder = getattr(tower, part)
+        var = getattr(holder, leaf)
+        stacked = "{i}" in hf_name
+        w = var.get_value()
+        codes, scale = _quantize(w if stacked else w[None], n_in, bits)
+        var.set_value(codes if stacked else codes[0])
+        axes = var.axes if stacked else (None, *var.axes)
+        scale = nnx.Param(scale if stacked else scale[0],
+                          axes=(axes[0], axes[1], axes[1 + n_in])[int(not stacked):])
+        setattr(holder, f"{leaf}_qscale", scale)
 
 
 def weight(p: dict, leaf: str, dtype) -> jax.Array:
@@ -109,18 +151,28 @@ def weight(p: dict, leaf: str, dtype) -> jax.Array:
 
 def dequantized_base(base):
     """A base nnx.Param state with quantized weights back in float (the scales' dtype is
-    fp32; the result takes the embedding's dtype) and no `_qscale` entries."""
-    layers = base["layers"]
-    if not any(name.endswith("_qscale") for name in layers):
+    fp32; the result takes the embedding's dtype) and no `_qscale` entries: the decoder's
+    layers and a vision tower's holders (its stacked layers, Qwen2.5-VL's merger)."""
+    if not any(name.endswith("_qscale") for name in base["layers"]):
         return base
     dtype = base["embed"].get_value().dtype
-    out = {k: v for k, v in base.items() if k != "layers"}
-    out["layers"] = {}
-    for name, var in layers.items():
+    out = {k: v for k, v in base.items() if k not in ("layers", "vision")}
+    out["layers"] = _dequantized(base["layers"], dtype)
+    if "vision" in base:
+        out["vision"] = {k: v if isinstance(v, nnx.Variable) else _dequantized(v, dtype)
+                         for k, v in base["vision"].items()}
+    return nnx.State(out)
+
+
+def _dequantized(holder, dtype) -> dict:
+    """One holder's weights, those with `_qscale` entries dequantized (a stack when its scales
+    are [L, blocks, out]), without the scales."""
+    out = {}
+    for name, var in holder.items():
         if name.endswith("_qscale"):
             continue
-        if f"{name}_qscale" in layers:
-            var = var.replace(dequantize(var.get_value(), layers[f"{name}_qscale"].get_value(),
-                                         dtype, stacked=True))
-        out["layers"][name] = var
-    return nnx.State(out)
+        if f"{name}_qscale" in holder:
+            scale = holder[f"{name}_qscale"].get_value()
+            var = var.replace(dequantize(var.get_value(), scale, dtype, stacked=scale.ndim == 3))
+        out[name] = var
+    return out

@@ -103,11 +103,17 @@ class QwenVisionConfig:
         m = self.spatial_merge_size
         return ((1, side * m, tokens // side * m),)
 
-    def encoded(self, image_tokens: int):
-        """One image of `image_tokens` merged tokens (image_grid's)."""
-        t, h, w = self.image_grid(image_tokens)[0]
+    def encoded(self, image_tokens: int, images: int | None = None):
+        """A prompt's `image_tokens` merged tokens as `images` images (default one) of equal
+        size, each gridded as image_grid grids its share (the images of a block share one
+        size: image_blocks)."""
+        images = images or 1
+        if image_tokens % images:
+            raise ModelConfigError(f"{image_tokens} image tokens in {images} images: Qwen2.5-VL's"
+                                   " images of a prompt share one size; give a multiple")
+        t, h, w = self.image_grid(image_tokens // images)[0]
         window = (self.window_size // self.patch_size) ** 2
-        return TowerShape(1, t * h * w, self.hidden_size, self.intermediate_size,
+        return TowerShape(images, t * h * w, self.hidden_size, self.intermediate_size,
                           self.num_heads, self.depth, len(self.fullatt_block_indexes), window,
                           (t * h * w, self.in_channels * self.temporal_patch_size
                            * self.patch_size ** 2))
@@ -363,7 +369,7 @@ class QwenVision(nnx.Module):
     """The tower's parameters (set by the Decoder from the vision table: vision/blocks/...,
     vision/merger/..., vision/patch_embed), and the LoRA adapters models/lora.py gave its
     linears (`blocks.<w>_lora_a|b` stacked as the blocks, `merger.<w>_lora_a|b` a stack of
-    one)."""
+    one) and a quantized base's scales (`<w>_qscale` beside each weight, models/quant.py)."""
 
     # Set by models/lora.py (add_adapters, with_dropout) with adapters: as the Decoder's.
     lora_scale: float | None = None
@@ -382,6 +388,9 @@ class QwenVision(nnx.Module):
             for part in name.split("/"):
                 node = getattr(node, part)
             out[name] = node[...]
+        for part, holder in (("blocks", self.blocks), ("merger", self.merger)):
+            out |= {f"{part}/{name}": var[...] for name, var in vars(holder).items()
+                    if name.endswith("_qscale")}  # a quantized base's (models/quant.py)
         return out
 
     def adapters(self) -> dict[str, jax.Array]:

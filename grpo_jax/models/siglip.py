@@ -85,12 +85,16 @@ class SiglipConfig:
     def tower(self) -> "VisionTower":
         return VisionTower(self)
 
-    def encoded(self, image_tokens: int):
-        """Images of mm_tokens_per_image tokens each, every one image_size square."""
-        if image_tokens % self.mm_tokens_per_image:
-            raise ModelConfigError(f"{image_tokens} image tokens: Gemma 3's images have "
-                                   f"{self.mm_tokens_per_image} each; use a multiple")
-        return TowerShape(image_tokens // self.mm_tokens_per_image, self.num_patches,
+    def encoded(self, image_tokens: int, images: int | None = None):
+        """A prompt's `image_tokens` as images of mm_tokens_per_image tokens each, every one
+        image_size square; `images`, where given, must be their count."""
+        count = image_tokens // self.mm_tokens_per_image
+        if image_tokens % self.mm_tokens_per_image or images not in (None, count):
+            raise ModelConfigError(
+                f"{image_tokens} image tokens{'' if images is None else f' in {images} images'}"
+                f": Gemma 3's images have {self.mm_tokens_per_image} each; give a multiple "
+                "(as many images as it makes)")
+        return TowerShape(count, self.num_patches,
                           self.hidden_size, self.intermediate_size, self.num_heads,
                           self.num_layers, self.num_layers, self.num_patches,
                           (self.num_channels, self.image_size, self.image_size))
@@ -244,8 +248,9 @@ class _Layers(nnx.Module):
 
 class VisionTower(nnx.Module):
     """The tower's and projector's parameters (set by the Decoder from the vision table:
-    vision/layers/..., vision/patch_embed, ...), and its layers' LoRA adapters when
-    models/lora.py gave it some (`layers.<leaf>_lora_a|b`, beside the stacked weights)."""
+    vision/layers/..., vision/patch_embed, ...), its layers' LoRA adapters when
+    models/lora.py gave it some (`layers.<leaf>_lora_a|b`, beside the stacked weights) and
+    a quantized base's scales (`layers.<leaf>_qscale`, models/quant.py)."""
 
     # Set by models/lora.py (add_adapters, with_dropout) with adapters: as the Decoder's.
     lora_scale: float | None = None
@@ -257,9 +262,12 @@ class VisionTower(nnx.Module):
         self.layers = _Layers()
 
     def params(self) -> dict[str, jax.Array]:
-        """param_table's names -> the current values."""
+        """param_table's names -> the current values, and a quantized base's scales
+        (layers/<leaf>_qscale, models/quant.py)."""
+        scales = {f"layers/{name}": var[...] for name, var in vars(self.layers).items()
+                  if name.endswith("_qscale")}
         return {name: getattr(self.layers if name.startswith("layers/") else self,
-                              name.split("/")[-1])[...] for name in HF_NAMES}
+                              name.split("/")[-1])[...] for name in HF_NAMES} | scales
 
     def adapters(self) -> dict[str, jax.Array]:
         """The layers' adapters by table name ({layers/<leaf>_lora_a: A, ..._lora_b: scale B}),

@@ -8,14 +8,17 @@ import math
 import jax
 import jax.numpy as jnp
 
+from grpo_jax.models import quant
+
 
 def linear(p: dict, name: str, eq: str, x, dtype, index: int):
     """einsum(eq, x, W) for weight `name` of `p`, plus its LoRA adapter when `p` has one:
     A [in..., r] and (scaled) B [r, out...] over x's trailing `in` axes (a fused linear, such
     as Qwen2.5-VL's qkv, is one module: its delta lands before any split of the output), with
     PEFT's dropout on the adapter's input (torch's nn.Dropout) when `p` has a dropout key
-    (lora.with_dropout; `index` tells the module's draws apart)."""
-    y = jnp.einsum(eq, x, p[name].astype(dtype))
+    (lora.with_dropout; `index` tells the module's draws apart). A quantized weight (QLoRA's
+    base: `p` holds its `<name>_qscale`) is dequantized to `dtype` here, in the matmul."""
+    y = jnp.einsum(eq, x, quant.weight(p, name, dtype))
     if f"{name}_lora_a" not in p:
         return y
     if "lora_dropout_key" in p:
