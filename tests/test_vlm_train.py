@@ -744,7 +744,9 @@ def test_tool_turns_see_the_prompts_images(family, partial, seeing_dir, tmp_path
     positions over prompt + completion with the result), are the sampler's; with the images
     zeroed the second turns' are not: the pixels reach every turn. The tool's result holds the
     image placeholder's text: a placeholder token in a completion is text, in the re-prefill
-    as for the trainer. A tool that returns an image is refused, naming it."""
+    as for the trainer. A tool that returns an image is refused in one line, naming it, by
+    partial rollouts and by a rollout without a processor (a text model's, vLLM's); one whose
+    image part has no image, by all."""
     if family == "gemma3":
         model, proc, size = hf.load_model(str(seeing_dir), dtype=np.float32)[0], \
             images_lib.load_processor(seeing_dir), (28, 28)
@@ -816,22 +818,34 @@ def test_tool_turns_see_the_prompts_images(family, partial, seeing_dir, tmp_path
     assert diff < 5e-5
     assert zeroed > 1e-3
 
-    def calculator_image(expression: str) -> list:
-        """A picture of the answer.
+    def unfilled(expression: str) -> list:
+        """An image part without its image.
 
         Args:
             expression: The expression.
         """
         return [{"type": "image"}, {"type": "text", "text": expression}]
-    calculator_image.__name__ = "calculator"
-    with pytest.raises(ToolError, match="tool 'calculator' returned an image"):
-        if partial:
-            p = rollout(calculator_image).partial
+    unfilled.__name__ = "calculator"
+    picture = _picture_tool(Image.new("RGB", size[::-1]))
+    if partial:  # a tool's image is taken by static rounds only (test_tool_images_reach_...)
+        p = rollout(picture).partial
+        with pytest.raises(ToolError, match="tool 'calculator' returned an image .* not "
+                           "supported with partial rollouts") as e:
             p.advance(params, p.empty(max(len(r["prompt_ids"]) for r in records)), records,
                       [0, 1], 0, jax.random.key(3))
-        else:
-            rollout(calculator_image).generate(params, [x["prompt_ids"] for x in records], g,
-                                               jax.random.key(3), records)
+    else:
+        with pytest.raises(ToolError, match="tool 'calculator' returned an image part "
+                           "without its image"):
+            rollout(unfilled).generate(params, [x["prompt_ids"] for x in records], g,
+                                       jax.random.key(3), records)
+        # Without a processor (a text model's rollout, vLLM's too) an image is refused.
+        text = tools.ToolRollout(JaxRollout(model.cfg, sp, pad_id=tok.pad_token_id, mesh=None),
+                                 tok, tools.Toolbox([picture], 10.0), None, stops,
+                                 tok.pad_token_id)
+        with pytest.raises(ToolError, match="tool 'calculator' returned an image .* need a "
+                           "vision-language model on the native sampler") as e:
+            text.generate(params, [x["prompt_ids"] for x in records], g, jax.random.key(3))
+    assert "\n" not in str(e.value)
 
 
 def _picture_tool(picture):
@@ -986,3 +1000,51 @@ def test_squares_trains_with_tools(seeing_dir, tmp_path, rounds):
     assert worst < 5e-5
     assert all(r["tools/call_frequency"] == 1 and r["tools/failure_frequency"] == 0
                and r["rewards/episode/mean"] == 1 for r in steps)
+
+
+def test_squares_trains_with_a_tool_that_returns_an_image(seeing_dir, tmp_path):
+    """Two steps on 'squares' (static rounds) with a calculator that returns a picture and the
+    answer (TRL 1.16's multimodal tool result), seeing_dir's Gemma 3 with TOOL_TEMPLATE (which
+    renders a tool's image part as a placeholder): every row calls it, its completion gets the
+    picture's tokens, its next turn sees the prompt's image and the picture, and the trainer's
+    log-probs (both images in the forward) are the sampler's; the loss is finite and the tool
+    metrics are TRL's."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(seeing_dir, model_dir)
+    tok = images_lib.load_processor(seeing_dir).tokenizer
+    tok.chat_template = TOOL_TEMPLATE
+    tok.response_template = dict(tools.HERMES_RESPONSE_TEMPLATE,
+                                 start_anchor="<|im_start|>assistant")
+    tok.save_pretrained(model_dir)
+    gen = json.loads((model_dir / "generation_config.json").read_text())
+    (model_dir / "generation_config.json").write_text(json.dumps(
+        {**gen, "eos_token_id": list(range(2, 40))}))
+    (tmp_path / "picture.py").write_text(
+        "from PIL import Image\n"
+        "from grpo_jax.calculator import calculator as answer\n\n"
+        "def calculator(expression: str) -> list:\n"
+        '    """A picture of the answer, and the answer.\n\n'
+        "    Args:\n"
+        "        expression: The expression.\n"
+        '    """\n'
+        "    shade = int(answer(expression)) % 256\n"
+        "    return [{'type': 'image', 'image': Image.new('RGB', (28, 28), (shade, 0, 255))},\n"
+        "            {'type': 'text', 'text': answer(expression)}]\n")
+    (tmp_path / "episode.py").write_text(
+        "def episode(prompts, completions, **kw):\n"
+        "    return [float([m['role'] for m in c] == ['assistant', 'tool', 'assistant']\n"
+        "                  and c[1]['content'][1]['text'] == '56') for c in completions]\n")
+    out = tmp_path / "run"
+    train(_cfg(model_dir, out, "max_steps=2", "save_steps=10", "max_completion_length=192",
+               f"tools=[{tmp_path / 'picture.py'}:calculator]", "max_tool_calling_iterations=1",
+               f"reward_funcs=[accuracy,{tmp_path / 'episode.py'}:episode]"),
+          devices=jax.devices()[:1])
+    steps = [r for r in _records(out) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    worst = max(r["sampling/sampling_logp_difference/max"] for r in steps)
+    print(f"a tool's image, sampler vs trainer log-probs, max |diff| over 2 steps: {worst:.3g}"
+          f"; loss {[r['loss'] for r in steps]}")
+    assert worst < 5e-5
+    assert all(np.isfinite(r["loss"]) and r["tools/call_frequency"] == 1
+               and r["tools/failure_frequency"] == 0 and r["rewards/episode/mean"] == 1
+               for r in steps)
