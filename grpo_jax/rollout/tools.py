@@ -19,8 +19,19 @@ or entropy: `tool_mask` 0 (TRL's name). The native sampler continues follow-up t
 cache, prefilling only the tool-result tokens (rollout/native/continuation.py); other backends get
 prompt + completion so far as a new prompt through their own `generate`, as does the native
 sampler with images: the rows' records (`records`, a vision-language model's) go with each turn,
-so that its prompt's images fill its placeholders again. A tool result holding an image is
-refused (tool_messages).
+so that its prompt's images fill its placeholders again.
+
+A tool may return an image on a vision-language model's native sampler, as TRL 1.16 takes it:
+a list of content blocks ([{"type": "image", "image": <PIL image>}, {"type": "text", ...}]) is
+the tool message's content; its tokens are the processor's chat template's (tool_suffix_ids,
+each placeholder expanded to its image's tokens), tool_mask 0 and marked in the batch's
+`completion_images`; the image joins the row's images (its prompt's, then its tools', in order:
+the row's record grows by them, _Row.record), the next turn is re-prefilled seeing all of them,
+and the batch's pixels (and Qwen-VL's M-RoPE positions over prompt + completion) are the rows'
+final images (JaxRollout.with_row_images), which the trainer places at the prompt's and then
+the completion's placeholders (train_step.completion_embeds). Refused in one line
+(tool_messages): by partial rollouts (IN_PARTIAL) and by a rollout without a processor, a text
+model's or vLLM's (NO_PROCESSOR).
 
 With partial rollouts (max_staleness >= 1 on the native sampler) the same loop runs row by row
 inside the sampler's rounds (rollout/native/partial.py): `PartialTurns` is its host side, the
