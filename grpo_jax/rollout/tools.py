@@ -430,7 +430,8 @@ class ToolRollout(RolloutWrapper):
                 if len(rows[i].ids) + len(suffix) > C:  # TRL: the row ends here, results dropped
                     continue
                 shown = message_images(msgs)
-                rows[i].add(suffix, model=False, placed=bool(shown) and self.inner.image_token_id)
+                rows[i].add(suffix, model=False,
+                            image_id=self.inner.image_token_id if shown else None)
                 rows[i].images += shown
                 rows[i].messages.extend(msgs)
                 contexts.append(prompts[i] + rows[i].ids)
@@ -546,12 +547,12 @@ class _Row:
         return dict(prompt_record, tool_images=list(self.images),
                     image_tokens=[True] * len(prompt_record["prompt_ids"]) + self.placed)
 
-    def add(self, ids, logp=None, model: bool = True, placed: int | bool = False):
-        """`placed`: the image placeholder's id where `ids` hold images (a tool result's)."""
+    def add(self, ids, logp=None, model: bool = True, image_id: int | None = None):
+        """`image_id`: the image placeholder's id where `ids` hold images (a tool result's)."""
         self.ids += list(ids)
         self.logp += list(logp) if logp is not None else [0.0] * len(ids)
         self.model += [int(model)] * len(ids)
-        self.placed += [bool(placed) and t == placed for t in ids]
+        self.placed += [image_id is not None and t == image_id for t in ids]
 
 
 def _assemble(first: RolloutBatch, rows: list[_Row], pad: int, stops: set,
