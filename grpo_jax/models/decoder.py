@@ -252,7 +252,8 @@ class Decoder(nnx.Module):
         scatters them after Gemma's scaled embedding). frozen_tower: no gradient flows into
         the tower (a training forward whose tower is not trained: no backward through it).
         is_image [B, T] bool: the placeholders to fill (default: every image_token_id; a
-        multi-turn context's completion holds text whatever its ids). first_image [B] int:
+        multi-turn context's completion holds text whatever its ids, but where a tool result's
+        images are: rollout.tools). first_image [B] int:
         the index of row b's first image in pixel_values, its placeholders taking that image's
         features on (images of one size, in blocks per row padded with blank images:
         image_blocks); None: HF's order, the k-th placeholder of the batch the k-th feature.

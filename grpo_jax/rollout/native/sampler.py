@@ -134,8 +134,9 @@ class Sampler:
         placeholders; Decoder.embed_multimodal): Qwen2.5-VL [N, C*T*P*P] with its grids
         [n, 3], Gemma 3 [N, C, H, W] and no grid. One program per set of image sizes; one host
         (not split over a mesh). image_tokens: per prompt, how many of its first tokens may
-        hold image placeholders (None: all); the rest is text whatever its ids, as the trainer
-        embeds a completion (a multi-turn context: prompt + completion so far).
+        hold image placeholders (None: all), or a bool per real token; the rest is text
+        whatever its ids, as the trainer embeds a completion (a multi-turn context: prompt +
+        completion so far, whose tool results' images are placeholders: rollout.tools).
         images_per_prompt: the images come in blocks of that many per prompt, a prompt's own
         then blank ones (image_blocks), which no placeholder takes; None: HF's order.
         """
