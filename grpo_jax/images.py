@@ -302,8 +302,25 @@ def prompt_pixels(processor, prompts: Sequence[Sequence[dict]]) -> PromptPixels:
     image processor, as its __call__ makes pixel_values and image_grid_thw, in blocks of one
     prompt (image_blocks.blocks). Prompts holding different numbers of images (none too) are
     taken; Qwen-VL's images of different sizes are refused."""
+    return row_pixels(processor, [prompt_images(p) for p in prompts])
+
+
+def record_images(record: Mapping[str, Any]) -> list[Any]:
+    """A record's images in the order their placeholders come: its prompt's, then (a row of
+    the tool loop, rollout.tools) those its tools returned, under "tool_images"."""
+    return prompt_images(record["prompt"]) + list(record.get("tool_images", ()))
+
+
+def image_tokens(record: Mapping[str, Any]) -> int | Sequence[bool]:
+    """Which tokens of the ids a record is generated from may be image placeholders
+    (Sampler.placeholders): its prompt's; a tool loop's row's context (prompt + completion so
+    far) marks them per token under "image_tokens", its tool results' placeholders too."""
+    return record.get("image_tokens", len(record["prompt_ids"]))
+
+
+def row_pixels(processor, images: Sequence[Sequence[Any]]) -> PromptPixels:
+    """prompt_pixels of rows whose images are `images` (a list per row)."""
     from PIL import Image  # here: see decode_image
-    images = [prompt_images(p) for p in prompts]
     # Without any image, one blank tells the blocks' shape (they hold no image).
     flat = [im for row in images for im in row] or [Image.new("RGB", (56, 56))]
     out = processor.image_processor(images=flat, return_tensors="np")

@@ -522,7 +522,7 @@ class GRPORound:
                       sampler_logp=r.sampler_logp, tool_mask=r.tool_mask,
                       prompt_routing=r.prompt_routing, completion_routing=r.completion_routing,
                       pixel_values=r.pixel_values, positions=r.positions,
-                      image_grid=r.image_grid)
+                      completion_images=r.completion_images, image_grid=r.image_grid)
         batch = batch.replace(num_items=loss_lib.num_items_per_row(
             batch.model_mask(), r.truncated, self.policy.cfg.loss))
         t2 = time.perf_counter()

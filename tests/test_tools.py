@@ -330,3 +330,22 @@ def test_multi_turn_on_the_vllm_server(smol_dir, smol_model, tok, smol_vllm_serv
     after = model & (np.cumsum(r.tool_mask == 0, axis=1) > 0)
     diff = np.abs(np.asarray(logp) - r.sampler_logp)
     assert after.any() and diff[model].max() < 1e-4, diff[model].max()
+    if max_staleness:
+        return
+
+    def picture(expression: str) -> list:
+        """The calculator's answer with a picture.
+
+        Args:
+            expression: The expression.
+        """
+        from PIL import Image
+        return [{"type": "image", "image": Image.new("RGB", (28, 28))},
+                {"type": "text", "text": calculator(expression)}]
+    picture.__name__ = "calculator"
+    # vLLM takes no images here: a tool's image is refused in one line.
+    seeing = make_rollout(cfg, smol_model.cfg, tok, None, smol_dir, tools=[picture])
+    with pytest.raises(tools.ToolError, match="tool 'calculator' returned an image .* need a "
+                       "vision-language model on the native sampler") as e:
+        seeing.generate(None, prompt_ids(tok), 4, jax.random.key(0))
+    assert "\n" not in str(e.value)

@@ -763,7 +763,9 @@ def test_tool_turns_see_the_prompts_images(family, partial, seeing_dir, tmp_path
     positions over prompt + completion with the result), are the sampler's; with the images
     zeroed the second turns' are not: the pixels reach every turn. The tool's result holds the
     image placeholder's text: a placeholder token in a completion is text, in the re-prefill
-    as for the trainer. A tool that returns an image is refused, naming it."""
+    as for the trainer. A tool that returns an image is refused in one line, naming it, by
+    partial rollouts and by a rollout without a processor (a text model's, vLLM's); one whose
+    image part has no image, by all."""
     if family == "gemma3":
         model, proc, size = hf.load_model(str(seeing_dir), dtype=np.float32)[0], \
             images_lib.load_processor(seeing_dir), (28, 28)
@@ -835,22 +837,128 @@ def test_tool_turns_see_the_prompts_images(family, partial, seeing_dir, tmp_path
     assert diff < 5e-5
     assert zeroed > 1e-3
 
-    def calculator_image(expression: str) -> list:
-        """A picture of the answer.
+    def unfilled(expression: str) -> list:
+        """An image part without its image.
 
         Args:
             expression: The expression.
         """
         return [{"type": "image"}, {"type": "text", "text": expression}]
-    calculator_image.__name__ = "calculator"
-    with pytest.raises(ToolError, match="tool 'calculator' returned an image"):
-        if partial:
-            p = rollout(calculator_image).partial
+    unfilled.__name__ = "calculator"
+    picture = _picture_tool(Image.new("RGB", size[::-1]))
+    if partial:  # a tool's image is taken by static rounds only (test_tool_images_reach_...)
+        p = rollout(picture).partial
+        with pytest.raises(ToolError, match="tool 'calculator' returned an image .* not "
+                           "supported with partial rollouts") as e:
             p.advance(params, p.empty(max(len(r["prompt_ids"]) for r in records)), records,
                       [0, 1], 0, jax.random.key(3))
-        else:
-            rollout(calculator_image).generate(params, [x["prompt_ids"] for x in records], g,
-                                               jax.random.key(3), records)
+    else:
+        with pytest.raises(ToolError, match="tool 'calculator' returned an image part "
+                           "without its image"):
+            rollout(unfilled).generate(params, [x["prompt_ids"] for x in records], g,
+                                       jax.random.key(3), records)
+        # Without a processor (a text model's rollout, vLLM's too) an image is refused.
+        text = tools.ToolRollout(JaxRollout(model.cfg, sp, pad_id=tok.pad_token_id, mesh=None),
+                                 tok, tools.Toolbox([picture], 10.0), None, stops,
+                                 tok.pad_token_id)
+        with pytest.raises(ToolError, match="tool 'calculator' returned an image .* need a "
+                           "vision-language model on the native sampler") as e:
+            text.generate(params, [x["prompt_ids"] for x in records], g, jax.random.key(3))
+    assert "\n" not in str(e.value)
+
+
+def _picture_tool(picture):
+    """A calculator whose result is `picture` and the answer's text, as content blocks (TRL
+    1.16's multimodal tool result)."""
+    def calculator_picture(expression: str) -> list:
+        """A picture and the answer.
+
+        Args:
+            expression: The expression.
+        """
+        return [{"type": "image", "image": picture}, {"type": "text", "text": calculator(expression)}]
+    calculator_picture.__name__ = "calculator"
+    return calculator_picture
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])
+def test_tool_images_reach_the_model_as_transformers_places_them(family, seeing_dir, tmp_path):
+    """A tool that returns an image (TRL 1.16's [{"type": "image", ...}, {"type": "text",
+    ...}] result), on the static tool loop: each row's completion holds the image's tokens as
+    the processor expands them (tool_mask 0, completion_images), the row's images are its
+    prompt's then the tool's, and the second turn is generated seeing both. The trainer's
+    log-probs of every completion token equal transformers' forward over prompt + completion
+    (PyTorch, the same weights) with both images and the token type ids TRL builds from the
+    ids; the sampler's of the model's tokens are the trainer's."""
+    if family == "gemma3":
+        model = hf.load_model(str(seeing_dir), dtype=np.float32)[0]
+        proc, size = images_lib.load_processor(seeing_dir), (28, 28)
+        ref = transformers.Gemma3ForConditionalGeneration.from_pretrained(seeing_dir).eval()
+        template = TOOL_TEMPLATE.replace(FORCED_CALL, "")
+    else:
+        (model, proc), size = _qwen_model(tmp_path), (16, 24)
+        ref = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            tmp_path / "qwen").eval()
+        template = TOOL_TEMPLATE.replace(FORCED_CALL, "").replace(
+            "<start_of_image>", "<|vision_start|><|image_pad|><|vision_end|>")
+    tok = copy.deepcopy(proc.tokenizer)
+    tok.chat_template = template
+    tok.response_template = dict(tools.HERMES_RESPONSE_TEMPLATE,
+                                 start_anchor="<|im_start|>assistant")
+    tok, g = tools.prepare_tool_tokenizer(tok), 2
+    rng = np.random.default_rng(1)
+    shown, picture = (Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
+                      for _ in range(2))
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
+    prompts = [images_lib.multimodal_messages(
+        [{"role": "user", "content": "how many" + "?" * i}], [shown], i) for i in range(2)]
+    ids = images_lib.process(proc, prompts)
+    records = [{"prompt": p, "prompt_ids": ids.prompt_ids(i) + tok.encode(
+        call % e, add_special_tokens=False)} for i, (p, e) in enumerate(zip(prompts,
+                                                                             ["7 * 8", "5 + 5"]))]
+    C, stops = 64, tuple(range(2, 40))
+    inner = JaxRollout(model.cfg, SamplingParams(max_completion_length=C, temperature=1.0,
+                                                 stop_token_ids=stops),
+                       pad_id=tok.pad_token_id, mesh=None, processor=proc)
+    r = tools.ToolRollout(inner, tok, tools.Toolbox([_picture_tool(picture)], 10.0), None,
+                          stops, tok.pad_token_id).generate(
+        nnx.split(model, nnx.Param)[1], [x["prompt_ids"] for x in records], g,
+        jax.random.key(3), records)
+    np.testing.assert_array_equal(r.tool_calls, 1)
+    image_id = model.cfg.vision.image_token_id
+    per_image = int((r.prompt_ids[0] == image_id).sum())  # the prompt holds one image
+    placed = r.completion_images
+    assert (placed.sum(axis=1) == per_image).all()
+    assert (r.completion_ids[placed] == image_id).all() and (r.tool_mask[placed] == 0).all()
+    model_tok = (r.completion_mask * r.tool_mask).astype(bool)
+    assert (model_tok & (np.cumsum(placed, axis=1) > 0)).any(axis=1).all()  # a second turn
+    assert image_blocks.count(r.pixel_values, r.image_grid) == 2
+    batch = Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                  r.truncated, np.zeros(len(r.truncated), np.float32), tool_mask=r.tool_mask,
+                  pixel_values=r.pixel_values, positions=r.positions,
+                  completion_images=r.completion_images, image_grid=r.image_grid)
+    logp = np.asarray(completion_logps(model, batch, 1.0, 128)[0])
+    sampled = float(np.abs(logp - r.sampler_logp)[model_tok].max())
+    pixels = proc.image_processor(images=[shown, picture], return_tensors="pt")
+    oracle = 0.0
+    for i in range(len(r.truncated)):
+        c = int(r.completion_mask[i].sum())
+        row = np.concatenate([r.prompt_ids[i][r.prompt_mask[i].astype(bool)],
+                              r.completion_ids[i, :c]])
+        assert (row == image_id).sum() == 2 * per_image  # the model wrote no placeholder
+        t = torch.as_tensor(row[None].astype(np.int64))
+        types = {"token_type_ids" if family == "gemma3" else "mm_token_type_ids":
+                 (t == image_id).long()}
+        with torch.no_grad():
+            logits = ref(input_ids=t, attention_mask=torch.ones_like(t), **pixels,
+                         **types).logits[0].float()
+        want = torch.log_softmax(logits[len(row) - c - 1:-1], -1)[
+            torch.arange(c), t[0, len(row) - c:]].numpy()
+        oracle = max(oracle, float(np.abs(logp[i, :c] - want).max()))
+    print(f"{family} tool images: trainer vs transformers max |diff| {oracle:.3g}; sampler "
+          f"vs trainer {sampled:.3g}")
+    assert oracle < 1e-4
+    assert sampled < 5e-5
 
 
 # ChatML with image parts and tool calls; its generation prompt begins the assistant's turn
@@ -911,3 +1019,51 @@ def test_squares_trains_with_tools(seeing_dir, tmp_path, rounds):
     assert worst < 5e-5
     assert all(r["tools/call_frequency"] == 1 and r["tools/failure_frequency"] == 0
                and r["rewards/episode/mean"] == 1 for r in steps)
+
+
+def test_squares_trains_with_a_tool_that_returns_an_image(seeing_dir, tmp_path):
+    """Two steps on 'squares' (static rounds) with a calculator that returns a picture and the
+    answer (TRL 1.16's multimodal tool result), seeing_dir's Gemma 3 with TOOL_TEMPLATE (which
+    renders a tool's image part as a placeholder): every row calls it, its completion gets the
+    picture's tokens, its next turn sees the prompt's image and the picture, and the trainer's
+    log-probs (both images in the forward) are the sampler's; the loss is finite and the tool
+    metrics are TRL's."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(seeing_dir, model_dir)
+    tok = images_lib.load_processor(seeing_dir).tokenizer
+    tok.chat_template = TOOL_TEMPLATE
+    tok.response_template = dict(tools.HERMES_RESPONSE_TEMPLATE,
+                                 start_anchor="<|im_start|>assistant")
+    tok.save_pretrained(model_dir)
+    gen = json.loads((model_dir / "generation_config.json").read_text())
+    (model_dir / "generation_config.json").write_text(json.dumps(
+        {**gen, "eos_token_id": list(range(2, 40))}))
+    (tmp_path / "picture.py").write_text(
+        "from PIL import Image\n"
+        "from grpo_jax.calculator import calculator as answer\n\n"
+        "def calculator(expression: str) -> list:\n"
+        '    """A picture of the answer, and the answer.\n\n'
+        "    Args:\n"
+        "        expression: The expression.\n"
+        '    """\n'
+        "    shade = int(answer(expression)) % 256\n"
+        "    return [{'type': 'image', 'image': Image.new('RGB', (28, 28), (shade, 0, 255))},\n"
+        "            {'type': 'text', 'text': answer(expression)}]\n")
+    (tmp_path / "episode.py").write_text(
+        "def episode(prompts, completions, **kw):\n"
+        "    return [float([m['role'] for m in c] == ['assistant', 'tool', 'assistant']\n"
+        "                  and c[1]['content'][1]['text'] == '56') for c in completions]\n")
+    out = tmp_path / "run"
+    train(_cfg(model_dir, out, "max_steps=2", "save_steps=10", "max_completion_length=192",
+               f"tools=[{tmp_path / 'picture.py'}:calculator]", "max_tool_calling_iterations=1",
+               f"reward_funcs=[accuracy,{tmp_path / 'episode.py'}:episode]"),
+          devices=jax.devices()[:1])
+    steps = [r for r in _records(out) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    worst = max(r["sampling/sampling_logp_difference/max"] for r in steps)
+    print(f"a tool's image, sampler vs trainer log-probs, max |diff| over 2 steps: {worst:.3g}"
+          f"; loss {[r['loss'] for r in steps]}")
+    assert worst < 5e-5
+    assert all(np.isfinite(r["loss"]) and r["tools/call_frequency"] == 1
+               and r["tools/failure_frequency"] == 0 and r["rewards/episode/mean"] == 1
+               for r in steps)

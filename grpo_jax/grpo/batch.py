@@ -44,6 +44,9 @@ class Batch:
     pixel_values: Array | None = None
     # [N, 3, P + C] int32 M-RoPE positions of prompt + completion (Qwen-VL: qwen_vl.rope_index).
     positions: Array | None = None
+    # [N, C] bool: a tool result's image placeholders in the completion (RolloutBatch's), which
+    # take the row's images after its prompt's; None: the completions are text.
+    completion_images: Array | None = None
     # Qwen-VL: one row's images' patch grids ((t, h, w), ...), the same on every row. Static
     # (not a pytree leaf): the tower's layout is built on the host.
     image_grid: tuple | None = struct.field(pytree_node=False, default=None)

@@ -118,7 +118,9 @@ def _forward(model, batch: Batch, temperature: float, chunk: int, group: int = 1
             batch.prompt_ids[::group], batch.prompt_mask[::group], batch.completion_ids,
             batch.completion_mask, group, orders=(o_p, o_c), with_router=True,
             routing=(batch.prompt_routing[::group], batch.completion_routing) if replay else None,
-            record_routing=record, prompt_embeds=embeds, positions=positions)
+            record_routing=record, prompt_embeds=embeds, positions=positions,
+            completion_embeds=(None if batch.completion_images is None
+                               else completion_embeds(model, batch)))
         chosen = chosen[0][1] if chosen else None
         at = P_len - 1 if o_p is None else int(np.flatnonzero(o_p == P_len - 1)[0])
         last = model.shard_rows(jnp.repeat(prompt[:, at:at + 1], group, axis=0))
@@ -156,11 +158,33 @@ def _forward(model, batch: Batch, temperature: float, chunk: int, group: int = 1
 def multimodal_embeds(model, batch: Batch) -> jax.Array:
     """[N, P + C, D] input embeddings of a batch with images: the prompts' through
     embed_multimodal with each row's images (the tower frozen, no gradient reaching it, unless
-    it has LoRA adapters: lora.tower_adapted), the
-    completions' the tokens' own (a sampled placeholder id is text there, as the sampler fed
-    it)."""
-    return jnp.concatenate([prompt_embeds(model, batch),
-                            model.embed_tokens(batch.completion_ids)], axis=1)
+    it has LoRA adapters: lora.tower_adapted), the completions' through completion_embeds."""
+    return jnp.concatenate([prompt_embeds(model, batch), completion_embeds(model, batch)],
+                           axis=1)
+
+
+def completion_embeds(model, batch: Batch) -> jax.Array:
+    """[N, C, D]: the completions' embeddings, the tokens' own (a sampled placeholder id is
+    text there, as the sampler fed it) but in tool results (tool_mask 0): there a placeholder
+    (completion_images) takes the features of the row's next image after its prompt's, as
+    transformers' forward over prompt + completion places the row's images (TRL passes the
+    prompt's then the tool results'). The tower runs over every row's images for that (the
+    tool loop's batches on a vision-language model only)."""
+    ids = batch.completion_ids
+    k = image_blocks.count(batch.pixel_values, batch.image_grid)
+    if batch.completion_images is None or not k:
+        return model.embed_tokens(ids)
+    image_id = model.cfg.vision.image_token_id
+    is_image = batch.completion_images.astype(bool)
+    before = jnp.sum((batch.prompt_ids == image_id) & (batch.prompt_mask > 0), axis=1,
+                     dtype=jnp.int32)  # the prompt's placeholders: one feature each
+    pv = batch.pixel_values
+    grid = (None if batch.image_grid is None
+            else np.tile(np.asarray(batch.image_grid), (pv.shape[0], 1)))
+    return model.embed_multimodal(ids, pv.reshape(-1, *pv.shape[2:]), grid,
+                                  frozen_tower=not lora.tower_adapted(model), is_image=is_image,
+                                  first_image=jnp.arange(pv.shape[0], dtype=jnp.int32) * k,
+                                  skip=before)
 
 
 def prompt_embeds(model, batch: Batch, group: int = 1) -> jax.Array:

@@ -242,7 +242,7 @@ class Decoder(nnx.Module):
 
     def embed_multimodal(self, tokens, pixel_values, image_grid_thw=None,
                          frozen_tower: bool = False, is_image=None,
-                         first_image=None) -> jax.Array:
+                         first_image=None, skip=None) -> jax.Array:
         """The input embeddings [B, T, D] of a prompt with images, for `__call__`/`prefill`'s
         inputs_embeds: the tokens' embeddings, the k-th image placeholder of the batch
         (image_token_id, row by row) taking the k-th of the tower's features, as HF's
@@ -252,10 +252,13 @@ class Decoder(nnx.Module):
         scatters them after Gemma's scaled embedding). frozen_tower: no gradient flows into
         the tower (a training forward whose tower is not trained: no backward through it).
         is_image [B, T] bool: the placeholders to fill (default: every image_token_id; a
-        multi-turn context's completion holds text whatever its ids). first_image [B] int:
+        multi-turn context's completion holds text whatever its ids, but where a tool result's
+        images are: rollout.tools). first_image [B] int:
         the index of row b's first image in pixel_values, its placeholders taking that image's
         features on (images of one size, in blocks per row padded with blank images:
-        image_blocks); None: HF's order, the k-th placeholder of the batch the k-th feature."""
+        image_blocks); None: HF's order, the k-th placeholder of the batch the k-th feature.
+        skip [B] int (with first_image): row b's placeholders take features from skip[b] past
+        its first image's on (a completion's tool-result images after its prompt's)."""
         if is_image is None:
             is_image = tokens == self.cfg.vision.image_token_id
         # The placeholder's own embedding is replaced (Gemma's id is out of its vocabulary).
@@ -267,6 +270,8 @@ class Decoder(nnx.Module):
         if first_image is not None:  # every image the same number of features
             n = pixel_values.shape[0] if image_grid_thw is None else len(image_grid_thw)
             starts = first_image * (features.shape[0] // n)
+            if skip is not None:
+                starts = starts + skip
         return scatter_images(x, is_image, features, starts)
 
     def decode_layers(self) -> list[dict[str, jax.Array]]:
@@ -463,7 +468,8 @@ class Decoder(nnx.Module):
 
     def shared_prefix(self, prompt_ids, prompt_mask, ids, mask, group: int,
                       orders=(None, None), with_router: bool = False, routing=None,
-                      record_routing: bool = False, prompt_embeds=None, positions=None):
+                      record_routing: bool = False, prompt_embeds=None, positions=None,
+                      completion_embeds=None):
         """The forward of `group` completions per prompt with each prompt computed once (Prefix
         Grouper, arXiv 2506.05433): returns (hidden [g, P, D] of the prompts, hidden [g * group,
         C, D] of the completions), equal to running every row's prompt + completion through
@@ -479,7 +485,9 @@ class Decoder(nnx.Module):
         record_routing: also the pair of experts the prompts and completions ran, last.
         A vision-language model's prompts: `prompt_embeds` [g, P, D] (embed_multimodal: the
         tower runs once per prompt, not once per row) and, for M-RoPE, `positions` the pair
-        ([3, g, P], [3, g * group, C]); Gemma 3's image blocks attend both ways in the prompt."""
+        ([3, g, P], [3, g * group, C]); Gemma 3's image blocks attend both ways in the prompt.
+        `completion_embeds` [g * group, C, D]: the completions' (a tool result's images in
+        them: embed_multimodal), else the tokens'."""
         cfg, mesh = self.cfg, self.mesh
         P_len, C = prompt_ids.shape[1], ids.shape[1]
         rep = lambda a: self.shard_rows(jnp.repeat(a, group, axis=0))  # noqa: E731
@@ -498,7 +506,8 @@ class Decoder(nnx.Module):
         o_p, o_c = orders
         x0 = {"prompt": (self.embed_tokens(prompt_ids) if prompt_embeds is None
                          else prompt_embeds.astype(cfg.dtype)),
-              "completion": self.embed_tokens(ids)}
+              "completion": (self.embed_tokens(ids) if completion_embeds is None
+                             else completion_embeds.astype(cfg.dtype))}
         forced = None if routing is None else dict(zip(("prompt", "completion"), routing))
         for part, o in (("prompt", o_p), ("completion", o_c)):
             if o is not None:

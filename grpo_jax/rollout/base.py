@@ -52,6 +52,10 @@ class RolloutBatch(NamedTuple):
     pixel_values: np.ndarray | None = None
     image_grid: tuple | None = None
     positions: np.ndarray | None = None
+    # [N, C] bool: the completion's image placeholders, a tool result's images' (after the
+    # prompt's in pixel_values: rollout.tools); None: the completion is text (any rollout but
+    # the tool loop's on a vision-language model).
+    completion_images: np.ndarray | None = None
 
 
 def sampling_params(cfg, tokenizer, generation_eos: Sequence[int] = ()):
@@ -103,6 +107,12 @@ class Rollout(abc.ABC):
     # the round drives with the run state's rows in flight instead of calling generate; None:
     # every round generates its own batch whole.
     partial: Any = None
+    # A vision-language model's HF processor on the JAX sampler, which takes images in tool
+    # results (rollout.tools: their tokens, with_row_images), and its model's image
+    # placeholder id (the processor's own may be another, Gemma 3's begin-of-image); None: a
+    # tool's image is refused.
+    processor: Any = None
+    image_token_id: int | None = None
 
     @abc.abstractmethod
     def generate(self, weights, prompt_ids: Sequence[Sequence[int]], num_generations: int, key,
@@ -131,6 +141,12 @@ class Rollout(abc.ABC):
         """The trainer's params that generated the last batch when they are not the current
         ones (a batch generated ahead, on weights since updated); else None."""
         return None
+
+    def with_row_images(self, batch: RolloutBatch, records: Sequence[dict]) -> RolloutBatch:
+        """`batch` with each row's images those of its record (one per row: its prompt's, then
+        its tool results', images.record_images) for the trainer's forwards. Only a rollout
+        with a `processor` (the JAX sampler's) has them."""
+        raise NotImplementedError(f"{type(self).__name__} takes no images in tool results")
 
     def process_parts(self, tools: Sequence[str]) -> tuple[dict, Any]:
         """What a process of its own needs to build this rollout's partial rollouts again

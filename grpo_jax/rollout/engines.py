@@ -75,8 +75,9 @@ def refuse_images(cfg, model_cfg, tools=()) -> None:
     """A vision-language model trains on images through the native sampler's static batches,
     its refilled decode slots (max_num_seqs) or its partial rollouts (max_staleness), also on
     devices of their own (sampler_devices, sampler_process) only, with tools too (each turn
-    re-prefilled with the prompt's images, or, partial rollouts, fed in its slot; not yet in a
-    sampler process): the settings that need more are refused, naming what to unset.
+    re-prefilled with the row's images, or, partial rollouts, fed in its slot; not yet in a
+    sampler process; a tool's image with static batches and refilled slots only, rollout.tools):
+    the settings that need more are refused, naming what to unset.
     (model_cfg None: a server's rollout whose model the server holds; nothing to check here.)"""
     if model_cfg is None or model_cfg.vision is None:
         return

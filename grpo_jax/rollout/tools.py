@@ -19,8 +19,19 @@ or entropy: `tool_mask` 0 (TRL's name). The native sampler continues follow-up t
 cache, prefilling only the tool-result tokens (rollout/native/continuation.py); other backends get
 prompt + completion so far as a new prompt through their own `generate`, as does the native
 sampler with images: the rows' records (`records`, a vision-language model's) go with each turn,
-so that its prompt's images fill its placeholders again. A tool result holding an image is
-refused (tool_messages).
+so that its prompt's images fill its placeholders again.
+
+A tool may return an image on a vision-language model's native sampler, as TRL 1.16 takes it:
+a list of content blocks ([{"type": "image", "image": <PIL image>}, {"type": "text", ...}]) is
+the tool message's content; its tokens are the processor's chat template's (tool_suffix_ids,
+each placeholder expanded to its image's tokens), tool_mask 0 and marked in the batch's
+`completion_images`; the image joins the row's images (its prompt's, then its tools', in order:
+the row's record grows by them, _Row.record), the next turn is re-prefilled seeing all of them,
+and the batch's pixels (and Qwen-VL's M-RoPE positions over prompt + completion) are the rows'
+final images (JaxRollout.with_row_images), which the trainer places at the prompt's and then
+the completion's placeholders (train_step.completion_embeds). Refused in one line
+(tool_messages): by partial rollouts (IN_PARTIAL) and by a rollout without a processor, a text
+model's or vLLM's (NO_PROCESSOR).
 
 With partial rollouts (max_staleness >= 1 on the native sampler) the same loop runs row by row
 inside the sampler's rounds (rollout/native/partial.py): `PartialTurns` is its host side, the
@@ -38,6 +49,7 @@ import asyncio
 import concurrent.futures
 import copy
 import dataclasses
+import functools
 import inspect
 import json
 import warnings
@@ -152,18 +164,28 @@ def parse_turn(tokenizer, ids: Sequence[int], context: Sequence[int],
     return parsed
 
 
-def tool_suffix_ids(tokenizer, tool_messages: list[dict], chat_template_kwargs=None) -> list[int]:
+def tool_suffix_ids(tokenizer, tool_messages: list[dict], chat_template_kwargs=None,
+                    processor=None) -> list[int]:
     """The tokens the chat template puts after an assistant turn that ended in its EOS: the
     tool messages and the next assistant header. From a dummy conversation rendered with and
-    without them (TRL's _get_tool_suffix_ids)."""
+    without them (TRL's _get_tool_suffix_ids). Tool messages holding images (message_images)
+    are rendered as TRL renders a vision-language model's: multimodal messages through its
+    `processor`, with the tokenizer's chat template, each image's placeholder expanded to its
+    image's tokens."""
     kw = dict(tokenize=True, return_dict=False, **(chat_template_kwargs or {}))
     calls = [{"type": "function", "function": {"name": tool_messages[0]["name"],
                                                "arguments": {}}}]
     dummy = [{"role": "user", "content": "dummy"},
              {"role": "assistant", "content": "", "tool_calls": calls}]
-    prefix = _ids(tokenizer.apply_chat_template(dummy, add_generation_prompt=False, **kw))
-    full = _ids(tokenizer.apply_chat_template(dummy + tool_messages, add_generation_prompt=True,
-                                              **kw))
+    render = tokenizer.apply_chat_template
+    if processor is not None and message_images(tool_messages):
+        from grpo_jax import images
+        dummy = images.multimodal_messages(dummy, [], 0)
+        tool_messages = images.multimodal_messages(tool_messages, [], 0)
+        render = functools.partial(processor.apply_chat_template,
+                                   chat_template=tokenizer.chat_template)
+    prefix = _ids(render(dummy, add_generation_prompt=False, **kw))
+    full = _ids(render(dummy + tool_messages, add_generation_prompt=True, **kw))
     eos = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
     if eos:  # the turn ended at EOS; what the template adds after it belongs to the suffix
         prefix = prefix[:eos[-1] + 1]
@@ -363,11 +385,15 @@ class ToolRollout(RolloutWrapper):
         else:
             first = self.inner.generate(weights, prompt_ids, num_generations, key, records)
         # A vision-language model's turns re-prefill prompt + completion so far as a prompt with
-        # its record's images (JaxRollout.turns is None with images); the batch keeps the first
-        # turn's pixels and positions, which cover prompt + the whole completion.
+        # its row's images (JaxRollout.turns is None with images): its record's, then those its
+        # tools returned (TRL appends them to the row's images), the tool results' placeholders
+        # expanded to their tokens by the processor. The batch keeps the first turn's pixels and
+        # positions (prompt + the whole completion) unless a tool returned an image.
         row_records = (None if records is None
                        else [records[i // num_generations] for i in range(len(prompt_ids)
                                                                           * num_generations)])
+        processor = self.inner.processor if records is not None else None
+        refused = NO_PROCESSOR if processor is None else None
         where = list(range(len(first.completion_ids)))  # row i's row in the session's cache
         n, C = first.completion_ids.shape
         prompts = [row[m.astype(bool)].tolist() for row, m in zip(first.prompt_ids,
@@ -397,13 +423,16 @@ class ToolRollout(RolloutWrapper):
             results = dist.from_main(call, ToolError) if self.shared else call()
             contexts, kept = [], []
             for i, calls in zip(active, results):
-                msgs = tool_messages(calls)
+                msgs = tool_messages(calls, refused)
                 rows[i].calls += len(calls)
                 rows[i].failures += sum(failed for _, _, failed in calls)
-                suffix = tool_suffix_ids(self.tokenizer, msgs, self.template_kwargs)
+                suffix = tool_suffix_ids(self.tokenizer, msgs, self.template_kwargs, processor)
                 if len(rows[i].ids) + len(suffix) > C:  # TRL: the row ends here, results dropped
                     continue
-                rows[i].add(suffix, model=False)
+                shown = message_images(msgs)
+                rows[i].add(suffix, model=False,
+                            image_id=self.inner.image_token_id if shown else None)
+                rows[i].images += shown
                 rows[i].messages.extend(msgs)
                 contexts.append(prompts[i] + rows[i].ids)
                 kept.append(i)
@@ -418,7 +447,7 @@ class ToolRollout(RolloutWrapper):
             else:
                 more = self.inner.generate(weights, contexts, 1, turn_key,
                                            None if row_records is None
-                                           else [row_records[i] for i in kept])
+                                           else [rows[i].record(row_records[i]) for i in kept])
             decoded.append(more.metrics)
             for j, (i, context) in enumerate(zip(kept, contexts)):
                 m = more.completion_mask[j].astype(bool)
@@ -432,22 +461,46 @@ class ToolRollout(RolloutWrapper):
                                                        self.toolbox.fns))
             active = [i for i in kept if rows[i].messages[-1].get("tool_calls")]
             turn += 1
-        return _assemble(first._replace(metrics=merge_decode_metrics(decoded),
-                                        completion_routing=routing), rows,
-                         self.pad_id, set(self.stop_token_ids))
+        out = _assemble(first._replace(metrics=merge_decode_metrics(decoded),
+                                       completion_routing=routing), rows,
+                        self.pad_id, set(self.stop_token_ids), images=processor is not None)
+        if any(row.images for row in rows):  # the trainer's forwards take every row's images
+            out = self.inner.with_row_images(out, [row.record(rec) for row, rec
+                                                   in zip(rows, row_records)])
+        return out
 
 
-def tool_messages(calls: list[tuple[str, Any, bool]]) -> list[dict]:
-    """The `tool` messages of a turn's calls (Toolbox.call's results): a list result as its
-    parts (TRL's multimodal content), anything else as its str. A result holding an image part
-    (TRL 1.16 injects those into the completion) is refused: not built here."""
+# Why a tool's image is refused where the loop can't feed it to the model.
+NO_PROCESSOR = ("images in tool results need a vision-language model on the native sampler "
+                "(rollout.backend: jax), whose processor expands them as TRL 1.16's does; "
+                "return text")
+IN_PARTIAL = ("images in tool results are not supported with partial rollouts "
+              "(max_staleness >= 1); set max_staleness: 0, or return text")
+
+
+def tool_messages(calls: list[tuple[str, Any, bool]], refused: str | None = None) -> list[dict]:
+    """The `tool` messages of a turn's calls (Toolbox.call's results), as TRL makes them: a
+    list result as its content blocks (e.g. [{"type": "image", "image": <PIL image>},
+    {"type": "text", "text": ...}]), anything else as its str. `refused`: why a result holding
+    an image part can't be taken here (NO_PROCESSOR, IN_PARTIAL), raised as a ToolError; None:
+    images taken."""
     for name, out, _ in calls:
-        if isinstance(out, list) and any(isinstance(p, dict) and p.get("type") == "image"
-                                         for p in out):
+        parts = [p for p in out if isinstance(p, dict) and p.get("type") == "image"] \
+            if isinstance(out, list) else []
+        if parts and refused is not None:
             raise ToolError(f"tool {name!r} returned an image ({{'type': 'image'}} part): "
-                            "images in tool results are not supported; return text")
+                            + refused)
+        if any(p.get("image") is None for p in parts):
+            raise ToolError(f"tool {name!r} returned an image part without its image: give it "
+                            "as {'type': 'image', 'image': <PIL image>}, as TRL 1.16 reads it")
     return [{"role": "tool", "name": name, "content": out if isinstance(out, list) else str(out)}
             for name, out, _ in calls]
+
+
+def message_images(messages: Sequence[dict]) -> list[Any]:
+    """The images of tool messages' image parts, in order (TRL's tool_images)."""
+    return [part["image"] for m in messages if isinstance(m["content"], list)
+            for part in m["content"] if isinstance(part, dict) and part.get("type") == "image"]
 
 
 def record_turn_routing(routing: np.ndarray, turn: RolloutBatch, j: int, start: int,
@@ -478,32 +531,51 @@ class _Row:
     messages: list[dict] = dataclasses.field(default_factory=list)
     calls: int = 0
     failures: int = 0
+    images: list = dataclasses.field(default_factory=list)  # those its tools returned
+    placed: list[bool] = None  # True for a placeholder of one of `images`
 
     def __post_init__(self):
         self.model = [1] * len(self.ids)
+        self.placed = [False] * len(self.ids)
 
-    def add(self, ids, logp=None, model: bool = True):
+    def record(self, prompt_record: dict) -> dict:
+        """The row's record for a turn after its prompt's (its context: prompt + completion so
+        far): its prompt's images then its tools', whose placeholders are in the tool
+        results (images.record_images, images.image_tokens)."""
+        if not self.images:
+            return prompt_record
+        return dict(prompt_record, tool_images=list(self.images),
+                    image_tokens=[True] * len(prompt_record["prompt_ids"]) + self.placed)
+
+    def add(self, ids, logp=None, model: bool = True, image_id: int | None = None):
+        """`image_id`: the image placeholder's id where `ids` hold images (a tool result's)."""
         self.ids += list(ids)
         self.logp += list(logp) if logp is not None else [0.0] * len(ids)
         self.model += [int(model)] * len(ids)
+        self.placed += [image_id is not None and t == image_id for t in ids]
 
 
-def _assemble(first: RolloutBatch, rows: list[_Row], pad: int, stops: set) -> RolloutBatch:
+def _assemble(first: RolloutBatch, rows: list[_Row], pad: int, stops: set,
+              images: bool = False) -> RolloutBatch:
+    """`images`: the batch says where its completions hold images (completion_images)."""
     n, C = first.completion_ids.shape
     ids = np.full((n, C), pad, np.int32)
     mask, tool_mask = np.zeros((n, C), np.int32), np.ones((n, C), np.int32)
     logp = np.zeros((n, C), np.float32)
     truncated = np.zeros(n, bool)
+    placed = np.zeros((n, C), bool)
     for i, row in enumerate(rows):
         k = len(row.ids)
         ids[i, :k], mask[i, :k], tool_mask[i, :k], logp[i, :k] = row.ids, 1, row.model, row.logp
+        placed[i, :k] = row.placed
         # TRL: truncated when the last token is neither a stop token nor padding.
         truncated[i] = not k or row.ids[-1] not in stops | {pad}
     return first._replace(completion_ids=ids, completion_mask=mask, truncated=truncated,
                           sampler_logp=logp, tool_mask=tool_mask,
                           completions=[row.messages for row in rows],
                           tool_calls=np.array([r.calls for r in rows], np.int32),
-                          tool_failures=np.array([r.failures for r in rows], np.int32))
+                          tool_failures=np.array([r.failures for r in rows], np.int32),
+                          completion_images=placed if images else None)
 
 
 @dataclasses.dataclass
@@ -543,7 +615,7 @@ class PartialTurns:
             if not calls:
                 out.append((None, episode))
                 continue
-            msgs = tool_messages(calls)
+            msgs = tool_messages(calls, IN_PARTIAL)
             episode = dict(episode, calls=episode["calls"] + len(calls),
                            failures=episode["failures"] + sum(f for _, _, f in calls))
             suffix = tool_suffix_ids(self.tokenizer, msgs, self.template_kwargs)

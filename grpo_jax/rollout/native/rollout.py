@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from grpo_jax import image_blocks, images
@@ -35,6 +37,7 @@ class JaxRollout(Rollout):
         self.settings = dict(model_cfg=model_cfg, params=params, pad_id=pad_id, peft=peft,
                              partial_rollouts=partial_rollouts, processor=processor)
         self.processor = processor
+        self.image_token_id = None if processor is None else model_cfg.vision.image_token_id
         self.takes_records = processor is not None
         adapters = bool(peft and peft.sampler_takes_adapters)
         self.weight_mode = WeightMode.READ_ADAPTERS if adapters else WeightMode.READ
@@ -71,8 +74,9 @@ class JaxRollout(Rollout):
 
     def generate_images(self, weights, prompt_ids, num_generations, key, records
                         ) -> RolloutBatch:
-        """generate for prompts with images: `records`' multimodal prompts give the pixels."""
-        px = images.prompt_pixels(self.processor, [rec["prompt"] for rec in records])
+        """generate for prompts with images: `records`' images (images.record_images: their
+        multimodal prompts', then a tool loop's row's tool results') give the pixels."""
+        px = images.row_pixels(self.processor, [images.record_images(rec) for rec in records])
         n, k = len(prompt_ids), image_blocks.count(px.pixel_values, px.image_grid)
         # Each prompt's block of k images (its own, then blanks), prompt after prompt; none:
         # the prompts are text.
@@ -81,13 +85,28 @@ class JaxRollout(Rollout):
                 else np.tile(np.asarray(px.image_grid), (n, 1)))
         sampler = self.sampler if self.slots is None else self.slots
         # A tool turn's prompt is its record's prompt + the completion so far: only the
-        # record's prompt holds images, the rest is text (as the trainer embeds it).
-        limits = [len(rec["prompt_ids"]) for rec in records]
+        # record's prompt and its tool results' image placeholders hold images, the rest is
+        # text (as the trainer embeds it).
+        limits = [images.image_tokens(rec) for rec in records]
         r = sampler.generate(weights, prompt_ids, num_generations, key, pixel_values=flat,
                              image_grid_thw=grid, image_tokens=limits, images_per_prompt=k)
         rows = np.repeat(px.pixel_values, num_generations, axis=0)
         positions = (None if self.sampler.cfg.mrope_section is None else
                      self.sampler.row_positions(r.prompt_ids, r.prompt_mask, px.image_grid,
                                                 r.completion_ids.shape[1],
-                                                np.repeat(limits, num_generations)))
+                                                [m for m in limits for _ in
+                                                 range(num_generations)]))
         return r._replace(pixel_values=rows, image_grid=px.image_grid, positions=positions)
+
+    def with_row_images(self, r: RolloutBatch, records: Sequence[dict]) -> RolloutBatch:
+        """`r` with each row's images those of its record (records[i], one per row: its
+        prompt's, then its tool results'), and Qwen-VL's positions over prompt + completion
+        with its completion_images as images (Sampler.row_positions)."""
+        px = images.row_pixels(self.processor, [images.record_images(rec) for rec in records])
+        positions = (None if self.sampler.cfg.mrope_section is None else
+                     self.sampler.row_positions(r.prompt_ids, r.prompt_mask, px.image_grid,
+                                                r.completion_ids.shape[1],
+                                                [len(rec["prompt_ids"]) for rec in records],
+                                                r.completion_images))
+        return r._replace(pixel_values=px.pixel_values, image_grid=px.image_grid,
+                          positions=positions)

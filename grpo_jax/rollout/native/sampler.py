@@ -134,8 +134,9 @@ class Sampler:
         placeholders; Decoder.embed_multimodal): Qwen2.5-VL [N, C*T*P*P] with its grids
         [n, 3], Gemma 3 [N, C, H, W] and no grid. One program per set of image sizes; one host
         (not split over a mesh). image_tokens: per prompt, how many of its first tokens may
-        hold image placeholders (None: all); the rest is text whatever its ids, as the trainer
-        embeds a completion (a multi-turn context: prompt + completion so far).
+        hold image placeholders (None: all), or a bool per real token; the rest is text
+        whatever its ids, as the trainer embeds a completion (a multi-turn context: prompt +
+        completion so far, whose tool results' images are placeholders: rollout.tools).
         images_per_prompt: the images come in blocks of that many per prompt, a prompt's own
         then blank ones (image_blocks), which no placeholder takes; None: HF's order.
         """
@@ -188,30 +189,40 @@ class Sampler:
     def placeholders(self, ids, mask, image_tokens=None):
         """(the image placeholders to fill [B, width] bool, the ids with every other
         placeholder id as padding, for M-RoPE's rope_index) of padded prompts whose first
-        image_tokens[b] real tokens may hold images (None: all; rows past it: none)."""
+        image_tokens[b] real tokens may hold images (None: all; rows past it: none), or whose
+        real tokens image_tokens[b] marks (a bool per real token: a multi-turn context whose
+        tool results hold images, rollout.tools)."""
         ids, real = np.asarray(ids), np.asarray(mask).astype(bool)
         is_image = (ids == self.cfg.vision.image_token_id) & real
-        if image_tokens is not None:  # past its first image_tokens, a prompt's ids are text
-            limit = np.zeros(len(ids), np.int64)
-            limit[:len(image_tokens)] = image_tokens
-            is_image &= np.cumsum(real, axis=1) <= limit[:, None]
+        if image_tokens is not None:  # elsewhere a prompt's ids are text
+            allowed = np.zeros_like(real)
+            for b, marks in enumerate(image_tokens):
+                at = np.flatnonzero(real[b])
+                allowed[b, at] = (np.arange(len(at)) < marks if np.ndim(marks) == 0
+                                  else np.asarray(marks, bool))
+            is_image &= allowed
         return is_image, np.where(is_image | (ids != self.cfg.vision.image_token_id), ids,
                                   self.pad_id)
 
     def row_positions(self, prompt_ids, prompt_mask, image_grid, completion_width: int,
-                      image_tokens=None):
+                      image_tokens=None, completion_images=None):
         """Qwen2.5-VL's M-RoPE positions [N, 3, P + C] of rows (RolloutBatch.positions), each
-        prompt's images of `image_grid` (one prompt's grids, the same for every row): HF's
-        get_rope_index of the prompt; the completion's text continues from the prompt's next
-        position on all three rows, as the sampler decodes it (and as transformers' forward
-        over the whole row computes it). image_tokens: per row, as `placeholders` reads it."""
+        row's images of `image_grid` (one row's grids, the same for every row): HF's
+        get_rope_index over prompt + completion, as transformers' forward over the whole row
+        computes it: the completion's text continues from the prompt's next position on all
+        three rows, as the sampler decodes it, and its image placeholders (completion_images
+        [N, C] bool: a tool result's images, rollout.tools; None: none) take their images'
+        grid positions. image_tokens: per row, as `placeholders` reads it."""
         prompt_ids = self.placeholders(prompt_ids, prompt_mask, image_tokens)[1]
-        prompt, deltas = qwen_vl.rope_index(self.cfg.vision, prompt_ids, prompt_mask,
-                                            np.tile(np.asarray(image_grid), (len(prompt_ids), 1)))
-        start = np.asarray(prompt_mask).sum(axis=1) + deltas
-        completion = start[:, None] + np.arange(completion_width)
-        completion = np.broadcast_to(completion[:, None], (len(start), 3, completion_width))
-        return np.concatenate([prompt.transpose(1, 0, 2), completion], axis=2).astype(np.int32)
+        n = len(prompt_ids)
+        completion = np.full((n, completion_width), self.pad_id, np.int64)
+        if completion_images is not None:
+            completion[np.asarray(completion_images, bool)] = self.cfg.vision.image_token_id
+        ids = np.concatenate([prompt_ids, completion], axis=1)
+        mask = np.concatenate([prompt_mask, np.ones((n, completion_width), np.int32)], axis=1)
+        positions, _ = qwen_vl.rope_index(self.cfg.vision, ids, mask,
+                                          np.tile(np.asarray(image_grid), (n, 1)))
+        return positions.transpose(1, 0, 2).astype(np.int32)
 
     def inputs(self, params, prompt_token_ids, num_generations):
         """(params, prompts, g, n, rows) of a generate call, checked: n = prompts x g rows
