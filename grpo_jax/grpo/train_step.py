@@ -168,8 +168,9 @@ def completion_embeds(model, batch: Batch) -> jax.Array:
     text there, as the sampler fed it) but in tool results (tool_mask 0): there a placeholder
     (completion_images) takes the features of the row's next image after its prompt's, as
     transformers' forward over prompt + completion places the row's images (TRL passes the
-    prompt's then the tool results'). The tower runs over every row's images for that (the
-    tool loop's batches on a vision-language model only)."""
+    prompt's then the tool results'). The tower runs over every row's images for that only
+    when some completion of the batch holds a tool's image (lax.cond: a tool loop's batches on
+    a vision-language model carry completion_images whether or not a tool returned one)."""
     ids = batch.completion_ids
     k = image_blocks.count(batch.pixel_values, batch.image_grid)
     if batch.completion_images is None or not k:
@@ -181,10 +182,14 @@ def completion_embeds(model, batch: Batch) -> jax.Array:
     pv = batch.pixel_values
     grid = (None if batch.image_grid is None
             else np.tile(np.asarray(batch.image_grid), (pv.shape[0], 1)))
-    return model.embed_multimodal(ids, pv.reshape(-1, *pv.shape[2:]), grid,
-                                  frozen_tower=not lora.tower_adapted(model), is_image=is_image,
-                                  first_image=jnp.arange(pv.shape[0], dtype=jnp.int32) * k,
-                                  skip=before)
+    text = model.embed_tokens(ids)
+
+    def with_images():
+        return model.embed_multimodal(
+            ids, pv.reshape(-1, *pv.shape[2:]), grid, frozen_tower=not lora.tower_adapted(model),
+            is_image=is_image, first_image=jnp.arange(pv.shape[0], dtype=jnp.int32) * k,
+            skip=before).astype(text.dtype)
+    return jax.lax.cond(jnp.any(is_image), with_images, lambda: text)
 
 
 def prompt_embeds(model, batch: Batch, group: int = 1) -> jax.Array:
