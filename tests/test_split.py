@@ -189,3 +189,80 @@ def test_sampler_process_equals_the_one_process_split_resumes_and_dies_with_one_
     assert max(committed_steps(out / "checkpoints")) == 6
     c = [h for h in history(out) if "loss" in h]
     assert sorted({h["step"] for h in c}) == list(range(1, 7))
+
+
+# A multi-process split run (rollout/native/sampler_hosts.py): each of 2 trainer processes with
+# 2 host devices, 1 for its sampler process, 1 for the trainer's mesh (data parallel over the
+# processes). 16 rows a round, 4 groups: 2 decoded by each host's sampler.
+POD = dict(sampler_devices=1, sampler_process=True, max_staleness=1, max_num_seqs=8,
+           max_completion_length=12, per_device_train_batch_size=8, dp=2, fsdp=1,
+           log_completions="true", learning_rate=0.002)
+POD_KEYS = ("reward", "reward_std", "loss", "grad_norm", "entropy", "completions/mean_length",
+            "num_tokens", "staleness/mean", "staleness/max")
+
+
+def launch_pod(tiny_dir, out, *flags, **settings):
+    from processes import launch
+    path = out.parent / f"{out.name}.{len(list(out.parent.glob(out.name + '.*.yaml')))}.yaml"
+    path.write_text(config(tiny_dir, out, **{**POD, **settings}).to_yaml())
+    from tiny_run import TRAIN
+    return launch([*TRAIN, "--config", str(path), *flags], devices=2, log_dir=out.parent)
+
+
+def run_pod(tiny_dir, out, *flags, **settings) -> None:
+    from processes import log, wait_all
+    out.parent.mkdir(parents=True, exist_ok=True)
+    codes = wait_all(launch_pod(tiny_dir, out, *flags, **settings), timeout=600)
+    assert codes == [0, 0], log(out.parent, "p0.err")[-3000:] + log(out.parent, "p1.err")[-3000:]
+
+
+def trained(out) -> dict[int, list]:
+    """Each step's (prompt, completion) pairs, from completions.jsonl."""
+    import json
+    rows = [json.loads(line) for line in (out / "completions.jsonl").open()]
+    steps: dict[int, list] = {}
+    for r in rows:
+        steps.setdefault(r["step"], []).append((r["prompt"], r["completion"]))
+    return steps
+
+
+@pytest.mark.slow
+def test_split_across_two_trainer_processes_trains_as_one_and_resumes(tiny_dir, tmp_path):
+    """Two trainer processes (jax.distributed on 127.0.0.1), each with a sampler process of
+    its own decoding half of every batch: the same prompts, completions, metrics (within
+    test_multihost's tolerance) and weights as the one-process split run with the same global
+    batch and mesh; each prompt trains once. Stopped at step 2 (its checkpoint holds each
+    host's rows in flight; max_staleness 2, so rows carry over) and resumed by the two
+    processes: the uninterrupted run's prompts, log and weights, bit for bit."""
+    from processes import assert_same_metrics, assert_same_params, params
+    train(config(tiny_dir, tmp_path / "one" / "run", max_steps=3, **POD),
+          devices=jax.devices()[:3])
+    run_pod(tiny_dir, tmp_path / "pod", max_steps=3)
+    one, pod = tmp_path / "one" / "run", tmp_path / "pod"
+    a = [h for h in history(one) if "loss" in h]
+    b = [h for h in history(pod) if "loss" in h]
+    assert [h["step"] for h in b] == [1, 2, 3]
+    assert_same_metrics(a, b, POD_KEYS)
+    assert_same_params(params(one, 3), params(pod, 3))
+    assert trained(one) == trained(pod)
+    prompts = [p for rows in trained(pod).values() for p, _ in rows[::4]]
+    assert len(prompts) == len(set(prompts)) == 12  # 4 groups a step, each prompt once
+    assert all(len({p for p, _ in rows}) == 4 for rows in trained(pod).values())
+    assert (b[0]["staleness/max"], b[1]["staleness/max"], b[2]["staleness/mean"]) == (0, 1, 1)
+
+    # max_staleness 2: rows carry over between advances (each host's sampler keeps 4 group
+    # slots, returns 2 a round), so step 2's checkpoint holds rows in flight on both hosts.
+    run_pod(tiny_dir, tmp_path / "full", max_steps=3, max_staleness=2)
+    run_pod(tiny_dir, tmp_path / "cut", max_steps=2, max_staleness=2)
+    with np.load(tmp_path / "cut" / "rows_in_flight" / "2.npz") as f:
+        assert (f["p0/seq"] >= 0).any() and (f["p1/seq"] >= 0).any()
+        assert set(f["p0/seq"][f["p0/seq"] >= 0] % 2) == {0}  # host p: draws 2k + p
+        assert set(f["p1/seq"][f["p1/seq"] >= 0] % 2) == {1}
+    run_pod(tiny_dir, tmp_path / "cut", "--resume", max_steps=3, max_staleness=2)
+    b = [h for h in history(tmp_path / "full") if "loss" in h]
+    c = [h for h in history(tmp_path / "cut") if "loss" in h]
+    assert [h["step"] for h in c] == [1, 2, 3]
+    assert_resumed_like_whole(tmp_path, b, c)
+    assert trained(tmp_path / "full") == trained(tmp_path / "cut")
+    prompts = [p for rows in trained(tmp_path / "cut").values() for p, _ in rows[::4]]
+    assert len(prompts) == len(set(prompts)) == 12
