@@ -133,8 +133,10 @@ def test_split_dynamic_sampling_fills_from_the_samplers_next_advances_and_resume
     assert_resumed_like_whole(tmp_path, a, b)
 
 
-def sampler_processes() -> list[int]:
-    """The pids of this process's sampler processes (rollout.sampler_process)."""
+def sampler_processes(parent: int | None = None) -> list[int]:
+    """The pids of the sampler processes (rollout.sampler_process) of `parent` (default: this
+    process)."""
+    parent = os.getpid() if parent is None else parent
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -142,7 +144,7 @@ def sampler_processes() -> list[int]:
             cmd = (stat.parent / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == os.getpid() and b"sampler_process" in cmd:
+        if ppid == parent and b"sampler_process" in cmd:
             found.append(int(stat.parent.name))
     return found
 
@@ -266,3 +268,29 @@ def test_split_across_two_trainer_processes_trains_as_one_and_resumes(tiny_dir, 
     assert trained(tmp_path / "full") == trained(tmp_path / "cut")
     prompts = [p for rows in trained(tmp_path / "cut").values() for p, _ in rows[::4]]
     assert len(prompts) == len(set(prompts)) == 12
+
+
+@pytest.mark.slow
+def test_split_across_processes_a_dead_host_sampler_stops_every_process(tiny_dir, tmp_path):
+    """Process 1's sampler process killed after the first checkpoint: both trainer processes
+    stop at the round's collect with one error line naming the kill (process 0 naming process
+    1), exit 2, and the checkpoints written stand."""
+    from processes import log, wait_all
+    out = tmp_path / "run"
+    procs = launch_pod(tiny_dir, out, max_steps=6, save_steps=1)
+    killed, deadline = [], time.time() + 300
+    while not killed and time.time() < deadline and all(p.poll() is None for p in procs):
+        if (out / "checkpoints" / "1").exists():
+            for pid in sampler_processes(procs[1].pid):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+        time.sleep(0.05)
+    codes = wait_all(procs, timeout=180)
+    errs = [log(tmp_path, f"p{i}.err") for i in range(2)]
+    assert killed and codes == [2, 2], (codes, errs[0][-3000:] + errs[1][-3000:])
+    lines = [[line for line in err.splitlines() if line.startswith("grpo_jax.train: error:")]
+             for err in errs]
+    assert len(lines[1]) == 1 and "killed by SIGKILL" in lines[1][0], errs[1][-3000:]
+    assert len(lines[0]) == 1 and "on process 1:" in lines[0][0], errs[0][-3000:]
+    steps = committed_steps(out / "checkpoints")
+    assert steps and max(steps) < 6

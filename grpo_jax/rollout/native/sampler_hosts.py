@@ -27,6 +27,10 @@ of the round (SplitRollouts' start and collect, which GRPORound calls on every p
   prefix (`gathered`), and a resume reads back its own (`own`), with the same process count
   (checked). The queued batch is the same on every process and is saved as in one process.
 
+A host's sampler that dies stops every trainer process at the next collect (each raises
+SamplerProcessError together: distributed.raise_together, the dead one's message named), with
+the last checkpoint standing, as in one process.
+
 Every host's sampler returns prompts_per_generation / P groups an advance (its
 PartialRollouts' `groups`), so each round gets a whole batch. The samplers' decode counts are
 summed (merge_decode_metrics), the advance's seconds are the slowest host's.
@@ -41,6 +45,7 @@ import jax
 import numpy as np
 
 from grpo_jax import distributed as dist
+from grpo_jax.errors import SamplerProcessError
 from grpo_jax.rollout.base import RolloutBatch
 from grpo_jax.rollout.native.disaggregated import Collected, Queued
 from grpo_jax.rollout.native.partial import InFlight
@@ -67,10 +72,13 @@ class SamplerHosts:
         self.sampler, self.g = sampler, num_generations
         self.max_staleness = sampler.max_staleness
         self.hosts, self.me = jax.process_count(), jax.process_index()
+        # A failed collect's error, the same on every process: raised again by every later
+        # collect (as a failed advance stays running), with no collective.
+        self._failed: Exception | None = None
 
     @property
     def running(self) -> bool:
-        return self.sampler.running
+        return self.sampler.running or self._failed is not None
 
     def start(self, params, in_flight: InFlight, records: Sequence[dict],
               data_rows: Sequence[int], version: int, key) -> float:
@@ -83,8 +91,18 @@ class SamplerHosts:
 
     def collect(self) -> Collected:
         """This host's advance, and every host's finished groups as one batch (a collective)."""
+        if self._failed is not None:
+            raise self._failed
         t0 = time.perf_counter()
-        mine = self.sampler.collect()
+        try:
+            mine, error = self.sampler.collect(), None
+        except Exception as e:  # noqa: BLE001 - raised on every process just below
+            mine, error = None, e
+        try:  # a host's sampler that died stops every process here, with its message
+            dist.raise_together(error, SamplerProcessError)
+        except Exception as e:
+            self._failed = e
+            raise
         every = dist.gather_objects(mine.queued)
         waited = time.perf_counter() - t0
         records = [None] * sum(len(e.records) for e in every)
