@@ -1,7 +1,9 @@
 """Disaggregated rounds in one process (rollout.sampler_devices,
 grpo_jax.rollout.native.disaggregated): partial rollouts decode on a sampler mesh of their own a
 round ahead of the trainer; every prompt trains once, each token one version behind the
-weights that train it, and a stopped run resumes to the uninterrupted run's result."""
+weights that train it, and a stopped run resumes to the uninterrupted run's result. The sampler
+in a process of its own (rollout.sampler_process), also one per trainer process of a
+multi-process run (rollout/native/sampler_hosts.py), trains the same."""
 
 
 import os
@@ -294,3 +296,23 @@ def test_split_across_processes_a_dead_host_sampler_stops_every_process(tiny_dir
     assert len(lines[0]) == 1 and "on process 1:" in lines[0][0], errs[0][-3000:]
     steps = committed_steps(out / "checkpoints")
     assert steps and max(steps) < 6
+
+
+@pytest.mark.slow
+def test_split_across_processes_with_dynamic_sampling_trains_as_one(tiny_dir, tmp_path):
+    """dynamic_sampling across two trainer processes: a round short of groups with signal
+    runs every host's sampler's next advance (the same on every process, the batch gathered
+    being the same), and trains what the one-process split with the same global batch does."""
+    from processes import assert_same_metrics, assert_same_params, params
+    settings = {**ODD_POSTS, "save_steps": 100}
+    train(config(tiny_dir, tmp_path / "one" / "run", **POD, **settings),
+          devices=jax.devices()[:3])
+    run_pod(tiny_dir, tmp_path / "pod", **settings)
+    one, pod = tmp_path / "one" / "run", tmp_path / "pod"
+    a = [h for h in history(one) if "loss" in h]
+    b = [h for h in history(pod) if "loss" in h]
+    assert [h["step"] for h in b] == [1, 2, 3]
+    assert max(h["dynamic_sampling/num_gen_batches"] for h in b) >= 2
+    assert_same_metrics(a, b, POD_KEYS + ("dynamic_sampling/num_gen_batches",))
+    assert_same_params(params(one, 3), params(pod, 3))
+    assert trained(one) == trained(pod)
