@@ -343,13 +343,9 @@ def _build_run(cfg: config_lib.TrainConfig, out: Path, lock: RunDirLock, devices
     plan = cfg.batch_plan(mesh_lib.batch_divisor(mesh))
     # A multi-process split run: each host's sampler decodes its share of each batch.
     hosts = jax.process_count() if sampler_mesh is not None and dist.multi_process() else 1
-    if hosts > 1 and model.cfg.vision is not None:
-        raise ConfigError("a multi-process split run (sampler_devices) does not train a "
-                          "vision-language model yet: run it in one process")
-    if plan.prompts_per_generation % hosts:
-        raise ConfigError(f"a multi-process split run shares each batch's "
-                          f"{plan.prompts_per_generation} prompts between its {hosts} "
-                          "processes' samplers: make prompts_per_generation a multiple of them")
+    if hosts > 1:  # refused on every process together: none is left inside a collective
+        model_cfg = model.cfg
+        dist.together(lambda: _refuse_hosts(hosts, plan, model_cfg))
     total_steps = run_facts.total_steps(cfg.batch, plan, len(dataset))
     policy = Policy(model, step_config(cfg, plan, model.cfg), cfg.optim, total_steps, mesh)
     state = policy.init_state
@@ -424,6 +420,17 @@ def _meshes(cfg: config_lib.TrainConfig, devices):
     cfg = choose_mesh(cfg, trainer)
     return (cfg, mesh_lib.make_mesh(cfg.mesh, trainer),
             mesh_lib.make_mesh(own.mesh, devices[:n]))
+
+
+def _refuse_hosts(hosts: int, plan: config_lib.BatchPlan, model_cfg) -> None:
+    """What a multi-process split run (sampler_hosts.py) does not run, one ConfigError."""
+    if model_cfg.vision is not None:
+        raise ConfigError("a multi-process split run (sampler_devices) does not train a "
+                          "vision-language model yet: run it in one process")
+    if plan.prompts_per_generation % hosts:
+        raise ConfigError(f"a multi-process split run shares each batch's "
+                          f"{plan.prompts_per_generation} prompts between its {hosts} "
+                          "processes' samplers: make prompts_per_generation a multiple of them")
 
 
 def _split(cfg: config_lib.TrainConfig, rollout, sampler_mesh, width: int | None

@@ -316,3 +316,20 @@ def test_split_across_processes_with_dynamic_sampling_trains_as_one(tiny_dir, tm
     assert_same_metrics(a, b, POD_KEYS + ("dynamic_sampling/num_gen_batches",))
     assert_same_params(params(one, 3), params(pod, 3))
     assert trained(one) == trained(pod)
+
+
+@pytest.mark.parametrize("settings, needle", [
+    (dict(EVAL), "does not run eval_strategy yet"),
+    (dict(per_device_train_batch_size=6), "make prompts_per_generation a multiple"),
+])
+def test_split_across_processes_refuses_what_it_does_not_run(tiny_dir, tmp_path, settings,
+                                                             needle):
+    """Settings a multi-process split run does not run: one error line on each process."""
+    from processes import log, wait_all
+    out = tmp_path / "run"
+    codes = wait_all(launch_pod(tiny_dir, out, max_steps=2, **settings), timeout=300)
+    errs = [log(tmp_path, f"p{i}.err") for i in range(2)]
+    assert codes == [2, 2], (codes, errs[0][-3000:])
+    for err in errs:
+        lines = [line for line in err.splitlines() if line.startswith("grpo_jax.train: error:")]
+        assert len(lines) == 1 and needle in lines[0], err[-3000:]
