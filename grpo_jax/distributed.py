@@ -187,8 +187,8 @@ def to_host(tree):
         return jax.device_get(tree)
     from jax.experimental import multihost_utils
 
-    def one(x):
-        if x.is_fully_addressable or x.is_fully_replicated:
+    def one(x):  # host arrays (a sampler process's rows) are every process's own already
+        if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
             return np.asarray(x)
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return jax.tree.map(one, tree)

@@ -41,7 +41,7 @@ from grpo_jax.errors import (CheckpointWriteError, ConfigError, GrpoJaxError, No
 from grpo_jax.models import ModelConfig
 from grpo_jax.rollout import tools as tools_lib
 from grpo_jax.rollout.engines import make_rollout, refuse_images
-from grpo_jax.rollout.native import disaggregated, partial
+from grpo_jax.rollout.native import disaggregated, partial, sampler_hosts
 from grpo_jax.rollout.native.sampler import reference_copy
 from grpo_jax.rollout.native.sampler_process import SamplerProcess, SamplerSpec
 from grpo_jax.run_dir import RunDirLock
@@ -99,10 +99,13 @@ class RunCheckpoints:
     record: Any = None
     # sampler_devices: the batch the sampler finished a round ahead (RunState.queued).
     queued: BufferFiles | None = None
+    # Processes whose samplers each hold their share of the rows in flight (a multi-process
+    # split run: rollout/native/sampler_hosts.py); 1: the rows are every process's alike.
+    hosts: int = 1
 
     @classmethod
     def open(cls, out: Path, cfg: config_lib.TrainConfig, schedule: dict | None = None,
-             read_only: bool = False, record=None) -> "RunCheckpoints":
+             read_only: bool = False, record=None, hosts: int = 1) -> "RunCheckpoints":
         """`read_only`: another run's, restored from and never changed."""
         limit = None if read_only else cfg.run.save_total_limit
         ckpt = Checkpointer(out / "checkpoints", save_total_limit=limit, read_only=read_only)
@@ -111,7 +114,7 @@ class RunCheckpoints:
                 else None)
         return cls(ckpt, BufferFiles(out / "generation_buffer"), refs, dict(schedule or {}),
                    BufferFiles(out / "rows_in_flight", "rollouts in flight"), record,
-                   BufferFiles(out / "queued", "batch sampled ahead"))
+                   BufferFiles(out / "queued", "batch sampled ahead"), hosts)
 
     def resume(self, cfg: config_lib.TrainConfig, out: Path, at: RunState) -> RunState:
         """`at` as the checkpoint cfg.run.resume names left it, whole (the train state, data
@@ -136,7 +139,7 @@ class RunCheckpoints:
                         "without checkpoints")
                 # Read only: nothing in the other run's directory is deleted or rotated.
                 source = RunCheckpoints.open(source_out, cfg, read_only=True,
-                                             record=self.record)
+                                             record=self.record, hosts=self.hosts)
             for later in [s for s in ckpt.all_steps() if s > latest]:
                 ckpt.delete(later)  # transformers overwrites them when it gets there again
                 if dist.is_main():
@@ -199,8 +202,14 @@ class RunCheckpoints:
                 raise TrainError(f"checkpoint {latest} holds partial rollouts in flight "
                                  "(max_staleness > 0 with the JAX sampler): resume with those "
                                  "settings, or train afresh into another output_dir")
-            rows_in_flight = partial.from_arrays(rows_in_flight, source.rows_in_flight.load_arrays(
-                latest, "partial rollouts in flight"), source.record)
+            arrays = source.rows_in_flight.load_arrays(latest, "partial rollouts in flight")
+            hosts = meta.get("rows_in_flight_hosts", 1)
+            if hosts > 1 or self.hosts > 1:  # each process's sampler its own share
+                try:
+                    arrays = sampler_hosts.own(arrays, hosts)
+                except ValueError as e:
+                    raise TrainError(f"checkpoint {latest}: {e}") from None
+            rows_in_flight = partial.from_arrays(rows_in_flight, arrays, source.record)
         queued = None
         if meta.get("queued"):
             if cfg.rollout.sampler_devices is None:
@@ -226,7 +235,10 @@ class RunCheckpoints:
             return
         self.buffers.save(step, buffer)  # first: a committed checkpoint always finds its buffer
         if at.rows_in_flight is not None:
-            self.rows_in_flight.save_arrays(step, partial.to_arrays(at.rows_in_flight))
+            arrays = partial.to_arrays(at.rows_in_flight)
+            if self.hosts > 1:  # every process's share, written by process 0
+                arrays = sampler_hosts.gathered(arrays)
+            self.rows_in_flight.save_arrays(step, arrays)
         if at.queued is not None:
             self.queued.save_arrays(step, disaggregated.to_arrays(at.queued))
         if self.refs is not None:
@@ -236,6 +248,7 @@ class RunCheckpoints:
                 "buffered_epoch_end": at.epoch_end, "reference": self.refs is not None,
                 "in_flight": [[r, *p] for r, p in at.in_flight],
                 "rows_in_flight": at.rows_in_flight is not None,
+                "rows_in_flight_hosts": self.hosts,
                 "queued": at.queued is not None,
                 "schedule": self.schedule,
                 "metrics": {k: None if v is None else float(v) for k, v in metrics.items()}}
@@ -328,12 +341,17 @@ def _build_run(cfg: config_lib.TrainConfig, out: Path, lock: RunDirLock, devices
         max_completion_length=cfg.generation.max_completion_length,
         soft_punish_cache=cfg.grpo.soft_punish_cache)
     plan = cfg.batch_plan(mesh_lib.batch_divisor(mesh))
+    # A multi-process split run: each host's sampler decodes its share of each batch.
+    hosts = jax.process_count() if sampler_mesh is not None and dist.multi_process() else 1
+    if hosts > 1:  # refused on every process together: none is left inside a collective
+        model_cfg = model.cfg
+        dist.together(lambda: _refuse_hosts(hosts, plan, model_cfg))
     total_steps = run_facts.total_steps(cfg.batch, plan, len(dataset))
     policy = Policy(model, step_config(cfg, plan, model.cfg), cfg.optim, total_steps, mesh)
     state = policy.init_state
     del model
     rollout = make_rollout(cfg, policy.model_config, tokenizer, sampler_mesh or mesh, model_dir,
-                           tools, batch_divisor=mesh_lib.batch_divisor(mesh))
+                           tools, batch_divisor=mesh_lib.batch_divisor(mesh), hosts=hosts)
     # Partial rollouts' rows in flight start empty, for prompts up to the data's longest.
     width = None if rollout.partial is None else int(max(np.diff(dataset.offsets)))
     split = _split(cfg, rollout, sampler_mesh, width)
@@ -353,7 +371,8 @@ def _build_run(cfg: config_lib.TrainConfig, out: Path, lock: RunDirLock, devices
     # What a data position means, kept in each checkpoint (the data-parallel size is free).
     positions = {"num_prompts": len(dataset), **{
         k: v for k, v in dataclasses.asdict(plan).items() if k != "data_parallel_size"}}
-    checkpoints = RunCheckpoints.open(out, cfg, positions, record=dataset.record)
+    checkpoints = RunCheckpoints.open(out, cfg, positions, record=dataset.record,
+                                      hosts=hosts)
     rows_in_flight = None if rollout.partial is None else rollout.partial.empty(width)
     at = checkpoints.resume(cfg, out, RunState(state, reference=reference,
                                                rows_in_flight=rows_in_flight))
@@ -372,9 +391,11 @@ def _meshes(cfg: config_lib.TrainConfig, devices):
     if n is None:
         cfg = choose_mesh(cfg, devices)
         return cfg, mesh_lib.make_mesh(cfg.mesh, devices), None
-    if dist.multi_process():  # processes from the environment, not num_processes
-        raise ConfigError("sampler_devices is built for one process: unset it in "
-                          "multi-process runs")
+    pod = dist.multi_process()  # processes from the environment, not num_processes
+    if pod and not cfg.rollout.sampler_process:
+        raise ConfigError("sampler_devices in a multi-process run needs sampler_process: each "
+                          "process's sampler runs in a process of its own on its host's "
+                          "sampler_devices; set sampler_process true")
     devices = list(jax.local_devices() if devices is None else devices)
     if cfg.rollout.sampler_process and devices[0].platform != "cpu":
         raise ConfigError(f"sampler_process runs on CPU hosts only for now (this run's devices "
@@ -383,10 +404,33 @@ def _meshes(cfg: config_lib.TrainConfig, devices):
     if n >= len(devices):
         raise ConfigError(f"sampler_devices {n} leaves no device to train on: this process "
                           f"has {len(devices)}")
+    if pod:
+        unset = [name for name, on in (("eval_strategy", cfg.eval.enabled),
+                                       ("tools", bool(cfg.multi_turn.tools))) if on]
+        if unset:
+            raise ConfigError("a multi-process split run (sampler_devices) does not run "
+                              f"{', '.join(unset)} yet: unset it")
+    # Multi-process: each host keeps its first n devices for its sampler, the trainer's mesh
+    # spans the rest of every host's (rollout/native/sampler_hosts.py).
+    trainer = devices[n:] if not pod else [
+        d for p in range(jax.process_count())
+        for d in sorted((d for d in jax.devices() if d.process_index == p),
+                        key=lambda d: d.id)[n:]]
     own = choose_mesh(dataclasses.replace(cfg, mesh=config_lib.MeshConfig()), devices[:n])
-    cfg = choose_mesh(cfg, devices[n:])
-    return (cfg, mesh_lib.make_mesh(cfg.mesh, devices[n:]),
+    cfg = choose_mesh(cfg, trainer)
+    return (cfg, mesh_lib.make_mesh(cfg.mesh, trainer),
             mesh_lib.make_mesh(own.mesh, devices[:n]))
+
+
+def _refuse_hosts(hosts: int, plan: config_lib.BatchPlan, model_cfg) -> None:
+    """What a multi-process split run (sampler_hosts.py) does not run, one ConfigError."""
+    if model_cfg.vision is not None:
+        raise ConfigError("a multi-process split run (sampler_devices) does not train a "
+                          "vision-language model yet: run it in one process")
+    if plan.prompts_per_generation % hosts:
+        raise ConfigError(f"a multi-process split run shares each batch's "
+                          f"{plan.prompts_per_generation} prompts between its {hosts} "
+                          "processes' samplers: make prompts_per_generation a multiple of them")
 
 
 def _split(cfg: config_lib.TrainConfig, rollout, sampler_mesh, width: int | None
@@ -400,7 +444,10 @@ def _split(cfg: config_lib.TrainConfig, rollout, sampler_mesh, width: int | None
         return disaggregated.SplitRollouts(rollout.partial, sampler_mesh, r.max_staleness)
     settings, turns = rollout.process_parts(cfg.multi_turn.tools)
     spec = SamplerSpec(settings, dict(sampler_mesh.shape), width, turns)
-    return SamplerProcess(spec, r.sampler_devices, r.max_staleness)
+    if not dist.multi_process():
+        return SamplerProcess(spec, r.sampler_devices, r.max_staleness)
+    sampler = SamplerProcess(sampler_hosts.host_spec(spec), r.sampler_devices, r.max_staleness)
+    return sampler_hosts.SamplerHosts(sampler, cfg.grpo.num_generations)
 
 
 def train(cfg: config_lib.TrainConfig, *, devices=None) -> dict:
@@ -435,7 +482,8 @@ def run_rounds(run: Run) -> dict:
         # Async rounds with dynamic sampling: each batch drawn starts the next one's prefetch.
         ahead = (run.rollout.prefetch if run.rollout.generates_ahead
                  and cfg.grpo.dynamic_sampling else None)
-        draws = Draws(run.dataset, plan, run.data_epochs, stop, ahead, base_key)
+        draws = Draws(run.dataset, plan, run.data_epochs, stop, ahead, base_key,
+                      run.checkpoints.hosts)
 
         def evaluate():
             # A split run evaluates on the sampler's devices once its advance has ended: one
@@ -527,8 +575,11 @@ class Draws:
     more finds it under way, and so does the next round when this one's fill is done."""
 
     def __init__(self, dataset, plan: config_lib.BatchPlan, epochs: int | None, stop,
-                 prefetch=None, key=None):
+                 prefetch=None, key=None, hosts: int = 1):
+        """`hosts`: the processes whose samplers share each batch's groups (a multi-process
+        split run), each holding its share of the rows in flight."""
         self.dataset, self.plan, self.epochs, self.stop = dataset, plan, epochs, stop
+        self.hosts = hosts
         self.prefetch, self.key = prefetch, key
         self.used_up = False
 
@@ -552,7 +603,7 @@ class Draws:
         two generation batches at first (one trained, one more in flight), one a round after;
         their epochs' ends don't end an update window (the groups trained are others)."""
         n = self.plan.prompts_per_generation
-        batches = 1 if rows_in_flight is None else rows_in_flight.empty_groups // n
+        batches = 1 if rows_in_flight is None else rows_in_flight.empty_groups * self.hosts // n
         draw = self._ahead(self._read(position, batches))
         if draw is not None and rows_in_flight is None:
             draw = draw._replace(ends_epoch=self.dataset.ends_epoch(draw.after, n))

@@ -404,7 +404,7 @@ def test_sampler_devices_needs_partial_rollouts_and_refuses_the_rest():
                         ({**split, "use_vllm": True, "max_num_seqs": None},
                          "needs max_staleness >= 1"),
                         ({**split, "sampler_devices": 0}, "must be >= 1"),
-                        ({**split, "num_processes": 2}, "built for one process"),
+                        ({**split, "num_processes": 2}, "needs sampler_process"),
                         ({"sampler_process": True}, "set sampler_devices too")]:
         with pytest.raises(ConfigError, match=needle):
             config_from_dict(bad)

@@ -1,7 +1,9 @@
 """Disaggregated rounds in one process (rollout.sampler_devices,
 grpo_jax.rollout.native.disaggregated): partial rollouts decode on a sampler mesh of their own a
 round ahead of the trainer; every prompt trains once, each token one version behind the
-weights that train it, and a stopped run resumes to the uninterrupted run's result."""
+weights that train it, and a stopped run resumes to the uninterrupted run's result. The sampler
+in a process of its own (rollout.sampler_process), also one per trainer process of a
+multi-process run (rollout/native/sampler_hosts.py), trains the same."""
 
 
 import os
@@ -133,8 +135,10 @@ def test_split_dynamic_sampling_fills_from_the_samplers_next_advances_and_resume
     assert_resumed_like_whole(tmp_path, a, b)
 
 
-def sampler_processes() -> list[int]:
-    """The pids of this process's sampler processes (rollout.sampler_process)."""
+def sampler_processes(parent: int | None = None) -> list[int]:
+    """The pids of the sampler processes (rollout.sampler_process) of `parent` (default: this
+    process)."""
+    parent = os.getpid() if parent is None else parent
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -142,7 +146,7 @@ def sampler_processes() -> list[int]:
             cmd = (stat.parent / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == os.getpid() and b"sampler_process" in cmd:
+        if ppid == parent and b"sampler_process" in cmd:
             found.append(int(stat.parent.name))
     return found
 
@@ -189,3 +193,143 @@ def test_sampler_process_equals_the_one_process_split_resumes_and_dies_with_one_
     assert max(committed_steps(out / "checkpoints")) == 6
     c = [h for h in history(out) if "loss" in h]
     assert sorted({h["step"] for h in c}) == list(range(1, 7))
+
+
+# A multi-process split run (rollout/native/sampler_hosts.py): each of 2 trainer processes with
+# 2 host devices, 1 for its sampler process, 1 for the trainer's mesh (data parallel over the
+# processes). 16 rows a round, 4 groups: 2 decoded by each host's sampler.
+POD = dict(sampler_devices=1, sampler_process=True, max_staleness=1, max_num_seqs=8,
+           max_completion_length=12, per_device_train_batch_size=8, dp=2, fsdp=1,
+           log_completions="true", learning_rate=0.002)
+POD_KEYS = ("reward", "reward_std", "loss", "grad_norm", "entropy", "completions/mean_length",
+            "num_tokens", "staleness/mean", "staleness/max")
+
+
+def launch_pod(tiny_dir, out, *flags, **settings):
+    from processes import launch
+    path = out.parent / f"{out.name}.{len(list(out.parent.glob(out.name + '.*.yaml')))}.yaml"
+    path.write_text(config(tiny_dir, out, **{**POD, **settings}).to_yaml())
+    from tiny_run import TRAIN
+    return launch([*TRAIN, "--config", str(path), *flags], devices=2, log_dir=out.parent)
+
+
+def run_pod(tiny_dir, out, *flags, **settings) -> None:
+    from processes import log, wait_all
+    out.parent.mkdir(parents=True, exist_ok=True)
+    codes = wait_all(launch_pod(tiny_dir, out, *flags, **settings), timeout=600)
+    assert codes == [0, 0], log(out.parent, "p0.err")[-3000:] + log(out.parent, "p1.err")[-3000:]
+
+
+def trained(out) -> dict[int, list]:
+    """Each step's (prompt, completion) pairs, from completions.jsonl."""
+    import json
+    rows = [json.loads(line) for line in (out / "completions.jsonl").open()]
+    steps: dict[int, list] = {}
+    for r in rows:
+        steps.setdefault(r["step"], []).append((r["prompt"], r["completion"]))
+    return steps
+
+
+@pytest.mark.slow
+def test_split_across_two_trainer_processes_trains_as_one_and_resumes(tiny_dir, tmp_path):
+    """Two trainer processes (jax.distributed on 127.0.0.1), each with a sampler process of
+    its own decoding half of every batch: the same prompts, completions, metrics (within
+    test_multihost's tolerance) and weights as the one-process split run with the same global
+    batch and mesh; each prompt trains once. Stopped at step 2 (its checkpoint holds each
+    host's rows in flight; max_staleness 2, so rows carry over) and resumed by the two
+    processes: the uninterrupted run's prompts, log and weights, bit for bit."""
+    from processes import assert_same_metrics, assert_same_params, params
+    train(config(tiny_dir, tmp_path / "one" / "run", max_steps=3, **POD),
+          devices=jax.devices()[:3])
+    run_pod(tiny_dir, tmp_path / "pod", max_steps=3)
+    one, pod = tmp_path / "one" / "run", tmp_path / "pod"
+    a = [h for h in history(one) if "loss" in h]
+    b = [h for h in history(pod) if "loss" in h]
+    assert [h["step"] for h in b] == [1, 2, 3]
+    assert_same_metrics(a, b, POD_KEYS)
+    assert_same_params(params(one, 3), params(pod, 3))
+    assert trained(one) == trained(pod)
+    prompts = [p for rows in trained(pod).values() for p, _ in rows[::4]]
+    assert len(prompts) == len(set(prompts)) == 12  # 4 groups a step, each prompt once
+    assert all(len({p for p, _ in rows}) == 4 for rows in trained(pod).values())
+    assert (b[0]["staleness/max"], b[1]["staleness/max"], b[2]["staleness/mean"]) == (0, 1, 1)
+
+    # max_staleness 2: rows carry over between advances (each host's sampler keeps 4 group
+    # slots, returns 2 a round), so step 2's checkpoint holds rows in flight on both hosts.
+    run_pod(tiny_dir, tmp_path / "full", max_steps=3, max_staleness=2)
+    run_pod(tiny_dir, tmp_path / "cut", max_steps=2, max_staleness=2)
+    with np.load(tmp_path / "cut" / "rows_in_flight" / "2.npz") as f:
+        assert (f["p0/seq"] >= 0).any() and (f["p1/seq"] >= 0).any()
+        assert set(f["p0/seq"][f["p0/seq"] >= 0] % 2) == {0}  # host p: draws 2k + p
+        assert set(f["p1/seq"][f["p1/seq"] >= 0] % 2) == {1}
+    run_pod(tiny_dir, tmp_path / "cut", "--resume", max_steps=3, max_staleness=2)
+    b = [h for h in history(tmp_path / "full") if "loss" in h]
+    c = [h for h in history(tmp_path / "cut") if "loss" in h]
+    assert [h["step"] for h in c] == [1, 2, 3]
+    assert_resumed_like_whole(tmp_path, b, c)
+    assert trained(tmp_path / "full") == trained(tmp_path / "cut")
+    prompts = [p for rows in trained(tmp_path / "cut").values() for p, _ in rows[::4]]
+    assert len(prompts) == len(set(prompts)) == 12
+
+
+@pytest.mark.slow
+def test_split_across_processes_a_dead_host_sampler_stops_every_process(tiny_dir, tmp_path):
+    """Process 1's sampler process killed after the first checkpoint: both trainer processes
+    stop at the round's collect with one error line naming the kill (process 0 naming process
+    1), exit 2, and the checkpoints written stand."""
+    from processes import log, wait_all
+    out = tmp_path / "run"
+    procs = launch_pod(tiny_dir, out, max_steps=6, save_steps=1)
+    killed, deadline = [], time.time() + 300
+    while not killed and time.time() < deadline and all(p.poll() is None for p in procs):
+        if (out / "checkpoints" / "1").exists():
+            for pid in sampler_processes(procs[1].pid):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+        time.sleep(0.05)
+    codes = wait_all(procs, timeout=180)
+    errs = [log(tmp_path, f"p{i}.err") for i in range(2)]
+    assert killed and codes == [2, 2], (codes, errs[0][-3000:] + errs[1][-3000:])
+    lines = [[line for line in err.splitlines() if line.startswith("grpo_jax.train: error:")]
+             for err in errs]
+    assert len(lines[1]) == 1 and "killed by SIGKILL" in lines[1][0], errs[1][-3000:]
+    assert len(lines[0]) == 1 and "on process 1:" in lines[0][0], errs[0][-3000:]
+    steps = committed_steps(out / "checkpoints")
+    assert steps and max(steps) < 6
+
+
+@pytest.mark.slow
+def test_split_across_processes_with_dynamic_sampling_trains_as_one(tiny_dir, tmp_path):
+    """dynamic_sampling across two trainer processes: a round short of groups with signal
+    runs every host's sampler's next advance (the same on every process, the batch gathered
+    being the same), and trains what the one-process split with the same global batch does."""
+    from processes import assert_same_metrics, assert_same_params, params
+    settings = {**ODD_POSTS, "save_steps": 100}
+    train(config(tiny_dir, tmp_path / "one" / "run", **POD, **settings),
+          devices=jax.devices()[:3])
+    run_pod(tiny_dir, tmp_path / "pod", **settings)
+    one, pod = tmp_path / "one" / "run", tmp_path / "pod"
+    a = [h for h in history(one) if "loss" in h]
+    b = [h for h in history(pod) if "loss" in h]
+    assert [h["step"] for h in b] == [1, 2, 3]
+    assert max(h["dynamic_sampling/num_gen_batches"] for h in b) >= 2
+    assert_same_metrics(a, b, POD_KEYS + ("dynamic_sampling/num_gen_batches",))
+    assert_same_params(params(one, 3), params(pod, 3))
+    assert trained(one) == trained(pod)
+
+
+@pytest.mark.parametrize("settings, needle", [
+    (dict(EVAL), "does not run eval_strategy yet"),
+    (dict(per_device_train_batch_size=6), "make prompts_per_generation a multiple"),
+])
+def test_split_across_processes_refuses_what_it_does_not_run(tiny_dir, tmp_path, settings,
+                                                             needle):
+    """Settings a multi-process split run does not run: one error line on each process."""
+    from processes import log, wait_all
+    out = tmp_path / "run"
+    codes = wait_all(launch_pod(tiny_dir, out, max_steps=2, **settings), timeout=300)
+    errs = [log(tmp_path, f"p{i}.err") for i in range(2)]
+    assert codes == [2, 2], (codes, errs[0][-3000:])
+    for err in errs:
+        lines = [line for line in err.splitlines() if line.startswith("grpo_jax.train: error:")]
+        assert len(lines) == 1 and needle in lines[0], err[-3000:]

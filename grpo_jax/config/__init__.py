@@ -100,9 +100,11 @@ class TrainConfig:
         check(not split or partial and self.generation.max_num_seqs is not None,
               "sampler_devices runs partial rollouts on devices of their own: it needs "
               "max_staleness >= 1, the JAX sampler (use_vllm false) and max_num_seqs")
-        check(not split or (self.distributed.num_processes or 1) == 1,
-              "sampler_devices is built for one process: the sampler and trainer meshes are "
-              "this process's devices; unset sampler_devices in multi-process runs")
+        check(not split or (self.distributed.num_processes or 1) == 1
+              or self.rollout.sampler_process,
+              "sampler_devices in a multi-process run needs sampler_process: each process's "
+              "sampler runs in a process of its own on its host's sampler_devices; set "
+              "sampler_process true")
 
     def batch_plan(self, data_parallel_size: int = 1) -> BatchPlan:
         """TRL's batch relations for `data_parallel_size` shards (TRL: num_processes)."""

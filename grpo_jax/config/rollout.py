@@ -133,8 +133,10 @@ class RolloutArgs:
         False,
         "With sampler_devices: the sampler in a process of its own "
         "(rollout/native/sampler_process.py), on sampler_devices host devices, started and "
-        "ended by the run; the trainer's weights reach it through host memory each round. CPU "
-        "hosts only for now.")
+        "ended by the run; the trainer's weights reach it through host memory each round. In a "
+        "multi-process run each process starts its own on its host's sampler_devices, each "
+        "decoding its share of every batch (rollout/native/sampler_hosts.py). CPU hosts only "
+        "for now.")
 
     def __post_init__(self):
         check(0 < self.vllm_server_port < 65536, f"vllm_server_port {self.vllm_server_port} "

@@ -59,12 +59,13 @@ class MainProcessRollout(RolloutWrapper):
 
 
 def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir, tools=(), *,
-                 batch_divisor: int | None = None) -> Rollout:
+                 batch_divisor: int | None = None, hosts: int = 1) -> Rollout:
     """The config's backend; with `tools` (functions), inside the multi-turn tool loop. The
     part of the contract an ABC can't check (weight_mode is set by the constructor) is checked
     here, before the run starts. `batch_divisor`: the trainer mesh's, when the rollout runs on
-    a mesh of its own (sampler_devices; default: `mesh`'s)."""
-    rollout = _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools, batch_divisor)
+    a mesh of its own (sampler_devices; default: `mesh`'s). `hosts`: the processes whose
+    samplers each take a share of a batch's groups (rollout/native/sampler_hosts.py)."""
+    rollout = _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools, batch_divisor, hosts)
     if not isinstance(rollout.weight_mode, WeightMode):
         raise TypeError(f"{type(rollout).__name__}.weight_mode is {rollout.weight_mode!r}, "
                         "not a rollout.base.WeightMode")
@@ -96,7 +97,7 @@ def refuse_images(cfg, model_cfg, tools=()) -> None:
                           + ", ".join(unset))
 
 
-def _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools, batch_divisor):
+def _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools, batch_divisor, hosts):
     refuse_images(cfg, model_cfg, tools)
     sp = sampling_params(cfg, tokenizer, hf.generation_eos_ids(model_dir) if model_dir else ())
     if cfg.rollout.backend == "jax":
@@ -108,7 +109,8 @@ def _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools, batch_divisor):
             # A split run's sampler decodes with weights one version older than those that
             # train its tokens: its bound, checked against its own version, is one less.
             split = cfg.rollout.sampler_devices is not None
-            partial = (cfg.grpo.num_generations, cfg.batch_plan(divisor).prompts_per_generation,
+            partial = (cfg.grpo.num_generations,
+                       cfg.batch_plan(divisor).prompts_per_generation // hosts,
                        cfg.rollout.max_staleness - split)
         rollout = JaxRollout(model_cfg, sp, pad_id=pad_id(tokenizer), mesh=mesh,
                              peft=cfg.peft, partial_rollouts=partial,

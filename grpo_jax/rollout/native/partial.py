@@ -168,12 +168,16 @@ class PartialRollouts:
     prompts_per_generation) whole groups a round, through `slots` decode slots."""
 
     def __init__(self, sampler: Sampler, slots: int, num_generations: int, groups: int,
-                 max_staleness: int, turn_ends: TurnEnds | None = None, processor=None):
+                 max_staleness: int, turn_ends: TurnEnds | None = None, processor=None,
+                 numbering: tuple[int, int] = (1, 0)):
         """`processor`: a vision-language model's HF processor; the records' multimodal
-        prompts (their "prompt") then give each group's images."""
+        prompts (their "prompt") then give each group's images. `numbering` (stride, offset):
+        the k-th group these rollouts draw is the run's draw number stride x k + offset, which
+        keys its rows (a host's share of a multi-process split run, sampler_hosts.py: one
+        group in `stride`, so each row draws what it would in one sampler)."""
         self.sampler, self.slots, self.g, self.groups = sampler, slots, num_generations, groups
         self.max_staleness, self.turn_ends = max_staleness, turn_ends
-        self.processor = processor
+        self.processor, self.numbering = processor, numbering
         # One generation batch trained, one more in flight; with a bound of 0 (a split run at
         # max_staleness 1) no row may carry over to the next advance, and the second batch's
         # rows would only be decoded to be restarted there: one batch.
@@ -184,7 +188,7 @@ class PartialRollouts:
     def with_turns(self, turn_ends: TurnEnds) -> "PartialRollouts":
         """These partial rollouts, their rows multi-turn episodes (the tool loop's)."""
         return PartialRollouts(self.sampler, self.slots, self.g, self.groups, self.max_staleness,
-                               turn_ends, self.processor)
+                               turn_ends, self.processor, self.numbering)
 
     def empty(self, prompt_width: int) -> InFlight:
         """Nothing in flight, for prompts up to `prompt_width` tokens (the run's longest)."""
@@ -221,7 +225,8 @@ class PartialRollouts:
             new_ids, new_mask = left_pad(prompts, 1, width, s.pad_id)
             put = free[:len(prompts)]
             ids[put], pmask[put], data[put] = new_ids, new_mask, np.asarray(data_rows)
-            seq[put] = at.drawn + np.arange(len(prompts))
+            stride, offset = self.numbering
+            seq[put] = (at.drawn + np.arange(len(prompts))) * stride + offset
             fresh[put] = True
             for i, rec in zip(put, records):
                 recs[i] = rec

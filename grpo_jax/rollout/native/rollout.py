@@ -32,10 +32,12 @@ class JaxRollout(Rollout):
     turn's context a prompt with its record's images); engines.refuse_images refuses the rest."""
 
     def __init__(self, model_cfg, params: SamplingParams, *, pad_id: int, mesh, peft=None,
-                 partial_rollouts: tuple[int, int, int] | None = None, processor=None):
+                 partial_rollouts: tuple[int, int, int] | None = None, processor=None,
+                 numbering: tuple[int, int] = (1, 0)):
         # What builds this rollout again elsewhere, less the mesh (a sampler process's).
         self.settings = dict(model_cfg=model_cfg, params=params, pad_id=pad_id, peft=peft,
-                             partial_rollouts=partial_rollouts, processor=processor)
+                             partial_rollouts=partial_rollouts, processor=processor,
+                             numbering=numbering)
         self.processor = processor
         self.image_token_id = None if processor is None else model_cfg.vision.image_token_id
         self.takes_records = processor is not None
@@ -51,7 +53,7 @@ class JaxRollout(Rollout):
         # that carry over between rounds (rollout/native/partial.py).
         self.partial = (None if partial_rollouts is None else
                         partial.PartialRollouts(self.sampler, self.slots.slots, *partial_rollouts,
-                                                processor=processor))
+                                                processor=processor, numbering=numbering))
         # Multi-turn rollouts continue from the KV cache (None: sliding-window models, which
         # re-prefill every turn's context; with decode slots, since continuing needs every
         # row's cache kept between turns: there each turn re-prefills its context, and a row

@@ -8,7 +8,8 @@ Why a child process over a socket pair, and not JAX's multi-controller runtime: 
 multi-controller run has every process dispatch the same programs in the same order, while the
 sampler and the trainer run different programs at different times (the point of the split). A
 child with its own runtime is what verl's rollouter, slime's and prime-rl's inference workers
-are; here it is started by the trainer and ends with it.
+are; here it is started by the trainer and ends with it. A multi-process trainer starts one per
+process, each on its own host's devices (sampler_hosts.py).
 
 Per round, one message each way: the trainer's weights (host numpy: device_get, pickled, put on
 the sampler's mesh; the only way every backend allows between two runtimes) with the new groups,
