@@ -231,31 +231,16 @@ def trained(out) -> dict[int, list]:
 
 
 @pytest.mark.slow
-def test_split_across_two_trainer_processes_trains_as_one_and_resumes(tiny_dir, tmp_path):
+def test_split_across_two_trainer_processes_resumes_and_trains_each_prompt_once(tiny_dir,
+                                                                                tmp_path):
     """Two trainer processes (jax.distributed on 127.0.0.1), each with a sampler process of
-    its own decoding half of every batch: the same prompts, completions, metrics (within
-    test_multihost's tolerance) and weights as the one-process split run with the same global
-    batch and mesh; each prompt trains once. Stopped at step 2 (its checkpoint holds each
-    host's rows in flight; max_staleness 2, so rows carry over) and resumed by the two
-    processes: the uninterrupted run's prompts, log and weights, bit for bit."""
-    from processes import assert_same_metrics, assert_same_params, params
-    train(config(tiny_dir, tmp_path / "one" / "run", max_steps=3, **POD),
-          devices=jax.devices()[:3])
-    run_pod(tiny_dir, tmp_path / "pod", max_steps=3)
-    one, pod = tmp_path / "one" / "run", tmp_path / "pod"
-    a = [h for h in history(one) if "loss" in h]
-    b = [h for h in history(pod) if "loss" in h]
-    assert [h["step"] for h in b] == [1, 2, 3]
-    assert_same_metrics(a, b, POD_KEYS)
-    assert_same_params(params(one, 3), params(pod, 3))
-    assert trained(one) == trained(pod)
-    prompts = [p for rows in trained(pod).values() for p, _ in rows[::4]]
-    assert len(prompts) == len(set(prompts)) == 12  # 4 groups a step, each prompt once
-    assert all(len({p for p, _ in rows}) == 4 for rows in trained(pod).values())
-    assert (b[0]["staleness/max"], b[1]["staleness/max"], b[2]["staleness/mean"]) == (0, 1, 1)
-
-    # max_staleness 2: rows carry over between advances (each host's sampler keeps 4 group
-    # slots, returns 2 a round), so step 2's checkpoint holds rows in flight on both hosts.
+    its own decoding half of every batch, stopped at step 2 (its checkpoint holds each host's
+    rows in flight; max_staleness 2, so rows carry over) and resumed by the two processes: the
+    uninterrupted run's prompts, log and weights, bit for bit, each prompt trained once. (That
+    such a run trains what the one-process split trains: the dynamic-sampling test below,
+    whose rounds take the same path plus more advances.)"""
+    # Each host's sampler keeps 4 group slots and returns 2 a round, so step 2's checkpoint
+    # holds rows in flight on both hosts.
     run_pod(tiny_dir, tmp_path / "full", max_steps=3, max_staleness=2)
     run_pod(tiny_dir, tmp_path / "cut", max_steps=2, max_staleness=2)
     with np.load(tmp_path / "cut" / "rows_in_flight" / "2.npz") as f:
@@ -300,9 +285,11 @@ def test_split_across_processes_a_dead_host_sampler_stops_every_process(tiny_dir
 
 @pytest.mark.slow
 def test_split_across_processes_with_dynamic_sampling_trains_as_one(tiny_dir, tmp_path):
-    """dynamic_sampling across two trainer processes: a round short of groups with signal
-    runs every host's sampler's next advance (the same on every process, the batch gathered
-    being the same), and trains what the one-process split with the same global batch does."""
+    """Two trainer processes, each with a sampler process of its own decoding half of every
+    batch, train the same prompts, completions, metrics (within test_multihost's tolerance)
+    and weights as the one-process split run with the same global batch and mesh, here with
+    dynamic_sampling: a round short of groups with signal runs every host's sampler's next
+    advance (the same on every process, the batch gathered being the same)."""
     from processes import assert_same_metrics, assert_same_params, params
     settings = {**ODD_POSTS, "save_steps": 100}
     train(config(tiny_dir, tmp_path / "one" / "run", **POD, **settings),
