@@ -976,16 +976,9 @@ TOOL_TEMPLATE = (
     + FORCED_CALL + "{% endif %}")
 
 
-@pytest.mark.parametrize("rounds", ["static", "refill", "sampler_devices"])
-def test_squares_trains_with_tools(seeing_dir, tmp_path, rounds):
-    """Two steps on 'squares' with the calculator tool (seeing_dir's Gemma 3 with TOOL_TEMPLATE
-    and its parser saved with the tokenizer; many stop tokens, so turns are short): every row
-    calls the calculator, turns after the results are re-prefilled with the prompts' images
-    (static batches, refilled decode slots) or fed in their slots (partial rollouts on a
-    sampler device of their own, whose thread runs the tools; on shared devices:
-    test_tool_turns_see_the_prompts_images), and the sampler's log-probs of
-    the rows with images and tool results are the trainer's. A reward function checks each
-    completion's messages: the call, its result and the turn after it."""
+def _tool_model(seeing_dir, tmp_path):
+    """seeing_dir's Gemma 3 with TOOL_TEMPLATE and its Hermes parser saved with the tokenizer,
+    and many stop tokens (so turns are short)."""
     model_dir = tmp_path / "model"
     shutil.copytree(seeing_dir, model_dir)
     tok = images_lib.load_processor(seeing_dir).tokenizer
@@ -996,6 +989,20 @@ def test_squares_trains_with_tools(seeing_dir, tmp_path, rounds):
     gen = json.loads((model_dir / "generation_config.json").read_text())
     (model_dir / "generation_config.json").write_text(json.dumps(
         {**gen, "eos_token_id": list(range(2, 40))}))
+    return model_dir
+
+
+@pytest.mark.parametrize("rounds", ["static", "refill", "sampler_devices"])
+def test_squares_trains_with_tools(seeing_dir, tmp_path, rounds):
+    """Two steps on 'squares' with the calculator tool (seeing_dir's Gemma 3 with TOOL_TEMPLATE
+    and its parser saved with the tokenizer; many stop tokens, so turns are short): every row
+    calls the calculator, turns after the results are re-prefilled with the prompts' images
+    (static batches, refilled decode slots) or fed in their slots (partial rollouts on a
+    sampler device of their own, whose thread runs the tools; on shared devices:
+    test_tool_turns_see_the_prompts_images), and the sampler's log-probs of
+    the rows with images and tool results are the trainer's. A reward function checks each
+    completion's messages: the call, its result and the turn after it."""
+    model_dir = _tool_model(seeing_dir, tmp_path)
     # 1.0 for a completion that is a call, the calculator's answer and another turn
     (tmp_path / "episode.py").write_text(
         "def episode(prompts, completions, **kw):\n"
@@ -1028,16 +1035,7 @@ def test_squares_trains_with_a_tool_that_returns_an_image(seeing_dir, tmp_path):
     picture's tokens, its next turn sees the prompt's image and the picture, and the trainer's
     log-probs (both images in the forward) are the sampler's; the loss is finite and the tool
     metrics are TRL's."""
-    model_dir = tmp_path / "model"
-    shutil.copytree(seeing_dir, model_dir)
-    tok = images_lib.load_processor(seeing_dir).tokenizer
-    tok.chat_template = TOOL_TEMPLATE
-    tok.response_template = dict(tools.HERMES_RESPONSE_TEMPLATE,
-                                 start_anchor="<|im_start|>assistant")
-    tok.save_pretrained(model_dir)
-    gen = json.loads((model_dir / "generation_config.json").read_text())
-    (model_dir / "generation_config.json").write_text(json.dumps(
-        {**gen, "eos_token_id": list(range(2, 40))}))
+    model_dir = _tool_model(seeing_dir, tmp_path)
     (tmp_path / "picture.py").write_text(
         "from PIL import Image\n"
         "from grpo_jax.calculator import calculator as answer\n\n"
