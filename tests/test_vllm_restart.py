@@ -15,6 +15,7 @@ clear line; a resume fails fast.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -126,16 +127,33 @@ class SwallowingProxy:
 @needs_vllm
 @pytest.mark.kills_shared_server
 def test_hung_transfer_stops_with_one_line_and_a_checkpoint(servers, model_dir, tmp_path):
+    """weight_sync_timeout bounds every weight-sync route (pause, start, buckets, finish): 20 s,
+    as 5 s was once reached by a route that did not hang, on a loaded 2-core machine (a
+    start_weight_update the server then completed, leaving its update open)."""
     from grpo_jax.checkpoint import Checkpointer
-    proxy = SwallowingProxy(servers.port)
+    from grpo_jax.rollout.vllm.client import VLLMClient
+    from grpo_jax.errors import VLLMServerError
+    proxy, run = SwallowingProxy(servers.port), None
     try:
-        run = start_run(model_dir, tmp_path, proxy.base_url, max_steps=200, weight_sync_timeout=5)
+        run = start_run(model_dir, tmp_path, proxy.base_url, max_steps=200, weight_sync_timeout=20)
         wait_for_checkpoint(run, tmp_path, 1)
         proxy.armed.set()
         _, err = run.communicate(timeout=300)
     finally:
         proxy.close()
-    assert proxy.swallowed.is_set()
+        if run is not None and run.poll() is None:
+            run.kill()
+            run.wait()
+        # A hung sync does no clean-up (grpo_jax.rollout.vllm.http_sync): the server is left
+        # paused, its update open. Opened again for the next test, as an operator would, with
+        # the initial weights (the restart test's run is on-policy from its first step); in a
+        # finally, so that a failure here is this test's alone.
+        with VLLMClient(servers.current.base_url, api_key=API_KEY) as client:
+            with contextlib.suppress(VLLMServerError):  # no update open: a failure before it
+                client.finish_weight_update(None)
+            client.resume()
+        push_initial_weights(servers.current.base_url, model_dir)
+    assert proxy.swallowed.is_set(), err[-3000:]
     assert run.returncode == 2, err[-3000:]
     errors = [line for line in err.splitlines() if line.startswith("grpo_jax.train: error:")]
     assert len(errors) == 1 and "Traceback" not in err, err[-3000:]
@@ -145,14 +163,6 @@ def test_hung_transfer_stops_with_one_line_and_a_checkpoint(servers, model_dir, 
     # A round is generate + update + sync: the one whose sync hung is not saved (a resume
     # redoes it); the checkpoint is the last completed round's.
     assert steps and max(steps) == metrics[-1]["step"] >= 1, (steps, metrics[-1]["step"])
-    # A hung sync does no clean-up (grpo_jax.rollout.vllm.http_sync): the server is left
-    # paused. Opened again for the next test, as an operator would, with the initial weights
-    # (the restart test's run is on-policy from its first step).
-    from grpo_jax.rollout.vllm.client import VLLMClient
-    with VLLMClient(servers.current.base_url, api_key=API_KEY) as client:
-        client.finish_weight_update(None)
-        client.resume()
-    push_initial_weights(servers.current.base_url, model_dir)
 
 
 @needs_vllm

@@ -41,7 +41,7 @@ from grpo_jax.policy import frozen_parts, split_policy, state_init
 from grpo_jax.train import train
 from hf_oracle import char_tokenizer
 from processes import launch, log, wait_all
-from tiny_run import TRAIN
+from tiny_run import TRAIN, stopped_at
 from vlm_processors import QWEN_TEMPLATE, ImageOnlyQwenProcessor, gemma_processor
 
 MM = 4  # soft tokens per image (the processor's image_seq_length)
@@ -122,8 +122,8 @@ def whole(vlm_dir, tmp_path_factory):
 
 def test_squares_trains_resumes_and_exports(vlm_dir, whole, tmp_path):
     """Three steps on 'squares' (2 images x 4 answers a step, fp32, one device): the sampler's
-    and the trainer's log-probs of the rows with images agree; a run stopped after step 2 and
-    resumed ends where the uninterrupted one does; the export reloads in transformers with the
+    and the trainer's log-probs of the rows with images agree; the run resumed from its step-2
+    checkpoint ends where the uninterrupted one does; the export reloads in transformers with the
     vision tower as it was (frozen) and the language model trained."""
     one = jax.devices()[:1]
     steps = [r for r in _records(whole) if "loss" in r]
@@ -134,7 +134,7 @@ def test_squares_trains_resumes_and_exports(vlm_dir, whole, tmp_path):
     assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in steps)
 
     cut = tmp_path / "cut"
-    train(_cfg(vlm_dir, cut, "max_steps=2"), devices=one)
+    stopped_at(whole, cut, 2)
     train(_cfg(vlm_dir, cut, "resume=true"), devices=one)
     resumed = {r["step"]: r for r in _records(cut) if "loss" in r}
     for key in ("loss", "reward", "grad_norm", "completions/mean_length"):
@@ -216,9 +216,9 @@ def test_squares_trains_through_partial_rollouts(seeing_dir, tmp_path, split):
     rows): rows carry over into the next round with their prompts' images (each round's prompt
     pass encodes every group slot's), and the sampler's log-probs of them are the trainer's.
     Learning rate 0, so that every round's weights are the same: a carried token's log-prob,
-    drawn a round earlier, is then the trainer's too. A run stopped after step 1 (its
-    checkpoint holds the rows in flight and their images, and with sampler_devices the batch
-    sampled ahead with its images) and resumed makes the same step 2. With sampler_devices the
+    drawn a round earlier, is then the trainer's too. The run resumed from its step-1
+    checkpoint (which holds the rows in flight and their images, and with sampler_devices the
+    batch sampled ahead with its images) makes the same step 2. With sampler_devices the
     sampler decodes on a device of its own a round ahead (max_staleness 2 there: one version
     for the round ahead, one for carried rows), with sampler_process in a process of its own
     (the processor sent there with the sampler's settings)."""
@@ -238,7 +238,7 @@ def test_squares_trains_through_partial_rollouts(seeing_dir, tmp_path, split):
     assert max(r["staleness/max"] for r in steps) >= 1  # tokens of the last round's weights
 
     cut = tmp_path / "cut"
-    train(_cfg(seeing_dir, cut, "max_steps=1", *partial), devices=one)
+    stopped_at(out, cut, 1)
     train(_cfg(seeing_dir, cut, "max_steps=2", "resume=true", *partial), devices=one)
     resumed = {r["step"]: r for r in _records(cut) if "loss" in r}
     for key in ("reward", "completions/mean_length", "staleness/mean",

@@ -1,11 +1,12 @@
 """The tiny training run most end-to-end tests start from: its settings (`config`), reward and
 command line (`run_cli`, `cli_args`), and what a run's partial rollouts returned (`advances`)
-and logged (`history`), and that a resumed run ended as the whole one
-(`assert_resumed_like_whole`).
+and logged (`history`), a run directory as a run stopped after a step left it (`stopped_at`),
+and that a resumed run ended as the whole one (`assert_resumed_like_whole`).
 The model and prompts it trains on are conftest.py's `tiny_dir` fixture."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +96,19 @@ def advances(monkeypatch):
         return done
     monkeypatch.setattr(PartialRollouts, "advance", record)
     return got, drawn
+
+
+def stopped_at(full, cut, step: int) -> None:
+    """`cut`: the run directory `full` as a run stopped after checkpoint `step` (a signal, a
+    crash) left it: full's later checkpoints left out. A resume from it replays full's later
+    steps (its metrics after `step` are dropped as a resumed run drops them). Saves the tests a
+    run up to `step` of their own: `full` must have saved that step."""
+    shutil.copytree(full, cut)
+    ckpts = [p for p in (Path(cut) / "checkpoints").iterdir() if p.name.isdigit()]
+    assert any(int(p.name) == step for p in ckpts), (step, sorted(p.name for p in ckpts))
+    for p in ckpts:
+        if int(p.name) > step:
+            shutil.rmtree(p)
 
 
 def history(out):
