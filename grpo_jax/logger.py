@@ -28,15 +28,10 @@ class MetricsLogger:
         self._postfix: dict[str, str] = {}
         if not enabled:
             return
-        # A resumed run replays the steps after its checkpoint: drop their old records. The
-        # file is replaced whole (a crash meanwhile leaves the old one), then appended to.
-        path = self.out / "metrics.jsonl"
-        kept = [h for h in read_history(path) if h["step"] <= start_step]
-        staged = path.with_name(path.name + ".tmp")
-        staged.write_text("".join(json.dumps(h) + "\n" for h in kept))
-        os.replace(staged, path)
-        self._jsonl = open(path, "a")
-        self._completions = (open(self.out / "completions.jsonl", "a")
+        # A resumed run replays the steps after its checkpoint: drop their old records (the
+        # metrics' and the completions'), so that no step is logged twice.
+        self._jsonl = _reopen(self.out / "metrics.jsonl", start_step)
+        self._completions = (_reopen(self.out / "completions.jsonl", start_step)
                              if run_cfg.log_completions else None)
         report_to = tuple(run_cfg.report_to or ())
         if "tensorboard" in report_to:
@@ -174,6 +169,16 @@ def _short(x, n: int = 60) -> str:
                      for part in x if isinstance(part, dict))
     text = " ".join(str(x).split())
     return text if len(text) <= n else text[:n - 3] + "..."
+
+
+def _reopen(path: Path, start_step: int):
+    """`path` (a jsonl file of records with a step) without its records after `start_step`,
+    open for appending. The file is replaced whole (a crash meanwhile leaves the old one)."""
+    kept = [h for h in read_history(path) if h["step"] <= start_step]
+    staged = path.with_name(path.name + ".tmp")
+    staged.write_text("".join(json.dumps(h) + "\n" for h in kept))
+    os.replace(staged, path)
+    return open(path, "a")
 
 
 def read_history(path: Path) -> list[dict]:

@@ -16,7 +16,8 @@ import jax
 import numpy as np
 import pytest
 
-from tiny_run import ODD_POSTS, advances, assert_resumed_like_whole, config, history
+from tiny_run import (ODD_POSTS, advances, assert_resumed_like_whole, config, history,
+                      stopped_at)
 
 from grpo_jax.checkpoint import committed_steps
 from grpo_jax.errors import SamplerProcessError
@@ -45,12 +46,13 @@ def test_split_run_trains_each_prompt_once_one_version_behind_and_resumes(tiny_d
                                                                           monkeypatch):
     """4 rounds: the first batch is sampled before round 1 with its own weights (staleness 0),
     every later one a round ahead (every token exactly one version old); each prompt trained
-    once, in draw order; stopped at step 2 (the checkpoint holds the batch sampled ahead) and
-    resumed: the same prompts in the same order, the same metrics and bit-exact weights.
+    once, in draw order; resumed from its step-2 checkpoint (which holds the batch sampled
+    ahead): the same prompts in the same order, the same metrics and bit-exact weights.
     Evaluation at steps 2 and 4 (on the sampler's devices) changes none of that."""
     got, drawn = advances(monkeypatch)
     devices = jax.devices()[:4]
-    train(config(tiny_dir, tmp_path / "full", max_steps=4, **SPLIT, **EVAL), devices=devices)
+    train(config(tiny_dir, tmp_path / "full", max_steps=4, save_steps=2, **SPLIT, **EVAL),
+          devices=devices)
     full, full_drawn = list(got), list(drawn)
     # the first batch, then one advance per round: the last is sampled ahead, never trained
     assert len(full) == 5
@@ -72,11 +74,12 @@ def test_split_run_trains_each_prompt_once_one_version_behind_and_resumes(tiny_d
         assert h["timing/idle_trainer"] >= 0 and h["timing/idle_sampler"] >= 0
 
     got[:], drawn[:] = [], []
-    train(config(tiny_dir, tmp_path / "cut", max_steps=2, **SPLIT, **EVAL), devices=devices)
+    stopped_at(tmp_path / "full", tmp_path / "cut", 2)
     assert len((tmp_path / "cut" / "queued" / "2.npz").read_bytes()) > 0
-    train(config(tiny_dir, tmp_path / "cut", max_steps=4, resume=True, **SPLIT, **EVAL),
-          devices=devices)
-    assert got == full and drawn == full_drawn
+    train(config(tiny_dir, tmp_path / "cut", max_steps=4, save_steps=2, resume=True, **SPLIT,
+                 **EVAL), devices=devices)
+    # Round 3's batch comes from the checkpoint; the sampler draws on from round 4's.
+    assert got == full[3:] and drawn == full_drawn[12:]
     b = [h for h in history(tmp_path / "cut") if "loss" in h]
     assert [h["step"] for h in b] == [1, 2, 3, 4]
     again = [h for h in history(tmp_path / "cut") if "eval_reward" in h]
@@ -96,11 +99,11 @@ def test_split_dynamic_sampling_fills_from_the_samplers_next_advances_and_resume
     takes the sampler's next advances until 4 groups with signal are whole, then starts the
     next round's beside the update. Replayed from the advances' groups, each round takes the
     queued advance and as many more as it needs (its num_gen_batches), every prompt drawn is
-    generated once, each group kept trains once; stopped at step 2 and resumed: the same
+    generated once, each group kept trains once; resumed from its step-2 checkpoint: the same
     advances, metrics and weights."""
     got, drawn = advances(monkeypatch)
     devices = jax.devices()[:4]
-    settings = {**SPLIT, **ODD_POSTS, "save_steps": 100}
+    settings = {**SPLIT, **ODD_POSTS, "save_steps": 2}
     train(config(tiny_dir, tmp_path / "full", **settings), devices=devices)
     full, full_drawn = list(got), list(drawn)
     a = [h for h in history(tmp_path / "full") if "loss" in h]
@@ -127,9 +130,11 @@ def test_split_dynamic_sampling_fills_from_the_samplers_next_advances_and_resume
     assert a[0]["staleness/max"] == 0
 
     got[:], drawn[:] = [], []
-    train(config(tiny_dir, tmp_path / "cut", **{**settings, "max_steps": 2}), devices=devices)
+    stopped_at(tmp_path / "full", tmp_path / "cut", 2)
     train(config(tiny_dir, tmp_path / "cut", resume=True, **settings), devices=devices)
-    assert got == full and drawn == full_drawn
+    # The resumed run's advances are the full run's last ones (its first from the checkpoint)
+    assert got and got == full[len(full) - len(got):] and len(got) < len(full)
+    assert drawn == full_drawn[len(full_drawn) - len(drawn):]
     b = [h for h in history(tmp_path / "cut") if "loss" in h]
     assert [h["step"] for h in b] == [1, 2, 3]
     assert_resumed_like_whole(tmp_path, a, b)
@@ -234,20 +239,20 @@ def trained(out) -> dict[int, list]:
 def test_split_across_two_trainer_processes_resumes_and_trains_each_prompt_once(tiny_dir,
                                                                                 tmp_path):
     """Two trainer processes (jax.distributed on 127.0.0.1), each with a sampler process of
-    its own decoding half of every batch, stopped at step 2 (its checkpoint holds each host's
-    rows in flight; max_staleness 2, so rows carry over) and resumed by the two processes: the
+    its own decoding half of every batch, resumed by the two processes from its step-2
+    checkpoint (which holds each host's rows in flight; max_staleness 2, so rows carry over): the
     uninterrupted run's prompts, log and weights, bit for bit, each prompt trained once. (That
     such a run trains what the one-process split trains: the dynamic-sampling test below,
     whose rounds take the same path plus more advances.)"""
     # Each host's sampler keeps 4 group slots and returns 2 a round, so step 2's checkpoint
     # holds rows in flight on both hosts.
-    run_pod(tiny_dir, tmp_path / "full", max_steps=3, max_staleness=2)
-    run_pod(tiny_dir, tmp_path / "cut", max_steps=2, max_staleness=2)
+    run_pod(tiny_dir, tmp_path / "full", max_steps=3, max_staleness=2, save_steps=2)
+    stopped_at(tmp_path / "full", tmp_path / "cut", 2)
     with np.load(tmp_path / "cut" / "rows_in_flight" / "2.npz") as f:
         assert (f["p0/seq"] >= 0).any() and (f["p1/seq"] >= 0).any()
         assert set(f["p0/seq"][f["p0/seq"] >= 0] % 2) == {0}  # host p: draws 2k + p
         assert set(f["p1/seq"][f["p1/seq"] >= 0] % 2) == {1}
-    run_pod(tiny_dir, tmp_path / "cut", "--resume", max_steps=3, max_staleness=2)
+    run_pod(tiny_dir, tmp_path / "cut", "--resume", max_steps=3, max_staleness=2, save_steps=2)
     b = [h for h in history(tmp_path / "full") if "loss" in h]
     c = [h for h in history(tmp_path / "cut") if "loss" in h]
     assert [h["step"] for h in c] == [1, 2, 3]
