@@ -19,7 +19,7 @@ from grpo_jax.policy import ADAPTERS_OFF, Policy
 from model_oracle import MASK, TOKENS, jax_logits
 from peft_oracle import ours_and_peft, peft_model, peft_train_config
 from step_batches import CFG, loss_config, make_batch
-from tiny_run import config
+from tiny_run import config, stopped_at
 
 ALL = ("all-linear",)
 
@@ -210,9 +210,9 @@ def test_adapter_errors(tmp_path):
 
 @pytest.mark.slow
 def test_lora_run_checkpoints_adapters_only_resumes_exactly_and_exports(tmp_path, tiny_dir):
-    """beta > 0 (the reference: the base, adapters off), a cut at step 1 resumed to 3 equals a
-    run to 3 (2 steps per generation batch: the cut falls inside one, the resumed run finishes
-    it and generates the next); checkpoints hold the adapters and their optimizer state only;
+    """beta > 0 (the reference: the base, adapters off), the run to 3 resumed from its step-1
+    checkpoint ends as it did (2 steps per generation batch: the checkpoint falls inside one,
+    the resumed run finishes it and generates the next); checkpoints hold the adapters and their optimizer state only;
     both exports."""
     import transformers
 
@@ -223,9 +223,10 @@ def test_lora_run_checkpoints_adapters_only_resumes_exactly_and_exports(tmp_path
                 use_peft="true", lora_r=4, lora_alpha=16, lora_target_modules="all-linear",
                 learning_rate=0.05)
     cpu = jax.devices()[:1]
-    train(config(tiny_dir, tmp_path / "cut", max_steps=1, **four), devices=cpu)
-    train(config(tiny_dir, tmp_path / "cut", max_steps=3, resume=True, **four), devices=cpu)
-    train(config(tiny_dir, tmp_path / "full", max_steps=3, **four), devices=cpu)
+    train(config(tiny_dir, tmp_path / "full", max_steps=3, save_steps=1, **four), devices=cpu)
+    stopped_at(tmp_path / "full", tmp_path / "cut", 1)
+    train(config(tiny_dir, tmp_path / "cut", max_steps=3, save_steps=1, resume=True, **four),
+          devices=cpu)
     a, _, _ = load_checkpoint(tmp_path / "full")
     b, base_dir, step = load_checkpoint(tmp_path / "cut")
     assert step == 3 and base_dir == tiny_dir
@@ -519,9 +520,10 @@ def test_lora_dropout_run_trains_and_resumes_exactly(tmp_path, tiny_dir):
               lora_r=4, lora_alpha=16, lora_target_modules="all-linear", lora_dropout=0.1,
               learning_rate=0.05)
     cpu = jax.devices()[:1]
-    train(config(tiny_dir, tmp_path / "cut", max_steps=2, **kw), devices=cpu)
-    train(config(tiny_dir, tmp_path / "cut", max_steps=4, resume=True, **kw), devices=cpu)
-    train(config(tiny_dir, tmp_path / "full", max_steps=4, **kw), devices=cpu)
+    train(config(tiny_dir, tmp_path / "full", max_steps=4, save_steps=2, **kw), devices=cpu)
+    stopped_at(tmp_path / "full", tmp_path / "cut", 2)
+    train(config(tiny_dir, tmp_path / "cut", max_steps=4, save_steps=2, resume=True, **kw),
+          devices=cpu)
     train(config(tiny_dir, tmp_path / "nodrop", max_steps=4, **{**kw, "lora_dropout": 0.0}),
           devices=cpu)
     adapters = lambda out: nnx.state(load_checkpoint(out)[0], lora.LoraParam)  # noqa: E731

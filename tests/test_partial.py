@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 from model_oracle import trainer_logp
-from tiny_run import ODD_POSTS, advances, cli_args, config, history, run_cli
+from tiny_run import ODD_POSTS, advances, cli_args, config, history, run_cli, stopped_at
 
 from grpo_jax import hf
 from grpo_jax import mesh as mesh_lib
@@ -157,23 +157,24 @@ PARTIAL = dict(max_staleness=2, max_num_seqs=8, max_completion_length=12)
 def test_each_prompt_trained_once_and_resume_equals_uninterrupted(tiny_dir, tmp_path,
                                                                    monkeypatch):
     """6 rounds of 4 groups with 8 slots: no prompt trained twice, the prompts trained plus
-    those in flight are exactly those drawn, in the data's order; stopped at step 3 (its
-    checkpoint holds the rows in flight) and resumed, the same prompts trained in the same
-    order, the same metrics, the same weights as the run that never stopped; max_staleness 0
+    those in flight are exactly those drawn, in the data's order; resumed from its step-3
+    checkpoint (which holds the rows in flight), the same prompts trained in the same order, the same metrics, the same weights as the run that never stopped; max_staleness 0
     keeps today's rounds (no rows in flight, no staleness metrics)."""
     got, drawn = advances(monkeypatch)
     devices = jax.devices()[:1]
-    train(config(tiny_dir, tmp_path / "full", max_steps=6, **PARTIAL), devices=devices)
-    full, got[:], full_drawn, drawn[:] = list(got), [], list(drawn), []
-    train(config(tiny_dir, tmp_path / "cut", max_steps=3, **PARTIAL), devices=devices)
-    assert len((tmp_path / "cut" / "rows_in_flight" / "3.npz").read_bytes()) > 0
-    train(config(tiny_dir, tmp_path / "cut", max_steps=6, resume=True, **PARTIAL),
+    train(config(tiny_dir, tmp_path / "full", max_steps=6, save_steps=3, **PARTIAL),
           devices=devices)
-    assert got == full and drawn == full_drawn
+    full, got[:], full_drawn, drawn[:] = list(got), [], list(drawn), []
+    stopped_at(tmp_path / "full", tmp_path / "cut", 3)
+    assert len((tmp_path / "cut" / "rows_in_flight" / "3.npz").read_bytes()) > 0
+    train(config(tiny_dir, tmp_path / "cut", max_steps=6, save_steps=3, resume=True, **PARTIAL),
+          devices=devices)
+    # Rounds 4 to 6's advances, from the rows in flight: 4 new groups each (8 drawn first)
+    assert got == full[3:] and drawn == full_drawn[16:]
     trained = [p for group in full for p in group]
     # 28 drawn (8 groups first, then 4 a round), 24 trained, each once; 4 left in flight
-    assert len(trained) == 24 and len(set(trained)) == 24 and len(set(drawn)) == 28
-    assert set(trained) <= set(drawn)
+    assert len(trained) == 24 and len(set(trained)) == 24 and len(set(full_drawn)) == 28
+    assert set(trained) <= set(full_drawn)
     a, b = history(tmp_path / "full"), history(tmp_path / "cut")
     assert [h["step"] for h in b] == [1, 2, 3, 4, 5, 6]
     for ha, hb in zip(a, b):
@@ -237,8 +238,8 @@ def test_dynamic_sampling_keeps_decoding_until_the_batch_has_signal(tiny_dir, tm
                                                                     monkeypatch):
     """DAPO's dynamic sampling with partial rollouts: posts with an even number score alike
     (no signal), so each round drops their groups and decodes on, new prompts filling the
-    group slots, until 4 groups with signal are whole; only odd posts train, each once; a run
-    stopped at step 2 and resumed equals the one that did not stop."""
+    group slots, until 4 groups with signal are whole; only odd posts train, each once; the
+    run resumed from its step-2 checkpoint ends as the one that did not stop."""
     got, drawn = advances(monkeypatch)
     settings = dict(ODD_POSTS, **PARTIAL)
     train(config(tiny_dir, tmp_path / "full", **settings), devices=jax.devices()[:1])
@@ -246,12 +247,11 @@ def test_dynamic_sampling_keeps_decoding_until_the_batch_has_signal(tiny_dir, tm
     assert [h["step"] for h in full] == [1, 2, 3]
     assert max(h["dynamic_sampling/num_gen_batches"] for h in full) >= 2
     passes = list(got)
-    settings["max_steps"] = 2
-    train(config(tiny_dir, tmp_path / "cut", **settings), devices=jax.devices()[:1])
-    settings["max_steps"] = 3
+    stopped_at(tmp_path / "full", tmp_path / "cut", 2)
     train(config(tiny_dir, tmp_path / "cut", resume=True, **settings),
           devices=jax.devices()[:1])
-    assert got[len(passes):] == passes
+    again = got[len(passes):]  # the full run's last passes, those of step 3
+    assert again and again == passes[len(passes) - len(again):] and len(again) < len(passes)
     cut = history(tmp_path / "cut")
     for a, b in zip(full, cut):
         for name in ("reward", "loss", "dynamic_sampling/num_gen_batches", "staleness/mean"):

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from model_oracle import trainer_logp
-from tiny_run import advances, assert_resumed_like_whole, config, history
+from tiny_run import advances, assert_resumed_like_whole, config, history, stopped_at
 from tool_rollouts import SHOTS, tool_tokenizer
 
 from grpo_jax import data, hf
@@ -157,8 +157,8 @@ def test_training_with_tool_turns_in_flight_and_resume(tool_dir, tok, tmp_path, 
                                                        split):
     """A run with the calculator and partial rollouts: every row's call is made and counted,
     groups train with tokens of max_staleness versions (rows carried over rounds), each prompt
-    once; stopped at step 2 with tool-calling rows in flight (their messages in the checkpoint)
-    and resumed, the same prompts, metrics and weights as the run that did not stop.
+    once; resumed from its step-2 checkpoint, which holds tool-calling rows in flight (their
+    messages), the same prompts, metrics and weights as the run that did not stop.
 
     With sampler_devices (1 of 2 devices; max_staleness 2, since every token is a version
     behind) the tools run in the sampler's thread, a round ahead: the batch sampled ahead in
@@ -167,14 +167,15 @@ def test_training_with_tool_turns_in_flight_and_resume(tool_dir, tok, tmp_path, 
     stops = [tok.eos_token_id, *range(1000, 1000 + len(tok) // 16)]
     sets = dict(chat_template="chatml_tools", tools="[grpo_jax.calculator:calculator]",
                 max_staleness=1 + split, max_num_seqs=6, max_completion_length=48,
-                per_device_train_batch_size=8, stop_token_ids=json.dumps(stops), max_steps=4)
+                per_device_train_batch_size=8, stop_token_ids=json.dumps(stops), max_steps=4,
+                save_steps=2)
     if split:
         sets["sampler_devices"] = 1
     got, drawn = advances(monkeypatch)
     devices = jax.devices()[:1 + split]
     train(config(tool_dir, tmp_path / "full", **sets), devices=devices)
     full, got[:], full_drawn, drawn[:] = list(got), [], list(drawn), []
-    train(config(tool_dir, tmp_path / "cut", **dict(sets, max_steps=2)), devices=devices)
+    stopped_at(tmp_path / "full", tmp_path / "cut", 2)
     episodes = json.loads(str(np.load(tmp_path / "cut" / "rows_in_flight" / "2.npz")[
         "episodes"]))
     assert any(e["results"] for e in episodes)  # rows in flight after a tool's result
@@ -185,7 +186,9 @@ def test_training_with_tool_turns_in_flight_and_resume(tool_dir, tok, tmp_path, 
         assert any(m["role"] == "tool" for row in json.loads(str(queued["completions"]))
                    for m in row)
     train(config(tool_dir, tmp_path / "cut", resume=True, **sets), devices=devices)
-    assert got == full and drawn == full_drawn
+    # The resumed run's advances: the full run's after step 2 (a split run's third batch came
+    # from the checkpoint, sampled ahead)
+    assert got == full[2 + split:] and drawn == full_drawn[len(full_drawn) - len(drawn):]
     assert len(full) == 4 + split  # a split run's last advance is sampled ahead, never trained
     trained = [p for group in full[:4] for p in group]
     assert len(trained) == 8 and len(set(trained)) == 8  # 2 groups a step, each prompt once

@@ -992,16 +992,16 @@ def _tool_model(seeing_dir, tmp_path):
     return model_dir
 
 
-@pytest.mark.parametrize("rounds", ["static", "refill", "sampler_devices"])
+@pytest.mark.parametrize("rounds", ["refill", "sampler_devices"])
 def test_squares_trains_with_tools(seeing_dir, tmp_path, rounds):
     """Two steps on 'squares' with the calculator tool (seeing_dir's Gemma 3 with TOOL_TEMPLATE
     and its parser saved with the tokenizer; many stop tokens, so turns are short): every row
     calls the calculator, turns after the results are re-prefilled with the prompts' images
-    (static batches, refilled decode slots) or fed in their slots (partial rollouts on a
-    sampler device of their own, whose thread runs the tools; on shared devices:
-    test_tool_turns_see_the_prompts_images), and the sampler's log-probs of
-    the rows with images and tool results are the trainer's. A reward function checks each
-    completion's messages: the call, its result and the turn after it."""
+    (refilled decode slots; static batches: the run with a tool that returns an image below)
+    or fed in their slots (partial rollouts on a sampler device of their own, whose thread runs
+    the tools; on shared devices: test_tool_turns_see_the_prompts_images), and the sampler's
+    log-probs of the rows with images and tool results are the trainer's. A reward function
+    checks each completion's messages: the call, its result and the turn after it."""
     model_dir = _tool_model(seeing_dir, tmp_path)
     # 1.0 for a completion that is a call, the calculator's answer and another turn
     (tmp_path / "episode.py").write_text(
@@ -1009,7 +1009,7 @@ def test_squares_trains_with_tools(seeing_dir, tmp_path, rounds):
         "    return [float([m['role'] for m in c] == ['assistant', 'tool', 'assistant']\n"
         "                  and c[1]['content'] == '56') for c in completions]\n")
     out = tmp_path / "tools"
-    extra, devices = {"static": (), "refill": ("max_num_seqs=3",)}.get(rounds), jax.devices()[:1]
+    extra, devices = ("max_num_seqs=3",), jax.devices()[:1]
     if rounds == "sampler_devices":  # partial rollouts on a device of their own, a round ahead
         extra, devices = ("max_num_seqs=3", "max_staleness=2", "learning_rate=0.0",
                           "sampler_devices=1", "dp=1"), jax.devices()[:2]
