@@ -212,8 +212,8 @@ def test_adapter_errors(tmp_path):
 def test_lora_run_checkpoints_adapters_only_resumes_exactly_and_exports(tmp_path, tiny_dir):
     """beta > 0 (the reference: the base, adapters off), the run to 3 resumed from its step-1
     checkpoint ends as it did (2 steps per generation batch: the checkpoint falls inside one,
-    the resumed run finishes it and generates the next); checkpoints hold the adapters and their optimizer state only;
-    both exports."""
+    the resumed run finishes it and generates the next); checkpoints hold the adapters and
+    their optimizer state only; both exports."""
     import transformers
 
     from grpo_jax.checkpoint import load_checkpoint

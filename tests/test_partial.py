@@ -158,8 +158,9 @@ def test_each_prompt_trained_once_and_resume_equals_uninterrupted(tiny_dir, tmp_
                                                                    monkeypatch):
     """6 rounds of 4 groups with 8 slots: no prompt trained twice, the prompts trained plus
     those in flight are exactly those drawn, in the data's order; resumed from its step-3
-    checkpoint (which holds the rows in flight), the same prompts trained in the same order, the same metrics, the same weights as the run that never stopped; max_staleness 0
-    keeps today's rounds (no rows in flight, no staleness metrics)."""
+    checkpoint (which holds the rows in flight), the same prompts trained in the same order,
+    the same metrics, the same weights as the run that never stopped; max_staleness 0 keeps
+    today's rounds (no rows in flight, no staleness metrics)."""
     got, drawn = advances(monkeypatch)
     devices = jax.devices()[:1]
     train(config(tiny_dir, tmp_path / "full", max_steps=6, save_steps=3, **PARTIAL),

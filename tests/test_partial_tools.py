@@ -188,7 +188,7 @@ def test_training_with_tool_turns_in_flight_and_resume(tool_dir, tok, tmp_path, 
     train(config(tool_dir, tmp_path / "cut", resume=True, **sets), devices=devices)
     # The resumed run's advances: the full run's after step 2 (a split run's third batch came
     # from the checkpoint, sampled ahead)
-    assert got == full[2 + split:] and drawn == full_drawn[len(full_drawn) - len(drawn):]
+    assert got == full[2 + split:] and drawn and drawn == full_drawn[-len(drawn):]
     assert len(full) == 4 + split  # a split run's last advance is sampled ahead, never trained
     trained = [p for group in full[:4] for p in group]
     assert len(trained) == 8 and len(set(trained)) == 8  # 2 groups a step, each prompt once

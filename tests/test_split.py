@@ -134,7 +134,7 @@ def test_split_dynamic_sampling_fills_from_the_samplers_next_advances_and_resume
     train(config(tiny_dir, tmp_path / "cut", resume=True, **settings), devices=devices)
     # The resumed run's advances are the full run's last ones (its first from the checkpoint)
     assert got and got == full[len(full) - len(got):] and len(got) < len(full)
-    assert drawn == full_drawn[len(full_drawn) - len(drawn):]
+    assert drawn and drawn == full_drawn[-len(drawn):]
     b = [h for h in history(tmp_path / "cut") if "loss" in h]
     assert [h["step"] for h in b] == [1, 2, 3]
     assert_resumed_like_whole(tmp_path, a, b)
