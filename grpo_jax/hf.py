@@ -372,7 +372,8 @@ class _Weights:
         dtype). `rows`: (first row, total rows) when the HF tensor is a fused one (see
         _fused_rows); `interleave`: see _read_block. gpt-oss's MXFP4 experts (`name`_blocks
         and _scales) are dequantized as they are read."""
-        root = next((r for r in self.roots if name.startswith(r)), None)
+        # The longest root that names it (Qwen3-VL's "model.visual." within "model.").
+        root = max((r for r in self.roots if name.startswith(r)), key=len, default=None)
         if root is not None:
             name = self.roots[root] + name[len(root):]
         mxfp4 = name not in self.files and name + "_blocks" in self.files
@@ -453,10 +454,8 @@ def _anchors(cfg: ModelConfig) -> dict[str, str]:
 def export_name(cfg: ModelConfig, key: str) -> str:
     """The name an HF tensor of hf_names is written under: a decoder tensor ("model.",
     "lm_head.") nested where the vision-language wrapper's save_pretrained keeps it
-    (hf_text_root: Gemma 3's "language_model."); the tower's names are already its own."""
-    if cfg.vision is None or not key.startswith(("model.", "lm_head.")):
-        return key
-    return cfg.vision.hf_text_root + key
+    (VisionConfig.hf_export_name); the tower's names are already its own."""
+    return key if cfg.vision is None else cfg.vision.hf_export_name(key)
 
 
 def load_model(name_or_path: str, mesh=None, quant_bits: int | None = None,

@@ -143,8 +143,9 @@ def _keys_for(cfg, leaves) -> dict[str, str]:
 def _module(cfg, leaf: str) -> str:
     """The path of the transformers module that weight `leaf` belongs to ({i}: the layer)."""
     if leaf.startswith(TOWER):
-        name = cfg.vision.hf_names()[leaf[len(TOWER):]][0]
-        return VLM_TOWER_ROOT + name[:-len(".weight")]
+        name = cfg.vision.hf_names()[leaf[len(TOWER):]][0][:-len(".weight")]
+        # (Qwen3-VL's checkpoint names are its modules' already: "model.visual.")
+        return name if name.startswith(VLM_TOWER_ROOT) else VLM_TOWER_ROOT + name
     name = hf.hf_names(cfg)[f"layers/{leaf}"][:-len(".weight")]
     return name if cfg.vision is None else VLM_TEXT_ROOT + name[len("model."):]
 

@@ -31,14 +31,17 @@ def smol_server(smol_vllm_server):
 
 def files(dirs) -> dict:
     """(size, mtime) of every file under `dirs`, and the names in /dev/shm (vLLM's own shared
-    memory segments there change content, not names)."""
+    memory segments there change content, not names). /dev/shm is the machine's: POSIX
+    semaphores (sem.*, 32 bytes, no room for weights) come and go there with any process's
+    multiprocessing lock, e.g. the other test worker's, so they are left out."""
     out = {}
     for root in dirs:
         for path, _, names in os.walk(root):
             for name in names:
                 st = os.stat(os.path.join(path, name))
                 out[os.path.join(path, name)] = (st.st_size, st.st_mtime_ns)
-    out.update({f"/dev/shm/{n}": None for n in os.listdir("/dev/shm")})
+    out.update({f"/dev/shm/{n}": None for n in os.listdir("/dev/shm")
+                if not n.startswith("sem.")})
     return out
 
 

@@ -20,29 +20,10 @@ from grpo_jax.rollout.native.refill import Refill
 from grpo_jax.rollout.native.sampler import Sampler
 from grpo_jax.rollout.native.sampling import SamplingParams
 
-from vlm_models import (END, EOS, GRIDS, IMAGE, START, bnb_quantized, quantized_tower,
-                        same_modules, tiny_qwen25)
-
-
-def _batch():
-    """Two left-padded prompts, each text, an image (its merged-token placeholders between
-    vision start and end) and more text; row 1 shorter, with the smaller image."""
-    merged = GRIDS.prod(1) // 4
-    rows = [[5, 17, START, *[IMAGE] * merged[0], END, 99, 3, 42],
-            [7, START, *[IMAGE] * merged[1], END, 8, 9]]
-    width = max(map(len, rows))
-    tokens = np.array([[0] * (width - len(r)) + r for r in rows])
-    mask = np.array([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    rng = np.random.default_rng(0)
-    pixels = rng.standard_normal((int(GRIDS.prod(1).sum()), 3 * 2 * 4 * 4)).astype(np.float32)
-    return tokens, mask, pixels
-
-
-def _hf_inputs(tokens, mask, pixels):
-    t = torch.as_tensor(tokens)
-    return dict(input_ids=t, attention_mask=torch.as_tensor(mask),
-                pixel_values=torch.as_tensor(pixels), image_grid_thw=torch.as_tensor(GRIDS),
-                mm_token_type_ids=(t == IMAGE).int())
+from vlm_models import (EOS, GRIDS, IMAGE, bnb_quantized, quantized_tower, same_modules,
+                        tiny_qwen25)
+from vlm_models import qwen_batch as _batch, qwen_hf_inputs as _hf_inputs
+from vlm_models import real_diff as _real_diff
 
 
 def _hf_logits(ref, batch):
@@ -61,10 +42,6 @@ def _our_logits(model, batch):
     tokens, mask, pixels = batch
     positions, _ = qwen_vl.rope_index(model.cfg.vision, tokens, mask, GRIDS)
     return np.asarray(_forward(model, *map(jnp.asarray, (tokens, positions, mask, pixels))))
-
-
-def _real_diff(a, b, mask):
-    return float(np.abs(a - b)[mask.astype(bool)].max())
 
 
 @pytest.fixture(scope="module")

@@ -261,29 +261,43 @@ def test_settings_images_cannot_take_are_refused(vlm_dir, tmp_path, settings, na
 
 # ---------------------------------------------------------------- Qwen2.5-VL's rows
 
-def _tiny_qwen(tok):
-    """A tiny Qwen2.5-VL whose special ids are `tok`'s (patches of 4 px, merged 2 x 2)."""
+def _tiny_qwen(tok, family: str = "qwen2_5_vl"):
+    """A tiny Qwen2.5-VL (or Qwen3-VL: a DeepStack merger after its first block, interleaved
+    M-RoPE) whose special ids are `tok`'s (patches of 4 px, merged 2 x 2)."""
     ids = {t: tok.convert_tokens_to_ids(t) for t in (
         "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
-    cfg = transformers.Qwen2_5_VLConfig(
+    qwen3 = family == "qwen3_vl"
+    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64)
+    vision |= (dict(num_position_embeddings=16, deepstack_visual_indexes=[0]) if qwen3
+               else dict(window_size=16, fullatt_block_indexes=[1]))
+    make = (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration) if qwen3 \
+        else (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration)
+    cfg = make[0](
         text_config=dict(vocab_size=128, hidden_size=64, intermediate_size=96,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=0,
+                         head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
-                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
-                           window_size=16, out_hidden_size=64, fullatt_block_indexes=[1]),
+                                          "mrope_section": [2, 3, 3],
+                                          **({"mrope_interleaved": True} if qwen3 else {})}),
+        vision_config=vision,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
     torch.manual_seed(0)
-    return transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    model = make[1](cfg).eval()
+    if qwen3:  # its DeepStack merger's features otherwise start near the main merger's scale
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name or name.endswith("bias"):
+                    p.add_(0.1 * torch.randn_like(p))
+    return model
 
 
-def _qwen_model(tmp_path):
-    """(the tiny Qwen2.5-VL loaded in fp32, its processor: 4 px patches, up to 32 x 32 px)."""
+def _qwen_model(tmp_path, family: str = "qwen2_5_vl"):
+    """(the tiny Qwen2.5-VL (or Qwen3-VL) loaded in fp32, its processor: 4 px patches, up to
+    32 x 32 px)."""
     tok = char_tokenizer()
     tok.add_special_tokens({"additional_special_tokens": [
         "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
@@ -294,17 +308,19 @@ def _qwen_model(tmp_path):
             patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=8 * 8,
             max_pixels=32 * 32),
         tokenizer=tok, chat_template=QWEN_TEMPLATE)
-    _tiny_qwen(tok).save_pretrained(tmp_path / "qwen")
+    _tiny_qwen(tok, family).save_pretrained(tmp_path / "qwen")
     return hf.load_model(str(tmp_path / "qwen"), dtype=np.float32)[0], proc
 
 
-def test_qwen_rows_carry_their_images_and_positions(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_qwen_rows_carry_their_images_and_positions(tmp_path, family):
     """Qwen-VL through the rollout and the trainer's forward: two prompts of different lengths
     (left padding) with a 16 x 24 image each, 2 completions each. The trainer's log-probs of the
-    rows (their pixel rows, grids and M-RoPE positions over prompt + completion) equal the
-    sampler's; a split of the rows keeps each row's images (the same log-probs); the images
-    matter (zeroed pixels change them)."""
-    model, proc = _qwen_model(tmp_path)
+    rows (their pixel rows, grids and M-RoPE positions over prompt + completion; Qwen3-VL's
+    DeepStack features added in the first layer, its prompts computed once for the group: the
+    shared prefix) equal the sampler's; a split of the rows keeps each row's images (the same
+    log-probs); the images matter (zeroed pixels change them)."""
+    model, proc = _qwen_model(tmp_path, family)
     rng = np.random.default_rng(0)
     pictures = [Image.fromarray(rng.integers(0, 256, (16, 24, 3), dtype=np.uint8))
                 for _ in range(2)]
@@ -331,6 +347,8 @@ def test_qwen_rows_carry_their_images_and_positions(tmp_path):
     assert diff < 5e-5
     half = np.asarray(completion_logps(model, batch.rows(slice(2, 4)), 1.0, 128)[0])
     assert np.abs(half - logp[2:])[real[2:]].max() < 5e-5
+    shared = np.asarray(completion_logps(model, batch, 1.0, 128, 2)[0])
+    assert np.abs(shared - logp)[real].max() < 5e-5
     blind = np.asarray(completion_logps(model, batch.replace(
         pixel_values=np.zeros_like(r.pixel_values)), 1.0, 128)[0])
     assert np.abs(blind - logp)[real].max() > 1e-3
@@ -881,7 +899,7 @@ def _picture_tool(picture):
     return calculator_picture
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl", "qwen3_vl"])
 def test_tool_images_reach_the_model_as_transformers_places_them(family, seeing_dir, tmp_path):
     """A tool that returns an image (TRL 1.16's [{"type": "image", ...}, {"type": "text",
     ...}] result), on the static tool loop: each row's completion holds the image's tokens as
@@ -889,16 +907,16 @@ def test_tool_images_reach_the_model_as_transformers_places_them(family, seeing_
     prompt's then the tool's, and the second turn is generated seeing both. The trainer's
     log-probs of every completion token equal transformers' forward over prompt + completion
     (PyTorch, the same weights) with both images and the token type ids TRL builds from the
-    ids; the sampler's of the model's tokens are the trainer's."""
+    ids (Qwen3-VL: both images' DeepStack features too); the sampler's of the model's tokens
+    are the trainer's."""
     if family == "gemma3":
         model = hf.load_model(str(seeing_dir), dtype=np.float32)[0]
         proc, size = images_lib.load_processor(seeing_dir), (28, 28)
         ref = transformers.Gemma3ForConditionalGeneration.from_pretrained(seeing_dir).eval()
         template = TOOL_TEMPLATE.replace(FORCED_CALL, "")
     else:
-        (model, proc), size = _qwen_model(tmp_path), (16, 24)
-        ref = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            tmp_path / "qwen").eval()
+        (model, proc), size = _qwen_model(tmp_path, family), (16, 24)
+        ref = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "qwen").eval()
         template = TOOL_TEMPLATE.replace(FORCED_CALL, "").replace(
             "<start_of_image>", "<|vision_start|><|image_pad|><|vision_end|>")
     tok = copy.deepcopy(proc.tokenizer)

@@ -49,6 +49,31 @@ IMAGE, START, END, EOS = 150, 152, 153, 2
 GRIDS = np.array([[1, 8, 10], [1, 4, 6]])
 
 
+def qwen_batch():
+    """Two left-padded prompts, each text, an image (its merged-token placeholders between
+    vision start and end) and more text; row 1 shorter, with the smaller image."""
+    merged = GRIDS.prod(1) // 4
+    rows = [[5, 17, START, *[IMAGE] * merged[0], END, 99, 3, 42],
+            [7, START, *[IMAGE] * merged[1], END, 8, 9]]
+    width = max(map(len, rows))
+    tokens = np.array([[0] * (width - len(r)) + r for r in rows])
+    mask = np.array([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    rng = np.random.default_rng(0)
+    pixels = rng.standard_normal((int(GRIDS.prod(1).sum()), 3 * 2 * 4 * 4)).astype(np.float32)
+    return tokens, mask, pixels
+
+
+def qwen_hf_inputs(tokens, mask, pixels):
+    t = torch.as_tensor(tokens)
+    return dict(input_ids=t, attention_mask=torch.as_tensor(mask),
+                pixel_values=torch.as_tensor(pixels), image_grid_thw=torch.as_tensor(GRIDS),
+                mm_token_type_ids=(t == IMAGE).int())
+
+
+def real_diff(a, b, mask):
+    return float(np.abs(a - b)[mask.astype(bool)].max())
+
+
 def tiny_qwen25(seed=0):
     cfg = transformers.Qwen2_5_VLConfig(
         text_config=dict(vocab_size=160, hidden_size=64, intermediate_size=96,
@@ -68,6 +93,33 @@ def tiny_qwen25(seed=0):
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or "ln_q" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def tiny_qwen3(seed=0):
+    """Qwen3-VL: a 3-block ViT on a learned 6 x 6 position grid (resampled up and down to the
+    images' grids), DeepStack mergers after blocks 0 and 1 (added after the first two of three
+    decoder layers), interleaved M-RoPE, Qwen3's q/k norms."""
+    cfg = transformers.Qwen3VLConfig(
+        text_config=dict(vocab_size=160, hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+                         bos_token_id=1, eos_token_id=EOS, pad_token_id=0,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 3, 3],
+                                          "mrope_interleaved": True}),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                           out_hidden_size=64, num_position_embeddings=36,
+                           deepstack_visual_indexes=[0, 1]),
+        image_token_id=IMAGE, video_token_id=151, vision_start_token_id=START,
+        vision_end_token_id=END, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = transformers.Qwen3VLForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
     return model
 

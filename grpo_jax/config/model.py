@@ -107,10 +107,11 @@ TARGETS = dict(zip(("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pro
                    PROJECTIONS))
 
 
-# PEFT's module names that only a vision tower has (SigLIP's out_proj, fc1, fc2; Qwen2.5-VL's
-# fused attn.qkv and attn.proj): valid in lora_target_modules beside the decoder's, they adapt
-# the tower's modules of that name (models/lora.py refuses them on a model without such).
-TOWER_TARGETS = ("qkv", "proj", "out_proj", "fc1", "fc2")
+# PEFT's module names that only a vision tower has (SigLIP's out_proj, fc1, fc2; Qwen-VL's
+# fused attn.qkv and attn.proj; Qwen3-VL's linear_fc1, linear_fc2, its mergers' too): valid in
+# lora_target_modules beside the decoder's, they adapt the tower's modules of that name
+# (models/lora.py refuses them on a model without such).
+TOWER_TARGETS = ("qkv", "proj", "out_proj", "fc1", "fc2", "linear_fc1", "linear_fc2")
 
 # PEFT's default target_modules for the llama / qwen2 / qwen3 families.
 DEFAULT_TARGETS = ("q_proj", "v_proj")

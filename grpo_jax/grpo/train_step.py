@@ -174,7 +174,7 @@ def completion_embeds(model, batch: Batch) -> jax.Array:
     ids = batch.completion_ids
     k = image_blocks.count(batch.pixel_values, batch.image_grid)
     if batch.completion_images is None or not k:
-        return model.embed_tokens(ids)
+        return model.embed_text(ids)
     image_id = model.cfg.vision.image_token_id
     is_image = batch.completion_images.astype(bool)
     before = jnp.sum((batch.prompt_ids == image_id) & (batch.prompt_mask > 0), axis=1,
@@ -182,7 +182,7 @@ def completion_embeds(model, batch: Batch) -> jax.Array:
     pv = batch.pixel_values
     grid = (None if batch.image_grid is None
             else np.tile(np.asarray(batch.image_grid), (pv.shape[0], 1)))
-    text = model.embed_tokens(ids)
+    text = model.embed_text(ids)
 
     def with_images():
         return model.embed_multimodal(
@@ -199,7 +199,7 @@ def prompt_embeds(model, batch: Batch, group: int = 1) -> jax.Array:
     pv, ids = batch.pixel_values[::group], batch.prompt_ids[::group]
     k = image_blocks.count(pv, batch.image_grid)
     if not k:  # no prompt of the batch holds an image
-        return model.embed_tokens(ids)
+        return model.embed_text(ids)
     grid = (None if batch.image_grid is None
             else np.tile(np.asarray(batch.image_grid), (pv.shape[0], 1)))
     return model.embed_multimodal(ids, pv.reshape(-1, *pv.shape[2:]), grid,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from grpo_jax.config.model import Numerics  # noqa: F401 (this module's API)
 from grpo_jax.errors import ModelConfigError
 from grpo_jax.models.tower_shape import TowerShape
-from grpo_jax.models import qwen_vl
+from grpo_jax.models import qwen3_vl, qwen_vl
 from grpo_jax.models.siglip import SiglipConfig
 
 # The platform programs are traced for: this process's backend, unless aot traces for another
@@ -56,7 +56,8 @@ _GEMMA = dict(hidden_act="gelu_pytorch_tanh", norm_offset=True, scale_embeddings
               sandwich_norms=True, tie_word_embeddings=True)
 FAMILIES: dict[str, dict] = {
     "llama": {}, "mistral": {}, "phi3": {}, "qwen2": dict(qkv_bias=True),
-    "qwen3": dict(qk_norm=True), "qwen2_5_vl": dict(qkv_bias=True), "gemma2": _GEMMA, "gemma3_text": dict(_GEMMA, qk_norm=True),
+    "qwen3": dict(qk_norm=True), "qwen2_5_vl": dict(qkv_bias=True),
+    "qwen3_vl": dict(qk_norm=True, mrope_interleaved=True), "gemma2": _GEMMA, "gemma3_text": dict(_GEMMA, qk_norm=True),
     "qwen3_moe": dict(qk_norm=True), "mixtral": dict(norm_topk_prob=True),
     # gpt-oss: a softmax over the k chosen logits (= the softmax over all experts' top k
     # renormalised), biases everywhere, a learned attention sink per head, its clamped SwiGLU.
@@ -64,7 +65,8 @@ FAMILIES: dict[str, dict] = {
                     attention_sinks=True, swiglu_limit=7.0),
 }
 # Families whose attention_bias also puts a bias on o_proj (Qwen2's and Mistral's never do).
-_O_BIAS_FAMILIES = ("llama", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "gpt_oss")
+_O_BIAS_FAMILIES = ("llama", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "gpt_oss",
+                    "qwen3_vl")
 # Families whose config.json describes experts, and the key that counts them.
 _NUM_EXPERTS_KEY = {"qwen3_moe": "num_experts", "mixtral": "num_local_experts",
                     "gpt_oss": "num_local_experts"}
@@ -75,11 +77,13 @@ _ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                   "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                   "gemma3_text": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                   "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM",
-                  "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+                  "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+                  "qwen3_vl": "Qwen3VLForConditionalGeneration"}
 # gemma3 is Gemma 3's multimodal wrapper (4B and up): its text_config is the decoder.
+_QWEN_VL = {qwen_vl.MODEL_TYPE: qwen_vl.QwenVisionConfig,
+            qwen3_vl.MODEL_TYPE: qwen3_vl.Qwen3VisionConfig}
 SUPPORTED_MODEL_TYPES = (*(f for f in FAMILIES if f not in _NUM_EXPERTS_KEY
-                           and f != qwen_vl.MODEL_TYPE), "gemma3", *_NUM_EXPERTS_KEY,
-                         qwen_vl.MODEL_TYPE)
+                           and f not in _QWEN_VL), "gemma3", *_NUM_EXPERTS_KEY, *_QWEN_VL)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ATTENTION_IMPLS = ("auto", "xla", "flash", "splash", "cudnn")
@@ -121,8 +125,13 @@ class VisionConfig(Protocol):
     # HF tensor root -> a tensor under it every checkpoint has, by which hf.py finds where a
     # checkpoint put that root instead (Gemma 3's tower: "vision_tower.vision_model." on the Hub).
     hf_anchors: dict[str, str]
-    # Where the wrapper's save_pretrained nests the decoder's tensors ("": as a causal LM's).
-    hf_text_root: str
+    # The decoder layers after which the tower's DeepStack features are added (Qwen3-VL; 0:
+    # none). Its features are then [n, D * (1 + deepstack_layers)] (models/qwen3_vl.py).
+    deepstack_layers: int
+
+    def hf_export_name(self, key: str) -> str:
+        """The name save_pretrained writes HF tensor `key` of hf_names under (the wrapper may
+        nest the decoder's: Gemma 3's "language_model.", Qwen3-VL's "model.language_model.")."""
 
     def param_table(self, text_hidden: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
         """name (without "vision/") -> (shape, logical axes); text_hidden: the decoder's."""
@@ -203,13 +212,16 @@ class ModelConfig:
     # router_aux_loss_coef); 0 for dense models.
     router_aux_coef: float = 0.0
     # A vision-language model's image tower (None: text only): Qwen2.5-VL's ViT and merger
-    # (models/qwen_vl.py) or Gemma 3's SigLIP tower and projector (models/siglip.py), its
-    # params under vision/ in param_table; either's features replace the embeddings of its
-    # image_token_id tokens (Decoder.embed_multimodal).
+    # (models/qwen_vl.py), Qwen3-VL's (models/qwen3_vl.py) or Gemma 3's SigLIP tower and
+    # projector (models/siglip.py), its params under vision/ in param_table; its features
+    # replace the embeddings of its image_token_id tokens (Decoder.embed_multimodal).
     vision: VisionConfig | None = None
-    # M-RoPE (Qwen2.5-VL): head_dim/2 frequencies split into sections rotated by the
+    # M-RoPE (Qwen2.5-VL, Qwen3-VL): head_dim/2 frequencies split into sections rotated by the
     # temporal, height and width positions (positions [3, B, T]); None: one position row.
+    # Interleaved (Qwen3-VL): frequency j turns with row j % 3 while that row's section lasts
+    # (3 x its size), else with the temporal row; else (Qwen2.5-VL) in contiguous sections.
     mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
 
     def __post_init__(self):
         if self.attention_impl not in ATTENTION_IMPLS:
@@ -229,6 +241,12 @@ class ModelConfig:
         if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ModelConfigError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
                                    f"[1, num_experts={self.num_experts}]")
+
+    @property
+    def deepstack_layers(self) -> int:
+        """The first layers after which image features are added again (Qwen3-VL's DeepStack:
+        models/qwen3_vl.py); 0 for every other model."""
+        return 0 if self.vision is None else self.vision.deepstack_layers
 
     @property
     def image_blocks(self) -> bool:
@@ -269,14 +287,16 @@ class ModelConfig:
     def cache_runs(self) -> tuple[tuple[int, int], ...]:
         """(first, stop) of each run of layers the sampler scans together, their KV caches
         stacked in one buffer (numerics.sampler_layers): consecutive layers alike in their MLP
-        (dense or sparse) and attention (sliding or not); each layer alone when unrolled."""
+        (dense or sparse) and attention (sliding or not), and in whether DeepStack features
+        are added after them; each layer alone when unrolled."""
         mode, platform = self.numerics.sampler_layers, target_platform()
         if mode == "auto":
             wide = jnp.dtype(self.dtype).itemsize >= 4  # float32, or float64 under x64
             mode = "scan" if platform == "cpu" and wide else "unroll"
         if mode == "unroll":
             return tuple((i, i + 1) for i in range(self.num_layers))
-        return runs_of(list(zip(self.moe_layers, self.sliding_layers)))
+        deep = [i < self.deepstack_layers for i in range(self.num_layers)]
+        return runs_of(list(zip(self.moe_layers, self.sliding_layers, deep)))
 
     def use_cudnn_attention(self, decode: bool = False) -> bool:
         """decode: the step that attends from new tokens over a KV cache. "auto" keeps XLA's
@@ -385,10 +405,10 @@ class ModelConfig:
                     hf.get("image_token_index", hf.get("image_token_id")))
             hf = {**hf.get("text_config", {}), **tie, "model_type": "gemma3_text"}
             model_type = "gemma3_text"
-        if model_type == qwen_vl.MODEL_TYPE:
+        if model_type in _QWEN_VL:
             # transformers 5 nests the language model's fields in text_config; the hub's
-            # checkpoints have them at the top level.
-            vision = qwen_vl.QwenVisionConfig.from_hf(hf)
+            # Qwen2.5-VL checkpoints have them at the top level.
+            vision = _QWEN_VL[model_type].from_hf(hf)
             tie = {k: hf[k] for k in ("tie_word_embeddings",) if k in hf}
             hf = {**(hf.get("text_config") or hf), **tie, "model_type": model_type}
             rope = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
@@ -471,7 +491,7 @@ class ModelConfig:
         if self.num_experts:
             out.update(self._moe_hf())
         if self.vision is not None:  # the decoder is the wrapper's text_config
-            if self.mrope_section:  # Qwen2.5-VL's M-RoPE
+            if self.mrope_section:  # Qwen-VL's M-RoPE
                 out["rope_parameters"]["mrope_section"] = list(self.mrope_section)
             return self.vision.to_hf(out, self.tie_word_embeddings)
         return out

@@ -45,8 +45,11 @@ def stack_of(cfg: ModelConfig, key: str) -> bool | None:
 
 
 def layer_runs(cfg: ModelConfig) -> list[tuple[int, int, bool]]:
-    """(first, stop, sparse) of each run of consecutive same-kind layers."""
-    return [(first, stop, cfg.moe_layers[first]) for first, stop in runs_of(cfg.moe_layers)]
+    """(first, stop, sparse) of each run of consecutive same-kind layers (alike in their MLP,
+    and in whether DeepStack features are added after them)."""
+    deep = [i < cfg.deepstack_layers for i in range(cfg.num_layers)]
+    return [(first, stop, cfg.moe_layers[first])
+            for first, stop in runs_of(list(zip(cfg.moe_layers, deep)))]
 
 
 def _run_params(cfg: ModelConfig, stacked: dict, first: int, stop: int) -> dict:
@@ -240,11 +243,29 @@ class Decoder(nnx.Module):
             x = x * jnp.asarray(self.cfg.hidden_size ** 0.5, self.cfg.dtype)
         return x
 
+    def embed_text(self, tokens) -> jax.Array:
+        """The tokens' embeddings as wide as embed_multimodal's, so that either serves where
+        the other may (a DeepStack model's [B, T, D * (1 + K)]: zero addends)."""
+        x = self.embed_tokens(tokens)
+        k = self.cfg.deepstack_layers
+        return x if not k else jnp.pad(x, ((0, 0), (0, 0), (0, k * x.shape[-1])))
+
+    def split_deepstack(self, x):
+        """Input embeddings [B, T, D] or a DeepStack model's [B, T, D * (1 + K)] ->
+        (embeddings [B, T, D], the addends [K, B, T, D] or None): layer i < K adds its slice
+        after it (zero but at image positions, as transformers adds the features there)."""
+        d = self.cfg.hidden_size
+        if x.shape[-1] == d:
+            return x, None
+        deep = x[..., d:].reshape(*x.shape[:-1], -1, d)
+        return x[..., :d], jnp.moveaxis(deep, -2, 0)
+
     def embed_multimodal(self, tokens, pixel_values, image_grid_thw=None,
                          frozen_tower: bool = False, is_image=None,
                          first_image=None, skip=None) -> jax.Array:
         """The input embeddings [B, T, D] of a prompt with images, for `__call__`/`prefill`'s
-        inputs_embeds: the tokens' embeddings, the k-th image placeholder of the batch
+        inputs_embeds (a DeepStack model's [B, T, D * (1 + K)]: embed_text): the tokens'
+        embeddings, the k-th image placeholder of the batch
         (image_token_id, row by row) taking the k-th of the tower's features, as HF's
         masked_scatter. pixel_values and image_grid_thw as the model's HF processor gives
         them: Qwen2.5-VL [N, C*T*P*P] with its grids [n, 3] (read on the host: static);
@@ -262,7 +283,7 @@ class Decoder(nnx.Module):
         if is_image is None:
             is_image = tokens == self.cfg.vision.image_token_id
         # The placeholder's own embedding is replaced (Gemma's id is out of its vocabulary).
-        x = self.embed_tokens(jnp.where(is_image, 0, tokens))
+        x = self.embed_text(jnp.where(is_image, 0, tokens))
         features = self.vision(pixel_values, image_grid_thw, self.cfg.dtype)
         if frozen_tower:
             features = jax.lax.stop_gradient(features)
@@ -284,14 +305,16 @@ class Decoder(nnx.Module):
         return [_run_params(self.cfg, stacked, first, stop)
                 for first, stop in self.cfg.cache_runs()]
 
-    def scan_layers(self, body, carry, routing=None):
-        """lax.scan of body(carry, (layer params, slides, forced)) -> (carry, (RouterStats or
-        None, experts or None)) over the layers, one scan per run of same-kind layers (a dense
-        run's params have no experts, a sparse run's no dense MLP), under the config's remat.
-        `routing`: a pytree of [S, ...] replayed experts per sparse layer (S of them), a sparse
-        layer's slice its `forced` (None in dense layers, and without replay). Returns (carry,
-        RouterStats summed over the sparse layers or None for a dense model, the experts the
-        body returned stacked [S, ...] over the sparse layers, or None)."""
+    def scan_layers(self, body, carry, routing=None, deep=None):
+        """lax.scan of body(carry, (layer params, slides, forced, added)) -> (carry,
+        (RouterStats or None, experts or None)) over the layers, one scan per run of same-kind
+        layers (a dense run's params have no experts, a sparse run's no dense MLP), under the
+        config's remat. `routing`: a pytree of [S, ...] replayed experts per sparse layer (S of
+        them), a sparse layer's slice its `forced` (None in dense layers, and without replay).
+        `deep`: a pytree of [K, ...] DeepStack addends (split_deepstack), layer i < K's slice
+        its `added` (None in the other layers, and without one). Returns (carry, RouterStats
+        summed over the sparse layers or None for a dense model, the experts the body returned
+        stacked [S, ...] over the sparse layers, or None)."""
         cfg = self.cfg
         if cfg.remat:
             body = jax.checkpoint(body, policy=REMAT_POLICIES[cfg.remat_policy])
@@ -304,7 +327,10 @@ class Decoder(nnx.Module):
             if sparse and routing is not None:
                 before = sum(cfg.moe_layers[:first])
                 forced = jax.tree.map(lambda a: a[before:before + stop - first], routing)
-            carry, (run_stats, idx) = jax.lax.scan(body, carry, (xs, sliding[first:stop], forced))
+            added = (None if deep is None or first >= cfg.deepstack_layers
+                     else jax.tree.map(lambda a: a[first:stop], deep))
+            carry, (run_stats, idx) = jax.lax.scan(body, carry,
+                                                   (xs, sliding[first:stop], forced, added))
             if run_stats is not None:
                 stats = stats.plus(jax.tree.map(lambda a: a.sum(0), run_stats))
             if idx is not None:
@@ -351,6 +377,7 @@ class Decoder(nnx.Module):
         if order is not None:
             tokens, positions, x = tokens[:, order], positions[..., order], x[:, order]
             routing = None if routing is None else routing[:, order]
+        x, deep = self.split_deepstack(x)
         x = self.shard_tokens(x)
         sliding = cfg.sliding_layers
         # (cos, sin) per attention kind; sliding layers may have their own RoPE base (Gemma 3).
@@ -363,7 +390,7 @@ class Decoder(nnx.Module):
             token_ok = key_ok if order is None else key_ok[:, order]  # x's tokens' order
 
             def body(x, xs):
-                p, slides, forced = xs
+                p, slides, forced, added = xs
                 cos, sin = _pick(sliding, slides, rope)
                 mask = Mask(np.arange(T) if order is None else order, key_ok,
                             _window(cfg, slides), blocks)
@@ -371,10 +398,12 @@ class Decoder(nnx.Module):
                                              mesh=mesh, key_order=order,
                                              expert_mesh=self.expert_mesh, token_mask=token_ok,
                                              forced=forced)
+                if added is not None:
+                    x = x + added
                 return self.shard_tokens(x), (stats, idx if record_routing else None)
 
             x, stats, chosen = self.scan_layers(
-                body, x, None if routing is None else jnp.moveaxis(routing, 2, 0))
+                body, x, None if routing is None else jnp.moveaxis(routing, 2, 0), deep)
             out = (self._final_norm(x), None) + ((stats,) if with_router else ())
             if record_routing:
                 out += (_unorder(per_token(chosen), order),)
@@ -404,23 +433,27 @@ class Decoder(nnx.Module):
         for (first, stop), params, kbuf, vbuf in runs:
             slides = sliding[first]
             cos, sin = rope[slides]
+            added = None if deep is None or first >= cfg.deepstack_layers else deep[first:stop]
 
             def body(carry, xs, slides=slides, cos=cos, sin=sin):
                 x, kbuf, vbuf = carry
-                p, layer = xs
+                p, layer, add = xs
                 x, kbuf, vbuf, _, idx = _block(
                     cfg, p, self.shard_rows(x), cos, sin, masks[slides],
                     (kbuf, vbuf, layer, cache_index), window=cfg.sliding_window if slides else None,
                     expert_mesh=self.expert_mesh)
+                if add is not None:
+                    x = x + add
                 return (x, kbuf, vbuf), idx if record_routing else None
 
             if stop - first == 1:  # unrolled: the layer's buffer is the run's, at a static 0
-                (x, kbuf, vbuf), idx = body((x, kbuf, vbuf),
-                                            (jax.tree.map(lambda a: a[0], params), 0))
+                (x, kbuf, vbuf), idx = body((x, kbuf, vbuf), (
+                    jax.tree.map(lambda a: a[0], params), 0,
+                    None if added is None else added[0]))
                 idx = None if idx is None else idx[None]
             else:
                 (x, kbuf, vbuf), idx = jax.lax.scan(body, (x, kbuf, vbuf),
-                                                    (params, jnp.arange(stop - first)))
+                                                    (params, jnp.arange(stop - first), added))
             ks.append(kbuf)
             vs.append(vbuf)
             if idx is not None:  # a sparse run's [L, B, T, k]
@@ -514,6 +547,10 @@ class Decoder(nnx.Module):
                 x0[part], positions[part] = x0[part][:, o], positions[part][..., o]
                 if forced is not None:
                     forced[part] = forced[part][:, o]
+        deep = {}
+        for part in x0:
+            x0[part], deep[part] = self.split_deepstack(x0[part])
+        deep = None if all(d is None for d in deep.values()) else deep
         sliding = cfg.sliding_layers
         rope = {}  # part -> sliding -> (cos, sin)
         for part in positions:
@@ -530,7 +567,7 @@ class Decoder(nnx.Module):
 
         def body(carry, xs):
             x_prompt, x = carry
-            p, slides, f = xs
+            p, slides, f, added = xs
             f = {"prompt": None, "completion": None} if f is None else f
             window = _window(cfg, slides)
             q, k, v = _qkv(cfg, p, x_prompt, *_pick(sliding, slides, rope["prompt"]))
@@ -551,12 +588,15 @@ class Decoder(nnx.Module):
                                               self.expert_mesh, f["completion"])
             if stats is not None:
                 stats = stats.plus(prompt_stats, weight=group)
+            if added is not None:  # DeepStack: the prompt's images (a tool result's)
+                x_prompt = x_prompt if added["prompt"] is None else x_prompt + added["prompt"]
+                x = x if added["completion"] is None else x + added["completion"]
             chosen = (prompt_idx, idx) if record_routing and idx is not None else None
             return (self.shard_tokens(x_prompt), self.shard_tokens(x)), (stats, chosen)
 
         x0 = tuple(self.shard_tokens(x0[part]) for part in ("prompt", "completion"))
         routing = None if forced is None else {k: jnp.moveaxis(v, 2, 0) for k, v in forced.items()}
-        (x_prompt, x), stats, chosen = self.scan_layers(body, x0, routing)
+        (x_prompt, x), stats, chosen = self.scan_layers(body, x0, routing, deep)
         out = (self._final_norm(x_prompt), self._final_norm(x)) + ((stats,) if with_router else ())
         if record_routing:
             out += ((None, None) if chosen is None else tuple(
@@ -652,6 +692,10 @@ def rope_tables(cfg: ModelConfig, positions, local: bool = False):
     if cfg.mrope_section and positions.ndim == 3:
         # M-RoPE: frequency j turns with the position row (t, h, w) whose section holds it.
         row = np.repeat(np.arange(len(cfg.mrope_section)), cfg.mrope_section)
+        if cfg.mrope_interleaved:  # t, h, w, t, h, w, ... while h's and w's sections last
+            j = np.arange(d // 2)
+            row = np.where((j % 3 > 0) & (j < 3 * np.asarray(cfg.mrope_section)[j % 3]),
+                           j % 3, 0)
         freqs = jnp.moveaxis(freqs, 0, -1)[..., np.arange(d // 2), row]  # [B, T, Dh/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     scale = cfg.rope_yarn[5] if cfg.rope_yarn and not own else 1.0

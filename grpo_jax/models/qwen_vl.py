@@ -91,17 +91,16 @@ class QwenVisionConfig:
     # Its checkpoints keep the tower under HF_ROOT and the decoder where a causal LM's is
     # (hf.py finds transformers 5's model.language_model. by the embeddings).
     hf_anchors = property(lambda self: {})
-    hf_text_root = property(lambda self: "")
+    deepstack_layers = 0  # no features added inside the decoder (Qwen3-VL's DeepStack)
+
+    def hf_export_name(self, key: str) -> str:
+        return key
 
     def tower(self) -> "QwenVision":
         return QwenVision(self)
 
     def image_grid(self, tokens: int) -> tuple[tuple[int, int, int], ...]:
-        """One image of `tokens` merged tokens as the processor grids it: (1, h, w) patches,
-        h x w = tokens x merge^2, as square as `tokens` factors (1024 -> (1, 64, 64))."""
-        side = max(d for d in range(1, int(tokens ** 0.5) + 1) if tokens % d == 0)
-        m = self.spatial_merge_size
-        return ((1, side * m, tokens // side * m),)
+        return image_grid(tokens, self.spatial_merge_size)
 
     def encoded(self, image_tokens: int, images: int | None = None):
         """A prompt's `image_tokens` merged tokens as `images` images (default one) of equal
@@ -151,6 +150,13 @@ class QwenVisionConfig:
     def patch_shape(self) -> tuple[int, int, int, int]:
         """(C, T, P, P): one flattened patch, in the processor's order."""
         return (self.in_channels, self.temporal_patch_size, self.patch_size, self.patch_size)
+
+
+def image_grid(tokens: int, m: int) -> tuple[tuple[int, int, int], ...]:
+    """One image of `tokens` merged tokens as the processor grids it: (1, h, w) patches,
+    h x w = tokens x m^2, as square as `tokens` factors (1024 -> (1, 64, 64))."""
+    side = max(d for d in range(1, int(tokens ** 0.5) + 1) if tokens % d == 0)
+    return ((1, side * m, tokens // side * m),)
 
 
 # name -> (shape, logical axes), under the decoder's "vision/" prefix. L blocks, E width, H heads,
@@ -241,6 +247,15 @@ class VisionLayout(NamedTuple):
     window_rows: Segments  # the windows padded to rows: the windowed blocks'
 
 
+def patch_positions(t: int, h: int, w: int, m: int) -> np.ndarray:
+    """[t * h * w, 2] the (h, w) of each patch of a (t, h, w) grid, block-major over m x m
+    merge blocks as the processor orders them (HF's get_vision_position_ids)."""
+    hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    block = (h // m, m, w // m, m)
+    hw = np.stack([a.reshape(block).transpose(0, 2, 1, 3).reshape(-1) for a in (hh, ww)], -1)
+    return np.tile(hw, (t, 1))
+
+
 def vision_layout(v: QwenVisionConfig, grid_thw) -> VisionLayout:
     """HF's get_vision_position_ids, get_vision_window_index and cu_seqlens of the images of
     grid_thw [n, 3] (patches along t, h, w), as arrays; windows and frames as segment ids
@@ -250,11 +265,7 @@ def vision_layout(v: QwenVisionConfig, grid_thw) -> VisionLayout:
     positions, window_index, window_sizes, frame_sizes = [], [], [], []
     offset = 0
     for t, h, w in np.asarray(grid_thw, np.int64).tolist():
-        # Patch (h, w) positions, block-major over m x m merge blocks as the processor orders.
-        hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-        block = (h // m, m, w // m, m)
-        hw = np.stack([a.reshape(block).transpose(0, 2, 1, 3).reshape(-1) for a in (hh, ww)], -1)
-        positions.append(np.tile(hw, (t, 1)))
+        positions.append(patch_positions(t, h, w, m))
         frame_sizes += [h * w] * t
         # Merged units split into windows of per_window x per_window (padding the grid up).
         gh, gw = h // m, w // m
@@ -284,7 +295,7 @@ def _rms_norm(x, weight, dtype):
     return (y * weight.astype(jnp.float32)).astype(dtype)
 
 
-def _rotate(x, cos, sin):
+def rotate(x, cos, sin):
     """HF's rotate-half RoPE on x [N, H, Dh] with cos, sin [N, Dh], in fp32."""
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
@@ -303,7 +314,7 @@ def vision_rope(v: QwenVisionConfig, positions):
     return jnp.cos(emb), jnp.sin(emb)
 
 
-def _attend(v: QwenVisionConfig, q, k, val, rows: Segments):
+def attend(v, q, k, val, rows: Segments):
     """Attention of q, k, val [N, H, Dh] within each segment of `rows`: gathered into [S, L]
     rows, so memory is S * L**2 per head, not N**2 (the batch's patches). Padding keys are
     masked out (every row has a real key, so no row is all -1e30); padding queries attend like
@@ -321,8 +332,8 @@ def _block(v: QwenVisionConfig, p, x, cos, sin, rows: Segments, dtype):
     """One ViT block over all patches x [N, E], attending within the segments `rows`."""
     h = _rms_norm(x, p["attn_norm"], dtype)
     qkv = tower_lora.linear(p, "wqkv", "ne,eshd->nshd", h, dtype, 0) + p["bqkv"].astype(dtype)
-    q, k, val = _rotate(qkv[:, 0], cos, sin), _rotate(qkv[:, 1], cos, sin), qkv[:, 2]
-    attn = _attend(v, q, k, val, rows)
+    q, k, val = rotate(qkv[:, 0], cos, sin), rotate(qkv[:, 1], cos, sin), qkv[:, 2]
+    attn = attend(v, q, k, val, rows)
     x = x + tower_lora.linear(p, "wo", "nhd,hde->ne", attn, dtype, 1) + p["bo"].astype(dtype)
     h = _rms_norm(x, p["mlp_norm"], dtype)
     gate = tower_lora.linear(p, "w_gate", "ne,ef->nf", h, dtype, 2) + p["b_gate"].astype(dtype)

@@ -80,7 +80,12 @@ class SiglipConfig:
         return HF_NAMES
 
     hf_anchors = property(lambda self: HF_ANCHORS)
-    hf_text_root = property(lambda self: HF_TEXT_ROOT)
+    deepstack_layers = 0  # no features added inside the decoder (Qwen3-VL's DeepStack)
+
+    def hf_export_name(self, key: str) -> str:
+        """Gemma3ForConditionalGeneration's save_pretrained nests the decoder's tensors
+        ("model.", "lm_head.") under HF_TEXT_ROOT; the tower's names are its own."""
+        return HF_TEXT_ROOT + key if key.startswith(("model.", "lm_head.")) else key
 
     def tower(self) -> "VisionTower":
         return VisionTower(self)
