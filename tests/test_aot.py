@@ -285,7 +285,7 @@ def test_long_rows_get_a_context_axis_and_linear_memory(tmp_path):
 
 def test_presets_match_published_sizes():
     billions = {"smollm2-135m": 0.13, "qwen2.5-0.5b": 0.49, "qwen2.5-1.5b": 1.54,
-                "qwen2.5-7b": 7.62, "qwen2.5-vl-7b": 8.29,
+                "qwen2.5-7b": 7.62, "qwen2.5-vl-7b": 8.29, "qwen3-vl-8b": 8.77,
                 "qwen2.5-32b": 32.76, "qwen2.5-72b": 72.71, "qwen3-8b": 8.19, "qwen3-32b": 32.76,
                 "llama-3.1-8b": 8.03, "llama-3.1-70b": 70.55, "gemma-3-270m": 0.27,
                 "gemma-3-1b": 1.0, "gemma-3-4b": 3.88, "gemma-3-12b": 11.77, "gemma-3-27b": 27.01,

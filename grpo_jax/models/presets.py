@@ -12,6 +12,7 @@ import math
 
 from grpo_jax.errors import GrpoJaxError
 from grpo_jax.models.config import ModelConfig
+from grpo_jax.models.qwen3_vl import MODEL_TYPE as QWEN3_VL, Qwen3VisionConfig
 from grpo_jax.models.qwen_vl import MODEL_TYPE as QWEN_VL, QwenVisionConfig
 from grpo_jax.models.siglip import SiglipConfig
 
@@ -104,6 +105,13 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen2.5-32b": _qwen25(5120, 64, 40, 8, 27648, 152064, tied=False, eps=1e-5),
     "qwen2.5-72b": _qwen25(8192, 80, 64, 8, 29568, 152064, tied=False),
     "qwen3-8b": _qwen3(4096, 36, 32, 12288),
+    # Qwen3-VL-8B: Qwen3-8B's shapes with interleaved M-RoPE (base 5e6), and its 27-block ViT
+    # with DeepStack mergers after blocks 8, 16 and 24.
+    "qwen3-vl-8b": _qwen3(4096, 36, 32, 12288).replace(
+        model_type=QWEN3_VL, rope_theta=5e6, max_position_embeddings=262144,
+        mrope_section=(24, 20, 20), mrope_interleaved=True,
+        vision=Qwen3VisionConfig(depth=27, hidden_size=1152, intermediate_size=4304,
+                                 num_heads=16, out_hidden_size=4096)),
     "qwen3-32b": _qwen3(5120, 64, 64, 25600),
     "llama-3.1-8b": _llama31(4096, 32, 32, 14336),
     "llama-3.1-70b": _llama31(8192, 80, 64, 28672),
