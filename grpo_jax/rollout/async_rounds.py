@@ -1,5 +1,12 @@
-"""Async rounds (`max_staleness >= 1` with vLLM rollouts): the server generates round n+1 while
+"""Async rounds (`max_staleness >= 1` with vLLM rollouts, or with a rollout_func on the JAX
+sampler): the server (or the JAX sampler, in a thread of this process) generates round n+1 while
 the trainer trains on round n, as TRL's AsyncGRPOTrainer does with weight_sync_steps 1.
+
+The JAX sampler reads its weights rather than being pushed them (WeightMode.READ): here
+update_weights keeps a copy of each version's (the next update donates the trainer's buffers),
+and the thread generates round n+1 with the copy of the version current when its prefetch began,
+so a round's whole episodes (every generate call of the rollout_func) run on one version, as on
+a server. JAX releases the GIL while its programs run, so the trainer's steps go on beside it.
 
 train.py asks for round n+1's generation (`prefetch`) just before it runs round n, so the server
 generates it with the weights pushed after round n-1 while round n is scored and trained. The push
@@ -51,8 +58,8 @@ def _tag(prompt_ids, num_generations: int, key) -> tuple:
 
 
 class AsyncRollout(RolloutWrapper):
-    """A VLLMRollout (with its tool loop or rollout_func, if any: a round's whole episodes)
-    whose next round can be generated ahead (`prefetch`). It keeps the trainer's params of each
+    """A VLLMRollout (with its tool loop or rollout_func, if any: a round's whole episodes), or
+    a JaxRollout inside a rollout_func's CustomRollout, whose next round can be generated ahead (`prefetch`). It keeps the trainer's params of each
     version a batch in flight may come from, so the trainer scores a batch with the weights
     that generated it (`generated_with`).
 
@@ -66,7 +73,7 @@ class AsyncRollout(RolloutWrapper):
 
     def __init__(self, inner, max_staleness: int, ahead):
         self.inner, self.max_staleness, self.ahead = inner, max_staleness, ahead
-        self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix="vllm-prefetch")
+        self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix="rollout-prefetch")
         # tag -> (weight version at start, future of (batch, start, end), None on a process
         # that doesn't generate ahead); train.py asks for round n+1 before round n takes its
         # own, so two can be here at once.
@@ -80,6 +87,9 @@ class AsyncRollout(RolloutWrapper):
         self.staleness = 0
         # The staleness of each batch taken on weight version `taken[0]` (a fill takes several).
         self.taken: tuple[int, list[int]] = (0, [])
+        # A rollout that reads its weights (the JAX sampler): the current version's, in its
+        # weight_mode's form, copied (None for a server's: it holds its own).
+        self.weights = None
 
     def prefetch(self, records, num_generations: int, key) -> None:
         """Start generating the round of `records` in the background; returns once it has
@@ -95,11 +105,12 @@ class AsyncRollout(RolloutWrapper):
         started = threading.Event()
 
         given = records if self.inner.takes_records else None  # a rollout_func reads them
+        weights = self.weights  # this version's, whatever the updates meanwhile
 
         def run():
             start = time.time()
             started.set()
-            batch = self.ahead.generate(None, ids, num_generations, key, given)
+            batch = self.ahead.generate(weights, ids, num_generations, key, given)
             return batch, start, time.time()
         future = self.pool.submit(run)
         started.wait()
@@ -138,7 +149,8 @@ class AsyncRollout(RolloutWrapper):
         return self.pushed.get(self.version - self.staleness)
 
     def update_weights(self, weights, params) -> float:
-        """Push after the generation in the background is done. pause(mode=wait) alone would
+        """Push after the generation in the background is done (the JAX sampler: copy the
+        weights it will read). pause(mode=wait) alone would
         let requests that reach the server late (the background thread may send them after a
         short update began) wait out the push and run on the new weights, which would make a
         batch's version uncertain; waiting here keeps it exact (the push waits for that
@@ -152,9 +164,14 @@ class AsyncRollout(RolloutWrapper):
                 self.metrics["timeline/next_generate_start"] = start
                 self.metrics["timeline/next_generate_end"] = end
             self.latest = None
+        t0 = time.perf_counter()
         took = self.inner.update_weights(weights, params)  # every process (a gather)
         self.version += 1
-        self.pushed[self.version] = jax.tree.map(jnp.copy, params)
+        self.pushed[self.version] = kept = jax.tree.map(jnp.copy, params)
+        if not self.weight_mode.pushed:  # read at generate: the copy the thread generates with
+            self.weights = kept if weights is params else jax.tree.map(jnp.copy, weights)
+            jax.block_until_ready(self.weights)
+            took = time.perf_counter() - t0  # the copies are this rollout's weight sync
         for old in [v for v in self.pushed if v < self.version - self.max_staleness]:
             del self.pushed[old]
         return took

@@ -1,0 +1,57 @@
+"""Async rounds on the JAX sampler (max_staleness 1 with a rollout_func,
+grpo_jax/rollout/async_rounds.py): a round's whole episodes (the function's generate calls)
+run one round ahead in a worker thread on one weight version's copy, as vLLM's do on a server.
+The first round is the synchronous run's; every later one trains a batch one version old whose
+sampler log-probs equal the trainer's under the weights that drew it; a run resumed from a
+checkpoint ends as the uninterrupted one, each prompt trained once."""
+
+import json
+
+import jax
+import pytest
+from tiny_run import HERE, REWARD, config, history, stopped_at
+
+from grpo_jax.train import train
+
+GAME = dict(rollout_func=f"{HERE / 'reward_fixtures.py'}:two_turn_game",
+            reward_funcs=f"[{REWARD}, {HERE / 'reward_fixtures.py'}:more_moves]",
+            max_completion_length=24, log_completions="true", num_completions_to_print=0,
+            shuffle_dataset="false")
+
+
+def _run(tiny_dir, out, **extra) -> list[dict]:
+    train(config(tiny_dir, out, **{**GAME, **extra}), devices=jax.devices()[:1])
+    return history(out)
+
+
+def _completions(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "completions.jsonl").open()]
+
+
+@pytest.mark.slow
+def test_a_rollout_funcs_episodes_run_a_round_ahead_on_the_jax_sampler(tiny_dir, tmp_path):
+    sync = _run(tiny_dir, tmp_path / "sync", max_steps=4)
+    hist = _run(tiny_dir, tmp_path / "async", max_steps=4, max_staleness=1)
+    assert [h["step"] for h in hist] == [1, 2, 3, 4]
+    assert [h["async/staleness"] for h in hist] == [0, 1, 1, 1]
+    assert all(h["async/discarded"] == 0 for h in hist)
+    assert "async/staleness" not in sync[0]
+    # Round 1 has nothing to overlap with: generated when asked, as the synchronous run's.
+    first = [c for c in _completions(tmp_path / "sync") if c["step"] == 1]
+    assert first and first == [c for c in _completions(tmp_path / "async") if c["step"] == 1]
+    for name in ("reward", "rewards/more_moves/mean", "grad_norm", "num_tokens"):
+        assert hist[0][name] == sync[0][name], name
+    # The loss weighs tokens by TRL's importance-sampling correction, which async rounds keep
+    # on (their batches are stale) and the synchronous JAX sampler turns off: on the first
+    # round, same weights, the weights are 1 up to float noise.
+    assert abs(hist[0]["loss"] - sync[0]["loss"]) < 1e-6
+    assert max(h["rewards/more_moves/mean"] for h in hist) > 1.0  # second turns were played
+    # Both model turns of each episode drawn with one version's weights, the one kept for it.
+    engine = [h["sampling/engine_logp_difference/max"] for h in hist[1:]]
+    assert max(engine) < 1e-4, engine
+    # ... not the current weights: the update between shows against them.
+    assert min(h["sampling/sampling_logp_difference/mean"] for h in hist[1:]) > 1e-3
+    # Every round trains its own prompts, in data order, as the synchronous run's.
+    prompts = lambda out: [c["prompt"] for c in _completions(out)]  # noqa: E731
+    assert prompts(tmp_path / "async") == prompts(tmp_path / "sync")
+    assert all(h["timeline/next_generate_start"] <= h["timeline/train_start"] for h in hist[1:])
