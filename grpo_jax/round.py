@@ -260,7 +260,9 @@ class GRPORound:
                                  reference=ref, rows_in_flight=rows_in_flight, queued=queued)
         t4 = time.perf_counter()
         stopping = stop.should_stop()  # the server's weights won't be used again
-        sync_time = self.sync_weights(state.params) if n and not stopping else None
+        # (The JAX sampler's async rounds keep the version even so: a copy, for the checkpoint.)
+        sync_time = (self.sync_weights(state.params)
+                     if n and (not stopping or not self.rollout.weight_mode.pushed) else None)
 
         metrics.setdefault(timing("generate"), 0.0)
         metrics.setdefault(timing("logprobs"), 0.0)  # reference and old log-probs

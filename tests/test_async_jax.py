@@ -39,12 +39,13 @@ def test_a_rollout_funcs_episodes_run_a_round_ahead_on_the_jax_sampler(tiny_dir,
     # Round 1 has nothing to overlap with: generated when asked, as the synchronous run's.
     first = [c for c in _completions(tmp_path / "sync") if c["step"] == 1]
     assert first and first == [c for c in _completions(tmp_path / "async") if c["step"] == 1]
-    for name in ("reward", "rewards/more_moves/mean", "grad_norm", "num_tokens"):
+    for name in ("reward", "rewards/more_moves/mean", "num_tokens", "completions/mean_length"):
         assert hist[0][name] == sync[0][name], name
     # The loss weighs tokens by TRL's importance-sampling correction, which async rounds keep
     # on (their batches are stale) and the synchronous JAX sampler turns off: on the first
     # round, same weights, the weights are 1 up to float noise.
     assert abs(hist[0]["loss"] - sync[0]["loss"]) < 1e-6
+    assert hist[0]["grad_norm"] == pytest.approx(sync[0]["grad_norm"], rel=1e-5)
     assert max(h["rewards/more_moves/mean"] for h in hist) > 1.0  # second turns were played
     # Both model turns of each episode drawn with one version's weights, the one kept for it.
     engine = [h["sampling/engine_logp_difference/max"] for h in hist[1:]]
@@ -55,3 +56,27 @@ def test_a_rollout_funcs_episodes_run_a_round_ahead_on_the_jax_sampler(tiny_dir,
     prompts = lambda out: [c["prompt"] for c in _completions(out)]  # noqa: E731
     assert prompts(tmp_path / "async") == prompts(tmp_path / "sync")
     assert all(h["timeline/next_generate_start"] <= h["timeline/train_start"] for h in hist[1:])
+
+
+@pytest.mark.slow
+def test_a_resumed_run_generates_its_batch_in_flight_again_as_it_was(tiny_dir, tmp_path):
+    """Stopped after its step-2 checkpoint (stopped_at: the uninterrupted run's own), the run
+    resumes to the uninterrupted one's metrics, completions and weights: the batch that was in
+    flight is generated again on the params that generated it (kept in the checkpoint), one
+    version old as it was, and each prompt trains once, in data order."""
+    from tiny_run import assert_resumed_like_whole
+    settings = dict(max_steps=4, save_steps=2, max_staleness=1)
+    full = _run(tiny_dir, tmp_path / "full", **settings)
+    assert sorted(p.name for p in (tmp_path / "full" / "generated_ahead").iterdir()) == [
+        "2.npz", "4.npz"]
+    stopped_at(tmp_path / "full", tmp_path / "cut", 2)
+    cut = _run(tiny_dir, tmp_path / "cut", resume="true", **settings)
+    assert [h["step"] for h in cut] == [1, 2, 3, 4]
+    assert [h["async/staleness"] for h in cut] == [0, 1, 1, 1]
+    assert_resumed_like_whole(tmp_path, full, cut)
+    trained = _completions(tmp_path / "cut")
+    assert trained == _completions(tmp_path / "full")
+    groups = [(c["step"], c["prompt"]) for c in trained]
+    prompts = [p for _, p in dict.fromkeys(groups)]  # each step's prompts, in order
+    data = [json.loads(line)["prompt"] for line in (tiny_dir / "prompts.jsonl").open()]
+    assert prompts == data[:len(prompts)] and len(prompts) == 16

@@ -176,6 +176,24 @@ class AsyncRollout(RolloutWrapper):
             del self.pushed[old]
         return took
 
+    def generated_ahead(self):
+        """The params the batch in flight is generated with, and the versions since (a
+        checkpoint's, for a resume to generate it again exactly): the JAX sampler's only, the
+        weights it reads being the trainer's; a server's is generated again on the current
+        weights. With dynamic sampling (several pending) none either."""
+        if self.weight_mode.pushed or len(self.pending) != 1:
+            return None
+        version = next(iter(self.pending.values()))[0]
+        params = self.pushed.get(version)
+        return None if params is None else (params, self.version - version)
+
+    def resume_ahead(self, params, weights, staleness, records, num_generations, key) -> None:
+        current = self.weights, self.version
+        self.version -= staleness
+        self.pushed[self.version], self.weights = params, weights
+        self.prefetch(records, num_generations, key)  # tagged with that version
+        self.weights, self.version = current
+
     @property
     def sync_metrics(self) -> dict:
         return {**self.inner.sync_metrics, **self.metrics, "async/discarded": self.discarded}
