@@ -493,11 +493,8 @@ def run_rounds(run: Run) -> dict:
     if run.at.generated_ahead is not None and run.rollout.generates_ahead:  # resumed: the
         # batch in flight generated again as it was (async rounds on the JAX sampler)
         params, staleness = run.at.generated_ahead
-        (r, position), = run.at.in_flight
-        records, _ = run.dataset.batch_prompts(position, plan.prompts_per_generation)
         run.rollout.resume_ahead(params, run.round.weights_for(params, run.rollout.weight_mode),
-                                 staleness, records, plan.num_generations,
-                                 jax.random.fold_in(base_key, r))
+                                 staleness, *_in_flight(run))
         run.at = run.at.replace(generated_ahead=None)
     eval_key = jax.random.fold_in(base_key, EVAL_KEY_TAG)
     saves = log.saves
@@ -683,13 +680,22 @@ def _data_used_up(run: Run) -> None:
               "raise num_train_epochs to train on more", file=sys.stderr)
 
 
+def _in_flight(run: Run) -> tuple[list[dict], int, Any]:
+    """The records, group size and key of the run state's batch in flight (async rounds
+    without dynamic sampling: train.run_rounds prefetches it so)."""
+    (r, position), = run.at.in_flight
+    records, _ = run.dataset.batch_prompts(position, run.plan.prompts_per_generation)
+    return (records, run.plan.num_generations,
+            jax.random.fold_in(jax.random.key(run.cfg.data.seed), r))
+
+
 def _with_ahead(run: Run) -> RunState:
     """The run state a checkpoint holds: with async rounds on the JAX sampler, the params of
     the batch in flight (one batch ahead; with dynamic sampling a fill's several are generated
     again on the resumed run's weights, as a server's are)."""
     if run.cfg.grpo.dynamic_sampling or len(run.at.in_flight) != 1:
         return run.at
-    return run.at.replace(generated_ahead=run.rollout.generated_ahead())
+    return run.at.replace(generated_ahead=run.rollout.generated_ahead(*_in_flight(run)))
 
 
 def _finish(run: Run, failure: BaseException | None, log: RunLog) -> None:

@@ -59,13 +59,19 @@ def test_a_rollout_funcs_episodes_run_a_round_ahead_on_the_jax_sampler(tiny_dir,
 
 
 @pytest.mark.slow
-def test_a_resumed_run_generates_its_batch_in_flight_again_as_it_was(tiny_dir, tmp_path):
-    """Stopped after its step-2 checkpoint (stopped_at: the uninterrupted run's own), the run
-    resumes to the uninterrupted one's metrics, completions and weights: the batch that was in
-    flight is generated again on the params that generated it (kept in the checkpoint), one
-    version old as it was, and each prompt trains once, in data order."""
+def test_a_resumed_run_generates_its_batch_in_flight_again_as_it_was(tiny_dir, tmp_path,
+                                                                     monkeypatch):
+    """Stopped after its step-2 checkpoint (stopped_at: the uninterrupted run's own), or by
+    SIGTERM during round 3 (it trains that round, checkpoints and stops), the run resumes to
+    the uninterrupted one's metrics, completions and weights: the batch that was in flight is
+    generated again on the params that generated it (kept in the checkpoint), one version old
+    as it was, and each prompt trains once, in data order."""
     from tiny_run import assert_resumed_like_whole
-    settings = dict(max_steps=4, save_steps=2, max_staleness=1)
+
+    from grpo_jax.checkpoint import StopRun
+    stopping = f"[{HERE / 'reward_fixtures.py'}:even_tokens_then_stop, " \
+               f"{HERE / 'reward_fixtures.py'}:more_moves]"
+    settings = dict(max_steps=4, save_steps=2, max_staleness=1, reward_funcs=stopping)
     full = _run(tiny_dir, tmp_path / "full", **settings)
     assert sorted(p.name for p in (tmp_path / "full" / "generated_ahead").iterdir()) == [
         "2.npz", "4.npz"]
@@ -80,3 +86,16 @@ def test_a_resumed_run_generates_its_batch_in_flight_again_as_it_was(tiny_dir, t
     prompts = [p for _, p in dict.fromkeys(groups)]  # each step's prompts, in order
     data = [json.loads(line)["prompt"] for line in (tiny_dir / "prompts.jsonl").open()]
     assert prompts == data[:len(prompts)] and len(prompts) == 16
+
+    monkeypatch.setenv("GRPO_JAX_TEST_SIGTERM_AT", "1")
+    with pytest.raises(StopRun):
+        _run(tiny_dir, tmp_path / "sig", **settings)
+    assert (tmp_path / "sig" / "generated_ahead" / "1.npz").exists()
+    sig = _run(tiny_dir, tmp_path / "sig", resume="true", **settings)
+    assert [h["step"] for h in sig] == [1, 2, 3, 4]
+    for a, b in zip(full, sig):
+        assert {k: v for k, v in a.items() if not k.startswith(("timing/", "step_time",
+                                                                  "timeline/"))} == {
+            k: v for k, v in b.items() if not k.startswith(("timing/", "step_time",
+                                                            "timeline/"))}, a["step"]
+    assert _completions(tmp_path / "sig") == trained

@@ -90,6 +90,7 @@ class AsyncRollout(RolloutWrapper):
         # A rollout that reads its weights (the JAX sampler): the current version's, in its
         # weight_mode's form, copied (None for a server's: it holds its own).
         self.weights = None
+        self.made: dict[tuple, int] = {}  # tag -> the version of each recent prefetch
 
     def prefetch(self, records, num_generations: int, key) -> None:
         """Start generating the round of `records` in the background; returns once it has
@@ -100,6 +101,7 @@ class AsyncRollout(RolloutWrapper):
         self.latest = None if self.ahead is None else self._start(ids, num_generations, key,
                                                                     records)
         self.pending[_tag(ids, num_generations, key)] = (self.version, self.latest)
+        self.made[_tag(ids, num_generations, key)] = self.version
 
     def _start(self, ids, num_generations: int, key, records) -> cf.Future:
         started = threading.Event()
@@ -174,17 +176,17 @@ class AsyncRollout(RolloutWrapper):
             took = time.perf_counter() - t0  # the copies are this rollout's weight sync
         for old in [v for v in self.pushed if v < self.version - self.max_staleness]:
             del self.pushed[old]
+        for tag in [t for t, v in self.made.items() if v < self.version - self.max_staleness]:
+            del self.made[tag]
         return took
 
-    def generated_ahead(self):
-        """The params the batch in flight is generated with, and the versions since (a
-        checkpoint's, for a resume to generate it again exactly): the JAX sampler's only, the
-        weights it reads being the trainer's; a server's is generated again on the current
-        weights. With dynamic sampling (several pending) none either."""
-        if self.weight_mode.pushed or len(self.pending) != 1:
-            return None
-        version = next(iter(self.pending.values()))[0]
-        params = self.pushed.get(version)
+    def generated_ahead(self, records, num_generations, key):
+        """The params the batch of `records` (a checkpoint's in flight, prefetched; taken by a
+        round a stop aborted, or not yet) was generated with, and the versions since, for a
+        resume to generate it again exactly: the JAX sampler's only, the weights it reads
+        being the trainer's; a server's is generated again on the current weights."""
+        version = self.made.get(_tag([r["prompt_ids"] for r in records], num_generations, key))
+        params = None if self.weight_mode.pushed else self.pushed.get(version)
         return None if params is None else (params, self.version - version)
 
     def resume_ahead(self, params, weights, staleness, records, num_generations, key) -> None:

@@ -142,11 +142,12 @@ class Rollout(abc.ABC):
         ones (a batch generated ahead, on weights since updated); else None."""
         return None
 
-    def generated_ahead(self) -> tuple[Any, int] | None:
-        """A checkpoint's batch in flight that a resume can generate again exactly: (the
-        trainer's params that generate it, the weight versions between those and the current
-        ones). None: none, or a rollout that holds its own weights (a resume generates it
-        again on the current ones)."""
+    def generated_ahead(self, records: Sequence[dict], num_generations: int, key
+                        ) -> tuple[Any, int] | None:
+        """A checkpoint's batch in flight (of `records`, with that key) that a resume can
+        generate again exactly: (the trainer's params that generated it, the weight versions
+        between those and the current ones). None: not prefetched, or a rollout that holds its
+        own weights (a resume generates it again on the current ones)."""
         return None
 
     def resume_ahead(self, params, weights, staleness: int, records: Sequence[dict],
