@@ -9,14 +9,17 @@ import json
 
 import jax
 import pytest
-from tiny_run import HERE, REWARD, config, history, stopped_at
+from tiny_run import HERE, assert_resumed_like_whole, config, history, stopped_at
 
 from grpo_jax.train import train
 
+# even_tokens_then_stop: even_tokens, and a SIGTERM where a test asks for one.
 GAME = dict(rollout_func=f"{HERE / 'reward_fixtures.py'}:two_turn_game",
-            reward_funcs=f"[{REWARD}, {HERE / 'reward_fixtures.py'}:more_moves]",
+            reward_funcs=f"[{HERE / 'reward_fixtures.py'}:even_tokens_then_stop, "
+                         f"{HERE / 'reward_fixtures.py'}:more_moves]",
             max_completion_length=24, log_completions="true", num_completions_to_print=0,
             shuffle_dataset="false")
+ASYNC = dict(max_steps=4, save_steps=2, max_staleness=1)
 
 
 def _run(tiny_dir, out, **extra) -> list[dict]:
@@ -28,17 +31,27 @@ def _completions(out) -> list[dict]:
     return [json.loads(line) for line in (out / "completions.jsonl").open()]
 
 
+@pytest.fixture(scope="module")
+def runs(tiny_dir, tmp_path_factory):
+    """The async run's directory `full` (checkpoints at steps 2 and 4), beside which the
+    tests write theirs."""
+    root = tmp_path_factory.mktemp("async_jax")
+    _run(tiny_dir, root / "full", **ASYNC)
+    return root
+
+
 @pytest.mark.slow
-def test_a_rollout_funcs_episodes_run_a_round_ahead_on_the_jax_sampler(tiny_dir, tmp_path):
+def test_a_rollout_funcs_episodes_run_a_round_ahead_on_the_jax_sampler(tiny_dir, runs):
+    tmp_path = runs
     sync = _run(tiny_dir, tmp_path / "sync", max_steps=4)
-    hist = _run(tiny_dir, tmp_path / "async", max_steps=4, max_staleness=1)
+    hist = history(tmp_path / "full")
     assert [h["step"] for h in hist] == [1, 2, 3, 4]
     assert [h["async/staleness"] for h in hist] == [0, 1, 1, 1]
     assert all(h["async/discarded"] == 0 for h in hist)
     assert "async/staleness" not in sync[0]
     # Round 1 has nothing to overlap with: generated when asked, as the synchronous run's.
     first = [c for c in _completions(tmp_path / "sync") if c["step"] == 1]
-    assert first and first == [c for c in _completions(tmp_path / "async") if c["step"] == 1]
+    assert first and first == [c for c in _completions(tmp_path / "full") if c["step"] == 1]
     for name in ("reward", "rewards/more_moves/mean", "num_tokens", "completions/mean_length"):
         assert hist[0][name] == sync[0][name], name
     # The loss weighs tokens by TRL's importance-sampling correction, which async rounds keep
@@ -54,25 +67,21 @@ def test_a_rollout_funcs_episodes_run_a_round_ahead_on_the_jax_sampler(tiny_dir,
     assert min(h["sampling/sampling_logp_difference/mean"] for h in hist[1:]) > 1e-3
     # Every round trains its own prompts, in data order, as the synchronous run's.
     prompts = lambda out: [c["prompt"] for c in _completions(out)]  # noqa: E731
-    assert prompts(tmp_path / "async") == prompts(tmp_path / "sync")
+    assert prompts(tmp_path / "full") == prompts(tmp_path / "sync")
     assert all(h["timeline/next_generate_start"] <= h["timeline/train_start"] for h in hist[1:])
 
 
 @pytest.mark.slow
-def test_a_resumed_run_generates_its_batch_in_flight_again_as_it_was(tiny_dir, tmp_path,
+def test_a_resumed_run_generates_its_batch_in_flight_again_as_it_was(tiny_dir, runs,
                                                                      monkeypatch):
     """Stopped after its step-2 checkpoint (stopped_at: the uninterrupted run's own), or by
     SIGTERM during round 3 (it trains that round, checkpoints and stops), the run resumes to
     the uninterrupted one's metrics, completions and weights: the batch that was in flight is
     generated again on the params that generated it (kept in the checkpoint), one version old
     as it was, and each prompt trains once, in data order."""
-    from tiny_run import assert_resumed_like_whole
-
     from grpo_jax.checkpoint import StopRun
-    stopping = f"[{HERE / 'reward_fixtures.py'}:even_tokens_then_stop, " \
-               f"{HERE / 'reward_fixtures.py'}:more_moves]"
-    settings = dict(max_steps=4, save_steps=2, max_staleness=1, reward_funcs=stopping)
-    full = _run(tiny_dir, tmp_path / "full", **settings)
+    tmp_path, settings = runs, ASYNC
+    full = history(tmp_path / "full")
     assert sorted(p.name for p in (tmp_path / "full" / "generated_ahead").iterdir()) == [
         "2.npz", "4.npz"]
     stopped_at(tmp_path / "full", tmp_path / "cut", 2)
