@@ -59,9 +59,9 @@ def _tag(prompt_ids, num_generations: int, key) -> tuple:
 
 class AsyncRollout(RolloutWrapper):
     """A VLLMRollout (with its tool loop or rollout_func, if any: a round's whole episodes), or
-    a JaxRollout inside a rollout_func's CustomRollout, whose next round can be generated ahead (`prefetch`). It keeps the trainer's params of each
-    version a batch in flight may come from, so the trainer scores a batch with the weights
-    that generated it (`generated_with`).
+    a JaxRollout inside a rollout_func's CustomRollout, whose next round can be generated ahead
+    (`prefetch`). It keeps the trainer's params of each version a batch in flight may come
+    from, so the trainer scores a batch with the weights that generated it (`generated_with`).
 
     `inner`: what every process calls in the main thread (a round's generation when none was
     prefetched, weight pushes): the rollout itself, or in a multi-process run the
@@ -152,11 +152,10 @@ class AsyncRollout(RolloutWrapper):
 
     def update_weights(self, weights, params) -> float:
         """Push after the generation in the background is done (the JAX sampler: copy the
-        weights it will read). pause(mode=wait) alone would
-        let requests that reach the server late (the background thread may send them after a
-        short update began) wait out the push and run on the new weights, which would make a
-        batch's version uncertain; waiting here keeps it exact (the push waits for that
-        generation either way)."""
+        weights it will read). pause(mode=wait) alone would let requests that reach the server
+        late (the background thread may send them after a short update began) wait out the
+        push and run on the new weights, which would make a batch's version uncertain; waiting
+        here keeps it exact (the push waits for that generation either way)."""
         self.metrics.pop("timeline/next_generate_start", None)
         self.metrics.pop("timeline/next_generate_end", None)
         if self.latest is not None:

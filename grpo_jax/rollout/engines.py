@@ -137,8 +137,9 @@ def _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools, batch_divisor, hos
 
 
 def _async_rounds(cfg, make, tokenizer, tools, sp):
-    """A server's async rounds (the JAX sampler's, a rollout_func's: _build). Outermost: a round's whole episodes (every tool turn, the rollout_func's calls) run ahead
-    on one weight version, since a push waits for the generation in flight. In a multi-process
+    """A server's async rounds (the JAX sampler's, a rollout_func's: _build). Outermost: a
+    round's whole episodes (every tool turn, the rollout_func's calls) run ahead on one weight
+    version, since a push waits for the generation in flight. In a multi-process
     run they run on process 0 alone, in its background thread (tools too: no broadcast there),
     and the finished batch goes to every process as the round takes it."""
     from grpo_jax.rollout.async_rounds import AsyncRollout
