@@ -260,7 +260,9 @@ class GRPORound:
                                  reference=ref, rows_in_flight=rows_in_flight, queued=queued)
         t4 = time.perf_counter()
         stopping = stop.should_stop()  # the server's weights won't be used again
-        sync_time = self.sync_weights(state.params) if n and not stopping else None
+        # (The JAX sampler's async rounds keep the version even so: a copy, for the checkpoint.)
+        sync_time = (self.sync_weights(state.params)
+                     if n and (not stopping or not self.rollout.weight_mode.pushed) else None)
 
         metrics.setdefault(timing("generate"), 0.0)
         metrics.setdefault(timing("logprobs"), 0.0)  # reference and old log-probs
@@ -271,7 +273,7 @@ class GRPORound:
             metrics[timing("idle_sampler")] = t4 - t1
             metrics[timing("idle_trainer")] = metrics[timing("generate")]
         if n and self.rollout.generates_ahead:  # wall clock, to line the update up with the
-            # generation of the next round beside it (grpo_jax.rollout.vllm.async_rounds)
+            # generation of the next round beside it (grpo_jax.rollout.async_rounds)
             metrics["timeline/update_start"] = time.time() - (time.perf_counter() - t3)
             metrics["timeline/update_end"] = metrics["timeline/update_start"] + t4 - t3
         if sync_time is not None:
@@ -311,10 +313,13 @@ class GRPORound:
 
     def sync_weights(self, params) -> float | None:
         """Push `params` in the rollout's form to a rollout that holds its own weights, a vLLM
-        server; the seconds it took. None for the JAX sampler: it reads them at generate."""
+        server, or to async rounds; the seconds it took. None for the JAX sampler otherwise: it
+        reads them at generate."""
         mode = self.rollout.weight_mode
-        if not mode.pushed:
+        if not mode.pushed and not self.rollout.generates_ahead:
             return None
+        # Async rounds on the JAX sampler: the version's weights kept for the next round's
+        # generation (rollout/async_rounds.py), the seconds the copies took.
         return self.rollout.update_weights(self.weights_for(params, mode), params)
 
     def engine_mismatch(self, batch: Batch, made_with: Sequence = ()) -> dict:
@@ -546,7 +551,7 @@ class GRPORound:
         metrics[timing("generate")] = took
         metrics[timing("logprobs")] = time.perf_counter() - t2
         if self.rollout.generates_ahead:  # the trainer's work on the batch begins: the
-            # next round generates beside it from here on (grpo_jax.rollout.vllm.async_rounds)
+            # next round generates beside it from here on (grpo_jax.rollout.async_rounds)
             metrics["timeline/train_start"] = wall1
         return Generated(batch, scores, rewards, advantages, metrics)
 

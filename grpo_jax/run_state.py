@@ -38,7 +38,8 @@ class RunState:
     in groups not yet whole), carried from round to round and checkpointed whole; None without
     partial rollouts. `queued`: with sampler_devices (rollout/native/disaggregated.py Queued),
     the groups the sampler finished a round ahead and the next round trains; None while its
-    advance runs (GRPORound.settle collects it before a checkpoint) or without a split."""
+    advance runs (GRPORound.settle collects it before a checkpoint) or without a split.
+    `generated_ahead`: below."""
     state: Any  # grpo.train_step.TrainState: params, optimizer state, step
     position: DataPosition = DataPosition()  # where the next generation's prompts start
     round: int = 0  # generation rounds completed (each round's sampling key is folded from it)
@@ -49,6 +50,11 @@ class RunState:
     in_flight: tuple = ()
     rows_in_flight: Any = None
     queued: Any = None
+    # Async rounds on the JAX sampler, in a checkpoint and a resume only: the trainer's params
+    # that generate the batch in flight (in_flight's) and the weight versions since
+    # (Rollout.generated_ahead), so that a resume generates it again exactly; None: the batch
+    # is generated again on the current weights (a server's, or none in flight).
+    generated_ahead: Any = None
 
     @property
     def step(self) -> int:

@@ -102,6 +102,9 @@ class RunCheckpoints:
     # Processes whose samplers each hold their share of the rows in flight (a multi-process
     # split run: rollout/native/sampler_hosts.py); 1: the rows are every process's alike.
     hosts: int = 1
+    # Async rounds on the JAX sampler: the params that generate the batch in flight
+    # (RunState.generated_ahead), leaf by leaf (one process).
+    ahead: BufferFiles | None = None
 
     @classmethod
     def open(cls, out: Path, cfg: config_lib.TrainConfig, schedule: dict | None = None,
@@ -114,7 +117,8 @@ class RunCheckpoints:
                 else None)
         return cls(ckpt, BufferFiles(out / "generation_buffer"), refs, dict(schedule or {}),
                    BufferFiles(out / "rows_in_flight", "rollouts in flight"), record,
-                   BufferFiles(out / "queued", "batch sampled ahead"), hosts)
+                   BufferFiles(out / "queued", "batch sampled ahead"), hosts,
+                   BufferFiles(out / "generated_ahead", "params of the batch generated ahead"))
 
     def resume(self, cfg: config_lib.TrainConfig, out: Path, at: RunState) -> RunState:
         """`at` as the checkpoint cfg.run.resume names left it, whole (the train state, data
@@ -217,6 +221,15 @@ class RunCheckpoints:
                                  "sampler's devices (sampler_devices): resume with it set")
             queued = disaggregated.from_arrays(source.queued.load_arrays(
                 latest, "batch sampled ahead"), source.record)
+        ahead = None
+        if meta.get("generated_ahead") is not None:  # async rounds on the JAX sampler
+            arrays = source.ahead.load_arrays(latest, "the params of its batch in flight")
+            live = jax.tree.leaves(state.params)
+            ahead = (jax.tree.unflatten(jax.tree.structure(state.params),
+                                        [jax.device_put(arrays[str(i)].view(x.dtype)
+                                                        .reshape(x.shape), x.sharding)
+                                         for i, x in enumerate(live)]),
+                     int(meta["generated_ahead"]))
         return RunState(
             state, data_lib.DataPosition(*meta["data_position"]), meta["round"],
             int(meta.get("num_tokens", 0)),
@@ -224,7 +237,7 @@ class RunCheckpoints:
             epoch_end=meta.get("buffered_epoch_end", 0), reference=reference,
             in_flight=tuple((r, data_lib.DataPosition(e, i))
                             for r, e, i in meta.get("in_flight", ())),
-            rows_in_flight=rows_in_flight, queued=queued)
+            rows_in_flight=rows_in_flight, queued=queued, generated_ahead=ahead)
 
     def save(self, at: RunState, metrics: dict) -> None:
         """A checkpoint of the run state `at`, whole: the train state with its meta (data
@@ -241,6 +254,11 @@ class RunCheckpoints:
             self.rows_in_flight.save_arrays(step, arrays)
         if at.queued is not None:
             self.queued.save_arrays(step, disaggregated.to_arrays(at.queued))
+        if at.generated_ahead is not None:
+            # As bytes: np.savez keeps no bfloat16 (the live params give each its dtype back).
+            self.ahead.save_arrays(step, {str(i): np.asarray(x).reshape(-1).view(np.uint8)
+                                          for i, x in
+                                          enumerate(jax.tree.leaves(at.generated_ahead[0]))})
         if self.refs is not None:
             self.refs.save(step, at.reference)  # also first, committed before the state
         meta = {"data_position": list(at.position), "round": at.round,
@@ -250,12 +268,15 @@ class RunCheckpoints:
                 "rows_in_flight": at.rows_in_flight is not None,
                 "rows_in_flight_hosts": self.hosts,
                 "queued": at.queued is not None,
+                "generated_ahead": (None if at.generated_ahead is None
+                                    else at.generated_ahead[1]),
                 "schedule": self.schedule,
                 "metrics": {k: None if v is None else float(v) for k, v in metrics.items()}}
         self.ckpt.save(step, at.state, meta)
         self.buffers.prune(self.ckpt.all_steps())
         self.rows_in_flight.prune(self.ckpt.all_steps())
         self.queued.prune(self.ckpt.all_steps())
+        self.ahead.prune(self.ckpt.all_steps())
 
 
 @dataclasses.dataclass
@@ -469,6 +490,12 @@ def run_rounds(run: Run) -> dict:
     log = RunLog.open(run.out, cfg.run, plan, total_steps, len(run.dataset), run.at.step)
     run.round.sync_weights(run.at.state.params)
     base_key = jax.random.key(cfg.data.seed)
+    if run.at.generated_ahead is not None and run.rollout.generates_ahead:  # resumed: the
+        # batch in flight generated again as it was (async rounds on the JAX sampler)
+        params, staleness = run.at.generated_ahead
+        run.rollout.resume_ahead(params, run.round.weights_for(params, run.rollout.weight_mode),
+                                 staleness, *_in_flight(run))
+        run.at = run.at.replace(generated_ahead=None)
     eval_key = jax.random.fold_in(base_key, EVAL_KEY_TAG)
     saves = log.saves
     if cfg.run.save_strategy == "no" and dist.is_main():
@@ -547,7 +574,7 @@ def run_rounds(run: Run) -> dict:
                     evaluate()
                 if saves.due(run.at.step):
                     run.at = run.round.settle(run.at)  # the sampler's advance in it, whole
-                    run.checkpoints.save(run.at, log.last)
+                    run.checkpoints.save(_with_ahead(run), log.last)
             log.flush(run.at.step)  # the steps since the last log (TRL: in its final summary)
             if draws.used_up and run.at.step < total_steps:
                 _data_used_up(run)
@@ -653,6 +680,24 @@ def _data_used_up(run: Run) -> None:
               "raise num_train_epochs to train on more", file=sys.stderr)
 
 
+def _in_flight(run: Run) -> tuple[list[dict], int, Any]:
+    """The records, group size and key of the run state's batch in flight (async rounds
+    without dynamic sampling: train.run_rounds prefetches it so)."""
+    (r, position), = run.at.in_flight
+    records, _ = run.dataset.batch_prompts(position, run.plan.prompts_per_generation)
+    return (records, run.plan.num_generations,
+            jax.random.fold_in(jax.random.key(run.cfg.data.seed), r))
+
+
+def _with_ahead(run: Run) -> RunState:
+    """The run state a checkpoint holds: with async rounds on the JAX sampler, the params of
+    the batch in flight (one batch ahead; with dynamic sampling a fill's several are generated
+    again on the resumed run's weights, as a server's are)."""
+    if run.cfg.grpo.dynamic_sampling or len(run.at.in_flight) != 1:
+        return run.at
+    return run.at.replace(generated_ahead=run.rollout.generated_ahead(*_in_flight(run)))
+
+
 def _finish(run: Run, failure: BaseException | None, log: RunLog) -> None:
     """A run's end, however it ends: the final checkpoint (whether finished, interrupted or
     failed mid-round: the state saved is the last completed update, never a half-applied one;
@@ -672,7 +717,10 @@ def _finish(run: Run, failure: BaseException | None, log: RunLog) -> None:
             step = run.at.step
             if (moved is None and ckpt.failed is None and step not in ckpt.all_steps()
                     and step > 0 and not isinstance(failure, UpdatesSkippedError)):
-                run.checkpoints.save(run.at, log.last)
+                # A failed round's versions may be half-kept: its batch in flight is generated
+                # again on the state's weights.
+                whole = failure is None or isinstance(failure, StopRun)
+                run.checkpoints.save(_with_ahead(run) if whole else run.at, log.last)
         except CheckpointWriteError as e:
             final_error = e
         except Exception as e:  # e.g. buffers donated to a step that failed

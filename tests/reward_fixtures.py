@@ -105,6 +105,19 @@ def even_tokens_then_stall(prompts, completions, completion_ids, trainer_state, 
     return even_tokens(prompts, completions, completion_ids)
 
 
+def even_tokens_then_stop(prompts, completions, completion_ids, trainer_state, **kwargs):
+    """even_tokens; with $GRPO_JAX_TEST_SIGTERM_AT=N set, the round scored after N updates
+    sends this process SIGTERM, once (the variable is unset): an in-process run stops after
+    that round, as a scheduler's signal stops it."""
+    import os
+    import signal
+    at = os.environ.get("GRPO_JAX_TEST_SIGTERM_AT")
+    if at is not None and trainer_state.global_step >= int(at):
+        del os.environ["GRPO_JAX_TEST_SIGTERM_AT"]
+        os.kill(os.getpid(), signal.SIGTERM)
+    return even_tokens(prompts, completions, completion_ids)
+
+
 def nan_rewards(prompts, completions, completion_ids, **kwargs):
     """No finite reward for any completion: NaN, which TRL treats as None."""
     return [float("nan")] * len(completions)

@@ -410,6 +410,19 @@ def test_sampler_devices_needs_partial_rollouts_and_refuses_the_rest():
             config_from_dict(bad)
 
 
+def test_a_rollout_func_with_max_staleness_on_the_jax_sampler_runs_async_rounds():
+    """Whole episodes a round ahead (test_async_jax.py): no decode slots needed; refused on
+    sampler_devices and with several processes, each naming what to unset."""
+    ahead = {"rollout_func": "x.py:f", "max_staleness": 1}
+    assert config_from_dict(ahead).rollout.max_staleness == 1
+    assert config_from_dict({**ahead, "max_num_seqs": 8}).generation.max_num_seqs == 8
+    for bad, needle in [({**ahead, "sampler_devices": 2, "max_num_seqs": 8},
+                         "unset sampler_devices"),
+                        ({**ahead, "num_processes": 2}, "unset num_processes")]:
+        with pytest.raises(ConfigError, match=needle):
+            config_from_dict(bad)
+
+
 def test_vllm_request_options():
     with pytest.raises(ConfigError, match="applies to vLLM rollouts"):
         config_from_dict({"vllm_structured_outputs_regex": "[0-9]+"})

@@ -658,7 +658,7 @@ def test_dynamic_sampling_fills_from_batches_generated_ahead():
     rest of its fill current; the engine mismatch scores each part with its own version."""
     from grpo_jax import dynamic_sampling as ds
     from grpo_jax.round import NeverStop
-    from grpo_jax.rollout.vllm.async_rounds import AsyncRollout
+    from grpo_jax.rollout.async_rounds import AsyncRollout
     from grpo_jax.train import Draws
     p = plan(4, 1)  # 4 prompts a generation, 4 updates a round
     inner = PromptRollout()

@@ -303,7 +303,7 @@ def test_multi_turn_on_the_vllm_server(smol_dir, smol_model, tok, smol_vllm_serv
     included, are generated ahead in the background (prefetch) and the round takes them."""
     from grpo_jax.cli import load_config
     from grpo_jax.hf import params_numpy
-    from grpo_jax.rollout.vllm.async_rounds import AsyncRollout
+    from grpo_jax.rollout.async_rounds import AsyncRollout
     from grpo_jax.rollout.vllm.client import VLLMClient
     from grpo_jax.rollout.engines import make_rollout
     srv, _ = smol_vllm_server

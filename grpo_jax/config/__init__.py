@@ -87,16 +87,24 @@ class TrainConfig:
               f"soft_punish_cache ({cache}) must be at most max_completion_length "
               f"({self.generation.max_completion_length}): the penalty starts that many tokens "
               "before it")
-        partial = self.rollout.max_staleness and self.rollout.backend == "jax"
+        jax_async = self.rollout.max_staleness and self.rollout.backend == "jax"
+        # A rollout_func's whole episodes are generated a round ahead (async rounds, as with
+        # vLLM: rollout/async_rounds.py); anything else runs partial rollouts.
+        ahead = jax_async and bool(self.multi_turn.rollout_func)
+        partial = jax_async and not ahead
         check(not partial or (self.generation.max_num_seqs is not None
                               and self.generation.continuous_batching),
               "max_staleness > 0 with the JAX sampler runs partial rollouts through its decode "
               "slots: set max_num_seqs (and continuous_batching true), or max_staleness 0")
-        check(not partial or not self.multi_turn.rollout_func,
-              "max_staleness > 0 with the JAX sampler carries rows between rounds inside the "
-              "sampler, and a rollout_func makes whole episodes in one call of your function: "
-              "set max_staleness 0 (or use tools, which partial rollouts run row by row)")
         split = self.rollout.sampler_devices is not None
+        check(not ahead or not split,
+              "max_staleness > 0 with a rollout_func on the JAX sampler generates its episodes "
+              "a round ahead on the trainer's devices, not on sampler_devices: unset "
+              "sampler_devices (and sampler_process)")
+        check(not ahead or (self.distributed.num_processes or 1) == 1,
+              "max_staleness > 0 with a rollout_func on the JAX sampler generates a round ahead "
+              "in a thread of one process: unset num_processes (one process), or set "
+              "max_staleness 0")
         check(not split or partial and self.generation.max_num_seqs is not None,
               "sampler_devices runs partial rollouts on devices of their own: it needs "
               "max_staleness >= 1, the JAX sampler (use_vllm false) and max_num_seqs")

@@ -113,11 +113,12 @@ class RolloutArgs:
     max_staleness: int = arg(
         0,
         "0 generates each round with the weights of the update just before it (TRL "
-        "GRPOTrainer). >= 1 with vLLM: async rounds (rollout/vllm/async_rounds.py), round n+1 "
+        "GRPOTrainer). >= 1 with vLLM: async rounds (rollout/async_rounds.py), round n+1 "
         "generated during round n's update. >= 1 with the JAX sampler and max_num_seqs: partial "
         "rollouts (rollout/native/partial.py), a round trains as soon as a generation batch of "
         "whole groups is done and the rows still decoding (or waiting on a tool) go on under the "
-        "next weights; not with a rollout_func. Either "
+        "next weights; with a rollout_func, async rounds as vLLM's (whole episodes a round ahead, "
+        "one process, the trainer's devices). Either "
         "way a batch or group with tokens more than this many weight versions old is generated "
         "again (TRL AsyncGRPOConfig: max_staleness, 4 there).")
     sampler_devices: int | None = arg(

@@ -142,6 +142,20 @@ class Rollout(abc.ABC):
         ones (a batch generated ahead, on weights since updated); else None."""
         return None
 
+    def generated_ahead(self, records: Sequence[dict], num_generations: int, key
+                        ) -> tuple[Any, int] | None:
+        """A checkpoint's batch in flight (of `records`, with that key) that a resume can
+        generate again exactly: (the trainer's params that generated it, the weight versions
+        between those and the current ones). None: not prefetched, or a rollout that holds its
+        own weights (a resume generates it again on the current ones)."""
+        return None
+
+    def resume_ahead(self, params, weights, staleness: int, records: Sequence[dict],
+                     num_generations: int, key) -> None:
+        """A resumed run's batch in flight (generated_ahead's), prefetched again with `params`
+        (as `weights`, in weight_mode's form), `staleness` versions before the current ones."""
+        raise NotImplementedError(f"{type(self).__name__} generates nothing ahead")
+
     def with_row_images(self, batch: RolloutBatch, records: Sequence[dict]) -> RolloutBatch:
         """`batch` with each row's images those of its record (one per row: its prompt's, then
         its tool results', images.record_images) for the trainer's forwards. Only a rollout

@@ -103,7 +103,9 @@ def _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools, batch_divisor, hos
     if cfg.rollout.backend == "jax":
         # SPMD over every process's devices
         partial = None
-        if cfg.rollout.max_staleness:  # partial rollouts of a generation batch's groups
+        # A rollout_func's whole episodes run a round ahead instead (async rounds, as with vLLM).
+        ahead = bool(cfg.rollout.max_staleness and cfg.multi_turn.rollout_func)
+        if cfg.rollout.max_staleness and not ahead:  # partial rollouts of a batch's groups
             divisor = (batch_divisor if batch_divisor is not None
                        else 1 if mesh is None else mesh_lib.batch_divisor(mesh))
             # A split run's sampler decodes with weights one version older than those that
@@ -116,6 +118,13 @@ def _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools, batch_divisor, hos
                              peft=cfg.peft, partial_rollouts=partial,
                              processor=(None if model_cfg.vision is None
                                         else images.load_processor(model_dir)))
+        if ahead:  # the sampler colocated with the trainer (config validation), one process
+            if dist.multi_process():  # SPMD programs in a thread would misorder collectives
+                raise ConfigError("max_staleness > 0 with a rollout_func on the JAX sampler "
+                                  "runs in one process: launch one, or set max_staleness 0")
+            from grpo_jax.rollout.async_rounds import AsyncRollout
+            episodes = _episodes(cfg, rollout, tokenizer, tools, sp)
+            return AsyncRollout(episodes, cfg.rollout.max_staleness, ahead=episodes)
     else:
         from grpo_jax.rollout.vllm.rollout import VLLMRollout
 
@@ -128,11 +137,12 @@ def _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools, batch_divisor, hos
 
 
 def _async_rounds(cfg, make, tokenizer, tools, sp):
-    """Outermost: a round's whole episodes (every tool turn, the rollout_func's calls) run ahead
-    on one weight version, since a push waits for the generation in flight. In a multi-process
+    """A server's async rounds (the JAX sampler's, a rollout_func's: _build). Outermost: a
+    round's whole episodes (every tool turn, the rollout_func's calls) run ahead on one weight
+    version, since a push waits for the generation in flight. In a multi-process
     run they run on process 0 alone, in its background thread (tools too: no broadcast there),
     and the finished batch goes to every process as the round takes it."""
-    from grpo_jax.rollout.vllm.async_rounds import AsyncRollout
+    from grpo_jax.rollout.async_rounds import AsyncRollout
     if not dist.multi_process():
         rollout = _episodes(cfg, make(), tokenizer, tools, sp)
         return AsyncRollout(rollout, cfg.rollout.max_staleness, ahead=rollout)

@@ -1,5 +1,12 @@
-"""Async rounds (`max_staleness >= 1` with vLLM rollouts): the server generates round n+1 while
+"""Async rounds (`max_staleness >= 1` with vLLM rollouts, or with a rollout_func on the JAX
+sampler): the server (or the JAX sampler, in a thread of this process) generates round n+1 while
 the trainer trains on round n, as TRL's AsyncGRPOTrainer does with weight_sync_steps 1.
+
+The JAX sampler reads its weights rather than being pushed them (WeightMode.READ): here
+update_weights keeps a copy of each version's (the next update donates the trainer's buffers),
+and the thread generates round n+1 with the copy of the version current when its prefetch began,
+so a round's whole episodes (every generate call of the rollout_func) run on one version, as on
+a server. JAX releases the GIL while its programs run, so the trainer's steps go on beside it.
 
 train.py asks for round n+1's generation (`prefetch`) just before it runs round n, so the server
 generates it with the weights pushed after round n-1 while round n is scored and trained. The push
@@ -51,10 +58,10 @@ def _tag(prompt_ids, num_generations: int, key) -> tuple:
 
 
 class AsyncRollout(RolloutWrapper):
-    """A VLLMRollout (with its tool loop or rollout_func, if any: a round's whole episodes)
-    whose next round can be generated ahead (`prefetch`). It keeps the trainer's params of each
-    version a batch in flight may come from, so the trainer scores a batch with the weights
-    that generated it (`generated_with`).
+    """A VLLMRollout (with its tool loop or rollout_func, if any: a round's whole episodes), or
+    a JaxRollout inside a rollout_func's CustomRollout, whose next round can be generated ahead
+    (`prefetch`). It keeps the trainer's params of each version a batch in flight may come
+    from, so the trainer scores a batch with the weights that generated it (`generated_with`).
 
     `inner`: what every process calls in the main thread (a round's generation when none was
     prefetched, weight pushes): the rollout itself, or in a multi-process run the
@@ -66,7 +73,7 @@ class AsyncRollout(RolloutWrapper):
 
     def __init__(self, inner, max_staleness: int, ahead):
         self.inner, self.max_staleness, self.ahead = inner, max_staleness, ahead
-        self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix="vllm-prefetch")
+        self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix="rollout-prefetch")
         # tag -> (weight version at start, future of (batch, start, end), None on a process
         # that doesn't generate ahead); train.py asks for round n+1 before round n takes its
         # own, so two can be here at once.
@@ -80,6 +87,10 @@ class AsyncRollout(RolloutWrapper):
         self.staleness = 0
         # The staleness of each batch taken on weight version `taken[0]` (a fill takes several).
         self.taken: tuple[int, list[int]] = (0, [])
+        # A rollout that reads its weights (the JAX sampler): the current version's, in its
+        # weight_mode's form, copied (None for a server's: it holds its own).
+        self.weights = None
+        self.made: dict[tuple, int] = {}  # tag -> the version of each recent prefetch
 
     def prefetch(self, records, num_generations: int, key) -> None:
         """Start generating the round of `records` in the background; returns once it has
@@ -90,16 +101,18 @@ class AsyncRollout(RolloutWrapper):
         self.latest = None if self.ahead is None else self._start(ids, num_generations, key,
                                                                     records)
         self.pending[_tag(ids, num_generations, key)] = (self.version, self.latest)
+        self.made[_tag(ids, num_generations, key)] = self.version
 
     def _start(self, ids, num_generations: int, key, records) -> cf.Future:
         started = threading.Event()
 
         given = records if self.inner.takes_records else None  # a rollout_func reads them
+        weights = self.weights  # this version's, whatever the updates meanwhile
 
         def run():
             start = time.time()
             started.set()
-            batch = self.ahead.generate(None, ids, num_generations, key, given)
+            batch = self.ahead.generate(weights, ids, num_generations, key, given)
             return batch, start, time.time()
         future = self.pool.submit(run)
         started.wait()
@@ -138,11 +151,11 @@ class AsyncRollout(RolloutWrapper):
         return self.pushed.get(self.version - self.staleness)
 
     def update_weights(self, weights, params) -> float:
-        """Push after the generation in the background is done. pause(mode=wait) alone would
-        let requests that reach the server late (the background thread may send them after a
-        short update began) wait out the push and run on the new weights, which would make a
-        batch's version uncertain; waiting here keeps it exact (the push waits for that
-        generation either way)."""
+        """Push after the generation in the background is done (the JAX sampler: copy the
+        weights it will read). pause(mode=wait) alone would let requests that reach the server
+        late (the background thread may send them after a short update began) wait out the
+        push and run on the new weights, which would make a batch's version uncertain; waiting
+        here keeps it exact (the push waits for that generation either way)."""
         self.metrics.pop("timeline/next_generate_start", None)
         self.metrics.pop("timeline/next_generate_end", None)
         if self.latest is not None:
@@ -152,12 +165,35 @@ class AsyncRollout(RolloutWrapper):
                 self.metrics["timeline/next_generate_start"] = start
                 self.metrics["timeline/next_generate_end"] = end
             self.latest = None
+        t0 = time.perf_counter()
         took = self.inner.update_weights(weights, params)  # every process (a gather)
         self.version += 1
-        self.pushed[self.version] = jax.tree.map(jnp.copy, params)
+        self.pushed[self.version] = kept = jax.tree.map(jnp.copy, params)
+        if not self.weight_mode.pushed:  # read at generate: the copy the thread generates with
+            self.weights = kept if weights is params else jax.tree.map(jnp.copy, weights)
+            jax.block_until_ready(self.weights)
+            took = time.perf_counter() - t0  # the copies are this rollout's weight sync
         for old in [v for v in self.pushed if v < self.version - self.max_staleness]:
             del self.pushed[old]
+        for tag in [t for t, v in self.made.items() if v < self.version - self.max_staleness]:
+            del self.made[tag]
         return took
+
+    def generated_ahead(self, records, num_generations, key):
+        """The params the batch of `records` (a checkpoint's in flight, prefetched; taken by a
+        round a stop aborted, or not yet) was generated with, and the versions since, for a
+        resume to generate it again exactly: the JAX sampler's only, the weights it reads
+        being the trainer's; a server's is generated again on the current weights."""
+        version = self.made.get(_tag([r["prompt_ids"] for r in records], num_generations, key))
+        params = None if self.weight_mode.pushed else self.pushed.get(version)
+        return None if params is None else (params, self.version - version)
+
+    def resume_ahead(self, params, weights, staleness, records, num_generations, key) -> None:
+        current = self.weights, self.version
+        self.version -= staleness
+        self.pushed[self.version], self.weights = params, weights
+        self.prefetch(records, num_generations, key)  # tagged with that version
+        self.weights, self.version = current
 
     @property
     def sync_metrics(self) -> dict:

@@ -1,0 +1,110 @@
+"""Async rounds on the JAX sampler (max_staleness 1 with a rollout_func,
+grpo_jax/rollout/async_rounds.py): a round's whole episodes (the function's generate calls)
+run one round ahead in a worker thread on one weight version's copy, as vLLM's do on a server.
+The first round is the synchronous run's; every later one trains a batch one version old whose
+sampler log-probs equal the trainer's under the weights that drew it; a run resumed from a
+checkpoint ends as the uninterrupted one, each prompt trained once."""
+
+import json
+
+import jax
+import pytest
+from tiny_run import HERE, assert_resumed_like_whole, config, history, stopped_at
+
+from grpo_jax.train import train
+
+# even_tokens_then_stop: even_tokens, and a SIGTERM where a test asks for one.
+GAME = dict(rollout_func=f"{HERE / 'reward_fixtures.py'}:two_turn_game",
+            reward_funcs=f"[{HERE / 'reward_fixtures.py'}:even_tokens_then_stop, "
+                         f"{HERE / 'reward_fixtures.py'}:more_moves]",
+            max_completion_length=24, log_completions="true", num_completions_to_print=0,
+            shuffle_dataset="false")
+ASYNC = dict(max_steps=4, save_steps=2, max_staleness=1)
+
+
+def _run(tiny_dir, out, **extra) -> list[dict]:
+    train(config(tiny_dir, out, **{**GAME, **extra}), devices=jax.devices()[:1])
+    return history(out)
+
+
+def _completions(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "completions.jsonl").open()]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_dir, tmp_path_factory):
+    """The async run's directory `full` (checkpoints at steps 2 and 4), beside which the
+    tests write theirs."""
+    root = tmp_path_factory.mktemp("async_jax")
+    _run(tiny_dir, root / "full", **ASYNC)
+    return root
+
+
+@pytest.mark.slow
+def test_a_rollout_funcs_episodes_run_a_round_ahead_on_the_jax_sampler(tiny_dir, runs):
+    tmp_path = runs
+    sync = _run(tiny_dir, tmp_path / "sync", max_steps=4)
+    hist = history(tmp_path / "full")
+    assert [h["step"] for h in hist] == [1, 2, 3, 4]
+    assert [h["async/staleness"] for h in hist] == [0, 1, 1, 1]
+    assert all(h["async/discarded"] == 0 for h in hist)
+    assert "async/staleness" not in sync[0]
+    # Round 1 has nothing to overlap with: generated when asked, as the synchronous run's.
+    first = [c for c in _completions(tmp_path / "sync") if c["step"] == 1]
+    assert first and first == [c for c in _completions(tmp_path / "full") if c["step"] == 1]
+    for name in ("reward", "rewards/more_moves/mean", "num_tokens", "completions/mean_length"):
+        assert hist[0][name] == sync[0][name], name
+    # The loss weighs tokens by TRL's importance-sampling correction, which async rounds keep
+    # on (their batches are stale) and the synchronous JAX sampler turns off: on the first
+    # round, same weights, the weights are 1 up to float noise.
+    assert abs(hist[0]["loss"] - sync[0]["loss"]) < 1e-6
+    assert hist[0]["grad_norm"] == pytest.approx(sync[0]["grad_norm"], rel=1e-5)
+    assert max(h["rewards/more_moves/mean"] for h in hist) > 1.0  # second turns were played
+    # Both model turns of each episode drawn with one version's weights, the one kept for it.
+    engine = [h["sampling/engine_logp_difference/max"] for h in hist[1:]]
+    assert max(engine) < 1e-4, engine
+    # ... not the current weights: the update between shows against them.
+    assert min(h["sampling/sampling_logp_difference/mean"] for h in hist[1:]) > 1e-3
+    # Every round trains its own prompts, in data order, as the synchronous run's.
+    prompts = lambda out: [c["prompt"] for c in _completions(out)]  # noqa: E731
+    assert prompts(tmp_path / "full") == prompts(tmp_path / "sync")
+    assert all(h["timeline/next_generate_start"] <= h["timeline/train_start"] for h in hist[1:])
+
+
+@pytest.mark.slow
+def test_a_resumed_run_generates_its_batch_in_flight_again_as_it_was(tiny_dir, runs,
+                                                                     monkeypatch):
+    """Stopped after its step-2 checkpoint (stopped_at: the uninterrupted run's own), or by
+    SIGTERM during round 3 (it trains that round, checkpoints and stops), the run resumes to
+    the uninterrupted one's metrics, completions and weights: the batch that was in flight is
+    generated again on the params that generated it (kept in the checkpoint), one version old
+    as it was, and each prompt trains once, in data order."""
+    from grpo_jax.checkpoint import StopRun
+    tmp_path, settings = runs, ASYNC
+    full = history(tmp_path / "full")
+    assert sorted(p.name for p in (tmp_path / "full" / "generated_ahead").iterdir()) == [
+        "2.npz", "4.npz"]
+    stopped_at(tmp_path / "full", tmp_path / "cut", 2)
+    cut = _run(tiny_dir, tmp_path / "cut", resume="true", **settings)
+    assert [h["step"] for h in cut] == [1, 2, 3, 4]
+    assert [h["async/staleness"] for h in cut] == [0, 1, 1, 1]
+    assert_resumed_like_whole(tmp_path, full, cut)
+    trained = _completions(tmp_path / "cut")
+    assert trained == _completions(tmp_path / "full")
+    groups = [(c["step"], c["prompt"]) for c in trained]
+    prompts = [p for _, p in dict.fromkeys(groups)]  # each step's prompts, in order
+    data = [json.loads(line)["prompt"] for line in (tiny_dir / "prompts.jsonl").open()]
+    assert prompts == data[:len(prompts)] and len(prompts) == 16
+
+    monkeypatch.setenv("GRPO_JAX_TEST_SIGTERM_AT", "1")
+    with pytest.raises(StopRun):
+        _run(tiny_dir, tmp_path / "sig", **settings)
+    assert (tmp_path / "sig" / "generated_ahead" / "1.npz").exists()
+    sig = _run(tiny_dir, tmp_path / "sig", resume="true", **settings)
+    assert [h["step"] for h in sig] == [1, 2, 3, 4]
+    for a, b in zip(full, sig):
+        assert {k: v for k, v in a.items() if not k.startswith(("timing/", "step_time",
+                                                                  "timeline/"))} == {
+            k: v for k, v in b.items() if not k.startswith(("timing/", "step_time",
+                                                            "timeline/"))}, a["step"]
+    assert _completions(tmp_path / "sig") == trained
