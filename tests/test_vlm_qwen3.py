@@ -18,8 +18,9 @@ from grpo_jax.models import lora, qwen3_vl, qwen_vl
 from grpo_jax.rollout.native.sampler import Sampler
 from grpo_jax.rollout.native.sampling import SamplingParams
 
-from vlm_models import (GRIDS, IMAGE, qwen_batch as _batch, qwen_hf_inputs as _hf_inputs,
-                        real_diff as _real_diff, tiny_qwen3)
+from vlm_models import (GRIDS, IMAGE, bnb_quantized, qwen_batch as _batch,
+                        qwen_hf_inputs as _hf_inputs, quantized_tower, real_diff as _real_diff,
+                        same_modules, tiny_qwen3)
 
 
 def _hf_logits(ref, batch):
@@ -53,7 +54,8 @@ def tiny(tmp_path_factory):
 def test_tower_and_logits_match_transformers(tiny):
     """The position table's taps as vision_utils' (bilinear, align_corners, merge-block order);
     M-RoPE positions as get_rope_index; the merger's and both DeepStack mergers' features; the
-    logits (< 1e-4), which the DeepStack features move (dropping them: > 1e-2)."""
+    logits (< 1e-4), which the DeepStack features move (dropping them: > 1e-2). Under
+    load_in_4bit the tower's linears that bitsandbytes would quantize are NF4 codes."""
     from transformers import vision_utils
     ref, _, model = tiny
     v, batch = model.cfg.vision, _batch()
@@ -83,6 +85,13 @@ def test_tower_and_logits_match_transformers(tiny):
     print(f"max |logits diff| {diff:.2e}")
     assert diff < 1e-4
     assert model.cfg.mrope_interleaved and model.cfg.mrope_section == (2, 3, 3)
+    # QLoRA's base (load_in_4bit) quantizes the linears transformers' bitsandbytes quantizer
+    # replaces on the tower (the DeepStack mergers' too); its features stay near the fp32's.
+    q, _ = hf.load_model(str(tiny[1]), dtype=jnp.float32, quant_bits=4)
+    theirs = {n for n in bnb_quantized(ref) if ".visual." in n}
+    assert same_modules(theirs, quantized_tower(q)) and len(theirs) == 3 * 4 + 2 + 2 * 2
+    coarse = np.asarray(q.vision(jnp.asarray(pixels), GRIDS, jnp.float32))
+    assert 0 < np.abs(coarse - features).max() / np.abs(features).max() < 0.1
     # Without the DeepStack addends the logits move: the test above sees them.
     d = model.cfg.hidden_size
     emb = model.embed_multimodal(jnp.asarray(tokens), jnp.asarray(pixels), GRIDS)
