@@ -458,8 +458,8 @@ def _split(cfg: config_lib.TrainConfig, rollout, sampler_mesh, width: int | None
            ) -> disaggregated.Split | None:
     """With sampler_devices, the sampler a round ahead: in this process on `sampler_mesh`, or
     (sampler_process) in a process of its own laid out the same."""
-    if sampler_mesh is None:
-        return None
+    if sampler_mesh is None or rollout.generates_ahead:  # (a rollout_func's episodes a round
+        return None  # ahead on the sampler's mesh: rollout/async_rounds.py)
     r = cfg.rollout
     if not r.sampler_process:
         return disaggregated.SplitRollouts(rollout.partial, sampler_mesh, r.max_staleness)

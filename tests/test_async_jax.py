@@ -3,7 +3,8 @@ grpo_jax/rollout/async_rounds.py): a round's whole episodes (the function's gene
 run one round ahead in a worker thread on one weight version's copy, as vLLM's do on a server.
 The first round is the synchronous run's; every later one trains a batch one version old whose
 sampler log-probs equal the trainer's under the weights that drew it; a run resumed from a
-checkpoint ends as the uninterrupted one, each prompt trained once."""
+checkpoint ends as the uninterrupted one, each prompt trained once; on a sampler device of its
+own (sampler_devices) it trains as on the trainer's."""
 
 import json
 
@@ -22,8 +23,8 @@ GAME = dict(rollout_func=f"{HERE / 'reward_fixtures.py'}:two_turn_game",
 ASYNC = dict(max_steps=4, save_steps=2, max_staleness=1)
 
 
-def _run(tiny_dir, out, **extra) -> list[dict]:
-    train(config(tiny_dir, out, **{**GAME, **extra}), devices=jax.devices()[:1])
+def _run(tiny_dir, out, devices=1, **extra) -> list[dict]:
+    train(config(tiny_dir, out, **{**GAME, **extra}), devices=jax.devices()[:devices])
     return history(out)
 
 
@@ -108,3 +109,16 @@ def test_a_resumed_run_generates_its_batch_in_flight_again_as_it_was(tiny_dir, r
             k: v for k, v in b.items() if not k.startswith(("timing/", "step_time",
                                                             "timeline/"))}, a["step"]
     assert _completions(tmp_path / "sig") == trained
+
+
+@pytest.mark.slow
+def test_on_a_sampler_device_of_its_own_it_trains_as_colocated(tiny_dir, runs):
+    """sampler_devices 1 of 2: the episodes a round ahead run on the sampler's device (each
+    version's weights copied there, device to device), the trainer on the other; the run's
+    metrics and completions are the colocated run's (the same programs, on another device)."""
+    full = history(runs / "full")
+    split = _run(tiny_dir, runs / "split", devices=2, sampler_devices=1, **ASYNC)
+    drop = ("timing/", "step_time", "timeline/")
+    assert [{k: v for k, v in h.items() if not k.startswith(drop)} for h in split] == [
+        {k: v for k, v in h.items() if not k.startswith(drop)} for h in full]
+    assert _completions(runs / "split") == _completions(runs / "full")

@@ -411,13 +411,15 @@ def test_sampler_devices_needs_partial_rollouts_and_refuses_the_rest():
 
 
 def test_a_rollout_func_with_max_staleness_on_the_jax_sampler_runs_async_rounds():
-    """Whole episodes a round ahead (test_async_jax.py): no decode slots needed; refused on
-    sampler_devices and with several processes, each naming what to unset."""
+    """Whole episodes a round ahead (test_async_jax.py): no decode slots needed, on
+    sampler_devices too; refused in a sampler process and with several processes, each naming
+    what to unset."""
     ahead = {"rollout_func": "x.py:f", "max_staleness": 1}
     assert config_from_dict(ahead).rollout.max_staleness == 1
     assert config_from_dict({**ahead, "max_num_seqs": 8}).generation.max_num_seqs == 8
-    for bad, needle in [({**ahead, "sampler_devices": 2, "max_num_seqs": 8},
-                         "unset sampler_devices"),
+    assert config_from_dict({**ahead, "sampler_devices": 2}).rollout.sampler_devices == 2
+    for bad, needle in [({**ahead, "sampler_devices": 2, "sampler_process": True},
+                         "unset sampler_process"),
                         ({**ahead, "num_processes": 2}, "unset num_processes")]:
         with pytest.raises(ConfigError, match=needle):
             config_from_dict(bad)

@@ -97,17 +97,18 @@ class TrainConfig:
               "max_staleness > 0 with the JAX sampler runs partial rollouts through its decode "
               "slots: set max_num_seqs (and continuous_batching true), or max_staleness 0")
         split = self.rollout.sampler_devices is not None
-        check(not ahead or not split,
+        check(not ahead or not self.rollout.sampler_process,
               "max_staleness > 0 with a rollout_func on the JAX sampler generates its episodes "
-              "a round ahead on the trainer's devices, not on sampler_devices: unset "
-              "sampler_devices (and sampler_process)")
+              "a round ahead in a thread of this process (on sampler_devices of their own, or "
+              "the trainer's), not in a sampler process: unset sampler_process")
         check(not ahead or (self.distributed.num_processes or 1) == 1,
               "max_staleness > 0 with a rollout_func on the JAX sampler generates a round ahead "
               "in a thread of one process: unset num_processes (one process), or set "
               "max_staleness 0")
-        check(not split or partial and self.generation.max_num_seqs is not None,
-              "sampler_devices runs partial rollouts on devices of their own: it needs "
-              "max_staleness >= 1, the JAX sampler (use_vllm false) and max_num_seqs")
+        check(not split or ahead or partial and self.generation.max_num_seqs is not None,
+              "sampler_devices runs partial rollouts (or a rollout_func's episodes a round "
+              "ahead) on devices of their own: it needs max_staleness >= 1, the JAX sampler "
+              "(use_vllm false) and max_num_seqs (or a rollout_func)")
         check(not split or (self.distributed.num_processes or 1) == 1
               or self.rollout.sampler_process,
               "sampler_devices in a multi-process run needs sampler_process: each process's "

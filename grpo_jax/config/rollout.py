@@ -118,7 +118,7 @@ class RolloutArgs:
         "rollouts (rollout/native/partial.py), a round trains as soon as a generation batch of "
         "whole groups is done and the rows still decoding (or waiting on a tool) go on under the "
         "next weights; with a rollout_func, async rounds as vLLM's (whole episodes a round ahead, "
-        "one process, the trainer's devices). Either "
+        "one process, on sampler_devices or the trainer's). Either "
         "way a batch or group with tokens more than this many weight versions old is generated "
         "again (TRL AsyncGRPOConfig: max_staleness, 4 there).")
     sampler_devices: int | None = arg(
@@ -128,8 +128,8 @@ class RolloutArgs:
         "n+1's rows decode with round n's weights while round n trains, so every token is at "
         "least one version old and max_staleness counts that version (with dynamic_sampling, "
         "a round short of groups with signal waits for the sampler's next advances, decoded "
-        "with its own weights). Unset: one set of devices, the sampler and the trainer taking "
-        "turns.")
+        "with its own weights). With a rollout_func: its async rounds' episodes run there. "
+        "Unset: one set of devices, the sampler and the trainer taking turns.")
     sampler_process: bool = arg(
         False,
         "With sampler_devices: the sampler in a process of its own "

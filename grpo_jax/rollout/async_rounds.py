@@ -71,8 +71,12 @@ class AsyncRollout(RolloutWrapper):
 
     generates_ahead = True
 
-    def __init__(self, inner, max_staleness: int, ahead):
+    def __init__(self, inner, max_staleness: int, ahead, place=None):
+        """`place`: the JAX sampler on devices of its own (sampler_devices): puts the trainer's
+        weights onto the sampler's mesh (a device-to-device copy); None: it reads them where
+        they are (a copy kept per version all the same)."""
         self.inner, self.max_staleness, self.ahead = inner, max_staleness, ahead
+        self.place = place
         self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix="rollout-prefetch")
         # tag -> (weight version at start, future of (batch, start, end), None on a process
         # that doesn't generate ahead); train.py asks for round n+1 before round n takes its
@@ -138,6 +142,8 @@ class AsyncRollout(RolloutWrapper):
                 return batch
             self.discarded += 1  # too old: generated again below, on the current weights
         self._took(0)
+        if self.place is not None and not self.weight_mode.pushed:
+            weights = self.place(weights)
         return self.inner.generate(weights, prompt_ids, num_generations, key, records)
 
     def _took(self, staleness: int) -> None:
@@ -170,7 +176,10 @@ class AsyncRollout(RolloutWrapper):
         self.version += 1
         self.pushed[self.version] = kept = jax.tree.map(jnp.copy, params)
         if not self.weight_mode.pushed:  # read at generate: the copy the thread generates with
-            self.weights = kept if weights is params else jax.tree.map(jnp.copy, weights)
+            if self.place is not None:  # onto the sampler's devices: a copy already
+                self.weights = self.place(weights)
+            else:
+                self.weights = kept if weights is params else jax.tree.map(jnp.copy, weights)
             jax.block_until_ready(self.weights)
             took = time.perf_counter() - t0  # the copies are this rollout's weight sync
         for old in [v for v in self.pushed if v < self.version - self.max_staleness]:
@@ -191,7 +200,8 @@ class AsyncRollout(RolloutWrapper):
     def resume_ahead(self, params, weights, staleness, records, num_generations, key) -> None:
         current = self.weights, self.version
         self.version -= staleness
-        self.pushed[self.version], self.weights = params, weights
+        self.pushed[self.version] = params
+        self.weights = weights if self.place is None else self.place(weights)
         self.prefetch(records, num_generations, key)  # tagged with that version
         self.weights, self.version = current
 

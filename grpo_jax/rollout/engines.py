@@ -3,6 +3,8 @@ run. The contract: rollout/base.py."""
 
 from __future__ import annotations
 
+import jax
+
 from grpo_jax import distributed as dist
 from grpo_jax import hf
 from grpo_jax import images
@@ -124,7 +126,11 @@ def _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools, batch_divisor, hos
                                   "runs in one process: launch one, or set max_staleness 0")
             from grpo_jax.rollout.async_rounds import AsyncRollout
             episodes = _episodes(cfg, rollout, tokenizer, tools, sp)
-            return AsyncRollout(episodes, cfg.rollout.max_staleness, ahead=episodes)
+            # sampler_devices: `mesh` is the sampler's own, the weights copied onto it.
+            place = (None if cfg.rollout.sampler_devices is None else
+                     lambda w: jax.device_put(w, mesh_lib.param_shardings(w, mesh)))
+            return AsyncRollout(episodes, cfg.rollout.max_staleness, ahead=episodes,
+                                place=place)
     else:
         from grpo_jax.rollout.vllm.rollout import VLLMRollout
 
