@@ -9,6 +9,7 @@ whatever random tokens end it, is a call; a sixteenth of the vocabulary stops a 
 end at different lengths and some results do not fit the budget."""
 
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -151,10 +152,37 @@ def tool_dir(tmp_path_factory, tok):
     return out
 
 
+def _tool_sets(tok, split: bool) -> dict:
+    """The tool runs' settings: 4 steps, checkpoints at 2 and 4; with `split` the sampler on 1
+    of 2 devices."""
+    stops = [tok.eos_token_id, *range(1000, 1000 + len(tok) // 16)]
+    sets = dict(chat_template="chatml_tools", tools="[grpo_jax.calculator:calculator]",
+                max_staleness=1 + split, max_num_seqs=6, max_completion_length=48,
+                per_device_train_batch_size=8, stop_token_ids=json.dumps(stops), max_steps=4,
+                save_steps=2)
+    if split:
+        sets["sampler_devices"] = 1
+    return sets
+
+
+@pytest.fixture(scope="module")
+def split_tool_run(tool_dir, tok, tmp_path_factory):
+    """The uninterrupted one-process split run with tools (_tool_sets with split), made once:
+    (its directory, its advances' finished prompts, the prompts drawn).
+    test_training_with_tool_turns_in_flight_and_resume[sampler_devices] resumes it from step
+    2; test_sampler_process_with_tools_equals_the_one_process_split holds its sampler process's
+    run against its first 2 steps."""
+    out = tmp_path_factory.mktemp("split_tools") / "full"
+    with pytest.MonkeyPatch.context() as mp:
+        got, drawn = advances(mp)
+        train(config(tool_dir, out, **_tool_sets(tok, True)), devices=jax.devices()[:2])
+    return out, list(got), list(drawn)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("split", [False, True], ids=["shared", "sampler_devices"])
 def test_training_with_tool_turns_in_flight_and_resume(tool_dir, tok, tmp_path, monkeypatch,
-                                                       split):
+                                                       request, split):
     """A run with the calculator and partial rollouts: every row's call is made and counted,
     groups train with tokens of max_staleness versions (rows carried over rounds), each prompt
     once; resumed from its step-2 checkpoint, which holds tool-calling rows in flight (their
@@ -163,18 +191,17 @@ def test_training_with_tool_turns_in_flight_and_resume(tool_dir, tok, tmp_path, 
     With sampler_devices (1 of 2 devices; max_staleness 2, since every token is a version
     behind) the tools run in the sampler's thread, a round ahead: the batch sampled ahead in
     the checkpoint holds the tool loop's fields (results masked from the loss, the messages the
-    rewards read), and its first batch trains at staleness 0."""
-    stops = [tok.eos_token_id, *range(1000, 1000 + len(tok) // 16)]
-    sets = dict(chat_template="chatml_tools", tools="[grpo_jax.calculator:calculator]",
-                max_staleness=1 + split, max_num_seqs=6, max_completion_length=48,
-                per_device_train_batch_size=8, stop_token_ids=json.dumps(stops), max_steps=4,
-                save_steps=2)
-    if split:
-        sets["sampler_devices"] = 1
-    got, drawn = advances(monkeypatch)
+    rewards read), and its first batch trains at staleness 0 (the run that did not stop: the
+    module's split_tool_run)."""
+    sets = _tool_sets(tok, split)
     devices = jax.devices()[:1 + split]
-    train(config(tool_dir, tmp_path / "full", **sets), devices=devices)
-    full, got[:], full_drawn, drawn[:] = list(got), [], list(drawn), []
+    if split:
+        made, full, full_drawn = request.getfixturevalue("split_tool_run")
+        shutil.copytree(made, tmp_path / "full")
+    got, drawn = advances(monkeypatch)
+    if not split:
+        train(config(tool_dir, tmp_path / "full", **sets), devices=devices)
+        full, got[:], full_drawn, drawn[:] = list(got), [], list(drawn), []
     stopped_at(tmp_path / "full", tmp_path / "cut", 2)
     episodes = json.loads(str(np.load(tmp_path / "cut" / "rows_in_flight" / "2.npz")[
         "episodes"]))
@@ -209,19 +236,18 @@ def test_training_with_tool_turns_in_flight_and_resume(tool_dir, tok, tmp_path, 
 
 
 @pytest.mark.slow
-def test_sampler_process_with_tools_equals_the_one_process_split(tool_dir, tok, tmp_path):
+def test_sampler_process_with_tools_equals_the_one_process_split(tool_dir, tok, split_tool_run,
+                                                                 tmp_path):
     """rollout.sampler_process with the calculator: the sampler's process builds the same tool
     loop (TurnsSpec: the tools by name, the prepared tokenizer) and calls the tools itself.
     Stopped at step 1 with tool-calling rows in flight (their episodes cross to a fresh sampler
-    process on resume) and resumed, it logs what the one-process split logs, tool calls
-    counted, and ends with its weights bit for bit."""
-    stops = [tok.eos_token_id, *range(1000, 1000 + len(tok) // 16)]
-    sets = dict(chat_template="chatml_tools", tools="[grpo_jax.calculator:calculator]",
-                max_staleness=2, max_num_seqs=6, max_completion_length=48,
-                per_device_train_batch_size=8, stop_token_ids=json.dumps(stops), max_steps=2,
-                sampler_devices=1)
+    process on resume) and resumed to step 2, it logs what the one-process split logs, tool
+    calls counted, and ends with its weights bit for bit (the one-process split: the module's
+    split_tool_run, its directory as at its step-2 checkpoint)."""
+    sets = dict(_tool_sets(tok, True), max_steps=2)
+    del sets["save_steps"]
     devices = jax.devices()[:2]
-    train(config(tool_dir, tmp_path / "full", **sets), devices=devices)
+    stopped_at(split_tool_run[0], tmp_path / "full", 2)
     own = dict(sets, sampler_process=True)
     train(config(tool_dir, tmp_path / "cut", **dict(own, max_steps=1)), devices=devices)
     episodes = json.loads(str(np.load(tmp_path / "cut" / "rows_in_flight" / "1.npz")[
@@ -232,7 +258,8 @@ def test_sampler_process_with_tools_equals_the_one_process_split(tool_dir, tok, 
     assert any(m["role"] == "tool" for row in json.loads(str(queued["completions"]))
                for m in row)
     train(config(tool_dir, tmp_path / "cut", resume=True, **own), devices=devices)
-    a, b = history(tmp_path / "full"), history(tmp_path / "cut")
+    a = [h for h in history(tmp_path / "full") if h["step"] <= 2]
+    b = history(tmp_path / "cut")
     assert [h["step"] for h in a] == [h["step"] for h in b] == [1, 2]
     assert all(h["tools/call_frequency"] > 0 for h in b)
     assert_resumed_like_whole(tmp_path, a, b)

@@ -2,6 +2,7 @@
 fails cleanly on bad input."""
 
 import json
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from tiny_run import HERE, ODD_POSTS, REWARD, cli_args, config, run_cli
+from tiny_run import HERE, ODD_POSTS, REWARD, cli_args, config, run_cli, stopped_at
 
 from grpo_jax import hf
 from grpo_jax.checkpoint import Checkpointer
@@ -276,6 +277,20 @@ def test_export_loads_in_transformers(tiny_dir, tmp_path):
     assert np.abs(np.asarray(model.logits(hidden)) - want).max() < 1e-4
 
 
+SHARDED = dict(max_steps=2, dp=-1, per_device_train_batch_size=2)
+
+
+@pytest.fixture(scope="module")
+def two_sharded_steps(tiny_dir, tmp_path_factory):
+    """A 2-step run through `python -m grpo_jax.train`'s main, in-process: the suite's 8 CPU
+    devices, so this also runs the loop on a sharded mesh. test_bad_input_one_clear_error_and_
+    checkpoints_intact's cases each resume a copy of it."""
+    from grpo_jax.train import main
+    out = tmp_path_factory.mktemp("sharded") / "run"
+    assert main(cli_args(tiny_dir, out, **SHARDED)) == 0
+    return out
+
+
 @pytest.mark.parametrize("args,message", [
     (["--learning_rat", "1e-5"], "learning_rate"),
     (["--set", "model.name_or_path=/nonexistent/model"], "not found"),
@@ -284,13 +299,13 @@ def test_export_loads_in_transformers(tiny_dir, tmp_path):
     (["--set", f"reward_funcs=[{HERE / 'reward_fixtures.py'}:wrong_length]"], "wrong_length"),
 ])
 @pytest.mark.slow
-def test_bad_input_one_clear_error_and_checkpoints_intact(tiny_dir, tmp_path, capsys, args,
-                                                          message):
+def test_bad_input_one_clear_error_and_checkpoints_intact(tiny_dir, two_sharded_steps, tmp_path,
+                                                          capsys, args, message):
+    """A resume with bad input, of a copy of one 2-step run (two_sharded_steps: the same run
+    for each case, made once), exits 2 with one error line and the checkpoints intact."""
     from grpo_jax.train import main
-    # In-process: the suite's 8 CPU devices, so this also runs the loop on a sharded mesh.
-    cfg_args = cli_args(tiny_dir, tmp_path / "run", max_steps=2, dp=-1,
-                         per_device_train_batch_size=2)
-    assert main(cfg_args) == 0
+    shutil.copytree(two_sharded_steps, tmp_path / "run")
+    cfg_args = cli_args(tiny_dir, tmp_path / "run", **SHARDED)
     before = Checkpointer(tmp_path / "run" / "checkpoints", save_total_limit=None).all_steps()
     capsys.readouterr()
     assert main(cfg_args + ["--resume", "--max_steps", "4"] + args) == 2
@@ -374,14 +389,18 @@ def test_sync_ref_model_needs_beta(tiny_dir, tmp_path):
 
 @pytest.mark.slow
 def test_sync_ref_model_resume_equals_uninterrupted(tiny_dir, tmp_path):
-    """The reference is checkpointed with the state: stopping at step 3 (after the sync at 2)
-    and resuming to 6 gives the params and reference of a run straight to 6."""
+    """The reference is checkpointed with the state: stopped at step 3 (after the sync at 2;
+    the run straight to 6's directory as the stop left it, `stopped_at`) and resumed to 6, the
+    run has the params and reference of the run straight to 6."""
     from grpo_jax.checkpoint import load_checkpoint
-    sync = dict(beta=0.04, sync_ref_model=True, ref_model_sync_steps=2)
-    train(config(tiny_dir, tmp_path / "cut", max_steps=3, **sync), devices=jax.devices()[:1])
+    sync = dict(beta=0.04, sync_ref_model=True, ref_model_sync_steps=2, save_steps=3)
+    train(config(tiny_dir, tmp_path / "full", max_steps=6, **sync), devices=jax.devices()[:1])
+    # The full run's directory as a run stopped after its step-3 checkpoint left it: its
+    # reference of step 6 is still there (a killed run's), and the resume drops it.
+    stopped_at(tmp_path / "full", tmp_path / "cut", 3)
+    assert (tmp_path / "cut" / "reference" / "6").is_dir()
     cfg = config(tiny_dir, tmp_path / "cut", max_steps=6, resume=True, **sync)
     train(cfg, devices=jax.devices()[:1])
-    train(config(tiny_dir, tmp_path / "full", max_steps=6, **sync), devices=jax.devices()[:1])
     a, _, step_a = load_checkpoint(tmp_path / "full")
     b, _, step_b = load_checkpoint(tmp_path / "cut")
     assert step_a == step_b == 6
