@@ -55,7 +55,8 @@ SHARED_GROUPS = {  # modules that use the same session-scoped vLLM server
 LONGEST_FIRST = ("vllm_smol", "vllm_tiny", "test_aot", "test_lora", "test_train",
                  "test_vlm_train", "test_tool_continuation", "test_multihost",
                  "test_partial_tools", "test_partial", "test_moe", "test_shared_prefix",
-                 "test_faults", "test_sampler", "test_refill", "test_split",
+                 "test_faults", "test_vlm_qwen3", "test_async_jax", "test_sampler",
+                 "test_refill", "test_split",
                  "test_context_parallel", "test_tool_templates", "test_vllm_lora",
                  "test_run_dir", "test_schedule", "test_integrity", "test_bench",
                  "test_families", "test_train_step")
