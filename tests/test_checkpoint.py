@@ -257,8 +257,9 @@ def test_run_state_is_checkpointed_and_restored_whole(tmp_path, tiny_dir):
     sync_ref_model, the reference params, and the partial rollouts' rows in flight (their
     device arrays, draw numbers and keys; their records read again from the dataset's rows)
     and, with sampler_devices, the batch sampled ahead (its rollout arrays, versions, decode
-    metrics, the tool loop's fields and its groups' records); the restore fills each field from
-    the checkpoint, none from the live run it is given."""
+    metrics, the tool loop's fields and its groups' records), and with a rollout_func's async
+    rounds on the JAX sampler the params that generate the batch in flight; the restore fills
+    each field from the checkpoint, none from the live run it is given."""
     from tiny_run import config
 
     from grpo_jax.models import ModelConfig
@@ -328,7 +329,8 @@ def test_run_state_is_checkpointed_and_restored_whole(tmp_path, tiny_dir):
     saved = RunState(state_of(0), DataPosition(1, 8), round=5, tokens_seen=1234,
                      buffer=(micro(2, 0), micro(5, 1)), epoch_end=1,
                      reference=_params(5), in_flight=((6, DataPosition(1, 12)),),
-                     rows_in_flight=rows_in_flight, queued=queued)
+                     rows_in_flight=rows_in_flight, queued=queued,
+                     generated_ahead=(state_of(2).params, 1))
     checkpoints = RunCheckpoints.open(tmp_path, cfg, schedule, record=record)
     checkpoints.save(saved, {"reward": 0.5})
     checkpoints.ckpt.close()
@@ -367,7 +369,11 @@ def test_run_state_is_checkpointed_and_restored_whole(tmp_path, tiny_dir):
     np.testing.assert_array_equal(got.data_rows, want.data_rows)
     assert (got.records, got.dropped, got.rollout.metrics, got.rollout.completions) == (
         want.records, 2, {"sampler/decode_steps": 7.0}, want.rollout.completions)
+    # Async rounds on the JAX sampler: the params that generate the batch in flight, and the
+    # versions since.
+    _assert_bit_exact(back.generated_ahead[0], saved.generated_ahead[0])
+    assert back.generated_ahead[1] == 1
     assert {f.name for f in dataclasses.fields(RunState)} == {
         "state", "position", "round", "tokens_seen", "buffer", "epoch_end", "reference",
-        "in_flight", "rows_in_flight", "queued"}, ("a new RunState field: save and restore it in "
-                                         "RunCheckpoints, test it here")
+        "in_flight", "rows_in_flight", "queued", "generated_ahead"}, (
+            "a new RunState field: save and restore it in RunCheckpoints, test it here")
