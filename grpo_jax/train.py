@@ -681,19 +681,23 @@ def _data_used_up(run: Run) -> None:
 
 
 def _in_flight(run: Run) -> tuple[list[dict], int, Any]:
-    """The records, group size and key of the run state's batch in flight (async rounds
-    without dynamic sampling: train.run_rounds prefetches it so)."""
+    """The records, group size and key of the run state's batch in flight (async rounds:
+    train.run_rounds prefetches it so; with dynamic sampling keyed by its data position,
+    as Draws prefetches it)."""
     (r, position), = run.at.in_flight
     records, _ = run.dataset.batch_prompts(position, run.plan.prompts_per_generation)
-    return (records, run.plan.num_generations,
-            jax.random.fold_in(jax.random.key(run.cfg.data.seed), r))
+    base = jax.random.key(run.cfg.data.seed)
+    key = (ds.key_at(base, position) if run.cfg.grpo.dynamic_sampling
+           else jax.random.fold_in(base, r))
+    return records, run.plan.num_generations, key
 
 
 def _with_ahead(run: Run) -> RunState:
     """The run state a checkpoint holds: with async rounds on the JAX sampler, the params of
-    the batch in flight (one batch ahead; with dynamic sampling a fill's several are generated
-    again on the resumed run's weights, as a server's are)."""
-    if run.cfg.grpo.dynamic_sampling or len(run.at.in_flight) != 1:
+    the batch in flight (one batch ahead; with dynamic sampling the batch at the data
+    position, the first the next fill reads, or the one a stopped fill began with: the fill's
+    later batches are prefetched on the state's weights either way)."""
+    if len(run.at.in_flight) != 1:
         return run.at
     return run.at.replace(generated_ahead=run.rollout.generated_ahead(*_in_flight(run)))
 

@@ -122,3 +122,33 @@ def test_on_a_sampler_device_of_its_own_it_trains_as_colocated(tiny_dir, runs):
     assert [{k: v for k, v in h.items() if not k.startswith(drop)} for h in split] == [
         {k: v for k, v in h.items() if not k.startswith(drop)} for h in full]
     assert _completions(runs / "split") == _completions(runs / "full")
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_stopped_mid_fill_resumes_to_the_same_run(tiny_dir, runs,
+                                                                  monkeypatch):
+    """dynamic_sampling with the episodes a round ahead: posts with an even number score alike
+    (no signal), so each fill reads a second batch, prefetched when the first is drawn. A
+    SIGTERM while round 3's fill scores its first batch stops the run with step 2's
+    checkpoint, which keeps the params that generated that batch (one version old); resumed,
+    the run equals the one that never stopped in every metric, completion and weight, and
+    trains each odd post it read once, in data order."""
+    from grpo_jax.checkpoint import StopRun
+    settings = dict(ASYNC, save_steps=100, dynamic_sampling="true",
+                    reward_funcs=f"[{HERE / 'reward_fixtures.py'}:even_tokens_odd_posts]")
+    full = _run(tiny_dir, runs / "ds_full", **settings)
+    assert [h["dynamic_sampling/num_gen_batches"] for h in full] == [2, 2, 2, 2]
+    assert [h["async/staleness"] for h in full] == [0, 1, 1, 1]
+    # Reward calls count across the run: 2 a round, so the 5th is round 3's first batch.
+    monkeypatch.setenv("GRPO_TEST_INTERRUPT", f"5:sigterm:{runs / 'ds_calls'}")
+    with pytest.raises(StopRun):
+        _run(tiny_dir, runs / "ds_cut", **settings)
+    monkeypatch.delenv("GRPO_TEST_INTERRUPT")
+    assert (runs / "ds_cut" / "generated_ahead" / "2.npz").exists()
+    cut = _run(tiny_dir, runs / "ds_cut", resume="true", **settings)
+    assert_resumed_like_whole(runs, full, cut, ("ds_full", "ds_cut"))
+    trained = _completions(runs / "ds_cut")
+    assert trained == _completions(runs / "ds_full")
+    prompts = [p for _, p in dict.fromkeys((c["step"], c["prompt"]) for c in trained)]
+    data = [json.loads(line)["prompt"] for line in (tiny_dir / "prompts.jsonl").open()]
+    assert prompts == [p for p in data[:32] if int(p.split()[2].rstrip(":")) % 2]

@@ -116,14 +116,15 @@ def history(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").open()]
 
 
-def assert_resumed_like_whole(tmp_path, a: list[dict], b: list[dict]) -> None:
-    """The resumed run ("cut") logged what the uninterrupted one ("full") did, timings aside,
-    and ended with bit-exact weights."""
+def assert_resumed_like_whole(tmp_path, a: list[dict], b: list[dict],
+                              names=("full", "cut")) -> None:
+    """The resumed run (`names[1]`, "cut") logged what the uninterrupted one (`names[0]`,
+    "full") did, timings aside, and ended with bit-exact weights."""
     for ha, hb in zip(a, b):
         for name in set(ha) | set(hb):
             if not name.startswith(("timing/", "step_time", "timeline/")):
                 assert ha.get(name) == hb.get(name), (ha["step"], name)
-    pa, _, _ = load_checkpoint(tmp_path / "full")
-    pb, _, _ = load_checkpoint(tmp_path / "cut")
+    pa, _, _ = load_checkpoint(tmp_path / names[0])
+    pb, _, _ = load_checkpoint(tmp_path / names[1])
     for name, x in hf.params_numpy(pa).items():
         np.testing.assert_array_equal(x, hf.params_numpy(pb)[name], name)

@@ -58,8 +58,9 @@ class GRPOArgs:
         "DAPO's dynamic sampling (verl: algorithm.filter_groups): groups whose rewards all agree "
         "(std 0) are dropped and more prompts are generated until the generation batch is full of "
         "groups with signal, at most max_num_gen_batches generations per batch (<= 0: no limit; "
-        "10 as DAPO's recipe, verl's default is 0), then the run stops with an error. With vLLM "
-        "async rounds (max_staleness >= 1) the batches are generated one ahead in data order "
+        "10 as DAPO's recipe, verl's default is 0), then the run stops with an error. With "
+        "async rounds (max_staleness >= 1: vLLM's, or a rollout_func's on the JAX sampler) the "
+        "batches are generated one ahead in data order "
         "and a fill takes as many as it needs; with sampler_devices a fill takes the batch "
         "sampled a round ahead, then the sampler's next advances.")
     max_num_gen_batches: int = arg(
