@@ -23,25 +23,7 @@ from grpo_jax.rollout.native.sampling import SamplingParams
 from vlm_models import (EOS, GRIDS, IMAGE, bnb_quantized, quantized_tower, same_modules,
                         tiny_qwen25)
 from vlm_models import qwen_batch as _batch, qwen_hf_inputs as _hf_inputs
-from vlm_models import real_diff as _real_diff
-
-
-def _hf_logits(ref, batch):
-    with torch.no_grad():
-        return ref(**_hf_inputs(*batch)).logits.float().numpy()
-
-
-@nnx.jit
-def _forward(model, tokens, positions, mask, pixels):
-    emb = model.embed_multimodal(tokens, pixels, GRIDS)  # the grid: static, read on the host
-    hidden, _ = model(tokens, positions, mask, inputs_embeds=emb)
-    return model.logits(hidden)
-
-
-def _our_logits(model, batch):
-    tokens, mask, pixels = batch
-    positions, _ = qwen_vl.rope_index(model.cfg.vision, tokens, mask, GRIDS)
-    return np.asarray(_forward(model, *map(jnp.asarray, (tokens, positions, mask, pixels))))
+from vlm_models import qwen_hf_logits, qwen_logits, real_diff as _real_diff
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +68,7 @@ def test_logits_match_transformers(tiny):
     feature_diff = np.abs(np.asarray(features) - torch.cat(want.pooler_output).numpy()).max()
     print(f"max |image features diff| {feature_diff:.2e}")
     assert feature_diff < 1e-4
-    diff = _real_diff(_our_logits(model, batch), _hf_logits(ref, batch), batch[1])
+    diff = _real_diff(qwen_logits(model, batch), qwen_hf_logits(ref, batch), batch[1])
     print(f"max |logits diff| {diff:.2e}")
     assert diff < 1e-4
     assert v.fullatt_block_indexes == (1,) and model.cfg.mrope_section == (2, 3, 3)
@@ -115,7 +97,7 @@ def test_greedy_generation_matches_transformers(tiny):
     # log-probs.
     full = (np.concatenate([tokens, want], 1), np.concatenate([mask, np.ones_like(want)], 1),
             pixels)
-    logp = jax.nn.log_softmax(_our_logits(model, full)[:, tokens.shape[1] - 1:-1], axis=-1)
+    logp = jax.nn.log_softmax(qwen_logits(model, full)[:, tokens.shape[1] - 1:-1], axis=-1)
     logp = np.take_along_axis(np.asarray(logp), want[..., None], axis=-1)[..., 0]
     print(f"max |sampler - forward log-prob| {np.abs(out.sampler_logp - logp).max():.2e}")
     np.testing.assert_allclose(out.sampler_logp, logp, atol=1e-4)
@@ -139,7 +121,7 @@ def test_export_round_trip(tiny, tmp_path):
     assert set(back.state_dict()) == set(ref.state_dict())
     assert back.config.text_config.eos_token_id == EOS  # the source's text fields kept
     batch = _batch()
-    diff = _real_diff(_our_logits(model, batch), _hf_logits(back.eval(), batch), batch[1])
+    diff = _real_diff(qwen_logits(model, batch), qwen_hf_logits(back.eval(), batch), batch[1])
     print(f"max |logits diff| after export {diff:.2e}")
     assert diff < 1e-4
     again, _ = hf.load_model(str(tmp_path / "out"), dtype=jnp.float32)
@@ -228,10 +210,10 @@ def test_tower_lora_logits_are_peft_s(tiny, tmp_path):
     out = peft_io.save_adapter(model, args, tmp_path / "adapter", str(path))
     fresh = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(path).eval()
     batch = _batch()
-    want = _hf_logits(peft.PeftModel.from_pretrained(fresh, out).eval(), batch)
-    ours = _our_logits(model, batch)
-    merged = _our_logits(peft_io.merged_model(model), batch)
-    diff, moved = _real_diff(ours, want, batch[1]), _real_diff(_hf_logits(ref, batch), want,
+    want = qwen_hf_logits(peft.PeftModel.from_pretrained(fresh, out).eval(), batch)
+    ours = qwen_logits(model, batch)
+    merged = qwen_logits(peft_io.merged_model(model), batch)
+    diff, moved = _real_diff(ours, want, batch[1]), _real_diff(qwen_hf_logits(ref, batch), want,
                                                               batch[1])
     print(f"tower LoRA: ours vs PEFT max |logits diff| {diff:.2e} (the adapters moved them "
           f"by {moved:.2e}); merged vs PEFT {_real_diff(merged, want, batch[1]):.2e}")
@@ -287,8 +269,8 @@ def test_load_in_4bit_quantizes_the_tower_as_bitsandbytes(tiny):
                for part, leaf in (n.split("/") for n in quant.tower_linears(q.cfg.vision)))
     assert not any(k.endswith("_qscale") for part in ("blocks", "merger") for k in base[part])
     feature_err = np.abs(features[1] - features[0]).max() / np.abs(features[0]).max()
-    want = _our_logits(model, batch)
-    logit_err = _real_diff(_our_logits(q, batch), want, batch[1]) / np.abs(want).max()
+    want = qwen_logits(model, batch)
+    logit_err = _real_diff(qwen_logits(q, batch), want, batch[1]) / np.abs(want).max()
     print(f"NF4 tower: image features within {feature_err:.3f}, logits {logit_err:.3f} of "
           "the largest (fp32)")
     assert 0 < feature_err < 0.05 and 0 < logit_err < 0.2

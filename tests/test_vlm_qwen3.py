@@ -19,26 +19,8 @@ from grpo_jax.rollout.native.sampler import Sampler
 from grpo_jax.rollout.native.sampling import SamplingParams
 
 from vlm_models import (GRIDS, IMAGE, bnb_quantized, qwen_batch as _batch,
-                        qwen_hf_inputs as _hf_inputs, quantized_tower, real_diff as _real_diff,
-                        same_modules, tiny_qwen3)
-
-
-def _hf_logits(ref, batch):
-    with torch.no_grad():
-        return ref(**_hf_inputs(*batch)).logits.float().numpy()
-
-
-@nnx.jit
-def _forward(model, tokens, positions, mask, pixels):
-    emb = model.embed_multimodal(tokens, pixels, GRIDS)
-    hidden, _ = model(tokens, positions, mask, inputs_embeds=emb)
-    return model.logits(hidden)
-
-
-def _our_logits(model, batch):
-    tokens, mask, pixels = batch
-    positions, _ = qwen_vl.rope_index(model.cfg.vision, tokens, mask, GRIDS)
-    return np.asarray(_forward(model, *map(jnp.asarray, (tokens, positions, mask, pixels))))
+                        qwen_hf_inputs as _hf_inputs, qwen_hf_logits, qwen_logits, quantized_tower,
+                        real_diff as _real_diff, same_modules, tiny_qwen3)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +62,7 @@ def test_tower_and_logits_match_transformers(tiny):
     diff = np.abs(features - torch.cat(theirs, 1).numpy()).max()
     print(f"max |image features diff| (merger and DeepStack) {diff:.2e}")
     assert diff < 1e-4
-    ours, hf_logits = _our_logits(model, batch), _hf_logits(ref, batch)
+    ours, hf_logits = qwen_logits(model, batch), qwen_hf_logits(ref, batch)
     diff = _real_diff(ours, hf_logits, mask)
     print(f"max |logits diff| {diff:.2e}")
     assert diff < 1e-4
@@ -157,7 +139,7 @@ def test_export_round_trip_and_lora_as_peft(tiny, tmp_path):
     back = transformers.Qwen3VLForConditionalGeneration.from_pretrained(tmp_path / "out")
     assert set(back.state_dict()) == set(ref.state_dict())
     batch = _batch()
-    diff = _real_diff(_our_logits(model, batch), _hf_logits(back.eval(), batch), batch[1])
+    diff = _real_diff(qwen_logits(model, batch), qwen_hf_logits(back.eval(), batch), batch[1])
     print(f"max |logits diff| after export {diff:.2e}")
     assert diff < 1e-4
     again, _ = hf.load_model(str(tmp_path / "out"), dtype=jnp.float32)
@@ -177,10 +159,10 @@ def test_export_round_trip_and_lora_as_peft(tiny, tmp_path):
             for k in peft_io.adapter_tensors(adapted) if k.endswith(".lora_A.weight")}
     assert ours == modules(theirs) and any("deepstack_merger_list" in m for m in ours)
     fresh = transformers.Qwen3VLForConditionalGeneration.from_pretrained(path).eval()
-    want = _hf_logits(peft.PeftModel.from_pretrained(fresh, out).eval(), batch)
-    diff = _real_diff(_our_logits(adapted, batch), want, batch[1])
-    merged = _real_diff(_our_logits(peft_io.merged_model(adapted), batch), want, batch[1])
-    moved = _real_diff(_hf_logits(ref, batch), want, batch[1])
+    want = qwen_hf_logits(peft.PeftModel.from_pretrained(fresh, out).eval(), batch)
+    diff = _real_diff(qwen_logits(adapted, batch), want, batch[1])
+    merged = _real_diff(qwen_logits(peft_io.merged_model(adapted), batch), want, batch[1])
+    moved = _real_diff(qwen_hf_logits(ref, batch), want, batch[1])
     print(f"LoRA: ours vs PEFT {diff:.2e}, merged {merged:.2e} (the adapters moved the "
           f"logits by {moved:.2e})")
     assert diff < 1e-4 and merged < 1e-4 and moved > 1e-2

@@ -3,9 +3,13 @@ of the VLM tests: Gemma 3 (a SigLIP tower, a sliding window shorter than an imag
 Qwen2.5-VL (a 3-block ViT, windows that do not tile the images). Norms and biases are perturbed
 so that a comparison sees them."""
 
+import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
+from flax import nnx
+
+from grpo_jax.models import qwen_vl
 
 # Gemma 3: placeholder, begin and end of image, pad.
 IMG, BOI, EOI, PAD = 100, 101, 102, 0
@@ -72,6 +76,27 @@ def qwen_hf_inputs(tokens, mask, pixels):
 
 def real_diff(a, b, mask):
     return float(np.abs(a - b)[mask.astype(bool)].max())
+
+
+def qwen_hf_logits(ref, batch):
+    """transformers' logits of a Qwen-VL model `ref` on qwen_batch's `batch`."""
+    with torch.no_grad():
+        return ref(**qwen_hf_inputs(*batch)).logits.float().numpy()
+
+
+@nnx.jit
+def _qwen_forward(model, tokens, positions, mask, pixels):
+    emb = model.embed_multimodal(tokens, pixels, GRIDS)  # the grid: static, read on the host
+    hidden, _ = model(tokens, positions, mask, inputs_embeds=emb)
+    return model.logits(hidden)
+
+
+def qwen_logits(model, batch):
+    """Our Qwen-VL `model`'s logits on qwen_batch's `batch` (M-RoPE positions as rope_index
+    places them)."""
+    tokens, mask, pixels = batch
+    positions, _ = qwen_vl.rope_index(model.cfg.vision, tokens, mask, GRIDS)
+    return np.asarray(_qwen_forward(model, *map(jnp.asarray, (tokens, positions, mask, pixels))))
 
 
 def tiny_qwen25(seed=0):

@@ -23,7 +23,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from grpo_jax.errors import ModelConfigError
 from grpo_jax.models import qwen_vl, tower_lora
@@ -332,58 +331,17 @@ def vision_forward(v: Qwen3VisionConfig, params: dict, pixel_values, grid_thw, d
     return jnp.concatenate([_merge(merger, h, dtype), *out], axis=-1)
 
 
-class _Holder(nnx.Module):
-    """Holder for a group of parameters (the stacked blocks, the mergers)."""
+class Qwen3Vision(qwen_vl.TowerParams):
+    """Qwen3-VL's tower (qwen_vl.TowerParams): the blocks, the merger and the DeepStack
+    mergers (stacked as the blocks)."""
 
+    STACKED = {"blocks": True, "merger": False, "deepstack": True}
 
-class Qwen3Vision(nnx.Module):
-    """The tower's parameters (set by the Decoder from the vision table: vision/blocks/...,
-    vision/merger/..., vision/deepstack/..., vision/patch_embed, ...), the LoRA adapters
-    models/lora.py gave its linears, a quantized base's scales (as qwen_vl.QwenVision's)."""
+    def table(self):
+        return param_table(self.cfg)
 
-    lora_scale: float | None = None
-    lora_dropout: float = 0.0
-    lora_dropout_key: jax.Array | None = None
-    # holder -> whether its weights are stacked (the merger's adapters are a stack of one)
-    _STACKED = {"blocks": True, "merger": False, "deepstack": True}
-
-    def __init__(self, cfg: Qwen3VisionConfig):
-        self.cfg = cfg
-        self.blocks = _Holder()
-        self.merger = _Holder()
-        self.deepstack = _Holder()
-
-    def params(self) -> dict[str, jax.Array]:
-        out = {}
-        for name in param_table(self.cfg):
-            node = self
-            for part in name.split("/"):
-                node = getattr(node, part)
-            out[name] = node[...]
-        for part in self._STACKED:
-            out |= {f"{part}/{name}": var[...] for name, var in vars(getattr(self, part)).items()
-                    if name.endswith("_qscale")}
-        return out
-
-    def adapters(self) -> dict[str, jax.Array]:
-        """As qwen_vl.QwenVision.adapters, the DeepStack mergers' stacked as the blocks'."""
-        if self.lora_scale is None:
-            return {}
-        out = {}
-        for part, stacked in self._STACKED.items():
-            for name, var in vars(getattr(self, part)).items():
-                if "_lora_" in name:
-                    a = var[...] * self.lora_scale if name.endswith("_lora_b") else var[...]
-                    out[f"{part}/{name}"] = a if stacked else a[0]
-        if self.lora_dropout_key is not None:
-            key = self.lora_dropout_key
-            for i, (part, n) in enumerate((("blocks", self.cfg.depth),
-                                           ("deepstack", self.cfg.deepstack_layers))):
-                out[f"{part}/lora_dropout_key"] = jax.random.split(jax.random.fold_in(key, i), n)
-                out[f"{part}/lora_dropout_rate"] = jnp.full((n,), self.lora_dropout, jnp.float32)
-            out["merger/lora_dropout_key"] = jax.random.fold_in(key, 2)
-            out["merger/lora_dropout_rate"] = jnp.asarray(self.lora_dropout, jnp.float32)
-        return out
+    def depths(self) -> dict[str, int]:
+        return {"blocks": self.cfg.depth, "deepstack": self.cfg.deepstack_layers}
 
     def __call__(self, pixel_values, image_grid_thw, dtype) -> jax.Array:
         """[sum of t*h*w / merge_unit, O * (1 + K)] (vision_forward); image_grid_thw is read

@@ -373,57 +373,85 @@ def vision_forward(v: QwenVisionConfig, params: dict, pixel_values, layout: Visi
 
 
 class _Holder(nnx.Module):
-    """Holder for a group of parameters (the stacked blocks, the merger)."""
+    """Holder for a group of parameters (the stacked blocks, a merger)."""
 
 
-class QwenVision(nnx.Module):
-    """The tower's parameters (set by the Decoder from the vision table: vision/blocks/...,
-    vision/merger/..., vision/patch_embed), and the LoRA adapters models/lora.py gave its
-    linears (`blocks.<w>_lora_a|b` stacked as the blocks, `merger.<w>_lora_a|b` a stack of
-    one) and a quantized base's scales (`<w>_qscale` beside each weight, models/quant.py)."""
+class TowerParams(nnx.Module):
+    """A Qwen-VL tower's parameters, by holder: set by the Decoder from the vision table
+    (vision/blocks/..., vision/merger/..., vision/patch_embed), the LoRA adapters models/lora.py
+    gave its linears (`<holder>.<w>_lora_a|b`, stacked as the holder's weights; an unstacked
+    holder's are a stack of one) and a quantized base's scales (`<w>_qscale` beside each
+    weight, models/quant.py). A tower names its holders (STACKED), their stack depths and its
+    table."""
 
     # Set by models/lora.py (add_adapters, with_dropout) with adapters: as the Decoder's.
     lora_scale: float | None = None
     lora_dropout: float = 0.0
     lora_dropout_key: jax.Array | None = None
+    # holder -> whether its weights are stacked (a leading layer axis)
+    STACKED = {"blocks": True, "merger": False}
 
-    def __init__(self, cfg: QwenVisionConfig):
+    def __init__(self, cfg):
         self.cfg = cfg
-        self.blocks = _Holder()
-        self.merger = _Holder()
+        for part in self.STACKED:
+            setattr(self, part, _Holder())
+
+    def table(self):
+        """The tower's parameter names (its param_table)."""
+        raise NotImplementedError
+
+    def depths(self) -> dict[str, int]:
+        """Each stacked holder's depth."""
+        raise NotImplementedError
 
     def params(self) -> dict[str, jax.Array]:
         out = {}
-        for name in param_table(self.cfg):
+        for name in self.table():
             node = self
             for part in name.split("/"):
                 node = getattr(node, part)
             out[name] = node[...]
-        for part, holder in (("blocks", self.blocks), ("merger", self.merger)):
-            out |= {f"{part}/{name}": var[...] for name, var in vars(holder).items()
+        for part in self.STACKED:
+            out |= {f"{part}/{name}": var[...] for name, var in vars(getattr(self, part)).items()
                     if name.endswith("_qscale")}  # a quantized base's (models/quant.py)
         return out
 
     def adapters(self) -> dict[str, jax.Array]:
         """The adapters by table name ({blocks/<w>_lora_a: A, ..._lora_b: scale B,
-        merger/...} the merger's without their stack of one) and under with_dropout a dropout
-        key and rate per block and the merger's; {} without adapters. B is scaled here, once
-        per forward, as the decoder's (lora.layer_extras)."""
+        merger/...} an unstacked holder's without their stack of one) and under with_dropout
+        a dropout key and rate per layer of a stacked holder and one for an unstacked one; {}
+        without adapters. B is scaled here, once per forward, as the decoder's
+        (lora.layer_extras)."""
         if self.lora_scale is None:
             return {}
         out = {}
-        for part, holder in (("blocks", self.blocks), ("merger", self.merger)):
-            for name, var in vars(holder).items():
+        for part, stacked in self.STACKED.items():
+            for name, var in vars(getattr(self, part)).items():
                 if "_lora_" in name:
                     a = var[...] * self.lora_scale if name.endswith("_lora_b") else var[...]
-                    out[f"{part}/{name}"] = a if part == "blocks" else a[0]
+                    out[f"{part}/{name}"] = a if stacked else a[0]
         if self.lora_dropout_key is not None:
-            L, key = self.cfg.depth, self.lora_dropout_key
-            out["blocks/lora_dropout_key"] = jax.random.split(key, L)
-            out["blocks/lora_dropout_rate"] = jnp.full((L,), self.lora_dropout, jnp.float32)
-            out["merger/lora_dropout_key"] = jax.random.fold_in(key, L)
-            out["merger/lora_dropout_rate"] = jnp.asarray(self.lora_dropout, jnp.float32)
+            key, rate = self.lora_dropout_key, self.lora_dropout
+            for i, part in enumerate(self.STACKED):  # a key of its own for each holder
+                part_key = jax.random.fold_in(key, i)
+                if self.STACKED[part]:
+                    n = self.depths()[part]
+                    out[f"{part}/lora_dropout_key"] = jax.random.split(part_key, n)
+                    out[f"{part}/lora_dropout_rate"] = jnp.full((n,), rate, jnp.float32)
+                else:
+                    out[f"{part}/lora_dropout_key"] = part_key
+                    out[f"{part}/lora_dropout_rate"] = jnp.asarray(rate, jnp.float32)
         return out
+
+
+class QwenVision(TowerParams):
+    """Qwen2.5-VL's tower (TowerParams: blocks and merger)."""
+
+    def table(self):
+        return param_table(self.cfg)
+
+    def depths(self) -> dict[str, int]:
+        return {"blocks": self.cfg.depth}
 
     def __call__(self, pixel_values, image_grid_thw, dtype) -> jax.Array:
         """Image embeddings [sum of t*h*w / merge_unit, out_hidden_size]; image_grid_thw is
