@@ -12,7 +12,8 @@ refilled rows are rebuilt per slot (refill.py, partial.py), and a sliding layer'
 already builds (one byte per slot, shared by every layer) instead of a range; otherwise it
 follows jax's kernel: grid (row, KV head, split), the G = H / K query heads of a KV head
 together (padded to 16 rows for the tensor-core dot, masked on load and store), an online
-softmax over key blocks of BLOCK_K, and the splits' partial results combined by XLA.
+softmax over key blocks of BLOCK_K, and the splits' partial results combined by a second
+kernel (one launch, where XLA's combine takes two).
 
 Masked slots are skipped in the loads (a masked lane reads no memory): the slots a row has not
 generated yet, and its padding, cost no bandwidth. A query that sees no key at all (a row of
@@ -150,12 +151,37 @@ def decode_attention(q, k, v, key_ok, scale: float, splits: int | None = None,
         interpret=interpret, name="decode_attention")(qg, k, v, ok)
     if normalize:
         return outs[0].reshape(B, 1, H, Dh)
-    o, m, l = outs
-    # The splits combined (one XLA fusion): each split's sum rescaled to the common max.
-    top = m.max(axis=2, keepdims=True)
-    w = jnp.exp(m - top)
-    out = (o * w[..., None]).sum(axis=2) / jnp.maximum((l * w).sum(axis=2), 1e-30)[..., None]
-    return out.astype(q.dtype).reshape(B, 1, H, Dh)
+    # The splits combined in a second kernel (XLA takes two fusions: the max over the splits,
+    # then the rescaled sums), each split's sum rescaled to the common max.
+    span = 1 << (splits - 1).bit_length()  # the splits padded to a power of two (Triton)
+    part = lambda *shape: pl.BlockSpec((None, None, span, *shape),  # noqa: E731
+                                       lambda b, h: (b, h, 0) + (0,) * len(shape))
+    out = pl.pallas_call(
+        functools.partial(_combine, groups=G, rows=rows, splits=splits, span=span),
+        grid=(B, K), in_specs=[part(rows, Dh), part(rows), part(rows)],
+        out_specs=pl.BlockSpec((None, None, rows, Dh), lambda b, h: (b, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, K, G, Dh), q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="decode_attention_combine")(*outs)
+    return out.reshape(B, 1, H, Dh)
+
+
+def _combine(o_ref, m_ref, l_ref, out_ref, *, groups: int, rows: int, splits: int, span: int):
+    """One (row, KV head): the splits' outputs o_ref [span, rows, Dh] (unnormalized), maxima
+    and sums m_ref, l_ref [span, rows] (splits past `splits` and rows past `groups` are
+    padding) into out_ref [rows, Dh]."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    ok = (jnp.arange(span) < splits)[:, None] & (jnp.arange(rows) < groups)[None, :]
+    m = plgpu.load(m_ref.at[pl.ds(0, span), pl.ds(0, rows)], mask=ok, other=NEG)
+    l = plgpu.load(l_ref.at[pl.ds(0, span), pl.ds(0, rows)], mask=ok, other=0.0)
+    o = plgpu.load(o_ref.at[pl.ds(0, span), pl.ds(0, rows), :], mask=ok[:, :, None], other=0.0)
+    w = jnp.exp(m - m.max(axis=0)[None, :])  # [span, rows]
+    total = jnp.maximum((l * w).sum(axis=0), 1e-30)
+    out = (o * w[:, :, None]).sum(axis=0) / total[:, None]
+    plgpu.store(out_ref.at[pl.ds(0, rows), :], out.astype(out_ref.dtype),
+                mask=(jnp.arange(rows) < groups)[:, None])
 
 
 def _sms() -> int | None:
