@@ -45,6 +45,11 @@ run moe16 "" --preset qwen3-30b-a3b --num-layers 4 --prompts 4 --generations 4 "
 run moe64 "" --preset qwen3-30b-a3b --num-layers 4 --prompts 8 --generations 8 "$@"
 # The decode step's attention (numerics.decode_attention, issue #51): XLA's against the fused
 # Pallas kernel (models/decode_attention.py), the sampler alone, one after the other on one device.
+# First the kernel alone against XLA's attention: outputs and per-layer times (~1 min).
+case " $VARIANTS " in *" pallas_decode "*)
+  echo "== decode_attention check"
+  timeout 200 python tools/decode_attention_gpu_check.py > "$OUT/decode_attention.log" 2>&1
+  echo "   exit $?"; tail -4 "$OUT/decode_attention.log" ;; esac
 what=sampler run xla_decode "" --decode-attention xla "$@"
 what=sampler run pallas_decode "" --decode-attention pallas "$@"
 run auto "--xla_gpu_dump_autotune_results_to=$OUT/autotune.pbtxt" "$@"
