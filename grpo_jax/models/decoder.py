@@ -442,7 +442,7 @@ class Decoder(nnx.Module):
                 x, kbuf, vbuf, _, idx = _block(
                     cfg, p, self.shard_rows(x), cos, sin, masks[slides],
                     (kbuf, vbuf, layer, cache_index), window=cfg.sliding_window if slides else None,
-                    mesh=self.mesh, expert_mesh=self.expert_mesh)
+                    expert_mesh=self.expert_mesh, decode_mesh=self.mesh)
                 if add is not None:
                     x = x + add
                 return (x, kbuf, vbuf), idx if record_routing else None
@@ -743,16 +743,17 @@ def _rope(x, cos, sin):
 
 
 def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None, window: int | None = None,
-           mesh=None, key_order=None, expert_mesh=None, token_mask=None, forced=None):
+           mesh=None, key_order=None, expert_mesh=None, token_mask=None, forced=None,
+           decode_mesh=None):
     """One layer. With cache = (kbuf, vbuf, layer, index) the new keys and values are written
     into layer `layer` of the run's buffers [L, B, K, S, Dh] at slot `index` and the queries
     attend over that layer's cache (mask [B, T, S], or an attention.Mask over the S slots);
     index None writes at slot 0 and attends among the new tokens only, as without a cache (an
     attention.Mask over the T tokens). `window`: the layer slides and its cache is a ring
-    (slot = position % window). `mesh`, `key_order`: see _attend (with a cache, `mesh` lays out
-    the decode-attention kernel: numerics.decode_attention). `expert_mesh`: where a sparse
+    (slot = position % window). `mesh`, `key_order`: see _attend. `expert_mesh`: where a sparse
     layer's experts live; `token_mask` [B, T]: the real tokens its router statistics count;
-    `forced` [B, T, k]: its replayed experts (models/moe.py).
+    `forced` [B, T, k]: its replayed experts (models/moe.py). `decode_mesh`: the mesh the
+    decode-attention kernel is laid out on (numerics.decode_attention "pallas").
     Returns (x, kbuf, vbuf, RouterStats, experts [B, T, k]) (the buffers None without a cache;
     the stats None for a dense layer or without token_mask; the experts None for a dense
     layer)."""
@@ -773,7 +774,7 @@ def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None, window: int | Non
         elif (cfg.numerics.decode_attention == "pallas" and q.shape[1] == 1
               and decode_attention_lib.fits(cfg.head_dim, cap, sinks)):
             # One token over the cache in one fused kernel (models/decode_attention.py).
-            attn = decode_attention_lib.attend(q, ck, cv, mask, scale, mesh)
+            attn = decode_attention_lib.attend(q, ck, cv, mask, scale, decode_mesh)
         elif cfg.use_cudnn_attention(decode=True) and cap is None and sinks is None:
             # The cache's [B, K, S, Dh] viewed as cuDNN's [B, S, K, Dh]: a layout, not a copy.
             # A query always sees its own slot, so no row is fully masked.
