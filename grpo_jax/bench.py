@@ -110,7 +110,8 @@ def make_workload(args):
     cfg = base.replace(dtype=jnp.dtype(args.dtype), remat=not args.no_remat,
                        remat_policy=args.remat_policy, attention_impl=args.attention,
                        shared_prefix=not args.no_shared_prefix,
-                       sampler_layers=args.sampler_layers)
+                       sampler_layers=args.sampler_layers,
+                       decode_attention=args.decode_attention)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=1, fsdp=-1))
     rng = np.random.default_rng(0)
@@ -523,6 +524,9 @@ def main(argv=None):
     p.add_argument("--attention", default="auto", choices=["auto", "xla", "flash", "cudnn"],
                    help="attention kernel; 'cudnn' also for the decode step, which 'auto' "
                         "leaves to XLA")
+    p.add_argument("--decode-attention", default="auto", choices=["auto", "xla", "pallas"],
+                   help="numerics.decode_attention: the decode step's attention by XLA or the "
+                        "fused Pallas kernel (models/decode_attention.py); 'auto' is XLA")
     p.add_argument("--lora-r", type=int, default=16, help="lora-sampler: the adapters' rank")
     p.add_argument("--lora-quant", default="none", choices=["none", "8", "4"],
                    help="lora-sampler: the base stored in 8 bits (int8) or 4 (NF4)")

@@ -701,6 +701,30 @@ ENTRY %main (a: bf16[256,128]) -> bf16[256,128] {
     assert visited_share(q_idx, 256, 64, 64, 64) == (2 + 2) / 8  # and a 64-token window
 
 
+def test_gpu_triton_decode_kernel_is_counted():
+    """A GPU Pallas kernel (Triton's custom call, which XLA counts as no work, as the H100
+    compile writes models/decode_attention.py's): its operands and result as bytes, 4 FLOPs per
+    query head, key and head dim (q [2, 2, 7, 64] over k [2, 2, 512, 64])."""
+    from grpo_jax.aot import hlo
+
+    text = """HloModule m
+
+ENTRY %main (q: bf16[2,2,7,64], k: bf16[2,2,512,64], v: bf16[2,2,512,64], m: s8[2,512]) -> \
+bf16[2,2,7,64] {
+  %q = bf16[2,2,7,64]{3,2,1,0} parameter(0)
+  %k = bf16[2,2,512,64]{3,2,1,0} parameter(1)
+  %v = bf16[2,2,512,64]{3,2,1,0} parameter(2)
+  %m = s8[2,512]{1,0} parameter(3)
+  ROOT %pallas_call.1 = bf16[2,2,7,64]{3,2,1,0} custom-call(%q, %k, %v, %m), \
+custom_call_target="__gpu$xla.gpu.triton", api_version=API_VERSION_TYPED_FFI, \
+metadata={op_name="jit(f)/decode_attention/pallas_call"}, backend_config={grid_x = 2 : i32}
+}
+"""
+    counted = hlo.cost(text)
+    assert counted.flops == 4 * 2 * 2 * 7 * 512 * 64
+    assert counted.bytes == 2 * (2 * 2 * 7 * 64 * 2) + 2 * (2 * 2 * 512 * 64 * 2) + 2 * 512
+
+
 def test_mfu_is_never_above_100_percent():
     """Item 8: where a program's counted FLOPs are below the model's (work the count can't
     see), the forecast's compute is the model's: MFU at most 100%, said with a mark."""

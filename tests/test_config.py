@@ -87,6 +87,7 @@ def test_overrides_beat_the_file_and_keep_strings(tmp_path):
     # Tool turns record their routing (rollout/tools.py): replay takes them.
     cfg = config_from_dict({}, ["router_replay=R3", "tools=[a.b:c]"])
     assert cfg.numerics.router_replay == "R3" and cfg.multi_turn.tools == ("a.b:c",)
+    assert config_from_dict({}, ["decode_attention=pallas"]).numerics.decode_attention == "pallas"
 
 
 @pytest.mark.parametrize("override,needle", [
@@ -113,6 +114,7 @@ def test_overrides_beat_the_file_and_keep_strings(tmp_path):
     (["mesh.dp=-1", "mesh.fsdp=-1"], "at most one -1"),
     (["temperature=0"], "temperature must be > 0"),
     (["router_replay=R2"], "'R2' is not one of disabled, R3"),
+    (["decode_attention=triton"], "'triton' is not one of auto, xla, pallas"),
     (["router_replay=R3", "use_vllm=true"], "Model Runner V2, which needs Triton"),
     (["router_replay=R3", "rollout_func=a.b:c"], "router_replay R3 with a rollout_func"),
 ])

@@ -20,13 +20,15 @@ if jax.default_backend() == "gpu":
 EOF
 
 CMD_BUFFERS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
-VARIANTS="${VARIANTS:-gmm moe16 moe64 auto dots cudnn dots_cudnn_cmdbuf dots_no_shared_prefix tldr_like}"
-run() {  # name, XLA_FLAGS, bench args...
+ALL="gmm moe16 moe64 xla_decode pallas_decode auto dots cudnn dots_cudnn_cmdbuf"
+VARIANTS="${VARIANTS:-$ALL dots_no_shared_prefix tldr_like}"
+run() {  # name, XLA_FLAGS, bench args... (the bench's `all`, or $what: what=sampler run ...)
   local name=$1 flags=$2
   shift 2
   case " $VARIANTS " in *" $name "*) ;; *) return ;; esac
-  echo "== $name ${flags:+(XLA_FLAGS=$flags)} $*"
-  XLA_FLAGS="$flags" timeout 400 python -m grpo_jax.bench all "$@" --json "$OUT/$name.json" \
+  echo "== $name ${flags:+(XLA_FLAGS=$flags)} ${what:-all} $*"
+  XLA_FLAGS="$flags" timeout 400 python -m grpo_jax.bench "${what:-all}" "$@" \
+    --json "$OUT/$name.json" \
     > "$OUT/$name.log" 2>&1
   echo "   exit $?"
   grep -E "^(train_step_s|mfu|generate_s|prefill|decode_ms|decode_fraction|grpo_step|peak)" \
@@ -41,6 +43,15 @@ case " $VARIANTS " in *" gmm "*)
 # out of memory at both; deviceless they need 21 and 27 GiB of temporaries, docs/benchmarks.md).
 run moe16 "" --preset qwen3-30b-a3b --num-layers 4 --prompts 4 --generations 4 "$@"
 run moe64 "" --preset qwen3-30b-a3b --num-layers 4 --prompts 8 --generations 8 "$@"
+# The decode step's attention (numerics.decode_attention, issue #51): XLA's against the fused
+# Pallas kernel (models/decode_attention.py), the sampler alone, one after the other on one device.
+# First the kernel alone against XLA's attention: outputs and per-layer times (~1 min).
+case " $VARIANTS " in *" pallas_decode "*)
+  echo "== decode_attention check"
+  timeout 200 python tools/decode_attention_gpu_check.py > "$OUT/decode_attention.log" 2>&1
+  echo "   exit $?"; tail -4 "$OUT/decode_attention.log" ;; esac
+what=sampler run xla_decode "" --decode-attention xla "$@"
+what=sampler run pallas_decode "" --decode-attention pallas "$@"
 run auto "--xla_gpu_dump_autotune_results_to=$OUT/autotune.pbtxt" "$@"
 run dots "" --remat-policy dots "$@"
 run cudnn "" --attention cudnn "$@"

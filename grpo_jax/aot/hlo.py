@@ -22,7 +22,9 @@ on-chip memory (layout `S(1)`) are read and written for free.
 TPU Pallas kernels (`tpu_custom_call`), which XLA's cost analysis counts as no work, count by
 their own cost estimate where they carry one (megablox's grouped matmuls), and splash
 attention's, which carry none, by their shapes and the share of blocks their mask lets them
-visit (`kernel_cost`): at 32k tokens attention is over a third of a forward's FLOPs.
+visit (`kernel_cost`): at 32k tokens attention is over a third of a forward's FLOPs. GPU
+Pallas kernels lowered by Triton (`__gpu$xla.gpu.triton`: the decode-attention kernel) count
+their operands and result as bytes, and the decode kernel its FLOPs by its shapes.
 """
 
 from __future__ import annotations
@@ -284,7 +286,12 @@ def _gemm_flops(ins: _Instr, types: dict[str, str]) -> float:
     return 2.0 * elements(_ARRAY.search(ins.type).group(0)) * k
 
 
-_KERNEL = re.compile(r'custom_call_target="tpu_custom_call"')
+# TPU Pallas kernels, and GPU ones lowered by Triton (models/decode_attention.py's).
+_KERNEL = re.compile(r'custom_call_target="(tpu_custom_call|__gpu\$xla\.gpu\.triton)"')
+# The decode-attention kernel (not its splits' combine): 4 FLOPs per query head, key and head
+# dim (QK^T and PV), q [..., G, Dh] and k [..., S, Dh]; it reads every slot at most (masked
+# ones it skips: the count is an upper bound, as for XLA's attention).
+_DECODE = re.compile(r"/decode_attention/pallas_call")
 # Splash attention's kernels (jax's splash_attention_kernel.get_kernel_name) and the FLOPs
 # each does per (query, key, head dim) of the blocks it visits: the forward QK^T and PV; dq
 # QK^T, dO V^T and dS K; dk/dv QK^T, dO V^T, P^T dO and dS^T Q (attention.splash sets
@@ -298,11 +305,11 @@ _VISITED = re.compile(r"splash_visits_([\d.]+)")
 
 
 def kernel_cost(ins: _Instr, types: dict[str, str]) -> tuple[float, float] | None:
-    """(FLOPs, HBM bytes) of a TPU Pallas kernel (a `tpu_custom_call`, which XLA's cost
-    analysis counts as nothing): its own cost estimate where it gives one (megablox's gmm);
-    splash attention's from its shapes, q [..., Tq, Dh] and k [..., S, Dh], and the share of
-    blocks it visits; None for any other instruction. Bytes without an estimate: what the
-    kernel reads and writes once."""
+    """(FLOPs, HBM bytes) of a Pallas kernel (a `tpu_custom_call`, or a GPU Triton one, which
+    XLA's cost analysis counts as nothing): its own cost estimate where it gives one
+    (megablox's gmm); splash attention's from its shapes, q [..., Tq, Dh] and k [..., S, Dh],
+    and the share of blocks it visits; the decode-attention kernel's from its shapes; None for
+    any other instruction. Bytes without an estimate: what the kernel reads and writes once."""
     if ins.opcode != "custom-call" or not _KERNEL.search(ins.attrs):
         return None
     config = ins.attrs.replace('\\"', '"')
@@ -315,9 +322,12 @@ def kernel_cost(ins: _Instr, types: dict[str, str]) -> tuple[float, float] | Non
     # q and k: the first two floating-point operands (the block masks before them are ints).
     arrays = [_dims(t) for t in (types.get(o, "") for o in ins.operands)
               if re.match(r"\(?(bf16|f16|f32|f8)", t)]
-    if not kind or len(arrays) < 2 or min(len(a) for a in arrays[:2]) < 2:
+    if (not kind and not _DECODE.search(config)) or len(arrays) < 2 \
+            or min(len(a) for a in arrays[:2]) < 2:
         return 0.0, moved
     q, k = arrays[:2]
+    if not kind:
+        return 4.0 * math.prod(q[:-1]) * k[-2] * q[-1], moved
     visited = _VISITED.search(config)
     share = float(visited.group(1)) if visited else 1.0
     return _SPLASH_FLOPS[kind.group(1)] * math.prod(q[:-1]) * k[-2] * q[-1] * share, moved

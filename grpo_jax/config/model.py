@@ -23,6 +23,8 @@ Dtype = Literal["bfloat16", "float16", "float32"]
 
 # Numerics.moe_gmm's values (models/gmm.py's implementations)
 MOE_GMM = ("auto", "xla", "megablox", "mosaic_gpu")
+# Numerics.decode_attention's values (models/decode_attention.py)
+DECODE_ATTENTION = ("auto", "xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +72,14 @@ class Numerics:
         "Mosaic GPU kernels on Hopper and later GPUs (forward and both gradients) and XLA's "
         "ragged_dot elsewhere (a masked dense product over every expert on GPUs); the others "
         "force one implementation (models/gmm.py).")
+    decode_attention: Literal["auto", "xla", "pallas"] = arg(
+        "auto",
+        "The native sampler's decode step (one token over the KV cache): \"pallas\" runs a fused "
+        "split-K decode-attention kernel (Pallas, Triton: one launch per layer instead of XLA's "
+        "four; models/decode_attention.py) on GPUs, in Pallas' interpreter on CPUs (tests: slow), "
+        "refused on TPUs; layers with soft-capping or sinks keep XLA's. \"xla\": XLA's attention "
+        "(cuDNN's with the bench's --attention cudnn). \"auto\": \"xla\" until the kernel is "
+        "timed on a GPU (docs/benchmarks.md).")
     router_replay: Literal["disabled", "R3"] = arg(
         "disabled",
         "Mixture-of-experts routing replay, verl's actor.router_replay.mode names (slime: "
@@ -91,6 +101,9 @@ class Numerics:
               f"moe_capacity_factor={self.moe_capacity_factor}: must be > 0, or null (dropless)")
         check(self.moe_gmm in MOE_GMM,
               f"moe_gmm={self.moe_gmm!r}: use one of {', '.join(MOE_GMM)}")
+        check(self.decode_attention in DECODE_ATTENTION,
+              f"decode_attention={self.decode_attention!r}: use one of "
+              f"{', '.join(DECODE_ATTENTION)}")
         check(self.router_replay in ("disabled", "R3"),
               f"router_replay={self.router_replay!r}: use 'disabled' or 'R3'")
 

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import attention as attention_lib
+from grpo_jax.models import decode_attention as decode_attention_lib
 from grpo_jax.models import lora, moe
 from grpo_jax.models.attention import Mask
 from grpo_jax.models.config import (ImageTower, ModelConfig, param_table,  # noqa: F401 (API)
@@ -441,7 +442,7 @@ class Decoder(nnx.Module):
                 x, kbuf, vbuf, _, idx = _block(
                     cfg, p, self.shard_rows(x), cos, sin, masks[slides],
                     (kbuf, vbuf, layer, cache_index), window=cfg.sliding_window if slides else None,
-                    expert_mesh=self.expert_mesh)
+                    expert_mesh=self.expert_mesh, decode_mesh=self.mesh)
                 if add is not None:
                     x = x + add
                 return (x, kbuf, vbuf), idx if record_routing else None
@@ -742,14 +743,17 @@ def _rope(x, cos, sin):
 
 
 def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None, window: int | None = None,
-           mesh=None, key_order=None, expert_mesh=None, token_mask=None, forced=None):
+           mesh=None, key_order=None, expert_mesh=None, token_mask=None, forced=None,
+           decode_mesh=None):
     """One layer. With cache = (kbuf, vbuf, layer, index) the new keys and values are written
     into layer `layer` of the run's buffers [L, B, K, S, Dh] at slot `index` and the queries
     attend over that layer's cache (mask [B, T, S], or an attention.Mask over the S slots);
     index None writes at slot 0 and attends among the new tokens only, as without a cache (an
     attention.Mask over the T tokens). `window`: the layer slides and its cache is a ring
-    (slot = position % window). `mesh`, `key_order`: see _attend. `expert_mesh`: where a sparse layer's experts live; `token_mask` [B, T]: the real
-    tokens its router statistics count; `forced` [B, T, k]: its replayed experts (models/moe.py).
+    (slot = position % window). `mesh`, `key_order`: see _attend. `expert_mesh`: where a sparse
+    layer's experts live; `token_mask` [B, T]: the real tokens its router statistics count;
+    `forced` [B, T, k]: its replayed experts (models/moe.py). `decode_mesh`: the mesh the
+    decode-attention kernel is laid out on (numerics.decode_attention "pallas").
     Returns (x, kbuf, vbuf, RouterStats, experts [B, T, k]) (the buffers None without a cache;
     the stats None for a dense layer or without token_mask; the experts None for a dense
     layer)."""
@@ -767,6 +771,10 @@ def _block(cfg: ModelConfig, p, x, cos, sin, mask, cache=None, window: int | Non
         if isinstance(mask, Mask):  # a prefill chunk over the whole cache, by blocks
             attn = (attention_lib.flash(q, ck, cv, mask, scale, cap, cfg.attention_block)
                     if sinks is None else attention(q, ck, cv, mask.dense(), scale, cap, sinks))
+        elif (cfg.numerics.decode_attention == "pallas" and q.shape[1] == 1
+              and decode_attention_lib.fits(cfg.head_dim, cap, sinks)):
+            # One token over the cache in one fused kernel (models/decode_attention.py).
+            attn = decode_attention_lib.attend(q, ck, cv, mask, scale, decode_mesh)
         elif cfg.use_cudnn_attention(decode=True) and cap is None and sinks is None:
             # The cache's [B, K, S, Dh] viewed as cuDNN's [B, S, K, Dh]: a layout, not a copy.
             # A query always sees its own slot, so no row is fully masked.
