@@ -3,7 +3,8 @@ tiny_qwen3: a learned 6 x 6 position grid resampled to each image, DeepStack fea
 after the first two of three decoder layers, interleaved M-RoPE) on the left-padded batch of two
 prompts with images of different sizes of test_vlm_qwen: the tower's features (DeepStack's too),
 the logits, greedy generation over the KV cache, the trainer's shared-prefix forward, an export
-round trip, and LoRA on the tower and the language model as PEFT's."""
+round trip, LoRA on the tower and the language model as PEFT's, and the forward on a context
+axis."""
 
 import jax
 import jax.numpy as jnp
@@ -166,3 +167,35 @@ def test_export_round_trip_and_lora_as_peft(tiny, tmp_path):
     print(f"LoRA: ours vs PEFT {diff:.2e}, merged {merged:.2e} (the adapters moved the "
           f"logits by {moved:.2e})")
     assert diff < 1e-4 and merged < 1e-4 and moved > 1e-2
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices (tests/conftest.py)")
+def test_a_context_axis_takes_the_deepstack_features(tiny):
+    """On a (fsdp 2, context 2, tensor 2) mesh, positions zig-zag over the context axis, as
+    the trainer lays out long rows: the input embeddings are permuted with their DeepStack
+    part before the decoder splits it off, so the logits equal one device's (fp32)."""
+    from grpo_jax import mesh as mesh_lib
+    _, _, model = tiny
+    tokens, mask, pixels = _batch()
+    pad = -tokens.shape[1] % 8  # zig-zag: 2 x context chunks of equal length
+    tokens, mask = (np.pad(a, ((0, 0), (pad, 0))) for a in (tokens, mask))
+    want = qwen_logits(model, (tokens, mask, pixels))
+    mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=1, fsdp=2, tp=2, cp=2))
+    laid = nnx.merge(*nnx.split(model))
+    laid.shard_activations(mesh)
+    graphdef, params = nnx.split(laid, nnx.Param)
+    params = jax.device_put(params, mesh_lib.param_shardings(params, mesh))
+    positions, _ = qwen_vl.rope_index(model.cfg.vision, tokens, mask, GRIDS)
+    order = laid.sequence_order(tokens.shape[1])
+    assert order is not None  # the context axis permutes
+
+    @jax.jit
+    def forward(params, tokens, positions, mask, pixels):
+        m = nnx.merge(graphdef, params)
+        emb = m.embed_multimodal(tokens, pixels, GRIDS)
+        hidden, _ = m(tokens, positions, mask, inputs_embeds=emb, order=order)
+        return m.logits(hidden)[:, np.argsort(order)]
+    got = np.asarray(forward(params, *map(jnp.asarray, (tokens, positions, mask, pixels))))
+    diff = _real_diff(got, want, mask) / np.abs(want).max()
+    print(f"context axis vs one device, logits {diff:.2e} relative")
+    assert diff < 1e-5

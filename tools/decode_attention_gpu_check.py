@@ -7,25 +7,16 @@ slots not generated yet). Run by tools/gpu_session.sh (variant pallas_decode).
 """
 
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from gpu_timing import timed  # tools/, beside this script
 
 from grpo_jax.models import decode_attention as da
 from grpo_jax.models.decoder import attention
 
 LAYERS = 24  # Qwen2-0.5B's
-
-
-def timed(f, *args, repeats=200):
-    jax.block_until_ready(f(*args))
-    t = time.perf_counter()
-    for _ in range(repeats):
-        out = f(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t) / repeats * 1e3
 
 
 def main(interpret: bool = False):

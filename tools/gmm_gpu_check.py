@@ -4,22 +4,13 @@ gradients against XLA's ragged_dot, and their times, at Qwen3-30B-A3B's expert s
 """
 
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from gpu_timing import timed  # tools/, beside this script
 
 from grpo_jax.models import gmm
-
-
-def timed(f, *args, repeats=10):
-    jax.block_until_ready(f(*args))
-    t = time.perf_counter()
-    for _ in range(repeats):
-        out = f(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t) / repeats * 1e3
 
 
 def main(rows=8192, E=128, D=2048, F=768):
@@ -37,8 +28,8 @@ def main(rows=8192, E=128, D=2048, F=768):
     for name, f in (("mosaic_gpu", gmm.mosaic_gpu), ("xla", jax.lax.ragged_dot)):
         fwd = jax.jit(lambda a, b: f(a, b, sizes))
         bwd = jax.jit(lambda a, b: jax.vjp(lambda a, b: f(a, b, sizes), a, b)[1](dy))
-        print(f"{name}: forward {timed(fwd, x, w):.3f} ms, both gradients "
-              f"{timed(bwd, x, w):.3f} ms")
+        print(f"{name}: forward {timed(fwd, x, w, repeats=10):.3f} ms, both gradients "
+              f"{timed(bwd, x, w, repeats=10):.3f} ms")
     got = [gmm.mosaic_gpu(x, w, sizes), *jax.vjp(lambda a, b: gmm.mosaic_gpu(a, b, sizes),
                                                  x, w)[1](dy)]
     want = [jax.lax.ragged_dot(x, w, sizes), *jax.vjp(

@@ -20,7 +20,7 @@ if jax.default_backend() == "gpu":
 EOF
 
 CMD_BUFFERS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
-ALL="gmm moe16 moe64 xla_decode pallas_decode auto dots cudnn dots_cudnn_cmdbuf"
+ALL="gmm moe16 moe64 xla_decode pallas_decode partial auto dots cudnn dots_cudnn_cmdbuf"
 VARIANTS="${VARIANTS:-$ALL dots_no_shared_prefix tldr_like}"
 run() {  # name, XLA_FLAGS, bench args... (the bench's `all`, or $what: what=sampler run ...)
   local name=$1 flags=$2
@@ -31,7 +31,7 @@ run() {  # name, XLA_FLAGS, bench args... (the bench's `all`, or $what: what=sam
     --json "$OUT/$name.json" \
     > "$OUT/$name.log" 2>&1
   echo "   exit $?"
-  grep -E "^(train_step_s|mfu|generate_s|prefill|decode_ms|decode_fraction|grpo_step|peak)" \
+  grep -E "^(train_step_s|mfu|generate_s|prefill|decode_ms|decode_fraction|grpo_step|peak|partial_speedup|(refill|partial)_(groups_per_s|round_s|generate_s|update_s|slot_occupancy|staleness_mean))" \
     "$OUT/$name.log"
 }
 # The MoE grouped matmuls (models/gmm.py): Mosaic GPU kernels against XLA's ragged_dot (~1 min).
@@ -52,6 +52,11 @@ case " $VARIANTS " in *" pallas_decode "*)
   echo "   exit $?"; tail -4 "$OUT/decode_attention.log" ;; esac
 what=sampler run xla_decode "" --decode-attention xla "$@"
 what=sampler run pallas_decode "" --decode-attention pallas "$@"
+# Partial rollouts against refilled rounds (issue #49) on one device, Qwen2-0.5B's shape: 8
+# groups of 8 a round through 64 decode slots, up to 512 tokens, lengths long-tailed by stop
+# tokens of 0.4% of the vocabulary (geometric, mean ~250; 13% reach the cap), max_staleness 4.
+what=partial run partial "" --completion-len 512 --max-num-seqs 64 --max-staleness 4 \
+  --stop-fraction 0.004 "$@"
 run auto "--xla_gpu_dump_autotune_results_to=$OUT/autotune.pbtxt" "$@"
 run dots "" --remat-policy dots "$@"
 run cudnn "" --attention cudnn "$@"
