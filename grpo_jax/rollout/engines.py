@@ -92,6 +92,8 @@ def refuse_images(cfg, model_cfg, tools=()) -> None:
         vllm_unset = [name for name, on in (
             ("use_vllm (vLLM serves Gemma 3's images only; Qwen-VL's log-probs there are not "
              "yet matched)", model_cfg.model_type != "gemma3_text"),
+            ("vllm_weight_sync: nccl (its layerwise plan is a language model's only; http or "
+             "shm push the language model alone)", r.vllm_weight_sync == "nccl"),
             ("tools (or use_vllm)", bool(tools)),
             ("max_staleness (or use_vllm)", bool(r.max_staleness)),
             ("rollout_func (or use_vllm)", bool(cfg.multi_turn.rollout_func)),
@@ -100,8 +102,8 @@ def refuse_images(cfg, model_cfg, tools=()) -> None:
         ) if on]
         if vllm_unset:
             raise ConfigError(f"a vision-language model ({model_cfg.model_type}) on a vLLM "
-                              "server takes Gemma 3's prompts with their images, without tools, "
-                              "async rounds, a rollout_func or tower adapters; unset "
+                              "server takes Gemma 3's prompts with their images, without nccl, "
+                              "tools, async rounds, a rollout_func or tower adapters; unset "
                               + ", ".join(vllm_unset))
         return
     unset = [name for name, on in (

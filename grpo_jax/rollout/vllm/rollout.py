@@ -15,7 +15,7 @@ from grpo_jax.rollout.base import Rollout, RolloutBatch, WeightMode
 from grpo_jax.rollout.padding import bucketed_prompts
 from grpo_jax.rollout.vllm.client import VLLMClient, rollout_arrays
 from grpo_jax.rollout.vllm.sync import ServerWeights, resolve_transport, transfer_metrics
-from grpo_jax.errors import ServerUnreachableError, VLLMServerError, WeightsLost
+from grpo_jax.errors import ConfigError, ServerUnreachableError, VLLMServerError, WeightsLost
 
 
 def warn_filters(sp) -> None:
@@ -55,6 +55,11 @@ class VLLMRollout(Rollout):
         self.extras = r.request_extras()
         warn_filters(self.sp)
         transport = resolve_transport(r.vllm_weight_sync, self.client)
+        if processor is not None and transport == "nccl":  # `auto` on a server set up for it
+            raise ConfigError(f"the vLLM server at {r.base_url} takes weights over nccl, whose "
+                              "layerwise plan is a language model's only; set "
+                              "vllm_weight_sync: http (grpo_jax.serve's default) for a "
+                              "vision-language model")
         # With LoRA: whether update_weights takes the adapters alone (with the frozen base) or
         # the full weights with the adapters merged in. Over http the adapters alone always
         # work (our engine merges them into the base it was given once), unless the server runs
@@ -105,9 +110,12 @@ class VLLMRollout(Rollout):
         short = [unexpanded_ids(self.processor, ids) for ids in prompt_ids]
         sp = self.sp
 
+        served = [[images.at_processed_size(self.processor, im) for im in row]
+                  for row in pictures]
+
         def request():
             return self.client.generate_images(
-                short, pictures, n=num_generations, temperature=sp.temperature, top_p=sp.top_p,
+                short, served, n=num_generations, temperature=sp.temperature, top_p=sp.top_p,
                 top_k=sp.top_k, min_p=sp.min_p, repetition_penalty=sp.repetition_penalty,
                 max_tokens=sp.max_completion_length, stop_token_ids=sp.stop_token_ids,
                 seed=seed, extras=self.extras)
