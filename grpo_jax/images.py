@@ -318,6 +318,20 @@ def image_tokens(record: Mapping[str, Any]) -> int | Sequence[bool]:
     return record.get("image_tokens", len(record["prompt_ids"]))
 
 
+def at_processed_size(processor, image):
+    """`image` resized as the processor's image processor resizes it where that is one fixed
+    size (Gemma 3's): another processor then resizes it to itself, which is exact, so a vLLM
+    server's processor (another resize implementation: torchvision's where the trainer's is
+    PIL's) makes the trainer's pixels. The trainer's processor makes the same pixels from it as
+    from `image` (PIL returns a same-size resize unchanged). Other images are returned as
+    they are."""
+    ip = processor.image_processor
+    height, width = ip.size.get("height"), ip.size.get("width")
+    if not (ip.do_resize and height and width):
+        return image
+    return image.convert("RGB").resize((width, height), resample=ip.resample)
+
+
 def row_pixels(processor, images: Sequence[Sequence[Any]]) -> PromptPixels:
     """prompt_pixels of rows whose images are `images` (a list per row)."""
     from PIL import Image  # here: see decode_image

@@ -136,6 +136,12 @@ def build_command(model_dir, *, host: str = "127.0.0.1", port: int = 8000,
         argv += lora_args(lora_rank)
     if not any(a.split("=")[0] == "--weight-transfer-config" for a in extra):
         argv += ["--weight-transfer-config", WEIGHT_TRANSFER]
+    # A vision-language model's prompts go in as token ids with their images through
+    # /inference/v1/generate, which vLLM serves with --enable-scale-out only.
+    config = Path(model_dir) / "config.json"
+    if ("--enable-scale-out" not in extra and config.is_file()
+            and "vision_config" in json.loads(config.read_text())):
+        argv += ["--enable-scale-out"]
     env = dict(os.environ if env is None else env)
     cpu = vllm_build(python) == "cpu"
     if cpu and not any(a == "--dtype" or a.startswith("--dtype=") for a in extra):

@@ -55,7 +55,8 @@ SHARED_GROUPS = {  # modules that use the same session-scoped vLLM server
 LONGEST_FIRST = ("vllm_smol", "vllm_tiny", "test_aot", "test_lora", "test_train",
                  "test_vlm_train", "test_tool_continuation", "test_multihost",
                  "test_partial_tools", "test_partial", "test_moe", "test_shared_prefix",
-                 "test_faults", "test_vlm_qwen3", "test_async_jax", "test_sampler",
+                 "test_faults", "test_vlm_qwen3", "test_vllm_images", "test_async_jax",
+                 "test_sampler",
                  "test_refill", "test_split",
                  "test_context_parallel", "test_tool_templates", "test_vllm_lora",
                  "test_run_dir", "test_schedule", "test_integrity", "test_bench",
@@ -197,28 +198,6 @@ def smol_few_layers(smol_dir):
 # it mid-run, then kill it mid-run; test_vllm_lora's server is its own (LoRA enabled, no API key;
 # its last test kills it).
 
-def _start_vllm(model_dir, tmp, max_model_len, **env):
-    import time
-
-    from grpo_jax import serve
-    from grpo_jax.rollout.vllm.client import VLLMClient
-    from vllm_server import API_KEY, VLLM_PYTHON, free_port, server_env
-    if not VLLM_PYTHON:
-        pytest.skip("GRPO_JAX_VLLM_PYTHON is unset")
-    env = server_env(**env)
-    srv = serve.start_server(model_dir, free_port(), python=VLLM_PYTHON,
-                             max_model_len=max_model_len, api_key=API_KEY,
-                             log_path=tmp / "server.log", env=env)
-    try:
-        start = time.monotonic()
-        VLLMClient(srv.base_url).wait_healthy(timeout=600, server=srv)
-        print(f"vLLM server healthy after {time.monotonic() - start:.0f} s")
-    except BaseException:
-        srv.stop()
-        raise
-    return srv
-
-
 @pytest.fixture(scope="session")
 def tiny_llama_dir():
     """vllm_server's tiny random Llama (a word-level tokenizer vLLM can load), one copy per run."""
@@ -231,8 +210,9 @@ def tiny_vllm_server(tiny_llama_dir, tmp_path_factory):
     """A vLLM CPU server for tiny_llama_dir, guarded by vllm_server.API_KEY; a 1 MiB cap on the
     guarded JSON routes' bodies (test_weight_routes_check_bodies_and_dtypes; the weights travel
     in raw buckets, which have their own check)."""
-    srv = _start_vllm(tiny_llama_dir, tmp_path_factory.mktemp("vllm_server"), 256,
-                      GRPO_JAX_MAX_BODY_BYTES=str(1 << 20))
+    from vllm_server import start_vllm
+    srv = start_vllm(tiny_llama_dir, tmp_path_factory.mktemp("vllm_server"), 256,
+                     GRPO_JAX_MAX_BODY_BYTES=str(1 << 20))
     _SHARED_SERVERS.append(srv)
     yield srv
     srv.stop()
@@ -243,12 +223,12 @@ def smol_vllm_server(smol_dir, tmp_path_factory):
     """A vLLM CPU server for SmolLM2 (guarded by vllm_server.API_KEY) and the directories it could
     write to: its TMPDIR, its cache and the model's (test_vllm_weight_sync checks they stay
     unchanged). Without inductor (vllm_server.NO_INDUCTOR): its cache is its own."""
-    from vllm_server import NO_INDUCTOR
+    from vllm_server import NO_INDUCTOR, start_vllm
     tmp = tmp_path_factory.mktemp("smol_server")
     (tmp / "tmp").mkdir()
-    srv = _start_vllm(smol_dir, tmp, 1024, TMPDIR=str(tmp / "tmp"),
-                      VLLM_CACHE_ROOT=str(tmp / "cache"),  # its own: checked to stay unchanged
-                      **NO_INDUCTOR)
+    srv = start_vllm(smol_dir, tmp, 1024, TMPDIR=str(tmp / "tmp"),
+                     VLLM_CACHE_ROOT=str(tmp / "cache"),  # its own: checked to stay unchanged
+                     **NO_INDUCTOR)
     _SHARED_SERVERS.append(srv)
     yield srv, [tmp / "tmp", tmp / "cache", smol_dir]
     srv.stop()

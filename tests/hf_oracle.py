@@ -89,14 +89,15 @@ def hf_greedy(ref, prompts, n, pad=0):
 
 
 
-def char_tokenizer():
-    """A character-level tokenizer (pad 0, bos 1, eos 2, then printable ASCII): a small vocab
-    that a tiny random model can learn over in a few RL steps."""
+def char_tokenizer(extra=()):
+    """A character-level tokenizer (pad 0, bos 1, eos 2, then printable ASCII, then `extra`): a
+    small vocab that a tiny random model can learn over in a few RL steps. (A run of newlines,
+    which the split leaves whole, is a token only if it is in `extra`.)"""
     import string
 
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>",
-                                        *string.printable[:95]])}
+                                        *string.printable[:95], *extra])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), "isolated")
     tok.decoder = decoders.Fuse()

@@ -94,6 +94,28 @@ def server_env(**extra) -> dict:
 NO_INDUCTOR = {"VLLM_CPU_CI_ENV": "1"}
 
 
+def start_vllm(model_dir, tmp, max_model_len, **env):
+    """grpo_jax.serve's server for `model_dir`, guarded by API_KEY, its log in `tmp`, once
+    healthy (a test without the vLLM venv is skipped)."""
+    import time
+
+    from grpo_jax import serve
+    from grpo_jax.rollout.vllm.client import VLLMClient
+    if not VLLM_PYTHON:
+        pytest.skip("GRPO_JAX_VLLM_PYTHON is unset")
+    srv = serve.start_server(model_dir, free_port(), python=VLLM_PYTHON,
+                             max_model_len=max_model_len, api_key=API_KEY,
+                             log_path=tmp / "server.log", env=server_env(**env))
+    try:
+        start = time.monotonic()
+        VLLMClient(srv.base_url).wait_healthy(timeout=600, server=srv)
+        print(f"vLLM server healthy after {time.monotonic() - start:.0f} s")
+    except BaseException:
+        srv.stop()
+        raise
+    return srv
+
+
 def push_initial_weights(base_url: str, model_dir) -> None:
     """Give a server the weights of `model_dir` back (a run before trained it)."""
     from grpo_jax.rollout.vllm.client import VLLMClient

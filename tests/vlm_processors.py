@@ -40,13 +40,16 @@ def qwen_processor():
                                   chat_template=QWEN_TEMPLATE)
 
 
-def gemma_processor():
-    base = char_tokenizer()
+def gemma_processor(newlines: bool = False, image_seq_length: int = 4):
+    """`newlines`: with the newline tokens ("\\n" to "\\n\\n\\n\\n") that vLLM's Gemma 3
+    processor looks up (tests/test_vllm_images.py). `image_seq_length`: soft tokens per image."""
+    base = char_tokenizer(["\n" * k for k in range(1, 5)] if newlines else ())
     tok = transformers.PreTrainedTokenizerFast(
         tokenizer_object=base.backend_tokenizer, pad_token="<pad>", bos_token="<s>",
         eos_token="</s>", unk_token="<unk>", padding_side="left",
         extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                               "image_token": "<image_soft_token>"})
     image = transformers.Gemma3ImageProcessorPil(size={"height": 28, "width": 28})
-    return transformers.Gemma3Processor(image_processor=image, tokenizer=tok, image_seq_length=4,
+    return transformers.Gemma3Processor(image_processor=image, tokenizer=tok,
+                                        image_seq_length=image_seq_length,
                                         chat_template=GEMMA_TEMPLATE)

@@ -85,7 +85,28 @@ def refuse_images(cfg, model_cfg, tools=()) -> None:
     if model_cfg is None or model_cfg.vision is None:
         return
     r = cfg.rollout
-    unset = [name for name, on in (("use_vllm (or vllm_mode: colocate)", r.backend == "vllm"),
+    if r.backend == "vllm":
+        # A vLLM server takes Gemma 3's prompts with their images (VLLMRollout.generate_images,
+        # the language model's weights pushed); the rest is not built there yet.
+        from grpo_jax.models import lora
+        vllm_unset = [name for name, on in (
+            ("use_vllm (vLLM serves Gemma 3's images only; Qwen-VL's log-probs there are not "
+             "yet matched)", model_cfg.model_type != "gemma3_text"),
+            ("vllm_weight_sync: nccl (its layerwise plan is a language model's only; http or "
+             "shm push the language model alone)", r.vllm_weight_sync == "nccl"),
+            ("tools (or use_vllm)", bool(tools)),
+            ("max_staleness (or use_vllm)", bool(r.max_staleness)),
+            ("rollout_func (or use_vllm)", bool(cfg.multi_turn.rollout_func)),
+            ("the tower's lora_target_modules (or use_vllm: the server's tower is the one it "
+             "loaded)", bool(cfg.peft.use_peft and lora.tower_targets(cfg.peft, model_cfg))),
+        ) if on]
+        if vllm_unset:
+            raise ConfigError(f"a vision-language model ({model_cfg.model_type}) on a vLLM "
+                              "server takes Gemma 3's prompts with their images, without nccl, "
+                              "tools, async rounds, a rollout_func or tower adapters; unset "
+                              + ", ".join(vllm_unset))
+        return
+    unset = [name for name, on in (
                                    ("max_num_seqs with continuous_batching false",
                                     cfg.generation.max_num_seqs is not None
                                     and not cfg.generation.continuous_batching),
@@ -134,11 +155,15 @@ def _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools, batch_divisor, hos
     else:
         from grpo_jax.rollout.vllm.rollout import VLLMRollout
 
+        vision = model_cfg is not None and model_cfg.vision is not None
+
         def make():
-            return VLLMRollout(cfg, model_cfg, sp, pad_id(tokenizer))
+            return VLLMRollout(cfg, model_cfg, sp, pad_id(tokenizer),
+                               processor=images.load_processor(model_dir) if vision else None)
         if cfg.rollout.max_staleness:
             return _async_rounds(cfg, make, tokenizer, tools, sp)
-        rollout = MainProcessRollout(make) if dist.multi_process() else make()
+        rollout = (MainProcessRollout(make, takes_records=vision) if dist.multi_process()
+                   else make())
     return _episodes(cfg, rollout, tokenizer, tools, sp)
 
 

@@ -15,8 +15,10 @@ compute (it sends NaN as null) is NaN here, as in TRL.
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures as cf
 import dataclasses
+import io
 import math
 import shutil
 import time
@@ -228,6 +230,37 @@ class VLLMClient(WeightRoutes):
             return [_completion(c, self.base_url) for c in choices]
         return self._map(one, list(range(len(prompt_token_ids))))
 
+    def generate_images(self, prompt_token_ids: list[list[int]], images: list[list], *,
+                        n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
+                        top_k: int | None = 0, min_p: float | None = None,
+                        repetition_penalty: float = 1.0, max_tokens: int = 256,
+                        stop_token_ids=(), seed: int | None = None, extras: dict | None = None
+                        ) -> tuple[list[list[Completion]], list[list[int]]]:
+        """generate for prompts with images (a list of PIL images per prompt) through vLLM's
+        token-in route, /inference/v1/generate (the server runs with --enable-scale-out:
+        grpo_jax.serve adds it for a vision-language model). Each prompt's ids are unexpanded,
+        one image placeholder per image, which vLLM expands itself. Also returns each prompt's
+        ids as the server expanded them."""
+        def one(i):
+            params = {"n": n, "max_tokens": max_tokens, "temperature": temperature,
+                      "top_p": top_p, "top_k": int(top_k or 0), "min_p": float(min_p or 0.0),
+                      "repetition_penalty": repetition_penalty,
+                      "stop_token_ids": [int(t) for t in stop_token_ids], "logprobs": 0}
+            if seed is not None:
+                params["seed"] = seed + i * n
+            params.update(extras or {})  # vLLM's sampling options (generation_kwargs)
+            body = {"token_ids": [int(t) for t in prompt_token_ids[i]],
+                    "content_parts": [{"type": "image_url", "url": image_url(im)}
+                                      for im in images[i]],
+                    "sampling_params": params, "return_token_ids": True,
+                    **self._model_field()}
+            out = self._request("POST", "/inference/v1/generate", body)
+            choices = sorted(out["choices"], key=lambda c: c["index"])
+            return ([_generate_completion(c, self.base_url) for c in choices],
+                    [int(t) for t in out.get("prompt_token_ids") or ()])
+        done = self._map(one, list(range(len(prompt_token_ids))))
+        return [c for c, _ in done], [p for _, p in done]
+
     def logprobs_for(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]
                      ) -> list[np.ndarray]:
         """log_softmax(logits) of each completion token given its prompt and the completion
@@ -351,6 +384,27 @@ def _completion(choice: dict, url: str) -> Completion:
         raise VLLMServerError(f"{url}: completion without token ids/log-probs; the server "
                               "must support return_token_ids (vLLM >= 0.10)")
     return Completion([int(t) for t in ids], [_logprob(x) for x in lp], reason)
+
+
+def _generate_completion(choice: dict, url: str) -> Completion:
+    """A choice of /inference/v1/generate: token ids, and log-probs under logprobs.content."""
+    reason = choice.get("finish_reason")
+    if reason not in ("stop", "length"):
+        raise VLLMServerError(f"{url}: a completion ended with finish_reason {reason!r} "
+                              "(aborted?)")
+    ids = choice.get("token_ids")
+    content = (choice.get("logprobs") or {}).get("content")
+    if ids is None or content is None or len(ids) != len(content):
+        raise VLLMServerError(f"{url}: /inference/v1/generate returned no token ids/log-probs")
+    return Completion([int(t) for t in ids], [_logprob(x.get("logprob")) for x in content],
+                      reason)
+
+
+def image_url(image) -> str:
+    """A PIL image as the data URL (PNG, lossless) a content part of vLLM's takes."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def _logprob(x) -> float:

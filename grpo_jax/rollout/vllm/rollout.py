@@ -7,14 +7,15 @@ import sys
 import time
 
 import jax
+import numpy as np
 
-from grpo_jax import hf, peft_io
+from grpo_jax import hf, images, peft_io
 from grpo_jax.config.rollout import SamplingParams
 from grpo_jax.rollout.base import Rollout, RolloutBatch, WeightMode
 from grpo_jax.rollout.padding import bucketed_prompts
 from grpo_jax.rollout.vllm.client import VLLMClient, rollout_arrays
 from grpo_jax.rollout.vllm.sync import ServerWeights, resolve_transport, transfer_metrics
-from grpo_jax.errors import ServerUnreachableError, WeightsLost
+from grpo_jax.errors import ConfigError, ServerUnreachableError, VLLMServerError, WeightsLost
 
 
 def warn_filters(sp) -> None:
@@ -34,9 +35,13 @@ class VLLMRollout(Rollout):
     """Completions from a vLLM server, which holds its own weights: PUSH (LoRA: merged) or
     PUSH_ADAPTERS (the server merges the adapters, or serves them with vLLM's LoRA)."""
 
-    def __init__(self, cfg, model_cfg, sp: SamplingParams, pad: int):
+    def __init__(self, cfg, model_cfg, sp: SamplingParams, pad: int, processor=None):
         """`sp`: the run's sampling settings (engines.make_rollout makes them, with TRL's stop
-        set); `pad`: the tokenizer's pad id."""
+        set); `pad`: the tokenizer's pad id. `processor`: a vision-language model's HF
+        processor (Gemma 3's; engines.refuse_images refuses the rest): the rows' records give
+        each prompt's images, sent with its unexpanded ids (generate_images)."""
+        self.processor = processor
+        self.takes_records = processor is not None
         r = cfg.rollout
         self.client = VLLMClient(r.base_url, api_key=r.vllm_server_api_key
                                  or os.environ.get("VLLM_API_KEY"),
@@ -50,6 +55,11 @@ class VLLMRollout(Rollout):
         self.extras = r.request_extras()
         warn_filters(self.sp)
         transport = resolve_transport(r.vllm_weight_sync, self.client)
+        if processor is not None and transport == "nccl":  # `auto` on a server set up for it
+            raise ConfigError(f"the vLLM server at {r.base_url} takes weights over nccl, whose "
+                              "layerwise plan is a language model's only; set "
+                              "vllm_weight_sync: http (grpo_jax.serve's default) for a "
+                              "vision-language model")
         # With LoRA: whether update_weights takes the adapters alone (with the frozen base) or
         # the full weights with the adapters merged in. Over http the adapters alone always
         # work (our engine merges them into the base it was given once), unless the server runs
@@ -78,12 +88,61 @@ class VLLMRollout(Rollout):
 
     def generate(self, weights, prompt_ids, num_generations, key, records=None) -> RolloutBatch:
         seed = int(jax.random.randint(key, (), 0, 2**30))
+        if self.processor is not None:
+            return self.generate_images(prompt_ids, num_generations, seed, records)
         groups = self._on_current_weights(lambda: self._request(prompt_ids, num_generations, seed))
         arrays = rollout_arrays([c for g in groups for c in g], self.pad,
                                 length=self.sp.max_completion_length)
         ids, mask = bucketed_prompts(prompt_ids, num_generations, self.pad)
         return RolloutBatch(ids, mask, arrays["completion_ids"], arrays["completion_mask"],
                             arrays["truncated"], arrays["sampler_logp"])
+
+    def generate_images(self, prompt_ids, num_generations, seed, records) -> RolloutBatch:
+        """generate for prompts with images (records[i]: prompt i's record, its images those of
+        its multimodal prompt, images.record_images). vLLM expands each image placeholder
+        itself, so each prompt goes in as its text's ids with one begin-of-image token per
+        image (unexpanded); the server's expansion must give back our ids, else the server's
+        tokens would not be the ones the trainer scores. The batch carries each row's images
+        for the trainer's forwards, as the JAX sampler's does."""
+        if records is None or len(records) != len(prompt_ids):
+            raise ValueError("a vision-language model's rollout needs each prompt's record")
+        pictures = [images.record_images(rec) for rec in records]
+        short = [unexpanded_ids(self.processor, ids) for ids in prompt_ids]
+        sp = self.sp
+
+        served = [[images.at_processed_size(self.processor, im) for im in row]
+                  for row in pictures]
+
+        def request():
+            return self.client.generate_images(
+                short, served, n=num_generations, temperature=sp.temperature, top_p=sp.top_p,
+                top_k=sp.top_k, min_p=sp.min_p, repetition_penalty=sp.repetition_penalty,
+                max_tokens=sp.max_completion_length, stop_token_ids=sp.stop_token_ids,
+                seed=seed, extras=self.extras)
+        groups, expanded = self._on_current_weights(request)
+        for i, (ours, theirs) in enumerate(zip(prompt_ids, expanded)):
+            if theirs and list(map(int, ours)) != theirs:
+                raise VLLMServerError(
+                    f"{self.client.base_url}: vLLM expanded prompt {i}'s images into other "
+                    f"tokens than the trainer's processor ({len(theirs)} vs {len(ours)} ids): "
+                    "serve the trainer's model directory, processor files included")
+        arrays = rollout_arrays([c for g in groups for c in g], self.pad,
+                                length=self.sp.max_completion_length)
+        ids, mask = bucketed_prompts(prompt_ids, num_generations, self.pad)
+        px = images.row_pixels(self.processor, pictures)
+        return RolloutBatch(ids, mask, arrays["completion_ids"], arrays["completion_mask"],
+                            arrays["truncated"], arrays["sampler_logp"],
+                            pixel_values=np.repeat(px.pixel_values, num_generations, axis=0),
+                            image_grid=px.image_grid)
+
+    def _pushed(self, table: dict) -> dict:
+        """The table-layout params a push sends: a vision-language model's tower is frozen
+        (LoRA on it is refused: engines.refuse_images), so the server keeps the one it loaded
+        and only the language model's weights go (the projector, vision/mm_*, is the
+        tower's, frozen with it)."""
+        if self.model_cfg.vision is None:
+            return table
+        return {k: v for k, v in table.items() if not k.startswith("vision/")}
 
     def _on_current_weights(self, fn, attempts: int = 3):
         """fn() on a server holding the last pushed weights. A server that died, or came back
@@ -137,11 +196,11 @@ class VLLMRollout(Rollout):
                     sum(a.nbytes for a in tensors.values()), seconds)
                 return seconds
             push = lambda: self.weights.push_adapters(  # noqa: E731
-                lambda: hf.params_from_state(self.model_cfg, base), tensors)
+                lambda: self._pushed(hf.params_from_state(self.model_cfg, base)), tensors)
         elif self.weights.transport == "nccl":  # from the device, nothing on the host
             return self.weights.push_device(weights)
         else:
-            table = hf.params_from_state(self.model_cfg, weights)
+            table = self._pushed(hf.params_from_state(self.model_cfg, weights))
             push = lambda: self.weights.push_full(table)  # noqa: E731
         try:
             return push()
@@ -149,3 +208,14 @@ class VLLMRollout(Rollout):
             start = time.perf_counter()
             self._recover(e)
             return time.perf_counter() - start
+
+
+def unexpanded_ids(processor, ids) -> list[int]:
+    """A prompt's ids (the processor's, each image's placeholder expanded to its image
+    sequence) with each image sequence back to the one begin-of-image token the chat template
+    wrote: the text again with processor.full_image_sequence (Gemma 3's "\\n\\n<boi>" +
+    soft tokens + "<eoi>\\n\\n") replaced by its boi_token, tokenized as the processor does."""
+    tok = processor.tokenizer
+    text = tok.decode([int(t) for t in ids], skip_special_tokens=False)
+    text = text.replace(processor.full_image_sequence, processor.boi_token)
+    return tok(text, add_special_tokens=False)["input_ids"]

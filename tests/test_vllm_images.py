@@ -1,0 +1,197 @@
+"""A vision-language model's rollouts from a real vLLM CPU server (rollout/vllm/rollout.py):
+a tiny random Gemma 3 that vLLM can load (vLLM's processor looks up the newline tokens; text
+head_dim 32; the tower saved under the Hub's vision_tower.vision_model.*), each prompt sent as
+its text's ids with one begin-of-image token per image and its images, which vLLM expands
+itself, one soft token per image (MM below). Oracles: the trainer's own forward with the
+images (the JAX model), and the processor's ids. Server start-up ~60 s (eager, vllm_server.NO_INDUCTOR), RSS ~2 GB."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+import transformers
+from PIL import Image
+
+from grpo_jax import hf, images, squares
+from grpo_jax.checkpoint import load_checkpoint
+from grpo_jax.cli import load_config
+from grpo_jax.config.rollout import SamplingParams
+from grpo_jax.errors import ConfigError
+from grpo_jax.grpo.batch import Batch
+from grpo_jax.grpo.train_step import completion_logps
+from grpo_jax.rollout.vllm.rollout import VLLMRollout, unexpanded_ids
+from grpo_jax.train import train
+from vllm_server import API_KEY, NO_INDUCTOR, needs_vllm, start_vllm
+from vlm_processors import gemma_processor
+
+# Soft tokens per image: one. vLLM's CPU attention (0.32) has no image-prefix mode, so Gemma 3's
+# image tokens attend causally there, where transformers, the trainer and vLLM's GPU backends
+# let an image's tokens see each other (docs/vllm.md); with one token the two are the same.
+MM = 1
+
+
+def tiny_gemma3_for_vllm(processor, seed=0, mm=MM):
+    """A random Gemma 3 whose image features depend on the pixels (transformers initialises
+    the projection to zeros: it and the norms are perturbed) and whose language model is far
+    enough from uniform that a changed weight shows in the log-probs."""
+    tok = processor.tokenizer
+    ids = {name: tok.convert_tokens_to_ids(t) for name, t in (
+        ("image", "<image_soft_token>"), ("boi", "<start_of_image>"),
+        ("eoi", "<end_of_image>"))}
+    text = dict(vocab_size=128, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                max_position_embeddings=512, rms_norm_eps=1e-6, query_pre_attn_scalar=32,
+                sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=28, patch_size=7, num_channels=3,
+                  vision_use_head=False)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                    mm_tokens_per_image=mm, image_token_index=ids["image"],
+                                    boi_token_index=ids["boi"], eoi_token_index=ids["eoi"])
+    torch.manual_seed(seed)
+    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "mm_input" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            elif "language_model" in name:
+                p.normal_(0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3_vllm") / "model"
+    processor = gemma_processor(newlines=True, image_seq_length=MM)
+    tiny_gemma3_for_vllm(processor).save_pretrained(path)
+    processor.save_pretrained(path)
+    # vLLM's Gemma 3 loader takes the tower under the Hub's name; grpo_jax reads both.
+    f = path / "model.safetensors"
+    tensors = safetensors.torch.load_file(f)
+    safetensors.torch.save_file(
+        {"vision_tower.vision_model." + k.removeprefix("vision_tower.")
+         if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.")
+         else k: v for k, v in tensors.items()}, f, metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def gemma3_server(gemma3_dir, tmp_path_factory):
+    srv = start_vllm(gemma3_dir, tmp_path_factory.mktemp("gemma3_server"), 512, **NO_INDUCTOR)
+    yield srv
+    srv.stop()
+
+
+def _prompts(processor, n: int, seed: int):
+    """n 'squares' prompts (the dataset's question over a drawn image) as records, with the
+    processor's ids."""
+    rng = np.random.default_rng(seed)
+    prompts = [images.multimodal_messages([{"role": "user", "content": squares.QUESTION}],
+                                          [squares.draw(rng)[0]], i) for i in range(n)]
+    batch = images.process(processor, prompts)
+    return [{"prompt": p, "prompt_ids": batch.prompt_ids(i)} for i, p in enumerate(prompts)]
+
+
+def _scores(model, r) -> np.ndarray:
+    """The trainer's log-probs of a rollout's completions, with the rows' images."""
+    batch = Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                  r.truncated, np.zeros(len(r.prompt_ids), np.float32),
+                  pixel_values=r.pixel_values, image_grid=r.image_grid)
+    return np.asarray(completion_logps(model, batch, 1.0, 128)[0])
+
+
+def _settings(model_dir, out, base_url) -> list[str]:
+    sets = {"model_name_or_path": model_dir, "output_dir": out, "max_steps": 3,
+            "num_generations": 4, "per_device_train_batch_size": 8, "dtype": "float32",
+            "max_completion_length": 6, "max_prompt_length": 128, "learning_rate": 0.01,
+            "eval_strategy": "no", "eval_on_start": "false", "save_steps": 3,
+            "report_to": "[]", "num_completions_to_print": 0, "log_completions": "false",
+            "use_vllm": "true", "vllm_server_base_url": base_url,
+            "vllm_server_api_key": API_KEY, "vllm_server_timeout": 60}
+    return [f"{k}={v}" for k, v in sets.items()]
+
+
+def test_unexpanded_ids_are_the_rendered_texts_ids():
+    proc = gemma_processor(newlines=True)
+    im = Image.new("RGB", (28, 28), (255, 0, 0))
+    prompts = [[{"role": "user", "content": [{"type": "image", "image": im},
+                                             {"type": "text", "text": "How many?"}]}],
+               [{"role": "user", "content": [{"type": "text", "text": "Look:\n"},
+                                             {"type": "image", "image": im},
+                                             {"type": "image", "image": im},
+                                             {"type": "text", "text": "count"}]}]]
+    batch = images.process(proc, prompts)
+    for i, p in enumerate(prompts):
+        want = proc.tokenizer(images.render(proc, p), add_special_tokens=False)["input_ids"]
+        got = unexpanded_ids(proc, batch.prompt_ids(i))
+        assert got == want
+        boi = proc.tokenizer.convert_tokens_to_ids(proc.boi_token)
+        assert got.count(boi) == len(images.prompt_images(p))
+        assert len(got) < len(batch.prompt_ids(i))
+
+
+def test_images_go_to_the_server_at_the_processors_size():
+    """An image resized to the processor's one size first makes the same pixels in the trainer's
+    processor (PIL) as the image itself, and leaves the server's processor (torchvision's resize,
+    one uint8 level off in places for a 100 x 73 image) nothing to resize."""
+    proc = gemma_processor(newlines=True)
+    im = Image.fromarray(np.random.default_rng(0).integers(0, 256, (73, 100, 3), np.uint8))
+    small = images.at_processed_size(proc, im)
+    assert small.size == (28, 28)
+    pixels = [proc.image_processor(images=[x], return_tensors="np")["pixel_values"]
+              for x in (im, small)]
+    np.testing.assert_array_equal(*pixels)
+
+
+def test_nccl_with_images_is_refused(gemma3_dir, tmp_path):
+    cfg = load_config("squares", _settings(gemma3_dir, tmp_path / "run", "http://127.0.0.1:1")
+                      + ["vllm_weight_sync=nccl"])
+    with pytest.raises(ConfigError, match=r"unset vllm_weight_sync: nccl"):
+        train(cfg, devices=jax.devices()[:1])
+
+
+@needs_vllm
+def test_grpo_run_through_the_server_with_images(gemma3_dir, gemma3_server, tmp_path):
+    """Three GRPO steps on 'squares' with the server's rollouts, the language model pushed
+    after each update: every step's completions score alike under the server and the trainer
+    (so each push landed: the weights moved between steps). Then, on the trained weights, the
+    server's samples score as the checkpoint's model does, not as the initial one, and not as
+    without the images."""
+    out = tmp_path / "run"
+    cfg = load_config("squares", _settings(gemma3_dir, out, gemma3_server.base_url))
+    train(cfg, devices=jax.devices()[:1])
+    steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "loss" in s]
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    worst = max(s["sampling/sampling_logp_difference/max"] for s in steps)
+    print(f"server vs trainer log-probs over the run: max |diff| {worst:.3g}")
+    assert worst < 1e-4
+    assert all(s["timing/weight_sync"] > 0 for s in steps)
+
+    processor = images.load_processor(gemma3_dir)
+    trained, _, step = load_checkpoint(out)
+    assert step == 3
+    trained.cfg = trained.cfg.replace(dtype=jnp.float32)
+    initial, _ = hf.load_model(str(gemma3_dir), dtype=jnp.float32)
+    eos = processor.tokenizer.eos_token_id
+    rollout = VLLMRollout(cfg, trained.cfg, SamplingParams(max_completion_length=6,
+                                                           stop_token_ids=(eos,)),
+                          processor.tokenizer.pad_token_id, processor)
+    records = _prompts(processor, 2, seed=7)
+    r = rollout.generate(None, [x["prompt_ids"] for x in records], 2, jax.random.key(0),
+                         records)
+    assert r.pixel_values.shape[0] == 4
+    real = r.completion_mask.astype(bool)
+    diff = {name: float(np.abs(logp - r.sampler_logp)[real].max()) for name, logp in (
+        ("trained", _scores(trained, r)), ("initial", _scores(initial, r)),
+        ("trained, images zeroed",
+         _scores(trained, r._replace(pixel_values=np.zeros_like(r.pixel_values)))))}
+    print(f"server's samples vs trainer log-probs, max |diff|: {diff}")
+    assert diff["trained"] < 1e-4
+    assert diff["initial"] > 1e-3 and diff["trained, images zeroed"] > 1e-3
