@@ -319,16 +319,24 @@ def image_tokens(record: Mapping[str, Any]) -> int | Sequence[bool]:
 
 
 def at_processed_size(processor, image):
-    """`image` resized as the processor's image processor resizes it where that is one fixed
-    size (Gemma 3's): another processor then resizes it to itself, which is exact, so a vLLM
+    """`image` resized as the processor's image processor resizes it: to its one fixed size
+    (Gemma 3's), or to Qwen-VL's `smart_resize` of its size (a multiple of patch x merge within
+    the processor's min and max pixels). Another processor then has nothing to resize, so a vLLM
     server's processor (another resize implementation: torchvision's where the trainer's is
-    PIL's) makes the trainer's pixels. The trainer's processor makes the same pixels from it as
-    from `image` (PIL returns a same-size resize unchanged). Other images are returned as
-    they are."""
+    PIL's) makes the trainer's pixels; the trainer's processor makes the same pixels from it as
+    from `image` (PIL returns a same-size resize unchanged)."""
     ip = processor.image_processor
-    height, width = ip.size.get("height"), ip.size.get("width")
-    if not (ip.do_resize and height and width):
+    size = ip.size
+    if not ip.do_resize:
         return image
+    if size.get("height") and size.get("width"):
+        height, width = size["height"], size["width"]
+    else:  # Qwen-VL's processors: shortest_edge / longest_edge are its min / max pixels
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+        height, width = smart_resize(image.height, image.width,
+                                     factor=ip.patch_size * ip.merge_size,
+                                     min_pixels=size["shortest_edge"],
+                                     max_pixels=size["longest_edge"])
     return image.convert("RGB").resize((width, height), resample=ip.resample)
 
 

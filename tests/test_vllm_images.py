@@ -14,6 +14,7 @@ import pytest
 import safetensors.torch
 import torch
 import transformers
+from flax import nnx
 from PIL import Image
 
 from grpo_jax import hf, images, squares
@@ -23,10 +24,12 @@ from grpo_jax.config.rollout import SamplingParams
 from grpo_jax.errors import ConfigError
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.train_step import completion_logps
+from grpo_jax.models.config import ModelConfig
 from grpo_jax.rollout.vllm.rollout import VLLMRollout, unexpanded_ids
 from grpo_jax.train import train
+from hf_oracle import char_tokenizer
 from vllm_server import API_KEY, NO_INDUCTOR, needs_vllm, start_vllm
-from vlm_processors import gemma_processor
+from vlm_processors import QWEN_TEMPLATE, ImageOnlyQwenProcessor, gemma_processor
 
 # Soft tokens per image: one. vLLM's CPU attention (0.32) has no image-prefix mode, so Gemma 3's
 # image tokens attend causally there, where transformers, the trainer and vLLM's GPU backends
@@ -99,10 +102,12 @@ def _prompts(processor, n: int, seed: int):
 
 
 def _scores(model, r) -> np.ndarray:
-    """The trainer's log-probs of a rollout's completions, with the rows' images."""
+    """The trainer's log-probs of a rollout's completions, with the rows' images (and
+    Qwen-VL's M-RoPE positions)."""
     batch = Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
                   r.truncated, np.zeros(len(r.prompt_ids), np.float32),
-                  pixel_values=r.pixel_values, image_grid=r.image_grid)
+                  pixel_values=r.pixel_values, image_grid=r.image_grid,
+                  positions=r.positions)
     return np.asarray(completion_logps(model, batch, 1.0, 128)[0])
 
 
@@ -117,8 +122,9 @@ def _settings(model_dir, out, base_url) -> list[str]:
     return [f"{k}={v}" for k, v in sets.items()]
 
 
-def test_unexpanded_ids_are_the_rendered_texts_ids():
+def test_unexpanded_ids_are_the_rendered_texts_ids(gemma3_dir):
     proc = gemma_processor(newlines=True)
+    cfg = ModelConfig.from_hf(json.loads((gemma3_dir / "config.json").read_text()))
     im = Image.new("RGB", (28, 28), (255, 0, 0))
     prompts = [[{"role": "user", "content": [{"type": "image", "image": im},
                                              {"type": "text", "text": "How many?"}]}],
@@ -129,7 +135,7 @@ def test_unexpanded_ids_are_the_rendered_texts_ids():
     batch = images.process(proc, prompts)
     for i, p in enumerate(prompts):
         want = proc.tokenizer(images.render(proc, p), add_special_tokens=False)["input_ids"]
-        got = unexpanded_ids(proc, batch.prompt_ids(i))
+        got = unexpanded_ids(proc, cfg, batch.prompt_ids(i))
         assert got == want
         boi = proc.tokenizer.convert_tokens_to_ids(proc.boi_token)
         assert got.count(boi) == len(images.prompt_images(p))
@@ -195,3 +201,105 @@ def test_grpo_run_through_the_server_with_images(gemma3_dir, gemma3_server, tmp_
     print(f"server's samples vs trainer log-probs, max |diff|: {diff}")
     assert diff["trained"] < 1e-4
     assert diff["initial"] > 1e-3 and diff["trained, images zeroed"] > 1e-3
+
+
+# ------------------------------------------------------------------ Qwen2.5-VL
+
+def qwen_processor_for_vllm():
+    """The test Qwen-VL processor (4 px patches, 8 x 8 to 64 x 64 px: a 56 x 56 'squares'
+    image is 49 image tokens), without its video processor (torchvision: not in this venv)."""
+    tok = char_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [
+        "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+        "<|video_pad|>"]})
+    tok.padding_side = "left"
+    image = transformers.Qwen2VLImageProcessorPil(patch_size=4, merge_size=2,
+                                                  temporal_patch_size=2, min_pixels=8 * 8,
+                                                  max_pixels=64 * 64)
+    return ImageOnlyQwenProcessor(image_processor=image, tokenizer=tok,
+                                  chat_template=QWEN_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    """A tiny random Qwen2.5-VL (text head_dim 32, M-RoPE sections 4/6/6; windowed and full
+    ViT blocks) that vLLM loads: its processor saved as Qwen2_5_VLProcessor with the image
+    settings as its video processor's too (vLLM builds both)."""
+    path = tmp_path_factory.mktemp("qwen_vllm") / "model"
+    proc = qwen_processor_for_vllm()
+    ids = {t: proc.tokenizer.convert_tokens_to_ids(t) for t in (
+        "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=128, hidden_size=128, intermediate_size=192,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1,
+                         eos_token_id=2, pad_token_id=0,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [4, 6, 6]}),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                           window_size=16, out_hidden_size=128, fullatt_block_indexes=[1]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_q" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+            elif "language_model" in name or "lm_head" in name:
+                p.normal_(0, 0.1)
+    model.save_pretrained(path)
+    proc.save_pretrained(path)
+    settings = json.loads((path / "processor_config.json").read_text())
+    image = settings["image_processor"]
+    (path / "preprocessor_config.json").write_text(json.dumps(image))
+    video = dict(image, video_processor_type="Qwen2VLVideoProcessor")
+    (path / "video_preprocessor_config.json").write_text(json.dumps(video))
+    settings.update(processor_class="Qwen2_5_VLProcessor", video_processor=video)
+    (path / "processor_config.json").write_text(json.dumps(settings))
+    return path
+
+
+@pytest.fixture(scope="module")
+def qwen_server(qwen_dir, tmp_path_factory):
+    srv = start_vllm(qwen_dir, tmp_path_factory.mktemp("qwen_server"), 512, **NO_INDUCTOR)
+    yield srv
+    srv.stop()
+
+
+@needs_vllm
+def test_qwen_vl_server_samples_as_the_trainer_scores(qwen_dir, qwen_server, tmp_path):
+    """Qwen2.5-VL's prompts through the server, each image's 49 placeholders sent as one: the
+    server's samples score as the trainer does with the rows' images at their M-RoPE
+    positions (not with the images zeroed); after a push of moved
+    language-model weights, as the moved model does, not the initial one."""
+    proc = qwen_processor_for_vllm()
+    initial, _ = hf.load_model(str(qwen_dir), dtype=jnp.float32)
+    cfg = load_config("squares", _settings(qwen_dir, tmp_path / "run", qwen_server.base_url))
+    rollout = VLLMRollout(cfg, initial.cfg, SamplingParams(max_completion_length=6,
+                                                           stop_token_ids=(2,)), 0, proc)
+    records = _prompts(proc, 2, seed=7)
+    ids = [x["prompt_ids"] for x in records]
+    assert [len(unexpanded_ids(proc, initial.cfg, x)) for x in ids] == [len(x) - 48 for x in ids]
+
+    r = rollout.generate(None, ids, 2, jax.random.key(0), records)
+    assert r.positions.shape == (4, 3, r.prompt_ids.shape[1] + 6)
+    real = r.completion_mask.astype(bool)
+
+    def diff(model, r):
+        return float(np.abs(_scores(model, r) - r.sampler_logp)[real].max())
+    seen = {"initial": diff(initial, r),
+            "images zeroed": diff(initial, r._replace(pixel_values=np.zeros_like(r.pixel_values)))}
+    graphdef, params = nnx.split(initial, nnx.Param)
+    moved_params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x if path[0].key == "vision" else x * 1.05, params)
+    moved = nnx.merge(graphdef, moved_params)
+    rollout.update_weights(moved_params)
+    r2 = rollout.generate(None, ids, 2, jax.random.key(1), records)
+    real = r2.completion_mask.astype(bool)
+    seen |= {"pushed": diff(moved, r2), "pushed vs initial": diff(initial, r2)}
+    print(f"Qwen2.5-VL server's samples vs trainer log-probs, max |diff|: {seen}")
+    assert seen["initial"] < 1e-4 and seen["pushed"] < 1e-4
+    assert seen["images zeroed"] > 1e-3 and seen["pushed vs initial"] > 1e-3

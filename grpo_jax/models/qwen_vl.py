@@ -496,3 +496,22 @@ def rope_index(v: QwenVisionConfig, tokens, attention_mask, image_grid_thw):
         positions[:, b, mask[b]] = row
         deltas[b] = (row.max() + 1 if row.size else 0) - len(ids)
     return positions, deltas
+
+
+def row_positions(v: QwenVisionConfig, prompt_ids, prompt_mask, image_grid, completion_width: int,
+                  pad_id: int, completion_images=None) -> np.ndarray:
+    """M-RoPE positions [N, 3, P + C] int32 of rows (RolloutBatch.positions) whose prompts'
+    image placeholders are their images' (each row's images of `image_grid`, one row's grids,
+    the same for every row): rope_index over prompt + completion, as transformers' forward over
+    the whole row computes it. The completion's text continues from the prompt's next position
+    on all three rows, and its image placeholders (completion_images [N, C] bool: a tool
+    result's images; None: none) take their images' grid positions."""
+    n = len(prompt_ids)
+    completion = np.full((n, completion_width), pad_id, np.int64)
+    if completion_images is not None:
+        completion[np.asarray(completion_images, bool)] = v.image_token_id
+    ids = np.concatenate([np.asarray(prompt_ids), completion], axis=1)
+    mask = np.concatenate([np.asarray(prompt_mask), np.ones((n, completion_width), np.int32)],
+                          axis=1)
+    positions, _ = rope_index(v, ids, mask, np.tile(np.asarray(image_grid), (n, 1)))
+    return positions.transpose(1, 0, 2).astype(np.int32)

@@ -86,12 +86,14 @@ def refuse_images(cfg, model_cfg, tools=()) -> None:
         return
     r = cfg.rollout
     if r.backend == "vllm":
-        # A vLLM server takes Gemma 3's prompts with their images (VLLMRollout.generate_images,
-        # the language model's weights pushed); the rest is not built there yet.
-        from grpo_jax.models import lora
+        # A vLLM server takes Gemma 3's and Qwen2.5-VL's prompts with their images
+        # (VLLMRollout.generate_images, the language model's weights pushed); the rest is not
+        # built there yet.
+        from grpo_jax.models import lora, qwen_vl
         vllm_unset = [name for name, on in (
-            ("use_vllm (vLLM serves Gemma 3's images only; Qwen-VL's log-probs there are not "
-             "yet matched)", model_cfg.model_type != "gemma3_text"),
+            ("use_vllm (vLLM serves Gemma 3's and Qwen2.5-VL's images here; Qwen3-VL's is not "
+             "yet checked against the trainer there)",
+             model_cfg.model_type not in ("gemma3_text", qwen_vl.MODEL_TYPE)),
             ("vllm_weight_sync: nccl (its layerwise plan is a language model's only; http or "
              "shm push the language model alone)", r.vllm_weight_sync == "nccl"),
             ("tools (or use_vllm)", bool(tools)),
@@ -102,8 +104,9 @@ def refuse_images(cfg, model_cfg, tools=()) -> None:
         ) if on]
         if vllm_unset:
             raise ConfigError(f"a vision-language model ({model_cfg.model_type}) on a vLLM "
-                              "server takes Gemma 3's prompts with their images, without nccl, "
-                              "tools, async rounds, a rollout_func or tower adapters; unset "
+                              "server takes Gemma 3's and Qwen2.5-VL's prompts with their "
+                              "images, without nccl, tools, async rounds, a rollout_func or "
+                              "tower adapters; unset "
                               + ", ".join(vllm_unset))
         return
     unset = [name for name, on in (

@@ -206,23 +206,12 @@ class Sampler:
 
     def row_positions(self, prompt_ids, prompt_mask, image_grid, completion_width: int,
                       image_tokens=None, completion_images=None):
-        """Qwen2.5-VL's M-RoPE positions [N, 3, P + C] of rows (RolloutBatch.positions), each
-        row's images of `image_grid` (one row's grids, the same for every row): HF's
-        get_rope_index over prompt + completion, as transformers' forward over the whole row
-        computes it: the completion's text continues from the prompt's next position on all
-        three rows, as the sampler decodes it, and its image placeholders (completion_images
-        [N, C] bool: a tool result's images, rollout.tools; None: none) take their images'
-        grid positions. image_tokens: per row, as `placeholders` reads it."""
-        prompt_ids = self.placeholders(prompt_ids, prompt_mask, image_tokens)[1]
-        n = len(prompt_ids)
-        completion = np.full((n, completion_width), self.pad_id, np.int64)
-        if completion_images is not None:
-            completion[np.asarray(completion_images, bool)] = self.cfg.vision.image_token_id
-        ids = np.concatenate([prompt_ids, completion], axis=1)
-        mask = np.concatenate([prompt_mask, np.ones((n, completion_width), np.int32)], axis=1)
-        positions, _ = qwen_vl.rope_index(self.cfg.vision, ids, mask,
-                                          np.tile(np.asarray(image_grid), (n, 1)))
-        return positions.transpose(1, 0, 2).astype(np.int32)
+        """qwen_vl.row_positions of rows whose prompts' placeholders `placeholders` reads
+        (image_tokens: per row, as it reads them); the completion's text continues as the
+        sampler decodes it."""
+        return qwen_vl.row_positions(
+            self.cfg.vision, self.placeholders(prompt_ids, prompt_mask, image_tokens)[1],
+            prompt_mask, image_grid, completion_width, self.pad_id, completion_images)
 
     def inputs(self, params, prompt_token_ids, num_generations):
         """(params, prompts, g, n, rows) of a generate call, checked: n = prompts x g rows

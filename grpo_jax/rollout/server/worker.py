@@ -50,6 +50,8 @@ class WeightReloadExtension:
                     "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                     "tie_word_embeddings")
             info = {k: getattr(hf, k, None) for k in keys}
+            if info["tie_word_embeddings"] is None:  # a VLM's: on the wrapper (Qwen2.5-VL)
+                info["tie_word_embeddings"] = getattr(mc.hf_config, "tie_word_embeddings", None)
             info["head_dim"] = mc.get_head_size()
             info["max_model_len"] = int(mc.max_model_len)
             info["dtype"] = str(mc.dtype).removeprefix("torch.")

@@ -190,8 +190,11 @@ class VLLMClient(WeightRoutes):
                 "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
                 "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
                 "tie_word_embeddings": cfg.tie_word_embeddings}
+        # A vision-language model's language model: the server names its text config
+        # (qwen2_5_vl_text), the trainer the model (qwen2_5_vl).
+        same = {"model_type": lambda a, b: str(a).removesuffix("_text") == b.removesuffix("_text")}
         diff = [f"{k}: server {info.get(k)!r} vs trainer {v!r}" for k, v in mine.items()
-                if info.get(k) != v]
+                if not same.get(k, lambda a, b: a == b)(info.get(k), v)]
         if diff:
             raise ModelMismatchError(
                 f"the vLLM server at {self.base_url} serves {info.get('model')!r}, whose "

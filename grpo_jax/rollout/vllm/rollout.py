@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from grpo_jax import hf, images, peft_io
+from grpo_jax.models import qwen_vl
 from grpo_jax.config.rollout import SamplingParams
 from grpo_jax.rollout.base import Rollout, RolloutBatch, WeightMode
 from grpo_jax.rollout.padding import bucketed_prompts
@@ -38,7 +39,7 @@ class VLLMRollout(Rollout):
     def __init__(self, cfg, model_cfg, sp: SamplingParams, pad: int, processor=None):
         """`sp`: the run's sampling settings (engines.make_rollout makes them, with TRL's stop
         set); `pad`: the tokenizer's pad id. `processor`: a vision-language model's HF
-        processor (Gemma 3's; engines.refuse_images refuses the rest): the rows' records give
+        processor (Gemma 3's, Qwen2.5-VL's; engines.refuse_images refuses the rest): the rows' records give
         each prompt's images, sent with its unexpanded ids (generate_images)."""
         self.processor = processor
         self.takes_records = processor is not None
@@ -107,7 +108,7 @@ class VLLMRollout(Rollout):
         if records is None or len(records) != len(prompt_ids):
             raise ValueError("a vision-language model's rollout needs each prompt's record")
         pictures = [images.record_images(rec) for rec in records]
-        short = [unexpanded_ids(self.processor, ids) for ids in prompt_ids]
+        short = [unexpanded_ids(self.processor, self.model_cfg, ids) for ids in prompt_ids]
         sp = self.sp
 
         served = [[images.at_processed_size(self.processor, im) for im in row]
@@ -130,10 +131,14 @@ class VLLMRollout(Rollout):
                                 length=self.sp.max_completion_length)
         ids, mask = bucketed_prompts(prompt_ids, num_generations, self.pad)
         px = images.row_pixels(self.processor, pictures)
+        positions = None
+        if px.image_grid is not None:  # Qwen-VL: M-RoPE positions over prompt + completion
+            positions = qwen_vl.row_positions(self.model_cfg.vision, ids, mask, px.image_grid,
+                                              arrays["completion_ids"].shape[1], self.pad)
         return RolloutBatch(ids, mask, arrays["completion_ids"], arrays["completion_mask"],
                             arrays["truncated"], arrays["sampler_logp"],
                             pixel_values=np.repeat(px.pixel_values, num_generations, axis=0),
-                            image_grid=px.image_grid)
+                            image_grid=px.image_grid, positions=positions)
 
     def _pushed(self, table: dict) -> dict:
         """The table-layout params a push sends: a vision-language model's tower is frozen
@@ -210,12 +215,17 @@ class VLLMRollout(Rollout):
             return time.perf_counter() - start
 
 
-def unexpanded_ids(processor, ids) -> list[int]:
+def unexpanded_ids(processor, model_cfg, ids) -> list[int]:
     """A prompt's ids (the processor's, each image's placeholder expanded to its image
-    sequence) with each image sequence back to the one begin-of-image token the chat template
-    wrote: the text again with processor.full_image_sequence (Gemma 3's "\\n\\n<boi>" +
-    soft tokens + "<eoi>\\n\\n") replaced by its boi_token, tokenized as the processor does."""
-    tok = processor.tokenizer
-    text = tok.decode([int(t) for t in ids], skip_special_tokens=False)
-    text = text.replace(processor.full_image_sequence, processor.boi_token)
-    return tok(text, add_special_tokens=False)["input_ids"]
+    sequence) with each image back to the one placeholder the chat template wrote, which vLLM
+    expands itself. Gemma 3: the text again with processor.full_image_sequence ("\\n\\n<boi>" +
+    soft tokens + "<eoi>\\n\\n") replaced by its boi_token, tokenized as the processor does.
+    Qwen-VL: each run of image_token_id (between vision start and end) as one."""
+    ids = [int(t) for t in ids]
+    if model_cfg.image_blocks:  # Gemma 3
+        tok = processor.tokenizer
+        text = tok.decode(ids, skip_special_tokens=False)
+        text = text.replace(processor.full_image_sequence, processor.boi_token)
+        return tok(text, add_special_tokens=False)["input_ids"]
+    image = model_cfg.vision.image_token_id
+    return [t for i, t in enumerate(ids) if not (t == image and i and ids[i - 1] == image)]
