@@ -1,9 +1,11 @@
 """A vision-language model's rollouts from a real vLLM CPU server (rollout/vllm/rollout.py):
-a tiny random Gemma 3 that vLLM can load (vLLM's processor looks up the newline tokens; text
-head_dim 32; the tower saved under the Hub's vision_tower.vision_model.*), each prompt sent as
-its text's ids with one begin-of-image token per image and its images, which vLLM expands
-itself, one soft token per image (MM below). Oracles: the trainer's own forward with the
-images (the JAX model), and the processor's ids. Server start-up ~60 s (eager, vllm_server.NO_INDUCTOR), RSS ~2 GB."""
+each prompt sent with one placeholder per image and its images, which vLLM expands itself.
+Gemma 3: a tiny random one that vLLM can load (vLLM's processor looks up the newline tokens;
+text head_dim 32; the tower saved under the Hub's vision_tower.vision_model.*), one soft token
+per image (MM below), trained 3 steps through the server. Qwen2.5-VL and Qwen3-VL: the rollout
+on a server of each, before and after a push. Oracles: the trainer's own forward with the images (the JAX
+model), and the processor's ids. Each server's start-up ~35-40 s (eager,
+vllm_server.NO_INDUCTOR), RSS ~2 GB."""
 
 import json
 
@@ -220,30 +222,38 @@ def qwen_processor_for_vllm():
                                   chat_template=QWEN_TEMPLATE)
 
 
-@pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory):
-    """A tiny random Qwen2.5-VL (text head_dim 32, M-RoPE sections 4/6/6; windowed and full
-    ViT blocks) that vLLM loads: its processor saved as Qwen2_5_VLProcessor with the image
-    settings as its video processor's too (vLLM builds both)."""
-    path = tmp_path_factory.mktemp("qwen_vllm") / "model"
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def qwen_dir(request, tmp_path_factory):
+    """A tiny random Qwen2.5-VL (windowed and full ViT blocks) or Qwen3-VL (a learned position
+    grid, a DeepStack merger after the first block, interleaved M-RoPE) that vLLM loads: text
+    head_dim 32, M-RoPE sections 4/6/6; its processor saved as the family's processor class
+    with the image settings as its video processor's too (vLLM builds both)."""
+    qwen3 = request.param == "qwen3_vl"
+    path = tmp_path_factory.mktemp(request.param) / "model"
     proc = qwen_processor_for_vllm()
     ids = {t: proc.tokenizer.convert_tokens_to_ids(t) for t in (
         "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
-    cfg = transformers.Qwen2_5_VLConfig(
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4,
+                  spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=128)
+    vision |= (dict(num_position_embeddings=36, deepstack_visual_indexes=[0]) if qwen3
+               else dict(window_size=16, fullatt_block_indexes=[1]))
+    make = ((transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration) if qwen3
+            else (transformers.Qwen2_5_VLConfig,
+                  transformers.Qwen2_5_VLForConditionalGeneration))
+    cfg = make[0](
         text_config=dict(vocab_size=128, hidden_size=128, intermediate_size=192,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1,
-                         eos_token_id=2, pad_token_id=0,
+                         head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                          "mrope_section": [4, 6, 6]}),
-        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
-                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
-                           window_size=16, out_hidden_size=128, fullatt_block_indexes=[1]),
+                                          "mrope_section": [4, 6, 6],
+                                          **({"mrope_interleaved": True} if qwen3 else {})}),
+        vision_config=vision,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(cfg).eval()
+    model = make[1](cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or "ln_q" in name or name.endswith("bias"):
@@ -255,9 +265,11 @@ def qwen_dir(tmp_path_factory):
     settings = json.loads((path / "processor_config.json").read_text())
     image = settings["image_processor"]
     (path / "preprocessor_config.json").write_text(json.dumps(image))
-    video = dict(image, video_processor_type="Qwen2VLVideoProcessor")
+    video = dict(image, video_processor_type="Qwen3VLVideoProcessor" if qwen3
+                 else "Qwen2VLVideoProcessor")
     (path / "video_preprocessor_config.json").write_text(json.dumps(video))
-    settings.update(processor_class="Qwen2_5_VLProcessor", video_processor=video)
+    settings.update(processor_class="Qwen3VLProcessor" if qwen3 else "Qwen2_5_VLProcessor",
+                    video_processor=video)
     (path / "processor_config.json").write_text(json.dumps(settings))
     return path
 
@@ -271,7 +283,7 @@ def qwen_server(qwen_dir, tmp_path_factory):
 
 @needs_vllm
 def test_qwen_vl_server_samples_as_the_trainer_scores(qwen_dir, qwen_server, tmp_path):
-    """Qwen2.5-VL's prompts through the server, each image's 49 placeholders sent as one: the
+    """Qwen-VL's prompts through the server, each image's 49 placeholders sent as one: the
     server's samples score as the trainer does with the rows' images at their M-RoPE
     positions (not with the images zeroed); after a push of moved
     language-model weights, as the moved model does, not the initial one."""
@@ -300,6 +312,6 @@ def test_qwen_vl_server_samples_as_the_trainer_scores(qwen_dir, qwen_server, tmp
     r2 = rollout.generate(None, ids, 2, jax.random.key(1), records)
     real = r2.completion_mask.astype(bool)
     seen |= {"pushed": diff(moved, r2), "pushed vs initial": diff(initial, r2)}
-    print(f"Qwen2.5-VL server's samples vs trainer log-probs, max |diff|: {seen}")
+    print(f"{initial.cfg.model_type} server's samples vs trainer log-probs, max |diff|: {seen}")
     assert seen["initial"] < 1e-4 and seen["pushed"] < 1e-4
     assert seen["images zeroed"] > 1e-3 and seen["pushed vs initial"] > 1e-3

@@ -79,21 +79,19 @@ def refuse_images(cfg, model_cfg, tools=()) -> None:
     its refilled decode slots (max_num_seqs) or its partial rollouts (max_staleness), also on
     devices of their own (sampler_devices, sampler_process) only, with tools too (each turn
     re-prefilled with the row's images, or, partial rollouts, fed in its slot; not yet in a
-    sampler process; a tool's image with static batches and refilled slots only, rollout.tools):
+    sampler process; a tool's image with static batches and refilled slots only, rollout.tools),
+    or through a vLLM server's rollouts (single-turn, synchronous, the language model pushed):
     the settings that need more are refused, naming what to unset.
     (model_cfg None: a server's rollout whose model the server holds; nothing to check here.)"""
     if model_cfg is None or model_cfg.vision is None:
         return
     r = cfg.rollout
     if r.backend == "vllm":
-        # A vLLM server takes Gemma 3's and Qwen2.5-VL's prompts with their images
+        # A vLLM server takes Gemma 3's and Qwen-VL's prompts with their images
         # (VLLMRollout.generate_images, the language model's weights pushed); the rest is not
         # built there yet.
-        from grpo_jax.models import lora, qwen_vl
+        from grpo_jax.models import lora
         vllm_unset = [name for name, on in (
-            ("use_vllm (vLLM serves Gemma 3's and Qwen2.5-VL's images here; Qwen3-VL's is not "
-             "yet checked against the trainer there)",
-             model_cfg.model_type not in ("gemma3_text", qwen_vl.MODEL_TYPE)),
             ("vllm_weight_sync: nccl (its layerwise plan is a language model's only; http or "
              "shm push the language model alone)", r.vllm_weight_sync == "nccl"),
             ("tools (or use_vllm)", bool(tools)),
@@ -104,9 +102,8 @@ def refuse_images(cfg, model_cfg, tools=()) -> None:
         ) if on]
         if vllm_unset:
             raise ConfigError(f"a vision-language model ({model_cfg.model_type}) on a vLLM "
-                              "server takes Gemma 3's and Qwen2.5-VL's prompts with their "
-                              "images, without nccl, tools, async rounds, a rollout_func or "
-                              "tower adapters; unset "
+                              "server takes prompts with their images, without nccl, tools, "
+                              "async rounds, a rollout_func or tower adapters; unset "
                               + ", ".join(vllm_unset))
         return
     unset = [name for name, on in (

@@ -39,7 +39,7 @@ class VLLMRollout(Rollout):
     def __init__(self, cfg, model_cfg, sp: SamplingParams, pad: int, processor=None):
         """`sp`: the run's sampling settings (engines.make_rollout makes them, with TRL's stop
         set); `pad`: the tokenizer's pad id. `processor`: a vision-language model's HF
-        processor (Gemma 3's, Qwen2.5-VL's; engines.refuse_images refuses the rest): the rows' records give
+        processor (Gemma 3's, Qwen-VL's; engines.refuse_images refuses what is not built): the rows' records give
         each prompt's images, sent with its unexpanded ids (generate_images)."""
         self.processor = processor
         self.takes_records = processor is not None
