@@ -2,9 +2,9 @@
 each prompt sent with one placeholder per image and its images, which vLLM expands itself.
 Gemma 3: a tiny random one that vLLM can load (vLLM's processor looks up the newline tokens;
 text head_dim 32; the tower saved under the Hub's vision_tower.vision_model.*), one soft token
-per image (MM below), trained 3 steps through the server. Qwen2.5-VL and Qwen3-VL: the rollout
-on a server of each, before and after a push. Oracles: the trainer's own forward with the images (the JAX
-model), and the processor's ids. Each server's start-up ~35-40 s (eager,
+per image (MM below), trained 3 steps through the server. Qwen2.5-VL and Qwen3-VL: the
+rollout on a server of each, before and after a push. Oracles: the trainer's own forward with
+the images (the JAX model), and the processor's ids. Each server's start-up ~35-40 s (eager,
 vllm_server.NO_INDUCTOR), RSS ~2 GB."""
 
 import json

@@ -39,8 +39,9 @@ class VLLMRollout(Rollout):
     def __init__(self, cfg, model_cfg, sp: SamplingParams, pad: int, processor=None):
         """`sp`: the run's sampling settings (engines.make_rollout makes them, with TRL's stop
         set); `pad`: the tokenizer's pad id. `processor`: a vision-language model's HF
-        processor (Gemma 3's, Qwen-VL's; engines.refuse_images refuses what is not built): the rows' records give
-        each prompt's images, sent with its unexpanded ids (generate_images)."""
+        processor (Gemma 3's, Qwen-VL's; engines.refuse_images refuses what is not built):
+        the rows' records give each prompt's images, sent with its unexpanded ids
+        (generate_images)."""
         self.processor = processor
         self.takes_records = processor is not None
         r = cfg.rollout
@@ -101,18 +102,18 @@ class VLLMRollout(Rollout):
     def generate_images(self, prompt_ids, num_generations, seed, records) -> RolloutBatch:
         """generate for prompts with images (records[i]: prompt i's record, its images those of
         its multimodal prompt, images.record_images). vLLM expands each image placeholder
-        itself, so each prompt goes in as its text's ids with one begin-of-image token per
-        image (unexpanded); the server's expansion must give back our ids, else the server's
-        tokens would not be the ones the trainer scores. The batch carries each row's images
-        for the trainer's forwards, as the JAX sampler's does."""
+        itself, so each prompt goes in with one placeholder per image (unexpanded_ids), and
+        each image at the size the trainer's processor resizes it to; the server's expansion
+        must give back our ids, else the server's tokens would not be the ones the trainer
+        scores. The batch carries each row's images (Qwen-VL: and M-RoPE positions) for the
+        trainer's forwards, as the JAX sampler's does."""
         if records is None or len(records) != len(prompt_ids):
             raise ValueError("a vision-language model's rollout needs each prompt's record")
         pictures = [images.record_images(rec) for rec in records]
         short = [unexpanded_ids(self.processor, self.model_cfg, ids) for ids in prompt_ids]
-        sp = self.sp
-
         served = [[images.at_processed_size(self.processor, im) for im in row]
                   for row in pictures]
+        sp = self.sp
 
         def request():
             return self.client.generate_images(
