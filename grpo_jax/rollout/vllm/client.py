@@ -190,11 +190,12 @@ class VLLMClient(WeightRoutes):
                 "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
                 "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
                 "tie_word_embeddings": cfg.tie_word_embeddings}
-        # A vision-language model's language model: the server names its text config
-        # (qwen2_5_vl_text), the trainer the model (qwen2_5_vl).
-        same = {"model_type": lambda a, b: str(a).removesuffix("_text") == b.removesuffix("_text")}
-        diff = [f"{k}: server {info.get(k)!r} vs trainer {v!r}" for k, v in mine.items()
-                if not same.get(k, lambda a, b: a == b)(info.get(k), v)]
+        # A vision-language model: the server names its text config (qwen2_5_vl_text), the
+        # trainer the model (qwen2_5_vl).
+        theirs = dict(info, model_type=str(info.get("model_type")).removesuffix("_text"))
+        mine["model_type"] = mine["model_type"].removesuffix("_text")
+        diff = [f"{k}: server {theirs.get(k)!r} vs trainer {v!r}" for k, v in mine.items()
+                if theirs.get(k) != v]
         if diff:
             raise ModelMismatchError(
                 f"the vLLM server at {self.base_url} serves {info.get('model')!r}, whose "
