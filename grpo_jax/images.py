@@ -318,6 +318,24 @@ def image_tokens(record: Mapping[str, Any]) -> int | Sequence[bool]:
     return record.get("image_tokens", len(record["prompt_ids"]))
 
 
+def placeholders(ids, mask, image_token_id: int, pad_id: int, image_tokens=None):
+    """(the image placeholders to fill [B, width] bool, the ids with every other placeholder
+    id as padding, for M-RoPE's rope_index) of padded rows whose first image_tokens[b] real
+    tokens may hold images (None: all; rows past it: none), or whose real tokens
+    image_tokens[b] marks (a bool per real token: a multi-turn context whose tool results hold
+    images, rollout.tools). Elsewhere a placeholder id is text the model wrote."""
+    ids, real = np.asarray(ids), np.asarray(mask).astype(bool)
+    is_image = (ids == image_token_id) & real
+    if image_tokens is not None:
+        allowed = np.zeros_like(real)
+        for b, marks in enumerate(image_tokens):
+            at = np.flatnonzero(real[b])
+            allowed[b, at] = (np.arange(len(at)) < marks if np.ndim(marks) == 0
+                              else np.asarray(marks, bool))
+        is_image &= allowed
+    return is_image, np.where(is_image | (ids != image_token_id), ids, pad_id)
+
+
 def at_processed_size(processor, image):
     """`image` resized as the processor's image processor resizes it: to its one fixed size
     (Gemma 3's), or to Qwen-VL's `smart_resize` of its size (a multiple of patch x merge within

@@ -134,3 +134,21 @@ def even_tokens_odd_words(prompts, completions, completion_ids, **kwargs):
         with open(os.environ["GRPO_TEST_SCORED"], "a") as f:
             f.writelines(json.dumps([str(p), s]) + "\n" for p, s in zip(prompts, scores))
     return scores
+
+
+def seeing_episode(prompts, trainer, blank: bool = False):
+    """A vision-language model's rollout_func, as TRL 1.16 gives it the prompts: each one's
+    images in its messages' image parts, rendered and expanded by trainer.processing_class (the
+    processor) and sampled with its images (`blank`: black ones of the same sizes instead)."""
+    from PIL import Image
+    proc = trainer.processing_class
+    ids, pictures = [], []
+    for p in prompts:
+        shown = [part["image"] for m in p if isinstance(m["content"], list)
+                 for part in m["content"] if part.get("type") == "image"]
+        text = proc.apply_chat_template(p, tokenize=False, add_generation_prompt=True)
+        ids.append(list(proc(text=[text], images=[shown] if shown else None)["input_ids"][0]))
+        pictures.append([Image.new("RGB", im.size) for im in shown] if blank else shown)
+    turns = trainer.generate(ids, 1, images=pictures)
+    return {"prompt_ids": ids, "completion_ids": [t["completion_ids"] for t in turns],
+            "logprobs": [t["logprobs"] for t in turns]}

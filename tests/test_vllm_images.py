@@ -7,6 +7,7 @@ rollout on a server of each, before and after a push. Oracles: the trainer's own
 the images (the JAX model), and the processor's ids. Each server's start-up ~35-40 s (eager,
 vllm_server.NO_INDUCTOR), RSS ~2 GB."""
 
+import copy
 import json
 
 import jax
@@ -19,7 +20,7 @@ import transformers
 from flax import nnx
 from PIL import Image
 
-from grpo_jax import hf, images, squares
+from grpo_jax import hf, image_blocks, images, squares
 from grpo_jax.checkpoint import load_checkpoint
 from grpo_jax.cli import load_config
 from grpo_jax.config.rollout import SamplingParams
@@ -27,11 +28,13 @@ from grpo_jax.errors import ConfigError
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.train_step import completion_logps
 from grpo_jax.models.config import ModelConfig
+from grpo_jax.rollout import tools
 from grpo_jax.rollout.vllm.rollout import VLLMRollout, unexpanded_ids
 from grpo_jax.train import train
 from hf_oracle import char_tokenizer
 from vllm_server import API_KEY, NO_INDUCTOR, needs_vllm, start_vllm
-from vlm_processors import QWEN_TEMPLATE, ImageOnlyQwenProcessor, gemma_processor
+from vlm_processors import (PICTURE_EPISODE, PICTURE_TOOL, QWEN_TEMPLATE,
+                            ImageOnlyQwenProcessor, gemma_processor, tool_model)
 
 # Soft tokens per image: one. vLLM's CPU attention (0.32) has no image-prefix mode, so Gemma 3's
 # image tokens attend causally there, where transformers, the trainer and vLLM's GPU backends
@@ -105,11 +108,12 @@ def _prompts(processor, n: int, seed: int):
 
 def _scores(model, r) -> np.ndarray:
     """The trainer's log-probs of a rollout's completions, with the rows' images (and
-    Qwen-VL's M-RoPE positions)."""
+    Qwen-VL's M-RoPE positions; a tool loop's: its results' images and tool_mask)."""
     batch = Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
                   r.truncated, np.zeros(len(r.prompt_ids), np.float32),
                   pixel_values=r.pixel_values, image_grid=r.image_grid,
-                  positions=r.positions)
+                  positions=r.positions, tool_mask=r.tool_mask,
+                  completion_images=r.completion_images)
     return np.asarray(completion_logps(model, batch, 1.0, 128)[0])
 
 
@@ -142,6 +146,17 @@ def test_unexpanded_ids_are_the_rendered_texts_ids(gemma3_dir):
         boi = proc.tokenizer.convert_tokens_to_ids(proc.boi_token)
         assert got.count(boi) == len(images.prompt_images(p))
         assert len(got) < len(batch.prompt_ids(i))
+    # A tool loop's context: its tool result's image is one (marked), a placeholder token the
+    # model wrote is not, and such a context can't go to the server.
+    soft, ids = cfg.vision.image_token_id, batch.prompt_ids(0)
+    result = proc.tokenizer("ok" + proc.full_image_sequence + "56",
+                            add_special_tokens=False)["input_ids"]
+    marks = [True] * len(ids) + [t == soft for t in result]
+    want = proc.tokenizer(images.render(proc, prompts[0]) + "ok" + proc.boi_token + "56",
+                          add_special_tokens=False)["input_ids"]
+    assert unexpanded_ids(proc, cfg, ids + result, marks) == want
+    for wrote in (boi, soft):
+        assert unexpanded_ids(proc, cfg, ids + result + [wrote], marks + [False]) is None
 
 
 def test_images_go_to_the_server_at_the_processors_size():
@@ -165,43 +180,87 @@ def test_nccl_with_images_is_refused(gemma3_dir, tmp_path):
 
 
 @needs_vllm
-def test_grpo_run_through_the_server_with_images(gemma3_dir, gemma3_server, tmp_path):
-    """Three GRPO steps on 'squares' with the server's rollouts, the language model pushed
-    after each update: every step's completions score alike under the server and the trainer
-    (so each push landed: the weights moved between steps). Then, on the trained weights, the
-    server's samples score as the checkpoint's model does, not as the initial one, and not as
-    without the images."""
+def test_grpo_run_through_the_server_with_images_and_tools(gemma3_dir, gemma3_server, tmp_path):
+    """A calculator that returns a picture of its answer (TRL 1.16's multimodal tool result;
+    TOOL_TEMPLATE's generation prompt begins every turn with a call). First the tool loop on
+    the server's initial weights: every row calls it, its completion holds the picture's
+    tokens, and the server's samples of both turns score as the trainer's (prompt's image and
+    picture in the forward), the turn after the picture not as without it. Then three GRPO
+    steps on 'squares' with the server's rollouts in async rounds (max_staleness 1), the
+    language model pushed after each update: every step's completions score alike under the
+    server and the trainer with the weights that generated them, one version old after the
+    first step (so each push landed: the weights moved between steps). Then, on the trained
+    weights, the server's samples score as the checkpoint's model does, not as the initial one,
+    and not as without the images."""
+    model_dir = tool_model(gemma3_dir, tmp_path / "model")
+    (tmp_path / "picture.py").write_text(PICTURE_TOOL)
+    (tmp_path / "episode.py").write_text(PICTURE_EPISODE)
     out = tmp_path / "run"
-    cfg = load_config("squares", _settings(gemma3_dir, out, gemma3_server.base_url))
+    cfg = load_config("squares", _settings(model_dir, out, gemma3_server.base_url) + [
+        "max_staleness=1", "max_prompt_length=256", "max_completion_length=192",
+        f"tools=[{tmp_path / 'picture.py'}:calculator]", "max_tool_calling_iterations=1",
+        f"reward_funcs=[accuracy,{tmp_path / 'episode.py'}:episode]"])
+    processor = images.load_processor(model_dir)
+    initial, _ = hf.load_model(str(gemma3_dir), dtype=jnp.float32)
+    tok = tools.prepare_tool_tokenizer(processor.tokenizer)
+    with_call = copy.deepcopy(processor)
+    with_call.chat_template = tok.chat_template  # as the run renders its prompts
+    records = _prompts(with_call, 2, seed=7)
+    stops = tuple(range(2, 40))
+    looped = tools.ToolRollout(
+        VLLMRollout(cfg, initial.cfg, SamplingParams(max_completion_length=192,
+                                                     stop_token_ids=stops),
+                    tok.pad_token_id, processor),
+        tok, tools.Toolbox(tools.load_tools([f"{tmp_path / 'picture.py'}:calculator"]), 10.0),
+        1, stops, tok.pad_token_id).generate(None, [x["prompt_ids"] for x in records], 2,
+                                             jax.random.key(1), records)
+    np.testing.assert_array_equal(looped.tool_calls, 1)
+    assert (looped.completion_images.sum(axis=1) == MM).all()
+    assert image_blocks.count(looped.pixel_values, looped.image_grid) == 2
+    model_tok = (looped.completion_mask * looped.tool_mask).astype(bool)
+    after = model_tok & (np.cumsum(looped.completion_images, axis=1) > 0)
+    assert after.any(axis=1).all()
+    blind = looped.pixel_values.copy()
+    blind[:, 1] = 0  # each row's second image: the picture
+    diff = {"tool loop": float(np.abs(_scores(initial, looped) - looped.sampler_logp)[
+        model_tok].max()), "turn after the picture, picture zeroed": float(np.abs(
+            _scores(initial, looped._replace(pixel_values=blind)) - looped.sampler_logp)[
+            after].max())}
+
     train(cfg, devices=jax.devices()[:1])
     steps = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [s for s in steps if "loss" in s]
     assert [s["step"] for s in steps] == [1, 2, 3]
-    worst = max(s["sampling/sampling_logp_difference/max"] for s in steps)
-    print(f"server vs trainer log-probs over the run: max |diff| {worst:.3g}")
+    # Under the weights that generated each batch (one version old after the first).
+    worst = max(s["sampling/engine_logp_difference/max"] for s in steps)
+    print(f"server vs trainer log-probs over the run, same weights: max |diff| {worst:.3g}; "
+          f"async/staleness {[s['async/staleness'] for s in steps]}; rewards/episode/mean "
+          f"{[s['rewards/episode/mean'] for s in steps]}")
     assert worst < 1e-4
+    assert [s["async/staleness"] for s in steps] == [0, 1, 1]
     assert all(s["timing/weight_sync"] > 0 for s in steps)
+    # Every row calls the tool; most write a turn after its result (another call, unparsed).
+    assert all(s["tools/call_frequency"] == 1 and s["tools/failure_frequency"] == 0
+               and s["rewards/episode/mean"] > 0.5 for s in steps)
 
-    processor = images.load_processor(gemma3_dir)
     trained, _, step = load_checkpoint(out)
     assert step == 3
     trained.cfg = trained.cfg.replace(dtype=jnp.float32)
-    initial, _ = hf.load_model(str(gemma3_dir), dtype=jnp.float32)
     eos = processor.tokenizer.eos_token_id
-    rollout = VLLMRollout(cfg, trained.cfg, SamplingParams(max_completion_length=6,
-                                                           stop_token_ids=(eos,)),
-                          processor.tokenizer.pad_token_id, processor)
+    sp = SamplingParams(max_completion_length=6, stop_token_ids=(eos,))
+    rollout = VLLMRollout(cfg, trained.cfg, sp, processor.tokenizer.pad_token_id, processor)
     records = _prompts(processor, 2, seed=7)
     r = rollout.generate(None, [x["prompt_ids"] for x in records], 2, jax.random.key(0),
                          records)
     assert r.pixel_values.shape[0] == 4
     real = r.completion_mask.astype(bool)
-    diff = {name: float(np.abs(logp - r.sampler_logp)[real].max()) for name, logp in (
+    diff |= {name: float(np.abs(logp - r.sampler_logp)[real].max()) for name, logp in (
         ("trained", _scores(trained, r)), ("initial", _scores(initial, r)),
         ("trained, images zeroed",
          _scores(trained, r._replace(pixel_values=np.zeros_like(r.pixel_values)))))}
     print(f"server's samples vs trainer log-probs, max |diff|: {diff}")
-    assert diff["trained"] < 1e-4
+    assert diff["tool loop"] < 1e-4 and diff["trained"] < 1e-4
+    assert diff["turn after the picture, picture zeroed"] > 1e-3
     assert diff["initial"] > 1e-3 and diff["trained, images zeroed"] > 1e-3
 
 

@@ -4,9 +4,10 @@ dataset, the native sampler's rounds with the prompts' images, the trainer's for
 them (the tower frozen), checkpoints, --resume, and the export transformers reloads."""
 
 import copy
+import functools
 import json
 import re
-import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ from grpo_jax.cli import load_config
 from grpo_jax.config.batch import OptimizerConfig
 from grpo_jax.config.run import MeshConfig
 from grpo_jax.calculator import calculator
-from grpo_jax.errors import ConfigError, DataError, ToolError
+from grpo_jax.errors import ConfigError, DataError, RolloutFuncError, ToolError
 from grpo_jax.export import export
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.loss import LossConfig
@@ -34,15 +35,18 @@ from grpo_jax.grpo.train_step import completion_logps
 from grpo_jax.models import lora
 from grpo_jax.models.config import ModelConfig, param_table
 from grpo_jax.rollout import tools
+from grpo_jax.rollout.custom import CustomRollout
 from grpo_jax.rollout.native.partial import from_arrays, to_arrays
 from grpo_jax.rollout.native.rollout import JaxRollout
 from grpo_jax.rollout.native.sampling import SamplingParams
 from grpo_jax.policy import frozen_parts, split_policy, state_init
 from grpo_jax.train import train
+import reward_fixtures
 from hf_oracle import char_tokenizer
 from processes import launch, log, wait_all
 from tiny_run import TRAIN, stopped_at
-from vlm_processors import QWEN_TEMPLATE, ImageOnlyQwenProcessor, gemma_processor
+from vlm_processors import (FORCED_CALL, PICTURE_EPISODE, PICTURE_TOOL, QWEN_TEMPLATE,
+                            TOOL_TEMPLATE, ImageOnlyQwenProcessor, gemma_processor, tool_model)
 
 MM = 4  # soft tokens per image (the processor's image_seq_length)
 
@@ -253,8 +257,8 @@ def test_squares_trains_through_partial_rollouts(seeing_dir, tmp_path, split):
 
 @pytest.mark.parametrize("settings, named", [(("max_num_seqs=4", "continuous_batching=false"),
                                                "max_num_seqs with continuous_batching false"),
-                                              (("use_vllm=true", "max_staleness=1"),
-                                               "max_staleness (or use_vllm)"),
+                                              (("use_vllm=true", "rollout_func=a.b:c"),
+                                               "rollout_func (or use_vllm)"),
                                               (("max_num_seqs=4", "max_staleness=2",
                                                 "sampler_devices=1", "sampler_process=true",
                                                 "dp=1", "tools=[grpo_jax.calculator:calculator]"),
@@ -877,12 +881,12 @@ def test_tool_turns_see_the_prompts_images(family, partial, seeing_dir, tmp_path
                            "without its image"):
             rollout(unfilled).generate(params, [x["prompt_ids"] for x in records], g,
                                        jax.random.key(3), records)
-        # Without a processor (a text model's rollout, vLLM's too) an image is refused.
+        # Without a processor (a text model's rollout) an image is refused.
         text = tools.ToolRollout(JaxRollout(model.cfg, sp, pad_id=tok.pad_token_id, mesh=None),
                                  tok, tools.Toolbox([picture], 10.0), None, stops,
                                  tok.pad_token_id)
         with pytest.raises(ToolError, match="tool 'calculator' returned an image .* need a "
-                           "vision-language model on the native sampler") as e:
+                           "vision-language model, whose processor") as e:
             text.generate(params, [x["prompt_ids"] for x in records], g, jax.random.key(3))
     assert "\n" not in str(e.value)
 
@@ -981,37 +985,6 @@ def test_tool_images_reach_the_model_as_transformers_places_them(family, seeing_
     assert sampled < 5e-5
 
 
-# ChatML with image parts and tool calls; its generation prompt begins the assistant's turn
-# with a calculator call, so that a random model's every turn is one (the tool loop's suffix
-# ends in the generation prompt: each result is followed by another call).
-FORCED_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "7 * 8"}}</tool_call>'
-TOOL_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
-    "{{ m['content'] }}{% elif m['content'] %}{% for c in m['content'] %}"
-    "{% if c['type'] == 'image' %}<start_of_image>{% elif c['type'] == 'text' %}{{ c['text'] }}"
-    "{% endif %}{% endfor %}{% endif %}{% if m['tool_calls'] is defined and m['tool_calls'] %}"
-    "{% for call in m['tool_calls'] %}<tool_call>{\"name\": \"{{ call['function']['name'] }}\", "
-    "\"arguments\": {{ call['function']['arguments'] | tojson }}}</tool_call>{% endfor %}"
-    "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-    + FORCED_CALL + "{% endif %}")
-
-
-def _tool_model(seeing_dir, tmp_path):
-    """seeing_dir's Gemma 3 with TOOL_TEMPLATE and its Hermes parser saved with the tokenizer,
-    and many stop tokens (so turns are short)."""
-    model_dir = tmp_path / "model"
-    shutil.copytree(seeing_dir, model_dir)
-    tok = images_lib.load_processor(seeing_dir).tokenizer
-    tok.chat_template = TOOL_TEMPLATE
-    tok.response_template = dict(tools.HERMES_RESPONSE_TEMPLATE,
-                                 start_anchor="<|im_start|>assistant")
-    tok.save_pretrained(model_dir)
-    gen = json.loads((model_dir / "generation_config.json").read_text())
-    (model_dir / "generation_config.json").write_text(json.dumps(
-        {**gen, "eos_token_id": list(range(2, 40))}))
-    return model_dir
-
-
 @pytest.mark.parametrize("rounds", ["refill", "sampler_devices"])
 def test_squares_trains_with_tools(seeing_dir, tmp_path, rounds):
     """Two steps on 'squares' with the calculator tool (seeing_dir's Gemma 3 with TOOL_TEMPLATE
@@ -1022,7 +995,7 @@ def test_squares_trains_with_tools(seeing_dir, tmp_path, rounds):
     the tools; on shared devices: test_tool_turns_see_the_prompts_images), and the sampler's
     log-probs of the rows with images and tool results are the trainer's. A reward function
     checks each completion's messages: the call, its result and the turn after it."""
-    model_dir = _tool_model(seeing_dir, tmp_path)
+    model_dir = tool_model(seeing_dir, tmp_path / "model")
     # 1.0 for a completion that is a call, the calculator's answer and another turn
     (tmp_path / "episode.py").write_text(
         "def episode(prompts, completions, **kw):\n"
@@ -1055,22 +1028,9 @@ def test_squares_trains_with_a_tool_that_returns_an_image(seeing_dir, tmp_path):
     picture's tokens, its next turn sees the prompt's image and the picture, and the trainer's
     log-probs (both images in the forward) are the sampler's; the loss is finite and the tool
     metrics are TRL's."""
-    model_dir = _tool_model(seeing_dir, tmp_path)
-    (tmp_path / "picture.py").write_text(
-        "from PIL import Image\n"
-        "from grpo_jax.calculator import calculator as answer\n\n"
-        "def calculator(expression: str) -> list:\n"
-        '    """A picture of the answer, and the answer.\n\n'
-        "    Args:\n"
-        "        expression: The expression.\n"
-        '    """\n'
-        "    shade = int(answer(expression)) % 256\n"
-        "    return [{'type': 'image', 'image': Image.new('RGB', (28, 28), (shade, 0, 255))},\n"
-        "            {'type': 'text', 'text': answer(expression)}]\n")
-    (tmp_path / "episode.py").write_text(
-        "def episode(prompts, completions, **kw):\n"
-        "    return [float([m['role'] for m in c] == ['assistant', 'tool', 'assistant']\n"
-        "                  and c[1]['content'][1]['text'] == '56') for c in completions]\n")
+    model_dir = tool_model(seeing_dir, tmp_path / "model")
+    (tmp_path / "picture.py").write_text(PICTURE_TOOL)
+    (tmp_path / "episode.py").write_text(PICTURE_EPISODE)
     out = tmp_path / "run"
     train(_cfg(model_dir, out, "max_steps=2", "save_steps=10", "max_completion_length=192",
                f"tools=[{tmp_path / 'picture.py'}:calculator]", "max_tool_calling_iterations=1",
@@ -1085,3 +1045,59 @@ def test_squares_trains_with_a_tool_that_returns_an_image(seeing_dir, tmp_path):
     assert all(np.isfinite(r["loss"]) and r["tools/call_frequency"] == 1
                and r["tools/failure_frequency"] == 0 and r["rewards/episode/mean"] == 1
                for r in steps)
+
+
+# ---------------------------------------------------------------- a rollout_func with images
+
+def test_a_rollout_func_samples_and_trains_with_the_prompts_images(seeing_dir, tmp_path):
+    """TRL 1.16's rollout_func with a vision-language model: it gets each prompt with its
+    images in its image parts, renders and expands it with trainer.processing_class (the
+    processor) and samples it with trainer.generate(..., images=...); the rows train with their
+    prompts' images. Two 'squares' steps: the sampler's log-probs are the trainer's. Directly:
+    rows sampled with blank images instead score otherwise under the trainer (which has the
+    prompts'), and ids without the images' placeholders are refused in one line."""
+    out = tmp_path / "run"
+    train(_cfg(seeing_dir, out, "max_steps=2", "save_steps=10",
+               f"rollout_func={Path(reward_fixtures.__file__)}:seeing_episode"),
+          devices=jax.devices()[:1])
+    steps = [r for r in _records(out) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    worst = max(r["sampling/sampling_logp_difference/max"] for r in steps)
+
+    model = hf.load_model(str(seeing_dir), dtype=np.float32)[0]
+    proc = images_lib.load_processor(seeing_dir)
+    cfg = _cfg(seeing_dir, tmp_path / "direct")
+    rng = np.random.default_rng(2)
+    prompts = [images_lib.multimodal_messages(
+        [{"role": "user", "content": squares.QUESTION}], [squares.draw(rng)[0]], i)
+        for i in range(2)]
+    records = [{"prompt": p, "prompt_ids": images_lib.process(proc, [p]).prompt_ids(0)}
+               for p in prompts]
+    inner = JaxRollout(model.cfg, SamplingParams(max_completion_length=6,
+                                                 stop_token_ids=(proc.tokenizer.eos_token_id,)),
+                       pad_id=proc.tokenizer.pad_token_id, mesh=None, processor=proc)
+    params = nnx.split(model, nnx.Param)[1]
+
+    def rollout(fn):
+        return CustomRollout(inner, fn, proc.tokenizer, cfg, (proc.tokenizer.eos_token_id,),
+                             proc.tokenizer.pad_token_id).generate(
+            params, [r["prompt_ids"] for r in records], 2, jax.random.key(0), records)
+    blind = rollout(functools.partial(reward_fixtures.seeing_episode, blank=True))
+    batch = Batch(blind.prompt_ids, blind.prompt_mask, blind.completion_ids,
+                  blind.completion_mask, blind.truncated, np.zeros(4, np.float32),
+                  pixel_values=blind.pixel_values)
+    real = blind.completion_mask.astype(bool)
+    blank = float(np.abs(np.asarray(completion_logps(model, batch, 1.0, 128)[0])
+                         - blind.sampler_logp)[real].max())
+    print(f"rollout_func with images: sampler vs trainer max |diff| over 2 steps {worst:.3g}; "
+          f"sampled with blank images {blank:.3g}")
+    assert worst < 5e-5
+    assert blank > 1e-3
+
+    def text_ids(prompts, trainer):
+        ids = [proc.tokenizer(images_lib.render(proc, p))["input_ids"] for p in prompts]
+        return {"prompt_ids": ids, "completion_ids": [[2]] * len(ids),
+                "logprobs": [[0.0]] * len(ids)}
+    with pytest.raises(RolloutFuncError, match=r"rollout_func's prompt_ids of row 0 holds 0 "
+                       r"images' placeholders for 1 prompt's images; give the processor's"):
+        rollout(text_ids)

@@ -107,8 +107,9 @@ class Rollout(abc.ABC):
     # the round drives with the run state's rows in flight instead of calling generate; None:
     # every round generates its own batch whole.
     partial: Any = None
-    # A vision-language model's HF processor on the JAX sampler, which takes images in tool
-    # results (rollout.tools: their tokens, with_row_images), and its model's image
+    # A vision-language model's HF processor (the JAX sampler's, a vLLM server rollout's),
+    # which takes images in tool results (rollout.tools: their tokens, with_row_images), and
+    # its model's image
     # placeholder id (the processor's own may be another, Gemma 3's begin-of-image); None: a
     # tool's image is refused.
     processor: Any = None
@@ -159,7 +160,7 @@ class Rollout(abc.ABC):
     def with_row_images(self, batch: RolloutBatch, records: Sequence[dict]) -> RolloutBatch:
         """`batch` with each row's images those of its record (one per row: its prompt's, then
         its tool results', images.record_images) for the trainer's forwards. Only a rollout
-        with a `processor` (the JAX sampler's) has them."""
+        with a `processor` has them (rollout/row_images.py)."""
         raise NotImplementedError(f"{type(self).__name__} takes no images in tool results")
 
     def process_parts(self, tools: Sequence[str]) -> tuple[dict, Any]:

@@ -9,6 +9,12 @@ which the reward functions get as a keyword argument. Here `trainer` is a `Rollo
 TRL's handle reaches into torch and vLLM objects that a JAX program has no use for; this one
 offers what a rollout needs, `generate` with the run's backend and current weights, the
 tokenizer and the settings.
+
+A vision-language model's rollout_func gets each prompt as TRL 1.16 gives it, its images in its
+messages' image parts; `trainer.processing_class` is the model's processor (TRL's name), whose
+ids (each image's placeholder expanded) the function returns as prompt_ids, and
+`trainer.generate(..., images=...)` samples prompts with their images. The rows train with
+their prompts' images, as TRL's forward takes the dataset's; the completions are text.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from grpo_jax import images
 from grpo_jax.errors import RolloutFuncError
 from grpo_jax.rollout.base import RolloutBatch, RolloutWrapper
 from grpo_jax.rollout.padding import bucketed_prompts
@@ -45,17 +52,41 @@ class RolloutContext:
     def max_completion_length(self) -> int:
         return self.args.generation.max_completion_length
 
-    def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int = 1
-                 ) -> list[dict]:
+    @property
+    def processing_class(self):
+        """TRL's name: a vision-language model's processor, else the tokenizer."""
+        processor = self.backend.processor
+        return self.tokenizer if processor is None else processor
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]], num_generations: int = 1,
+                 images: Sequence[Sequence[Any]] | None = None) -> list[dict]:
         """Completions of each prompt (token ids), `num_generations` each, consecutive: per
         completion {"completion_ids", "logprobs"} (the model's tokens up to and including its
-        stop token, and the sampler's log-probs of them)."""
+        stop token, and the sampler's log-probs of them). `images`: a vision-language model's
+        images of each prompt, in the order of its placeholders (the processor's ids hold
+        each one's expanded placeholder)."""
         import jax
         if not prompt_ids:  # e.g. no row of the episode goes on
             return []
+        if images is not None and self.backend.processor is None:
+            raise RolloutFuncError("rollout_func passed images to trainer.generate, but the "
+                                   "model is text only; pass none")
+        records = None
+        if self.backend.processor is not None:
+            images = images if images is not None else [[]] * len(prompt_ids)
+            if len(images) != len(prompt_ids):
+                raise RolloutFuncError(f"trainer.generate got images for {len(images)} "
+                                       f"prompts and {len(prompt_ids)} prompts; give one list "
+                                       "per prompt")
+            records = [{"prompt": [{"role": "user", "content": [
+                {"type": "image", "image": im} for im in ims]}], "prompt_ids": list(p)}
+                for p, ims in zip(prompt_ids, images)]
+            for i, rec in enumerate(records):
+                check_placeholders(rec, self.backend.image_token_id,
+                                   f"trainer.generate's prompt {i}", "images")
         self.calls += 1
         r = self.backend.generate(self.params, [list(p) for p in prompt_ids], num_generations,
-                                  jax.random.fold_in(self.key, self.calls))
+                                  jax.random.fold_in(self.key, self.calls), records)
         out = []
         for ids, m, lp in zip(r.completion_ids, r.completion_mask, r.sampler_logp):
             m = m.astype(bool)
@@ -78,8 +109,28 @@ class CustomRollout(RolloutWrapper):
         prompts = [r["prompt"] for r in records for _ in range(num_generations)]
         context = RolloutContext(self.inner, weights, key, self.tokenizer, self.args)
         out = self.fn(prompts, context)
-        return rollout_batch(out, len(prompts), self.args.generation.max_completion_length,
-                             self.pad_id, set(self.stop_token_ids))
+        batch = rollout_batch(out, len(prompts), self.args.generation.max_completion_length,
+                              self.pad_id, set(self.stop_token_ids))
+        if self.inner.processor is None:
+            return batch
+        # The rows train with their prompts' images, at the placeholders of the ids returned.
+        rows = [{"prompt": prompt, "prompt_ids": list(ids)}
+                for prompt, ids in zip(prompts, out["prompt_ids"])]
+        for i, row in enumerate(rows):
+            check_placeholders(row, self.inner.image_token_id,
+                               f"rollout_func's prompt_ids of row {i}", "prompt's images")
+        return self.inner.with_row_images(batch, rows)
+
+
+def check_placeholders(record: dict, image_token_id: int, what: str, whose: str) -> None:
+    """A record's ids hold one image's placeholder (a run of image_token_id) per image."""
+    ids = np.asarray(record["prompt_ids"]) == image_token_id
+    placed = int(ids[0]) + int(np.sum(ids[1:] & ~ids[:-1])) if ids.size else 0
+    wanted = len(images.record_images(record))
+    if placed != wanted:
+        raise RolloutFuncError(f"{what} holds {placed} images' placeholders for {wanted} "
+                               f"{whose}; give the processor's ids (trainer.processing_class "
+                               "expands each image's placeholder)")
 
 
 def rollout_batch(out: Any, n: int, C: int, pad: int, stops: set) -> RolloutBatch:

@@ -10,6 +10,7 @@ from grpo_jax import hf
 from grpo_jax import images
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.errors import ConfigError, VLLMServerError
+from grpo_jax.rollout import row_images
 from grpo_jax.rollout.base import Rollout, RolloutBatch, RolloutWrapper, WeightMode, sampling_params
 from grpo_jax.rollout.native.rollout import JaxRollout
 from grpo_jax.rollout.padding import pad_id
@@ -25,10 +26,15 @@ class MainProcessRollout(RolloutWrapper):
     turns = None
     takes_records = False  # set per run below (RolloutWrapper's would ask `inner`, process 0's)
 
-    def __init__(self, make, takes_records: bool = False):
+    def __init__(self, make, takes_records: bool = False, processor=None, model_cfg=None,
+                 pad: int | None = None):
         """`make`: process 0's rollout; a server's, or with async rounds a round's whole
-        episodes of it (its rollout_func, when `takes_records`, or its tool loop)."""
+        episodes of it (its rollout_func, when `takes_records`, or its tool loop).
+        `processor`, `model_cfg`, `pad`: a vision-language model's, whose tool loop runs on
+        every process and places its tool results' images on each (with_row_images)."""
         self.inner, self.takes_records = None, takes_records
+        self.processor, self.model_cfg, self.pad = processor, model_cfg, pad
+        self.image_token_id = None if processor is None else model_cfg.vision.image_token_id
 
         def build():
             self.inner = make()
@@ -59,6 +65,12 @@ class MainProcessRollout(RolloutWrapper):
     def generated_with(self):
         return None
 
+    def with_row_images(self, batch: RolloutBatch, records) -> RolloutBatch:
+        if self.processor is None:
+            return super().with_row_images(batch, records)
+        return row_images.with_row_images(self.processor, self.model_cfg, self.pad, batch,
+                                          records)
+
 
 def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir, tools=(), *,
                  batch_divisor: int | None = None, hosts: int = 1) -> Rollout:
@@ -77,11 +89,11 @@ def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir, tools=(), *,
 def refuse_images(cfg, model_cfg, tools=()) -> None:
     """A vision-language model trains on images through the native sampler's static batches,
     its refilled decode slots (max_num_seqs) or its partial rollouts (max_staleness), also on
-    devices of their own (sampler_devices, sampler_process) only, with tools too (each turn
-    re-prefilled with the row's images, or, partial rollouts, fed in its slot; not yet in a
-    sampler process; a tool's image with static batches and refilled slots only, rollout.tools),
-    or through a vLLM server's rollouts (single-turn, synchronous, the language model pushed):
-    the settings that need more are refused, naming what to unset.
+    devices of their own (sampler_devices, sampler_process), or through a vLLM server's
+    rollouts (the language model pushed); with tools (each turn sent or re-prefilled with the
+    row's images, partial rollouts feeding it in its slot; not yet in a sampler process; a
+    tool's image not with partial rollouts, rollout.tools), async rounds and a rollout_func
+    (rollout.custom) too. The settings that need more are refused, naming what to unset.
     (model_cfg None: a server's rollout whose model the server holds; nothing to check here.)"""
     if model_cfg is None or model_cfg.vision is None:
         return
@@ -94,25 +106,20 @@ def refuse_images(cfg, model_cfg, tools=()) -> None:
         vllm_unset = [name for name, on in (
             ("vllm_weight_sync: nccl (its layerwise plan is a language model's only; http or "
              "shm push the language model alone)", r.vllm_weight_sync == "nccl"),
-            ("tools (or use_vllm)", bool(tools)),
-            ("max_staleness (or use_vllm)", bool(r.max_staleness)),
-            ("rollout_func (or use_vllm)", bool(cfg.multi_turn.rollout_func)),
             ("the tower's lora_target_modules (or use_vllm: the server's tower is the one it "
              "loaded)", bool(cfg.peft.use_peft and lora.tower_targets(cfg.peft, model_cfg))),
         ) if on]
         if vllm_unset:
             raise ConfigError(f"a vision-language model ({model_cfg.model_type}) on a vLLM "
-                              "server takes prompts with their images, without nccl, tools, "
-                              "async rounds, a rollout_func or tower adapters; unset "
-                              + ", ".join(vllm_unset))
+                              "server takes prompts with their images, without nccl or tower "
+                              "adapters; unset " + ", ".join(vllm_unset))
         return
     unset = [name for name, on in (
                                    ("max_num_seqs with continuous_batching false",
                                     cfg.generation.max_num_seqs is not None
                                     and not cfg.generation.continuous_batching),
                                    ("sampler_process with tools",
-                                    r.sampler_process and bool(tools)),
-                                   ("rollout_func", bool(cfg.multi_turn.rollout_func))) if on]
+                                    r.sampler_process and bool(tools))) if on]
     if unset:
         raise ConfigError(f"a vision-language model ({model_cfg.model_type}) trains on images "
                           "with the native sampler's static batches, refilled decode slots or "
@@ -156,18 +163,20 @@ def _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools, batch_divisor, hos
         from grpo_jax.rollout.vllm.rollout import VLLMRollout
 
         vision = model_cfg is not None and model_cfg.vision is not None
+        processor = images.load_processor(model_dir) if vision else None
 
         def make():
-            return VLLMRollout(cfg, model_cfg, sp, pad_id(tokenizer),
-                               processor=images.load_processor(model_dir) if vision else None)
+            return VLLMRollout(cfg, model_cfg, sp, pad_id(tokenizer), processor=processor)
         if cfg.rollout.max_staleness:
-            return _async_rounds(cfg, make, tokenizer, tools, sp)
-        rollout = (MainProcessRollout(make, takes_records=vision) if dist.multi_process()
-                   else make())
+            return _async_rounds(cfg, make, tokenizer, tools, sp, vision)
+        # Every process runs the tool loop, so every process places a tool's images.
+        rollout = (MainProcessRollout(make, takes_records=vision, processor=processor,
+                                      model_cfg=model_cfg, pad=pad_id(tokenizer))
+                   if dist.multi_process() else make())
     return _episodes(cfg, rollout, tokenizer, tools, sp)
 
 
-def _async_rounds(cfg, make, tokenizer, tools, sp):
+def _async_rounds(cfg, make, tokenizer, tools, sp, vision: bool):
     """A server's async rounds (the JAX sampler's, a rollout_func's: _build). Outermost: a
     round's whole episodes (every tool turn, the rollout_func's calls) run ahead on one weight
     version, since a push waits for the generation in flight. In a multi-process
@@ -179,7 +188,7 @@ def _async_rounds(cfg, make, tokenizer, tools, sp):
         return AsyncRollout(rollout, cfg.rollout.max_staleness, ahead=rollout)
     shared = MainProcessRollout(
         lambda: _episodes(cfg, make(), tokenizer, tools, sp, shared=False),
-        takes_records=bool(cfg.multi_turn.rollout_func))
+        takes_records=bool(cfg.multi_turn.rollout_func) or vision)
     return AsyncRollout(shared, cfg.rollout.max_staleness, ahead=shared.inner)
 
 

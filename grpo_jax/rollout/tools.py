@@ -19,19 +19,19 @@ or entropy: `tool_mask` 0 (TRL's name). The native sampler continues follow-up t
 cache, prefilling only the tool-result tokens (rollout/native/continuation.py); other backends get
 prompt + completion so far as a new prompt through their own `generate`, as does the native
 sampler with images: the rows' records (`records`, a vision-language model's) go with each turn,
-so that its prompt's images fill its placeholders again.
+so that its prompt's images fill its placeholders again (a vLLM server's: sent with each turn).
 
-A tool may return an image on a vision-language model's native sampler, as TRL 1.16 takes it:
+A tool may return an image to a vision-language model, as TRL 1.16 takes it:
 a list of content blocks ([{"type": "image", "image": <PIL image>}, {"type": "text", ...}]) is
 the tool message's content; its tokens are the processor's chat template's (tool_suffix_ids,
 each placeholder expanded to its image's tokens), tool_mask 0 and marked in the batch's
 `completion_images`; the image joins the row's images (its prompt's, then its tools', in order:
 the row's record grows by them, _Row.record), the next turn is re-prefilled seeing all of them,
 and the batch's pixels (and Qwen-VL's M-RoPE positions over prompt + completion) are the rows'
-final images (JaxRollout.with_row_images), which the trainer places at the prompt's and then
-the completion's placeholders (train_step.completion_embeds). Refused in one line
-(tool_messages): by partial rollouts (IN_PARTIAL) and by a rollout without a processor, a text
-model's or vLLM's (NO_PROCESSOR).
+final images (the backend's with_row_images, rollout/row_images.py), which the trainer places at
+the prompt's and then the completion's placeholders (train_step.completion_embeds). Refused in
+one line (tool_messages): by partial rollouts (IN_PARTIAL) and by a rollout without a processor,
+a text model's (NO_PROCESSOR).
 
 With partial rollouts (max_staleness >= 1 on the native sampler) the same loop runs row by row
 inside the sampler's rounds (rollout/native/partial.py): `PartialTurns` is its host side, the
@@ -471,9 +471,8 @@ class ToolRollout(RolloutWrapper):
 
 
 # Why a tool's image is refused where the loop can't feed it to the model.
-NO_PROCESSOR = ("images in tool results need a vision-language model on the native sampler "
-                "(rollout.backend: jax), whose processor expands them as TRL 1.16's does; "
-                "return text")
+NO_PROCESSOR = ("images in tool results need a vision-language model, whose processor "
+                "expands them as TRL 1.16's does; return text")
 IN_PARTIAL = ("images in tool results are not supported with partial rollouts "
               "(max_staleness >= 1); set max_staleness: 0, or return text")
 

@@ -8,6 +8,7 @@ import numpy as np
 
 from grpo_jax import image_blocks, images
 from grpo_jax.config.rollout import SamplingParams
+from grpo_jax.rollout import row_images
 from grpo_jax.rollout.base import Rollout, RolloutBatch, WeightMode
 from grpo_jax.rollout.native import continuation, partial, refill
 from grpo_jax.rollout.native.sampler import Sampler
@@ -101,14 +102,5 @@ class JaxRollout(Rollout):
         return r._replace(pixel_values=rows, image_grid=px.image_grid, positions=positions)
 
     def with_row_images(self, r: RolloutBatch, records: Sequence[dict]) -> RolloutBatch:
-        """`r` with each row's images those of its record (records[i], one per row: its
-        prompt's, then its tool results'), and Qwen-VL's positions over prompt + completion
-        with its completion_images as images (Sampler.row_positions)."""
-        px = images.row_pixels(self.processor, [images.record_images(rec) for rec in records])
-        positions = (None if self.sampler.cfg.mrope_section is None else
-                     self.sampler.row_positions(r.prompt_ids, r.prompt_mask, px.image_grid,
-                                                r.completion_ids.shape[1],
-                                                [len(rec["prompt_ids"]) for rec in records],
-                                                r.completion_images))
-        return r._replace(pixel_values=px.pixel_values, image_grid=px.image_grid,
-                          positions=positions)
+        return row_images.with_row_images(self.processor, self.sampler.cfg,
+                                          self.sampler.pad_id, r, records)

@@ -22,9 +22,11 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from grpo_jax import distributed as dist
+from grpo_jax import images
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.models import Decoder, KVCache, ModelConfig, build, lora, moe, positions_from_mask
 from grpo_jax.models import qwen_vl
+from grpo_jax.rollout import row_images
 from grpo_jax.rollout.base import RolloutBatch
 from grpo_jax.rollout.native import sampling
 from grpo_jax.rollout.native.sampling import SamplingParams
@@ -187,31 +189,16 @@ class Sampler:
                 jnp.zeros(len(ids), jnp.int32), jnp.asarray(is_image), first), None
 
     def placeholders(self, ids, mask, image_tokens=None):
-        """(the image placeholders to fill [B, width] bool, the ids with every other
-        placeholder id as padding, for M-RoPE's rope_index) of padded prompts whose first
-        image_tokens[b] real tokens may hold images (None: all; rows past it: none), or whose
-        real tokens image_tokens[b] marks (a bool per real token: a multi-turn context whose
-        tool results hold images, rollout.tools)."""
-        ids, real = np.asarray(ids), np.asarray(mask).astype(bool)
-        is_image = (ids == self.cfg.vision.image_token_id) & real
-        if image_tokens is not None:  # elsewhere a prompt's ids are text
-            allowed = np.zeros_like(real)
-            for b, marks in enumerate(image_tokens):
-                at = np.flatnonzero(real[b])
-                allowed[b, at] = (np.arange(len(at)) < marks if np.ndim(marks) == 0
-                                  else np.asarray(marks, bool))
-            is_image &= allowed
-        return is_image, np.where(is_image | (ids != self.cfg.vision.image_token_id), ids,
-                                  self.pad_id)
+        """images.placeholders with this model's placeholder id."""
+        return images.placeholders(ids, mask, self.cfg.vision.image_token_id, self.pad_id,
+                                   image_tokens)
 
     def row_positions(self, prompt_ids, prompt_mask, image_grid, completion_width: int,
                       image_tokens=None, completion_images=None):
-        """qwen_vl.row_positions of rows whose prompts' placeholders `placeholders` reads
-        (image_tokens: per row, as it reads them); the completion's text continues as the
-        sampler decodes it."""
-        return qwen_vl.row_positions(
-            self.cfg.vision, self.placeholders(prompt_ids, prompt_mask, image_tokens)[1],
-            prompt_mask, image_grid, completion_width, self.pad_id, completion_images)
+        """row_images.positions of this model's rows."""
+        return row_images.positions(self.cfg, self.pad_id, prompt_ids, prompt_mask,
+                                    image_grid, completion_width, image_tokens,
+                                    completion_images)
 
     def inputs(self, params, prompt_token_ids, num_generations):
         """(params, prompts, g, n, rows) of a generate call, checked: n = prompts x g rows

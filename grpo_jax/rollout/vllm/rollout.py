@@ -10,11 +10,11 @@ import jax
 import numpy as np
 
 from grpo_jax import hf, images, peft_io
-from grpo_jax.models import qwen_vl
 from grpo_jax.config.rollout import SamplingParams
+from grpo_jax.rollout import row_images
 from grpo_jax.rollout.base import Rollout, RolloutBatch, WeightMode
 from grpo_jax.rollout.padding import bucketed_prompts
-from grpo_jax.rollout.vllm.client import VLLMClient, rollout_arrays
+from grpo_jax.rollout.vllm.client import Completion, VLLMClient, rollout_arrays
 from grpo_jax.rollout.vllm.sync import ServerWeights, resolve_transport, transfer_metrics
 from grpo_jax.errors import ConfigError, ServerUnreachableError, VLLMServerError, WeightsLost
 
@@ -43,6 +43,7 @@ class VLLMRollout(Rollout):
         the rows' records give each prompt's images, sent with its unexpanded ids
         (generate_images)."""
         self.processor = processor
+        self.image_token_id = None if processor is None else model_cfg.vision.image_token_id
         self.takes_records = processor is not None
         r = cfg.rollout
         self.client = VLLMClient(r.base_url, api_key=r.vllm_server_api_key
@@ -101,45 +102,64 @@ class VLLMRollout(Rollout):
 
     def generate_images(self, prompt_ids, num_generations, seed, records) -> RolloutBatch:
         """generate for prompts with images (records[i]: prompt i's record, its images those of
-        its multimodal prompt, images.record_images). vLLM expands each image placeholder
-        itself, so each prompt goes in with one placeholder per image (unexpanded_ids), and
-        each image at the size the trainer's processor resizes it to; the server's expansion
-        must give back our ids, else the server's tokens would not be the ones the trainer
-        scores. The batch carries each row's images (Qwen-VL: and M-RoPE positions) for the
-        trainer's forwards, as the JAX sampler's does."""
+        its multimodal prompt, then in a tool loop's context those its tools returned,
+        images.record_images). vLLM expands each image placeholder itself, so each prompt goes
+        in with one placeholder per image (unexpanded_ids), and each image at the size the
+        trainer's processor resizes it to; the server's expansion must give back our ids, else
+        the server's tokens would not be the ones the trainer scores. A tool loop's context
+        holding a placeholder token the model wrote (text to the trainer, an image to vLLM)
+        can't be sent: its rows end there, with no tokens. The batch carries each row's images
+        (Qwen-VL: and M-RoPE positions) for the trainer's forwards, as the JAX sampler's
+        does."""
         if records is None or len(records) != len(prompt_ids):
             raise ValueError("a vision-language model's rollout needs each prompt's record")
         pictures = [images.record_images(rec) for rec in records]
-        short = [unexpanded_ids(self.processor, self.model_cfg, ids) for ids in prompt_ids]
-        served = [[images.at_processed_size(self.processor, im) for im in row]
-                  for row in pictures]
+        marks = [images.image_tokens(rec) for rec in records]
+        short = [unexpanded_ids(self.processor, self.model_cfg, ids, m)
+                 for ids, m in zip(prompt_ids, marks)]
+        sent = [i for i, ids in enumerate(short) if ids is not None]
+        if len(sent) < len(short):
+            print(f"{len(short) - len(sent)} of {len(short)} tool-loop contexts hold an image "
+                  "placeholder token that the model wrote, which the vLLM server would read as "
+                  "an image: those rows end there (the JAX sampler reads it as text)",
+                  file=sys.stderr)
         sp = self.sp
 
         def request():
+            if not sent:
+                return [], []
             return self.client.generate_images(
-                short, served, n=num_generations, temperature=sp.temperature, top_p=sp.top_p,
-                top_k=sp.top_k, min_p=sp.min_p, repetition_penalty=sp.repetition_penalty,
-                max_tokens=sp.max_completion_length, stop_token_ids=sp.stop_token_ids,
-                seed=seed, extras=self.extras)
-        groups, expanded = self._on_current_weights(request)
-        for i, (ours, theirs) in enumerate(zip(prompt_ids, expanded)):
-            if theirs and list(map(int, ours)) != theirs:
+                [short[i] for i in sent],
+                [[images.at_processed_size(self.processor, im) for im in pictures[i]]
+                 for i in sent], n=num_generations, temperature=sp.temperature,
+                top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
+                repetition_penalty=sp.repetition_penalty, max_tokens=sp.max_completion_length,
+                stop_token_ids=sp.stop_token_ids, seed=seed, extras=self.extras)
+        served, expanded = self._on_current_weights(request)
+        groups = [[Completion([], [], "stop")] * num_generations for _ in prompt_ids]
+        for i, group, theirs in zip(sent, served, expanded):
+            ours = list(map(int, prompt_ids[i]))
+            if theirs and ours != theirs:
                 raise VLLMServerError(
                     f"{self.client.base_url}: vLLM expanded prompt {i}'s images into other "
                     f"tokens than the trainer's processor ({len(theirs)} vs {len(ours)} ids): "
                     "serve the trainer's model directory, processor files included")
+            groups[i] = group
         arrays = rollout_arrays([c for g in groups for c in g], self.pad,
                                 length=self.sp.max_completion_length)
         ids, mask = bucketed_prompts(prompt_ids, num_generations, self.pad)
         px = images.row_pixels(self.processor, pictures)
-        positions = None
-        if px.image_grid is not None:  # Qwen-VL: M-RoPE positions over prompt + completion
-            positions = qwen_vl.row_positions(self.model_cfg.vision, ids, mask, px.image_grid,
-                                              arrays["completion_ids"].shape[1], self.pad)
         return RolloutBatch(ids, mask, arrays["completion_ids"], arrays["completion_mask"],
                             arrays["truncated"], arrays["sampler_logp"],
                             pixel_values=np.repeat(px.pixel_values, num_generations, axis=0),
-                            image_grid=px.image_grid, positions=positions)
+                            image_grid=px.image_grid,
+                            positions=row_images.positions(
+                                self.model_cfg, self.pad, ids, mask, px.image_grid,
+                                arrays["completion_ids"].shape[1],
+                                [m for m in marks for _ in range(num_generations)]))
+
+    def with_row_images(self, r: RolloutBatch, records) -> RolloutBatch:
+        return row_images.with_row_images(self.processor, self.model_cfg, self.pad, r, records)
 
     def _pushed(self, table: dict) -> dict:
         """The table-layout params a push sends: a vision-language model's tower is frozen
@@ -216,17 +236,68 @@ class VLLMRollout(Rollout):
             return time.perf_counter() - start
 
 
-def unexpanded_ids(processor, model_cfg, ids) -> list[int]:
+def unexpanded_ids(processor, model_cfg, ids, image_tokens=None) -> list[int] | None:
     """A prompt's ids (the processor's, each image's placeholder expanded to its image
     sequence) with each image back to the one placeholder the chat template wrote, which vLLM
-    expands itself. Gemma 3: the text again with processor.full_image_sequence ("\\n\\n<boi>" +
-    soft tokens + "<eoi>\\n\\n") replaced by its boi_token, tokenized as the processor does.
+    expands itself (its inverse, token for token). `image_tokens`: which of the ids may be
+    images (images.placeholders; None: all), a tool loop's context marking its tool results'
+    images and not the model's tokens. None: the ids hold a placeholder token that is no image
+    (the model wrote it), which vLLM would take for one.
+    Gemma 3: each "\\n\\n" boi + soft tokens + eoi "\\n\\n" (processor.full_image_sequence) as
+    boi, the newlines taken out of the newline tokens around it, which vLLM merges back.
     Qwen-VL: each run of image_token_id (between vision start and end) as one."""
     ids = [int(t) for t in ids]
-    if model_cfg.image_blocks:  # Gemma 3
-        tok = processor.tokenizer
-        text = tok.decode(ids, skip_special_tokens=False)
-        text = text.replace(processor.full_image_sequence, processor.boi_token)
-        return tok(text, add_special_tokens=False)["input_ids"]
     image = model_cfg.vision.image_token_id
-    return [t for i, t in enumerate(ids) if not (t == image and i and ids[i - 1] == image)]
+    marks = images.placeholders([ids], [[1] * len(ids)], image, 0,
+                                None if image_tokens is None else [image_tokens])[0][0]
+    if model_cfg.image_blocks:  # Gemma 3
+        return _gemma_unexpanded(processor, ids, marks, image)
+    if any(t == image and not m for t, m in zip(ids, marks)):
+        return None
+    return [t for i, t in enumerate(ids) if not (marks[i] and i and marks[i - 1])]
+
+
+def _gemma_unexpanded(processor, ids: list[int], marks, soft: int) -> list[int] | None:
+    tok = processor.tokenizer
+    boi = tok.convert_tokens_to_ids(processor.boi_token)
+    eoi = tok.convert_tokens_to_ids(tok.eoi_token)
+    vocab = tok.get_vocab()
+    runs = {vocab["\n" * k]: k for k in range(1, 33) if "\n" * k in vocab}
+    out, i = [], 0
+    while i < len(ids):
+        if ids[i] == soft and not marks[i]:
+            return None  # a soft token the model wrote
+        if ids[i] != boi and not marks[i]:
+            out.append(ids[i])
+            i += 1
+            continue
+        end = i + 1  # boi, then the image's soft tokens, then eoi
+        while end < len(ids) and marks[end]:
+            end += 1
+        if ids[i] != boi or end == i + 1 or end == len(ids) or ids[end] != eoi:
+            return None  # a boi the model wrote
+        # The image's own two newlines on each side, out of the newline tokens around it.
+        tail = out[::-1]
+        after = ids[end + 1:]
+        if not (_less_newlines(tail, runs, vocab) and _less_newlines(after, runs, vocab)):
+            raise ValueError("an image's tokens are not the processor's full_image_sequence "
+                             "(two newlines, boi, soft tokens, eoi, two newlines)")
+        out = tail[::-1] + [boi]
+        ids, marks = out + after, [False] * len(out) + list(marks[len(ids) - len(after):])
+        i = len(out)
+    return out
+
+
+def _less_newlines(seq: list[int], runs: dict, vocab: dict) -> bool:
+    """Two newlines fewer at the front of `seq` (newline tokens: `runs`, token -> its count),
+    in place; False where it does not begin with two."""
+    need = 2
+    while need:
+        k = runs.get(seq[0]) if seq else None
+        if k is None or (k > need and "\n" * (k - need) not in vocab):
+            return False
+        seq.pop(0)
+        if k > need:
+            seq.insert(0, vocab["\n" * (k - need)])
+        need = max(need - k, 0)
+    return True
