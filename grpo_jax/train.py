@@ -340,7 +340,7 @@ def _build_run(cfg: config_lib.TrainConfig, out: Path, lock: RunDirLock, devices
     model, model_dir = peft_io.load_model(cfg, mesh)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tools = tools_lib.load_tools(cfg.multi_turn.tools)
-    refuse_images(cfg, model.cfg, tools)  # before the data's images are read
+    refuse_images(cfg, model.cfg)  # before the data's images are read
     data_args = cfg.data
     if tools:  # as TRL: a parser, a prefix-preserving template, which the prompts use too
         tokenizer = tools_lib.prepare_tool_tokenizer(

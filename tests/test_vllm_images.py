@@ -29,8 +29,10 @@ from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.train_step import completion_logps
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.rollout import tools
+from grpo_jax.rollout.custom import CustomRollout
 from grpo_jax.rollout.vllm.rollout import VLLMRollout, unexpanded_ids
 from grpo_jax.train import train
+import reward_fixtures
 from hf_oracle import char_tokenizer
 from vllm_server import API_KEY, NO_INDUCTOR, needs_vllm, start_vllm
 from vlm_processors import (PICTURE_EPISODE, PICTURE_TOOL, QWEN_TEMPLATE,
@@ -191,7 +193,8 @@ def test_grpo_run_through_the_server_with_images_and_tools(gemma3_dir, gemma3_se
     server and the trainer with the weights that generated them, one version old after the
     first step (so each push landed: the weights moved between steps). Then, on the trained
     weights, the server's samples score as the checkpoint's model does, not as the initial one,
-    and not as without the images."""
+    and not as without the images, and so do a rollout_func's (TRL 1.16's, sampling with its
+    prompts' images)."""
     model_dir = tool_model(gemma3_dir, tmp_path / "model")
     (tmp_path / "picture.py").write_text(PICTURE_TOOL)
     (tmp_path / "episode.py").write_text(PICTURE_EPISODE)
@@ -258,8 +261,14 @@ def test_grpo_run_through_the_server_with_images_and_tools(gemma3_dir, gemma3_se
         ("trained", _scores(trained, r)), ("initial", _scores(initial, r)),
         ("trained, images zeroed",
          _scores(trained, r._replace(pixel_values=np.zeros_like(r.pixel_values)))))}
+    # A rollout_func's rows, sampled through the server with their prompts' images.
+    by_fn = CustomRollout(rollout, reward_fixtures.seeing_episode, processor.tokenizer, cfg,
+                          (eos,), processor.tokenizer.pad_token_id).generate(
+        None, [x["prompt_ids"] for x in records], 2, jax.random.key(2), records)
+    diff["rollout_func"] = float(np.abs(_scores(trained, by_fn) - by_fn.sampler_logp)[
+        by_fn.completion_mask.astype(bool)].max())
     print(f"server's samples vs trainer log-probs, max |diff|: {diff}")
-    assert diff["tool loop"] < 1e-4 and diff["trained"] < 1e-4
+    assert diff["tool loop"] < 1e-4 and diff["trained"] < 1e-4 and diff["rollout_func"] < 1e-4
     assert diff["turn after the picture, picture zeroed"] > 1e-3
     assert diff["initial"] > 1e-3 and diff["trained, images zeroed"] > 1e-3
 

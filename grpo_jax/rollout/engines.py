@@ -86,13 +86,13 @@ def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir, tools=(), *,
     return rollout
 
 
-def refuse_images(cfg, model_cfg, tools=()) -> None:
+def refuse_images(cfg, model_cfg) -> None:
     """A vision-language model trains on images through the native sampler's static batches,
     its refilled decode slots (max_num_seqs) or its partial rollouts (max_staleness), also on
     devices of their own (sampler_devices, sampler_process), or through a vLLM server's
     rollouts (the language model pushed); with tools (each turn sent or re-prefilled with the
-    row's images, partial rollouts feeding it in its slot; not yet in a sampler process; a
-    tool's image not with partial rollouts, rollout.tools), async rounds and a rollout_func
+    row's images, partial rollouts feeding it in its slot; a tool's image not with partial
+    rollouts, rollout.tools), async rounds and a rollout_func
     (rollout.custom) too. The settings that need more are refused, naming what to unset.
     (model_cfg None: a server's rollout whose model the server holds; nothing to check here.)"""
     if model_cfg is None or model_cfg.vision is None:
@@ -114,21 +114,15 @@ def refuse_images(cfg, model_cfg, tools=()) -> None:
                               "server takes prompts with their images, without nccl or tower "
                               "adapters; unset " + ", ".join(vllm_unset))
         return
-    unset = [name for name, on in (
-                                   ("max_num_seqs with continuous_batching false",
-                                    cfg.generation.max_num_seqs is not None
-                                    and not cfg.generation.continuous_batching),
-                                   ("sampler_process with tools",
-                                    r.sampler_process and bool(tools))) if on]
-    if unset:
+    if cfg.generation.max_num_seqs is not None and not cfg.generation.continuous_batching:
         raise ConfigError(f"a vision-language model ({model_cfg.model_type}) trains on images "
                           "with the native sampler's static batches, refilled decode slots or "
-                          "partial rollouts only; unset "
-                          + ", ".join(unset))
+                          "partial rollouts only; unset max_num_seqs with continuous_batching "
+                          "false")
 
 
 def _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools, batch_divisor, hosts):
-    refuse_images(cfg, model_cfg, tools)
+    refuse_images(cfg, model_cfg)
     sp = sampling_params(cfg, tokenizer, hf.generation_eos_ids(model_dir) if model_dir else ())
     if cfg.rollout.backend == "jax":
         # SPMD over every process's devices
