@@ -30,6 +30,7 @@ from grpo_jax.grpo.train_step import completion_logps
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.rollout import tools
 from grpo_jax.rollout.custom import CustomRollout
+from grpo_jax.rollout.engines import MainProcessRollout
 from grpo_jax.rollout.vllm.rollout import VLLMRollout, unexpanded_ids
 from grpo_jax.train import train
 import reward_fixtures
@@ -210,10 +211,13 @@ def test_grpo_run_through_the_server_with_images_and_tools(gemma3_dir, gemma3_se
     with_call.chat_template = tok.chat_template  # as the run renders its prompts
     records = _prompts(with_call, 2, seed=7)
     stops = tuple(range(2, 40))
+    # Process 0's rollout as a multi-process run holds it: every process places a tool's
+    # images itself (here the one process).
     looped = tools.ToolRollout(
-        VLLMRollout(cfg, initial.cfg, SamplingParams(max_completion_length=192,
-                                                     stop_token_ids=stops),
-                    tok.pad_token_id, processor),
+        MainProcessRollout(lambda: VLLMRollout(
+            cfg, initial.cfg, SamplingParams(max_completion_length=192, stop_token_ids=stops),
+            tok.pad_token_id, processor), takes_records=True, processor=processor,
+            model_cfg=initial.cfg, pad=tok.pad_token_id),
         tok, tools.Toolbox(tools.load_tools([f"{tmp_path / 'picture.py'}:calculator"]), 10.0),
         1, stops, tok.pad_token_id).generate(None, [x["prompt_ids"] for x in records], 2,
                                              jax.random.key(1), records)
