@@ -36,6 +36,7 @@ from grpo_jax.train import train
 import reward_fixtures
 from hf_oracle import char_tokenizer
 from vllm_server import API_KEY, NO_INDUCTOR, needs_vllm, start_vllm
+from vlm_models import gemma3_for
 from vlm_processors import (PICTURE_EPISODE, PICTURE_TOOL, QWEN_TEMPLATE,
                             ImageOnlyQwenProcessor, gemma_processor, tool_model)
 
@@ -49,24 +50,7 @@ def tiny_gemma3_for_vllm(processor, seed=0, mm=MM):
     """A random Gemma 3 whose image features depend on the pixels (transformers initialises
     the projection to zeros: it and the norms are perturbed) and whose language model is far
     enough from uniform that a changed weight shows in the log-probs."""
-    tok = processor.tokenizer
-    ids = {name: tok.convert_tokens_to_ids(t) for name, t in (
-        ("image", "<image_soft_token>"), ("boi", "<start_of_image>"),
-        ("eoi", "<end_of_image>"))}
-    text = dict(vocab_size=128, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                max_position_embeddings=512, rms_norm_eps=1e-6, query_pre_attn_scalar=32,
-                sliding_window=8, layer_types=["sliding_attention", "full_attention"],
-                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id)
-    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                  num_attention_heads=2, image_size=28, patch_size=7, num_channels=3,
-                  vision_use_head=False)
-    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision,
-                                    mm_tokens_per_image=mm, image_token_index=ids["image"],
-                                    boi_token_index=ids["boi"], eoi_token_index=ids["eoi"])
-    torch.manual_seed(seed)
-    model = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    model = gemma3_for(processor, mm, head_dim=32, seed=seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name or "mm_input" in name:

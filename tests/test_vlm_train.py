@@ -45,6 +45,7 @@ import reward_fixtures
 from hf_oracle import char_tokenizer
 from processes import launch, log, wait_all
 from tiny_run import TRAIN, stopped_at
+from vlm_models import gemma3_for
 from vlm_processors import (FORCED_CALL, PICTURE_EPISODE, PICTURE_TOOL, QWEN_TEMPLATE,
                             TOOL_TEMPLATE, ImageOnlyQwenProcessor, gemma_processor, tool_model)
 
@@ -52,24 +53,7 @@ MM = 4  # soft tokens per image (the processor's image_seq_length)
 
 
 def _tiny_gemma3(processor, seed=0):
-    tok = processor.tokenizer
-    ids = {name: tok.convert_tokens_to_ids(t) for name, t in (
-        ("image", "<image_soft_token>"), ("boi", "<start_of_image>"),
-        ("eoi", "<end_of_image>"))}
-    text = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                max_position_embeddings=512, rms_norm_eps=1e-6, query_pre_attn_scalar=16,
-                sliding_window=8, layer_types=["sliding_attention", "full_attention"],
-                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id)
-    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                  num_attention_heads=2, image_size=28, patch_size=7, num_channels=3,
-                  vision_use_head=False)
-    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision,
-                                    mm_tokens_per_image=MM, image_token_index=ids["image"],
-                                    boi_token_index=ids["boi"], eoi_token_index=ids["eoi"])
-    torch.manual_seed(seed)
-    return transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    return gemma3_for(processor, MM, seed=seed)
 
 
 @pytest.fixture(scope="module")

@@ -183,3 +183,28 @@ def same_modules(theirs: set[str], ours: set[str]) -> bool:
     matches = {t: [o for o in ours if t == o or t.endswith("." + o)] for t in theirs}
     return (all(len(m) == 1 for m in matches.values())
             and {m[0] for m in matches.values()} == ours)
+
+
+def gemma3_for(processor, mm: int, head_dim: int = 16, seed: int = 0):
+    """A random Gemma 3 whose special ids are `processor`'s, `mm` soft tokens per image (a
+    28 px image: SigLIP's 4 x 4 patches pooled), text width 4 x head_dim (vLLM's CPU attention
+    wants head_dim 32 or more)."""
+    tok = processor.tokenizer
+    ids = {name: tok.convert_tokens_to_ids(t) for name, t in (
+        ("image", "<image_soft_token>"), ("boi", "<start_of_image>"),
+        ("eoi", "<end_of_image>"))}
+    text = dict(vocab_size=128, hidden_size=4 * head_dim, intermediate_size=6 * head_dim,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=head_dim, max_position_embeddings=512, rms_norm_eps=1e-6,
+                query_pre_attn_scalar=head_dim, sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"],
+                bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=28, patch_size=7, num_channels=3,
+                  vision_use_head=False)
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                    mm_tokens_per_image=mm, image_token_index=ids["image"],
+                                    boi_token_index=ids["boi"], eoi_token_index=ids["eoi"])
+    torch.manual_seed(seed)
+    return transformers.Gemma3ForConditionalGeneration(cfg).eval()
