@@ -343,9 +343,9 @@ def test_multi_turn_on_the_vllm_server(smol_dir, smol_model, tok, smol_vllm_serv
         return [{"type": "image", "image": Image.new("RGB", (28, 28))},
                 {"type": "text", "text": calculator(expression)}]
     picture.__name__ = "calculator"
-    # vLLM takes no images here: a tool's image is refused in one line.
+    # A text model takes no images: a tool's image is refused in one line.
     seeing = make_rollout(cfg, smol_model.cfg, tok, None, smol_dir, tools=[picture])
     with pytest.raises(tools.ToolError, match="tool 'calculator' returned an image .* need a "
-                       "vision-language model on the native sampler") as e:
+                       "vision-language model, whose processor") as e:
         seeing.generate(None, prompt_ids(tok), 4, jax.random.key(0))
     assert "\n" not in str(e.value)

@@ -255,6 +255,13 @@ def test_grpo_run_through_the_server_with_images_and_tools(gemma3_dir, gemma3_se
         None, [x["prompt_ids"] for x in records], 2, jax.random.key(2), records)
     diff["rollout_func"] = float(np.abs(_scores(trained, by_fn) - by_fn.sampler_logp)[
         by_fn.completion_mask.astype(bool)].max())
+    # A tool loop's context holding a begin-of-image token the model wrote can't go to the
+    # server, which would read it as an image: that row ends with no tokens, the other is sampled.
+    boi = processor.tokenizer.convert_tokens_to_ids(processor.boi_token)
+    wrote = dict(records[0], image_tokens=[True] * len(records[0]["prompt_ids"]) + [False])
+    ended = rollout.generate(None, [records[0]["prompt_ids"] + [boi], records[1]["prompt_ids"]],
+                             1, jax.random.key(3), [wrote, records[1]])
+    assert ended.completion_mask.sum(axis=1)[0] == 0 and ended.completion_mask[1].sum() > 0
     print(f"server's samples vs trainer log-probs, max |diff|: {diff}")
     assert diff["tool loop"] < 1e-4 and diff["trained"] < 1e-4 and diff["rollout_func"] < 1e-4
     assert diff["turn after the picture, picture zeroed"] > 1e-3
