@@ -287,8 +287,7 @@ class PartialRollouts:
         out_ids, out_mask = np.repeat(ids[chosen], g, axis=0), np.repeat(pmask[chosen], g, axis=0)
         if pixels is not None:  # the rows' images for the trainer's forwards, as refill's
             fields.update(pixel_values=np.repeat(pixels[chosen], g, axis=0), image_grid=grid,
-                          positions=None if s.cfg.mrope_section is None else s.row_positions(
-                              out_ids, out_mask, grid, tokens.shape[1]))
+                          positions=s.row_positions(out_ids, out_mask, grid, tokens.shape[1]))
         batch = RolloutBatch(out_ids, out_mask, tokens, cmask, ~stopped, logp,
                              metrics=decode_metrics(steps, busy, self.slots),
                              versions=np.where(cmask > 0, versions, 0).astype(np.int32),

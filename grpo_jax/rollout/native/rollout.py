@@ -94,11 +94,10 @@ class JaxRollout(Rollout):
         r = sampler.generate(weights, prompt_ids, num_generations, key, pixel_values=flat,
                              image_grid_thw=grid, image_tokens=limits, images_per_prompt=k)
         rows = np.repeat(px.pixel_values, num_generations, axis=0)
-        positions = (None if self.sampler.cfg.mrope_section is None else
-                     self.sampler.row_positions(r.prompt_ids, r.prompt_mask, px.image_grid,
-                                                r.completion_ids.shape[1],
-                                                [m for m in limits for _ in
-                                                 range(num_generations)]))
+        positions = self.sampler.row_positions(r.prompt_ids, r.prompt_mask, px.image_grid,
+                                               r.completion_ids.shape[1],
+                                               [m for m in limits for _ in
+                                                range(num_generations)])
         return r._replace(pixel_values=rows, image_grid=px.image_grid, positions=positions)
 
     def with_row_images(self, r: RolloutBatch, records: Sequence[dict]) -> RolloutBatch:

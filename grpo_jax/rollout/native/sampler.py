@@ -195,7 +195,7 @@ class Sampler:
 
     def row_positions(self, prompt_ids, prompt_mask, image_grid, completion_width: int,
                       image_tokens=None, completion_images=None):
-        """row_images.positions of this model's rows."""
+        """row_images.positions of this model's rows (None without M-RoPE)."""
         return row_images.positions(self.cfg, self.pad_id, prompt_ids, prompt_mask,
                                     image_grid, completion_width, image_tokens,
                                     completion_images)
