@@ -140,13 +140,19 @@ def _keys_for(cfg, leaves) -> dict[str, str]:
     return {leaf: PREFIX + _module(cfg, leaf) + ".{m}.weight" for leaf in leaves}
 
 
+def _hf_name(cfg, leaf: str) -> str:
+    """The HF tensor (hf_names: {i}, the layer) that weight `leaf` adapts."""
+    if leaf.startswith(TOWER):
+        return cfg.vision.hf_names()[leaf[len(TOWER):]][0]
+    return hf.hf_names(cfg)[f"layers/{leaf}"]
+
+
 def _module(cfg, leaf: str) -> str:
     """The path of the transformers module that weight `leaf` belongs to ({i}: the layer)."""
+    name = _hf_name(cfg, leaf)[:-len(".weight")]
     if leaf.startswith(TOWER):
-        name = cfg.vision.hf_names()[leaf[len(TOWER):]][0][:-len(".weight")]
         # (Qwen3-VL's checkpoint names are its modules' already: "model.visual.")
         return name if name.startswith(VLM_TOWER_ROOT) else VLM_TOWER_ROOT + name
-    name = hf.hf_names(cfg)[f"layers/{leaf}"][:-len(".weight")]
     return name if cfg.vision is None else VLM_TEXT_ROOT + name[len("model."):]
 
 
@@ -181,13 +187,39 @@ def adapter_tensors(model, dtype: str = "float32") -> dict[str, np.ndarray]:
     return layer_adapter_tensors(model.cfg, _adapter_vars(model), dtype)
 
 
-def layer_adapter_tensors(cfg, layers, dtype: str = "float32") -> dict[str, np.ndarray]:
+def state_adapters(params) -> dict:
+    """A LoRA run's trainable params (its LoraParam state, as the trainer holds them) as
+    layer_adapter_tensors takes them: the decoder's layers' {leaf_lora_a: A, ...} and the
+    tower's, when it has adapters, as vision/<holder>/<w>_lora_a."""
+    out = dict(params["layers"].items())
+    if "vision" in params:
+        out.update({f"{TOWER}{part}/{name}": var for part, holder in params["vision"].items()
+                    for name, var in holder.items()})
+    return out
+
+
+def engine_adapter_tensors(cfg, adapters, dtype: str = "float32") -> dict[str, np.ndarray]:
+    """layer_adapter_tensors keyed as the base tensors they adapt are exported (hf.export_name,
+    `.weight` dropped): "<name>.lora_A" / "<name>.lora_B", for a weight server that merges them
+    into the base it was given by those names. PEFT's keys name live modules instead, which on
+    a vision-language model differ ("model.language_model." for Gemma 3's "language_model.model.")."""
+    return layer_adapter_tensors(cfg, adapters, dtype, keys=_engine_keys)
+
+
+def _engine_keys(cfg, leaves) -> dict[str, str]:
+    return {leaf: hf.export_name(cfg, _hf_name(cfg, leaf)).removesuffix(".weight") + ".{m}"
+            for leaf in leaves}
+
+
+def layer_adapter_tensors(cfg, layers, dtype: str = "float32", keys=None
+                          ) -> dict[str, np.ndarray]:
     """PEFT's tensors of stacked adapters {leaf_lora_a: A, leaf_lora_b: B} (arrays or
     variables: the `layers` of a model's LoraParam state, as the trainer holds them; the
-    tower's as vision/<holder>/<w>_lora_a ...)."""
+    tower's as vision/<holder>/<w>_lora_a ...: state_adapters). `keys`: another naming
+    (engine_adapter_tensors)."""
     out = {}
     leaves = [name[:-len("_lora_a")] for name in layers if name.endswith("_lora_a")]
-    for leaf, key in _keys_for(cfg, leaves).items():
+    for leaf, key in (keys or _keys_for)(cfg, leaves).items():
         a, b = (np.asarray(jax.device_get(layers[f"{leaf}{m}"][...]))
                 for m in ("_lora_a", "_lora_b"))
         r = a.shape[-1]

@@ -27,8 +27,10 @@ from grpo_jax.config.rollout import SamplingParams
 from grpo_jax.errors import ConfigError
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.train_step import completion_logps
+from grpo_jax.models import lora
 from grpo_jax.models.config import ModelConfig
 from grpo_jax.rollout import tools
+from grpo_jax.rollout.base import WeightMode
 from grpo_jax.rollout.custom import CustomRollout
 from grpo_jax.rollout.engines import MainProcessRollout
 from grpo_jax.rollout.vllm.rollout import VLLMRollout, unexpanded_ids
@@ -102,6 +104,38 @@ def _scores(model, r) -> np.ndarray:
                   positions=r.positions, tool_mask=r.tool_mask,
                   completion_images=r.completion_images)
     return np.asarray(completion_logps(model, batch, 1.0, 128)[0])
+
+
+def _lora_reaches_the_server(model_dir, processor, base_url, tmp_path) -> dict[str, float]:
+    """LoRA on every linear, the tower's too (PEFT's all-linear), its B drawn away from zero,
+    pushed to the server as a LoRA run does by default (the adapters alone, merged there into
+    the base pushed first, by the base's names): the max |diff| of the server's samples'
+    log-probs against the trainer's with those adapters, without them, and with the tower's
+    alone zeroed."""
+    cfg = load_config("squares", _settings(model_dir, tmp_path / "lora", base_url) + [
+        "use_peft=true", "lora_target_modules=all-linear", "lora_r=4"])
+    model, _ = hf.load_model(str(model_dir), dtype=jnp.float32)
+    lora.add_adapters(model, cfg.peft, jax.random.key(3))
+    graphdef, adapters, base = nnx.split(model, lora.LoraParam, nnx.Param)
+    keys = iter(jax.random.split(jax.random.key(4), 1000))
+    adapters = jax.tree_util.tree_map_with_path(
+        lambda path, x: 0.3 * jax.random.normal(next(keys), x.shape, x.dtype)
+        if "_lora_b" in jax.tree_util.keystr(path) else x, adapters)
+    rollout = VLLMRollout(cfg, model.cfg, SamplingParams(
+        max_completion_length=6, stop_token_ids=(processor.tokenizer.eos_token_id,)),
+        processor.tokenizer.pad_token_id, processor)
+    assert rollout.weight_mode is WeightMode.PUSH_ADAPTERS and rollout.tower_adapted
+    rollout.update_weights((adapters, base), None)
+    records = _prompts(processor, 2, seed=5)
+    r = rollout.generate(None, [x["prompt_ids"] for x in records], 2, jax.random.key(5), records)
+    real = r.completion_mask.astype(bool)
+    blind_tower = jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.zeros_like(x) if path[0].key == "vision"
+        and "_lora_b" in jax.tree_util.keystr(path) else x, adapters)
+    return {name: float(np.abs(_scores(nnx.merge(graphdef, a, base), r) - r.sampler_logp)[
+        real].max()) for name, a in (
+            ("adapted", adapters), ("no adapters", jax.tree.map(jnp.zeros_like, adapters)),
+            ("tower's adapters zeroed", blind_tower))}
 
 
 def _settings(model_dir, out, base_url) -> list[str]:
@@ -268,6 +302,18 @@ def test_grpo_run_through_the_server_with_images_and_tools(gemma3_dir, gemma3_se
     assert diff["initial"] > 1e-3 and diff["trained, images zeroed"] > 1e-3
 
 
+@needs_vllm
+def test_lora_on_the_tower_reaches_the_server(gemma3_dir, gemma3_server, tmp_path):
+    """Gemma 3 with LoRA on the language model and the SigLIP tower: the adapters pushed by
+    the names the server loaded (the tower's under the Hub's vision_tower.vision_model.), its
+    samples score as the trainer's adapted model, not as the base or the unadapted tower."""
+    adapted = _lora_reaches_the_server(gemma3_dir, images.load_processor(gemma3_dir),
+                                       gemma3_server.base_url, tmp_path)
+    print(f"LoRA (the tower's too) pushed, server vs trainer log-probs, max |diff|: {adapted}")
+    assert adapted["adapted"] < 1e-4
+    assert adapted["no adapters"] > 1e-3 and adapted["tower's adapters zeroed"] > 1e-3
+
+
 # ------------------------------------------------------------------ Qwen2.5-VL
 
 def qwen_processor_for_vllm():
@@ -375,6 +421,10 @@ def test_qwen_vl_server_samples_as_the_trainer_scores(qwen_dir, qwen_server, tmp
     r2 = rollout.generate(None, ids, 2, jax.random.key(1), records)
     real = r2.completion_mask.astype(bool)
     seen |= {"pushed": diff(moved, r2), "pushed vs initial": diff(initial, r2)}
-    print(f"{initial.cfg.model_type} server's samples vs trainer log-probs, max |diff|: {seen}")
+    adapted = _lora_reaches_the_server(qwen_dir, proc, qwen_server.base_url, tmp_path)
+    print(f"{initial.cfg.model_type} server's samples vs trainer log-probs, max |diff|: {seen}; "
+          f"LoRA (the tower's too) pushed: {adapted}")
     assert seen["initial"] < 1e-4 and seen["pushed"] < 1e-4
     assert seen["images zeroed"] > 1e-3 and seen["pushed vs initial"] > 1e-3
+    assert adapted["adapted"] < 1e-4
+    assert adapted["no adapters"] > 1e-3 and adapted["tower's adapters zeroed"] > 1e-3

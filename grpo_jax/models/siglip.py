@@ -87,6 +87,13 @@ class SiglipConfig:
         ("model.", "lm_head.") under HF_TEXT_ROOT; the tower's names are its own."""
         return HF_TEXT_ROOT + key if key.startswith(("model.", "lm_head.")) else key
 
+    def vllm_name(self, key: str) -> str:
+        """vLLM's Gemma 3 (0.32) loads the tower under the Hub's name, SiglipVisionModel's
+        "vision_tower.vision_model.", and has no mapping from transformers 5's."""
+        if key.startswith(TOWER) and not key.startswith(HUB_TOWER):
+            return HUB_TOWER + key[len(TOWER):]
+        return key
+
     def tower(self) -> "VisionTower":
         return VisionTower(self)
 
@@ -159,6 +166,7 @@ def param_table(v: SiglipConfig, text_hidden: int) -> dict[str, tuple[tuple[int,
 # Where transformers' save_pretrained puts Gemma3ForConditionalGeneration's tower and projector
 # (hf.py finds them under other roots too: HF_ANCHORS), and its decoder.
 TOWER, PROJECTOR = "vision_tower.", "multi_modal_projector."
+HUB_TOWER = TOWER + "vision_model."  # where the Hub's Gemma 3 checkpoints keep it
 HF_TEXT_ROOT = "language_model."
 # root -> a tensor under it that every checkpoint has: where a checkpoint put the root instead
 # ("vision_tower.vision_model." on the Hub, "model.vision_tower." in transformers 5).

@@ -100,19 +100,13 @@ def refuse_images(cfg, model_cfg) -> None:
     r = cfg.rollout
     if r.backend == "vllm":
         # A vLLM server takes Gemma 3's and Qwen-VL's prompts with their images
-        # (VLLMRollout.generate_images, the language model's weights pushed); the rest is not
-        # built there yet.
-        from grpo_jax.models import lora
-        vllm_unset = [name for name, on in (
-            ("vllm_weight_sync: nccl (its layerwise plan is a language model's only; http or "
-             "shm push the language model alone)", r.vllm_weight_sync == "nccl"),
-            ("the tower's lora_target_modules (or use_vllm: the server's tower is the one it "
-             "loaded)", bool(cfg.peft.use_peft and lora.tower_targets(cfg.peft, model_cfg))),
-        ) if on]
-        if vllm_unset:
+        # (VLLMRollout.generate_images; the language model's weights pushed, and the tower's
+        # when it has adapters); nccl's layerwise plan is not built for them.
+        if r.vllm_weight_sync == "nccl":
             raise ConfigError(f"a vision-language model ({model_cfg.model_type}) on a vLLM "
-                              "server takes prompts with their images, without nccl or tower "
-                              "adapters; unset " + ", ".join(vllm_unset))
+                              "server takes prompts with their images over http or shm; unset "
+                              "vllm_weight_sync: nccl (its layerwise plan is a language "
+                              "model's only)")
         return
     if cfg.generation.max_num_seqs is not None and not cfg.generation.continuous_batching:
         raise ConfigError(f"a vision-language model ({model_cfg.model_type}) trains on images "

@@ -11,6 +11,7 @@ import numpy as np
 
 from grpo_jax import hf, images, peft_io
 from grpo_jax.config.rollout import SamplingParams
+from grpo_jax.models import lora
 from grpo_jax.rollout import row_images
 from grpo_jax.rollout.base import Rollout, RolloutBatch, WeightMode
 from grpo_jax.rollout.padding import bucketed_prompts
@@ -68,6 +69,9 @@ class VLLMRollout(Rollout):
         # work (our engine merges them into the base it was given once), unless the server runs
         # vLLM's own LoRA (`grpo_jax.serve --lora-rank R`), which then serves them.
         self.weight_mode = WeightMode.PUSH
+        # LoRA on the tower too (PEFT's rules on a vision-language model): its weights are
+        # pushed with the language model's.
+        self.tower_adapted = bool(cfg.peft.use_peft and lora.tower_targets(cfg.peft, model_cfg))
         merge_on_server = (cfg.peft.use_peft and not cfg.peft.quant_bits and transport == "http"
                            and r.vllm_lora_sync == "adapter"
                            and not self.client.model_info().get("max_lora_rank"))
@@ -79,7 +83,9 @@ class VLLMRollout(Rollout):
             # The server's base is the checkpoint as stored, the trainer's a quantized copy:
             # only merged weights (the dequantized base + adapters) make them the same policy.
             problem = ("the trainer's base is quantized (load_in_8bit / load_in_4bit)"
-                       if cfg.peft.quant_bits else self.client.adapter_problem(cfg.peft.lora_r))
+                       if cfg.peft.quant_bits else
+                       "the vision tower has adapters, and its LoRA runs the language model's"
+                       if self.tower_adapted else self.client.adapter_problem(cfg.peft.lora_r))
             if problem:
                 print(f"vllm_lora_sync: adapter is not possible with the vLLM server at "
                       f"{r.base_url}: {problem}; pushing merged full weights instead",
@@ -163,10 +169,10 @@ class VLLMRollout(Rollout):
 
     def _pushed(self, table: dict) -> dict:
         """The table-layout params a push sends: a vision-language model's tower is frozen
-        (LoRA on it is refused: engines.refuse_images), so the server keeps the one it loaded
-        and only the language model's weights go (the projector, vision/mm_*, is the
-        tower's, frozen with it)."""
-        if self.model_cfg.vision is None:
+        unless it has adapters, so the server keeps the one it loaded and only the language
+        model's weights go (the projector, vision/mm_*, is the tower's, frozen with it); an
+        adapted tower goes too (merged, or the base its adapters are merged into)."""
+        if self.model_cfg.vision is None or self.tower_adapted:
             return table
         return {k: v for k, v in table.items() if not k.startswith("vision/")}
 
@@ -215,12 +221,14 @@ class VLLMRollout(Rollout):
         if self.weight_mode is WeightMode.PUSH_ADAPTERS:
             adapters, base = weights
             dtype = self.weights.dtype
-            tensors = peft_io.layer_adapter_tensors(self.model_cfg, adapters["layers"], dtype)
+            adapters = peft_io.state_adapters(adapters)
             if self.weights.lora_scaling is None:  # vLLM's own LoRA, through files
+                tensors = peft_io.layer_adapter_tensors(self.model_cfg, adapters, dtype)
                 seconds = self.client.sync_adapter(tensors, self.adapter_conf)
                 self.weights.metrics = transfer_metrics(
                     sum(a.nbytes for a in tensors.values()), seconds)
                 return seconds
+            tensors = peft_io.engine_adapter_tensors(self.model_cfg, adapters, dtype)
             push = lambda: self.weights.push_adapters(  # noqa: E731
                 lambda: self._pushed(hf.params_from_state(self.model_cfg, base)), tensors)
         elif self.weights.transport == "nccl":  # from the device, nothing on the host

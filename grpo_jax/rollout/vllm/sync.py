@@ -15,7 +15,7 @@ import uuid
 
 import numpy as np
 
-from grpo_jax import hf, peft_io
+from grpo_jax import hf
 from grpo_jax.rollout.vllm import http_sync
 from grpo_jax.errors import VLLMServerError
 from grpo_jax.rollout.server.wire import HTTP_BACKEND
@@ -37,13 +37,13 @@ def transfer_metrics(moved: int, seconds: float, **extra) -> dict[str, float]:
             **{f"weight_sync/{k}": float(v) for k, v in extra.items()}}
 
 
-def peft_to_engine(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """PEFT adapter keys -> the engine's "<HF weight name without .weight>.lora_A|B"."""
-    out = {}
-    for key, value in tensors.items():
-        stem = key.removeprefix(peft_io.PREFIX).removesuffix(".weight")
-        out[stem] = value
-    return out
+def engine_names(model_cfg, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Exported tensor names (hf.export_name; an adapter's "<name without .weight>.lora_A|B")
+    -> the names the server's loader takes (a vision-language model's VisionConfig.vllm_name)."""
+    if model_cfg.vision is None:
+        return tensors
+    rename = model_cfg.vision.vllm_name
+    return {rename(k): v for k, v in tensors.items()}
 
 
 class ServerWeights:
@@ -74,17 +74,25 @@ class ServerWeights:
 
     def push_full(self, table: dict[str, np.ndarray]) -> float:
         """Table-layout params (hf.params_from_state) -> the whole model on the server."""
-        tensors = hf.hf_state_dict(self.model_cfg, table, dtype=self.dtype,
-                                   include_tied_head=True)
+        tensors = engine_names(self.model_cfg, hf.hf_state_dict(
+            self.model_cfg, table, dtype=self.dtype, include_tied_head=True))
         self.base, self.adapters = tensors, None
         return self._push(tensors, "full")
 
     def push_adapters(self, base_table, tensors: dict[str, np.ndarray]) -> float:
-        """LoRA (http): the adapters alone (PEFT tensors), once the server holds the frozen base
-        (`base_table()`: its table-layout params, asked for at the first push only)."""
+        """LoRA (http): the adapters alone (peft_io.engine_adapter_tensors), once the server
+        holds the frozen base (`base_table()`: its table-layout params, asked for at the first
+        push only), which the server merges them into by name."""
         if self.base is None:
             self.push_full(base_table())
-        self.adapters = peft_to_engine(tensors)
+        adapters = engine_names(self.model_cfg, tensors)
+        stems = {name.removesuffix(".weight") for name in self.base}
+        unmatched = sorted(k for k in adapters if k.rsplit(".", 1)[0] not in stems)
+        if unmatched:  # the server would skip them, and sample from the base alone
+            raise VLLMServerError(
+                f"{len(unmatched)} LoRA tensors (e.g. {unmatched[0]}) adapt no weight pushed "
+                "to the server; set vllm_lora_sync: merged (a grpo-jax defect: please report)")
+        self.adapters = adapters
         return self._push(self.adapters, "lora")
 
     def _push(self, tensors, kind: str) -> float:
