@@ -1,7 +1,8 @@
 """A vision-language model's rollouts from a real vLLM CPU server (rollout/vllm/rollout.py):
 each prompt sent with one placeholder per image and its images, which vLLM expands itself.
 Gemma 3: a tiny random one that vLLM can load (vLLM's processor looks up the newline tokens;
-text head_dim 32; the tower saved under the Hub's vision_tower.vision_model.*), one soft token
+text head_dim 32; exported by grpo-jax, which vLLM 0.32 serves and transformers 5.23's own
+save_pretrained not: hf.save_hf), one soft token
 per image (MM below), trained 3 steps through the server. Qwen2.5-VL and Qwen3-VL: the
 rollout on a server of each, before and after a push. Oracles: the trainer's own forward with
 the images (the JAX model), and the processor's ids. Each server's start-up ~35-40 s (eager,
@@ -64,18 +65,18 @@ def tiny_gemma3_for_vllm(processor, seed=0, mm=MM):
 
 @pytest.fixture(scope="module")
 def gemma3_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gemma3_vllm") / "model"
+    root = tmp_path_factory.mktemp("gemma3_vllm")
     processor = gemma_processor(newlines=True, image_seq_length=MM)
-    tiny_gemma3_for_vllm(processor).save_pretrained(path)
-    processor.save_pretrained(path)
-    # vLLM's Gemma 3 loader takes the tower under the Hub's name; grpo_jax reads both.
-    f = path / "model.safetensors"
-    tensors = safetensors.torch.load_file(f)
-    safetensors.torch.save_file(
-        {"vision_tower.vision_model." + k.removeprefix("vision_tower.")
-         if k.startswith("vision_tower.") and not k.startswith("vision_tower.vision_model.")
-         else k: v for k, v in tensors.items()}, f, metadata={"format": "pt"})
-    return path
+    tiny_gemma3_for_vllm(processor).save_pretrained(root / "saved")
+    processor.save_pretrained(root / "saved")
+    # vLLM's Gemma 3 loader takes the tower under the Hub's name only: our export writes it
+    # there, transformers 5.23's save_pretrained under vision_tower.* (vLLM can't load that).
+    model, _ = hf.load_model(str(root / "saved"), dtype=jnp.float32)
+    hf.save_hf(model, root / "model", source_dir=root / "saved", dtype="float32")
+    processor.save_pretrained(root / "model")
+    assert any(k.startswith("vision_tower.vision_model.") for k in
+               safetensors.torch.load_file(root / "model" / "model.safetensors"))
+    return root / "model"
 
 
 @pytest.fixture(scope="module")

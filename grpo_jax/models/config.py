@@ -130,12 +130,10 @@ class VisionConfig(Protocol):
     deepstack_layers: int
 
     def hf_export_name(self, key: str) -> str:
-        """The name save_pretrained writes HF tensor `key` of hf_names under (the wrapper may
-        nest the decoder's: Gemma 3's "language_model.", Qwen3-VL's "model.language_model.")."""
-
-    def vllm_name(self, key: str) -> str:
-        """The name a vLLM server's loader takes tensor `key` (as hf_export_name writes it)
-        under, for weights pushed to it (rollout/vllm/sync.py)."""
+        """The name an export (and a push to a vLLM server) writes HF tensor `key` of hf_names
+        under: where the wrapper's checkpoints keep it, as both transformers and vLLM load them
+        (the decoder's nested: Gemma 3's "language_model.", Qwen3-VL's "model.language_model.";
+        Gemma 3's tower under the Hub's "vision_tower.vision_model.")."""
 
     def param_table(self, text_hidden: int) -> dict[str, tuple[tuple[int, ...], tuple]]:
         """name (without "vision/") -> (shape, logical axes); text_hidden: the decoder's."""

@@ -99,9 +99,6 @@ class Qwen3VisionConfig:
             return "model.language_model." + key[len("model."):]
         return key
 
-    def vllm_name(self, key: str) -> str:
-        return key  # vLLM's Qwen3-VL loader maps transformers 5's names itself
-
     @property
     def deepstack_layers(self) -> int:
         """The decoder layers after which DeepStack features are added (the first K)."""

@@ -96,9 +96,6 @@ class QwenVisionConfig:
     def hf_export_name(self, key: str) -> str:
         return key
 
-    def vllm_name(self, key: str) -> str:
-        return key  # vLLM's Qwen-VL loaders map transformers' names themselves
-
     def tower(self) -> "QwenVision":
         return QwenVision(self)
 

@@ -83,16 +83,13 @@ class SiglipConfig:
     deepstack_layers = 0  # no features added inside the decoder (Qwen3-VL's DeepStack)
 
     def hf_export_name(self, key: str) -> str:
-        """Gemma3ForConditionalGeneration's save_pretrained nests the decoder's tensors
-        ("model.", "lm_head.") under HF_TEXT_ROOT; the tower's names are its own."""
-        return HF_TEXT_ROOT + key if key.startswith(("model.", "lm_head.")) else key
-
-    def vllm_name(self, key: str) -> str:
-        """vLLM's Gemma 3 (0.32) loads the tower under the Hub's name, SiglipVisionModel's
-        "vision_tower.vision_model.", and has no mapping from transformers 5's."""
-        if key.startswith(TOWER) and not key.startswith(HUB_TOWER):
-            return HUB_TOWER + key[len(TOWER):]
-        return key
+        """Gemma3ForConditionalGeneration's checkpoints nest the decoder's tensors ("model.",
+        "lm_head.") under HF_TEXT_ROOT. The tower goes under the Hub's HUB_TOWER, not where
+        transformers 5's save_pretrained puts it (TOWER): transformers loads both, vLLM (0.32)
+        the Hub's only ("no module or parameter named 'vision_tower.embeddings'")."""
+        if key.startswith(("model.", "lm_head.")):
+            return HF_TEXT_ROOT + key
+        return HUB_TOWER + key[len(TOWER):] if key.startswith(TOWER) else key
 
     def tower(self) -> "VisionTower":
         return VisionTower(self)

@@ -37,15 +37,6 @@ def transfer_metrics(moved: int, seconds: float, **extra) -> dict[str, float]:
             **{f"weight_sync/{k}": float(v) for k, v in extra.items()}}
 
 
-def engine_names(model_cfg, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Exported tensor names (hf.export_name; an adapter's "<name without .weight>.lora_A|B")
-    -> the names the server's loader takes (a vision-language model's VisionConfig.vllm_name)."""
-    if model_cfg.vision is None:
-        return tensors
-    rename = model_cfg.vision.vllm_name
-    return {rename(k): v for k, v in tensors.items()}
-
-
 class ServerWeights:
     """Pushes weights to one server with one transport and remembers the last push."""
 
@@ -74,8 +65,8 @@ class ServerWeights:
 
     def push_full(self, table: dict[str, np.ndarray]) -> float:
         """Table-layout params (hf.params_from_state) -> the whole model on the server."""
-        tensors = engine_names(self.model_cfg, hf.hf_state_dict(
-            self.model_cfg, table, dtype=self.dtype, include_tied_head=True))
+        tensors = hf.hf_state_dict(self.model_cfg, table, dtype=self.dtype,
+                                   include_tied_head=True)
         self.base, self.adapters = tensors, None
         return self._push(tensors, "full")
 
@@ -85,14 +76,13 @@ class ServerWeights:
         push only), which the server merges them into by name."""
         if self.base is None:
             self.push_full(base_table())
-        adapters = engine_names(self.model_cfg, tensors)
         stems = {name.removesuffix(".weight") for name in self.base}
-        unmatched = sorted(k for k in adapters if k.rsplit(".", 1)[0] not in stems)
+        unmatched = sorted(k for k in tensors if k.rsplit(".", 1)[0] not in stems)
         if unmatched:  # the server would skip them, and sample from the base alone
             raise VLLMServerError(
                 f"{len(unmatched)} LoRA tensors (e.g. {unmatched[0]}) adapt no weight pushed "
                 "to the server; set vllm_lora_sync: merged (a grpo-jax defect: please report)")
-        self.adapters = adapters
+        self.adapters = tensors
         return self._push(self.adapters, "lora")
 
     def _push(self, tensors, kind: str) -> float:
