@@ -265,18 +265,37 @@ def unexpanded_ids(processor, model_cfg, ids, image_tokens=None) -> list[int] | 
     return [t for i, t in enumerate(ids) if not (marks[i] and i and marks[i - 1])]
 
 
+NOT_FULL_SEQUENCE = ("an image's tokens are not the processor's full_image_sequence (two "
+                     "newlines, boi, soft tokens, eoi, two newlines)")
+
+
 def _gemma_unexpanded(processor, ids: list[int], marks, soft: int) -> list[int] | None:
+    """One pass: text tokens are kept, each image's boi soft... eoi becomes boi, and its two
+    newlines on each side come out of the newline tokens around it (those before from the end
+    of what is kept, those after as they come)."""
     tok = processor.tokenizer
     boi = tok.convert_tokens_to_ids(processor.boi_token)
     eoi = tok.convert_tokens_to_ids(tok.eoi_token)
     vocab = tok.get_vocab()
     runs = {vocab["\n" * k]: k for k in range(1, 33) if "\n" * k in vocab}
-    out, i = [], 0
+
+    def less(token: int, need: int) -> tuple[list[int], int]:
+        """Newline token `token` less up to `need` newlines: (what is left of it, need left)."""
+        k = runs.get(token)
+        if k is None or (k > need and "\n" * (k - need) not in vocab):
+            raise ValueError(NOT_FULL_SEQUENCE)
+        return ([vocab["\n" * (k - need)]] if k > need else []), max(need - k, 0)
+
+    out, owed, i = [], 0, 0  # owed: the last image's newlines not yet taken out after it
     while i < len(ids):
         if ids[i] == soft and not marks[i]:
             return None  # a soft token the model wrote
         if ids[i] != boi and not marks[i]:
-            out.append(ids[i])
+            if owed:
+                left, owed = less(ids[i], owed)
+                out += left
+            else:
+                out.append(ids[i])
             i += 1
             continue
         end = i + 1  # boi, then the image's soft tokens, then eoi
@@ -284,28 +303,14 @@ def _gemma_unexpanded(processor, ids: list[int], marks, soft: int) -> list[int] 
             end += 1
         if ids[i] != boi or end == i + 1 or end == len(ids) or ids[end] != eoi:
             return None  # a boi the model wrote
-        # The image's own two newlines on each side, out of the newline tokens around it.
-        tail = out[::-1]
-        after = ids[end + 1:]
-        if not (_less_newlines(tail, runs, vocab) and _less_newlines(after, runs, vocab)):
-            raise ValueError("an image's tokens are not the processor's full_image_sequence "
-                             "(two newlines, boi, soft tokens, eoi, two newlines)")
-        out = tail[::-1] + [boi]
-        ids, marks = out + after, [False] * len(out) + list(marks[len(ids) - len(after):])
-        i = len(out)
+        need = 2
+        while need:
+            if owed or not out:
+                raise ValueError(NOT_FULL_SEQUENCE)
+            left, need = less(out.pop(), need)
+            out += left
+        out.append(boi)
+        owed, i = 2, end + 1
+    if owed:
+        raise ValueError(NOT_FULL_SEQUENCE)
     return out
-
-
-def _less_newlines(seq: list[int], runs: dict, vocab: dict) -> bool:
-    """Two newlines fewer at the front of `seq` (newline tokens: `runs`, token -> its count),
-    in place; False where it does not begin with two."""
-    need = 2
-    while need:
-        k = runs.get(seq[0]) if seq else None
-        if k is None or (k > need and "\n" * (k - need) not in vocab):
-            return False
-        seq.pop(0)
-        if k > need:
-            seq.insert(0, vocab["\n" * (k - need)])
-        need = max(need - k, 0)
-    return True
