@@ -4,6 +4,8 @@
 # same offset, so a whole new attempt, after a pause, starts the download afresh.
 export PIP_RESUME_RETRIES="${PIP_RESUME_RETRIES:-20}" PIP_RETRIES="${PIP_RETRIES:-10}"
 export PIP_DEFAULT_TIMEOUT="${PIP_DEFAULT_TIMEOUT:-60}"
+# No wheel cache: the venvs hold what is installed, and a cache's extra GBs once filled CI's disk.
+export PIP_NO_CACHE_DIR="${PIP_NO_CACHE_DIR:-1}"
 
 pip_install() {
   local py="$1" attempt
