@@ -84,7 +84,7 @@ class VLLMRollout(Rollout):
             # only merged weights (the dequantized base + adapters) make them the same policy.
             problem = ("the trainer's base is quantized (load_in_8bit / load_in_4bit)"
                        if cfg.peft.quant_bits else
-                       "the vision tower has adapters, and its LoRA runs the language model's"
+                       "the vision tower has adapters (its LoRA is given the language model's only)"
                        if self.tower_adapted else self.client.adapter_problem(cfg.peft.lora_r))
             if problem:
                 print(f"vllm_lora_sync: adapter is not possible with the vLLM server at "
