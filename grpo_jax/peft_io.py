@@ -202,7 +202,8 @@ def engine_adapter_tensors(cfg, adapters, dtype: str = "float32") -> dict[str, n
     """layer_adapter_tensors keyed as the base tensors they adapt are exported (hf.export_name,
     `.weight` dropped): "<name>.lora_A" / "<name>.lora_B", for a weight server that merges them
     into the base it was given by those names. PEFT's keys name live modules instead, which on
-    a vision-language model differ ("model.language_model." for Gemma 3's "language_model.model.")."""
+    a vision-language model differ ("model.language_model." for Gemma 3's
+    "language_model.model.")."""
     return layer_adapter_tensors(cfg, adapters, dtype, keys=_engine_keys)
 
 
