@@ -90,10 +90,11 @@ def refuse_images(cfg, model_cfg) -> None:
     """A vision-language model trains on images through the native sampler's static batches,
     its refilled decode slots (max_num_seqs) or its partial rollouts (max_staleness), also on
     devices of their own (sampler_devices, sampler_process), or through a vLLM server's
-    rollouts (the language model pushed, its tower too when that has adapters); with tools (each turn sent or re-prefilled with the
-    row's images, partial rollouts feeding it in its slot; a tool's image not with partial
-    rollouts, rollout.tools), async rounds and a rollout_func
-    (rollout.custom) too. The settings that need more are refused, naming what to unset.
+    rollouts (the language model pushed, its tower too when that has adapters); with tools
+    (each turn sent or re-prefilled with the row's images, partial rollouts feeding it in its
+    slot; a tool's image not with partial rollouts, rollout.tools), async rounds and a
+    rollout_func (rollout.custom) too. The settings that need more are refused, naming what to
+    unset.
     (model_cfg None: a server's rollout whose model the server holds; nothing to check here.)"""
     if model_cfg is None or model_cfg.vision is None:
         return
