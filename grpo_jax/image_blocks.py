@@ -20,9 +20,9 @@ import numpy as np
 
 from grpo_jax.errors import DataError
 
-ONE_SIZE = ("training on prompts with different numbers of images needs images of one size "
-            "(Qwen-VL's tower is laid out per set of sizes); set data.image_buckets to one "
-            "size (e.g. [448x448]), and have tools return images of that size")
+ONE_SIZE = ("Qwen-VL trains on images of one size (its tower is laid out per set of sizes); "
+            "set data.image_buckets to one size (e.g. [448x448]), and have tools return "
+            "images of that size")
 
 
 def count(pixels: np.ndarray, grid: tuple | None) -> int:

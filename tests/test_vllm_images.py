@@ -25,7 +25,7 @@ from grpo_jax import hf, image_blocks, images, squares
 from grpo_jax.checkpoint import load_checkpoint
 from grpo_jax.cli import load_config
 from grpo_jax.config.rollout import SamplingParams
-from grpo_jax.errors import ConfigError
+from grpo_jax.errors import ConfigError, VLLMServerError
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.train_step import completion_logps
 from grpo_jax.models import lora
@@ -127,6 +127,13 @@ def _lora_reaches_the_server(model_dir, processor, base_url, tmp_path) -> dict[s
         processor.tokenizer.pad_token_id, processor)
     assert rollout.weight_mode is WeightMode.PUSH_ADAPTERS and rollout.tower_adapted
     rollout.update_weights((adapters, base), None)
+    # An adapter named after no pushed weight (PEFT's module name, the old defect) stops the
+    # push with one line before the server is asked, instead of sampling from the base.
+    version = rollout.weights.version
+    wrong = {"model.language_model.layers.0.self_attn.q_proj.lora_A": np.zeros((4, 8))}
+    with pytest.raises(VLLMServerError, match="1 LoRA tensors .* adapt no weight pushed"):
+        rollout.weights.push_adapters(None, wrong)
+    assert rollout.weights.version == version
     records = _prompts(processor, 2, seed=5)
     r = rollout.generate(None, [x["prompt_ids"] for x in records], 2, jax.random.key(5), records)
     real = r.completion_mask.astype(bool)

@@ -4,6 +4,7 @@ dataset, the native sampler's rounds with the prompts' images, the trainer's for
 them (the tower frozen), checkpoints, --resume, and the export transformers reloads."""
 
 import copy
+import dataclasses
 import functools
 import json
 import re
@@ -27,7 +28,7 @@ from grpo_jax.cli import load_config
 from grpo_jax.config.batch import OptimizerConfig
 from grpo_jax.config.run import MeshConfig
 from grpo_jax.calculator import calculator
-from grpo_jax.errors import ConfigError, DataError, RolloutFuncError, ToolError
+from grpo_jax.errors import DataError, RolloutFuncError, ToolError
 from grpo_jax.export import export
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.loss import LossConfig
@@ -237,12 +238,6 @@ def test_squares_trains_through_partial_rollouts(seeing_dir, tmp_path, split):
                 "sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"):
         print(f"step 2 {key}: whole {steps[1][key]:.6g} resumed {resumed[2][key]:.6g}")
         assert resumed[2][key] == pytest.approx(steps[1][key], rel=1e-5, abs=1e-7), key
-
-
-def test_settings_images_cannot_take_are_refused(vlm_dir, tmp_path):
-    with pytest.raises(ConfigError, match="; unset max_num_seqs with continuous_batching false"):
-        train(_cfg(vlm_dir, tmp_path / "run", "max_num_seqs=4", "continuous_batching=false"),
-              devices=jax.devices()[:2])
 
 
 # ---------------------------------------------------------------- Qwen2.5-VL's rows
@@ -663,6 +658,17 @@ def test_prompts_with_different_numbers_of_images(family, seeing_dir, tmp_path):
     r = rollout.generate(params, [x["prompt_ids"] for x in records], g, jax.random.key(3),
                          records)
     assert image_blocks.count(r.pixel_values, r.image_grid) == 2
+    # Static sub-batches (max_num_seqs without continuous_batching) sample the same rows,
+    # each part with its prompts' images: whole groups (3 slots) and, a group being larger
+    # than 1 slot, each row with its own copy of its prompt's block.
+    for slots in (3, 1):
+        sub = JaxRollout(model.cfg, dataclasses.replace(
+            sp, max_num_seqs=slots, continuous_batching=False),
+            pad_id=proc.tokenizer.pad_token_id, mesh=None, processor=proc).generate(
+                params, [x["prompt_ids"] for x in records], g, jax.random.key(3), records)
+        np.testing.assert_array_equal(sub.completion_ids, r.completion_ids)
+        np.testing.assert_array_equal(sub.pixel_values, r.pixel_values)
+        np.testing.assert_allclose(sub.sampler_logp, r.sampler_logp, atol=2e-6)
     real = r.completion_mask.astype(bool)
     logp = np.asarray(completion_logps(model, _rows_batch(r), 1.0, 128)[0])
     print(f"{family}: sampler vs trainer |diff| {np.abs(logp - r.sampler_logp)[real].max():.3g}")

@@ -80,6 +80,30 @@ class _Slots(NamedTuple):
     routing: jax.Array | None = None
 
 
+class PromptImages(NamedTuple):
+    """A round's prompt images as Sampler.generate takes them (keyword names its own): blocks
+    of images_per_prompt images per prompt, prompt after prompt."""
+    # Gemma 3: [prompts x K, C, H, W]; Qwen-VL: [prompts x K x patches, V]
+    pixel_values: np.ndarray
+    image_grid_thw: np.ndarray | None  # Qwen-VL: [prompts x K, 3]
+    image_tokens: Sequence | None  # per prompt
+    images_per_prompt: int
+
+    def of(self, prompts: Sequence[int], n: int) -> dict:
+        """generate's image arguments for these of the n prompts (repeated where named
+        twice)."""
+        which, k = np.asarray(prompts, np.int64), self.images_per_prompt
+        def take(a):
+            a = np.asarray(a)
+            return a.reshape(n, -1, *a.shape[1:])[which].reshape(-1, *a.shape[1:])
+        return dict(pixel_values=take(self.pixel_values),
+                    image_grid_thw=(None if self.image_grid_thw is None
+                                    else take(self.image_grid_thw)),
+                    image_tokens=(None if self.image_tokens is None
+                                  else [self.image_tokens[i] for i in which]),
+                    images_per_prompt=k)
+
+
 class Refill:
     """A Sampler's rounds through `sampler.sampling_params.max_num_seqs` decode slots (rounded
     up to the mesh's batch axes, over which they are split). `generate` is Sampler.generate's:
@@ -113,9 +137,14 @@ class Refill:
                               pixel_values=pixel_values, image_grid_thw=image_grid_thw,
                               image_tokens=image_tokens, images_per_prompt=images_per_prompt)
         if not s.sampling_params.continuous_batching:
+            images = None
             if pixel_values is not None:
-                raise ValueError("images through decode slots need continuous_batching")
-            return self.sub_batches(params, prompt_token_ids, num_generations, rng)
+                if images_per_prompt is None:  # HF's order: a part's images can't be told
+                    raise ValueError("static sub-batches take images in blocks per prompt "
+                                     "(images_per_prompt)")
+                images = PromptImages(pixel_values, image_grid_thw, image_tokens,
+                                      images_per_prompt)
+            return self.sub_batches(params, prompt_token_ids, num_generations, rng, images)
         params, prompts, g, n, rows = s.inputs(params, prompt_token_ids, num_generations)
         ids, mask = left_pad(prompts, 1, s.bucket(max(map(len, prompts))), s.pad_id,
                              rows=s.prompt_rows(rows, g))
@@ -140,22 +169,28 @@ class Refill:
                             prompt_routing=prompt_routing, completion_routing=completion_routing)
 
     def sub_batches(self, params, prompt_token_ids, num_generations: int,
-                    rng) -> RolloutBatch:
+                    rng, images: "PromptImages | None" = None) -> RolloutBatch:
         """The round as consecutive static batches of at most `slots` rows (whole groups when
         they fit, so each prompt is prefilled once), each decoding until its longest row is
-        done: the way without refill. Rows draw their own keys, as in one batch."""
+        done: the way without refill. Rows draw their own keys, as in one batch; each part
+        takes its prompts' images (`images`: generate's, in blocks of images_per_prompt)."""
         s, g = self.sampler, int(num_generations)
         prompts = s.check_prompts(prompt_token_ids)
         fits = lambda rows: s.batch_size(rows) <= self.slots  # noqa: E731 - padded too
+
+        def part(which: Sequence[int], n: int, first_row: int) -> RolloutBatch:
+            extra = {} if images is None else images.of(which, len(prompts))
+            return s.generate(params, [prompts[i] for i in which], n, rng, first_row=first_row,
+                              **extra)
+
         per = max((k for k in range(1, len(prompts) + 1) if fits(k * g)), default=0)
         if per:  # whole groups
-            parts = [s.generate(params, prompts[i:i + per], g, rng, first_row=i * g)
+            parts = [part(range(i, min(i + per, len(prompts))), g, i * g)
                      for i in range(0, len(prompts), per)]
         else:  # a group is larger than the slots: each row with its own copy of the prompt
-            each = [p for p in prompts for _ in range(g)]
+            each = [i for i in range(len(prompts)) for _ in range(g)]
             per = max(k for k in range(1, self.slots + 1) if fits(k))
-            parts = [s.generate(params, each[r:r + per], 1, rng, first_row=r)
-                     for r in range(0, len(each), per)]
+            parts = [part(each[r:r + per], 1, r) for r in range(0, len(each), per)]
         width = s.bucket(max(map(len, prompts)))  # as one batch would pad the prompts
         widen = lambda x: np.pad(x, ((0, 0), (width - x.shape[1], 0)))  # noqa: E731
         cat = lambda name: np.concatenate([getattr(p, name) for p in parts])  # noqa: E731
@@ -164,7 +199,8 @@ class Refill:
             routing = (np.concatenate([np.pad(p.prompt_routing, (
                 (0, 0), (width - p.prompt_routing.shape[1], 0), (0, 0), (0, 0)),
                 constant_values=-1) for p in parts]), cat("completion_routing"))
-        return RolloutBatch(widen(cat("prompt_ids")), widen(cat("prompt_mask")),
+        wide = lambda name: np.concatenate([widen(getattr(p, name)) for p in parts])  # noqa: E731
+        return RolloutBatch(wide("prompt_ids"), wide("prompt_mask"),
                             cat("completion_ids"), cat("completion_mask"), cat("truncated"),
                             cat("sampler_logp"),
                             metrics=merge_decode_metrics([p.metrics for p in parts]),
