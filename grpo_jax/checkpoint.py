@@ -616,9 +616,6 @@ class BufferFiles:
                                                  "trained on").items():
             i, name = key.split("/", 1)
             fields[int(i)][name] = value
-        for mb in fields:  # Qwen-VL's grids are static: back to the tuple a Batch holds
-            if "image_grid" in mb:
-                mb["image_grid"] = tuple(map(tuple, mb["image_grid"].tolist()))
         return [Batch(**mb) for mb in fields]
 
     def load_arrays(self, step: int, saved_with: str) -> dict:

@@ -47,8 +47,6 @@ class PromptDataset:
     # prompt's image parts; None for a text dataset. The image column stays in `columns` as the
     # dataset holds it: TRL hands reward functions that.
     images: list[list[Any]] | None = None
-    # Qwen-VL: the (t, h, w) patch grids its images come to, each once (empty otherwise).
-    patch_grids: frozenset = frozenset()
     _order: tuple[int, np.ndarray] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
@@ -136,7 +134,7 @@ def load_prompts(cfg: DataArgs, tokenizer, *, test: bool = False,
             raise DataError(f"dataset {name!r} has images (column {column!r}) but no model "
                             "was given to read them with")
         images_lib.require_vision(str(model_dir), model_dir, column)
-        prompts, ids, grids = _image_prompts(prompts, images, cfg, model_dir, tools, tokenizer)
+        prompts, ids = _image_prompts(prompts, images, cfg, model_dir, tools, tokenizer)
     limit = cfg.max_prompt_length
     truncated = 0
     if limit is not None:
@@ -161,15 +159,13 @@ def load_prompts(cfg: DataArgs, tokenizer, *, test: bool = False,
         prompts=list(prompts), columns=columns,
         token_ids=np.fromiter((t for x in ids for t in x), np.int32, int(lengths.sum())),
         offsets=np.concatenate([[0], np.cumsum(lengths)]), num_truncated=truncated,
-        shuffle=cfg.shuffle_dataset or test, seed=cfg.seed, images=images,
-        patch_grids=frozenset() if images is None else grids)
+        shuffle=cfg.shuffle_dataset or test, seed=cfg.seed, images=images)
 
 
 def _image_prompts(prompts: Sequence[Any], images: Sequence[list[Any]], cfg: DataArgs,
                    model_dir: str | Path, tools: Sequence[Any], tokenizer, chunk: int = 64
-                   ) -> tuple[list[Any], list[list[int]], frozenset]:
-    """(multimodal prompts, their token ids, the patch grids of their images: Qwen-VL's) of
-    an image dataset: each row's images put in the
+                   ) -> tuple[list[Any], list[list[int]]]:
+    """(multimodal prompts, their token ids) of an image dataset: each row's images put in the
     prompt's image parts (TRL's prepare_multimodal_messages), and the prompts through the
     model's processor. With tools the processor renders with the template the tool loop
     parses and extends (the tokenizer's, as rollout/tools.py prepare_tool_tokenizer left it:
@@ -181,14 +177,12 @@ def _image_prompts(prompts: Sequence[Any], images: Sequence[list[Any]], cfg: Dat
         processor.chat_template = tokenizer.chat_template
     elif cfg.chat_template:
         processor.chat_template = chat_template(cfg.chat_template)
-    ids, grids = [], set()  # and Qwen-VL's patch grids, each once
+    ids = []
     for start in range(0, len(prompts), chunk):
         batch = images_lib.process(processor, prompts[start:start + chunk],
                                    cfg.chat_template_kwargs, tools)
         ids += [batch.prompt_ids(i) for i in range(len(batch.input_ids))]
-        if batch.image_grid_thw is not None:
-            grids |= set(map(tuple, batch.image_grid_thw.tolist()))
-    return prompts, ids, frozenset(grids)
+    return prompts, ids
 
 
 def with_system_prompt(prompts: Sequence[Any], system_prompt: str | None) -> list[Any]:

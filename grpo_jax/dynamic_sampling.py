@@ -85,16 +85,15 @@ def take_rows(batch: Any, rows: np.ndarray) -> Any:
 def concat_rows(parts: Sequence[Any]) -> Any:
     """The rows of several RolloutBatches or Scores in order; the rollouts' decode counts are
     summed over their generate calls (the work all of them took), Scores' metrics averaged;
-    rollouts' image blocks padded to the most per prompt (one grid, not a row field)."""
+    rollouts' image blocks padded to the most per prompt (image_blocks.common)."""
     rollouts = isinstance(parts[0], RolloutBatch)
     if rollouts and parts[0].pixel_values is not None:
         blocks = image_blocks.common([(p.pixel_values, p.image_grid) for p in parts])
         parts = [p._replace(pixel_values=v, image_grid=g) for p, (v, g) in zip(parts, blocks)]
     fields = {k: _concat([p._asdict()[k] for p in parts], left_pad=k.startswith("prompt_"),
                          fill=-1 if k == "prompt_routing" else 0)
-              for k in parts[0]._fields if k not in ("metrics", "image_grid")}
+              for k in parts[0]._fields if k != "metrics"}
     if rollouts:
-        fields["image_grid"] = parts[0].image_grid
         fields["metrics"] = merge_decode_metrics([p.metrics for p in parts])
     elif "metrics" in parts[0]._fields:
         fields["metrics"] = {k: float(np.mean([p.metrics[k] for p in parts if k in p.metrics]))

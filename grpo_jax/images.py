@@ -8,16 +8,18 @@ tokens and making pixel_values. Pure functions; load_prompts and the round call 
 Image sizes and compiled programs: a processor sizes each image by its own rule. Gemma 3 resizes
 every image to one square (896 x 896: 256 image tokens), so any dataset makes one shape. Qwen-VL
 rounds each image to multiples of 28 px between min_pixels and max_pixels, so a dataset of photos
-makes about as many shapes (pixel_values rows, image-token counts, prompt lengths) as it has image
-sizes, and a jitted vision tower would compile once per shape. The data setting image_buckets
-(e.g. ["448x448", "336x448", "448x336"]) bounds that: each image is scaled, keeping its aspect,
-to fit the bucket of the closest aspect ratio and padded (centred, black) to it, so its
-pixel_values and image-token count take one of len(image_buckets) shapes. With one image per
-prompt a vision tower that encodes a batch's images bucket by bucket compiles at most
-len(image_buckets) programs; the text side's prompt length varies with the prompt text already
-and is padded as for text-only runs. Bucket sides should be multiples of the processor's
-patch_size * merge_size (28 for Qwen-VL) and within its min/max_pixels, so that the processor
-keeps them as they are: bucket_image's output is then what the vision tower sees.
+makes many sizes. Its tower takes a batch's images each padded to the batch's largest, P patches
+(image_blocks), and reads their grids as arrays: a batch of any sizes runs the program compiled
+for its P (and its most images per prompt, K), so a run compiles one program per P it meets.
+The data setting image_buckets (e.g. ["448x448", "336x448", "448x336"]) bounds that: each image
+is scaled, keeping its aspect, to fit the bucket of the closest aspect ratio and padded
+(centred, black) to it, so a batch's P is one of at most len(image_buckets) values (the largest
+bucket any of its images took), and fewer padded patches are computed. Without buckets P takes
+as many values as the largest image of a batch takes sizes. The text side's prompt length varies
+with the prompt text already and is padded as for text-only runs. Bucket sides should be
+multiples of the processor's patch_size * merge_size (28 for Qwen-VL) and within its
+min/max_pixels, so that the processor keeps them as they are: bucket_image's output is then
+what the vision tower sees.
 """
 
 from __future__ import annotations
@@ -289,19 +291,19 @@ class PromptPixels:
     prompt (image_blocks): each prompt's images, then blank ones up to the batch's most, so
     that a batch's rows split into micro-batches with their images: the trainer's step sees
     [rows, ...] arrays only."""
-    # [prompts, K, C, H, W] (Gemma 3: K images per prompt) or [prompts, K x patches, C*T*P*P]
-    # (Qwen-VL: the K images' patch rows of a prompt, in order)
+    # [prompts, K, C, H, W] (Gemma 3: K images per prompt) or [prompts, K, P, C*T*P*P]
+    # (Qwen-VL: each image's patch rows, padded to the batch's most, P)
     pixel_values: np.ndarray
-    # Qwen-VL: a block's K patch grids (t, h, w), one size, the same for every prompt; the
-    # tower's layout is static, so they are read on the host. None: Gemma 3 (no grid).
-    image_grid: tuple[tuple[int, int, int], ...] | None
+    # Qwen-VL: [prompts, K, 3] int32 each image's patch grid (t, h, w), (0, 0, 0) for a blank;
+    # an array the tower reads in the program. None: Gemma 3 (no grid).
+    image_grid: np.ndarray | None
 
 
 def prompt_pixels(processor, prompts: Sequence[Sequence[dict]]) -> PromptPixels:
     """The images of multimodal prompts (multimodal_messages' output) through the processor's
     image processor, as its __call__ makes pixel_values and image_grid_thw, in blocks of one
-    prompt (image_blocks.blocks). Prompts holding different numbers of images (none too) are
-    taken; Qwen-VL's images of different sizes are refused."""
+    prompt (image_blocks.blocks): prompts holding different numbers of images (none too), of
+    different sizes."""
     return row_pixels(processor, [prompt_images(p) for p in prompts])
 
 

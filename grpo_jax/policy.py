@@ -271,13 +271,13 @@ class Policy:
 
 def prompt_blocks(batch: Batch) -> int:
     """The largest block size, dividing the batch's rows, whose aligned blocks of consecutive
-    rows each hold one prompt (ids and mask; with images, their pixels and M-RoPE positions
-    too: two prompts of the same text may show different images): a round's num_generations
-    completions of a prompt in a row make it num_generations (or a multiple, where neighbours
-    share a prompt)."""
+    rows each hold one prompt (ids and mask; with images, their pixels, grids and M-RoPE
+    positions too: two prompts of the same text may show different images): a round's
+    num_generations completions of a prompt in a row make it num_generations (or a multiple,
+    where neighbours share a prompt)."""
     P = batch.prompt_ids.shape[1]
     parts = [np.asarray(x) for x in (batch.prompt_ids, batch.prompt_mask, batch.pixel_values,
-                                     None if batch.positions is None
+                                     batch.image_grid, None if batch.positions is None
                                      else np.asarray(batch.positions)[:, :, :P]) if x is not None]
     n = parts[0].shape[0]
     for s in range(n, 1, -1):

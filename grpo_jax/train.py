@@ -28,7 +28,6 @@ from grpo_jax import distributed as dist
 from grpo_jax import dynamic_sampling as ds
 from grpo_jax import evaluation
 from grpo_jax import hf
-from grpo_jax import image_blocks
 from grpo_jax import mesh as mesh_lib
 from grpo_jax import peft_io
 from grpo_jax import rewards as rewards_lib
@@ -37,8 +36,8 @@ from grpo_jax import storage
 from grpo_jax.checkpoint import (BufferFiles, Checkpointer, RefCheckpoints, StopRun, StopSignal,
                                  check_writable, committed_steps, last_good,
                                  quiet_closed_loop_reports, resume_changes, settings_diff)
-from grpo_jax.errors import (CheckpointWriteError, ConfigError, DataError, GrpoJaxError,
-                             NoSignalError, TrainError, UpdatesSkippedError)
+from grpo_jax.errors import (CheckpointWriteError, ConfigError, GrpoJaxError, NoSignalError,
+                             TrainError, UpdatesSkippedError)
 from grpo_jax.models import ModelConfig
 from grpo_jax.rollout import tools as tools_lib
 from grpo_jax.rollout.engines import make_rollout, refuse_images
@@ -348,11 +347,6 @@ def _build_run(cfg: config_lib.TrainConfig, out: Path, lock: RunDirLock, devices
             data_lib.set_chat_template(tokenizer, data_args), data_args.chat_template_kwargs)
         data_args = dataclasses.replace(data_args, chat_template=None)  # the tokenizer has it
     dataset = data_lib.load_prompts(data_args, tokenizer, tools=tools, model_dir=model_dir)
-    if len(dataset.patch_grids) > 1:
-        # Before the first step: otherwise the first batch mixing two sizes would stop the
-        # run, however far it had come.
-        raise DataError(f"the dataset's images come to {len(dataset.patch_grids)} patch grids "
-                        f"(e.g. {sorted(dataset.patch_grids)[:3]}): {image_blocks.ONE_SIZE}")
     if dataset.num_truncated and dist.is_main():
         print(f"{dataset.num_truncated} of {len(dataset)} prompts were longer than "
               f"max_prompt_length={cfg.data.max_prompt_length} and lost their left end",

@@ -208,28 +208,30 @@ def test_prompt_blocks_tell_same_text_with_other_images_apart():
 
 def test_generations_with_different_numbers_of_images_stack():
     """Rows of two generations whose prompts' image blocks hold 1 and 2 images (Qwen-VL's
-    patch rows: 4 a (1, 2, 2) image) stack into one batch, the fewer padded with a blank, as
-    the trainer's windows (round.concat_rows) and dynamic sampling (ds.concat_rows) join
-    them; images of another size are refused, naming the fix."""
+    patch rows: a (1, 2, 2) image's 4, a (1, 2, 4) image's 8) stack into one batch, the
+    fewer padded with a blank and every image's patches to the most, as the trainer's windows
+    (round.concat_rows) and dynamic sampling (ds.concat_rows) join them; the grids say which
+    patches are real."""
     from grpo_jax import dynamic_sampling as ds
-    from grpo_jax.errors import DataError
     from grpo_jax.round import concat_rows
 
     def rows(k, n=2, grid=(1, 2, 2)):
         ids = np.ones((n, 3), np.int32)
-        pixels = np.arange(n * k * 4 * 5, dtype=np.float32).reshape(n, k * 4, 5) + 1
+        patches = int(np.prod(grid))
+        pixels = np.arange(n * k * patches * 5, dtype=np.float32).reshape(n, k, patches, 5) + 1
+        grids = np.tile(np.asarray(grid, np.int32), (n, k, 1))
         return (Batch(ids, ids, ids, ids, np.zeros(n, bool), np.zeros(n, np.float32),
-                      pixel_values=pixels, image_grid=(grid,) * k),
+                      pixel_values=pixels, image_grid=grids),
                 RolloutBatch(ids, ids, ids, ids, np.zeros(n, bool), np.zeros((n, 3), np.float32),
-                             pixel_values=pixels, image_grid=(grid,) * k))
-    (b1, r1), (b2, r2) = rows(1), rows(2)
+                             pixel_values=pixels, image_grid=grids))
+    (b1, r1), (b2, r2) = rows(1), rows(2, grid=(1, 2, 4))
     for out in (concat_rows([b1, b2]), ds.concat_rows([r1, r2])):
-        assert out.image_grid == ((1, 2, 2),) * 2 and out.pixel_values.shape == (4, 8, 5)
-        np.testing.assert_array_equal(out.pixel_values[:2, :4], b1.pixel_values)
-        assert not out.pixel_values[:2, 4:].any()
+        assert out.pixel_values.shape == (4, 2, 8, 5)
+        np.testing.assert_array_equal(out.image_grid, [[[1, 2, 2], [0, 0, 0]]] * 2
+                                      + [[[1, 2, 4]] * 2] * 2)
+        np.testing.assert_array_equal(out.pixel_values[:2, :1, :4], b1.pixel_values)
+        assert not out.pixel_values[:2, 1:].any() and not out.pixel_values[:2, :, 4:].any()
         np.testing.assert_array_equal(out.pixel_values[2:], b2.pixel_values)
-    with pytest.raises(DataError, match="image_buckets"):
-        concat_rows([b1, rows(1, grid=(1, 2, 4))[0]])
 
 
 @pytest.mark.parametrize("spg,gas,ni,want", [

@@ -296,7 +296,6 @@ def test_an_images_list_column_from_a_file(vlm, tmp_path):
     image_pad = qwen_processor().tokenizer.convert_tokens_to_ids("<|image_pad|>")
     # 84 x 56 px is 6 x 4 patches of 14, 6 tokens after the 2 x 2 merge; 56 x 56 is 4.
     assert [ds.prompt_ids(i).count(image_pad) for i in range(2)] == [12, 4]
-    assert ds.patch_grids == {(1, 4, 6), (1, 6, 4), (1, 4, 4)}  # (t, h, w) patches of 14 px
 
 
 # ---------------------------------------------------------------- configs and refusals
@@ -360,26 +359,6 @@ def test_refusals_are_one_line_exit_2(case, text_model, tmp_path, capsys):
             "text_model": f"model {text_model} has no vision tower: its config.json has no "
                           "vision_config, but the dataset's column 'image' holds images"}[case]
     assert want in line, line
-
-
-def test_qwen_images_of_two_grids_are_refused_at_launch(tmp_path, monkeypatch, capsys):
-    """Qwen-VL images that come to two patch grids (no one-size bucket): one line naming
-    data.image_buckets, exit 2, before the first step, not at the first batch mixing them."""
-    from vlm_models import tiny_qwen25
-    monkeypatch.setattr(images_lib, "load_processor", lambda model_dir: qwen_processor())
-    model = tmp_path / "qwen"
-    tiny_qwen25().save_pretrained(model)
-    qwen_processor().tokenizer.save_pretrained(model)
-    square, wide = tmp_path / "square.png", tmp_path / "wide.png"
-    _picture(56, 56).save(square)
-    _picture(112, 56).save(wide)
-    chat = [{"role": "user", "content": "How many?"}]
-    rows = [{"prompt": chat, "image": str(p), "answer": "1"} for p in (square, wide)] * 2
-    line = _cli(tmp_path, capsys, model, rows)
-    assert "the dataset's images come to 2 patch grids (e.g. [(1, 4, 4), (1, 4, 8)])" in line
-    assert "set data.image_buckets to one size" in line
-    assert not (tmp_path / "out" / "checkpoints").exists() or not any(
-        (tmp_path / "out" / "checkpoints").iterdir())
 
 
 def test_console_line_shows_image_parts():

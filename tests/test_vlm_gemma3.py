@@ -19,8 +19,8 @@ from grpo_jax.rollout.native.refill import Refill
 from grpo_jax.rollout.native.sampler import Sampler
 from grpo_jax.rollout.native.sampling import SamplingParams
 
-from vlm_models import (BOI, EOI, IMG, MM, PAD, bnb_quantized, quantized_tower, same_modules,
-                        tiny_gemma3)
+from vlm_models import (BOI, EOI, IMG, MM, PAD, bnb_quantized, own_features, quantized_tower,
+                        same_modules, tiny_gemma3)
 
 # Row 0: one image, row 1: two images and a longer text, so row 0 is left-padded.
 ROWS = [[5, 17, BOI, *[IMG] * MM, EOI, 42, 8],
@@ -179,7 +179,7 @@ def test_load_in_4bit_quantizes_the_tower_as_bitsandbytes(vlm):
         np.testing.assert_array_equal(getattr(q.vision.layers, leaf)[...], codes)
         np.testing.assert_array_equal(getattr(q.vision.layers, f"{leaf}_qscale")[...], scale)
     assert {q.vision.mm_proj[...].dtype, q.vision.patch_embed[...].dtype} == {np.dtype(np.float32)}
-    features = [np.asarray(m.vision(jnp.asarray(pixels), None, jnp.float32))
+    features = [own_features(m.vision(jnp.asarray(pixels), None, jnp.float32))
                 for m in (model, q)]
     params = q.vision.params()  # the weights dequantized, without their scales
     params = {k: quant.dequantize(v, params[f"{k}_qscale"], jnp.float32, stacked=True)

@@ -84,7 +84,7 @@ def _gemma3(tmp):
 
 def _qwen25(tmp):
     """Qwen2.5-VL (vlm_models.tiny_qwen25) with a 4 x 6 patch image per prompt: rows of
-    [patches, C*T*P*P] and M-RoPE positions over prompt + completion (qwen_vl.rope_index, the
+    [1 image, patches, C*T*P*P] and their grids, and M-RoPE positions over prompt + completion (qwen_vl.rope_index, the
     completion's padding masked); TRL's inputs: pixel_values [patches of all images, ...],
     image_grid_thw, num_images and mm_token_type_ids (zeros over the completion), from which
     transformers computes its own M-RoPE positions (get_rope_index)."""
@@ -96,7 +96,8 @@ def _qwen25(tmp):
                [7, q.START, *[q.IMAGE] * merged, q.END, 8, 9, 10, 11, 12]]
     images = np.random.default_rng(2).standard_normal(
         (2, int(grid.prod()), 3 * 2 * 4 * 4)).astype(np.float32)
-    b = _rows(prompts, images, image_grid=(tuple(int(x) for x in grid),))
+    b = _rows(prompts, images[:, None],
+              image_grid=np.tile(grid.astype(np.int32), (len(prompts) * G, 1, 1)))
     ids = np.concatenate([b.prompt_ids, b.completion_ids], axis=1)
     mask = np.concatenate([b.prompt_mask, b.completion_mask], axis=1)
 

@@ -20,8 +20,8 @@ from grpo_jax.rollout.native.refill import Refill
 from grpo_jax.rollout.native.sampler import Sampler
 from grpo_jax.rollout.native.sampling import SamplingParams
 
-from vlm_models import (EOS, GRIDS, IMAGE, bnb_quantized, quantized_tower, same_modules,
-                        tiny_qwen25)
+from vlm_models import (EOS, GRIDS, IMAGE, bnb_quantized, own_features, quantized_tower,
+                        same_modules, tiny_qwen25)
 from vlm_models import qwen_batch as _batch, qwen_hf_inputs as _hf_inputs
 from vlm_models import qwen_hf_logits, qwen_logits, real_diff as _real_diff
 
@@ -37,18 +37,31 @@ def tiny(tmp_path_factory):
 
 
 def test_layout_and_rope_index_match_transformers(tiny):
-    """The host-side index arrays: window order and segments as HF's vision_utils, and
-    M-RoPE positions and deltas as get_rope_index, left padding included."""
+    """Each image's layout, computed in the program from its grid over the batch's padded
+    patch count: positions as HF's vision_utils, windows the same sets of patches as its
+    window index and cu_seqlens, the whole image one segment, padding in none; M-RoPE
+    positions and deltas as get_rope_index, left padding included."""
     from transformers import vision_utils
     ref, _, model = tiny
     v = model.cfg.vision
-    layout = qwen_vl.vision_layout(v, GRIDS)
     grid = torch.as_tensor(GRIDS)
     index, cu = vision_utils.get_vision_window_index(grid, 2, 16, 4)
-    np.testing.assert_array_equal(layout.window_index, index.numpy())
-    np.testing.assert_array_equal(np.flatnonzero(np.diff(layout.windows)) + 1, cu.numpy()[1:-1])
-    np.testing.assert_array_equal(layout.positions,
-                                  vision_utils.get_vision_position_ids(grid, 2).numpy())
+    patches = (index.numpy()[:, None] * 4 + np.arange(4)).ravel()  # window order, in patches
+    theirs = [frozenset(patches[a:b].tolist()) for a, b in zip(cu[:-1], cu[1:]) if b > a]
+    want_positions = vision_utils.get_vision_position_ids(grid, 2).numpy()
+    width = int(GRIDS.prod(1).max())
+    ours, positions, offset = [], [], 0
+    for g in GRIDS:
+        layout = jax.jit(qwen_vl.image_layout, static_argnums=(0, 2))(v, jnp.asarray(g), width)
+        n = int(g.prod())
+        rows = np.asarray(layout.windows.index)[np.asarray(layout.windows.valid).any(1)]
+        valid = np.asarray(layout.windows.valid)[np.asarray(layout.windows.valid).any(1)]
+        ours += [frozenset((r[m] + offset).tolist()) for r, m in zip(rows, valid)]
+        assert np.asarray(layout.valid).sum() == n == np.asarray(layout.frame.valid).sum()
+        positions.append(np.asarray(layout.positions)[:n])
+        offset += n
+    assert sorted(ours, key=min) == sorted(theirs, key=min)
+    np.testing.assert_array_equal(np.concatenate(positions), want_positions)
     tokens, mask, _ = _batch()
     ids = torch.as_tensor(tokens)
     want, deltas = ref.model.get_rope_index(ids, (ids == IMAGE).int(), image_grid_thw=grid,
@@ -64,7 +77,7 @@ def test_logits_match_transformers(tiny):
     v = model.cfg.vision
     with torch.no_grad():  # the tower alone first: a failure here is the ViT's
         want = ref.model.get_image_features(torch.as_tensor(batch[2]), torch.as_tensor(GRIDS))
-    features = model.vision(jnp.asarray(batch[2]), GRIDS, jnp.float32)
+    features = own_features(model.vision(jnp.asarray(batch[2]), GRIDS, jnp.float32))
     feature_diff = np.abs(np.asarray(features) - torch.cat(want.pooler_output).numpy()).max()
     print(f"max |image features diff| {feature_diff:.2e}")
     assert feature_diff < 1e-4
@@ -253,16 +266,17 @@ def test_load_in_4bit_quantizes_the_tower_as_bitsandbytes(tiny):
         np.testing.assert_array_equal(got[1], scale if stacked else scale[0])
     assert q.vision.patch_embed[...].dtype == jnp.float32
     batch = _batch()
-    features = [np.asarray(m.vision(jnp.asarray(batch[2]), GRIDS, jnp.float32))
+    features = [own_features(m.vision(jnp.asarray(batch[2]), GRIDS, jnp.float32))
                 for m in (model, q)]
     params = q.vision.params()  # the weights dequantized, without their scales
     scales = {k[:-len("_qscale")]: v for k, v in params.items() if k.endswith("_qscale")}
     params = {k: quant.dequantize(v, scales[k], jnp.float32, stacked=scales[k].ndim == 3)
               if k in scales else v
               for k, v in params.items() if not k.endswith("_qscale")}
-    dequantized = qwen_vl.vision_forward(q.cfg.vision, params, jnp.asarray(batch[2]),
-                                         qwen_vl.vision_layout(q.cfg.vision, GRIDS), jnp.float32)
-    np.testing.assert_allclose(features[1], np.asarray(dequantized), atol=1e-6)
+    dequantized = own_features(qwen_vl.feature_counts(q.cfg.vision, *qwen_vl.per_image(
+        lambda x, g, i: qwen_vl.vision_forward(q.cfg.vision, params, x, g, jnp.float32),
+        jnp.asarray(batch[2]), GRIDS)))
+    np.testing.assert_allclose(features[1], dequantized, atol=1e-6)
     # What a merge (the sampler's merged copy, export --merge) starts from: the same weights.
     base = quant.dequantized_base(nnx.state(q, nnx.Param))["vision"]
     assert all(np.array_equal(base[part][leaf][...], params[f"{part}/{leaf}"])

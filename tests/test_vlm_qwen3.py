@@ -19,7 +19,7 @@ from grpo_jax.models import lora, qwen3_vl, qwen_vl
 from grpo_jax.rollout.native.sampler import Sampler
 from grpo_jax.rollout.native.sampling import SamplingParams
 
-from vlm_models import (GRIDS, IMAGE, bnb_quantized, qwen_batch as _batch,
+from vlm_models import (GRIDS, IMAGE, bnb_quantized, own_features, qwen_batch as _batch,
                         qwen_hf_inputs as _hf_inputs, qwen_hf_logits, qwen_logits, quantized_tower,
                         real_diff as _real_diff, same_modules, tiny_qwen3)
 
@@ -42,7 +42,12 @@ def test_tower_and_logits_match_transformers(tiny):
     from transformers import vision_utils
     ref, _, model = tiny
     v, batch = model.cfg.vision, _batch()
-    index, weight = qwen3_vl.position_taps(v, GRIDS)
+    taps, width = [], int(GRIDS.prod(1).max())
+    for g in GRIDS:  # each image's, in the program from its grid, its own patches first
+        layout = qwen_vl.image_layout(v, jnp.asarray(g), width, windows=False)
+        taps.append([np.asarray(a)[:g.prod()] for a in qwen3_vl.position_taps(
+            v, layout, jnp.asarray(g))])
+    index, weight = (np.concatenate(a) for a in zip(*taps))
     want_index, want_weight = vision_utils.get_vision_interpolation_indices_and_weights(
         torch.as_tensor(GRIDS), 6, mode="bilinear", align_corners=True, spatial_merge_size=2)
     np.testing.assert_array_equal(index, want_index.numpy())
@@ -58,7 +63,7 @@ def test_tower_and_logits_match_transformers(tiny):
     with torch.no_grad():
         out = ref.model.get_image_features(torch.as_tensor(pixels), torch.as_tensor(GRIDS))
     theirs = [torch.cat(out.pooler_output)] + [torch.cat(f) for f in out.deepstack_features]
-    features = np.asarray(model.vision(jnp.asarray(pixels), GRIDS, jnp.float32))
+    features = own_features(model.vision(jnp.asarray(pixels), GRIDS, jnp.float32))
     assert v.deepstack_layers == 2 and features.shape[1] == 3 * model.cfg.hidden_size
     diff = np.abs(features - torch.cat(theirs, 1).numpy()).max()
     print(f"max |image features diff| (merger and DeepStack) {diff:.2e}")
@@ -73,7 +78,7 @@ def test_tower_and_logits_match_transformers(tiny):
     q, _ = hf.load_model(str(tiny[1]), dtype=jnp.float32, quant_bits=4)
     theirs = {n for n in bnb_quantized(ref) if ".visual." in n}
     assert same_modules(theirs, quantized_tower(q)) and len(theirs) == 3 * 4 + 2 + 2 * 2
-    coarse = np.asarray(q.vision(jnp.asarray(pixels), GRIDS, jnp.float32))
+    coarse = own_features(q.vision(jnp.asarray(pixels), GRIDS, jnp.float32))
     assert 0 < np.abs(coarse - features).max() / np.abs(features).max() < 0.1
     # Without the DeepStack addends the logits move: the test above sees them.
     d = model.cfg.hidden_size

@@ -6,6 +6,7 @@ them (the tower frozen), checkpoints, --resume, and the export transformers relo
 import copy
 import dataclasses
 import functools
+import itertools
 import json
 import re
 from pathlib import Path
@@ -28,7 +29,7 @@ from grpo_jax.cli import load_config
 from grpo_jax.config.batch import OptimizerConfig
 from grpo_jax.config.run import MeshConfig
 from grpo_jax.calculator import calculator
-from grpo_jax.errors import DataError, RolloutFuncError, ToolError
+from grpo_jax.errors import RolloutFuncError, ToolError
 from grpo_jax.export import export
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.loss import LossConfig
@@ -316,7 +317,8 @@ def test_qwen_rows_carry_their_images_and_positions(tmp_path, family):
     assert rollout.takes_records
     r = rollout.generate(nnx.split(model, nnx.Param)[1], [x["prompt_ids"] for x in records], 2,
                          jax.random.key(0), records)
-    assert r.image_grid == ((1, 4, 6),) and r.pixel_values.shape == (4, 24, 96)
+    np.testing.assert_array_equal(r.image_grid, [[[1, 4, 6]]] * 4)
+    assert r.pixel_values.shape == (4, 1, 24, 96)
     assert r.positions.shape == (4, 3, r.prompt_ids.shape[1] + 6)
     batch = Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
                   r.truncated, np.zeros(4, np.float32), pixel_values=r.pixel_values,
@@ -568,7 +570,7 @@ def test_partial_rollouts_carry_each_groups_images(family, seeing_dir, tmp_path)
             one = rollout.sampler.generate(
                 params, [rec["prompt_ids"]], g, jax.random.key(7), first_row=i * g,
                 pixel_values=px.pixel_values.reshape(-1, *px.pixel_values.shape[2:]),
-                image_grid_thw=None if px.image_grid is None else np.asarray(px.image_grid))
+                image_grid_thw=None if px.image_grid is None else px.image_grid.reshape(-1, 3))
             rows = slice(j * g, (j + 1) * g)
             np.testing.assert_array_equal(r.completion_ids[rows], one.completion_ids)
             np.testing.assert_allclose(r.sampler_logp[rows], one.sampler_logp, atol=2e-6)
@@ -589,7 +591,9 @@ def test_partial_rollouts_carry_each_groups_images(family, seeing_dir, tmp_path)
     assert spanned > 0
     back = from_arrays(partial.empty(width), to_arrays(at), records.__getitem__)
     np.testing.assert_array_equal(back.pixel_values, at.pixel_values)
-    assert back.image_grid == at.image_grid and at.pixel_values.any()
+    assert (back.image_grid is None) == (at.image_grid is None) and at.pixel_values.any()
+    if at.image_grid is not None:
+        np.testing.assert_array_equal(back.image_grid, at.image_grid)
     (a, _), (b, _) = advance(at, 2), advance(back, 2)
     for name in ("completion_ids", "sampler_logp", "versions", "pixel_values", "positions"):
         x, y = getattr(a.rollout, name), getattr(b.rollout, name)
@@ -598,17 +602,23 @@ def test_partial_rollouts_carry_each_groups_images(family, seeing_dir, tmp_path)
     [two] = _counted_records(proc, size, [2], seed=1)
     wide = partial.advance(params, a.in_flight, [two], [0], 3, jax.random.key(7)).in_flight
     slot = next(i for i, x in enumerate(wide.records) if x is two)
-    per, before = wide.pixel_values.shape[1] // 2, a.in_flight.pixel_values
+    before = a.in_flight.pixel_values
     assert image_blocks.count(wide.pixel_values, wide.image_grid) == 2
     np.testing.assert_array_equal(wide.pixel_values[slot], images_lib.prompt_pixels(
         proc, [two["prompt"]]).pixel_values[0])
     others = [i for i in range(len(wide.records)) if i != slot]
-    np.testing.assert_array_equal(wide.pixel_values[others, :per], before[others])
-    assert not wide.pixel_values[others, per:].any()
-    if family == "qwen2_5_vl":  # another image size: another tower layout
-        [other] = _counted_records(proc, size[::-1], [1])
-        with pytest.raises(DataError, match="images of one size"):
-            partial.advance(params, wide, [other], [0], 4, jax.random.key(7))
+    np.testing.assert_array_equal(wide.pixel_values[others, :1], before[others])
+    assert not wide.pixel_values[others, 1:].any()
+    if family == "qwen2_5_vl":  # a larger image joins: the slots' patches pad to its
+        [other] = _counted_records(proc, (32, 32), [1])
+        mixed = partial.advance(params, wide, [other], [0], 4, jax.random.key(7))
+        assert mixed.in_flight.pixel_values.shape[2] == 64  # 8 x 8 patches
+        r = mixed.rollout
+        held = [*mixed.in_flight.image_grid[:, 0].tolist(), *r.image_grid[:, 0].tolist()]
+        assert [1, 8, 8] in held and [1, 4, 6] in held and len(r.truncated)
+        real = r.completion_mask.astype(bool)
+        logp = np.asarray(completion_logps(model, _rows_batch(r), 1.0, 128)[0])
+        assert np.abs(logp - r.sampler_logp)[real].max() < 5e-5
 
 
 # ---------------------------------------------------------------- different numbers of images
@@ -622,11 +632,14 @@ def _family(family, seeing_dir, tmp_path):
 
 
 def _counted_records(proc, size, counts, seed=0) -> list[dict]:
-    """Records of chat prompts holding counts[i] random images each, their own ids."""
+    """Records of chat prompts holding counts[i] random images each, their own ids; `size`:
+    the images' (h, w), or a list of sizes the images take in turn."""
     rng = np.random.default_rng(seed)
+    sizes = itertools.cycle(size if isinstance(size, list) else [size])
     prompts = [images_lib.multimodal_messages(
         [{"role": "user", "content": "count" + "!" * i}],
-        [Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)) for _ in range(n)], i)
+        [Image.fromarray(rng.integers(0, 256, (*next(sizes), 3), dtype=np.uint8))
+         for _ in range(n)], i)
         for i, n in enumerate(counts)]
     return [{"prompt": p, "prompt_ids": images_lib.process(proc, [p]).prompt_ids(0)}
             for p in prompts]
@@ -646,8 +659,11 @@ def test_prompts_with_different_numbers_of_images(family, seeing_dir, tmp_path):
     rows sample what the prompt alone with its own images samples (the same keys), and the
     trainer's log-probs of them are the sampler's and those of the prompt's rows alone. A
     blank's pixels reach nothing; a real image's reach its rows only. A batch of prompts
-    without images samples as text."""
+    without images samples as text. Qwen-VL's images are of four sizes (24 to 64 patches,
+    each padded to 64 in its block): one program, each image laid out by its own grid."""
     model, proc, size = _family(family, seeing_dir, tmp_path)
+    if family == "qwen2_5_vl":
+        size = [(16, 24), (32, 32), (24, 16), (8, 16)]
     g, counts = 2, [1, 0, 2, 1]
     records = _counted_records(proc, size, counts)
     sp = SamplingParams(max_completion_length=6, temperature=1.0,
@@ -658,6 +674,11 @@ def test_prompts_with_different_numbers_of_images(family, seeing_dir, tmp_path):
     r = rollout.generate(params, [x["prompt_ids"] for x in records], g, jax.random.key(3),
                          records)
     assert image_blocks.count(r.pixel_values, r.image_grid) == 2
+    if family == "qwen2_5_vl":
+        assert r.pixel_values.shape[2] == 64
+        np.testing.assert_array_equal(r.image_grid[::g], [
+            [[1, 4, 6], [0, 0, 0]], [[0, 0, 0]] * 2, [[1, 8, 8], [1, 6, 4]],
+            [[1, 2, 4], [0, 0, 0]]])
     # Static sub-batches (max_num_seqs without continuous_batching) sample the same rows,
     # each part with its prompts' images: whole groups (3 slots) and, a group being larger
     # than 1 slot, each row with its own copy of its prompt's block.
@@ -675,27 +696,28 @@ def test_prompts_with_different_numbers_of_images(family, seeing_dir, tmp_path):
     assert np.abs(logp - r.sampler_logp)[real].max() < 5e-5
     for i, rec in enumerate(records):
         px = images_lib.prompt_pixels(proc, [rec["prompt"]])
-        pixels = px.pixel_values.reshape(-1, *px.pixel_values.shape[2:])
+        pixels = px.pixel_values[0] if counts[i] else None  # its own images, in order
         one = rollout.sampler.generate(  # HF's order, the prompt's own images (or none)
             params, [rec["prompt_ids"]], g, jax.random.key(3), first_row=i * g,
-            pixel_values=pixels if counts[i] else None,
-            image_grid_thw=np.asarray(px.image_grid) if counts[i] and px.image_grid else None)
+            pixel_values=pixels,
+            image_grid_thw=(px.image_grid.reshape(-1, 3)
+                            if counts[i] and px.image_grid is not None else None))
         rows = slice(i * g, (i + 1) * g)
         np.testing.assert_array_equal(r.completion_ids[rows], one.completion_ids)
         np.testing.assert_allclose(r.sampler_logp[rows], one.sampler_logp, atol=2e-6)
+        grids = None if px.image_grid is None else np.repeat(px.image_grid, g, axis=0)
         alone = one._replace(
-            pixel_values=np.repeat(px.pixel_values, g, axis=0), image_grid=px.image_grid,
-            positions=None if px.image_grid is None else rollout.sampler.row_positions(
-                one.prompt_ids, one.prompt_mask, px.image_grid, 6))
+            pixel_values=np.repeat(px.pixel_values, g, axis=0), image_grid=grids,
+            positions=None if grids is None else rollout.sampler.row_positions(
+                one.prompt_ids, one.prompt_mask, grids, 6))
         mine = np.asarray(completion_logps(model, _rows_batch(alone), 1.0, 128)[0])
         np.testing.assert_allclose(np.where(real[rows], logp[rows], 0),
                                    np.where(real[rows], mine, 0), atol=1e-5)
-    # Prompt 0's block: its image, then a blank (image rows: Qwen-VL's patches of one).
-    per = r.pixel_values.shape[1] // 2
+    # Prompt 0's block: its image, then a blank.
     blanks, seen = r.pixel_values.copy(), r.pixel_values.copy()
     noise = np.random.default_rng(1).normal(size=blanks[2:4].shape)  # prompt 1's: all blank
-    blanks[:2, per:], blanks[2:4] = noise[:, per:], noise
-    seen[:2, :per] = 0
+    blanks[:2, 1:], blanks[2:4] = noise[:, 1:], noise
+    seen[:2, :1] = 0
     noise = np.asarray(completion_logps(model, _rows_batch(r, blanks), 1.0, 128)[0])
     blind = np.asarray(completion_logps(model, _rows_batch(r, seen), 1.0, 128)[0])
     assert np.abs(noise - logp)[real].max() < 1e-6

@@ -74,6 +74,15 @@ def qwen_hf_inputs(tokens, mask, pixels):
                 mm_token_type_ids=(t == IMAGE).int())
 
 
+def own_features(out) -> np.ndarray:
+    """A tower's (features [n, F, D], counts) as HF's: each image's own features, in order."""
+    features, counts = out
+    features = np.asarray(features)
+    if counts is None:
+        return features.reshape(-1, features.shape[-1])
+    return np.concatenate([f[:c] for f, c in zip(features, np.asarray(counts))])
+
+
 def real_diff(a, b, mask):
     return float(np.abs(a - b)[mask.astype(bool)].max())
 
@@ -86,7 +95,7 @@ def qwen_hf_logits(ref, batch):
 
 @nnx.jit
 def _qwen_forward(model, tokens, positions, mask, pixels):
-    emb = model.embed_multimodal(tokens, pixels, GRIDS)  # the grid: static, read on the host
+    emb = model.embed_multimodal(tokens, pixels, GRIDS)  # the processor's order, its grids
     hidden, _ = model(tokens, positions, mask, inputs_embeds=emb)
     return model.logits(hidden)
 

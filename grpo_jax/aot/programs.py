@@ -31,6 +31,7 @@ from grpo_jax.grpo.train_step import StepConfig
 from grpo_jax.models import KVCache, ModelConfig, lora
 from grpo_jax.models.build import abstract_model
 from grpo_jax.rollout.native.rollout import JaxRollout
+from grpo_jax.rollout.native.sampler import ImageInputs
 from grpo_jax.policy import build_programs, split_policy, step_config
 
 
@@ -142,7 +143,7 @@ def build(run: Lowering, phases: tuple[str, ...] = PHASES) -> Programs:
     ids = _rows((sampler.prompt_rows(rows, g), width), jnp.int32, mesh)  # each prompt once
     key = jax.ShapeDtypeStruct((), jax.eval_shape(lambda: jax.random.key(0)).dtype,
                                sharding=replicated)
-    images, grid = _sampler_images(run, ids.shape[0], width)
+    images = _sampler_images(run, ids.shape[0], width)
     first_row = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     gen_args = (weights, ids, ids, key, first_row, images)
     C, sp = run.cfg.generation.max_completion_length, run.cfg.generation
@@ -156,8 +157,7 @@ def build(run: Lowering, phases: tuple[str, ...] = PHASES) -> Programs:
     cache_sh = jax.tree.map(lambda x: mesh_lib.logical_sharding(
         mesh, *KVCache.AXES, shape=x.shape), cache)
     lower = {
-        "generate": lambda: sampler.program.lower(*gen_args, num_generations=g, rows=rows,
-                                                  image_grid=grid),
+        "generate": lambda: sampler.program.lower(*gen_args, num_generations=g, rows=rows),
         # A micro-batch at a time, as Policy.logps runs it.
         "logprobs": lambda: programs.logps.lower(
             graphdef, state.params, _batch(run, run.plan.micro_batch_size, width, logps=False),
@@ -169,7 +169,7 @@ def build(run: Lowering, phases: tuple[str, ...] = PHASES) -> Programs:
     if refill is not None and "generate" in phases:
         rows_in_round = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
         lowered["refill"] = refill.program.lower(*gen_args[:4], rows_in_round, images,
-                                                 num_generations=g, rows=rows, image_grid=grid)
+                                                 num_generations=g, rows=rows)
     return Programs(lowered, state, frozen, _abstract(cache, cache_sh), rows, width,
                     takes_adapters, refill and refill.slots)
 
@@ -187,33 +187,33 @@ def image_grid(run: Lowering) -> tuple | None:
     return run.model.vision.image_grid(run.image_tokens // k) * k
 
 
-def _sampler_images(run: Lowering, prompts: int, width: int):
-    """The sampler's (images, image_grid) for the prompt pass, as Sampler.generate hands
-    them: pixel_values of every prompt's images (float32, as the processor gives them; one
-    host's, replicated: Qwen2.5-VL [prompts x images x patches, values], Gemma 3 [prompts x
-    images, C, H, W]), positions (M-RoPE's [3, prompts, width]; Gemma 3's [prompts, width]) and the decode
-    position deltas [prompts] and the placeholders to fill [prompts, width]. (None, None)
-    without images."""
+def _sampler_images(run: Lowering, prompts: int, width: int) -> ImageInputs | None:
+    """The sampler's ImageInputs for the prompt pass, as Sampler.generate hands them:
+    pixel_values of every prompt's images (float32, as the processor gives them; one host's,
+    replicated: Qwen2.5-VL [prompts x images, patches, values] with their grids, Gemma 3
+    [prompts x images, C, H, W]), positions (M-RoPE's [3, prompts, width]; Gemma 3's [prompts,
+    width]) and the decode position deltas [prompts] and the placeholders to fill [prompts,
+    width]. None without images."""
     if not run.image_tokens:
-        return None, None
+        return None
     replicated = NamedSharding(run.mesh, P())
     shape = run.tower_shape
     arg = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype,  # noqa: E731
                                                     sharding=replicated)
     grid = image_grid(run)
+    n = prompts * shape.images
     if grid is None:  # Gemma 3: positions as for text
-        return (arg((prompts * shape.images, *shape.pixels), jnp.float32),
-                arg((prompts, width), jnp.int32), arg((prompts,), jnp.int32),
-                arg((prompts, width), jnp.bool_)), None
-    patches, values = shape.pixels
-    return (arg((prompts * shape.images * patches, values), jnp.float32),
-            arg((3, prompts, width), jnp.int32), arg((prompts,), jnp.int32),
-            arg((prompts, width), jnp.bool_)), grid * prompts  # every prompt's images' grids
+        return ImageInputs(arg((n, *shape.pixels), jnp.float32), None,
+                           arg((prompts, width), jnp.int32), arg((prompts,), jnp.int32),
+                           arg((prompts, width), jnp.bool_), None)
+    return ImageInputs(arg((n, *shape.pixels), jnp.float32), arg((n, 3), jnp.int32),
+                       arg((3, prompts, width), jnp.int32), arg((prompts,), jnp.int32),
+                       arg((prompts, width), jnp.bool_), None)
 
 
 def _batch(run: Lowering, n: int, width: int, logps: bool = True) -> Batch:
     """The abstract Batch a round feeds the program: what GRPORound fills in for this config
-    (with images: each row's pixel_values, its M-RoPE positions and the static grid)."""
+    (with images: each row's pixel_values, its M-RoPE positions and its images' grids)."""
     C, mesh = run.cfg.generation.max_completion_length, run.mesh
     tokens = lambda: _rows((n, C), jnp.int32, mesh)  # noqa: E731
     per_token = lambda: _rows((n, C), jnp.float32, mesh)  # noqa: E731
@@ -221,11 +221,10 @@ def _batch(run: Lowering, n: int, width: int, logps: bool = True) -> Batch:
                   tokens(), tokens(), _rows((n,), jnp.bool_, mesh), _rows((n,), jnp.float32, mesh))
     if run.image_tokens:  # images.PromptPixels' rows
         shape, grid = run.tower_shape, image_grid(run)
-        pixels = ((shape.images * shape.pixels[0], *shape.pixels[1:]) if grid
-                  else (shape.images, *shape.pixels))  # Qwen2.5-VL: the K images' patch rows
-        batch = batch.replace(pixel_values=_rows((n, *pixels), jnp.float32, mesh),
+        batch = batch.replace(
+            pixel_values=_rows((n, shape.images, *shape.pixels), jnp.float32, mesh),
             positions=_rows((n, 3, width + C), jnp.int32, mesh) if grid else None,
-            image_grid=grid)
+            image_grid=_rows((n, shape.images, 3), jnp.int32, mesh) if grid else None)
     if not logps:
         return batch
     return batch.replace(sampler_logp=per_token(), num_items=_rows((n,), jnp.float32, mesh),

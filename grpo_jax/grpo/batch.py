@@ -39,17 +39,17 @@ class Batch:
     prompt_routing: Array | None = None      # [N, P, S, k]
     completion_routing: Array | None = None  # [N, C, S, k]
     # A vision-language model: each row's prompt images as its tower takes them (Gemma 3
-    # [N, I, C, H, W]; Qwen-VL [N, patches, C*T*P*P]: images.PromptPixels' rows), the same
-    # number and size on every row so that a split keeps each row's images with it.
+    # [N, K, C, H, W]; Qwen-VL [N, K, P, C*T*P*P], each image's patches padded to P:
+    # images.PromptPixels' rows), as many on every row so that a split keeps each row's with it.
     pixel_values: Array | None = None
     # [N, 3, P + C] int32 M-RoPE positions of prompt + completion (Qwen-VL: qwen_vl.rope_index).
     positions: Array | None = None
     # [N, C] bool: a tool result's image placeholders in the completion (RolloutBatch's), which
     # take the row's images after its prompt's; None: the completions are text.
     completion_images: Array | None = None
-    # Qwen-VL: one row's images' patch grids ((t, h, w), ...), the same on every row. Static
-    # (not a pytree leaf): the tower's layout is built on the host.
-    image_grid: tuple | None = struct.field(pytree_node=False, default=None)
+    # Qwen-VL: [N, K, 3] int32 each row's images' patch grids (t, h, w), (0, 0, 0) for a blank:
+    # the tower lays each image out from its grid in the program.
+    image_grid: Array | None = None
 
     @property
     def size(self) -> int:

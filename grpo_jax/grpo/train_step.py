@@ -180,8 +180,7 @@ def completion_embeds(model, batch: Batch) -> jax.Array:
     before = jnp.sum((batch.prompt_ids == image_id) & (batch.prompt_mask > 0), axis=1,
                      dtype=jnp.int32)  # the prompt's placeholders: one feature each
     pv = batch.pixel_values
-    grid = (None if batch.image_grid is None
-            else np.tile(np.asarray(batch.image_grid), (pv.shape[0], 1)))
+    grid = None if batch.image_grid is None else batch.image_grid.reshape(-1, 3)
     text = model.embed_text(ids)
 
     def with_images():
@@ -200,8 +199,7 @@ def prompt_embeds(model, batch: Batch, group: int = 1) -> jax.Array:
     k = image_blocks.count(pv, batch.image_grid)
     if not k:  # no prompt of the batch holds an image
         return model.embed_text(ids)
-    grid = (None if batch.image_grid is None
-            else np.tile(np.asarray(batch.image_grid), (pv.shape[0], 1)))
+    grid = None if batch.image_grid is None else batch.image_grid[::group].reshape(-1, 3)
     return model.embed_multimodal(ids, pv.reshape(-1, *pv.shape[2:]), grid,
                                   frozen_tower=not lora.tower_adapted(model),
                                   first_image=jnp.arange(pv.shape[0], dtype=jnp.int32) * k)

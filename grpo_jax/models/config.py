@@ -108,8 +108,10 @@ class ImageTower(Protocol):
     lora_dropout: float
     lora_dropout_key: jax.Array | None
 
-    def __call__(self, pixel_values, image_grid_thw, dtype) -> jax.Array:
-        """The features [n, D] that replace the batch's n image placeholders, in order."""
+    def __call__(self, pixel_values, image_grid_thw,
+                 dtype) -> tuple[jax.Array, jax.Array | None]:
+        """(features [n, F, D] of the batch's n images, each image's own first, how many are
+        its own [n] int or None: all F), which replace the image placeholders in order."""
 
     def params(self) -> dict[str, jax.Array]:
         """Its parameters by the vision table's names (param_table's without "vision/")."""

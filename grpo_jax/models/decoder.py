@@ -268,30 +268,38 @@ class Decoder(nnx.Module):
         inputs_embeds (a DeepStack model's [B, T, D * (1 + K)]: embed_text): the tokens'
         embeddings, the k-th image placeholder of the batch
         (image_token_id, row by row) taking the k-th of the tower's features, as HF's
-        masked_scatter. pixel_values and image_grid_thw as the model's HF processor gives
-        them: Qwen2.5-VL [N, C*T*P*P] with its grids [n, 3] (read on the host: static);
-        Gemma 3 [N, C, H, W], no grid. The features are not scaled by sqrt(hidden) (HF
-        scatters them after Gemma's scaled embedding). frozen_tower: no gradient flows into
+        masked_scatter. pixel_values and image_grid_thw: Qwen-VL [n, P, C*T*P*P] (each
+        image's patches as the HF processor gives them, padded to P: image_blocks) or the
+        processor's [N, C*T*P*P] (the grids then read on the host), with its grids [n, 3] (an
+        array: any grids of at most P patches share a program); Gemma 3 [N, C, H, W], no grid.
+        The features are not scaled by sqrt(hidden) (HF scatters them after Gemma's scaled
+        embedding). frozen_tower: no gradient flows into
         the tower (a training forward whose tower is not trained: no backward through it).
         is_image [B, T] bool: the placeholders to fill (default: every image_token_id; a
         multi-turn context's completion holds text whatever its ids, but where a tool result's
         images are: rollout.tools). first_image [B] int:
         the index of row b's first image in pixel_values, its placeholders taking that image's
-        features on (images of one size, in blocks per row padded with blank images:
-        image_blocks); None: HF's order, the k-th placeholder of the batch the k-th feature.
+        features on (in blocks per row padded with blank images: image_blocks); None: HF's
+        order, the k-th placeholder of the batch the k-th feature.
         skip [B] int (with first_image): row b's placeholders take features from skip[b] past
         its first image's on (a completion's tool-result images after its prompt's)."""
         if is_image is None:
             is_image = tokens == self.cfg.vision.image_token_id
         # The placeholder's own embedding is replaced (Gemma's id is out of its vocabulary).
         x = self.embed_text(jnp.where(is_image, 0, tokens))
-        features = self.vision(pixel_values, image_grid_thw, self.cfg.dtype)
+        features, counts = self.vision(pixel_values, image_grid_thw, self.cfg.dtype)
         if frozen_tower:
             features = jax.lax.stop_gradient(features)
+        n, per = features.shape[:2]
+        features = features.reshape(n * per, -1)
+        if counts is None:  # every image the same number of features, all its own
+            counts = jnp.full((n,), per, jnp.int32)
+        else:  # each image's own features together, in order: the padding after them all
+            own = jnp.arange(per)[None] < counts[:, None]
+            features = features[jnp.argsort(~own.reshape(-1), stable=True)]
         starts = None
-        if first_image is not None:  # every image the same number of features
-            n = pixel_values.shape[0] if image_grid_thw is None else len(image_grid_thw)
-            starts = first_image * (features.shape[0] // n)
+        if first_image is not None:
+            starts = (jnp.cumsum(counts) - counts)[first_image]
             if skip is not None:
                 starts = starts + skip
         return scatter_images(x, is_image, features, starts)

@@ -22,7 +22,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from grpo_jax.errors import ModelConfigError
 from grpo_jax.models import qwen_vl, tower_lora
@@ -240,26 +239,22 @@ HF_NAMES: dict[str, tuple[str, tuple[tuple[int, ...], ...]]] = {
 
 # ---------------------------------------------------------------- which patch sees which (host)
 
-def position_taps(v: Qwen3VisionConfig, grid_thw) -> tuple[np.ndarray, np.ndarray]:
+def position_taps(v: Qwen3VisionConfig, layout: qwen_vl.ImageLayout, grid):
     """HF's get_vision_interpolation_indices_and_weights (bilinear, align_corners, in merge-
-    block order): ([N, 4] rows of the learned position table, [N, 4] float32 weights) that
-    resample its square grid to each patch of grid_thw [n, 3]."""
+    block order): ([P, 4] rows of the learned position table, [P, 4] float32 weights) that
+    resample its square grid to each patch of an image of grid (t, h, w) [3] (traced) laid out
+    as `layout`."""
     side = math.isqrt(v.num_position_embeddings)
-    index, weight = [], []
-    for t, h, w in np.asarray(grid_thw, np.int64).tolist():
-        rows, cols = qwen_vl.patch_positions(t, h, w, v.spatial_merge_size).T
-        taps = []
-        for at, size in ((rows, h), (cols, w)):
-            src = at.astype(np.float32) * np.float32(side - 1) / np.float32(max(size - 1, 1))
-            floor = np.floor(src)
-            raw = floor[:, None] + np.arange(2, dtype=np.float32)
-            taps.append((np.clip(raw, 0, side - 1).astype(np.int64),
-                         np.clip(1 - np.abs(src[:, None] - raw), 0, None)))
-        (ht, hw_), (wt, ww) = taps
-        index.append((ht[:, :, None] * side + wt[:, None, :]).reshape(-1, 4))
-        weight.append((hw_[:, :, None] * ww[:, None, :]).reshape(-1, 4))
-    return (np.concatenate(index).astype(np.int32),
-            np.concatenate(weight).astype(np.float32))
+    taps = []
+    for at, size in zip(jnp.moveaxis(layout.positions, -1, 0), (grid[1], grid[2])):
+        src = (at.astype(jnp.float32) * jnp.float32(side - 1)
+               / jnp.maximum(size - 1, 1).astype(jnp.float32))
+        raw = jnp.floor(src)[:, None] + jnp.arange(2, dtype=jnp.float32)
+        taps.append((jnp.clip(raw, 0, side - 1).astype(jnp.int32),
+                     jnp.clip(1 - jnp.abs(src[:, None] - raw), 0, None)))
+    (ht, hw_), (wt, ww) = taps
+    return ((ht[:, :, None] * side + wt[:, None, :]).reshape(-1, 4),
+            (hw_[:, :, None] * ww[:, None, :]).reshape(-1, 4))
 
 
 # ---------------------------------------------------------------- the tower (traced)
@@ -297,25 +292,21 @@ def _part(params: dict, prefix: str) -> dict:
     return {k[len(prefix):]: a for k, a in params.items() if k.startswith(prefix)}
 
 
-def vision_forward(v: Qwen3VisionConfig, params: dict, pixel_values, grid_thw, dtype):
-    """[N / merge_unit, O * (1 + K)]: the merger's features of pixel_values [N, C*T*P*P] (the
-    images of grid_thw, the processor's order), then each DeepStack merger's, side by side.
+def vision_forward(v: Qwen3VisionConfig, params: dict, pixel_values, grid, dtype):
+    """[P / merge_unit, O * (1 + K)]: the merger's features of one image's pixel_values
+    [P, C*T*P*P] (its patches in the processor's order, padded to P) of grid (t, h, w) [3]
+    (traced), then each DeepStack merger's, side by side, its own t*h*w / merge_unit first.
     params: the vision table's arrays by name, and the LoRA adapters when it has them."""
-    N, u, E = pixel_values.shape[0], v.merge_unit, v.hidden_size
-    grid = np.asarray(grid_thw, np.int64).reshape(-1, 3)
+    P, u, E = pixel_values.shape[0], v.merge_unit, v.hidden_size
+    layout = qwen_vl.image_layout(v, grid, P, windows=False)
     x = (pixel_values.astype(dtype) @ params["patch_embed"].astype(dtype).reshape(-1, E)
          + params["patch_bias"].astype(dtype))
-    index, weight = position_taps(v, grid)
-    pos = params["pos_embed"].astype(dtype)[jnp.asarray(index)]  # [N, 4, E]
-    x = x + jnp.einsum("nte,nt->ne", pos, jnp.asarray(weight, dtype))
-    positions = np.concatenate([qwen_vl.patch_positions(t, h, w, v.spatial_merge_size)
-                                for t, h, w in grid.tolist()])
-    cos, sin = qwen_vl.vision_rope(v, jnp.asarray(positions))
-    frames = np.repeat(np.arange(int(grid[:, 0].sum())),
-                       np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0]))
-    rows = qwen_vl.segments(frames)
+    index, weight = position_taps(v, layout, grid)
+    pos = params["pos_embed"].astype(dtype)[index]  # [P, 4, E]
+    x = x + jnp.einsum("nte,nt->ne", pos, weight.astype(dtype))
+    cos, sin = qwen_vl.vision_rope(v, layout.positions)
     blocks, deep = _part(params, "blocks/"), _part(params, "deepstack/")
-    body = lambda x, p: (_block(v, p, x, cos, sin, rows, dtype), None)  # noqa: E731
+    body = lambda x, p: (_block(v, p, x, cos, sin, layout.frame, dtype), None)  # noqa: E731
     out, first = [], 0
     # A scan over the blocks up to each DeepStack index, its merger after it.
     for j, stop in enumerate([*v.deepstack_visual_indexes, v.depth - 1]):
@@ -324,10 +315,10 @@ def vision_forward(v: Qwen3VisionConfig, params: dict, pixel_values, grid_thw, d
             first = stop + 1
         if j < v.deepstack_layers:
             p = {k: a[j] for k, a in deep.items()}
-            h = _layer_norm(x.reshape(N // u, u * E), p["norm"], p["norm_bias"], dtype)
+            h = _layer_norm(x.reshape(P // u, u * E), p["norm"], p["norm_bias"], dtype)
             out.append(_merge(p, h, dtype))
     merger = _part(params, "merger/")
-    h = _layer_norm(x, merger["norm"], merger["norm_bias"], dtype).reshape(N // u, u * E)
+    h = _layer_norm(x, merger["norm"], merger["norm_bias"], dtype).reshape(P // u, u * E)
     return jnp.concatenate([_merge(merger, h, dtype), *out], axis=-1)
 
 
@@ -343,8 +334,10 @@ class Qwen3Vision(qwen_vl.TowerParams):
     def depths(self) -> dict[str, int]:
         return {"blocks": self.cfg.depth, "deepstack": self.cfg.deepstack_layers}
 
-    def __call__(self, pixel_values, image_grid_thw, dtype) -> jax.Array:
-        """[sum of t*h*w / merge_unit, O * (1 + K)] (vision_forward); image_grid_thw is read
-        on the host (numpy): the layout is static."""
-        return vision_forward(self.cfg, {**self.params(), **self.adapters()}, pixel_values,
-                              image_grid_thw, dtype)
+    def __call__(self, pixel_values, image_grid_thw, dtype):
+        """([n, P / merge_unit, O * (1 + K)] (vision_forward per image), each image's own
+        count [n]), as QwenVision's."""
+        params = {**self.params(), **self.adapters()}
+        return qwen_vl.feature_counts(self.cfg, *qwen_vl.per_image(
+            lambda x, g, i: vision_forward(self.cfg, qwen_vl.image_params(params, i), x, g,
+                                           dtype), pixel_values, image_grid_thw))

@@ -6,13 +6,14 @@ The tower: patches come flattened, as the HF image processor gives them ([N, C*T
 image's patches grouped by spatial_merge_size x spatial_merge_size blocks); the Conv3d patch
 embedding is a matmul over them. Blocks (RMSNorm, attention with a 2-D RoPE over each patch's
 (h, w), SwiGLU MLP with biases) attend within windows of window_size pixels, except the
-fullatt_block_indexes, which attend over their whole frame; attention never crosses images.
-The tokens run in window order (window_index, by merged units) and the merger (RMSNorm, then
-an MLP over each merged unit's spatial_merge_size**2 patches) output is put back in the
-processor's order. Which patch sees which is fixed by the image sizes alone: `vision_layout`
-computes it on the host (numpy) and the tower takes it as index arrays, so it traces once per
-set of sizes. Each segment (a frame, or a window) is gathered into a padded row and attention
-runs per row, so its memory grows with the segments' sizes, not with the batch's patches.
+fullatt_block_indexes, which attend over their whole image; attention never crosses images.
+The tower runs image by image (vmap), each image's patches padded to the batch's P, so images
+of different sizes share one program: which patch sees which follows from the image's grid,
+which the program takes as an array (image_layout computes the layout inside it). Each segment
+(the image, or a window) is gathered into a padded row and attention runs per row, so its
+memory grows with the segments' sizes. The patches stay in the processor's order throughout
+(HF runs its blocks in window order: the same sets attend, only the order of a softmax's terms
+differs), so the merger's output is in the placeholders' order.
 """
 
 from __future__ import annotations
@@ -212,39 +213,24 @@ HF_NAMES: dict[str, tuple[str, tuple[tuple[int, ...], ...]]] = {
 }
 
 
-# ---------------------------------------------------------------- which patch sees which (host)
+# ---------------------------------------------------------------- which patch sees which
 
 class Segments(NamedTuple):
-    """Contiguous segments of the N patches (window order) padded into S rows of the longest,
-    L: attention runs per row ([S, L, L] scores, not [N, N])."""
+    """Segments of an image's P patches padded into S rows of L slots: attention runs per row
+    ([S, L, L] scores, not [P, P]). Traced: computed from the image's grid in the program."""
 
-    index: np.ndarray  # [S, L] the patch at each slot (padding: the row's first patch)
-    valid: np.ndarray  # [S, L] the slot holds a patch of the row (not padding)
-    back: np.ndarray  # [N] each patch's slot in the flattened [S * L]
-
-
-def segments(ids) -> Segments:
-    """The Segments of per-patch segment ids [N] (sorted: each segment contiguous)."""
-    ids = np.asarray(ids)
-    starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]]) if ids.size else np.zeros(0, int)
-    sizes = np.diff(np.r_[starts, ids.size])
-    slot = np.arange(sizes.max(initial=1))
-    valid = slot[None] < sizes[:, None]
-    index = starts[:, None] + np.where(valid, slot[None], 0)
-    row = np.repeat(np.arange(len(sizes)), sizes)
-    back = row * len(slot) + np.arange(ids.size) - starts[row]
-    return Segments(index.astype(np.int32), valid, back.astype(np.int32))
+    index: jax.Array  # [S, L] the patch at each slot (padding: patch 0)
+    valid: jax.Array  # [S, L] the slot holds a patch of the image (not padding)
+    back: jax.Array  # [P] each patch's slot in the flattened [S * L] (padding patches: 0)
 
 
-class VisionLayout(NamedTuple):
-    """The index arrays of one batch of images (vision_layout). N patches, u = merge_unit."""
+class ImageLayout(NamedTuple):
+    """One image's patches (padded to P, the processor's order) as its grid lays them out."""
 
-    positions: np.ndarray  # [N, 2] each patch's (h, w) in its frame, the processor's order
-    window_index: np.ndarray  # [N / u] merged units in window order (units of the processor's)
-    frames: np.ndarray  # [N] in window order: the frame (image) each patch belongs to
-    windows: np.ndarray  # [N] in window order: the window each patch belongs to
-    frame_rows: Segments  # the frames padded to rows: the full-attention blocks' segments
-    window_rows: Segments  # the windows padded to rows: the windowed blocks'
+    positions: jax.Array  # [P, 2] each patch's (h, w) in its frame (HF's get_vision_position_ids)
+    valid: jax.Array  # [P] a patch of the image, not padding
+    frame: Segments  # the whole image in one row: the full-attention blocks'
+    windows: Segments  # its windows (HF's get_vision_window_index), one per row: the others'
 
 
 def patch_positions(t: int, h: int, w: int, m: int) -> np.ndarray:
@@ -256,35 +242,45 @@ def patch_positions(t: int, h: int, w: int, m: int) -> np.ndarray:
     return np.tile(hw, (t, 1))
 
 
-def vision_layout(v: QwenVisionConfig, grid_thw) -> VisionLayout:
-    """HF's get_vision_position_ids, get_vision_window_index and cu_seqlens of the images of
-    grid_thw [n, 3] (patches along t, h, w), as arrays; windows and frames as segment ids
-    (a patch attends to the patches of its own segment)."""
+def window_side(v) -> int:
+    """Merged units along a window's side."""
+    return max(v.window_size // v.spatial_merge_size // v.patch_size, 1)
+
+
+def window_rows(v, patches: int) -> int:
+    """The most windows an image of at most `patches` patches (one frame) can have: the static
+    row count of its window Segments, whatever its grid."""
+    units, pw = patches // v.merge_unit, window_side(v)
+    return max((-(-gh // pw) * -(-(units // gh) // pw) for gh in range(1, units + 1)),
+               default=1)
+
+
+def image_layout(v, grid, patches: int, windows: bool = True) -> ImageLayout:
+    """The ImageLayout of an image whose grid (t, h, w) [3] int (traced) is laid out over
+    `patches` slots (static; its own t * h * w first). Images are one frame (t = 1, as the
+    image processor grids them). A blank image (grid 0, 0, 0) is all padding."""
     m, u = v.spatial_merge_size, v.merge_unit
-    per_window = v.window_size // m // v.patch_size  # merged units along a window's side
-    positions, window_index, window_sizes, frame_sizes = [], [], [], []
-    offset = 0
-    for t, h, w in np.asarray(grid_thw, np.int64).tolist():
-        positions.append(patch_positions(t, h, w, m))
-        frame_sizes += [h * w] * t
-        # Merged units split into windows of per_window x per_window (padding the grid up).
-        gh, gw = h // m, w // m
-        index = np.arange(t * gh * gw).reshape(t, gh, gw)
-        ph, pw = per_window - gh % per_window, per_window - gw % per_window
-        padded = np.pad(index, ((0, 0), (0, ph), (0, pw)), constant_values=-1)
-        nh, nw = (gh + ph) // per_window, (gw + pw) // per_window
-        padded = padded.reshape(t, nh, per_window, nw, per_window).transpose(0, 1, 3, 2, 4)
-        padded = padded.reshape(t * nh * nw, per_window * per_window)
-        sizes = (padded >= 0).sum(1)
-        window_sizes += [s * u for s in sizes.tolist() if s]
-        window_index.append(padded[padded >= 0] + offset)
-        offset += t * gh * gw
-    ids = lambda sizes: np.repeat(np.arange(len(sizes)), sizes).astype(np.int32)  # noqa: E731
-    # A frame's units stay together in window order, so the frame ids need no permuting.
-    frames, windows = ids(frame_sizes), ids(window_sizes)
-    return VisionLayout(np.concatenate(positions).astype(np.int32),
-                        np.concatenate(window_index).astype(np.int32),
-                        frames, windows, segments(frames), segments(windows))
+    t, h, w = grid[0], grid[1], grid[2]
+    i = jnp.arange(patches, dtype=jnp.int32)
+    valid = i < t * h * w
+    unit, r = i // u, i % u
+    gw = jnp.maximum(w // m, 1)
+    uh, uw = unit // gw, unit % gw  # the merged unit's row and column in the grid
+    positions = jnp.stack([uh * m + r // m, uw * m + r % m], axis=-1)
+    frame = Segments(i[None], valid[None], jnp.where(valid, i, 0))
+    if not windows:
+        return ImageLayout(positions, valid, frame, frame)
+    # Each unit's slot in its window of pw x pw units (row-major), windows row-major over the
+    # grid padded up to whole windows, as HF's get_window_index orders them.
+    pw = window_side(v)
+    nw = -(-gw // pw)
+    slot = (((uh // pw) * nw + uw // pw) * pw * pw + (uh % pw) * pw + uw % pw) * u + r
+    rows, width = window_rows(v, patches), pw * pw * u
+    slot = jnp.where(valid, slot, rows * width)  # padding: dropped
+    filled = jnp.full((rows * width,), -1, jnp.int32).at[slot].set(i, mode="drop")
+    win = Segments(jnp.maximum(filled, 0).reshape(rows, width), (filled >= 0).reshape(rows, width),
+                   jnp.where(valid, slot, 0))
+    return ImageLayout(positions, valid, frame, win)
 
 
 # ---------------------------------------------------------------- the tower (traced)
@@ -342,34 +338,69 @@ def _block(v: QwenVisionConfig, p, x, cos, sin, rows: Segments, dtype):
     return x + down + p["b_down"].astype(dtype)
 
 
-def vision_forward(v: QwenVisionConfig, params: dict, pixel_values, layout: VisionLayout,
-                   dtype):
-    """The image embeddings [N / merge_unit, out_hidden_size] of pixel_values [N, C*T*P*P]
-    (the images of `layout`, their patches in the processor's order), in that order.
+def vision_forward(v: QwenVisionConfig, params: dict, pixel_values, grid, dtype):
+    """The image embeddings [P / merge_unit, out_hidden_size] of one image's pixel_values
+    [P, C*T*P*P] (its patches in the processor's order, then padding up to P) whose grid
+    (t, h, w) is `grid` [3] (traced), in that order: its own t*h*w / merge_unit first.
     params: the vision table's arrays by name (blocks stacked [depth, ...]), and the LoRA
-    adapters of QwenVision.adapters when it has them."""
-    N, u, E = pixel_values.shape[0], v.merge_unit, v.hidden_size
+    adapters of QwenVision.adapters when it has them. The patches stay in the processor's
+    order: only attention depends on the order of its keys, and it gathers each window's."""
+    P, u, E = pixel_values.shape[0], v.merge_unit, v.hidden_size
+    layout = image_layout(v, grid, P)
     patch = params["patch_embed"].astype(dtype).reshape(-1, E)
     x = pixel_values.astype(dtype) @ patch  # the Conv3d: its kernel is the whole patch
-    order = jnp.asarray(layout.window_index)
-    to_windows = lambda a: a.reshape(N // u, u, -1)[order].reshape(N, -1)  # noqa: E731
-    x = to_windows(x)
-    cos, sin = (to_windows(a) for a in vision_rope(v, jnp.asarray(layout.positions)))
+    cos, sin = vision_rope(v, layout.positions)
     blocks = {k[len("blocks/"):]: a for k, a in params.items() if k.startswith("blocks/")}
     # Frames and windows pad to different [S, L], so one scan per run of same-kind blocks.
     for is_full, run in itertools.groupby(range(v.depth), v.fullatt_block_indexes.__contains__):
         run = list(run)
-        rows = layout.frame_rows if is_full else layout.window_rows
+        rows = layout.frame if is_full else layout.windows
         body = lambda x, p, rows=rows: (_block(v, p, x, cos, sin, rows, dtype), None)  # noqa: E731
         x, _ = jax.lax.scan(body, x, {k: a[run[0]:run[-1] + 1] for k, a in blocks.items()})
-    h = _rms_norm(x, params["merger/norm"], dtype).reshape(N // u, u * E)
+    h = _rms_norm(x, params["merger/norm"], dtype).reshape(P // u, u * E)
     merger = {k[len("merger/"):]: a for k, a in params.items() if k.startswith("merger/")}
     h = jax.nn.gelu(tower_lora.linear(merger, "w1", "nu,uv->nv", h, dtype, 0)
                     + params["merger/b1"].astype(dtype),
                     approximate=False)  # torch's nn.GELU(): the exact erf form
-    out = (tower_lora.linear(merger, "w2", "nu,uo->no", h, dtype, 1)
-           + params["merger/b2"].astype(dtype))
-    return out[jnp.argsort(order)]  # back to the processor's (and the placeholders') order
+    return (tower_lora.linear(merger, "w2", "nu,uo->no", h, dtype, 1)
+            + params["merger/b2"].astype(dtype))
+
+
+def per_image(forward, pixel_values, image_grid_thw):
+    """`forward(pixel_values [P, ...], grid [3])` over a batch of images: pixel_values
+    [n, P, ...] each image's patches padded to P (image_blocks), or the processor's [N, ...]
+    (pad_patches: its grids then host arrays); image_grid_thw [n, 3]. Returns (features
+    [n, P / merge_unit, ...] each image's own first, the grids [n, 3] as an array)."""
+    if pixel_values.ndim == 2:  # the processor's order: its grids read here (host arrays)
+        pixel_values = pad_patches(pixel_values, image_grid_thw)
+    grid = jnp.asarray(image_grid_thw, jnp.int32).reshape(-1, 3)
+    index = jnp.arange(grid.shape[0], dtype=jnp.uint32)
+    return jax.vmap(forward)(pixel_values, grid, index), grid
+
+
+def pad_patches(pixel_values, image_grid_thw):
+    """The processor's pixel_values [N, values] (its images' patches one after another) as
+    [n, P, values], each image's patches padded with zeros to the largest's, P; the grids
+    [n, 3] are read on the host."""
+    sizes = np.asarray(image_grid_thw, np.int64).reshape(-1, 3).prod(axis=1)
+    width = int(sizes.max(initial=0))
+    at = np.arange(width)
+    valid = at[None] < sizes[:, None]
+    index = np.where(valid, (np.cumsum(sizes) - sizes)[:, None] + at[None], 0)
+    pixel_values = jnp.asarray(pixel_values)
+    return jnp.where(jnp.asarray(valid)[..., None], pixel_values[jnp.asarray(index)], 0)
+
+
+def image_params(params: dict, image) -> dict:
+    """The tower's params for image `image` (traced) of a batch: LoRA dropout keys folded
+    with it, so that images draw masks of their own as one sequence of all their patches
+    would (under vmap the same key would give every image the same mask)."""
+    def fold(key):
+        stacked = key.ndim > (0 if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else 1)
+        if stacked:  # a key per layer
+            return jax.vmap(jax.random.fold_in, in_axes=(0, None))(key, image)
+        return jax.random.fold_in(key, image)
+    return {k: fold(a) if k.endswith("lora_dropout_key") else a for k, a in params.items()}
 
 
 class _Holder(nnx.Module):
@@ -453,11 +484,20 @@ class QwenVision(TowerParams):
     def depths(self) -> dict[str, int]:
         return {"blocks": self.cfg.depth}
 
-    def __call__(self, pixel_values, image_grid_thw, dtype) -> jax.Array:
-        """Image embeddings [sum of t*h*w / merge_unit, out_hidden_size]; image_grid_thw is
-        read on the host (numpy): the layout is static."""
-        return vision_forward(self.cfg, {**self.params(), **self.adapters()}, pixel_values,
-                              vision_layout(self.cfg, image_grid_thw), dtype)
+    def __call__(self, pixel_values, image_grid_thw, dtype):
+        """(Image embeddings [n, P / merge_unit, out_hidden_size], how many of each image's
+        are its own [n]) of pixel_values [n, P, C*T*P*P] (each image's patches padded to P)
+        whose grids are image_grid_thw [n, 3] (traced: one program for any grids of P
+        patches at most)."""
+        params = {**self.params(), **self.adapters()}
+        return feature_counts(self.cfg, *per_image(
+            lambda x, g, i: vision_forward(self.cfg, image_params(params, i), x, g, dtype),
+            pixel_values, image_grid_thw))
+
+
+def feature_counts(v, features, grid):
+    """(features, each image's own count: t*h*w / merge_unit)."""
+    return features, grid[:, 0] * grid[:, 1] * grid[:, 2] // v.merge_unit
 
 
 # ---------------------------------------------------------------- M-RoPE positions (host)
@@ -465,16 +505,20 @@ class QwenVision(TowerParams):
 def rope_index(v: QwenVisionConfig, tokens, attention_mask, image_grid_thw):
     """HF's get_rope_index for images: (positions [3, B, T] int32, deltas [B] int32). Over each
     row's real tokens (attention_mask 1; padding gets 0): text counts up on all three rows; a
-    run of image placeholders (the next image of image_grid_thw, in batch order) gets
+    run of image placeholders (the next image of image_grid_thw [n, 3], in batch order, or of
+    its row's, image_grid_thw [B', K, 3] each row's grids, blanks (0, 0, 0) skipped) gets
     (t, h, w) of its merged grid, each offset by the position it starts at, and the text after
     it continues from that start + max(h, w). deltas: the next position minus the row's real
     length, what a decode step adds to the text position (real tokens so far)."""
     tokens, mask = np.asarray(tokens), np.asarray(attention_mask).astype(bool)
     m = v.spatial_merge_size
-    grids = iter(np.asarray(image_grid_thw, np.int64).reshape(-1, 3).tolist())
+    given = np.asarray(image_grid_thw, np.int64)
+    grids = iter(given.reshape(-1, 3).tolist())
     B, T = tokens.shape
     positions, deltas = np.zeros((3, B, T), np.int32), np.zeros(B, np.int32)
     for b in range(B):
+        if given.ndim == 3:  # the row's own images
+            grids = iter([g for g in given[b].tolist() if any(g)] if b < len(given) else [])
         ids = tokens[b][mask[b]]
         parts, at = [], 0
         for is_image, run in itertools.groupby(ids == v.image_token_id):
@@ -501,8 +545,8 @@ def rope_index(v: QwenVisionConfig, tokens, attention_mask, image_grid_thw):
 def row_positions(v: QwenVisionConfig, prompt_ids, prompt_mask, image_grid, completion_width: int,
                   pad_id: int, completion_images=None) -> np.ndarray:
     """M-RoPE positions [N, 3, P + C] int32 of rows (RolloutBatch.positions) whose prompts'
-    image placeholders are their images' (each row's images of `image_grid`, one row's grids,
-    the same for every row): rope_index over prompt + completion, as transformers' forward over
+    image placeholders are their images' (each row's images of `image_grid` [N, K, 3], its
+    grids, blanks (0, 0, 0)): rope_index over prompt + completion, as transformers' forward over
     the whole row computes it. The completion's text continues from the prompt's next position
     on all three rows, and its image placeholders (completion_images [N, C] bool: a tool
     result's images; None: none) take their images' grid positions."""
@@ -513,5 +557,5 @@ def row_positions(v: QwenVisionConfig, prompt_ids, prompt_mask, image_grid, comp
     ids = np.concatenate([np.asarray(prompt_ids), completion], axis=1)
     mask = np.concatenate([np.asarray(prompt_mask), np.ones((n, completion_width), np.int32)],
                           axis=1)
-    positions, _ = rope_index(v, ids, mask, np.tile(np.asarray(image_grid), (n, 1)))
+    positions, _ = rope_index(v, ids, mask, np.asarray(image_grid).reshape(n, -1, 3))
     return positions.transpose(1, 0, 2).astype(np.int32)

@@ -294,7 +294,8 @@ class VisionTower(nnx.Module):
         return out
 
     def __call__(self, pixel_values, image_grid_thw, dtype):
-        """The images' soft tokens [N * mm_tokens_per_image, D]; pixel_values [N, C, H, W]
-        (every image at image_size: no grid, image_grid_thw is None)."""
+        """(The images' soft tokens [N, mm_tokens_per_image, D], None: every one is its
+        image's own); pixel_values [N, C, H, W] (every image at image_size: no grid,
+        image_grid_thw is None)."""
         soft = encode(self.v, {**self.params(), **self.adapters()}, pixel_values, dtype)
-        return soft.reshape(-1, soft.shape[-1])
+        return soft.reshape(pixel_values.shape[0], -1, soft.shape[-1]), None

@@ -46,11 +46,11 @@ class RolloutBatch(NamedTuple):
     prompt_routing: np.ndarray | None = None      # [N, P, S, k]
     completion_routing: np.ndarray | None = None  # [N, C, S, k]
     # A vision-language model on the native sampler: each row's prompt images
-    # (images.PromptPixels' block of its prompt), their grids (Qwen-VL: one row's, the same on
-    # every row) and the rows' M-RoPE positions over prompt + completion [N, 3, P + C]
-    # (Qwen-VL), for the trainer's forwards.
+    # (images.PromptPixels' block of its prompt), their grids (Qwen-VL: [N, K, 3], each row's)
+    # and the rows' M-RoPE positions over prompt + completion [N, 3, P + C] (Qwen-VL), for the
+    # trainer's forwards.
     pixel_values: np.ndarray | None = None
-    image_grid: tuple | None = None
+    image_grid: np.ndarray | None = None
     positions: np.ndarray | None = None
     # [N, C] bool: the completion's image placeholders, a tool result's images' (after the
     # prompt's in pixel_values: rollout.tools); None: the completion is text (any rollout but

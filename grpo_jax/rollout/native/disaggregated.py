@@ -167,8 +167,8 @@ def to_arrays(q: Queued) -> dict[str, np.ndarray]:
                 if fields[name] is not None})
     if r.completions is not None:  # the tool loop's messages (what rewards read), as JSON text
         out["completions"] = np.asarray(json.dumps(r.completions, default=str))
-    if r.image_grid is not None:  # Qwen-VL's grids of one prompt's images
-        out["image_grid"] = np.asarray(r.image_grid, np.int64)
+    if r.image_grid is not None:  # Qwen-VL's grids of each row's images
+        out["image_grid"] = np.asarray(r.image_grid, np.int32)
     out.update({f"metric/{k}": np.float64(v) for k, v in (r.metrics or {}).items()})
     out.update(data_rows=q.data_rows, dropped=np.int64(q.dropped))
     return out
@@ -184,7 +184,7 @@ def from_arrays(arrays: dict, record) -> Queued:
                            metrics=metrics or None, versions=a["versions"],
                            completions=None if completions is None
                            else json.loads(str(completions)),
-                           image_grid=None if grid is None else tuple(map(tuple, grid.tolist())),
+                           image_grid=grid,
                            **{name: a.get(name) for name in _OPTIONAL})
     return Queued(rollout, tuple(record(int(i)) for i in a["data_rows"]), a["data_rows"],
                   int(a["dropped"]))

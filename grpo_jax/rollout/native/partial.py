@@ -34,15 +34,14 @@ its prompt through the weights it decodes with. One program: static shapes (the 
 the decode slots, the prompt width of the run's longest prompt), so it compiles once.
 
 Images (a vision-language model: PartialRollouts' `processor`). Each group slot keeps its
-prompt's images (InFlight.pixel_values, images.PromptPixels' block; Qwen-VL's grid, the same for
-every prompt), drawn through the processor when its group is, so the round's prompt pass
+prompt's images (InFlight.pixel_values, images.PromptPixels' block; Qwen-VL's grids beside
+them), drawn through the processor when its group is, so the round's prompt pass
 encodes them with the prompt under that round's weights, as refill.py's does; a row admitted
 into a slot starts its decode positions at its prompt's length plus its M-RoPE delta
 (Qwen2.5-VL). The finished groups' rows carry their images (and M-RoPE positions) to the
 trainer, and a checkpoint's rows in flight hold them. The slots' blocks hold the most images
 a prompt in flight has (image_blocks: a prompt's own, then blanks; the program compiles again
-when a new prompt holds more); Qwen-VL's images need one size (one image bucket): the group
-slots run in one program.
+when a new prompt holds more, or, Qwen-VL, a larger image).
 
 With Sampler.record_routing (a mixture of experts: router/mismatch, routing replay) the rows
 carry the experts each completion token ran across rounds, and each group its prompt's (the
@@ -144,10 +143,10 @@ class InFlight(NamedTuple):
     episodes: tuple | None = None  # with tools: [R] each row's TurnEnds episode
     # A vision-language model: each group slot's prompt images (images.PromptPixels' block of
     # its prompt, zeros until a prompt with images fills it), fed to every round's prompt pass
-    # and to the trainer with its rows; Qwen-VL's grids of one prompt's images (the same for
-    # every prompt). None: no images.
+    # and to the trainer with its rows; Qwen-VL's grids of each slot's images [groups, K, 3].
+    # None: no images.
     pixel_values: np.ndarray | None = None
-    image_grid: tuple | None = None
+    image_grid: np.ndarray | None = None
 
     @property
     def empty_groups(self) -> int:
@@ -182,7 +181,7 @@ class PartialRollouts:
         # max_staleness 1) no row may carry over to the next advance, and the second batch's
         # rows would only be decoded to be restarted there: one batch.
         self.group_slots = groups if max_staleness == 0 else 2 * groups
-        self.program = jax.jit(self._advance, static_argnames=("width", "image_grid"))
+        self.program = jax.jit(self._advance, static_argnames=("width",))
         self._empty_program = jax.jit(self._empty_rows, static_argnames=("width", "penalty"))
 
     def with_turns(self, turn_ends: TurnEnds) -> "PartialRollouts":
@@ -231,7 +230,7 @@ class PartialRollouts:
             for i, rec in zip(put, records):
                 recs[i] = rec
         pixels, grid = self._pixels(at, records, free[:len(prompts)])
-        images, image_grid = self._images(ids, pmask, pixels, grid)
+        images = self._images(ids, pmask, pixels, grid)
         run_key = as_key(key) if at.key is None else at.key
         rows, store, ends, steps, busy = at.rows, None, None, 0, 0
         episodes = None if at.episodes is None else list(at.episodes)
@@ -239,7 +238,7 @@ class PartialRollouts:
         while True:  # without tools once; with tools until no row waits on its tool calls
             rows, chosen, n, live, stale, *kept = self.program(
                 params, rows, *args, jnp.asarray(fresh), run_key, np.int32(version), store,
-                ends, images, width=width, image_grid=image_grid)
+                ends, images, width=width)
             chosen, n, live, stale = dist.to_host((chosen, n, live, stale))
             steps, busy = steps + int(n), busy + int(live)
             if store is None:  # the round's first pass: it admitted and restarted groups
@@ -286,8 +285,9 @@ class PartialRollouts:
             stopped = (np.isin(tokens, stops) & (cmask > 0)).any(axis=1)
         out_ids, out_mask = np.repeat(ids[chosen], g, axis=0), np.repeat(pmask[chosen], g, axis=0)
         if pixels is not None:  # the rows' images for the trainer's forwards, as refill's
-            fields.update(pixel_values=np.repeat(pixels[chosen], g, axis=0), image_grid=grid,
-                          positions=s.row_positions(out_ids, out_mask, grid, tokens.shape[1]))
+            grids = None if grid is None else np.repeat(grid[chosen], g, axis=0)
+            fields.update(pixel_values=np.repeat(pixels[chosen], g, axis=0), image_grid=grids,
+                          positions=s.row_positions(out_ids, out_mask, grids, tokens.shape[1]))
         batch = RolloutBatch(out_ids, out_mask, tokens, cmask, ~stopped, logp,
                              metrics=decode_metrics(steps, busy, self.slots),
                              versions=np.where(cmask > 0, versions, 0).astype(np.int32),
@@ -310,23 +310,28 @@ class PartialRollouts:
         if pixels is None:
             pixels = np.zeros((self.group_slots, *px.pixel_values.shape[1:]),
                               px.pixel_values.dtype)
-            grid = px.image_grid
-        # The slots' blocks and the new prompts' padded to the most images per prompt of both.
-        (pixels, grid), (new, _) = image_blocks.common(
+            grid = (None if px.image_grid is None else
+                    np.zeros((self.group_slots, *px.image_grid.shape[1:]), np.int32))
+        # The slots' blocks and the new prompts' padded to the most images per prompt (and
+        # Qwen-VL's patches per image) of both.
+        (pixels, grid), (new, new_grid) = image_blocks.common(
             [(pixels, grid), (px.pixel_values, px.image_grid)])
         pixels = pixels.copy()
         pixels[put] = new
+        if grid is not None:
+            grid = grid.copy()
+            grid[put] = new_grid
         return pixels, grid
 
     def _images(self, ids, pmask, pixels, grid):
-        """The program's `images` and static `image_grid` (Sampler.image_inputs) for the group
-        slots: each slot's block of images (its prompt's, then blanks; a slot never filled
-        holds blanks only), its placeholders taking its own block's (images_per_prompt)."""
-        k = 0 if pixels is None else image_blocks.count(pixels, grid)
+        """The program's `images` (Sampler.image_inputs) for the group slots: each slot's
+        block of images (its prompt's, then blanks; a slot never filled holds blanks only), its
+        placeholders taking its own block's (images_per_prompt)."""
+        k = 0 if pixels is None else image_blocks.count(pixels)
         if not k:
-            return None, None
+            return None
         flat = pixels.reshape(-1, *pixels.shape[2:])
-        thw = None if grid is None else np.tile(np.asarray(grid), (len(ids), 1))
+        thw = None if grid is None else grid.reshape(-1, 3)
         return self.sampler.image_inputs(ids, pmask, flat, thw, images_per_prompt=k)
 
     def _end_turns(self, rows: Rows, ids, pmask, episodes: list):
@@ -357,7 +362,7 @@ class PartialRollouts:
     # ------------------------------------------------------------------ compiled program
 
     def _advance(self, params, rows: Rows, prompt_ids, prompt_mask, seq, fresh, key, version,
-                 store=None, ends=None, images=None, *, width: int, image_grid=None):
+                 store=None, ends=None, images=None, *, width: int):
         """Decode until `groups` whole groups are done (then returned, `chosen`) or nothing is
         left to decode; with tools also until a row ends a turn (then nothing is chosen: the
         host resolves the turns, `ends`, and runs the program again with the round's prompt
@@ -374,7 +379,7 @@ class PartialRollouts:
         if store is None:
             cast, layers, cache, logits, *routing = s.prompt_pass(
                 params, s.constrain(prompt_ids, "batch", None),
-                s.constrain(prompt_mask, "batch", None), s.record_routing, images, image_grid)
+                s.constrain(prompt_mask, "batch", None), s.record_routing, images)
         else:  # a later pass of the round: its prompts' keys and values as the first computed
             cast = cast_matrices(params, s.cfg.dtype)
             layers = s.decoder(cast).decode_layers()
@@ -386,7 +391,7 @@ class PartialRollouts:
                 prompt_mask.astype(bool))
         kept = (cache, logits, *routing)
         # a row's decode positions follow its prompt's real tokens (+ its M-RoPE delta)
-        prompt_len = jnp.sum(prompt_mask, axis=1) + (0 if images is None else images[2])
+        prompt_len = jnp.sum(prompt_mask, axis=1) + (0 if images is None else images.deltas)
         store = (cache, logits, prompt_mask, pen, prompt_len, *routing)
         model = s.decoder(cast)
         gid = jnp.repeat(seq, g) * g + jnp.tile(jnp.arange(g, dtype=jnp.int32), seq.shape[0])
@@ -592,7 +597,7 @@ def to_arrays(at: InFlight) -> dict[str, np.ndarray]:
     if at.pixel_values is not None:  # each group slot's images, its prompt ids' placeholders'
         out["pixel_values"] = at.pixel_values
         if at.image_grid is not None:
-            out["image_grid"] = np.asarray(at.image_grid, np.int64)
+            out["image_grid"] = np.asarray(at.image_grid, np.int32)
     return out
 
 
@@ -624,7 +629,7 @@ def from_arrays(template: InFlight, arrays: dict, record) -> InFlight:
                     else tuple(json.loads(str(arrays["episodes"]))),
                     None if "pixel_values" not in arrays else np.asarray(arrays["pixel_values"]),
                     None if "image_grid" not in arrays
-                    else tuple(map(tuple, np.asarray(arrays["image_grid"]).tolist())))
+                    else np.asarray(arrays["image_grid"], np.int32))
 
 
 def _turn_rows(ids, pmask, tokens, mask, forced, episodes, rows, g: int) -> list[tuple]:

@@ -83,7 +83,7 @@ class _Slots(NamedTuple):
 class PromptImages(NamedTuple):
     """A round's prompt images as Sampler.generate takes them (keyword names its own): blocks
     of images_per_prompt images per prompt, prompt after prompt."""
-    # Gemma 3: [prompts x K, C, H, W]; Qwen-VL: [prompts x K x patches, V]
+    # Gemma 3: [prompts x K, C, H, W]; Qwen-VL: [prompts x K, P, V]
     pixel_values: np.ndarray
     image_grid_thw: np.ndarray | None  # Qwen-VL: [prompts x K, 3]
     image_tokens: Sequence | None  # per prompt
@@ -117,8 +117,7 @@ class Refill:
             raise ValueError("Refill needs sampling_params.max_num_seqs (the decode slots)")
         div = 1 if sampler.mesh is None else mesh_lib.batch_divisor(sampler.mesh)
         self.slots = -(-sp.max_num_seqs // div) * div
-        self.program = jax.jit(self._refill, static_argnames=("num_generations", "rows",
-                                                                  "image_grid"))
+        self.program = jax.jit(self._refill, static_argnames=("num_generations", "rows"))
 
     # ------------------------------------------------------------------ host side
 
@@ -149,15 +148,14 @@ class Refill:
         ids, mask = left_pad(prompts, 1, s.bucket(max(map(len, prompts))), s.pad_id,
                              rows=s.prompt_rows(rows, g))
         args = (ids, mask)
-        images, grid = s.image_inputs(ids, mask, pixel_values, image_grid_thw, image_tokens,
-                                      images_per_prompt)
+        images = s.image_inputs(ids, mask, pixel_values, image_grid_thw, image_tokens,
+                                images_per_prompt)
         if s.mesh is not None:  # as Sampler.generate: each process places its own rows
             args = tuple(dist.shard_host_array(x, mesh_lib.logical_sharding(
                 s.mesh, "batch", None, shape=x.shape)) for x in args)
             params = jax.device_put(params, mesh_lib.param_shardings(params, s.mesh))
         tokens, cmask, logp, steps, busy, *routing = dist.to_host(self.program(
-            params, *args, as_key(rng), np.int32(n), images, num_generations=g, rows=rows,
-            image_grid=grid))
+            params, *args, as_key(rng), np.int32(n), images, num_generations=g, rows=rows))
         tokens, cmask, logp = tokens[:n], cmask[:n], logp[:n]
         stopped = (np.isin(tokens, s.sampling_params.stop_token_ids) & (cmask > 0)).any(axis=1)
         ids, mask = np.repeat(ids, g, axis=0)[:n], np.repeat(mask, g, axis=0)[:n]
@@ -209,19 +207,19 @@ class Refill:
     # ------------------------------------------------------------------ compiled program
 
     def _refill(self, params, prompt_ids, prompt_mask, key, n, images=None, *,
-                num_generations: int, rows: int, image_grid=None):
+                num_generations: int, rows: int):
         s, sp, cfg = self.sampler, self.sampler.sampling_params, self.sampler.cfg
         prompt_ids = s.constrain(prompt_ids, "batch", None)
         prompt_mask = s.constrain(prompt_mask, "batch", None)
         cast, layers, cache, logits, *prompt_routing = s.prompt_pass(
-            params, prompt_ids, prompt_mask, s.record_routing, images, image_grid)
+            params, prompt_ids, prompt_mask, s.record_routing, images)
         seen = None
         if sp.repetition_penalty != 1.0:
             seen = jnp.zeros((prompt_ids.shape[0], cfg.vocab_size), bool)
             seen = seen.at[jnp.arange(prompt_ids.shape[0])[:, None], prompt_ids].max(
                 prompt_mask.astype(bool))
         # a row's decode positions follow its prompt's real tokens (+ its M-RoPE delta)
-        prompt_len = jnp.sum(prompt_mask, axis=1) + (0 if images is None else images[2])
+        prompt_len = jnp.sum(prompt_mask, axis=1) + (0 if images is None else images.deltas)
         store = _Store(cache, logits, prompt_mask, seen, prompt_len)
         model = s.decoder(cast)
         state = self._empty(prompt_ids.shape[1], rows, seen is not None)

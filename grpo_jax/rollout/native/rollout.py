@@ -80,12 +80,11 @@ class JaxRollout(Rollout):
         """generate for prompts with images: `records`' images (images.record_images: their
         multimodal prompts', then a tool loop's row's tool results') give the pixels."""
         px = images.row_pixels(self.processor, [images.record_images(rec) for rec in records])
-        n, k = len(prompt_ids), image_blocks.count(px.pixel_values, px.image_grid)
+        k = image_blocks.count(px.pixel_values)
         # Each prompt's block of k images (its own, then blanks), prompt after prompt; none:
         # the prompts are text.
         flat = px.pixel_values.reshape(-1, *px.pixel_values.shape[2:]) if k else None
-        grid = (None if px.image_grid is None or not k
-                else np.tile(np.asarray(px.image_grid), (n, 1)))
+        grid = None if px.image_grid is None or not k else px.image_grid.reshape(-1, 3)
         sampler = self.sampler if self.slots is None else self.slots
         # A tool turn's prompt is its record's prompt + the completion so far: only the
         # record's prompt and its tool results' image placeholders hold images, the rest is
@@ -93,12 +92,13 @@ class JaxRollout(Rollout):
         limits = [images.image_tokens(rec) for rec in records]
         r = sampler.generate(weights, prompt_ids, num_generations, key, pixel_values=flat,
                              image_grid_thw=grid, image_tokens=limits, images_per_prompt=k)
-        rows = np.repeat(px.pixel_values, num_generations, axis=0)
-        positions = self.sampler.row_positions(r.prompt_ids, r.prompt_mask, px.image_grid,
+        rows, grids = (None if a is None else np.repeat(a, num_generations, axis=0)
+                       for a in (px.pixel_values, px.image_grid))
+        positions = self.sampler.row_positions(r.prompt_ids, r.prompt_mask, grids,
                                                r.completion_ids.shape[1],
                                                [m for m in limits for _ in
                                                 range(num_generations)])
-        return r._replace(pixel_values=rows, image_grid=px.image_grid, positions=positions)
+        return r._replace(pixel_values=rows, image_grid=grids, positions=positions)
 
     def with_row_images(self, r: RolloutBatch, records: Sequence[dict]) -> RolloutBatch:
         return row_images.with_row_images(self.processor, self.sampler.cfg,

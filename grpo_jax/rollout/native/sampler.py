@@ -59,6 +59,16 @@ class DecodeContext(NamedTuple):
     prompt_routing: jax.Array | None = None
 
 
+class ImageInputs(NamedTuple):
+    """A prompt pass's images (Sampler.image_inputs), traced: B prompts, n images."""
+    pixel_values: jax.Array  # Gemma 3 [n, C, H, W]; Qwen-VL [n, P, C*T*P*P] (padded to P)
+    grid: jax.Array | None  # Qwen-VL [n, 3] int32 each image's (t, h, w)
+    positions: jax.Array  # [B, width], or Qwen-VL's M-RoPE [3, B, width]
+    deltas: jax.Array  # [B] decode position deltas (M-RoPE's; 0 otherwise)
+    is_image: jax.Array  # [B, width] bool: the placeholders to fill
+    first: jax.Array | None  # [B] each prompt's first image (blocks), or None: HF's order
+
+
 class Sampler:
     """Compiled KV-cache sampler for one model architecture and one set of sampling params.
 
@@ -116,7 +126,7 @@ class Sampler:
         # log-probs, done (and with record_routing the prompts' and completions' experts): what
         # generate runs, and what aot compiles for a target.
         self.program = jax.jit(self._generate,
-                               static_argnames=("num_generations", "rows", "image_grid"))
+                               static_argnames=("num_generations", "rows"))
 
     # ------------------------------------------------------------------ host side
 
@@ -133,10 +143,11 @@ class Sampler:
         through refilled slots (rollout/native/refill.py) draws what one batch does.
         pixel_values, image_grid_thw: the prompts' images in prompt order, as the model's HF
         processor gives them (a vision-language model, each prompt holding its images'
-        placeholders; Decoder.embed_multimodal): Qwen2.5-VL [N, C*T*P*P] with its grids
-        [n, 3], Gemma 3 [N, C, H, W] and no grid. One program per set of image sizes; one host
-        (not split over a mesh). image_tokens: per prompt, how many of its first tokens may
-        hold image placeholders (None: all), or a bool per real token; the rest is text
+        placeholders; Decoder.embed_multimodal): Qwen-VL [n, P, C*T*P*P] (each image's
+        patches padded to P: image_blocks) or the processor's [N, C*T*P*P], with its grids
+        [n, 3]; Gemma 3 [N, C, H, W] and no grid. One program per P (the grids are arrays);
+        one host (not split over a mesh). image_tokens: per prompt, how many of its first
+        tokens may hold image placeholders (None: all), or a bool per real token; the rest is text
         whatever its ids, as the trainer embeds a completion (a multi-turn context: prompt +
         completion so far, whose tool results' images are placeholders: rollout.tools).
         images_per_prompt: the images come in blocks of that many per prompt, a prompt's own
@@ -149,8 +160,8 @@ class Sampler:
                              rows=self.prompt_rows(rows, g))
         key = as_key(rng)
         args = (ids, mask)
-        images, grid = self.image_inputs(ids, mask, pixel_values, image_grid_thw, image_tokens,
-                                         images_per_prompt)
+        images = self.image_inputs(ids, mask, pixel_values, image_grid_thw, image_tokens,
+                                   images_per_prompt)
         if self.mesh is not None:
             # With several processes each places only its own devices' rows, and gets every
             # row back (the train batch is built on every host alike).
@@ -158,8 +169,7 @@ class Sampler:
                 self.mesh, "batch", None, shape=x.shape)) for x in args)
             params = jax.device_put(params, mesh_lib.param_shardings(params, self.mesh))
         tokens, cmask, logp, done, *routing = dist.to_host(self.program(
-            params, *args, key, np.int32(first_row), images, num_generations=g, rows=rows,
-            image_grid=grid))
+            params, *args, key, np.int32(first_row), images, num_generations=g, rows=rows))
         ids, mask = np.repeat(ids, g, axis=0)[:n], np.repeat(mask, g, axis=0)[:n]
         # The prefill samples each row's first token, the loop one more per step until the
         # longest row is done.
@@ -170,23 +180,28 @@ class Sampler:
                             prompt_routing=prompt_routing, completion_routing=completion_routing)
 
     def image_inputs(self, ids, mask, pixel_values, image_grid_thw, image_tokens=None,
-                     images_per_prompt: int | None = None):
-        """The program's `images` (pixel_values, positions, decode position deltas, the
-        placeholders to fill [B, width], each prompt's first image or None) and static
-        `image_grid` for padded prompts (see generate); (None, None) without images."""
+                     images_per_prompt: int | None = None) -> ImageInputs | None:
+        """The program's ImageInputs for padded prompts (see generate); None without images.
+        Qwen-VL's pixel_values come padded per image ([n, P, values]: image_blocks) or as the
+        processor's [N, values]."""
         if pixel_values is None:
-            return None, None
+            return None
         first = (None if images_per_prompt is None else
                  jnp.arange(len(ids), dtype=jnp.int32) * images_per_prompt)
         is_image, text = self.placeholders(ids, mask, image_tokens)
-        if self.cfg.mrope_section is not None:  # Qwen2.5-VL
-            positions, deltas = qwen_vl.rope_index(self.cfg.vision, text, mask, image_grid_thw)
-            grid = tuple(map(tuple, np.asarray(image_grid_thw, np.int64).tolist()))
-            return (jnp.asarray(pixel_values), positions, deltas, jnp.asarray(is_image),
-                    first), grid
+        if self.cfg.mrope_section is not None:  # Qwen-VL
+            grid = np.asarray(image_grid_thw, np.int32).reshape(-1, 3)
+            # Blocks: each prompt's own grids (its blanks none); else the batch's in order.
+            rows = grid if images_per_prompt is None else grid.reshape(-1, images_per_prompt, 3)
+            positions, deltas = qwen_vl.rope_index(self.cfg.vision, text, mask, rows)
+            pixels = jnp.asarray(pixel_values)
+            if pixels.ndim == 2:  # the processor's order
+                pixels = qwen_vl.pad_patches(pixels, grid)
+            return ImageInputs(pixels, jnp.asarray(grid), positions, deltas,
+                               jnp.asarray(is_image), first)
         # one position row, decode positions as for text
-        return (jnp.asarray(pixel_values), positions_from_mask(jnp.asarray(mask)),
-                jnp.zeros(len(ids), jnp.int32), jnp.asarray(is_image), first), None
+        return ImageInputs(jnp.asarray(pixel_values), None, positions_from_mask(jnp.asarray(mask)),
+                           jnp.zeros(len(ids), jnp.int32), jnp.asarray(is_image), first)
 
     def placeholders(self, ids, mask, image_tokens=None):
         """images.placeholders with this model's placeholder id."""
@@ -274,9 +289,9 @@ class Sampler:
         return jax.tree.map(lambda x: self.constrain(x, *KVCache.AXES), cache)
 
     def _generate(self, params, prompt_ids, prompt_mask, key, first_row=0, images=None, *,
-                  num_generations: int, rows: int, image_grid=None):
+                  num_generations: int, rows: int):
         ctx, state = self.prefill(params, prompt_ids, prompt_mask, key, num_generations, rows,
-                                   first_row, images, image_grid)
+                                   first_row, images)
         C = self.sampling_params.max_completion_length
         state = jax.lax.while_loop(lambda s: (s.step < C) & ~jnp.all(s.done),
                                    lambda s: self.decode_step(ctx, s, key), state)
@@ -286,14 +301,12 @@ class Sampler:
         return (*out, ctx.prompt_routing, state.routing)
 
     def prompt_pass(self, params, prompt_ids, prompt_mask, record_routing: bool = False,
-                    images=None, image_grid=None):
+                    images: ImageInputs | None = None):
         """The prompts' pass: (params in the compute dtype, their decode_layers(), the prompts'
         KV cache [L, prompts, K, width, Dh] per run (a sliding layer's: its window at most), the
         last logits [prompts, V]); record_routing: and, fifth, the experts each prompt token
-        ran [prompts, width, S, k] (moe.routing_dtype; -1 on padding). images: (pixel_values,
-        positions [B, width] or M-RoPE's [3, prompts, width], decode position deltas, the
-        placeholders to fill [B, width], each prompt's first image [B] or None) of the
-        prompts' images, whose patch grids are image_grid (Qwen2.5-VL; see generate)."""
+        ran [prompts, width, S, k] (moe.routing_dtype; -1 on padding). images: the prompts'
+        (ImageInputs)."""
         cfg = self.cfg
         cast = cast_matrices(params, cfg.dtype)
         model = self.decoder(cast)
@@ -301,10 +314,9 @@ class Sampler:
         cache = self.constrain_cache(KVCache.zeros(cfg, *prompt_ids.shape, self.cache_dtype))
         positions, embeds = positions_from_mask(prompt_mask), None
         if images is not None:
-            pixel_values, positions, _, is_image, *first = images  # aot's: no first
-            grid = None if image_grid is None else np.asarray(image_grid)
-            embeds = model.embed_multimodal(prompt_ids, pixel_values, grid, is_image=is_image,
-                                            first_image=first[0] if first else None)
+            positions = images.positions
+            embeds = model.embed_multimodal(prompt_ids, images.pixel_values, images.grid,
+                                            is_image=images.is_image, first_image=images.first)
         hidden, cache, *chosen = model.prefill(
             prompt_ids, positions, prompt_mask, cache, layers,
             chunk=self.sampling_params.prefill_chunk_size, record_routing=record_routing,
@@ -317,8 +329,8 @@ class Sampler:
             moe.routing_dtype(cfg.num_experts))
 
     def prefill(self, params, prompt_ids, prompt_mask, key, num_generations: int,
-                 rows: int, first_row=0, images=None,
-                 image_grid=None) -> tuple[DecodeContext, DecodeState]:
+                 rows: int, first_row=0,
+                 images: ImageInputs | None = None) -> tuple[DecodeContext, DecodeState]:
         """The prompts' pass that fills the KV cache, and the first token of each of `rows`
         rows (prompt i's num_generations rows are consecutive). Each prompt is run once and its
         keys, values and last logits are copied to its rows: the prefill costs 1/G of running
@@ -330,9 +342,9 @@ class Sampler:
         prompt_ids = self.constrain(prompt_ids, "batch", None)
         prompt_mask = self.constrain(prompt_mask, "batch", None)
         cast, layers, cache, logits, *prompt_routing = self.prompt_pass(
-            params, prompt_ids, prompt_mask, self.record_routing, images, image_grid)
+            params, prompt_ids, prompt_mask, self.record_routing, images)
         # Decode positions: the real prompt tokens, plus M-RoPE's delta (qwen_vl.rope_index).
-        prompt_len = jnp.sum(prompt_mask, axis=1) + (0 if images is None else images[2])
+        prompt_len = jnp.sum(prompt_mask, axis=1) + (0 if images is None else images.deltas)
 
         def to_rows(x):  # [prompts, ...] -> [rows, ...]: each prompt's G copies in a block
             x = jnp.repeat(x, num_generations, axis=0)[:rows]

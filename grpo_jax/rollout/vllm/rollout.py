@@ -155,12 +155,14 @@ class VLLMRollout(Rollout):
                                 length=self.sp.max_completion_length)
         ids, mask = bucketed_prompts(prompt_ids, num_generations, self.pad)
         px = images.row_pixels(self.processor, pictures)
+        grids = (None if px.image_grid is None
+                 else np.repeat(px.image_grid, num_generations, axis=0))
         return RolloutBatch(ids, mask, arrays["completion_ids"], arrays["completion_mask"],
                             arrays["truncated"], arrays["sampler_logp"],
                             pixel_values=np.repeat(px.pixel_values, num_generations, axis=0),
-                            image_grid=px.image_grid,
+                            image_grid=grids,
                             positions=row_images.positions(
-                                self.model_cfg, self.pad, ids, mask, px.image_grid,
+                                self.model_cfg, self.pad, ids, mask, grids,
                                 arrays["completion_ids"].shape[1],
                                 [m for m in marks for _ in range(num_generations)]))
 
