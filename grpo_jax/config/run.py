@@ -46,8 +46,9 @@ class DataArgs:
     image_buckets: tuple[str, ...] | None = arg(
         None,
         "Image sizes ('HxW' pixels, e.g. [448x448, 336x448, 448x336]) each image is scaled "
-        "(aspect kept) and padded to, the closest in aspect, so a run compiles one vision "
-        "program per bucket (grpo_jax.images); null: the processor's own sizing.")
+        "(aspect kept) and padded to, the closest in aspect, so a batch's largest image, "
+        "whose patch count its programs are compiled for, takes one of these sizes "
+        "(grpo_jax.images); null: the processor's own sizing.")
 
     def __post_init__(self):
         check(self.max_prompt_length is None or self.max_prompt_length >= 1,
