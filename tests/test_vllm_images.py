@@ -127,10 +127,11 @@ def _lora_reaches_the_server(model_dir, processor, base_url, tmp_path) -> dict[s
         processor.tokenizer.pad_token_id, processor)
     assert rollout.weight_mode is WeightMode.PUSH_ADAPTERS and rollout.tower_adapted
     rollout.update_weights((adapters, base), None)
-    # An adapter named after no pushed weight (PEFT's module name, the old defect) stops the
-    # push with one line before the server is asked, instead of sampling from the base.
+    # An adapter named after no pushed weight (as PEFT's module names were for Gemma 3, the
+    # old defect) stops the push with one line before the server is asked, instead of
+    # sampling from the base.
     version = rollout.weights.version
-    wrong = {"model.language_model.layers.0.self_attn.q_proj.lora_A": np.zeros((4, 8))}
+    wrong = {"model.vision_tower.encoder.layers.0.self_attn.q_proj.lora_A": np.zeros((4, 8))}
     with pytest.raises(VLLMServerError, match="1 LoRA tensors .* adapt no weight pushed"):
         rollout.weights.push_adapters(None, wrong)
     assert rollout.weights.version == version

@@ -733,15 +733,17 @@ def test_prompts_with_different_numbers_of_images(family, seeing_dir, tmp_path):
     assert np.abs(mine - text.sampler_logp)[text.completion_mask.astype(bool)].max() < 5e-5
 
 
-def _counted_squares(path, counts) -> str:
+def _counted_squares(path, counts, sizes=None) -> str:
     """A jsonl dataset of 'squares' rows holding counts[i] images each (an `images` column of
-    file paths, TRL's list per row; [] for none), the answer their red squares in all."""
+    file paths, TRL's list per row; [] for none), the answer their red squares in all;
+    `sizes`: (w, h) the images are resized to in turn (None: as drawn)."""
     rng, rows = np.random.default_rng(0), []
+    sizes = None if sizes is None else itertools.cycle(sizes)
     path.mkdir()
     for i, n in enumerate(counts):
         drawn = [squares.draw(rng) for _ in range(n)]
         for j, (image, _) in enumerate(drawn):
-            image.save(path / f"{i}_{j}.png")
+            (image if sizes is None else image.resize(next(sizes))).save(path / f"{i}_{j}.png")
         rows.append({"prompt": [{"role": "user", "content": squares.QUESTION}],
                      "images": [str(path / f"{i}_{j}.png") for j in range(n)],
                      "answer": str(sum(c for _, c in drawn))})
@@ -763,6 +765,27 @@ def test_trains_on_prompts_with_different_numbers_of_images(seeing_dir, tmp_path
     assert [r["step"] for r in steps] == [1, 2]
     worst = max(r["sampling/sampling_logp_difference/max"] for r in steps)
     print(f"static: 0 to 2 images a prompt, sampler vs trainer max |diff| {worst:.3g}")
+    assert worst < 5e-5
+
+
+def test_qwen_trains_on_images_of_different_sizes(tmp_path, monkeypatch):
+    """Qwen2.5-VL, two steps through `train` on a dataset of 0 to 2 images a prompt in four
+    sizes (8 to 64 patches) and no image_buckets: one program for the batch's sizes, the
+    sampler's log-probs of every row the trainer's."""
+    _, proc = _qwen_model(tmp_path)
+    proc.tokenizer.save_pretrained(tmp_path / "qwen")
+    monkeypatch.setattr(images_lib, "load_processor", lambda model_dir: proc)
+    data = _counted_squares(tmp_path / "data", [0, 1, 2] * 4,
+                            sizes=[(24, 16), (16, 24), (32, 32), (16, 8)])
+    out = tmp_path / "run"
+    train(_cfg(tmp_path / "qwen", out, f"dataset_name={data}", "shuffle_dataset=false",
+               "per_device_train_batch_size=12", "max_steps=2", "save_steps=10",
+               "image_buckets=null"),
+          devices=jax.devices()[:1])
+    steps = [r for r in _records(out) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    worst = max(r["sampling/sampling_logp_difference/max"] for r in steps)
+    print(f"Qwen-VL, four image sizes, sampler vs trainer max |diff| {worst:.3g}")
     assert worst < 5e-5
 
 
