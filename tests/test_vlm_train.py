@@ -757,15 +757,7 @@ def test_trains_on_prompts_with_different_numbers_of_images(seeing_dir, tmp_path
     (Through partial rollouts: test_squares_trains_through_partial_rollouts[shared] trains on
     this data set.)"""
     data = _counted_squares(tmp_path / "data", [0, 1, 2] * 4)
-    out = tmp_path / "run"
-    train(_cfg(seeing_dir, out, f"dataset_name={data}", "shuffle_dataset=false",
-               "per_device_train_batch_size=12", "max_steps=2", "save_steps=10"),
-          devices=jax.devices()[:1])
-    steps = [r for r in _records(out) if "loss" in r]
-    assert [r["step"] for r in steps] == [1, 2]
-    worst = max(r["sampling/sampling_logp_difference/max"] for r in steps)
-    print(f"static: 0 to 2 images a prompt, sampler vs trainer max |diff| {worst:.3g}")
-    assert worst < 5e-5
+    _two_steps_agree(seeing_dir, data, tmp_path / "run", "static: 0 to 2 images a prompt")
 
 
 def test_qwen_trains_on_images_of_different_sizes(tmp_path, monkeypatch):
@@ -777,15 +769,20 @@ def test_qwen_trains_on_images_of_different_sizes(tmp_path, monkeypatch):
     monkeypatch.setattr(images_lib, "load_processor", lambda model_dir: proc)
     data = _counted_squares(tmp_path / "data", [0, 1, 2] * 4,
                             sizes=[(24, 16), (16, 24), (32, 32), (16, 8)])
-    out = tmp_path / "run"
-    train(_cfg(tmp_path / "qwen", out, f"dataset_name={data}", "shuffle_dataset=false",
-               "per_device_train_batch_size=12", "max_steps=2", "save_steps=10",
-               "image_buckets=null"),
+    _two_steps_agree(tmp_path / "qwen", data, tmp_path / "run", "Qwen-VL, four image sizes",
+                     "image_buckets=null")
+
+
+def _two_steps_agree(model_dir, data, out, what, *extra):
+    """Two static steps of 3 prompts x 4 on `data` in order: the sampler's log-probs of every
+    row are the trainer's."""
+    train(_cfg(model_dir, out, f"dataset_name={data}", "shuffle_dataset=false",
+               "per_device_train_batch_size=12", "max_steps=2", "save_steps=10", *extra),
           devices=jax.devices()[:1])
     steps = [r for r in _records(out) if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
     worst = max(r["sampling/sampling_logp_difference/max"] for r in steps)
-    print(f"Qwen-VL, four image sizes, sampler vs trainer max |diff| {worst:.3g}")
+    print(f"{what}: sampler vs trainer max |diff| {worst:.3g}")
     assert worst < 5e-5
 
 

@@ -233,15 +233,6 @@ class ImageLayout(NamedTuple):
     windows: Segments  # its windows (HF's get_vision_window_index), one per row: the others'
 
 
-def patch_positions(t: int, h: int, w: int, m: int) -> np.ndarray:
-    """[t * h * w, 2] the (h, w) of each patch of a (t, h, w) grid, block-major over m x m
-    merge blocks as the processor orders them (HF's get_vision_position_ids)."""
-    hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-    block = (h // m, m, w // m, m)
-    hw = np.stack([a.reshape(block).transpose(0, 2, 1, 3).reshape(-1) for a in (hh, ww)], -1)
-    return np.tile(hw, (t, 1))
-
-
 def window_side(v) -> int:
     """Merged units along a window's side."""
     return max(v.window_size // v.spatial_merge_size // v.patch_size, 1)
