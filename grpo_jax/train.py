@@ -40,7 +40,7 @@ from grpo_jax.errors import (CheckpointWriteError, ConfigError, GrpoJaxError, No
                              TrainError, UpdatesSkippedError)
 from grpo_jax.models import ModelConfig
 from grpo_jax.rollout import tools as tools_lib
-from grpo_jax.rollout.engines import make_rollout, refuse_images
+from grpo_jax.rollout.engines import make_rollout
 from grpo_jax.rollout.native import disaggregated, partial, sampler_hosts
 from grpo_jax.rollout.native.sampler import reference_copy
 from grpo_jax.rollout.native.sampler_process import SamplerProcess, SamplerSpec
@@ -340,7 +340,6 @@ def _build_run(cfg: config_lib.TrainConfig, out: Path, lock: RunDirLock, devices
     model, model_dir = peft_io.load_model(cfg, mesh)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tools = tools_lib.load_tools(cfg.multi_turn.tools)
-    refuse_images(cfg, model.cfg)  # before the data's images are read
     data_args = cfg.data
     if tools:  # as TRL: a parser, a prefix-preserving template, which the prompts use too
         tokenizer = tools_lib.prepare_tool_tokenizer(

@@ -25,7 +25,7 @@ from grpo_jax import hf, image_blocks, images, squares
 from grpo_jax.checkpoint import load_checkpoint
 from grpo_jax.cli import load_config
 from grpo_jax.config.rollout import SamplingParams
-from grpo_jax.errors import ConfigError, VLLMServerError
+from grpo_jax.errors import VLLMServerError
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.train_step import completion_logps
 from grpo_jax.models import lora
@@ -200,13 +200,6 @@ def test_images_go_to_the_server_at_the_processors_size():
     pixels = [proc.image_processor(images=[x], return_tensors="np")["pixel_values"]
               for x in (im, small)]
     np.testing.assert_array_equal(*pixels)
-
-
-def test_nccl_with_images_is_refused(gemma3_dir, tmp_path):
-    cfg = load_config("squares", _settings(gemma3_dir, tmp_path / "run", "http://127.0.0.1:1")
-                      + ["vllm_weight_sync=nccl"])
-    with pytest.raises(ConfigError, match=r"unset vllm_weight_sync: nccl"):
-        train(cfg, devices=jax.devices()[:1])
 
 
 @needs_vllm

@@ -86,32 +86,7 @@ def make_rollout(cfg, model_cfg, tokenizer, mesh, model_dir, tools=(), *,
     return rollout
 
 
-def refuse_images(cfg, model_cfg) -> None:
-    """A vision-language model trains on images through the native sampler's static batches,
-    its decode slots (max_num_seqs: refilled, or static sub-batches without
-    continuous_batching) or its partial rollouts (max_staleness), also on
-    devices of their own (sampler_devices, sampler_process), or through a vLLM server's
-    rollouts (the language model pushed, its tower too when that has adapters); with tools
-    (each turn sent or re-prefilled with the row's images, partial rollouts feeding it in its
-    slot; a tool's image not with partial rollouts, rollout.tools), async rounds and a
-    rollout_func (rollout.custom) too. What needs more (nccl) is refused, naming what to
-    unset.
-    (model_cfg None: a server's rollout whose model the server holds; nothing to check here.)"""
-    if model_cfg is None or model_cfg.vision is None:
-        return
-    r = cfg.rollout
-    # A vLLM server takes Gemma 3's and Qwen-VL's prompts with their images
-    # (VLLMRollout.generate_images; the language model's weights pushed, and the tower's
-    # when it has adapters); nccl's layerwise plan is not built for them.
-    if r.backend == "vllm" and r.vllm_weight_sync == "nccl":
-        raise ConfigError(f"a vision-language model ({model_cfg.model_type}) on a vLLM "
-                          "server takes prompts with their images over http or shm; unset "
-                          "vllm_weight_sync: nccl (its layerwise plan is a language "
-                          "model's only)")
-
-
 def _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools, batch_divisor, hosts):
-    refuse_images(cfg, model_cfg)
     sp = sampling_params(cfg, tokenizer, hf.generation_eos_ids(model_dir) if model_dir else ())
     if cfg.rollout.backend == "jax":
         # SPMD over every process's devices

@@ -15,7 +15,6 @@ copy, one tensor at a time.
 from __future__ import annotations
 
 import dataclasses
-import re
 import socket
 from typing import Any
 
@@ -33,17 +32,41 @@ class Meta:
     shape: tuple[int, ...]
 
 
-def hf_parts(cfg, dtype) -> dict[str, list]:
-    """HF tensor name -> its parts [(table name, layer or None)], in vLLM's layerwise order
-    (`layerwise_groups`): embeddings, layer 0 .. L-1, then the final norm and the head (the tied
-    head too: vLLM keeps its own copy)."""
-    parts = {k: v[0] for k, v in hf.hf_tensor_parts(cfg, jnp.dtype(dtype)).items()}
+def hf_parts(cfg, dtype, tower: bool = True) -> dict[str, list]:
+    """Exported tensor name (hf.export_name, as the other transports send it) -> its parts
+    [(table name, layer or None, expert or None)], in vLLM's layerwise order
+    (layerwise_order): embeddings, layer 0 .. L-1, then the final norm and the head (the tied
+    head too: vLLM keeps its own copy). A vision-language model's tower (vision/*) only with
+    `tower`: a push leaves a frozen one out, as http's does."""
+    parts = {hf.export_name(cfg, k): v[0]
+             for k, v in hf.hf_tensor_parts(cfg, jnp.dtype(dtype)).items()
+             if tower or not v[0][0][0].startswith("vision/")}
     if cfg.tie_word_embeddings:
-        parts["lm_head.weight"] = parts["model.embed_tokens.weight"]
-    layer = {k: int(m.group(1)) for k in parts if (m := re.search(r"\.(\d+)\.", k))}
-    pre = [k for k in parts if k not in layer and "embed" in k]
-    post = [k for k in parts if k not in layer and k not in pre]
-    return {k: parts[k] for k in [*pre, *sorted(layer, key=layer.get), *post]}
+        parts[hf.export_name(cfg, "lm_head.weight")] = parts[
+            hf.export_name(cfg, "model.embed_tokens.weight")]
+    return {k: parts[k] for k in layerwise_order(parts)}
+
+
+def layerwise_order(names) -> list[str]:
+    """vLLM's layerwise_groups (vllm.distributed.weight_transfer.base), flattened: the names
+    without an integer segment that come before the first one with, then each stack (the
+    prefix before a name's outermost integer segment) in the order its prefix first appears,
+    index ascending, then the other names without. Its own here: the trainer describes its
+    weights without importing vLLM (JaxSource runs in the test venv, which has none);
+    tests/test_vllm_nccl_plan.py holds it to vLLM's."""
+    pre, post, stacks = [], [], {}
+    for name in names:
+        parts = name.split(".")
+        at = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        if at is None:
+            (post if stacks else pre).append(name)
+            continue
+        stacks.setdefault((".".join(parts[:at]), int(parts[at])), []).append(name)
+    rank: dict[str, int] = {}
+    for prefix, _ in stacks:
+        rank.setdefault(prefix, len(rank))
+    order = sorted(stacks, key=lambda key: (rank[key[0]], key[1]))
+    return [*pre, *(n for key in order for n in stacks[key]), *post]
 
 
 def hf_tensor(cfg, params, parts, dtype) -> jax.Array:
@@ -60,14 +83,15 @@ def hf_tensor(cfg, params, parts, dtype) -> jax.Array:
 class JaxSource:
     """vLLM's WeightSource over the trainer's current params (`set` before each send)."""
 
-    def __init__(self, cfg, dtype: str, device=None):
+    def __init__(self, cfg, dtype: str, device=None, tower: bool = True):
         import torch
-        self.cfg, self.parts = cfg, hf_parts(cfg, dtype)
+        self.cfg, self.parts = cfg, hf_parts(cfg, dtype, tower)
         self.dtype, self.torch_dtype = jnp.dtype(dtype), getattr(torch, dtype)
         self.device = device or jax.devices()[0]  # the sender's GPU
-        specs = hf.hf_tensor_parts(cfg, self.dtype)
-        self.shapes = {k: tuple(specs[k if k in specs else "model.embed_tokens.weight"][1].shape)
-                       for k in self.parts}
+        specs = {hf.export_name(cfg, k): v[1]
+                 for k, v in hf.hf_tensor_parts(cfg, self.dtype).items()}
+        embed = hf.export_name(cfg, "model.embed_tokens.weight")  # a tied head's shape
+        self.shapes = {k: tuple(specs[k if k in specs else embed].shape) for k in self.parts}
         self.params, self.alive = None, []
 
     def set(self, params) -> None:

@@ -17,7 +17,7 @@ from grpo_jax.rollout.base import Rollout, RolloutBatch, WeightMode
 from grpo_jax.rollout.padding import bucketed_prompts
 from grpo_jax.rollout.vllm.client import Completion, VLLMClient, rollout_arrays
 from grpo_jax.rollout.vllm.sync import ServerWeights, resolve_transport, transfer_metrics
-from grpo_jax.errors import ConfigError, ServerUnreachableError, VLLMServerError, WeightsLost
+from grpo_jax.errors import ServerUnreachableError, VLLMServerError, WeightsLost
 
 
 def warn_filters(sp) -> None:
@@ -40,9 +40,9 @@ class VLLMRollout(Rollout):
     def __init__(self, cfg, model_cfg, sp: SamplingParams, pad: int, processor=None):
         """`sp`: the run's sampling settings (engines.make_rollout makes them, with TRL's stop
         set); `pad`: the tokenizer's pad id. `processor`: a vision-language model's HF
-        processor (Gemma 3's, Qwen-VL's; engines.refuse_images refuses what is not built):
-        the rows' records give each prompt's images, sent with its unexpanded ids
-        (generate_images)."""
+        processor (Gemma 3's, Qwen-VL's): the rows' records give each prompt's images, sent
+        with its unexpanded ids (generate_images); each push sends the language model's
+        weights, and the tower's when it has adapters (_pushed; nccl: its plan's tower)."""
         self.processor = processor
         self.image_token_id = None if processor is None else model_cfg.vision.image_token_id
         self.takes_records = processor is not None
@@ -59,11 +59,6 @@ class VLLMRollout(Rollout):
         self.extras = r.request_extras()
         warn_filters(self.sp)
         transport = resolve_transport(r.vllm_weight_sync, self.client)
-        if processor is not None and transport == "nccl":  # `auto` on a server set up for it
-            raise ConfigError(f"the vLLM server at {r.base_url} takes weights over nccl, whose "
-                              "layerwise plan is a language model's only; set "
-                              "vllm_weight_sync: http (grpo_jax.serve's default) for a "
-                              "vision-language model")
         # With LoRA: whether update_weights takes the adapters alone (with the frozen base) or
         # the full weights with the adapters merged in. Over http the adapters alone always
         # work (our engine merges them into the base it was given once), unless the server runs
@@ -76,7 +71,8 @@ class VLLMRollout(Rollout):
                            and r.vllm_lora_sync == "adapter"
                            and not self.client.model_info().get("max_lora_rank"))
         self.weights = ServerWeights(self.client, transport, model_cfg,
-                                     lora_scaling=cfg.peft.scale if merge_on_server else None)
+                                     lora_scaling=cfg.peft.scale if merge_on_server else None,
+                                     tower=model_cfg.vision is None or self.tower_adapted)
         if self.weights.lora_scaling is not None:
             self.weight_mode = WeightMode.PUSH_ADAPTERS
         elif cfg.peft.use_peft and r.vllm_lora_sync == "adapter":

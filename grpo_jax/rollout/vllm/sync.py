@@ -40,7 +40,10 @@ def transfer_metrics(moved: int, seconds: float, **extra) -> dict[str, float]:
 class ServerWeights:
     """Pushes weights to one server with one transport and remembers the last push."""
 
-    def __init__(self, client, transport: str, model_cfg, lora_scaling: float | None = None):
+    def __init__(self, client, transport: str, model_cfg, lora_scaling: float | None = None,
+                 tower: bool = True):
+        """tower: a vision-language model's tower goes with each push (nccl's plan; the other
+        transports send what they are given: VLLMRollout._pushed)."""
         self.client, self.transport, self.model_cfg = client, transport, model_cfg
         self.lora_scaling = lora_scaling  # set: push LoRA adapters alone (http), else full
         self.dtype = client.model_info()["dtype"]
@@ -56,7 +59,7 @@ class ServerWeights:
             http_sync.connect(client, keep_base=lora_scaling is not None)
         if transport == "nccl":
             from grpo_jax.rollout.vllm import nccl_sync
-            self.source = nccl_sync.JaxSource(model_cfg, self.dtype)
+            self.source = nccl_sync.JaxSource(model_cfg, self.dtype, tower=tower)
             self.engine = nccl_sync.connect(client, self.source)
 
     @property
