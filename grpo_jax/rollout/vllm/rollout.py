@@ -70,9 +70,12 @@ class VLLMRollout(Rollout):
         merge_on_server = (cfg.peft.use_peft and not cfg.peft.quant_bits and transport == "http"
                            and r.vllm_lora_sync == "adapter"
                            and not self.client.model_info().get("max_lora_rank"))
+        # A frozen tower stays as the server loaded it (model_cfg None: the server's model).
+        frozen_tower = (model_cfg is not None and model_cfg.vision is not None
+                        and not self.tower_adapted)
         self.weights = ServerWeights(self.client, transport, model_cfg,
                                      lora_scaling=cfg.peft.scale if merge_on_server else None,
-                                     tower=model_cfg.vision is None or self.tower_adapted)
+                                     tower=not frozen_tower)
         if self.weights.lora_scaling is not None:
             self.weight_mode = WeightMode.PUSH_ADAPTERS
         elif cfg.peft.use_peft and r.vllm_lora_sync == "adapter":
