@@ -24,7 +24,7 @@ import numpy as np
 from grpo_jax.errors import DataError
 
 
-def count(pixels: np.ndarray, grid: np.ndarray | None = None) -> int:
+def count(pixels: np.ndarray) -> int:
     """Images per block (K): Gemma 3's pixels [rows, K, C, H, W], Qwen-VL's [rows, K, P,
     values]."""
     return pixels.shape[1]

@@ -243,7 +243,7 @@ def test_grpo_run_through_the_server_with_images_and_tools(gemma3_dir, gemma3_se
                                              jax.random.key(1), records)
     np.testing.assert_array_equal(looped.tool_calls, 1)
     assert (looped.completion_images.sum(axis=1) == MM).all()
-    assert image_blocks.count(looped.pixel_values, looped.image_grid) == 2
+    assert image_blocks.count(looped.pixel_values) == 2
     model_tok = (looped.completion_mask * looped.tool_mask).astype(bool)
     after = model_tok & (np.cumsum(looped.completion_images, axis=1) > 0)
     assert after.any(axis=1).all()

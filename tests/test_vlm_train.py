@@ -603,7 +603,7 @@ def test_partial_rollouts_carry_each_groups_images(family, seeing_dir, tmp_path)
     wide = partial.advance(params, a.in_flight, [two], [0], 3, jax.random.key(7)).in_flight
     slot = next(i for i, x in enumerate(wide.records) if x is two)
     before = a.in_flight.pixel_values
-    assert image_blocks.count(wide.pixel_values, wide.image_grid) == 2
+    assert image_blocks.count(wide.pixel_values) == 2
     np.testing.assert_array_equal(wide.pixel_values[slot], images_lib.prompt_pixels(
         proc, [two["prompt"]]).pixel_values[0])
     others = [i for i in range(len(wide.records)) if i != slot]
@@ -673,7 +673,7 @@ def test_prompts_with_different_numbers_of_images(family, seeing_dir, tmp_path):
     params = nnx.split(model, nnx.Param)[1]
     r = rollout.generate(params, [x["prompt_ids"] for x in records], g, jax.random.key(3),
                          records)
-    assert image_blocks.count(r.pixel_values, r.image_grid) == 2
+    assert image_blocks.count(r.pixel_values) == 2
     if family == "qwen2_5_vl":
         assert r.pixel_values.shape[2] == 64
         np.testing.assert_array_equal(r.image_grid[::g], [
@@ -728,7 +728,7 @@ def test_prompts_with_different_numbers_of_images(family, seeing_dir, tmp_path):
                             [records[1]])
     plain = rollout.sampler.generate(params, [records[1]["prompt_ids"]], g, jax.random.key(3))
     np.testing.assert_array_equal(text.completion_ids, plain.completion_ids)
-    assert image_blocks.count(text.pixel_values, text.image_grid) == 0
+    assert image_blocks.count(text.pixel_values) == 0
     mine = np.asarray(completion_logps(model, _rows_batch(text), 1.0, 128)[0])
     assert np.abs(mine - text.sampler_logp)[text.completion_mask.astype(bool)].max() < 5e-5
 
@@ -981,7 +981,7 @@ def test_tool_images_reach_the_model_as_transformers_places_them(family, seeing_
     assert (r.completion_ids[placed] == image_id).all() and (r.tool_mask[placed] == 0).all()
     model_tok = (r.completion_mask * r.tool_mask).astype(bool)
     assert (model_tok & (np.cumsum(placed, axis=1) > 0)).any(axis=1).all()  # a second turn
-    assert image_blocks.count(r.pixel_values, r.image_grid) == 2
+    assert image_blocks.count(r.pixel_values) == 2
     batch = Batch(r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
                   r.truncated, np.zeros(len(r.truncated), np.float32), tool_mask=r.tool_mask,
                   pixel_values=r.pixel_values, positions=r.positions,

@@ -172,7 +172,7 @@ def completion_embeds(model, batch: Batch) -> jax.Array:
     when some completion of the batch holds a tool's image (lax.cond: a tool loop's batches on
     a vision-language model carry completion_images whether or not a tool returned one)."""
     ids = batch.completion_ids
-    k = image_blocks.count(batch.pixel_values, batch.image_grid)
+    k = image_blocks.count(batch.pixel_values)
     if batch.completion_images is None or not k:
         return model.embed_text(ids)
     image_id = model.cfg.vision.image_token_id
@@ -196,7 +196,7 @@ def prompt_embeds(model, batch: Batch, group: int = 1) -> jax.Array:
     its images: of each prompt once where blocks of `group` rows share it. Each row's block of
     k images (its own, then blanks: image_blocks) feeds its own placeholders only."""
     pv, ids = batch.pixel_values[::group], batch.prompt_ids[::group]
-    k = image_blocks.count(pv, batch.image_grid)
+    k = image_blocks.count(pv)
     if not k:  # no prompt of the batch holds an image
         return model.embed_text(ids)
     grid = None if batch.image_grid is None else batch.image_grid[::group].reshape(-1, 3)
