@@ -48,18 +48,25 @@ def blocks(pixels: np.ndarray, grid: np.ndarray | None, counts: Sequence[int]
     if (grid[:, 0] != 1).any():
         raise DataError(f"images of {sorted(set(grid[:, 0].tolist()))} frames: Qwen-VL trains "
                         "on still images (one frame each), not videos")
-    sizes = grid.prod(axis=1)
-    per = int(sizes.max(initial=0))
-    out = np.zeros((len(counts), k, per, pixels.shape[-1]), pixels.dtype)
+    index, valid = patch_rows(grid)
+    padded = np.where(valid[..., None], pixels[index], 0).astype(pixels.dtype)  # [n, P, V]
+    out = np.zeros((len(counts), k, *padded.shape[1:]), pixels.dtype)
     grids = np.zeros((len(counts), k, 3), np.int32)
-    starts = np.concatenate([[0], np.cumsum(sizes)])
-    image = 0
+    at = 0
     for b, n in enumerate(counts):
-        for j in range(n):
-            out[b, j, :sizes[image]] = pixels[starts[image]:starts[image + 1]]
-            grids[b, j] = grid[image]
-            image += 1
+        out[b, :n], grids[b, :n] = padded[at:at + n], grid[at:at + n]
+        at += n
     return out, grids
+
+
+def patch_rows(grid) -> tuple[np.ndarray, np.ndarray]:
+    """(index [n, P], valid [n, P]): where each image's patch rows sit in the processor's
+    pixel_values (its images' patches one after another), for images of grids [n, 3] padded
+    to the largest's P patches (index 0 where not valid)."""
+    sizes = np.asarray(grid, np.int64).reshape(-1, 3).prod(axis=1)
+    at = np.arange(int(sizes.max(initial=0)))
+    valid = at[None] < sizes[:, None]
+    return np.where(valid, (np.cumsum(sizes) - sizes)[:, None] + at[None], 0), valid
 
 
 def widen(pixels: np.ndarray, grid: np.ndarray | None, k: int, patches: int | None = None

@@ -84,8 +84,8 @@ def _gemma3(tmp):
 
 def _qwen25(tmp):
     """Qwen2.5-VL (vlm_models.tiny_qwen25) with a 4 x 6 patch image per prompt: rows of
-    [1 image, patches, C*T*P*P] and their grids, and M-RoPE positions over prompt + completion (qwen_vl.rope_index, the
-    completion's padding masked); TRL's inputs: pixel_values [patches of all images, ...],
+    [1 image, patches, C*T*P*P] and their grids, and M-RoPE positions over prompt +
+    completion (qwen_vl.rope_index, the completion's padding masked); TRL's inputs: pixel_values [patches of all images, ...],
     image_grid_thw, num_images and mm_token_type_ids (zeros over the completion), from which
     transformers computes its own M-RoPE positions (get_rope_index)."""
     from grpo_jax.models import qwen_vl

@@ -273,9 +273,8 @@ def test_load_in_4bit_quantizes_the_tower_as_bitsandbytes(tiny):
     params = {k: quant.dequantize(v, scales[k], jnp.float32, stacked=scales[k].ndim == 3)
               if k in scales else v
               for k, v in params.items() if not k.endswith("_qscale")}
-    dequantized = own_features(qwen_vl.feature_counts(q.cfg.vision, *qwen_vl.per_image(
-        lambda x, g, i: qwen_vl.vision_forward(q.cfg.vision, params, x, g, jnp.float32),
-        jnp.asarray(batch[2]), GRIDS)))
+    dequantized = own_features(qwen_vl.per_image(q.cfg.vision, qwen_vl.vision_forward, params,
+                                                 jnp.asarray(batch[2]), GRIDS, jnp.float32))
     np.testing.assert_allclose(features[1], dequantized, atol=1e-6)
     # What a merge (the sampler's merged copy, export --merge) starts from: the same weights.
     base = quant.dequantized_base(nnx.state(q, nnx.Param))["vision"]

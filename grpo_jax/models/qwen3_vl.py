@@ -337,7 +337,5 @@ class Qwen3Vision(qwen_vl.TowerParams):
     def __call__(self, pixel_values, image_grid_thw, dtype):
         """([n, P / merge_unit, O * (1 + K)] (vision_forward per image), each image's own
         count [n]), as QwenVision's."""
-        params = {**self.params(), **self.adapters()}
-        return qwen_vl.feature_counts(self.cfg, *qwen_vl.per_image(
-            lambda x, g, i: vision_forward(self.cfg, qwen_vl.image_params(params, i), x, g,
-                                           dtype), pixel_values, image_grid_thw))
+        return qwen_vl.per_image(self.cfg, vision_forward, {**self.params(), **self.adapters()},
+                                 pixel_values, image_grid_thw, dtype)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from grpo_jax import image_blocks
 from grpo_jax.errors import ModelConfigError
 from grpo_jax.models import tower_lora
 from grpo_jax.models.tower_shape import TowerShape
@@ -357,32 +358,32 @@ def vision_forward(v: QwenVisionConfig, params: dict, pixel_values, grid, dtype)
             + params["merger/b2"].astype(dtype))
 
 
-def per_image(forward, pixel_values, image_grid_thw):
-    """`forward(pixel_values [P, ...], grid [3])` over a batch of images: pixel_values
-    [n, P, ...] each image's patches padded to P (image_blocks), or the processor's [N, ...]
-    (pad_patches: its grids then host arrays); image_grid_thw [n, 3]. Returns (features
-    [n, P / merge_unit, ...] each image's own first, the grids [n, 3] as an array)."""
+def per_image(v, forward, params: dict, pixel_values, image_grid_thw, dtype):
+    """A Qwen-VL tower's forward over a batch of images, image by image:
+    `forward(v, params, pixel_values [P, ...], grid [3], dtype)` (vision_forward) on
+    pixel_values [n, P, ...], each image's patches padded to P (image_blocks), or the
+    processor's [N, ...] (pad_patches: its grids then host arrays); image_grid_thw [n, 3].
+    Returns (features [n, P / merge_unit, ...] each image's own first, how many are its own
+    [n]: t*h*w / merge_unit), as ImageTower's __call__."""
     if pixel_values.ndim == 2:  # the processor's order: its grids read here (host arrays)
         pixel_values = pad_patches(pixel_values, image_grid_thw)
     grid = jnp.asarray(image_grid_thw, jnp.int32).reshape(-1, 3)
     index = jnp.arange(grid.shape[0], dtype=jnp.uint32)
-    return jax.vmap(forward)(pixel_values, grid, index), grid
+    features = jax.vmap(lambda x, g, i: forward(v, _image_params(params, i), x, g, dtype))(
+        pixel_values, grid, index)
+    return features, grid[:, 0] * grid[:, 1] * grid[:, 2] // v.merge_unit
 
 
 def pad_patches(pixel_values, image_grid_thw):
     """The processor's pixel_values [N, values] (its images' patches one after another) as
     [n, P, values], each image's patches padded with zeros to the largest's, P; the grids
     [n, 3] are read on the host."""
-    sizes = np.asarray(image_grid_thw, np.int64).reshape(-1, 3).prod(axis=1)
-    width = int(sizes.max(initial=0))
-    at = np.arange(width)
-    valid = at[None] < sizes[:, None]
-    index = np.where(valid, (np.cumsum(sizes) - sizes)[:, None] + at[None], 0)
+    index, valid = image_blocks.patch_rows(image_grid_thw)
     pixel_values = jnp.asarray(pixel_values)
     return jnp.where(jnp.asarray(valid)[..., None], pixel_values[jnp.asarray(index)], 0)
 
 
-def image_params(params: dict, image) -> dict:
+def _image_params(params: dict, image) -> dict:
     """The tower's params for image `image` (traced) of a batch: LoRA dropout keys folded
     with it, so that images draw masks of their own as one sequence of all their patches
     would (under vmap the same key would give every image the same mask)."""
@@ -480,15 +481,8 @@ class QwenVision(TowerParams):
         are its own [n]) of pixel_values [n, P, C*T*P*P] (each image's patches padded to P)
         whose grids are image_grid_thw [n, 3] (traced: one program for any grids of P
         patches at most)."""
-        params = {**self.params(), **self.adapters()}
-        return feature_counts(self.cfg, *per_image(
-            lambda x, g, i: vision_forward(self.cfg, image_params(params, i), x, g, dtype),
-            pixel_values, image_grid_thw))
-
-
-def feature_counts(v, features, grid):
-    """(features, each image's own count: t*h*w / merge_unit)."""
-    return features, grid[:, 0] * grid[:, 1] * grid[:, 2] // v.merge_unit
+        return per_image(self.cfg, vision_forward, {**self.params(), **self.adapters()},
+                         pixel_values, image_grid_thw, dtype)
 
 
 # ---------------------------------------------------------------- M-RoPE positions (host)
