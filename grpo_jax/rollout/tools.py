@@ -29,9 +29,10 @@ each placeholder expanded to its image's tokens), tool_mask 0 and marked in the 
 the row's record grows by them, _Row.record), the next turn is re-prefilled seeing all of them,
 and the batch's pixels (and Qwen-VL's M-RoPE positions over prompt + completion) are the rows'
 final images (the backend's with_row_images, rollout/row_images.py), which the trainer places at
-the prompt's and then the completion's placeholders (train_step.completion_embeds). Refused in
-one line (tool_messages): by partial rollouts (IN_PARTIAL) and by a rollout without a processor,
-a text model's (NO_PROCESSOR).
+the prompt's and then the completion's placeholders (train_step.completion_embeds). Under partial
+rollouts the row's episode keeps them (PartialTurns.images) and its slot prefills its context
+again with all of them (rollout/native/partial.py). Refused in one line (tool_messages) by a
+rollout without a processor, a text model's (NO_PROCESSOR).
 
 With partial rollouts (max_staleness >= 1 on the native sampler) the same loop runs row by row
 inside the sampler's rounds (rollout/native/partial.py): `PartialTurns` is its host side, the
@@ -365,14 +366,14 @@ class ToolRollout(RolloutWrapper):
         # round drives them instead of generate.
         self.partial = None if self.inner.partial is None else self.inner.partial.with_turns(
             partial_turns(self.toolbox, self.tokenizer, self.max_iterations,
-                          self.template_kwargs, self.shared))
+                          self.template_kwargs, self.shared, self.inner.processor))
 
     def process_parts(self, tools: Sequence[str]) -> tuple[dict, "TurnsSpec"]:
         """The inner sampler's settings and this tool loop, for the sampler's process to build
         the same (rollout.sampler_process)."""
         return self.inner.process_parts(tools)[0], TurnsSpec(
             tuple(tools), self.toolbox.timeout, self.tokenizer, self.max_iterations,
-            self.template_kwargs, self.shared)
+            self.template_kwargs, self.shared, self.inner.processor)
 
     def generate(self, weights, prompt_ids, num_generations, key, records=None) -> RolloutBatch:
         import jax
@@ -473,16 +474,14 @@ class ToolRollout(RolloutWrapper):
 # Why a tool's image is refused where the loop can't feed it to the model.
 NO_PROCESSOR = ("images in tool results need a vision-language model, whose processor "
                 "expands them as TRL 1.16's does; return text")
-IN_PARTIAL = ("images in tool results are not supported with partial rollouts "
-              "(max_staleness >= 1); set max_staleness: 0, or return text")
 
 
 def tool_messages(calls: list[tuple[str, Any, bool]], refused: str | None = None) -> list[dict]:
     """The `tool` messages of a turn's calls (Toolbox.call's results), as TRL makes them: a
     list result as its content blocks (e.g. [{"type": "image", "image": <PIL image>},
     {"type": "text", "text": ...}]), anything else as its str. `refused`: why a result holding
-    an image part can't be taken here (NO_PROCESSOR, IN_PARTIAL), raised as a ToolError; None:
-    images taken."""
+    an image part can't be taken here (NO_PROCESSOR), raised as a ToolError; None: images
+    taken."""
     for name, out, _ in calls:
         parts = [p for p in out if isinstance(p, dict) and p.get("type") == "image"] \
             if isinstance(out, list) else []
@@ -583,16 +582,26 @@ class PartialTurns:
     row that ended a turn is parsed and its calls run as ToolRollout does (every call of the
     rows that ended a turn together, on process 0 when `shared`), and its completion gets the
     results' tokens unless max_iterations tool turns were run or they would pass the budget
-    (TRL: the row ends there). An episode: the tool messages appended after each turn and the
-    row's call and failure counts; the assistant messages are parsed from the tokens at the end."""
+    (TRL: the row ends there). An episode: the tool messages appended after each turn, the
+    row's call and failure counts and the completion spans of the results that hold images
+    (`images`); the assistant messages are parsed from the tokens at the end. `processor`: a
+    vision-language model's, which renders a tool's image as ToolRollout's does (None: a text
+    model's, which refuses one: NO_PROCESSOR)."""
     tokenizer: Any
     toolbox: Toolbox
     max_iterations: int | None
     template_kwargs: dict | None = None
     shared: bool = True
+    processor: Any = None
 
     def start(self) -> dict:
-        return {"results": [], "calls": 0, "failures": 0}
+        return {"results": [], "calls": 0, "failures": 0, "image_spans": []}
+
+    def images(self, episode: dict) -> tuple[list, list[tuple[int, int]]]:
+        """The images the row's tools returned, in order, and the [start, stop) completion
+        spans of the results that hold them (their placeholders are the image tokens there)."""
+        return ([im for msgs in episode["results"] for im in message_images(msgs)],
+                [tuple(span) for span in episode.get("image_spans", ())])
 
     def end_turns(self, ended: list[tuple], budget: int) -> list[tuple[list[int] | None, dict]]:
         todo = []
@@ -614,14 +623,18 @@ class PartialTurns:
             if not calls:
                 out.append((None, episode))
                 continue
-            msgs = tool_messages(calls, IN_PARTIAL)
+            msgs = tool_messages(calls, NO_PROCESSOR if self.processor is None else None)
             episode = dict(episode, calls=episode["calls"] + len(calls),
                            failures=episode["failures"] + sum(f for _, _, f in calls))
-            suffix = tool_suffix_ids(self.tokenizer, msgs, self.template_kwargs)
+            suffix = tool_suffix_ids(self.tokenizer, msgs, self.template_kwargs, self.processor)
             if len(ids) + len(suffix) > budget:  # TRL: the row ends here, results dropped
                 out.append((None, episode))
                 continue
-            out.append((suffix, dict(episode, results=episode["results"] + [msgs])))
+            spans = list(episode.get("image_spans", ()))
+            if message_images(msgs):
+                spans.append([len(ids), len(ids) + len(suffix)])
+            out.append((suffix, dict(episode, results=episode["results"] + [msgs],
+                                     image_spans=spans)))
         return out
 
     def fields(self, rows: list[tuple]) -> dict:
@@ -641,14 +654,14 @@ class PartialTurns:
 
 
 def partial_turns(toolbox: Toolbox, tokenizer, max_iterations: int | None,
-                  template_kwargs: dict | None, shared: bool) -> PartialTurns:
+                  template_kwargs: dict | None, shared: bool, processor=None) -> PartialTurns:
     """The tool loop's host side for partial rollouts, as ToolRollout and the sampler's process
     (TurnsSpec) build it. With sampler_devices it runs in the sampler's thread beside the
     trainer's, which uses the run's tokenizer: a tokenizer of its own, since a fast tokenizer
     keeps truncation and padding as state each call sets before it encodes (transformers'
     set_truncation_and_padding), which two threads would mix."""
     return PartialTurns(copy.deepcopy(tokenizer), toolbox, max_iterations, template_kwargs,
-                        shared)
+                        shared, processor)
 
 
 class TurnsSpec(NamedTuple):
@@ -656,17 +669,19 @@ class TurnsSpec(NamedTuple):
     (rollout.sampler_process; ToolRollout.process_parts), picklable: the tools by the names
     load_tools loads them by (a function from a file pickles as a reference to a module that
     process lacks), the tokenizer whole as prepare_tool_tokenizer left it (its chat template
-    and response_template pickle with it)."""
+    and response_template pickle with it), and a vision-language model's processor."""
     tools: tuple[str, ...]
     timeout: float
     tokenizer: Any
     max_iterations: int | None
     template_kwargs: dict | None
     shared: bool
+    processor: Any = None
 
     def build(self) -> PartialTurns:
         return partial_turns(Toolbox(load_tools(self.tools), self.timeout), self.tokenizer,
-                             self.max_iterations, self.template_kwargs, self.shared)
+                             self.max_iterations, self.template_kwargs, self.shared,
+                             self.processor)
 
 
 def _turns(ids: list[int], forced: list[int]) -> list[slice]:

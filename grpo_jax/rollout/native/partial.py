@@ -69,21 +69,26 @@ call counts (`InFlight.episodes`) are saved with the rows.
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from typing import Any, NamedTuple, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from PIL import Image
 
 from grpo_jax import distributed as dist
 from grpo_jax import image_blocks
 from grpo_jax import images as images_lib
 from grpo_jax.models import KVCache, moe
+from grpo_jax.rollout import row_images
 from grpo_jax.rollout.base import RolloutBatch
 from grpo_jax.rollout.native import sampling
 from grpo_jax.rollout.native.sampler import (Sampler, as_key, cast_matrices, decode_metrics,
                                              left_pad, row_keys)
+from grpo_jax.shapes import next_pow2
 
 WAITING, LIVE, DONE, EMPTY, TURN = 0, 1, 2, 3, 4  # a row's status (TURN: with tools, see above)
 _LAST = np.iinfo(np.int32).max  # sorts after every real priority
@@ -127,6 +132,10 @@ class TurnEnds(Protocol):
 
     def fields(self, rows: list[tuple]) -> dict:
         """RolloutBatch fields of finished rows: completions, tool_calls, tool_failures."""
+
+    def images(self, episode: dict) -> tuple[list, list[tuple[int, int]]]:
+        """The images the row's tool results returned (PIL), in order, and the [start, stop)
+        completion spans of the results that hold them (a vision-language model's)."""
 
 
 class InFlight(NamedTuple):
@@ -182,6 +191,7 @@ class PartialRollouts:
         # rows would only be decoded to be restarted there: one batch.
         self.group_slots = groups if max_staleness == 0 else 2 * groups
         self.program = jax.jit(self._advance, static_argnames=("width",))
+        self._again_program = jax.jit(self._again)
         self._empty_program = jax.jit(self._empty_rows, static_argnames=("width", "penalty"))
 
     def with_turns(self, turn_ends: TurnEnds) -> "PartialRollouts":
@@ -250,20 +260,34 @@ class PartialRollouts:
             if episodes is None:
                 break
             store = kept[0]  # the round's prompt pass, for the passes after tool calls
-            ends = self._end_turns(rows, ids, pmask, episodes)
-            if ends is None:
+            ended = self._end_turns(rows, ids, pmask, episodes)
+            if ended is None:
                 break
+            ends, seeing = ended
+            if seeing:  # rows fed a tool's image: their contexts prefilled again in their slots
+                rows, ends = self._look_again(params, rows, ends, seeing, ids, pmask, recs,
+                                              episodes, version), None
+            else:
+                ends = tuple(map(jnp.asarray, ends))
         chosen = chosen[chosen >= 0]
         out_rows = (chosen[:, None] * g + np.arange(g)).ravel()
         tokens, cmask, logp, versions = dist.to_host(
             (rows.tokens[out_rows], rows.mask[out_rows], rows.logp[out_rows],
              rows.version[out_rows]))
-        fields, stopped = {}, None
+        fields, stopped, row_records = {}, None, None
         if episodes is not None:
             forced = dist.to_host(rows.forced[out_rows])
             turns = _turn_rows(ids, pmask, tokens, cmask, forced, episodes, out_rows, g)
             fields = dict(self.turn_ends.fields(turns),
                           tool_mask=np.where(cmask > 0, 1 - forced, 1).astype(np.int32))
+            if self.processor is not None:  # where the completions hold a tool's image
+                shown = [self._tool_images(episodes[i], tokens[k])
+                         for k, i in enumerate(out_rows)]
+                fields["completion_images"] = np.stack([placed for _, placed in shown])
+                if any(images for images, _ in shown):
+                    row_records = [_row_record(recs[i // g], images, placed, cmask[k])
+                                   for k, (i, (images, placed)) in enumerate(zip(out_rows,
+                                                                                  shown))]
             # The tool loop's rule (TRL's): truncated unless the last token is a stop (a tool
             # result holds the chat template's end-of-turn token too).
             stopped = np.array([bool(t[1]) and t[1][-1] in set(s.sampling_params.stop_token_ids)
@@ -293,6 +317,9 @@ class PartialRollouts:
                              versions=np.where(cmask > 0, versions, 0).astype(np.int32),
                              prompt_routing=prompt_routing, completion_routing=completion_routing,
                              **fields)
+        if row_records is not None:  # each row's prompt images, then its tools'
+            batch = row_images.with_row_images(self.processor, s.cfg, s.pad_id, batch,
+                                               row_records)
         left = at._replace(rows=rows, prompt_ids=ids, prompt_mask=pmask, data_rows=data,
                            seq=seq, records=tuple(recs), drawn=at.drawn + len(prompts),
                            key=run_key, episodes=None if episodes is None else tuple(episodes),
@@ -336,8 +363,10 @@ class PartialRollouts:
 
     def _end_turns(self, rows: Rows, ids, pmask, episodes: list):
         """The rows that ended a turn (TURN) through the host's tool loop: the program's
-        `ends` argument (which end, which go on, the tokens they are fed), None when no row
-        did. Updates `episodes`."""
+        `ends` argument (which end, which go on, the tokens they are fed) and, for the rows
+        that go on after a result holding images, (row, its completion's length with the
+        result), to prefill again (_look_again); None when no row ended a turn. Updates
+        `episodes`."""
         status = dist.to_host(rows.status)
         ended = np.flatnonzero(status == TURN)
         if not ended.size:
@@ -346,18 +375,72 @@ class PartialRollouts:
         g, C = self.g, tokens.shape[1]
         turns = _turn_rows(ids, pmask, tokens[ended], mask[ended], forced[ended], episodes,
                            ended, g)
-        resume = np.zeros(len(status), bool)
+        resume, seeing = np.zeros(len(status), bool), []
         put, put_mask = np.zeros_like(tokens), np.zeros_like(forced)
-        for i, (_, done, _, _), (more, episode) in zip(
+        for i, (_, done, _, before), (more, episode) in zip(
                 ended, turns, self.turn_ends.end_turns(turns, C)):
             episodes[i] = episode
             if more is not None and len(done) + len(more) <= C:
                 resume[i] = True
                 put[i, len(done):len(done) + len(more)] = more
                 put_mask[i, len(done):len(done) + len(more)] = 1
+                spans = self.turn_ends.images(episode)[1]
+                if len(spans) > len(self.turn_ends.images(before)[1]):
+                    seeing.append((int(i), len(done) + len(more)))
         finish = np.zeros(len(status), bool)
         finish[ended] = ~resume[ended]
-        return tuple(map(jnp.asarray, (finish, resume, put, put_mask)))
+        return (finish, resume, put, put_mask), seeing
+
+    def _tool_images(self, episode: dict, tokens: np.ndarray) -> tuple[list, np.ndarray]:
+        """(the images a row's tools returned, [C] bool: their placeholders in its completion
+        `tokens`)."""
+        images, spans = self.turn_ends.images(episode)
+        placed = np.zeros(len(tokens), bool)
+        for start, stop in spans:
+            placed[start:stop] = True
+        return images, placed & (tokens == self.sampler.cfg.vision.image_token_id)
+
+    def _look_again(self, params, rows: Rows, ends, seeing, ids, pmask, recs, episodes,
+                    version: int) -> Rows:
+        """`ends` resolved, and the rows of `seeing` ((row, completion length n)), which go on
+        after a tool result holding images, prefilled again in their slots: prompt + their
+        first n - 1 completion tokens (the result's last is fed by the next decode step, as a
+        forced token is) with the prompt's images and every image their tools returned, under
+        this round's weights. A result's image can't be fed a token a step as text is: its
+        placeholders take the tower's features, Gemma 3's attend to each other both ways, and
+        Qwen-VL's M-RoPE gives them grid positions that move every later position. The row's
+        earlier keys and values are recomputed too (under these weights, as the round's
+        prompt pass recomputes the prompts'); the log-probs of its tokens stay the sampler's
+        that drew them."""
+        s, g = self.sampler, self.g
+        finish, resume, put, put_mask = ends
+        tokens = dist.to_host(rows.tokens)
+        tokens = np.where(put_mask > 0, put, tokens)
+        slot_row = dist.to_host(rows.slot_row)
+        width, C = ids.shape[1], tokens.shape[1]
+        n = next_pow2(len(seeing))
+        ctx_ids = np.full((n, width + C), s.pad_id, np.int32)
+        ctx_mask = np.zeros_like(ctx_ids)
+        slots, which = np.full(n, self.slots, np.int32), np.full(n, len(tokens), np.int32)
+        lengths, marks, shown = np.ones(n, np.int32), [0] * n, [[] for _ in range(n)]
+        for j, (i, length) in enumerate(seeing):
+            group = i // g
+            ctx = np.concatenate([ids[group], tokens[i, :length - 1]])  # the slot's layout
+            ctx_ids[j, -len(ctx):] = ctx
+            ctx_mask[j, -len(ctx):] = np.concatenate([pmask[group], np.ones(length - 1)])
+            images, placed = self._tool_images(episodes[i], tokens[i])
+            record = _row_record(recs[group], images, placed, np.arange(C) < length - 1)
+            marks[j], shown[j] = images_lib.image_tokens(record), images_lib.record_images(record)
+            slots[j], which[j], lengths[j] = np.flatnonzero(slot_row == i)[0], i, length
+        px = images_lib.row_pixels(self.processor, shown)
+        k = image_blocks.count(px.pixel_values)
+        flat = px.pixel_values.reshape(-1, *px.pixel_values.shape[2:])
+        grid = None if px.image_grid is None else px.image_grid.reshape(-1, 3)
+        images = s.image_inputs(ctx_ids, ctx_mask, flat, grid, marks, images_per_prompt=k)
+        return self._again_program(params, rows, tuple(map(jnp.asarray, ends)),
+                                   jnp.asarray(ctx_ids), jnp.asarray(ctx_mask),
+                                   jnp.asarray(slots), jnp.asarray(which), jnp.asarray(lengths),
+                                   np.int32(version), images)
 
     # ------------------------------------------------------------------ compiled program
 
@@ -432,6 +515,42 @@ class PartialRollouts:
         return rows._replace(status=status, slot_row=jnp.where(freed, -1, rows.slot_row),
                              tokens=jnp.where(forced > 0, tokens, rows.tokens),
                              forced=jnp.maximum(rows.forced, forced))
+
+    def _again(self, params, rows: Rows, ends, ctx_ids, ctx_mask, slots, which, lengths,
+               version, images) -> Rows:
+        """_look_again's program: `ends` resolved, then each context (ctx_ids [n, P + C], the
+        slot's layout left-padded to its width) prefilled into slot slots[j] (S: none) of row
+        which[j], whose completion then holds lengths[j] tokens, the last to be fed next."""
+        s = self.sampler
+        rows = self._resolve(rows, *ends)
+        _, _, cache, _ = s.prompt_pass(params, ctx_ids, ctx_mask, False, images)
+        # The context ends at slot P + length - 2 of its row's slot, at the end of ctx_ids:
+        # shifted left by the padding after it in the slot. A sliding layer's ring (slot =
+        # position % window) holds the context's last `window` positions: rolled alike.
+        shift = s.sampling_params.max_completion_length - lengths + 1
+
+        def place(buf, new):
+            at = (jnp.arange(new.shape[3])[None] + shift[:, None]) % new.shape[3]
+            new = jnp.take_along_axis(new, at[None, :, None, :, None], axis=3)
+            return buf.at[:, slots].set(new.astype(buf.dtype), mode="drop")
+        cache = KVCache(*(tuple(map(place, part, new)) for part, new in zip(rows.cache, cache)))
+        row = jnp.minimum(which, rows.tokens.shape[0] - 1)
+        written = jnp.arange(rows.tokens.shape[1])[None] < lengths[:, None]  # [n, C]
+        fed = written & (rows.mask[row] == 0)  # the result's tokens, as _record writes them
+        put = lambda buf, x: buf.at[which].set(  # noqa: E731
+            jnp.where(fed, x, buf[row]).astype(buf.dtype), mode="drop")
+        tokens = rows.tokens[row]
+        seen = rows.seen
+        if seen is not None:
+            seen = seen.at[slots[:, None], tokens].max(fed, mode="drop")
+        # decode positions after the context: its real prompt tokens + its M-RoPE delta
+        prompt_len = jnp.sum(ctx_mask, axis=1) - (lengths - 1) + images.deltas
+        at = lambda buf, x: buf.at[slots].set(x, mode="drop")  # noqa: E731
+        return self._laid_out(rows._replace(
+            mask=put(rows.mask, 1), version=put(rows.version, version),
+            length=at(rows.length, lengths), prompt_len=at(rows.prompt_len, prompt_len),
+            last=at(rows.last, tokens[jnp.arange(len(row)), lengths - 1]),
+            cache=s.constrain_cache(cache), seen=seen))
 
     def _laid_out(self, rows: Rows) -> Rows:
         """The rows' layout, the same out of every program (so the next round's input matches
@@ -593,7 +712,7 @@ def to_arrays(at: InFlight) -> dict[str, np.ndarray]:
     if at.key is not None:
         out["key"] = np.asarray(jax.random.key_data(at.key))
     if at.episodes is not None:  # the tool loop's messages and counts, as JSON text
-        out["episodes"] = np.asarray(json.dumps(at.episodes, default=str))
+        out["episodes"] = np.asarray(_episodes_json(at.episodes))
     if at.pixel_values is not None:  # each group slot's images, its prompt ids' placeholders'
         out["pixel_values"] = at.pixel_values
         if at.image_grid is not None:
@@ -626,10 +745,44 @@ def from_arrays(template: InFlight, arrays: dict, record) -> InFlight:
                     int(arrays["drawn"]),
                     None if key is None else jax.random.wrap_key_data(np.asarray(key)),
                     template.episodes if "episodes" not in arrays
-                    else tuple(json.loads(str(arrays["episodes"]))),
+                    else _episodes_from_json(str(arrays["episodes"])),
                     None if "pixel_values" not in arrays else np.asarray(arrays["pixel_values"]),
                     None if "image_grid" not in arrays
                     else np.asarray(arrays["image_grid"], np.int32))
+
+
+def _row_record(record: dict, images: list, placed: np.ndarray, real: np.ndarray) -> dict:
+    """A row's record as the tool loop's (tools._Row.record): its prompt's, with its tools'
+    `images` whose placeholders are where `placed` says among its first real completion
+    tokens (`real` [C] bool)."""
+    if not images:
+        return record
+    return dict(record, tool_images=list(images),
+                image_tokens=[True] * len(record["prompt_ids"]) + placed[real].tolist())
+
+
+def _episodes_json(episodes) -> str:
+    """The episodes as JSON text, a tool result's image (PIL) as its PNG (lossless)."""
+    def encode(x):
+        if isinstance(x, Image.Image):
+            out = io.BytesIO()
+            x.save(out, format="PNG")
+            return {_PNG: base64.b64encode(out.getvalue()).decode()}
+        return str(x)
+    return json.dumps(episodes, default=encode)
+
+
+def _episodes_from_json(text: str) -> tuple:
+    def decode(x):
+        if _PNG in x:
+            image = Image.open(io.BytesIO(base64.b64decode(x[_PNG])))
+            image.load()
+            return image
+        return x
+    return tuple(json.loads(text, object_hook=decode))
+
+
+_PNG = "__png__"  # an image's key in a checkpoint's episodes
 
 
 def _turn_rows(ids, pmask, tokens, mask, forced, episodes, rows, g: int) -> list[tuple]:
