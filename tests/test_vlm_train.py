@@ -1138,10 +1138,13 @@ def test_squares_trains_with_tools(seeing_dir, tmp_path, rounds):
                and r["rewards/episode/mean"] == 1 for r in steps)
 
 
-def test_squares_trains_with_a_tool_that_returns_an_image(seeing_dir, tmp_path):
-    """Two steps on 'squares' (static rounds) with a calculator that returns a picture and the
-    answer (TRL 1.16's multimodal tool result), seeing_dir's Gemma 3 with TOOL_TEMPLATE (which
-    renders a tool's image part as a placeholder): every row calls it, its completion gets the
+@pytest.mark.parametrize("rounds", ["static", "sampler_process"])
+def test_squares_trains_with_a_tool_that_returns_an_image(seeing_dir, tmp_path, rounds):
+    """Two steps on 'squares' with a calculator that returns a picture and the answer (TRL
+    1.16's multimodal tool result), seeing_dir's Gemma 3 with TOOL_TEMPLATE (which renders a
+    tool's image part as a placeholder), in static rounds or in partial rollouts in a sampler
+    process of its own (the processor goes there with the tool loop; the rows, their episodes
+    and batches come back with the picture): every row calls it, its completion gets the
     picture's tokens, its next turn sees the prompt's image and the picture, and the trainer's
     log-probs (both images in the forward) are the sampler's; the loss is finite and the tool
     metrics are TRL's."""
@@ -1149,14 +1152,19 @@ def test_squares_trains_with_a_tool_that_returns_an_image(seeing_dir, tmp_path):
     (tmp_path / "picture.py").write_text(PICTURE_TOOL)
     (tmp_path / "episode.py").write_text(PICTURE_EPISODE)
     out = tmp_path / "run"
+    extra, devices = (), jax.devices()[:1]
+    if rounds == "sampler_process":
+        extra, devices = ("max_num_seqs=3", "max_staleness=2", "learning_rate=0.0",
+                          "sampler_devices=1", "dp=1", "sampler_process=true"), jax.devices()[:2]
     train(_cfg(model_dir, out, "max_steps=2", "save_steps=10", "max_completion_length=192",
                f"tools=[{tmp_path / 'picture.py'}:calculator]", "max_tool_calling_iterations=1",
-               f"reward_funcs=[accuracy,{tmp_path / 'episode.py'}:episode]"),
-          devices=jax.devices()[:1])
+               f"reward_funcs=[accuracy,{tmp_path / 'episode.py'}:episode]", *extra),
+          devices=devices)
     steps = [r for r in _records(out) if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
     worst = max(r["sampling/sampling_logp_difference/max"] for r in steps)
-    print(f"a tool's image, sampler vs trainer log-probs, max |diff| over 2 steps: {worst:.3g}"
+    print(f"a tool's image ({rounds}), sampler vs trainer log-probs, max |diff| over 2 steps: "
+          f"{worst:.3g}"
           f"; loss {[r['loss'] for r in steps]}")
     assert worst < 5e-5
     assert all(np.isfinite(r["loss"]) and r["tools/call_frequency"] == 1

@@ -65,6 +65,15 @@ exactly where the row's next tokens read it, costs one decode step per result to
 are short), and needs no second program. The rounds never end with a row TURN (advance resolves
 every turn first), so a checkpoint holds no tool call pending: its per-row tool messages and
 call counts (`InFlight.episodes`) are saved with the rows.
+
+A tool's image (a vision-language model's, TRL 1.16's multimodal tool result) is the exception:
+it can't be fed a token a step, since its placeholders take the tower's features, Gemma 3's
+image tokens attend to each other both ways, and Qwen-VL's M-RoPE gives them grid positions that
+move every later position. A row fed such a result prefills its context (prompt + completion +
+result) again, in its own slot, with its prompt's image and every image its tools returned
+(_look_again: a second program, compiled per count of such rows and images). Its episode keeps
+the tools' images (PNG in a checkpoint), and its finished rows carry them, where they sit
+(completion_images) and Qwen-VL's positions over prompt + completion to the trainer.
 """
 
 from __future__ import annotations

@@ -30,8 +30,7 @@ class JaxRollout(Rollout):
     processor's image processor and into the prefill; the batch carries them, row by row, for
     the trainer's forwards. Through static batches, refilled decode slots and partial
     rollouts (whose group slots keep their prompts' images across rounds), with tools too (each
-    turn's context a prompt with its record's images; a tool's image not with partial
-    rollouts: rollout.tools refuses it)."""
+    turn's context a prompt with its record's images, and a tool's images after them)."""
 
     def __init__(self, model_cfg, params: SamplingParams, *, pad_id: int, mesh, peft=None,
                  partial_rollouts: tuple[int, int, int] | None = None, processor=None,
