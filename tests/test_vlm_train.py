@@ -930,6 +930,39 @@ def _picture_tool(picture):
     return calculator_picture
 
 
+def _picture_family(family, seeing_dir, tmp_path):
+    """(model in fp32, processor, image size, its tokenizer prepared for tools with
+    TOOL_TEMPLATE, which renders a tool's image part as the model's placeholder) of Gemma 3's
+    seeing model or a tiny Qwen-VL's."""
+    if family == "gemma3":
+        model = hf.load_model(str(seeing_dir), dtype=np.float32)[0]
+        proc, size = images_lib.load_processor(seeing_dir), (28, 28)
+        template = TOOL_TEMPLATE.replace(FORCED_CALL, "")
+    else:
+        (model, proc), size = _qwen_model(tmp_path, family), (16, 24)
+        template = TOOL_TEMPLATE.replace(FORCED_CALL, "").replace(
+            "<start_of_image>", "<|vision_start|><|image_pad|><|vision_end|>")
+    tok = copy.deepcopy(proc.tokenizer)
+    tok.chat_template = template
+    tok.response_template = dict(tools.HERMES_RESPONSE_TEMPLATE,
+                                 start_anchor="<|im_start|>assistant")
+    return model, proc, size, tools.prepare_tool_tokenizer(tok)
+
+
+def _call_records(proc, tok, shown, expressions) -> list[dict]:
+    """Records of prompts holding the image shown[i] each, their assistant turns begun with a
+    calculator call of expressions[i] (so every row's first turn, whatever random tokens end
+    it, is a call)."""
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
+    prompts = [images_lib.multimodal_messages(
+        [{"role": "user", "content": "how many" + "?" * i}], [image], i)
+        for i, image in enumerate(shown)]
+    ids = images_lib.process(proc, prompts)
+    return [{"prompt": p, "prompt_ids": ids.prompt_ids(i) + tok.encode(
+        call % e, add_special_tokens=False)} for i, (p, e) in enumerate(zip(prompts,
+                                                                             expressions))]
+
+
 @pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl", "qwen3_vl"])
 def test_tool_images_reach_the_model_as_transformers_places_them(family, seeing_dir, tmp_path):
     """A tool that returns an image (TRL 1.16's [{"type": "image", ...}, {"type": "text",
@@ -940,31 +973,14 @@ def test_tool_images_reach_the_model_as_transformers_places_them(family, seeing_
     (PyTorch, the same weights) with both images and the token type ids TRL builds from the
     ids (Qwen3-VL: both images' DeepStack features too); the sampler's of the model's tokens
     are the trainer's."""
-    if family == "gemma3":
-        model = hf.load_model(str(seeing_dir), dtype=np.float32)[0]
-        proc, size = images_lib.load_processor(seeing_dir), (28, 28)
-        ref = transformers.Gemma3ForConditionalGeneration.from_pretrained(seeing_dir).eval()
-        template = TOOL_TEMPLATE.replace(FORCED_CALL, "")
-    else:
-        (model, proc), size = _qwen_model(tmp_path, family), (16, 24)
-        ref = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "qwen").eval()
-        template = TOOL_TEMPLATE.replace(FORCED_CALL, "").replace(
-            "<start_of_image>", "<|vision_start|><|image_pad|><|vision_end|>")
-    tok = copy.deepcopy(proc.tokenizer)
-    tok.chat_template = template
-    tok.response_template = dict(tools.HERMES_RESPONSE_TEMPLATE,
-                                 start_anchor="<|im_start|>assistant")
-    tok, g = tools.prepare_tool_tokenizer(tok), 2
-    rng = np.random.default_rng(1)
+    model, proc, size, tok = _picture_family(family, seeing_dir, tmp_path)
+    ref = (transformers.Gemma3ForConditionalGeneration.from_pretrained(seeing_dir)
+           if family == "gemma3" else
+           transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "qwen")).eval()
+    rng, g = np.random.default_rng(1), 2
     shown, picture = (Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
                       for _ in range(2))
-    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
-    prompts = [images_lib.multimodal_messages(
-        [{"role": "user", "content": "how many" + "?" * i}], [shown], i) for i in range(2)]
-    ids = images_lib.process(proc, prompts)
-    records = [{"prompt": p, "prompt_ids": ids.prompt_ids(i) + tok.encode(
-        call % e, add_special_tokens=False)} for i, (p, e) in enumerate(zip(prompts,
-                                                                             ["7 * 8", "5 + 5"]))]
+    records = _call_records(proc, tok, [shown, shown], ["7 * 8", "5 + 5"])
     C, stops = 64, tuple(range(2, 40))
     inner = JaxRollout(model.cfg, SamplingParams(max_completion_length=C, temperature=1.0,
                                                  stop_token_ids=stops),
@@ -1022,29 +1038,11 @@ def test_partial_rollouts_feed_a_tools_image(family, seeing_dir, tmp_path):
     several rounds; with the images zeroed the turns after a result are not. A checkpoint's rows in
     flight keep their tools' images (the episodes' PNGs): the next round from them is the next
     round from the rows themselves."""
-    if family == "gemma3":
-        model = hf.load_model(str(seeing_dir), dtype=np.float32)[0]
-        proc, size = images_lib.load_processor(seeing_dir), (28, 28)
-        template = TOOL_TEMPLATE.replace(FORCED_CALL, "")
-    else:
-        (model, proc), size = _qwen_model(tmp_path), (16, 24)
-        template = TOOL_TEMPLATE.replace(FORCED_CALL, "").replace(
-            "<start_of_image>", "<|vision_start|><|image_pad|><|vision_end|>")
-    tok = copy.deepcopy(proc.tokenizer)
-    tok.chat_template = template
-    tok.response_template = dict(tools.HERMES_RESPONSE_TEMPLATE,
-                                 start_anchor="<|im_start|>assistant")
-    tok, g = tools.prepare_tool_tokenizer(tok), 2
-    rng = np.random.default_rng(2)
-    picture = Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
-    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
-    prompts = [images_lib.multimodal_messages(
-        [{"role": "user", "content": "how many" + "?" * i}],
-        [Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))], i)
-        for i in range(12)]
-    ids = images_lib.process(proc, prompts)
-    records = [{"prompt": p, "prompt_ids": ids.prompt_ids(i) + tok.encode(
-        call % f"{i} + 1", add_special_tokens=False)} for i, p in enumerate(prompts)]
+    model, proc, size, tok = _picture_family(family, seeing_dir, tmp_path)
+    rng, g = np.random.default_rng(2), 2
+    picture, *shown = (Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
+                       for _ in range(13))
+    records = _call_records(proc, tok, shown, [f"{i} + 1" for i in range(12)])
     C, stops = 64, tuple(range(2, 16))
     inner = JaxRollout(model.cfg, SamplingParams(max_completion_length=C, temperature=1.0,
                                                  stop_token_ids=stops, max_num_seqs=3),
