@@ -24,6 +24,7 @@ what the vision tower sees.
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import math
@@ -371,3 +372,37 @@ def row_pixels(processor, images: Sequence[Sequence[Any]]) -> PromptPixels:
     if grid is not None and not any(counts):
         grid = grid[:0]
     return PromptPixels(*image_blocks.blocks(np.asarray(out["pixel_values"]), grid, counts))
+
+
+def json_bytes(value: Any) -> np.ndarray:
+    """`value` (e.g. the tool loop's messages, whose tool results may hold PIL images) as JSON
+    in UTF-8 bytes (uint8, for a checkpoint's npz; a numpy string takes 4 bytes a character),
+    each PIL image as its PNG (lossless) in base64, anything else JSON can't hold as its str."""
+    from PIL import Image  # here: see decode_image
+
+    def encode(x):
+        if isinstance(x, Image.Image):
+            out = io.BytesIO()
+            x.save(out, format="PNG")
+            return {_PNG: base64.b64encode(out.getvalue()).decode()}
+        return str(x)
+    return np.frombuffer(json.dumps(value, default=encode).encode(), np.uint8)
+
+
+def from_json_bytes(saved) -> Any:
+    """json_bytes' value, its images PIL images again (also a checkpoint's from before
+    2026-12-07: JSON text as a numpy string)."""
+    from PIL import Image  # here: see decode_image
+
+    def decode(x):
+        if _PNG in x:
+            image = Image.open(io.BytesIO(base64.b64decode(x[_PNG])))
+            image.load()
+            return image
+        return x
+    saved = np.asarray(saved)
+    text = saved.tobytes().decode() if saved.dtype == np.uint8 else str(saved)
+    return json.loads(text, object_hook=decode)
+
+
+_PNG = "__png__"  # an image's key in json_bytes' JSON

@@ -23,6 +23,7 @@ from tool_rollouts import SHOTS, tool_tokenizer
 from grpo_jax import data, hf
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.checkpoint import load_checkpoint
+from grpo_jax.images import from_json_bytes
 from grpo_jax.calculator import calculator
 from grpo_jax.models import Decoder, ModelConfig
 from grpo_jax.rollout import tools
@@ -203,14 +204,14 @@ def test_training_with_tool_turns_in_flight_and_resume(tool_dir, tok, tmp_path, 
         train(config(tool_dir, tmp_path / "full", **sets), devices=devices)
         full, got[:], full_drawn, drawn[:] = list(got), [], list(drawn), []
     stopped_at(tmp_path / "full", tmp_path / "cut", 2)
-    episodes = json.loads(str(np.load(tmp_path / "cut" / "rows_in_flight" / "2.npz")[
-        "episodes"]))
+    episodes = from_json_bytes(np.load(tmp_path / "cut" / "rows_in_flight" / "2.npz")[
+        "episodes"])
     assert any(e["results"] for e in episodes)  # rows in flight after a tool's result
     if split:  # the batch sampled ahead: its tool results masked, its messages kept
         queued = np.load(tmp_path / "cut" / "queued" / "2.npz")
         assert ((queued["tool_mask"] == 0) & (queued["completion_mask"] > 0)).any()
         assert queued["tool_calls"].min() >= 1
-        assert any(m["role"] == "tool" for row in json.loads(str(queued["completions"]))
+        assert any(m["role"] == "tool" for row in from_json_bytes(queued["completions"])
                    for m in row)
     train(config(tool_dir, tmp_path / "cut", resume=True, **sets), devices=devices)
     # The resumed run's advances: the full run's after step 2 (a split run's third batch came
@@ -250,12 +251,12 @@ def test_sampler_process_with_tools_equals_the_one_process_split(tool_dir, tok, 
     stopped_at(split_tool_run[0], tmp_path / "full", 2)
     own = dict(sets, sampler_process=True)
     train(config(tool_dir, tmp_path / "cut", **dict(own, max_steps=1)), devices=devices)
-    episodes = json.loads(str(np.load(tmp_path / "cut" / "rows_in_flight" / "1.npz")[
-        "episodes"]))
+    episodes = from_json_bytes(np.load(tmp_path / "cut" / "rows_in_flight" / "1.npz")[
+        "episodes"])
     assert any(e["results"] for e in episodes)  # rows in flight after a tool's result
     queued = np.load(tmp_path / "cut" / "queued" / "1.npz")  # the tool loop's fields came back
     assert ((queued["tool_mask"] == 0) & (queued["completion_mask"] > 0)).any()
-    assert any(m["role"] == "tool" for row in json.loads(str(queued["completions"]))
+    assert any(m["role"] == "tool" for row in from_json_bytes(queued["completions"])
                for m in row)
     train(config(tool_dir, tmp_path / "cut", resume=True, **own), devices=devices)
     a = [h for h in history(tmp_path / "full") if h["step"] <= 2]

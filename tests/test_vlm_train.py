@@ -38,6 +38,7 @@ from grpo_jax.models import lora
 from grpo_jax.models.config import ModelConfig, param_table
 from grpo_jax.rollout import tools
 from grpo_jax.rollout.custom import CustomRollout
+from grpo_jax.rollout.native import disaggregated
 from grpo_jax.rollout.native.partial import from_arrays, to_arrays
 from grpo_jax.rollout.native.rollout import JaxRollout
 from grpo_jax.rollout.native.sampling import SamplingParams
@@ -1092,10 +1093,17 @@ def test_partial_rollouts_feed_a_tools_image(family, seeing_dir, tmp_path):
     assert np.array_equal(np.asarray(back.episodes[shown[0]]["results"][0][0]["content"][0][
         "image"]), np.asarray(picture))
     (a, _), (b, _) = advance(at, 3), advance(back, 3)
+    # A split run's batch sampled ahead, checkpointed: its rows' messages keep the picture.
+    queued = disaggregated.from_arrays(disaggregated.to_arrays(disaggregated.Queued(
+        b.rollout, tuple(b.records), np.arange(len(b.records)), 0)), records.__getitem__)
     for name in ("completion_ids", "sampler_logp", "versions", "pixel_values", "positions",
                  "completion_images"):
-        x, y = getattr(a.rollout, name), getattr(b.rollout, name)
+        x, y, z = (getattr(r, name) for r in (a.rollout, b.rollout, queued.rollout))
         assert (x is None) == (y is None) and (x is None or np.array_equal(x, y)), name
+        assert (z is None) == (y is None) and (z is None or np.array_equal(z, y)), name
+    tool = next(m for row in queued.rollout.completions for m in row if m["role"] == "tool"
+                and isinstance(m["content"], list))
+    assert np.array_equal(np.asarray(tool["content"][0]["image"]), np.asarray(picture))
 
 
 @pytest.mark.parametrize("rounds", ["refill", "sampler_devices", "sampler_process"])

@@ -26,7 +26,6 @@ start beside the update.
 
 from __future__ import annotations
 
-import json
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple, Protocol, Sequence
@@ -34,6 +33,7 @@ from typing import NamedTuple, Protocol, Sequence
 import jax
 import numpy as np
 
+from grpo_jax import images
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.rollout.base import RolloutBatch
 from grpo_jax.rollout.native.partial import Advanced, InFlight, PartialRollouts
@@ -151,7 +151,7 @@ class SplitRollouts:
 
 # RolloutBatch's optional arrays a queued batch may hold.
 _OPTIONAL = ("prompt_routing", "completion_routing", "tool_mask", "tool_calls", "tool_failures",
-             "pixel_values", "positions")
+             "pixel_values", "positions", "completion_images")
 
 
 def to_arrays(q: Queued) -> dict[str, np.ndarray]:
@@ -165,8 +165,8 @@ def to_arrays(q: Queued) -> dict[str, np.ndarray]:
     fields = r._asdict()
     out.update({name: np.asarray(fields[name]) for name in _OPTIONAL
                 if fields[name] is not None})
-    if r.completions is not None:  # the tool loop's messages (what rewards read), as JSON text
-        out["completions"] = np.asarray(json.dumps(r.completions, default=str))
+    if r.completions is not None:  # the tool loop's messages (what rewards read; a tool's
+        out["completions"] = images.json_bytes(r.completions)  # images in them as PNG)
     if r.image_grid is not None:  # Qwen-VL's grids of each row's images
         out["image_grid"] = np.asarray(r.image_grid, np.int32)
     out.update({f"metric/{k}": np.float64(v) for k, v in (r.metrics or {}).items()})
@@ -183,7 +183,7 @@ def from_arrays(arrays: dict, record) -> Queued:
                            a["completion_mask"], a["truncated"], a["sampler_logp"],
                            metrics=metrics or None, versions=a["versions"],
                            completions=None if completions is None
-                           else json.loads(str(completions)),
+                           else images.from_json_bytes(completions),
                            image_grid=grid,
                            **{name: a.get(name) for name in _OPTIONAL})
     return Queued(rollout, tuple(record(int(i)) for i in a["data_rows"]), a["data_rows"],

@@ -78,15 +78,11 @@ the tools' images (PNG in a checkpoint), and its finished rows carry them, where
 
 from __future__ import annotations
 
-import base64
-import io
-import json
 from typing import Any, NamedTuple, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from PIL import Image
 
 from grpo_jax import distributed as dist
 from grpo_jax import image_blocks
@@ -721,7 +717,7 @@ def to_arrays(at: InFlight) -> dict[str, np.ndarray]:
     if at.key is not None:
         out["key"] = np.asarray(jax.random.key_data(at.key))
     if at.episodes is not None:  # the tool loop's messages and counts, as JSON text
-        out["episodes"] = np.asarray(_episodes_json(at.episodes))
+        out["episodes"] = images_lib.json_bytes(at.episodes)
     if at.pixel_values is not None:  # each group slot's images, its prompt ids' placeholders'
         out["pixel_values"] = at.pixel_values
         if at.image_grid is not None:
@@ -754,7 +750,7 @@ def from_arrays(template: InFlight, arrays: dict, record) -> InFlight:
                     int(arrays["drawn"]),
                     None if key is None else jax.random.wrap_key_data(np.asarray(key)),
                     template.episodes if "episodes" not in arrays
-                    else _episodes_from_json(str(arrays["episodes"])),
+                    else tuple(images_lib.from_json_bytes(arrays["episodes"])),
                     None if "pixel_values" not in arrays else np.asarray(arrays["pixel_values"]),
                     None if "image_grid" not in arrays
                     else np.asarray(arrays["image_grid"], np.int32))
@@ -768,30 +764,6 @@ def _row_record(record: dict, images: list, placed: np.ndarray, real: np.ndarray
         return record
     return dict(record, tool_images=list(images),
                 image_tokens=[True] * len(record["prompt_ids"]) + placed[real].tolist())
-
-
-def _episodes_json(episodes) -> str:
-    """The episodes as JSON text, a tool result's image (PIL) as its PNG (lossless)."""
-    def encode(x):
-        if isinstance(x, Image.Image):
-            out = io.BytesIO()
-            x.save(out, format="PNG")
-            return {_PNG: base64.b64encode(out.getvalue()).decode()}
-        return str(x)
-    return json.dumps(episodes, default=encode)
-
-
-def _episodes_from_json(text: str) -> tuple:
-    def decode(x):
-        if _PNG in x:
-            image = Image.open(io.BytesIO(base64.b64decode(x[_PNG])))
-            image.load()
-            return image
-        return x
-    return tuple(json.loads(text, object_hook=decode))
-
-
-_PNG = "__png__"  # an image's key in a checkpoint's episodes
 
 
 def _turn_rows(ids, pmask, tokens, mask, forced, episodes, rows, g: int) -> list[tuple]:
