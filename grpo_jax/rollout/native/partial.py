@@ -418,7 +418,7 @@ class PartialRollouts:
         prompt pass recomputes the prompts'); the log-probs of its tokens stay the sampler's
         that drew them."""
         s, g = self.sampler, self.g
-        finish, resume, put, put_mask = ends
+        put, put_mask = ends[2:]
         tokens = dist.to_host(rows.tokens)
         tokens = np.where(put_mask > 0, put, tokens)
         slot_row = dist.to_host(rows.slot_row)
@@ -528,6 +528,7 @@ class PartialRollouts:
         which[j], whose completion then holds lengths[j] tokens, the last to be fed next."""
         s = self.sampler
         rows = self._resolve(rows, *ends)
+        # No routing record: no mixture of experts here takes images.
         _, _, cache, _ = s.prompt_pass(params, ctx_ids, ctx_mask, False, images)
         # The context ends at slot P + length - 2 of its row's slot, at the end of ctx_ids:
         # shifted left by the padding after it in the slot. A sliding layer's ring (slot =
