@@ -314,6 +314,17 @@ def record_images(record: Mapping[str, Any]) -> list[Any]:
     return prompt_images(record["prompt"]) + list(record.get("tool_images", ()))
 
 
+def with_tool_images(record: Mapping[str, Any], tool_images: Sequence[Any],
+                     placed: Sequence[bool]) -> Mapping[str, Any]:
+    """A tool loop's row's record (its context: prompt + completion so far): its prompt's
+    `record` with the images its tools returned, whose placeholders are the completion tokens
+    `placed` marks (one bool per completion token so far); the record itself without any."""
+    if not len(tool_images):
+        return record
+    return dict(record, tool_images=list(tool_images),
+                image_tokens=[True] * len(record["prompt_ids"]) + list(placed))
+
+
 def image_tokens(record: Mapping[str, Any]) -> int | Sequence[bool]:
     """Which tokens of the ids a record is generated from may be image placeholders
     (Sampler.placeholders): its prompt's; a tool loop's row's context (prompt + completion so

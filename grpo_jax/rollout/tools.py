@@ -539,11 +539,9 @@ class _Row:
     def record(self, prompt_record: dict) -> dict:
         """The row's record for a turn after its prompt's (its context: prompt + completion so
         far): its prompt's images then its tools', whose placeholders are in the tool
-        results (images.record_images, images.image_tokens)."""
-        if not self.images:
-            return prompt_record
-        return dict(prompt_record, tool_images=list(self.images),
-                    image_tokens=[True] * len(prompt_record["prompt_ids"]) + self.placed)
+        results (images.with_tool_images)."""
+        from grpo_jax import images
+        return images.with_tool_images(prompt_record, self.images, self.placed)
 
     def add(self, ids, logp=None, model: bool = True, image_id: int | None = None):
         """`image_id`: the image placeholder's id where `ids` hold images (a tool result's)."""

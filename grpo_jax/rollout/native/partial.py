@@ -290,9 +290,9 @@ class PartialRollouts:
                          for k, i in enumerate(out_rows)]
                 fields["completion_images"] = np.stack([placed for _, placed in shown])
                 if any(images for images, _ in shown):
-                    row_records = [_row_record(recs[i // g], images, placed, cmask[k])
-                                   for k, (i, (images, placed)) in enumerate(zip(out_rows,
-                                                                                  shown))]
+                    row_records = [images_lib.with_tool_images(
+                        recs[i // g], images, placed[cmask[k] > 0].tolist())
+                        for k, (i, (images, placed)) in enumerate(zip(out_rows, shown))]
             # The tool loop's rule (TRL's): truncated unless the last token is a stop (a tool
             # result holds the chat template's end-of-turn token too).
             stopped = np.array([bool(t[1]) and t[1][-1] in set(s.sampling_params.stop_token_ids)
@@ -434,7 +434,8 @@ class PartialRollouts:
             ctx_ids[j, -len(ctx):] = ctx
             ctx_mask[j, -len(ctx):] = np.concatenate([pmask[group], np.ones(length - 1)])
             images, placed = self._tool_images(episodes[i], tokens[i])
-            record = _row_record(recs[group], images, placed, np.arange(C) < length - 1)
+            record = images_lib.with_tool_images(recs[group], images,
+                                                 placed[:length - 1].tolist())
             marks[j], shown[j] = images_lib.image_tokens(record), images_lib.record_images(record)
             slots[j], which[j], lengths[j] = np.flatnonzero(slot_row == i)[0], i, length
         px = images_lib.row_pixels(self.processor, shown)
@@ -755,16 +756,6 @@ def from_arrays(template: InFlight, arrays: dict, record) -> InFlight:
                     None if "pixel_values" not in arrays else np.asarray(arrays["pixel_values"]),
                     None if "image_grid" not in arrays
                     else np.asarray(arrays["image_grid"], np.int32))
-
-
-def _row_record(record: dict, images: list, placed: np.ndarray, real: np.ndarray) -> dict:
-    """A row's record as the tool loop's (tools._Row.record): its prompt's, with its tools'
-    `images` whose placeholders are where `placed` says among its first real completion
-    tokens (`real` [C] bool)."""
-    if not images:
-        return record
-    return dict(record, tool_images=list(images),
-                image_tokens=[True] * len(record["prompt_ids"]) + placed[real].tolist())
 
 
 def _turn_rows(ids, pmask, tokens, mask, forced, episodes, rows, g: int) -> list[tuple]:
