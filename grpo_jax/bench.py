@@ -31,6 +31,7 @@ from grpo_jax.metrics import timing
 from grpo_jax.models import Decoder, ModelConfig, lora, presets, quant
 from grpo_jax.models.lora import PeftArgs
 from grpo_jax.rollout.native.disaggregated import SplitRollouts
+from grpo_jax.rollout.native.partial import group_slots_for
 from grpo_jax.rollout.native.rollout import JaxRollout
 from grpo_jax.rollout.native.refill import Refill
 from grpo_jax.rollout.native.sampler import Sampler
@@ -373,12 +374,14 @@ def bench_partial(args, cfg, model, mesh, prompts):
 
     def score(records, r):
         return Scores(rng.standard_normal((len(r.truncated), 1)).astype(np.float32))
-    pool = list(prompts) * (args.rounds + 3)
+    def pool(start, count):  # the prompts cycled: the draws' `count` from draw `start`
+        return [prompts[i % len(prompts)] for i in range(start, start + count)]
     start = jax.tree.map(jnp.copy, policy.init_state)  # each way from the same weights
     result = {}
     for name, staleness in (("refill", 0), ("partial", args.max_staleness)):
+        in_flight = group_slots_for(args.max_inflight_tasks, staleness, g, k, split=False)
         rollout = JaxRollout(cfg, sp, pad_id=0, mesh=mesh,
-                             partial_rollouts=(g, k, staleness) if staleness else None)
+                             partial_rollouts=(g, k, staleness, in_flight) if staleness else None)
         round_ = GRPORound(policy, rollout, plan, score, ["random"], run_config(args, n).grpo)
         at = RunState(jax.tree.map(jnp.copy, start), rows_in_flight=None if not staleness else
                       rollout.partial.empty(max(map(len, prompts))))
@@ -386,7 +389,7 @@ def bench_partial(args, cfg, model, mesh, prompts):
         parts = {"generate": [], "update": [], "logprobs": []}
         for i in range(args.rounds + 1):
             want = at.rows_in_flight.empty_groups if staleness else k
-            draw = Draw([{"prompt_ids": p} for p in pool[drawn:drawn + want]], DataPosition(),
+            draw = Draw([{"prompt_ids": p} for p in pool(drawn, want)], DataPosition(),
                         rows=tuple(range(drawn, drawn + want)))
             drawn += want
             t0 = time.perf_counter()
@@ -431,7 +434,10 @@ def bench_split(args, cfg, model, mesh, prompts):
 
     def score(records, r):
         return Scores(rng.standard_normal((len(r.truncated), 1)).astype(np.float32))
-    pool, result = list(prompts) * (args.rounds + 5), {}
+    result = {}
+
+    def pool(start, count):  # the prompts cycled: the draws' `count` from draw `start`
+        return [prompts[i % len(prompts)] for i in range(start, start + count)]
     start = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))  # each way from the same
     width = max(map(len, prompts))
     ways = args.ways.split(",")
@@ -444,8 +450,10 @@ def bench_split(args, cfg, model, mesh, prompts):
         policy, plan = run_policy(args, model, t_mesh, n)
         # split: the sampler's bound counts its round-ahead version (engines.make_rollout)
         staleness = args.max_staleness - (s_mesh is not None)
+        in_flight = group_slots_for(args.max_inflight_tasks, args.max_staleness, g, k,
+                                    split=s_mesh is not None)
         rollout = JaxRollout(cfg, sp, pad_id=0, mesh=s_mesh or t_mesh,
-                             partial_rollouts=(g, k, staleness))
+                             partial_rollouts=(g, k, staleness, in_flight))
         split = (None if s_mesh is None else
                  SplitRollouts(rollout.partial, s_mesh, args.max_staleness) if name == "split"
                  else SamplerProcess(SamplerSpec(rollout.settings, dict(s_mesh.shape), width),
@@ -460,7 +468,7 @@ def bench_split(args, cfg, model, mesh, prompts):
             nonlocal drawn
             want = at.rows_in_flight.empty_groups
             drawn += want
-            return Draw([{"prompt_ids": p} for p in pool[drawn - want:drawn]], DataPosition(),
+            return Draw([{"prompt_ids": p} for p in pool(drawn - want, want)], DataPosition(),
                         rows=tuple(range(drawn - want, drawn)))
         for i in range(args.rounds + 2):
             t0 = time.perf_counter()
@@ -539,6 +547,9 @@ def main(argv=None):
                    help="partial: GRPO rounds timed (after one that compiles)")
     p.add_argument("--max-staleness", type=int, default=2,
                    help="partial: the partial rollouts' max_staleness")
+    p.add_argument("--max-inflight-tasks", type=int, default=-1,
+                   help="partial, split: rollout.max_inflight_tasks, the rows in flight "
+                   "(-1: max_staleness generation batches, at least two colocated)")
     p.add_argument("--sampler-devices", type=int,
                    help="split: the sampler's devices (the first N; default half)")
     p.add_argument("--ways", default="colocated,split",

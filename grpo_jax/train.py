@@ -213,7 +213,10 @@ class RunCheckpoints:
                     arrays = sampler_hosts.own(arrays, hosts)
                 except ValueError as e:
                     raise TrainError(f"checkpoint {latest}: {e}") from None
-            rows_in_flight = partial.from_arrays(rows_in_flight, arrays, source.record)
+            try:
+                rows_in_flight = partial.from_arrays(rows_in_flight, arrays, source.record)
+            except ValueError as e:
+                raise TrainError(f"checkpoint {latest}: {e}") from None
         queued = None
         if meta.get("queued"):
             if cfg.rollout.sampler_devices is None:
@@ -626,7 +629,8 @@ class Draws:
     def draw(self, position: data_lib.DataPosition, rows_in_flight=None) -> Draw | None:
         """The generation batch at `position` (None: past the run's data). With partial
         rollouts (`rows_in_flight`), the prompts of the group slots the last round emptied:
-        two generation batches at first (one trained, one more in flight), one a round after;
+        every group slot's at first (max_inflight_tasks: whole generation batches), one batch
+        a round after;
         their epochs' ends don't end an update window (the groups trained are others)."""
         n = self.plan.prompts_per_generation
         batches = 1 if rows_in_flight is None else rows_in_flight.empty_groups * self.hosts // n

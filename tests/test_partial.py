@@ -22,7 +22,8 @@ from grpo_jax.checkpoint import Checkpointer, load_checkpoint
 from grpo_jax.config import TrainConfig
 from grpo_jax.errors import ConfigError
 from grpo_jax.models import Decoder, ModelConfig
-from grpo_jax.rollout.native.partial import PartialRollouts, from_arrays, to_arrays
+from grpo_jax.rollout.native.partial import (PartialRollouts, from_arrays, group_slots_for,
+                                             to_arrays)
 from grpo_jax.rollout.native.sampler import Sampler
 from grpo_jax.rollout.native.sampling import SamplingParams
 from grpo_jax.train import train
@@ -57,13 +58,14 @@ def _rounds(partial, params_of, prompts, rounds, key=7):
     return out, at
 
 
-@pytest.mark.parametrize("case", ["plain", "mesh", "moe"])
+@pytest.mark.parametrize("case", ["plain", "mesh", "moe", "wide"])
 def test_carried_rows_draw_what_one_batch_does(case, compiled):
     """Fixed weights, 3 decode slots (fewer than a group), 2 groups a round: rows span rounds,
     yet every returned group equals one static batch of its prompt from its keys (rows
     group x G + j); log-probs equal the trainer's; versions are the rounds that drew the tokens;
     each prompt comes back once, the oldest first among those done; one program. A mixture of
-    experts records the static batch's routing, carried across rounds with the rows."""
+    experts records the static batch's routing, carried across rounds with the rows. "wide":
+    three batches of groups in flight (max_inflight_tasks), their rows queued for the slots."""
     cfg, record = (MOE, True) if case == "moe" else (CFG, False)
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     params = nnx.state(model, nnx.Param)
@@ -72,7 +74,8 @@ def test_carried_rows_draw_what_one_batch_does(case, compiled):
     sampler = Sampler(cfg, dataclasses.replace(SP, max_num_seqs=3), pad_id=0, mesh=mesh,
                       record_routing=record)
     slots = 4 if mesh else 3  # rounded up to the 4 batch shards
-    partial = PartialRollouts(sampler, slots, G, K, max_staleness=100)
+    partial = PartialRollouts(sampler, slots, G, K, max_staleness=100,
+                              group_slots=3 * K if case == "wide" else None)
     prompts = _prompts(16)
     rounds, left = _rounds(partial, lambda r: params, prompts, 5)
     static = Sampler(cfg, SP, pad_id=0, record_routing=record)
@@ -107,8 +110,14 @@ def test_carried_rows_draw_what_one_batch_does(case, compiled):
     assert spanned > 0  # some rows did decode over two rounds
     assert len(set(seen)) == len(seen)  # no group twice
     in_flight = set(left.data_rows[left.data_rows >= 0].tolist())
-    assert not in_flight & set(seen) and in_flight | set(seen) == set(range(2 * K + 4 * K))
+    drawn = partial.group_slots + 4 * K  # every group slot, then a round's K each round
+    assert partial.group_slots == (3 if case == "wide" else 2) * K
+    assert not in_flight & set(seen) and in_flight | set(seen) == set(range(drawn))
     assert compiled.count("jit(_advance)") == 1, compiled
+    if case == "wide":  # resumed with another max_inflight_tasks: one line naming the setting
+        narrow = PartialRollouts(sampler, slots, G, K, max_staleness=100)
+        with pytest.raises(ValueError, match=f"max_inflight_tasks: {3 * K * G} "):
+            from_arrays(narrow.empty(20), to_arrays(left), lambda i: {"i": i})
     if record:  # a checkpoint's rows in flight keep the records of the rows carried
         assert (np.asarray(left.rows.routing) >= 0).any()
         back = from_arrays(partial.empty(20), to_arrays(left), lambda i: {"i": i})
@@ -148,6 +157,19 @@ def test_settings():
     # tools run row by row in the partial rollouts (test_partial_tools.py)
     TrainConfig(**partial, multi_turn=dataclasses.replace(TrainConfig().multi_turn,
                                                           tools=("math.sqrt",)))
+    # max_inflight_tasks (TRL AsyncGRPOConfig's): rows in flight, in whole generation
+    # batches; -1 is TRL's rule, max_staleness batches (at least two on shared devices)
+    wide = dict(generation=SamplingParams(max_num_seqs=8), rollout=dataclasses.replace(
+        TrainConfig().rollout, max_staleness=2, max_inflight_tasks=40))
+    assert TrainConfig(**wide).rollout.max_inflight_tasks == 40
+    with pytest.raises(ConfigError, match="max_inflight_tasks must be >= 1"):
+        dataclasses.replace(TrainConfig().rollout, max_inflight_tasks=0)
+    with pytest.raises(ConfigError, match="unset max_inflight_tasks"):  # vLLM's async rounds
+        TrainConfig(rollout=dataclasses.replace(TrainConfig().rollout, max_staleness=1,
+                                                backend="vllm", max_inflight_tasks=16))
+    assert [group_slots_for(-1, s, 8, 4, split=False) for s in (1, 2, 3, 8)] == [8, 8, 12, 32]
+    assert [group_slots_for(-1, s, 8, 4, split=True) for s in (1, 2, 3)] == [4, 8, 12]
+    assert [group_slots_for(n, 2, 8, 4, split=False) for n in (1, 32, 33, 80)] == [4, 4, 8, 12]
 
 
 PARTIAL = dict(max_staleness=2, max_num_seqs=8, max_completion_length=12)
@@ -240,10 +262,13 @@ def test_dynamic_sampling_keeps_decoding_until_the_batch_has_signal(tiny_dir, tm
     """DAPO's dynamic sampling with partial rollouts: posts with an even number score alike
     (no signal), so each round drops their groups and decodes on, new prompts filling the
     group slots, until 4 groups with signal are whole; only odd posts train, each once; the
-    run resumed from its step-2 checkpoint ends as the one that did not stop."""
+    run resumed from its step-2 checkpoint ends as the one that did not stop. Three batches
+    in flight (max_inflight_tasks 48 of 16-row batches: 12 group slots, in checkpoints too)."""
     got, drawn = advances(monkeypatch)
-    settings = dict(ODD_POSTS, **PARTIAL)
+    settings = dict(ODD_POSTS, **PARTIAL, max_inflight_tasks=48)
     train(config(tiny_dir, tmp_path / "full", **settings), devices=jax.devices()[:1])
+    with np.load(tmp_path / "full" / "rows_in_flight" / "2.npz") as held:
+        assert held["seq"].shape == (12,)
     full = history(tmp_path / "full")
     assert [h["step"] for h in full] == [1, 2, 3]
     assert max(h["dynamic_sampling/num_gen_batches"] for h in full) >= 2

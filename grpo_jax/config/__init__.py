@@ -96,6 +96,10 @@ class TrainConfig:
                               and self.generation.continuous_batching),
               "max_staleness > 0 with the JAX sampler runs partial rollouts through its decode "
               "slots: set max_num_seqs (and continuous_batching true), or max_staleness 0")
+        check(self.rollout.max_inflight_tasks == -1 or partial, "max_inflight_tasks bounds "
+              "the rows in flight of partial rollouts (max_staleness >= 1 on the JAX sampler, "
+              "no rollout_func); vLLM's async rounds and a rollout_func's generate one batch "
+              "ahead: unset max_inflight_tasks")
         split = self.rollout.sampler_devices is not None
         check(not ahead or not self.rollout.sampler_process,
               "max_staleness > 0 with a rollout_func on the JAX sampler generates its episodes "

@@ -121,6 +121,15 @@ class RolloutArgs:
         "one process, on sampler_devices or the trainer's). Either "
         "way a batch or group with tokens more than this many weight versions old is generated "
         "again (TRL AsyncGRPOConfig: max_staleness, 4 there).")
+    max_inflight_tasks: int = arg(
+        -1,
+        "Partial rollouts (max_staleness >= 1 on the JAX sampler): the most rows in flight, "
+        "waiting for a decode slot (max_num_seqs), decoding, or done and waiting for their "
+        "group; rounded up to whole generation batches. More than the "
+        "batch past the round's keep the slots busy while long rows decode over several "
+        "rounds, for staler tokens. -1: max_staleness generation batches (TRL "
+        "AsyncGRPOConfig: max_inflight_tasks, the same rule), at least two without "
+        "sampler_devices.")
     sampler_devices: int | None = arg(
         None,
         "Partial rollouts on devices of their own (rollout/native/disaggregated.py): the first "
@@ -145,6 +154,9 @@ class RolloutArgs:
         check(self.vllm_server_timeout > 0, "vllm_server_timeout must be > 0")
         check(self.weight_sync_timeout > 0, "weight_sync_timeout must be > 0")
         check(self.max_staleness >= 0, f"max_staleness must be >= 0, got {self.max_staleness}")
+        check(self.max_inflight_tasks == -1 or self.max_inflight_tasks >= 1,
+              f"max_inflight_tasks must be >= 1 (or -1: max_staleness generation batches), got "
+              f"{self.max_inflight_tasks}")
         check(self.sampler_devices is None or self.sampler_devices >= 1,
               f"sampler_devices must be >= 1, got {self.sampler_devices}")
         check(not self.sampler_process or self.sampler_devices is not None,

@@ -12,6 +12,7 @@ from grpo_jax import mesh as mesh_lib
 from grpo_jax.errors import ConfigError, VLLMServerError
 from grpo_jax.rollout import row_images
 from grpo_jax.rollout.base import Rollout, RolloutBatch, RolloutWrapper, WeightMode, sampling_params
+from grpo_jax.rollout.native.partial import group_slots_for
 from grpo_jax.rollout.native.rollout import JaxRollout
 from grpo_jax.rollout.padding import pad_id
 
@@ -99,9 +100,13 @@ def _build(cfg, model_cfg, tokenizer, mesh, model_dir, tools, batch_divisor, hos
             # A split run's sampler decodes with weights one version older than those that
             # train its tokens: its bound, checked against its own version, is one less.
             split = cfg.rollout.sampler_devices is not None
-            partial = (cfg.grpo.num_generations,
-                       cfg.batch_plan(divisor).prompts_per_generation // hosts,
-                       cfg.rollout.max_staleness - split)
+            g = cfg.grpo.num_generations
+            groups = cfg.batch_plan(divisor).prompts_per_generation // hosts
+            # max_inflight_tasks counts the run's rows: each host's sampler holds its share.
+            tasks = cfg.rollout.max_inflight_tasks
+            partial = (g, groups, cfg.rollout.max_staleness - split, group_slots_for(
+                tasks if tasks < 0 else -(-tasks // hosts), cfg.rollout.max_staleness, g,
+                groups, split))
         rollout = JaxRollout(model_cfg, sp, pad_id=pad_id(tokenizer), mesh=mesh,
                              peft=cfg.peft, partial_rollouts=partial,
                              processor=(None if model_cfg.vision is None

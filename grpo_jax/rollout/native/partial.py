@@ -5,11 +5,15 @@ rollouts, AReaL's interruptible generation and verl's fully-async `partial_rollo
 devices: no slot waits for a round's longest row, as the refill sampler (refill.py) still does
 at the end of every round.
 
-The sampler keeps 2 x prompts_per_generation groups ("group slots", G rows each; one batch's
-where no row may carry over: a split run at max_staleness 1) in flight: the round's draw
+The sampler keeps `group_slots` groups (G rows each) in flight: TRL AsyncGRPOConfig's
+max_inflight_tasks rows (group_slots_for: by default max_staleness generation batches, at
+least two; one where no row may carry over, a split run at max_staleness 1). The round's draw
 fills the group slots the last round emptied, and the compiled loop decodes until
 prompts_per_generation groups are whole (each of their rows stopped), which it returns (the
-oldest drawn first) and empties. Everything else is carried to the next round in `InFlight`:
+oldest drawn first) and empties. Rows beyond the decode slots wait for one, the oldest group's
+first: more groups in flight than one batch past the round's keep the slots busy while a long
+row decodes over several rounds, at the price of staler tokens (a round returns the oldest
+whole groups, so a group still waits no longer than the rows before it). Everything else is carried to the next round in `InFlight`:
 rows waiting for a slot, rows decoding (their slot, KV cache and tokens so far), rows done whose
 group is not. Groups stay whole: a group trains when all its rows are done.
 
@@ -167,6 +171,20 @@ class InFlight(NamedTuple):
         return int((self.seq < 0).sum())
 
 
+def group_slots_for(max_inflight_tasks: int, max_staleness: int, num_generations: int,
+                    groups: int, split: bool) -> int:
+    """Groups in flight for TRL AsyncGRPOConfig's max_inflight_tasks rows, rounded up to whole
+    generation batches (`groups` each: the data is read a batch at a time); -1: TRL's rule,
+    the run's max_staleness batches, at least two on shared devices (one trains while the
+    next decodes and carries over). A split run's sampler bounds its rows one version less
+    (its tokens train a version late), so at max_staleness 1 one batch, whose rows may not
+    carry over."""
+    if max_inflight_tasks < 0:
+        return max(max_staleness, 1 if split else 2) * groups
+    rows = groups * num_generations
+    return max(1, -(-max_inflight_tasks // rows)) * groups
+
+
 class Advanced(NamedTuple):
     """A round's finished groups (rollout: G rows each, the oldest drawn first, with the
     version of each token) and the state left in flight."""
@@ -182,19 +200,22 @@ class PartialRollouts:
 
     def __init__(self, sampler: Sampler, slots: int, num_generations: int, groups: int,
                  max_staleness: int, turn_ends: TurnEnds | None = None, processor=None,
-                 numbering: tuple[int, int] = (1, 0)):
+                 numbering: tuple[int, int] = (1, 0), group_slots: int | None = None):
         """`processor`: a vision-language model's HF processor; the records' multimodal
         prompts (their "prompt") then give each group's images. `numbering` (stride, offset):
         the k-th group these rollouts draw is the run's draw number stride x k + offset, which
         keys its rows (a host's share of a multi-process split run, sampler_hosts.py: one
-        group in `stride`, so each row draws what it would in one sampler)."""
+        group in `stride`, so each row draws what it would in one sampler). `group_slots`:
+        the groups in flight (group_slots_for; None: its default for `max_staleness`)."""
         self.sampler, self.slots, self.g, self.groups = sampler, slots, num_generations, groups
         self.max_staleness, self.turn_ends = max_staleness, turn_ends
         self.processor, self.numbering = processor, numbering
-        # One generation batch trained, one more in flight; with a bound of 0 (a split run at
-        # max_staleness 1) no row may carry over to the next advance, and the second batch's
-        # rows would only be decoded to be restarted there: one batch.
-        self.group_slots = groups if max_staleness == 0 else 2 * groups
+        if group_slots is None:  # the fewest that let rows carry over (at a bound of 0, none)
+            group_slots = groups if max_staleness == 0 else 2 * groups
+        self.group_slots = group_slots
+        if self.group_slots < groups:
+            raise ValueError(f"{self.group_slots} group slots hold less than a round's "
+                             f"{groups} groups")
         self.program = jax.jit(self._advance, static_argnames=("width",))
         self._again_program = jax.jit(self._again)
         self._empty_program = jax.jit(self._empty_rows, static_argnames=("width", "penalty"))
@@ -202,7 +223,7 @@ class PartialRollouts:
     def with_turns(self, turn_ends: TurnEnds) -> "PartialRollouts":
         """These partial rollouts, their rows multi-turn episodes (the tool loop's)."""
         return PartialRollouts(self.sampler, self.slots, self.g, self.groups, self.max_staleness,
-                               turn_ends, self.processor, self.numbering)
+                               turn_ends, self.processor, self.numbering, self.group_slots)
 
     def empty(self, prompt_width: int) -> InFlight:
         """Nothing in flight, for prompts up to `prompt_width` tokens (the run's longest)."""
@@ -734,6 +755,12 @@ def from_arrays(template: InFlight, arrays: dict, record) -> InFlight:
     if sum(k.startswith("rows/") for k in arrays) != len(leaves):
         raise ValueError("the checkpoint's rollouts in flight were written by another sampler "
                          "layout (model, max_num_seqs, num_generations or batch size)")
+    held, holds = len(arrays["seq"]), len(template.seq)
+    if held != holds:
+        g = template.rows.status.shape[0] // holds
+        raise ValueError(f"the checkpoint holds {held} groups in flight where this run holds "
+                         f"{holds}: resume with max_inflight_tasks: {held * g} (the run that "
+                         "wrote it), or from a checkpoint of this layout")
     placed = []
     for i, like in enumerate(leaves):
         x = np.asarray(arrays[f"rows/{i}"])

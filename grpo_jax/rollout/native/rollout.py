@@ -33,7 +33,7 @@ class JaxRollout(Rollout):
     turn's context a prompt with its record's images, and a tool's images after them)."""
 
     def __init__(self, model_cfg, params: SamplingParams, *, pad_id: int, mesh, peft=None,
-                 partial_rollouts: tuple[int, int, int] | None = None, processor=None,
+                 partial_rollouts: tuple[int, ...] | None = None, processor=None,
                  numbering: tuple[int, int] = (1, 0)):
         # What builds this rollout again elsewhere, less the mesh (a sampler process's).
         self.settings = dict(model_cfg=model_cfg, params=params, pad_id=pad_id, peft=peft,
@@ -50,11 +50,14 @@ class JaxRollout(Rollout):
         self.sampler = Sampler(model_cfg, params, pad_id=pad_id, mesh=mesh,
                                peft=peft if adapters else None, record_routing=record)
         self.slots = refill.Refill(self.sampler) if params.max_num_seqs is not None else None
-        # (num_generations, groups a round, max_staleness): rounds of whole groups from rows
-        # that carry over between rounds (rollout/native/partial.py).
-        self.partial = (None if partial_rollouts is None else
-                        partial.PartialRollouts(self.sampler, self.slots.slots, *partial_rollouts,
-                                                processor=processor, numbering=numbering))
+        # (num_generations, groups a round, max_staleness[, group slots]): rounds of whole
+        # groups from rows that carry over between rounds (rollout/native/partial.py).
+        self.partial = None
+        if partial_rollouts is not None:
+            g, k, bound, *group_slots = partial_rollouts
+            self.partial = partial.PartialRollouts(
+                self.sampler, self.slots.slots, g, k, bound, processor=processor,
+                numbering=numbering, group_slots=group_slots[0] if group_slots else None)
         # Multi-turn rollouts continue from the KV cache (None: sliding-window models, which
         # re-prefill every turn's context; with decode slots, since continuing needs every
         # row's cache kept between turns: there each turn re-prefills its context, and a row
