@@ -54,7 +54,8 @@ what=sampler run xla_decode "" --decode-attention xla "$@"
 what=sampler run pallas_decode "" --decode-attention pallas "$@"
 # Partial rollouts against refilled rounds (issue #49) on one device, Qwen2-0.5B's shape: 8
 # groups of 8 a round through 64 decode slots, up to 512 tokens, lengths long-tailed by stop
-# tokens of 0.4% of the vocabulary (geometric, mean ~250; 13% reach the cap), max_staleness 4.
+# tokens of 0.4% of the vocabulary (geometric, mean ~250; 13% reach the cap), max_staleness 4
+# (so four batches in flight, 256 rows: max_inflight_tasks' default).
 what=partial run partial "" --completion-len 512 --max-num-seqs 64 --max-staleness 4 \
   --stop-fraction 0.004 "$@"
 run auto "--xla_gpu_dump_autotune_results_to=$OUT/autotune.pbtxt" "$@"
