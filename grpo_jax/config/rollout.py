@@ -125,9 +125,9 @@ class RolloutArgs:
         -1,
         "Partial rollouts (max_staleness >= 1 on the JAX sampler): the most rows in flight, "
         "waiting for a decode slot (max_num_seqs), decoding, or done and waiting for their "
-        "group; rounded up to whole generation batches. More than the "
-        "batch past the round's keep the slots busy while long rows decode over several "
-        "rounds, for staler tokens. -1: max_staleness generation batches (TRL "
+        "group; rounded up to whole generation batches. Past the two batches that let rows "
+        "carry over, more keep the decode slots busy while long rows decode over several "
+        "rounds, at the price of staler tokens. -1: max_staleness generation batches (TRL "
         "AsyncGRPOConfig: max_inflight_tasks, the same rule), at least two without "
         "sampler_devices.")
     sampler_devices: int | None = arg(
