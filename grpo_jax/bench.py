@@ -348,6 +348,11 @@ def bench_e2e(args, cfg, model, mesh, prompts):
     return out
 
 
+def _cycled(prompts, start: int, count: int) -> list:
+    """Draws start .. start + count - 1 of `prompts` cycled (as many as the group slots ask)."""
+    return [prompts[i % len(prompts)] for i in range(start, start + count)]
+
+
 def bench_partial(args, cfg, model, mesh, prompts):
     """Trained groups per second over --rounds GRPO rounds (grpo_jax.round.GRPORound, random
     rewards in place of reward functions) of --prompts groups each, through --max-num-seqs
@@ -374,8 +379,6 @@ def bench_partial(args, cfg, model, mesh, prompts):
 
     def score(records, r):
         return Scores(rng.standard_normal((len(r.truncated), 1)).astype(np.float32))
-    def pool(start, count):  # the prompts cycled: the draws' `count` from draw `start`
-        return [prompts[i % len(prompts)] for i in range(start, start + count)]
     start = jax.tree.map(jnp.copy, policy.init_state)  # each way from the same weights
     result = {}
     for name, staleness in (("refill", 0), ("partial", args.max_staleness)):
@@ -389,8 +392,8 @@ def bench_partial(args, cfg, model, mesh, prompts):
         parts = {"generate": [], "update": [], "logprobs": []}
         for i in range(args.rounds + 1):
             want = at.rows_in_flight.empty_groups if staleness else k
-            draw = Draw([{"prompt_ids": p} for p in pool(drawn, want)], DataPosition(),
-                        rows=tuple(range(drawn, drawn + want)))
+            draw = Draw([{"prompt_ids": p} for p in _cycled(prompts, drawn, want)],
+                        DataPosition(), rows=tuple(range(drawn, drawn + want)))
             drawn += want
             t0 = time.perf_counter()
             at, r = round_(at, draw, jax.random.key(i))
@@ -435,9 +438,6 @@ def bench_split(args, cfg, model, mesh, prompts):
     def score(records, r):
         return Scores(rng.standard_normal((len(r.truncated), 1)).astype(np.float32))
     result = {}
-
-    def pool(start, count):  # the prompts cycled: the draws' `count` from draw `start`
-        return [prompts[i % len(prompts)] for i in range(start, start + count)]
     start = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))  # each way from the same
     width = max(map(len, prompts))
     ways = args.ways.split(",")
@@ -468,8 +468,8 @@ def bench_split(args, cfg, model, mesh, prompts):
             nonlocal drawn
             want = at.rows_in_flight.empty_groups
             drawn += want
-            return Draw([{"prompt_ids": p} for p in pool(drawn - want, want)], DataPosition(),
-                        rows=tuple(range(drawn - want, drawn)))
+            return Draw([{"prompt_ids": p} for p in _cycled(prompts, drawn - want, want)],
+                        DataPosition(), rows=tuple(range(drawn - want, drawn)))
         for i in range(args.rounds + 2):
             t0 = time.perf_counter()
             if split is not None:  # as train.run_rounds: the batch sampled ahead, collected

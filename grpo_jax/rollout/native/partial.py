@@ -11,10 +11,10 @@ least two; one where no row may carry over, a split run at max_staleness 1). The
 fills the group slots the last round emptied, and the compiled loop decodes until
 prompts_per_generation groups are whole (each of their rows stopped), which it returns (the
 oldest drawn first) and empties. Rows beyond the decode slots wait for one, the oldest group's
-first: more groups in flight than one batch past the round's keep the slots busy while a long
-row decodes over several rounds, at the price of staler tokens (a round returns the oldest
-whole groups, so a group still waits no longer than the rows before it). Everything else is carried to the next round in `InFlight`:
-rows waiting for a slot, rows decoding (their slot, KV cache and tokens so far), rows done whose
+first: past the two batches that let rows carry over, more groups keep the slots busy while a
+long row decodes over several rounds, at the price of staler tokens and of a prompt pass over
+every group slot each round. Everything else is carried to the next round in `InFlight`: rows
+waiting for a slot, rows decoding (their slot, KV cache and tokens so far), rows done whose
 group is not. Groups stay whole: a group trains when all its rows are done.
 
 Each completion token keeps the log-prob of the weights that drew it and their version (the
@@ -206,7 +206,7 @@ class PartialRollouts:
         the k-th group these rollouts draw is the run's draw number stride x k + offset, which
         keys its rows (a host's share of a multi-process split run, sampler_hosts.py: one
         group in `stride`, so each row draws what it would in one sampler). `group_slots`:
-        the groups in flight (group_slots_for; None: its default for `max_staleness`)."""
+        the groups in flight (group_slots_for; None: the fewest that let rows carry over)."""
         self.sampler, self.slots, self.g, self.groups = sampler, slots, num_generations, groups
         self.max_staleness, self.turn_ends = max_staleness, turn_ends
         self.processor, self.numbering = processor, numbering
