@@ -208,12 +208,9 @@ class RunCheckpoints:
                                  "settings, or train afresh into another output_dir")
             arrays = source.rows_in_flight.load_arrays(latest, "partial rollouts in flight")
             hosts = meta.get("rows_in_flight_hosts", 1)
-            if hosts > 1 or self.hosts > 1:  # each process's sampler its own share
-                try:
-                    arrays = sampler_hosts.own(arrays, hosts)
-                except ValueError as e:
-                    raise TrainError(f"checkpoint {latest}: {e}") from None
             try:
+                if hosts > 1 or self.hosts > 1:  # each process's sampler its own share
+                    arrays = sampler_hosts.own(arrays, hosts)
                 rows_in_flight = partial.from_arrays(rows_in_flight, arrays, source.record)
             except ValueError as e:
                 raise TrainError(f"checkpoint {latest}: {e}") from None
@@ -630,8 +627,8 @@ class Draws:
         """The generation batch at `position` (None: past the run's data). With partial
         rollouts (`rows_in_flight`), the prompts of the group slots the last round emptied:
         every group slot's at first (max_inflight_tasks: whole generation batches), one batch
-        a round after;
-        their epochs' ends don't end an update window (the groups trained are others)."""
+        a round after; their epochs' ends don't end an update window (the groups trained are
+        others)."""
         n = self.plan.prompts_per_generation
         batches = 1 if rows_in_flight is None else rows_in_flight.empty_groups * self.hosts // n
         draw = self._ahead(self._read(position, batches))
