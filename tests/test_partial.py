@@ -76,8 +76,12 @@ def test_carried_rows_draw_what_one_batch_does(case, compiled):
     slots = 4 if mesh else 3  # rounded up to the 4 batch shards
     partial = PartialRollouts(sampler, slots, G, K, max_staleness=100,
                               group_slots=3 * K if case == "wide" else None)
+    assert partial.pass_groups == K  # a round's groups fill the slots: not every group slot
+    program, passes = partial.program, []
+    partial.program = lambda *a, **k: passes.append(1) or program(*a, **k)
     prompts = _prompts(16)
     rounds, left = _rounds(partial, lambda r: params, prompts, 5)
+    assert len(passes) > len(rounds)  # some rounds went on after a pass over the next groups
     static = Sampler(cfg, SP, pad_id=0, record_routing=record)
     seen, spanned = [], 0
     for r, done in rounds:

@@ -12,8 +12,7 @@ fills the group slots the last round emptied, and the compiled loop decodes unti
 prompts_per_generation groups are whole (each of their rows stopped), which it returns (the
 oldest drawn first) and empties. Rows beyond the decode slots wait for one, the oldest group's
 first: past the two batches that let rows carry over, more groups keep the slots busy while a
-long row decodes over several rounds, at the price of staler tokens and of a prompt pass over
-every group slot each round. Everything else is carried to the next round in `InFlight`: rows
+long row decodes over several rounds, at the price of staler tokens. Everything else is carried to the next round in `InFlight`: rows
 waiting for a slot, rows decoding (their slot, KV cache and tokens so far), rows done whose
 group is not. Groups stay whole: a group trains when all its rows are done.
 
@@ -32,10 +31,16 @@ rows in flight, and no prompt is trained twice or skipped. Each row's token t is
 key fold_in(fold_in(run key, t), its group's draw number x G + its index), whatever slot or
 round it decodes in.
 
-The prompts' keys and values are computed again each round under that round's weights, for
-every group slot (each prompt once: 1/G of running its rows), so a row admitted later reads
-its prompt through the weights it decodes with. One program: static shapes (the group slots,
-the decode slots, the prompt width of the run's longest prompt), so it compiles once.
+The prompts' keys and values are computed again each round under that round's weights (each
+prompt once: 1/G of running its rows), so a row admitted later reads its prompt through the
+weights it decodes with. A pass computes `pass_groups` prompts, the oldest groups with rows
+waiting: a round's groups, or enough to fill every decode slot, not every group slot (with 8
+batches in flight a pass over all of them cost as much as a tenth of the round's decode on a
+CPU). When a slot frees and every row still waiting is outside the pass, the loop returns and
+the round goes on after a pass over the next groups, under the same weights. (With tools, and
+with images, a pass holds every group slot: see __init__.) One program: static shapes (the
+group slots, the decode slots, the prompt width of the run's longest prompt), so it compiles
+once.
 
 Images (a vision-language model: PartialRollouts' `processor`). Each group slot keeps its
 prompt's images (InFlight.pixel_values, images.PromptPixels' block; Qwen-VL's grids beside
@@ -216,6 +221,11 @@ class PartialRollouts:
         if self.group_slots < groups:
             raise ValueError(f"{self.group_slots} group slots hold less than a round's "
                              f"{groups} groups")
+        # The groups a prompt pass computes: a round's, or enough to fill every slot. With
+        # tools the round's later passes reuse its first (store), and a vision-language
+        # model's images are laid out per group slot on the host: both pass every group slot.
+        self.pass_groups = group_slots if turn_ends is not None or processor is not None \
+            else min(group_slots, max(groups, -(-slots // num_generations)))
         self.program = jax.jit(self._advance, static_argnames=("width",))
         self._again_program = jax.jit(self._again)
         self._empty_program = jax.jit(self._empty_rows, static_argnames=("width", "penalty"))
@@ -268,21 +278,23 @@ class PartialRollouts:
         pixels, grid = self._pixels(at, records, free[:len(prompts)])
         images = self._images(ids, pmask, pixels, grid)
         run_key = as_key(key) if at.key is None else at.key
-        rows, store, ends, steps, busy = at.rows, None, None, 0, 0
+        rows, store, ends, steps, busy, dropped = at.rows, None, None, 0, 0, None
         episodes = None if at.episodes is None else list(at.episodes)
         args = jnp.asarray(ids), jnp.asarray(pmask), jnp.asarray(seq, jnp.int32)
         while True:  # without tools once; with tools until no row waits on its tool calls
-            rows, chosen, n, live, stale, *kept = self.program(
+            rows, chosen, n, live, stale, starved, *kept = self.program(
                 params, rows, *args, jnp.asarray(fresh), run_key, np.int32(version), store,
                 ends, images, width=width)
-            chosen, n, live, stale = dist.to_host((chosen, n, live, stale))
+            chosen, n, live, stale, starved = dist.to_host((chosen, n, live, stale, starved))
             steps, busy = steps + int(n), busy + int(live)
-            if store is None:  # the round's first pass: it admitted and restarted groups
-                dropped = stale
+            if store is None:  # a prompt pass: the round's first admitted and restarted groups
+                dropped = stale if dropped is None else dropped | stale
                 if episodes is not None:
                     for i in np.flatnonzero(np.repeat(fresh | stale, g)):
                         episodes[i] = self.turn_ends.start()
                 fresh = np.zeros_like(fresh)
+            if starved:  # slots free, the rows waiting outside the pass: pass their prompts
+                continue
             if episodes is None:
                 break
             store = kept[0]  # the round's prompt pass, for the passes after tool calls
@@ -486,6 +498,16 @@ class PartialRollouts:
         stale = jnp.any((oldest < version - self.max_staleness).reshape(-1, g), axis=1)
         stale = stale & (seq >= 0) & ~fresh
         rows = self._restart(rows, jnp.repeat(fresh | stale, g))
+        slots_ = seq.shape[0]
+        if self.pass_groups == slots_:  # every group slot, in place
+            passed = jnp.arange(slots_, dtype=jnp.int32)
+        else:  # the oldest groups with rows waiting (they are admitted first)
+            waits = jnp.any((rows.status == WAITING).reshape(-1, g), axis=1)
+            passed = jnp.argsort(jnp.where(waits, seq, _LAST))[:self.pass_groups]
+        # entry[group slot]: its place in the pass (pass_groups: not in it)
+        entry = jnp.full(slots_, self.pass_groups, jnp.int32).at[passed].set(
+            jnp.arange(self.pass_groups, dtype=jnp.int32))
+        prompt_ids, prompt_mask = prompt_ids[passed], prompt_mask[passed]
         if store is None:
             cast, layers, cache, logits, *routing = s.prompt_pass(
                 params, s.constrain(prompt_ids, "batch", None),
@@ -505,32 +527,40 @@ class PartialRollouts:
         store = (cache, logits, prompt_mask, pen, prompt_len, *routing)
         model = s.decoder(cast)
         gid = jnp.repeat(seq, g) * g + jnp.tile(jnp.arange(g, dtype=jnp.int32), seq.shape[0])
+        in_pass = jnp.repeat(entry < self.pass_groups, g)
 
         def whole(st):  # groups whose every row is done
             return jnp.all((st[0].status == DONE).reshape(-1, g), axis=1) & (seq >= 0)
 
+        def starved(r):  # a slot free, and every row waiting for one outside this pass
+            waiting = r.status == WAITING
+            return jnp.any(r.slot_row < 0) & jnp.any(waiting) & ~jnp.any(waiting & in_pass)
+
         def going(st):
             r = st[0]
             pending = jnp.any(r.status == WAITING) | jnp.any(r.slot_row >= 0)
-            return (jnp.sum(whole(st)) < self.groups) & pending & ~jnp.any(r.status == TURN)
+            return ((jnp.sum(whole(st)) < self.groups) & pending & ~jnp.any(r.status == TURN)
+                    & ~starved(r))
 
         def step(st):
             r, steps, busy = st
-            r = jax.lax.cond(jnp.any(r.slot_row < 0) & jnp.any(r.status == WAITING),
-                             lambda r: self._admit(store, r, seq, gid, key, version), lambda r: r,
-                             r)
+            r = jax.lax.cond(jnp.any(r.slot_row < 0) & jnp.any((r.status == WAITING) & in_pass),
+                             lambda r: self._admit(store, r, gid, entry, key, version),
+                             lambda r: r, r)
             r, live = self._decode(model, layers, r, gid, key, version, width)
             return r, steps + 1, busy + jnp.sum(live)
         rows, steps, busy = jax.lax.while_loop(
             going, step, (rows, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)))
-        done = whole((rows,)) & ~jnp.any(rows.status == TURN)  # no choice while turns wait
+        short = starved(rows) & (jnp.sum(whole((rows,))) < self.groups)
+        # no choice while turns wait, nor while the round goes on after another prompt pass
+        done = whole((rows,)) & ~jnp.any(rows.status == TURN) & ~short
         order = jnp.argsort(jnp.where(done, seq, _LAST))[:self.groups]
         chosen = jnp.where(done[order], order, -1)
         # (-1 would index the last group: out of range instead, so the write is dropped)
         taken = jnp.zeros(seq.shape[0], bool).at[jnp.where(chosen >= 0, chosen, seq.shape[0])
                                                  ].set(True, mode="drop")
         rows = rows._replace(status=jnp.where(jnp.repeat(taken, g), EMPTY, rows.status))
-        out = self._laid_out(rows), chosen, steps, busy, stale
+        out = self._laid_out(rows), chosen, steps, busy, stale, short
         return out if self.turn_ends is None else (*out, kept)
 
     def _resolve(self, rows: Rows, finish, resume, tokens, forced) -> Rows:
@@ -624,7 +654,7 @@ class PartialRollouts:
                                                                 rows.routing, -1),
             forced=None if rows.forced is None else jnp.where(keep, rows.forced, 0))
 
-    def _admit(self, store, r: Rows, seq, gid, key, version) -> Rows:
+    def _admit(self, store, r: Rows, gid, entry, key, version) -> Rows:
         """Free slots take the waiting rows, oldest group first: their prompts' keys and values
         from this round's prompt pass, and their first tokens.
 
@@ -636,14 +666,16 @@ class PartialRollouts:
         decoded tokens read, the one closest to the weights that train on them."""
         s, S, g = self.sampler, self.slots, self.g
         cache, logits, pmask, pen, prompt_len, *routing = store
-        waiting = r.status == WAITING
+        waiting = (r.status == WAITING) & (entry[jnp.arange(r.status.shape[0]) // g]
+                                            < pmask.shape[0])  # its prompt in the pass
         priority = jnp.where(waiting, gid, _LAST)
         order = jnp.argsort(priority)
         free = r.slot_row < 0
         pick = order[jnp.clip(jnp.cumsum(free) - 1, 0, order.shape[0] - 1)]
         admit = free & (priority[pick] < _LAST)
         row = jnp.where(admit, pick, r.slot_row)
-        prompt = jnp.where(admit, pick // g, 0)
+        group = jnp.where(admit, pick // g, 0)  # its group slot
+        prompt = jnp.minimum(entry[group], pmask.shape[0] - 1)  # its place in the pass
         at = jnp.where(admit, jnp.arange(S), S)  # S: out of range, the write is dropped
         width = pmask.shape[1]
 
@@ -656,7 +688,8 @@ class PartialRollouts:
         status = r.status.at[jnp.where(admit, pick, r.status.shape[0])].set(LIVE, mode="drop")
         if routing:
             r = r._replace(prompt_routing=r.prompt_routing.at[
-                jnp.where(admit, prompt, pmask.shape[0])].set(routing[0][prompt], mode="drop"))
+                jnp.where(admit, group, r.prompt_routing.shape[0])].set(routing[0][prompt],
+                                                                         mode="drop"))
         r = r._replace(status=status, slot_row=row, length=jnp.where(admit, 0, r.length),
                        prompt_len=jnp.where(admit, prompt_len[prompt], r.prompt_len),
                        key_mask=jnp.where(admit[:, None], mask_rows, r.key_mask),
