@@ -35,8 +35,8 @@ The prompts' keys and values are computed again each round under that round's we
 prompt once: 1/G of running its rows), so a row admitted later reads its prompt through the
 weights it decodes with. A pass computes `pass_groups` prompts, the oldest groups with rows
 waiting: a round's groups, or enough to fill every decode slot, not every group slot (with 8
-batches in flight a pass over all of them cost as much as a tenth of the round's decode on a
-CPU). When a slot frees and every row still waiting is outside the pass, the loop returns and
+batches in flight, generation per round on a CPU went from 1.25x to 1.83x faster than the
+refilled rounds', docs/benchmarks.md 2026-12-07). When a slot frees and every row still waiting is outside the pass, the loop returns and
 the round goes on after a pass over the next groups, under the same weights. (With tools, and
 with images, a pass holds every group slot: see __init__.) One program: static shapes (the
 group slots, the decode slots, the prompt width of the run's longest prompt), so it compiles
