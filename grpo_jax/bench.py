@@ -101,6 +101,14 @@ def decode_bytes(cfg: ModelConfig, batch: int, cache_len: int, param_bytes: int)
     return float(cfg.num_params() * param_bytes + kv)
 
 
+def model_settings(args) -> dict:
+    """The ModelConfig fields the flags set, for random and real weights alike."""
+    return dict(dtype=jnp.dtype(args.dtype), remat=not args.no_remat,
+                remat_policy=args.remat_policy, attention_impl=args.attention,
+                shared_prefix=not args.no_shared_prefix, sampler_layers=args.sampler_layers,
+                decode_attention=args.decode_attention)
+
+
 def make_workload(args):
     if args.model:
         return real_workload(args)
@@ -108,11 +116,7 @@ def make_workload(args):
             presets.preset(args.preset) if args.preset else QWEN2_0_5B)
     if args.num_layers:
         base = base.with_layers(args.num_layers)
-    cfg = base.replace(dtype=jnp.dtype(args.dtype), remat=not args.no_remat,
-                       remat_policy=args.remat_policy, attention_impl=args.attention,
-                       shared_prefix=not args.no_shared_prefix,
-                       sampler_layers=args.sampler_layers,
-                       decode_attention=args.decode_attention)
+    cfg = base.replace(**model_settings(args))
     model = Decoder(cfg, rngs=nnx.Rngs(0))
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(dp=1, fsdp=-1))
     rng = np.random.default_rng(0)
@@ -134,7 +138,7 @@ def real_workload(args):
     from transformers import AutoTokenizer
 
     from grpo_jax import hf
-    model, model_dir = hf.load_model(args.model, dtype=jnp.dtype(args.dtype))
+    model, model_dir = hf.load_model(args.model, **model_settings(args))
     tok = AutoTokenizer.from_pretrained(model_dir)
     lines = resources.files("grpo_jax").joinpath("assets/smol_prompts.jsonl").read_text()
     texts = [json.loads(line)["prompt"] for line in lines.splitlines()[:args.prompts]]
