@@ -12,9 +12,10 @@ fills the group slots the last round emptied, and the compiled loop decodes unti
 prompts_per_generation groups are whole (each of their rows stopped), which it returns (the
 oldest drawn first) and empties. Rows beyond the decode slots wait for one, the oldest group's
 first: past the two batches that let rows carry over, more groups keep the slots busy while a
-long row decodes over several rounds, at the price of staler tokens. Everything else is carried to the next round in `InFlight`: rows
-waiting for a slot, rows decoding (their slot, KV cache and tokens so far), rows done whose
-group is not. Groups stay whole: a group trains when all its rows are done.
+long row decodes over several rounds, at the price of staler tokens. Everything else is
+carried to the next round in `InFlight`: rows waiting for a slot, rows decoding (their slot, KV
+cache and tokens so far), rows done whose group is not. Groups stay whole: a group trains
+when all its rows are done.
 
 Each completion token keeps the log-prob of the weights that drew it and their version (the
 round: weights change once a round), so the trainer's importance ratio is per token (TRL's
@@ -36,8 +37,9 @@ prompt once: 1/G of running its rows), so a row admitted later reads its prompt 
 weights it decodes with. A pass computes `pass_groups` prompts, the oldest groups with rows
 waiting: a round's groups, or enough to fill every decode slot, not every group slot (with 8
 batches in flight, generation per round on a CPU went from 1.25x to 1.83x faster than the
-refilled rounds', docs/benchmarks.md 2026-12-07). When a slot frees and every row still waiting is outside the pass, the loop returns and
-the round goes on after a pass over the next groups, under the same weights. (With tools, and
+refilled rounds', docs/benchmarks.md 2026-12-07). When a slot frees and every row still
+waiting is outside the pass, the loop returns and the round goes on after a pass over the next
+groups, under the same weights. (With tools, and
 with images, a pass holds every group slot: see __init__.) One program: static shapes (the
 group slots, the decode slots, the prompt width of the run's longest prompt), so it compiles
 once.
@@ -498,14 +500,14 @@ class PartialRollouts:
         stale = jnp.any((oldest < version - self.max_staleness).reshape(-1, g), axis=1)
         stale = stale & (seq >= 0) & ~fresh
         rows = self._restart(rows, jnp.repeat(fresh | stale, g))
-        slots_ = seq.shape[0]
-        if self.pass_groups == slots_:  # every group slot, in place
-            passed = jnp.arange(slots_, dtype=jnp.int32)
+        n = seq.shape[0]
+        if self.pass_groups == n:  # every group slot, in place
+            passed = jnp.arange(n, dtype=jnp.int32)
         else:  # the oldest groups with rows waiting (they are admitted first)
             waits = jnp.any((rows.status == WAITING).reshape(-1, g), axis=1)
             passed = jnp.argsort(jnp.where(waits, seq, _LAST))[:self.pass_groups]
         # entry[group slot]: its place in the pass (pass_groups: not in it)
-        entry = jnp.full(slots_, self.pass_groups, jnp.int32).at[passed].set(
+        entry = jnp.full(n, self.pass_groups, jnp.int32).at[passed].set(
             jnp.arange(self.pass_groups, dtype=jnp.int32))
         prompt_ids, prompt_mask = prompt_ids[passed], prompt_mask[passed]
         if store is None:
