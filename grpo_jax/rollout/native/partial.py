@@ -547,7 +547,7 @@ class PartialRollouts:
         def step(st):
             r, steps, busy = st
             r = jax.lax.cond(jnp.any(r.slot_row < 0) & jnp.any((r.status == WAITING) & in_pass),
-                             lambda r: self._admit(store, r, gid, entry, key, version),
+                             lambda r: self._admit(store, r, gid, entry, in_pass, key, version),
                              lambda r: r, r)
             r, live = self._decode(model, layers, r, gid, key, version, width)
             return r, steps + 1, busy + jnp.sum(live)
@@ -656,7 +656,7 @@ class PartialRollouts:
                                                                 rows.routing, -1),
             forced=None if rows.forced is None else jnp.where(keep, rows.forced, 0))
 
-    def _admit(self, store, r: Rows, gid, entry, key, version) -> Rows:
+    def _admit(self, store, r: Rows, gid, entry, in_pass, key, version) -> Rows:
         """Free slots take the waiting rows, oldest group first: their prompts' keys and values
         from this round's prompt pass, and their first tokens.
 
@@ -668,8 +668,7 @@ class PartialRollouts:
         decoded tokens read, the one closest to the weights that train on them."""
         s, S, g = self.sampler, self.slots, self.g
         cache, logits, pmask, pen, prompt_len, *routing = store
-        waiting = (r.status == WAITING) & (entry[jnp.arange(r.status.shape[0]) // g]
-                                            < pmask.shape[0])  # its prompt in the pass
+        waiting = (r.status == WAITING) & in_pass  # [R]: its prompt in the pass
         priority = jnp.where(waiting, gid, _LAST)
         order = jnp.argsort(priority)
         free = r.slot_row < 0
