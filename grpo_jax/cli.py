@@ -222,8 +222,7 @@ NO_EFFECT = {
     "generation runs in the JAX sampler or a vLLM server",
     "vllm_group_port": "weights reach the server over HTTP / shared memory (see README)",
     "log_multimodal": "text models only", "log_completions_hub_repo": "not supported: nothing "
-    "is uploaded (completions.jsonl holds them)", "pad_to_multiple_of": "prompts are padded to "
-    "the sampler's length buckets",
+    "is uploaded (completions.jsonl holds them)",
 }
 _NOTED: set[str] = set()
 # A field of ours is never shadowed (accelerate's num_processes, say, is our process count).

@@ -27,11 +27,14 @@ from grpo_jax.data import DataPosition
 from grpo_jax.metrics import Logged, timing
 from grpo_jax.models import moe
 from grpo_jax.policy import Policy
+from grpo_jax import mesh as mesh_lib
+from grpo_jax.rollout import padding
 from grpo_jax.rollout.base import Rollout, WeightMode
 from grpo_jax.rollout.native.disaggregated import Split
 from grpo_jax.rollout.native.partial import staleness_metrics
 from grpo_jax.run_state import RunState
 from grpo_jax.scoring import Scores
+from grpo_jax.shapes import completion_width
 
 
 
@@ -85,12 +88,28 @@ def generation_order(key, n: int) -> np.ndarray:
     return np.random.default_rng([*words, 0x5348554646]).permutation(n)  # tag: "SHUFF"
 
 
+# Batch's fields laid out [N, C, ...] over the completion's positions, with their padding.
+_COMPLETION_PAD = {"completion_ids": 0, "completion_mask": 0, "old_logp": 0, "ref_logp": 0,
+                   "sampler_logp": 0, "tool_mask": 1, "completion_routing": -1,
+                   "completion_images": False}
+
+
 def concat_rows(parts: Sequence[Batch]) -> Batch:
     """One batch of `parts`' rows in order. Parts from different generations may have prompts
-    padded to different widths: the narrower are left-padded (masked) to the widest."""
+    and completions padded to different widths (shapes.completion_width): the narrower are
+    padded (masked) to the widest, prompts on the left, completions on the right."""
     width = max(p.prompt_ids.shape[1] for p in parts)
+    long = max(p.completion_ids.shape[1] for p in parts)
 
     def widen(p: Batch) -> Batch:
+        more = long - p.completion_ids.shape[1]
+        if more:
+            pad = {f: np.pad(v, ((0, 0), (0, more)) + ((0, 0),) * (v.ndim - 2),
+                             constant_values=_COMPLETION_PAD[f])
+                   for f in _COMPLETION_PAD if (v := getattr(p, f)) is not None}
+            if p.positions is not None:  # M-RoPE [N, 3, P + C]: padding's are 0
+                pad["positions"] = np.pad(p.positions, ((0, 0), (0, 0), (0, more)))
+            p = p.replace(**pad)
         extra = width - p.prompt_ids.shape[1]
         if not extra:
             return p
@@ -391,8 +410,9 @@ class GRPORound:
             if draw is None:
                 return None, at.rows_in_flight, at.position
         gen = self._training_batch(r, scores, g, took, wall, at.reference)
-        gen.metrics.update(staleness_metrics(r.versions, gen.batch.model_mask(), at.round,
-                                             partial.max_staleness))
+        width = gen.batch.completion_ids.shape[1]  # the trainer's (completion_width)
+        gen.metrics.update(staleness_metrics(r.versions[:, :width], gen.batch.model_mask(),
+                                             at.round, partial.max_staleness))
         gen.metrics["staleness/dropped_groups"] = float(dropped)
         if filled is not None:
             gen.metrics.update(filled.metrics())
@@ -445,8 +465,9 @@ class GRPORound:
         if filled is not None:
             r, scores = filled.batch()
         gen = self._training_batch(r, scores, g, took, time.time(), at.reference)
-        gen.metrics.update(staleness_metrics(r.versions, gen.batch.model_mask(), at.round,
-                                             split.max_staleness))
+        width = gen.batch.completion_ids.shape[1]  # the trainer's (completion_width)
+        gen.metrics.update(staleness_metrics(r.versions[:, :width], gen.batch.model_mask(),
+                                             at.round, split.max_staleness))
         gen.metrics["staleness/dropped_groups"] = float(dropped)
         if filled is not None:
             gen.metrics.update(filled.metrics())
@@ -518,6 +539,8 @@ class GRPORound:
                         reference) -> Generated:
         """generate_and_score's batch, advantages and metrics from a scored rollout."""
         a = self.args
+        full_width = r.completion_ids.shape[1]  # max_completion_length: dr_grpo's divisor
+        r = padding.trim_completions(r, self.completion_width(r.completion_mask))
         rewards, advantages, stats = adv_lib.compute_advantages(
             scores.per_func, g, a.scale_rewards, a.reward_weights, a.multi_objective_aggregation)
         # num_items: TRL's loss normaliser for dapo-style losses is the generation batch's
@@ -529,7 +552,7 @@ class GRPORound:
                       pixel_values=r.pixel_values, positions=r.positions,
                       completion_images=r.completion_images, image_grid=r.image_grid)
         batch = batch.replace(num_items=loss_lib.num_items_per_row(
-            batch.model_mask(), r.truncated, self.policy.cfg.loss))
+            batch.model_mask(), r.truncated, self.policy.cfg.loss, width=full_width))
         t2 = time.perf_counter()
         if reference is not None:
             batch = batch.replace(ref_logp=self.policy.logps(reference, batch,
@@ -554,6 +577,16 @@ class GRPORound:
             # next round generates beside it from here on (grpo_jax.rollout.async_rounds)
             metrics["timeline/train_start"] = wall1
         return Generated(batch, scores, rewards, advantages, metrics)
+
+    def completion_width(self, completion_mask: np.ndarray) -> int:
+        """The width a generation batch's completions are padded to for the trainer (TRL pads to
+        the longest; here rounded up by pad_to_multiple_of or the length buckets, a multiple of
+        2 x the context axis, which cuts a completion into equal chunks)."""
+        used = np.flatnonzero(np.asarray(completion_mask).any(axis=0))
+        cp = mesh_lib.context_size(self.policy.mesh)
+        return completion_width(int(used[-1]) + 1 if used.size else 1,
+                                completion_mask.shape[1], self.plan.pad_to_multiple_of,
+                                2 * cp if cp > 1 else 1)
 
     def split(self, batch: Batch, key) -> list[Batch]:
         """The generation batch as steps_per_generation micro-batches of shuffled rows. With one

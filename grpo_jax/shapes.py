@@ -20,3 +20,17 @@ def bucket_width(length: int, buckets=DEFAULT_BUCKETS, beyond=None) -> int:
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def completion_width(longest: int, limit: int, multiple: int | None = None,
+                     divisor: int = 1) -> int:
+    """The completion width of a training batch whose longest completion has `longest` tokens
+    (TRL pads to the longest; a compiled step wants few shapes): rounded up to a multiple of
+    `multiple` (TRL's pad_to_multiple_of), or without one to the length buckets, then to a
+    multiple of `divisor` (a context axis cuts the completion into equal chunks); at most
+    `limit`, the rollout's own width (max_completion_length), which is kept whenever the
+    rounding reaches it."""
+    n = max(int(longest), 1)
+    width = -(-n // multiple) * multiple if multiple else bucket_width(n, beyond=lambda _: limit)
+    width = -(-width // divisor) * divisor
+    return min(width, limit)

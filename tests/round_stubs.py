@@ -56,6 +56,7 @@ class StubTrainer:
     lora_scale = None  # a full model, as Policy's without LoRA
     shared_prefix = False  # TRL's row shuffle (test_split_by_groups_with_shared_prefix: on)
     replays_routing = False  # a dense model
+    mesh = None  # one device: no context axis
 
     def __init__(self):
         self.windows: list[Batch] = []
@@ -81,4 +82,4 @@ class StubTrainer:
 def plan(spg, gas, ni=1):
     return BatchPlan(data_parallel_size=1, micro_batch_size=MICRO, gradient_accumulation_steps=gas,
                      steps_per_generation=spg, generation_batch_size=MICRO * spg,
-                     num_generations=G, num_iterations=ni)
+                     num_generations=G, num_iterations=ni, pad_to_multiple_of=None)

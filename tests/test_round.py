@@ -179,7 +179,7 @@ def test_split_by_groups_with_shared_prefix(micro):
     one (micro 2), each prompt in consecutive rows."""
     p = BatchPlan(data_parallel_size=1, micro_batch_size=micro, gradient_accumulation_steps=1,
                   steps_per_generation=16 // micro, generation_batch_size=16, num_generations=G,
-                  num_iterations=1)
+                  num_iterations=1, pad_to_multiple_of=None)
     rnd = make_round(p)
     rnd.policy.shared_prefix = True
     run_rounds(rnd, 1)
@@ -234,6 +234,38 @@ def test_generations_with_different_numbers_of_images_stack():
         np.testing.assert_array_equal(out.pixel_values[2:], b2.pixel_values)
 
 
+def test_completions_cut_to_the_trainers_width_and_windows_padded_back():
+    """A generation batch's completions are cut to the trainer's width (padding only; the
+    M-RoPE positions and the routing record with them), and a window of micro-batches of two
+    generations cut to different widths pads the narrower on the right, masked."""
+    from grpo_jax.rollout.padding import trim_completions
+    from grpo_jax.round import concat_rows
+    n, p, c = 2, 3, 8
+    mask = np.zeros((n, c), np.int32)
+    mask[0, :5], mask[1, :2] = 1, 1
+    ids = np.arange(n * c, dtype=np.int32).reshape(n, c) * mask
+    r = RolloutBatch(np.ones((n, p), np.int32), np.ones((n, p), np.int32), ids, mask,
+                     np.zeros(n, bool), mask * 0.5, versions=mask * 3,
+                     completion_routing=np.where(mask[..., None, None] > 0, 1, -1),
+                     positions=np.tile(np.arange(p + c), (n, 3, 1)))
+    cut = trim_completions(r, 5)
+    assert cut.completion_ids.shape == (n, 5) and cut.completion_routing.shape == (n, 5, 1, 1)
+    assert cut.positions.shape == (n, 3, p + 5) and cut.versions.shape == (n, 5)
+    np.testing.assert_array_equal(cut.completion_ids, ids[:, :5])
+    with pytest.raises(ValueError, match="would cut completion tokens"):
+        trim_completions(r, 4)
+
+    def batch(b):
+        return Batch(b.prompt_ids, b.prompt_mask, b.completion_ids, b.completion_mask,
+                     b.truncated, np.zeros(n, np.float32), sampler_logp=b.sampler_logp,
+                     completion_routing=b.completion_routing, positions=b.positions)
+    out = concat_rows([batch(cut), batch(r)])
+    assert out.completion_ids.shape == (2 * n, c) and out.positions.shape == (2 * n, 3, p + c)
+    np.testing.assert_array_equal(out.completion_ids[:n], ids)
+    np.testing.assert_array_equal(out.completion_mask[:n], mask)
+    assert (out.completion_routing[:n, 5:] == -1).all() and not out.sampler_logp[:n, 5:].any()
+
+
 @pytest.mark.parametrize("spg,gas,ni,want", [
     (1, 1, 1, False), (2, 1, 1, True), (3, 2, 1, True), (1, 2, 1, False), (2, 4, 1, False),
     (2, 3, 1, True), (1, 2, 2, False), (1, 1, 2, True)])
@@ -265,7 +297,7 @@ def test_epoch_is_optimizer_progress_with_a_partial_last_window():
     micro-steps, gas 2: 37 whole windows and one of 1, 38 updates); state.epoch after a step
     = epoch + micro-steps done in it / its micro-steps."""
     # 100 prompts, 4 per generation: 25 generations x 3 micro-steps x 1 = 75 micro-steps / epoch
-    p = BatchPlan(1, 4, 2, 3, 12, 3, 1)
+    p = BatchPlan(1, 4, 2, 3, 12, 3, 1, None)
     assert p.micro_steps_per_epoch(100) == 75 and p.updates_per_epoch(100) == 38
     assert p.epoch(3, 100) == pytest.approx(6 / 75)
     assert p.epoch(37, 100) == pytest.approx(74 / 75)

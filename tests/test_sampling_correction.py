@@ -178,7 +178,7 @@ def tiny_round(dtype, spg, gas, loss_kw):
     cfg = dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, num_generations=4))
     plan = BatchPlan(data_parallel_size=1, micro_batch_size=4, gradient_accumulation_steps=gas,
                      steps_per_generation=spg, generation_batch_size=4 * spg,
-                     num_generations=4, num_iterations=1)
+                     num_generations=4, num_iterations=1, pad_to_multiple_of=None)
     mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(1, 1, 1), jax.devices()[:1])
     from grpo_jax.grpo.optimizer import OptimizerConfig
     policy = Policy(Decoder(model_cfg, rngs=nnx.Rngs(0)), step_config(cfg, plan, model_cfg),

@@ -106,6 +106,32 @@ def _rows(prompt_ids, prompt_mask, completion_ids, completion_mask):
             zip(prompt_ids, prompt_mask, completion_ids, completion_mask)]
 
 
+@pytest.mark.slow
+def test_update_pads_completions_to_the_bucket_of_the_longest(tiny_dir, tmp_path, monkeypatch):
+    """TRL pads a batch's completions to its longest; the trainer pads them to the length
+    bucket that holds it (shapes.completion_width), and its update equals the one padded to
+    max_completion_length (pad_to_multiple_of: 64), dr_grpo's B x max_completion_length
+    denominator included."""
+    from grpo_jax.shapes import completion_width
+    runs = {}
+    for pad in (None, 64):  # a quarter of the vocabulary stops a row: rows end early
+        generated, fed = _record_rounds(monkeypatch)
+        extra = {} if pad is None else {"pad_to_multiple_of": pad}
+        train(config(tiny_dir, tmp_path / f"pad{pad}", max_steps=1, max_completion_length=64,
+                     loss_type="dr_grpo", stop_token_ids=list(range(4, 99, 4)), **extra),
+              devices=jax.devices()[:1])
+        monkeypatch.undo()
+        runs[pad] = generated[0], fed[0], records(tmp_path / f"pad{pad}")[-1]
+    (gen, cut, m), (gen64, full, m64) = runs[None], runs[64]
+    assert np.array_equal(gen.completion_ids, gen64.completion_ids)
+    longest = int(gen.completion_mask.sum(1).max())
+    assert cut.completion_ids.shape[1] == completion_width(longest, 64) < 64, longest
+    assert full.completion_ids.shape[1] == 64
+    assert np.array_equal(cut.completion_ids, full.completion_ids[:, :cut.completion_ids.shape[1]])
+    for name in ("loss", "grad_norm", "entropy"):
+        np.testing.assert_allclose(m[name], m64[name], rtol=1e-5, err_msg=name)
+
+
 @pytest.mark.parametrize("per_device,gbs,gas,max_steps,rounds", [
     (4, 12, 2, 3, 2),  # steps_per_generation 3: two generations make three updates
     (4, 4, 2, 2, 4),   # steps_per_generation 1 < 2: an update every second generation

@@ -136,7 +136,7 @@ class TrainConfig:
               f"steps_per_generation {spg}) must be divisible by num_generations ({g}): adjust "
               f"one of them or set generation_batch_size")
         return BatchPlan(data_parallel_size, micro, b.gradient_accumulation_steps, spg, gbs, g,
-                         self.grpo.num_iterations)
+                         self.grpo.num_iterations, b.pad_to_multiple_of)
 
     def eval_prompts_per_batch(self, data_parallel_size: int = 1) -> int:
         """Prompts per eval batch: per_device_eval_batch_size completions per shard, in groups

@@ -30,8 +30,21 @@ class BatchArgs:
     num_train_epochs: float = arg(
         3.0,
         "Passes over the prompts (a fraction allowed); max_steps > 0 overrides it.")
+    pad_to_multiple_of: int | None = arg(
+        None,
+        "TRL's: the trainer's batch pads completions to its longest completion rounded up to a "
+        "multiple of this (at most max_completion_length). null (or TRL's 'auto'): rounded up "
+        "to the length buckets of the prompts (grpo_jax.shapes), so a run compiles a handful "
+        "of update programs; max_completion_length: one program, every row padded to it.")
 
     def __post_init__(self):
+        if isinstance(self.pad_to_multiple_of, str):  # TRL's YAML: "auto", "none"
+            check(self.pad_to_multiple_of.lower() in ("auto", "none", "null"),
+                  f"pad_to_multiple_of={self.pad_to_multiple_of!r} must be an integer, auto or "
+                  "null")
+            object.__setattr__(self, "pad_to_multiple_of", None)
+        check(self.pad_to_multiple_of is None or self.pad_to_multiple_of >= 1,
+              f"pad_to_multiple_of must be >= 1 or null, got {self.pad_to_multiple_of}")
         check(self.per_device_train_batch_size >= 1 and self.gradient_accumulation_steps >= 1,
               "per_device_train_batch_size and gradient_accumulation_steps must be >= 1")
         check(self.generation_batch_size is None or self.steps_per_generation is None,
@@ -56,6 +69,7 @@ class BatchPlan:
     generation_batch_size: int
     num_generations: int
     num_iterations: int
+    pad_to_multiple_of: int | None  # BatchArgs'
 
     @property
     def prompts_per_generation(self) -> int:

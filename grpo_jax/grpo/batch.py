@@ -19,7 +19,7 @@ class Batch:
 
     prompt_ids: Array       # [N, P] int32, left-padded
     prompt_mask: Array      # [N, P] int32
-    completion_ids: Array   # [N, C] int32, padded to max_completion_length
+    completion_ids: Array   # [N, C] int32, right-padded (shapes.completion_width)
     completion_mask: Array  # [N, C] int32, 1 up to and including the stop token
     truncated: Array        # [N] bool: no stop token within C tokens
     advantages: Array       # [N] fp32
@@ -27,8 +27,9 @@ class Batch:
     ref_logp: Array | None = None      # [N, C] the reference model (beta > 0)
     sampler_logp: Array | None = None  # [N, C] the sampler's own log-probs
     # [N] fp32: TRL's num_items_in_batch (the generation batch's loss tokens) / its rows, on
-    # every row (grpo.loss.num_items_per_row): the dapo / cispo / vespo denominator. None: a
-    # step divides by its own loss tokens (the same when a step is a whole generation batch).
+    # every row (grpo.loss.num_items_per_row): the dapo / cispo / vespo denominator (dr_grpo's:
+    # max_completion_length on every row). None: a step divides by its own loss tokens (the
+    # same when a step is a whole generation batch; dr_grpo: by its rows x C).
     num_items: Array | None = None
     # [N, C] int32, multi-turn tool calling: 0 on tool-result tokens, which the model attends
     # to (completion_mask) but which carry no loss, KL or entropy (TRL's tool_mask).

@@ -8,9 +8,9 @@ gradient. Per loss_type (m = loss mask, L = per-token loss, B = sequences in the
   luspo       sum(m L)                            /  B     (each sequence's sum, mean over them)
   bnpo        sum(m L) / max(sum(m), 1)           /  1     (normalised per micro-batch, as TRL:
                                                              k micro-batches give their mean)
-  dr_grpo     sum(m L)                            /  B * max_completion_length (the completions'
-                                                             padded width: both rollout
-                                                             back-ends pad to it)
+  dr_grpo     sum(m L)                            /  B * max_completion_length (Batch.num_items
+                                                             carries it per row: the trainer
+                                                             pads to less when it can)
   dapo        sum(m L)                            /  the step's share of num_items_in_batch
   cispo, vespo  as dapo.
 num_items_in_batch is TRL's normaliser: the loss tokens of the whole generation batch, and a step
@@ -95,10 +95,15 @@ def loss_mask(completion_mask, truncated, cfg: LossConfig) -> jax.Array:
     return m
 
 
-def num_items_per_row(completion_mask, truncated, cfg: LossConfig) -> np.ndarray:
+def num_items_per_row(completion_mask, truncated, cfg: LossConfig,
+                      width: int | None = None) -> np.ndarray:
     """Batch.num_items for a whole generation batch (host arrays): TRL's num_items_in_batch (its
     loss tokens) / its rows, on every row [N] fp32, so that any step's rows sum to that step's
-    share of it (see the module docstring)."""
+    share of it (see the module docstring). dr_grpo's denominator instead: `width`
+    (max_completion_length; default: the mask's) on every row, so that a batch whose
+    completions the trainer pads to less (shapes.completion_width) still divides by it."""
+    if LOSS_KINDS[cfg.loss_type].denominator == "padded":
+        return np.full(len(completion_mask), width or np.shape(completion_mask)[1], np.float32)
     m = np.asarray(completion_mask, np.float64)
     if cfg.mask_truncated_completions:
         m = m * (1.0 - np.asarray(truncated, np.float64))[:, None]
@@ -110,8 +115,10 @@ def loss_denominator(completion_mask, truncated, cfg: LossConfig, num_items=None
     num_items: the micro-batch's Batch.num_items, or None (the micro-batch's own loss tokens)."""
     m = loss_mask(completion_mask, truncated, cfg)
     kind = LOSS_KINDS[cfg.loss_type].denominator
+    if kind in ("num_items", "padded") and num_items is not None:
+        return jnp.asarray(num_items, f32).sum()
     if kind == "num_items":
-        return m.sum() if num_items is None else jnp.asarray(num_items, f32).sum()
+        return m.sum()
     return jnp.asarray({"sequences": m.shape[0], "one": 1.0, "padded": m.size}[kind], f32)
 
 

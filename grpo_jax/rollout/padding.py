@@ -1,6 +1,7 @@
 """Prompts as the padded arrays every rollout hands the trainer: left-padded rows, a group's rows
 consecutive, widths from the length buckets (grpo_jax.shapes), so the train step sees a bounded
-set of shapes whichever rollout made the batch."""
+set of shapes whichever rollout made the batch; and completions cut to the width the trainer
+pads them to (trim_completions)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from typing import Sequence
 import numpy as np
 
 from grpo_jax.shapes import bucket_width
+
+# A RolloutBatch's fields laid out [N, C, ...] over the completion's positions.
+COMPLETION_FIELDS = ("completion_ids", "completion_mask", "sampler_logp", "tool_mask",
+                     "versions", "completion_routing", "completion_images")
 
 
 def left_pad(prompts: Sequence[Sequence[int]], num_generations: int, width: int, pad_id: int,
@@ -33,3 +38,18 @@ def bucketed_prompts(prompts: Sequence[Sequence[int]], num_generations: int, pad
 
 def pad_id(tokenizer) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def trim_completions(batch, width: int):
+    """A RolloutBatch with its completions cut to their first `width` positions (every token
+    past them padding: grpo_jax.shapes.completion_width of the longest), the M-RoPE positions
+    [N, 3, P + C] with them."""
+    if width == batch.completion_ids.shape[1]:
+        return batch
+    if batch.completion_mask[:, width:].any():
+        raise ValueError(f"trim_completions to {width} would cut completion tokens")
+    cut = {f: getattr(batch, f)[:, :width] for f in COMPLETION_FIELDS
+           if getattr(batch, f) is not None}
+    if batch.positions is not None:
+        cut["positions"] = batch.positions[..., :batch.prompt_ids.shape[1] + width]
+    return batch._replace(**cut)
