@@ -42,6 +42,7 @@ from grpo_jax.data import DataPosition
 from grpo_jax.run_state import RunState
 from grpo_jax.policy import Policy, step_config
 from grpo_jax.round import Draw, GRPORound
+from grpo_jax.shapes import completion_width
 
 QWEN2_0_5B = ModelConfig(model_type="qwen2", vocab_size=151936, hidden_size=896,
                          intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
@@ -257,7 +258,8 @@ def run_config(args, n: int) -> TrainConfig:
     return TrainConfig(
         grpo=GRPOArgs(num_generations=args.generations, num_iterations=args.num_iterations),
         batch=BatchArgs(per_device_train_batch_size=n // args.grad_accum,
-                        gradient_accumulation_steps=args.grad_accum),
+                        gradient_accumulation_steps=args.grad_accum,
+                        pad_to_multiple_of=args.pad_to_multiple_of),
         generation=SamplingParams(max_completion_length=args.completion_len))
 
 
@@ -365,7 +367,10 @@ def bench_partial(args, cfg, model, mesh, prompts):
     soon as --prompts groups are whole. Long-tailed lengths: with random weights, stop tokens
     of --stop-fraction of the vocabulary (geometric lengths); with --model, the model's own
     (its EOS). A round's prompts are the next of `prompts`, cycled. The first round of each
-    (compiling) is not timed."""
+    (compiling) is not timed; the programs a later round compiles (an update for a completion
+    width not seen yet: shapes.completion_width) are, and their seconds are also given apart
+    (`compile_s`), with the groups per second without them (`warm_groups_per_s`: a long run's,
+    where each width compiles once)."""
     k, g = len(prompts), args.generations
     n = k * g
     policy, plan = run_policy(args, model, mesh, n)
@@ -392,9 +397,17 @@ def bench_partial(args, cfg, model, mesh, prompts):
         round_ = GRPORound(policy, rollout, plan, score, ["random"], run_config(args, n).grpo)
         at = RunState(jax.tree.map(jnp.copy, start), rows_in_flight=None if not staleness else
                       rollout.partial.empty(max(map(len, prompts))))
-        drawn, times, stale, occupancy, tokens = 0, [], [], [], 0
+        drawn, times, stale, occupancy, tokens, widths = 0, [], [], [], 0, []
         parts = {"generate": [], "update": [], "logprobs": []}
+        compiled = [0.0]
+
+        def on_event(event, duration, **kw):
+            if event.startswith("/jax/core/compile/"):  # tracing, lowering, compiling
+                compiled[0] += duration
+        jax.monitoring.register_event_duration_secs_listener(on_event)
         for i in range(args.rounds + 1):
+            if i == 1:
+                compiled[0] = 0.0
             want = at.rows_in_flight.empty_groups if staleness else k
             draw = Draw([{"prompt_ids": p} for p in _cycled(prompts, drawn, want)],
                         DataPosition(), rows=tuple(range(drawn, drawn + want)))
@@ -409,14 +422,22 @@ def bench_partial(args, cfg, model, mesh, prompts):
                 for part, got in parts.items():
                     got.append(r.metrics[timing(part)])
                 tokens += int(round(r.metrics["completions/mean_length"] * n))
+                widths.append(completion_width(int(r.metrics["completions/max_length"]),
+                                               args.completion_len, args.pad_to_multiple_of))
+        jax.monitoring.unregister_event_duration_listener(on_event)
         sec = float(np.sum(times))
         result.update({f"{name}_groups_per_s": args.rounds * k / sec,
                        f"{name}_round_s": sec / args.rounds,
                        f"{name}_completion_tokens_per_s": tokens / sec,
                        f"{name}_slot_occupancy": float(np.mean(occupancy)),
                        f"{name}_staleness_mean": float(np.mean(stale)),
+                       f"{name}_update_width_mean": float(np.mean(widths)),
+                       f"{name}_compile_s": compiled[0],
+                       f"{name}_warm_groups_per_s": args.rounds * k / (sec - compiled[0]),
                        **{f"{name}_{part}_s": float(np.mean(got)) for part, got in parts.items()}})
     result["partial_speedup"] = result["partial_groups_per_s"] / result["refill_groups_per_s"]
+    result["partial_warm_speedup"] = (result["partial_warm_groups_per_s"]
+                                      / result["refill_warm_groups_per_s"])
     result["decode_slots"] = rollout.slots.slots
     return result
 
@@ -523,6 +544,10 @@ def main(argv=None):
                    help="with --model: every K-th prompt asks for a long text and the rest for "
                         "one sentence (long-tailed lengths); 0: the shipped prompts as they are")
     p.add_argument("--completion-len", type=int, default=256)
+    p.add_argument("--pad-to-multiple-of", type=int,
+                   help="batch.pad_to_multiple_of: the update's completions padded to a "
+                   "multiple of this (--completion-len: always to it); default: to the length "
+                   "bucket of the batch's longest")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--num-iterations", type=int, default=1,
                    help="optimizer updates per generation batch (TRL's num_iterations)")
