@@ -18,6 +18,7 @@ import numpy as np
 
 from grpo_jax import dynamic_sampling as ds
 from grpo_jax import image_blocks
+from grpo_jax import mesh as mesh_lib
 from grpo_jax import run_facts
 from grpo_jax.grpo import advantages as adv_lib
 from grpo_jax.grpo import loss as loss_lib
@@ -27,7 +28,6 @@ from grpo_jax.data import DataPosition
 from grpo_jax.metrics import Logged, timing
 from grpo_jax.models import moe
 from grpo_jax.policy import Policy
-from grpo_jax import mesh as mesh_lib
 from grpo_jax.rollout import padding
 from grpo_jax.rollout.base import Rollout, WeightMode
 from grpo_jax.rollout.native.disaggregated import Split
