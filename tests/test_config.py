@@ -211,6 +211,16 @@ def test_warmup_and_mesh_helpers():
     assert config_from_dict({}, ["vllm_server_port=9000"]).rollout.base_url == "http://127.0.0.1:9000"
 
 
+def test_pad_to_multiple_of_takes_trls_values():
+    """TRL's pad_to_multiple_of: its default 'auto' (here the length buckets, as null), an
+    integer; nothing else."""
+    assert config_from_dict({"pad_to_multiple_of": "auto"}).batch.pad_to_multiple_of is None
+    assert config_from_dict({}, ["pad_to_multiple_of=64"]).batch.pad_to_multiple_of == 64
+    for bad in ("0", "foo"):
+        with pytest.raises(ConfigError, match="pad_to_multiple_of"):
+            config_from_dict({}, [f"pad_to_multiple_of={bad}"])
+
+
 def test_to_dict_round_trips(tmp_path):
     cfg = load_config("arithmetic", ["reward_weights=[0.5]", "stop_token_ids=[7, 9]",
                                      "report_to=[tensorboard, wandb]", "epsilon_high=0.28"])

@@ -30,7 +30,7 @@ class BatchArgs:
     num_train_epochs: float = arg(
         3.0,
         "Passes over the prompts (a fraction allowed); max_steps > 0 overrides it.")
-    pad_to_multiple_of: int | None = arg(
+    pad_to_multiple_of: int | Literal["auto"] | None = arg(
         None,
         "TRL's: the trainer's batch pads completions to its longest completion rounded up to a "
         "multiple of this (at most max_completion_length). null (or TRL's 'auto'): rounded up "
@@ -38,10 +38,7 @@ class BatchArgs:
         "of update programs; max_completion_length: one program, every row padded to it.")
 
     def __post_init__(self):
-        if isinstance(self.pad_to_multiple_of, str):  # TRL's YAML: "auto", "none"
-            check(self.pad_to_multiple_of.lower() in ("auto", "none", "null"),
-                  f"pad_to_multiple_of={self.pad_to_multiple_of!r} must be an integer, auto or "
-                  "null")
+        if self.pad_to_multiple_of == "auto":  # TRL's default: here the length buckets
             object.__setattr__(self, "pad_to_multiple_of", None)
         check(self.pad_to_multiple_of is None or self.pad_to_multiple_of >= 1,
               f"pad_to_multiple_of must be >= 1 or null, got {self.pad_to_multiple_of}")
