@@ -410,9 +410,8 @@ class GRPORound:
             if draw is None:
                 return None, at.rows_in_flight, at.position
         gen = self._training_batch(r, scores, g, took, wall, at.reference)
-        width = gen.batch.completion_ids.shape[1]  # the trainer's (completion_width)
-        gen.metrics.update(staleness_metrics(r.versions[:, :width], gen.batch.model_mask(),
-                                             at.round, partial.max_staleness))
+        gen.metrics.update(staleness_metrics(r.versions, gen.batch.model_mask(), at.round,
+                                             partial.max_staleness))
         gen.metrics["staleness/dropped_groups"] = float(dropped)
         if filled is not None:
             gen.metrics.update(filled.metrics())
@@ -465,9 +464,8 @@ class GRPORound:
         if filled is not None:
             r, scores = filled.batch()
         gen = self._training_batch(r, scores, g, took, time.time(), at.reference)
-        width = gen.batch.completion_ids.shape[1]  # the trainer's (completion_width)
-        gen.metrics.update(staleness_metrics(r.versions[:, :width], gen.batch.model_mask(),
-                                             at.round, split.max_staleness))
+        gen.metrics.update(staleness_metrics(r.versions, gen.batch.model_mask(), at.round,
+                                             split.max_staleness))
         gen.metrics["staleness/dropped_groups"] = float(dropped)
         if filled is not None:
             gen.metrics.update(filled.metrics())

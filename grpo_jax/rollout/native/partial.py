@@ -755,8 +755,9 @@ class PartialRollouts:
 def staleness_metrics(versions: np.ndarray, mask: np.ndarray, version: int,
                       max_staleness: int) -> dict:
     """staleness/*: how many versions older than the training weights each trained token's
-    are: mean, max and the share of tokens at each staleness 0..max_staleness."""
-    ages = (version - versions)[mask > 0]
+    are: mean, max and the share of tokens at each staleness 0..max_staleness. `mask` may be
+    narrower than `versions` (the trainer's width: shapes.completion_width; past it, padding)."""
+    ages = (version - versions[:, :mask.shape[1]])[mask > 0]
     if not ages.size:
         return {}
     out = {"staleness/mean": float(ages.mean()), "staleness/max": float(ages.max())}
