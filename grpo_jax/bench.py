@@ -106,7 +106,8 @@ def model_settings(args) -> dict:
     """The ModelConfig fields the flags set, for random and real weights alike."""
     return dict(dtype=jnp.dtype(args.dtype), remat=not args.no_remat,
                 remat_policy=args.remat_policy, attention_impl=args.attention,
-                shared_prefix=not args.no_shared_prefix, sampler_layers=args.sampler_layers,
+                shared_prefix=not args.no_shared_prefix, padding_free=args.padding_free,
+                sampler_layers=args.sampler_layers,
                 decode_attention=args.decode_attention)
 
 
@@ -548,6 +549,9 @@ def main(argv=None):
                    help="batch.pad_to_multiple_of: the update's completions padded to a "
                    "multiple of this (--completion-len: always to it); default: to the length "
                    "bucket of the batch's longest")
+    p.add_argument("--padding-free", action="store_true",
+                   help="numerics.padding_free: a group's short completions run end to end in "
+                   "one row of the update and log-prob passes (grpo/packing.py)")
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--num-iterations", type=int, default=1,
                    help="optimizer updates per generation batch (TRL's num_iterations)")

@@ -20,6 +20,7 @@ from grpo_jax import distributed as dist
 from grpo_jax import mesh as mesh_lib
 from grpo_jax import run_facts
 from grpo_jax.grpo import loss as loss_lib
+from grpo_jax.grpo import packing
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.optimizer import OptimizerConfig, make_optimizer
 from grpo_jax.grpo.train_step import (StepConfig, TrainState, batch_loss,
@@ -166,6 +167,8 @@ class Policy:
                  mesh: Mesh):
         self.cfg, self.mesh = step_cfg, mesh
         self.model_config = model.cfg
+        # The update packs only without LoRA dropout, whose masks are drawn per row.
+        self.trains_packed = model.lora_dropout == 0
         split = split_policy(model, mesh)
         self.graphdef, self.lora_scale = split.graphdef, split.lora_scale
         self.frozen: tuple = ()
@@ -210,6 +213,21 @@ class Policy:
         blocks = prompt_blocks(batch) if self.shared_prefix else 1
         return run_facts.prompt_group(self.shared_prefix, blocks, micro_rows)
 
+    def packed(self, batch: Batch, micro_batches: int, group: int, training: bool) -> Batch:
+        """`batch` with its completions' packing (numerics.padding_free, grpo/packing.py) for
+        programs that split it into `micro_batches` with `group` rows per shared prompt; as it
+        is where padding-free is off or packs nothing, or the batch is not plain text with
+        full attention on one sequence shard (images, M-RoPE positions, a routing record,
+        sliding-window layers, a context axis: those run padded)."""
+        cfg = self.model_config
+        if (not cfg.numerics.padding_free or group < 2 or (training and not self.trains_packed)
+                or any(x is not None for x in (batch.completion_routing, batch.pixel_values,
+                                                batch.positions))
+                or any(cfg.sliding_layers) or mesh_lib.context_size(self.mesh) > 1):
+            return batch
+        return batch.replace(packing=packing.plan(batch.completion_mask, micro_batches, group,
+                                                  mesh_lib.batch_divisor(self.mesh)))
+
     def shard_batch(self, batch: Batch) -> Batch:
         # Host arrays that every process holds whole; each process places its devices' rows.
         return jax.tree.map(lambda v: dist.shard_host_array(
@@ -222,13 +240,15 @@ class Policy:
         on the device (jax.device_get them when needed)."""
         k = micro_batches or self.cfg.gradient_accumulation_steps
         group = self.prompt_group(batch, batch.size // k)
+        batch = self.packed(batch, k, group, training=True)
         return self.programs.step(state, self.shard_batch(batch), self.frozen, group, k)
 
     def eval_metrics(self, state: TrainState, batch: Batch) -> dict:
         """TRL's evaluation loss and loss metrics of `batch` (one micro-batch, no update); on
         the device, like step's."""
-        return self.programs.eval(state, self.shard_batch(batch), self.frozen,
-                          self.prompt_group(batch, batch.size))
+        group = self.prompt_group(batch, batch.size)
+        return self.programs.eval(state, self.shard_batch(self.packed(batch, 1, group, False)),
+                                  self.frozen, group)
 
     def mix_ref(self, params, ref, alpha: float):
         """TR-DPO's reference update alpha * params + (1 - alpha) * ref, on the devices with the
@@ -255,8 +275,9 @@ class Policy:
         step = rows if rows and n % rows == 0 else n
         # Every part is dispatched before the first is read back.
         group = self.prompt_group(seqs, step)
-        parts = [self.programs.logps(self.graphdef, params, self.shard_batch(
-            seqs.rows(slice(i, i + step))), self.frozen, group) for i in range(0, n, step)]
+        parts = [self.programs.logps(self.graphdef, params, self.shard_batch(self.packed(
+            seqs.rows(slice(i, i + step)), 1, group, False)), self.frozen, group)
+            for i in range(0, n, step)]
         logp = np.concatenate([np.asarray(p[0]) for p in parts])
         if parts[0][1] is None:
             return logp, None

@@ -161,3 +161,49 @@ def test_sharded_shared_prefix_equals_plain_single_device(smol_few_layers):
     m1, m8 = jax.device_get((m1, m8))
     for key in ("loss", "grad_norm"):
         np.testing.assert_allclose(m1[key], m8[key], rtol=1e-5)
+
+
+def test_padding_free_packs_completions_with_the_padded_values():
+    """numerics.padding_free: a group's short completions run end to end in fewer rows; the
+    plan puts every real token in exactly one packed slot and back again, and the log-probs,
+    entropies, loss and gradients (one micro-batch and three) equal the padded shared-prefix
+    forward's within fp32 rounding; through Policy, an update packed equals one padded. A
+    model with sliding-window layers runs padded (a packed segment's distance to its prompt
+    would be off by its offset in the row)."""
+    from grpo_jax.grpo import packing
+    cfg = TINY.replace(sliding_window=None, layer_types=None, rope_local_theta=None)
+    model = Decoder(cfg, rngs=nnx.Rngs(1))
+    batch = grouped_batch(cfg.vocab_size, seed=3)
+    N, C = batch.completion_mask.shape
+    lengths = packing.row_lengths(batch.completion_mask)
+    pk = packing.plan(batch.completion_mask, 1, G)
+    assert pk.rows < N and pk.back.shape == (N, C)
+    real = pk.segment >= 0
+    assert sorted(pk.slot[real]) == [r * C + t for r in range(N) for t in range(lengths[r])]
+    assert (pk.segment[real] // G == np.repeat(pk.prompt, C).reshape(-1, C)[real]).all()
+    r, t = np.divmod(pk.slot[real], C)
+    assert (t == pk.index[real]).all() and (pk.back[r, t] == np.flatnonzero(real)).all()
+    assert packing.plan(np.ones((N, C), np.int32), 1, G) is None  # nothing to pack
+
+    b = jax.tree.map(jnp.asarray, batch)
+    c_real = np.asarray(b.completion_mask, bool)
+    want = completion_logps(model, b, 0.7, 4, G)
+    got = completion_logps(model, b.replace(packing=jax.tree.map(jnp.asarray, pk)), 0.7, 4, G)
+    for w, g in zip(want, got):
+        assert np.abs(np.asarray(w) - np.asarray(g))[c_real].max() < 1e-5
+    for k in (1, GROUPS):
+        padded = accumulated_grads(model, batch, k, G)
+        packed = accumulated_grads(model, batch.replace(packing=packing.plan(
+            batch.completion_mask, k, G)), k, G)
+        assert abs(padded[0] - packed[0]) < 1e-6 and worst_relative(padded[1], packed[1]) < 1e-5
+
+    one = mesh_lib.make_mesh(mesh_lib.MeshConfig(1, 1, 1), jax.devices()[:1])
+    on = _trainer(Decoder(cfg.replace(padding_free=True), rngs=nnx.Rngs(1)), one, 1)
+    off = _trainer(Decoder(cfg, rngs=nnx.Rngs(1)), one, 1)
+    assert on.packed(batch, 1, G, training=True).packing.rows == pk.rows
+    assert off.packed(batch, 1, G, training=True).packing is None
+    metrics = [jax.device_get(t.step(t.init_state, batch)[1]) for t in (on, off)]
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose(metrics[0][key], metrics[1][key], rtol=1e-5)
+    sliding = _trainer(Decoder(TINY.replace(padding_free=True), rngs=nnx.Rngs(0)), one, 1)
+    assert sliding.packed(batch, 1, G, training=True).packing is None

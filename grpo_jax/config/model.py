@@ -46,6 +46,16 @@ class Numerics:
         "into micro-batches by whole groups, shuffled group-wise (TRL shuffles rows; with "
         "steps_per_generation = gradient_accumulation_steps, TRL's default, an update sees the "
         "same rows either way). false: TRL's row shuffle, every row runs its prompt.")
+    padding_free: bool = arg(
+        False,
+        "TRL's padding_free (SFTConfig's; its GRPOConfig has none): with shared_prefix, the "
+        "training and log-prob passes run a group's short completions end to end in one row "
+        "(each attending to its prompt and itself, at its own positions) instead of each "
+        "padded to the batch's longest: fewer rows, the same tokens, the same values up to "
+        "rounding (grpo/packing.py). Plain text with full attention only (not with images, "
+        "M-RoPE, routing replay's record, sliding-window layers, a context axis, or LoRA "
+        "dropout in the update): those run padded. Each packed row's attention takes a dense "
+        "mask (the plain or cuDNN kernel, not the blockwise ones).")
     attention_block: int = arg(
         512,
         "Queries and keys per block of the blockwise attention (attention.flash, and splash's "

@@ -7,6 +7,8 @@ from typing import Any
 import jax
 from flax import struct
 
+from grpo_jax.grpo.packing import Packing
+
 Array = Any  # np.ndarray on the host, jax.Array on the mesh
 
 
@@ -51,6 +53,10 @@ class Batch:
     # Qwen-VL: [N, K, 3] int32 each row's images' patch grids (t, h, w), (0, 0, 0) for a blank:
     # the tower lays each image out from its grid in the program.
     image_grid: Array | None = None
+    # Padding-free (numerics.padding_free): where each completion token runs in the packed
+    # rows of its micro-batch. Set by Policy just before a program runs (its leading axes are
+    # packed rows, not the batch's: `rows` must not cut it).
+    packing: Packing | None = None
 
     @property
     def size(self) -> int:

@@ -23,7 +23,7 @@ from grpo_jax import mesh as mesh_lib
 from grpo_jax.grpo import loss as loss_lib
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.logprobs import token_logprobs
-from grpo_jax.models import attention, lora, moe
+from grpo_jax.models import attention, decoder, lora, moe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +107,8 @@ def _forward(model, batch: Batch, temperature: float, chunk: int, group: int = 1
     # Position t predicts token t + 1: targets shifted left (the last one predicts nothing).
     shift = lambda ids: jnp.pad(ids[:, 1:], ((0, 0), (0, 1)))  # noqa: E731
     # LoRA dropout draws its masks per row: a shared prompt would share them.
+    if batch.packing is not None and group > 1 and model.lora_dropout_key is None:
+        return (*_packed_forward(model, batch, head, group), None)
     if group > 1 and model.lora_dropout_key is None:
         o_p, o_c = model.sequence_order(P_len), model.sequence_order(C)
         # Images: a group's prompt, its images with it, runs once (the tower too).
@@ -153,6 +155,39 @@ def _forward(model, batch: Batch, temperature: float, chunk: int, group: int = 1
                seq_shards=mesh_lib.context_size(model.mesh))
     back = attention.inverse(order)
     return (*(x[:, back][:, P_len - 1:P_len - 1 + C] for x in out), stats, chosen)
+
+
+def _packed_forward(model, batch: Batch, head, group: int):
+    """_forward's (logp, entropy, RouterStats or None) of a text batch whose completions run
+    packed (batch.packing, grpo/packing.py): the packed rows' tokens gathered from the batch,
+    their log-probs put back in [N, C] order. Each token is predicted by the one before it in
+    its segment, a segment's first by its prompt's last position; positions are the unpacked
+    rows' (the prompt's length plus the completion mask's running count), so every token's
+    values are the unpacked forward's up to rounding."""
+    pk = batch.packing
+    if (batch.completion_routing is not None or batch.pixel_values is not None
+            or batch.positions is not None or model.sequence_order(batch.completion_ids.shape[1])
+            is not None):
+        raise ValueError("padding_free packs text completions without a routing record or a "
+                         "context axis only (grpo/packing.py plans no other)")
+    N, C = batch.completion_ids.shape
+    P_len = batch.prompt_ids.shape[1]
+    real = pk.segment >= 0
+    ids = jnp.where(real, batch.completion_ids.reshape(-1)[pk.slot], 0)
+    mask = jnp.where(real, batch.completion_mask.reshape(-1)[pk.slot], 0)
+    rank = jnp.cumsum(batch.completion_mask, axis=1).reshape(-1)[pk.slot]
+    prompt_mask = batch.prompt_mask[::group]
+    lengths = jnp.sum(prompt_mask, axis=1)[pk.prompt]
+    positions = (decoder.positions_from_mask(prompt_mask),
+                 jnp.maximum(lengths[:, None] + rank - 1, 0))
+    prompt, hidden, stats = model.shared_prefix(
+        batch.prompt_ids[::group], prompt_mask, ids, mask, group, with_router=True,
+        positions=positions, packing=(pk.prompt, pk.segment))
+    last = model.shard_rows(jnp.take(prompt[:, P_len - 1], pk.prompt, axis=0))[:, None]
+    before = jnp.concatenate([last, hidden[:, :C - 1]], axis=1)  # the token before each slot
+    hidden = jnp.where((pk.index == 0)[..., None], last, before)
+    back = pk.back
+    return (*(x.reshape(-1)[back].reshape(N, C) for x in head(hidden, targets=ids)), stats)
 
 
 def multimodal_embeds(model, batch: Batch) -> jax.Array:

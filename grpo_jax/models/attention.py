@@ -36,13 +36,17 @@ class Mask(NamedTuple):
     t sees key s when key_ok[b, s], s <= q_idx[t] (causal) and q_idx[t] - s < window.
     `blocks` [B, S] int (Gemma 3's images; None: none): a query also sees the later keys of
     its own block (blocks >= 0, an image's tokens), the window still bounding it from below
-    (transformers' AND(window, OR(causal, blockwise))). Only the dense mask has blocks (the
+    (transformers' AND(window, OR(causal, blockwise))). `segments` (padding-free packed
+    completions, grpo/packing.py; None: none): the pair ([B, T] each query's segment, [B, S]
+    each key's, -1 for keys every query sees: the shared prompt's); a query then sees only its
+    own segment's keys besides those. Only the dense mask has blocks and segments (the
     blockwise kernels skip key blocks after the queries)."""
 
     q_idx: Any      # [T] int32 (numpy or traced)
     key_ok: Any     # [B, S] bool
     window: Any = None  # None (no window), an int, or a traced int32 (layers of both kinds)
     blocks: Any = None  # [B, S] int32, -1 outside the blocks
+    segments: Any = None  # ([B, T], [B, S]) int32
 
     def dense(self) -> jax.Array:
         """[B, T, S] bool, for the plain attention."""
@@ -54,6 +58,9 @@ class Mask(NamedTuple):
             seen = seen | ((own == self.blocks[:, None, :]) & (own >= 0))
         if self.window is not None:
             seen = seen & (q - s < self.window)[None]
+        if self.segments is not None:
+            own, keys = (jnp.asarray(x) for x in self.segments)
+            seen = seen & ((keys[:, None, :] < 0) | (keys[:, None, :] == own[:, :, None]))
         return seen & self.key_ok[:, None, :]
 
 

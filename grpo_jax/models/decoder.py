@@ -511,7 +511,7 @@ class Decoder(nnx.Module):
     def shared_prefix(self, prompt_ids, prompt_mask, ids, mask, group: int,
                       orders=(None, None), with_router: bool = False, routing=None,
                       record_routing: bool = False, prompt_embeds=None, positions=None,
-                      completion_embeds=None):
+                      completion_embeds=None, packing=None):
         """The forward of `group` completions per prompt with each prompt computed once (Prefix
         Grouper, arXiv 2506.05433): returns (hidden [g, P, D] of the prompts, hidden [g * group,
         C, D] of the completions), equal to running every row's prompt + completion through
@@ -529,10 +529,20 @@ class Decoder(nnx.Module):
         tower runs once per prompt, not once per row) and, for M-RoPE, `positions` the pair
         ([3, g, P], [3, g * group, C]); Gemma 3's image blocks attend both ways in the prompt.
         `completion_embeds` [g * group, C, D]: the completions' (a tool result's images in
-        them: embed_multimodal), else the tokens'."""
+        them: embed_multimodal), else the tokens'.
+        `packing` (padding-free, grpo/packing.py): the pair ([M] each row's prompt, [M, C] each
+        token's segment, -1 on padding): ids / mask are M packed rows, several completions of
+        one prompt end to end, each attending to its prompt and its own segment; `positions`
+        then gives the completions' (each segment's own); `group` still the rows per prompt
+        that the packed rows hold (router statistics count a prompt once per row)."""
         cfg, mesh = self.cfg, self.mesh
         P_len, C = prompt_ids.shape[1], ids.shape[1]
-        rep = lambda a: self.shard_rows(jnp.repeat(a, group, axis=0))  # noqa: E731
+        if packing is None:
+            rep = lambda a: self.shard_rows(jnp.repeat(a, group, axis=0))  # noqa: E731
+        else:
+            rep = lambda a: self.shard_rows(jnp.take(a, packing[0], axis=0))  # noqa: E731
+        segments = None if packing is None else (packing[1], jnp.concatenate(
+            [jnp.full((packing[1].shape[0], P_len), -1, jnp.int32), packing[1]], axis=1))
         prompt_ok, ok = prompt_mask.astype(bool), mask.astype(bool)
         if positions is None:
             positions = (positions_from_mask(prompt_mask),
@@ -591,7 +601,8 @@ class Decoder(nnx.Module):
             v = jnp.concatenate([rep(v), attention_lib.gather_keys(vc, o_c, mesh)], axis=1)
             attn = _attend(cfg, q, k, v, Mask(queries["completion"], keys_ok["completion"],
                                               window,
-                                              None if blocks is None else blocks["completion"]),
+                                              None if blocks is None else blocks["completion"],
+                                              segments),
                            mesh, sinks=_sinks(cfg, p))
             x, stats, idx = _attn_out_and_mlp(cfg, p, x, attn, tokens_ok["completion"],
                                               self.expert_mesh, f["completion"])
@@ -828,12 +839,14 @@ def _attend(cfg: ModelConfig, q, k, v, mask: Mask, mesh=None, key_order=None, si
     cap = cfg.attn_logit_softcapping
     k, v = (attention_lib.gather_keys(a, key_order, mesh) for a in (k, v))
     cp = mesh_lib.context_size(mesh)
-    split = cp > 1 and q.shape[1] % cp == 0 and mask.blocks is None
+    dense_only = mask.blocks is not None or mask.segments is not None
+    split = cp > 1 and q.shape[1] % cp == 0 and not dense_only
     rows = q.shape[0] // (mesh_lib.batch_divisor(mesh) if mesh is not None else 1) or 1
     kernel = cfg.attention_kernel(k.shape[1], context_parallel=split, queries=q.shape[1],
                                   rows=rows)
-    if sinks is not None or (mask.blocks is not None and kernel != "cudnn"):
-        kernel = "xla"  # neither cuDNN nor the blockwise kernels take sinks, nor the others blocks
+    if sinks is not None or (dense_only and kernel != "cudnn"):
+        # Neither cuDNN nor the blockwise kernels take sinks, nor the others blocks or segments.
+        kernel = "xla"
     if kernel == "cudnn":
         # Each query also sees itself, so padding rows are never fully masked (NaN in cuDNN).
         own = jnp.arange(k.shape[1])[None, :] == jnp.asarray(mask.q_idx)[:, None]
