@@ -218,11 +218,13 @@ class Policy:
         programs that split it into `micro_batches` with `group` rows per shared prompt; as it
         is where padding-free is off or packs nothing, or the batch is not plain text with
         full attention on one sequence shard (images, M-RoPE positions, a routing record,
-        sliding-window layers, a context axis: those run padded)."""
+        sliding-window layers, a context axis: those run padded), and no expert capacity
+        (moe_capacity_factor sizes it by the tokens a forward holds, padding included)."""
         cfg = self.model_config
         if (not cfg.numerics.padding_free or group < 2 or (training and not self.trains_packed)
                 or any(x is not None for x in (batch.completion_routing, batch.pixel_values,
                                                 batch.positions))
+                or cfg.numerics.moe_capacity_factor is not None
                 or any(cfg.sliding_layers) or mesh_lib.context_size(self.mesh) > 1):
             return batch
         return batch.replace(packing=packing.plan(batch.completion_mask, micro_batches, group,

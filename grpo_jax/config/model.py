@@ -53,8 +53,8 @@ class Numerics:
         "(each attending to its prompt and itself, at its own positions) instead of each "
         "padded to the batch's longest: fewer rows, the same tokens, the same values up to "
         "rounding (grpo/packing.py). Plain text with full attention only (not with images, "
-        "M-RoPE, routing replay's record, sliding-window layers, a context axis, or LoRA "
-        "dropout in the update): those run padded. Each packed row's attention takes a dense "
+        "M-RoPE, routing replay's record, sliding-window layers, a context axis, expert "
+        "capacity, or LoRA dropout in the update): those run padded. Each packed row's attention takes a dense "
         "mask (the plain or cuDNN kernel, not the blockwise ones).")
     attention_block: int = arg(
         512,
