@@ -164,8 +164,9 @@ def test_sharded_shared_prefix_equals_plain_single_device(smol_few_layers):
 
 
 def test_padding_free_packs_completions_with_the_padded_values():
-    """numerics.padding_free: a group's short completions run end to end in fewer rows; the
-    plan puts every real token in exactly one packed slot and back again, and the log-probs,
+    """numerics.padding_free: short completions run end to end in fewer rows, those of
+    different prompts in one row too (each attending to its own prompt); the plan puts every
+    real token in exactly one packed slot and back again, and the log-probs,
     entropies, loss and gradients (one micro-batch and three) equal the padded shared-prefix
     forward's within fp32 rounding; through Policy, an update packed equals one padded. A
     model with sliding-window layers runs padded (a packed segment's distance to its prompt
@@ -175,12 +176,18 @@ def test_padding_free_packs_completions_with_the_padded_values():
     model = Decoder(cfg, rngs=nnx.Rngs(1))
     batch = grouped_batch(cfg.vocab_size, seed=3)
     N, C = batch.completion_mask.shape
-    lengths = packing.row_lengths(batch.completion_mask)
+    # One long row, the rest short: a row per group would be 4 rows (6 rounded up to the
+    # quarters); across groups 3.
+    lengths = np.array([C, 1, 1, 1, 2, 2, 1, 1, 1, 1, 1, 1])
+    c_mask = (np.arange(C)[None] < lengths[:, None]).astype(np.int32)
+    batch = batch.replace(completion_ids=batch.completion_ids * c_mask, completion_mask=c_mask,
+                          truncated=lengths == C)
     pk = packing.plan(batch.completion_mask, 1, G)
-    assert pk.rows < N and pk.back.shape == (N, C)
+    assert pk.rows == 3 and pk.prompt.shape == (3, 2) and pk.back.shape == (N, C)
     real = pk.segment >= 0
     assert sorted(pk.slot[real]) == [r * C + t for r in range(N) for t in range(lengths[r])]
-    assert (pk.segment[real] // G == np.repeat(pk.prompt, C).reshape(-1, C)[real]).all()
+    row = np.repeat(np.arange(pk.rows), C).reshape(-1, C)
+    assert all(g in pk.prompt[m] for m, g in zip(row[real], pk.segment[real] // G))
     r, t = np.divmod(pk.slot[real], C)
     assert (t == pk.index[real]).all() and (pk.back[r, t] == np.flatnonzero(real)).all()
     assert packing.plan(np.ones((N, C), np.int32), 1, G) is None  # nothing to pack

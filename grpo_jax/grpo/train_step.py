@@ -161,9 +161,9 @@ def _packed_forward(model, batch: Batch, head, group: int):
     """_forward's (logp, entropy, RouterStats or None) of a text batch whose completions run
     packed (batch.packing, grpo/packing.py): the packed rows' tokens gathered from the batch,
     their log-probs put back in [N, C] order. Each token is predicted by the one before it in
-    its segment, a segment's first by its prompt's last position; positions are the unpacked
-    rows' (the prompt's length plus the completion mask's running count), so every token's
-    values are the unpacked forward's up to rounding."""
+    its segment, a segment's first by its own prompt's last position; positions are the
+    unpacked rows' (the prompt's length plus the completion mask's running count), so every
+    token's values are the unpacked forward's up to rounding."""
     pk = batch.packing
     if (batch.completion_routing is not None or batch.pixel_values is not None
             or batch.positions is not None or model.sequence_order(batch.completion_ids.shape[1])
@@ -171,23 +171,25 @@ def _packed_forward(model, batch: Batch, head, group: int):
         raise ValueError("padding_free packs text completions without a routing record or a "
                          "context axis only (grpo/packing.py plans no other)")
     N, C = batch.completion_ids.shape
-    P_len = batch.prompt_ids.shape[1]
+    M, P_len = pk.rows, batch.prompt_ids.shape[1]
     real = pk.segment >= 0
     ids = jnp.where(real, batch.completion_ids.reshape(-1)[pk.slot], 0)
     mask = jnp.where(real, batch.completion_mask.reshape(-1)[pk.slot], 0)
     rank = jnp.cumsum(batch.completion_mask, axis=1).reshape(-1)[pk.slot]
     prompt_mask = batch.prompt_mask[::group]
-    lengths = jnp.sum(prompt_mask, axis=1)[pk.prompt]
-    positions = (decoder.positions_from_mask(prompt_mask),
-                 jnp.maximum(lengths[:, None] + rank - 1, 0))
+    lengths = jnp.sum(prompt_mask, axis=1)[jnp.maximum(pk.segment, 0) // group]  # [M, C]
+    positions = (decoder.positions_from_mask(prompt_mask), jnp.maximum(lengths + rank - 1, 0))
     prompt, hidden, stats = model.shared_prefix(
         batch.prompt_ids[::group], prompt_mask, ids, mask, group, with_router=True,
         positions=positions, packing=(pk.prompt, pk.segment))
-    last = model.shard_rows(jnp.take(prompt[:, P_len - 1], pk.prompt, axis=0))[:, None]
-    before = jnp.concatenate([last, hidden[:, :C - 1]], axis=1)  # the token before each slot
-    hidden = jnp.where((pk.index == 0)[..., None], last, before)
-    back = pk.back
-    return (*(x.reshape(-1)[back].reshape(N, C) for x in head(hidden, targets=ids)), stats)
+    # The token before each slot in its row; a segment's first (row r's, at back[r, 0]) gets
+    # its prompt's last position instead (an empty row's goes nowhere).
+    before = jnp.concatenate([jnp.zeros_like(hidden[:, :1]), hidden[:, :C - 1]], axis=1)
+    starts = jnp.where(jnp.any(batch.completion_mask > 0, axis=1), pk.back[:, 0], M * C)
+    last = jnp.repeat(prompt[:, P_len - 1], group, axis=0)  # [N, D]
+    before = before.reshape(M * C, -1).at[starts].set(last, mode="drop").reshape(hidden.shape)
+    return (*(x.reshape(-1)[pk.back].reshape(N, C)
+              for x in head(model.shard_rows(before), targets=ids)), stats)
 
 
 def multimodal_embeds(model, batch: Batch) -> jax.Array:

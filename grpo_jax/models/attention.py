@@ -37,16 +37,16 @@ class Mask(NamedTuple):
     `blocks` [B, S] int (Gemma 3's images; None: none): a query also sees the later keys of
     its own block (blocks >= 0, an image's tokens), the window still bounding it from below
     (transformers' AND(window, OR(causal, blockwise))). `segments` (padding-free packed
-    completions, grpo/packing.py; None: none): the pair ([B, T] each query's segment, [B, S]
-    each key's, -1 for keys every query sees: the shared prompt's); a query then sees only its
-    own segment's keys besides those. Only the dense mask has blocks and segments (the
-    blockwise kernels skip key blocks after the queries)."""
+    completions, grpo/packing.py; None: none): the triple ([B, T] each query's own segment,
+    [B, T] the segment it shares (its prompt's), [B, S] each key's); a query then sees only
+    the keys of those two. Only the dense mask has blocks and segments (the blockwise kernels
+    skip key blocks after the queries)."""
 
     q_idx: Any      # [T] int32 (numpy or traced)
     key_ok: Any     # [B, S] bool
     window: Any = None  # None (no window), an int, or a traced int32 (layers of both kinds)
     blocks: Any = None  # [B, S] int32, -1 outside the blocks
-    segments: Any = None  # ([B, T], [B, S]) int32
+    segments: Any = None  # ([B, T], [B, T], [B, S]) int32
 
     def dense(self) -> jax.Array:
         """[B, T, S] bool, for the plain attention."""
@@ -59,8 +59,9 @@ class Mask(NamedTuple):
         if self.window is not None:
             seen = seen & (q - s < self.window)[None]
         if self.segments is not None:
-            own, keys = (jnp.asarray(x) for x in self.segments)
-            seen = seen & ((keys[:, None, :] < 0) | (keys[:, None, :] == own[:, :, None]))
+            own, shared, keys = (jnp.asarray(x)[:, :, None] for x in self.segments)
+            keys = keys.transpose(0, 2, 1)  # [B, 1, S]
+            seen = seen & ((keys == own) | (keys == shared))
         return seen & self.key_ok[:, None, :]
 
 

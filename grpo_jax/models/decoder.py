@@ -530,20 +530,29 @@ class Decoder(nnx.Module):
         ([3, g, P], [3, g * group, C]); Gemma 3's image blocks attend both ways in the prompt.
         `completion_embeds` [g * group, C, D]: the completions' (a tool result's images in
         them: embed_multimodal), else the tokens'.
-        `packing` (padding-free, grpo/packing.py): the pair ([M] each row's prompt, [M, C] each
-        token's segment, -1 on padding): ids / mask are M packed rows, several completions of
-        one prompt end to end, each attending to its prompt and its own segment; `positions`
+        `packing` (padding-free, grpo/packing.py): the pair ([M, K] the prompts each row holds,
+        -1 an unused slot; [M, C] each token's segment, its unpacked row, -1 on padding): ids /
+        mask are M packed rows, completions end to end, each attending to its own prompt's
+        keys (its row's slot of prompt segment // group) and its own segment's; `positions`
         then gives the completions' (each segment's own); `group` still the rows per prompt
-        that the packed rows hold (router statistics count a prompt once per row)."""
+        (router statistics count a prompt once per unpacked row)."""
         cfg, mesh = self.cfg, self.mesh
         P_len, C = prompt_ids.shape[1], ids.shape[1]
+        prompt_ok, ok = prompt_mask.astype(bool), mask.astype(bool)
+        segments = None
         if packing is None:
             rep = lambda a: self.shard_rows(jnp.repeat(a, group, axis=0))  # noqa: E731
-        else:
-            rep = lambda a: self.shard_rows(jnp.take(a, packing[0], axis=0))  # noqa: E731
-        segments = None if packing is None else (packing[1], jnp.concatenate(
-            [jnp.full((packing[1].shape[0], P_len), -1, jnp.int32), packing[1]], axis=1))
-        prompt_ok, ok = prompt_mask.astype(bool), mask.astype(bool)
+            rep_ok = rep(prompt_ok)
+        else:  # a packed row's K prompt slots end to end: [M, K * P] keys
+            slots, seg = packing
+            rep = lambda a: self.shard_rows(jnp.take(a, jnp.maximum(slots, 0), axis=0).reshape(
+                slots.shape[0], -1, *a.shape[2:]))
+            rep_ok = rep(prompt_ok) & jnp.repeat(slots >= 0, P_len, axis=1)
+            # A prompt's keys carry the id -2 - its group, a completion's its segment; a query
+            # sees its segment's and its group's (padding: the row's first prompt's).
+            tag = lambda g: -2 - jnp.maximum(g, 0)  # noqa: E731
+            segments = (seg, tag(jnp.where(seg >= 0, seg // group, slots[:, :1])),
+                        jnp.concatenate([jnp.repeat(tag(slots), P_len, axis=1), seg], axis=1))
         if positions is None:
             positions = (positions_from_mask(prompt_mask),
                          jnp.maximum(rep(prompt_mask.sum(1))[:, None] + jnp.cumsum(mask, axis=1)
@@ -577,9 +586,10 @@ class Decoder(nnx.Module):
             rope[part] = {False: full, True: rope_tables(cfg, positions[part], local=True)
                           if any(sliding) else full}
         # Completion query t is key P + t; it sees its prompt's real keys and its own up to t.
+        # (Packed: after the row's K prompts' keys.)
         queries = {"prompt": np.arange(P_len) if o_p is None else o_p,
-                   "completion": P_len + (np.arange(C) if o_c is None else o_c)}
-        keys_ok = {"prompt": prompt_ok, "completion": jnp.concatenate([rep(prompt_ok), ok], 1)}
+                   "completion": rep_ok.shape[1] + (np.arange(C) if o_c is None else o_c)}
+        keys_ok = {"prompt": prompt_ok, "completion": jnp.concatenate([rep_ok, ok], 1)}
         # The real tokens among the hidden states, in the order they run (router statistics).
         tokens_ok = {"prompt": prompt_ok if o_p is None else prompt_ok[:, o_p],
                      "completion": ok if o_c is None else ok[:, o_c]}
