@@ -222,9 +222,7 @@ class Policy:
         (moe_capacity_factor sizes it by the tokens a forward holds, padding included)."""
         cfg = self.model_config
         if (not cfg.numerics.padding_free or group < 2 or (training and not self.trains_packed)
-                or any(x is not None for x in (batch.completion_routing, batch.pixel_values,
-                                                batch.positions))
-                or cfg.numerics.moe_capacity_factor is not None
+                or not packing.packable(batch) or cfg.numerics.moe_capacity_factor is not None
                 or any(cfg.sliding_layers) or mesh_lib.context_size(self.mesh) > 1):
             return batch
         return batch.replace(packing=packing.plan(batch.completion_mask, micro_batches, group,

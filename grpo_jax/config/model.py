@@ -49,9 +49,10 @@ class Numerics:
     padding_free: bool = arg(
         False,
         "TRL's padding_free (SFTConfig's; its GRPOConfig has none): with shared_prefix, the "
-        "training and log-prob passes run a group's short completions end to end in one row "
-        "(each attending to its prompt and itself, at its own positions) instead of each "
-        "padded to the batch's longest: fewer rows, the same tokens, the same values up to "
+        "training and log-prob passes run short completions end to end in one row (each "
+        "attending to its own prompt and itself, at its own positions; a row holds up to 8 "
+        "prompts) instead of each padded to the batch's longest: fewer rows, the same tokens, "
+        "the same values up to "
         "rounding (grpo/packing.py). Plain text with full attention only (not with images, "
         "M-RoPE, routing replay's record, sliding-window layers, a context axis, expert "
         "capacity, or LoRA dropout in the update): those run padded. Each packed row's attention takes a dense "

@@ -31,12 +31,11 @@ Array = np.ndarray
 @struct.dataclass
 class Packing:
     """Where each of a micro-batch's completion tokens sits in its packed rows. Leading axes
-    are micro-batches x rows (packed rows M for the first four, the batch's rows N for
+    are micro-batches x rows (packed rows M for the first three, the batch's rows N for
     `back`), so accumulate's micro-batch split cuts them as it cuts the batch."""
 
     slot: Array    # [k * M, C] int32: the token's flat index r * C + t in its micro-batch
     segment: Array  # [k * M, C] int32: its row r in the micro-batch; -1 on padding
-    index: Array   # [k * M, C] int32: t, its index in its own row (0: a segment's first)
     prompt: Array  # [k * M, K] int32: the groups (r // group) whose prompts the row holds
     #                 (-1: an unused slot); a segment attends to its own group's slot
     back: Array    # [k * N, C] int32: where token (r, t) went, flat m * C + t' (0: padding)
@@ -44,6 +43,13 @@ class Packing:
     @property
     def rows(self) -> int:
         return self.prompt.shape[0]
+
+
+def packable(batch) -> bool:
+    """Whether a batch's completions can run packed: plain text (no images, no M-RoPE
+    positions) without a routing record (its experts are per unpacked token)."""
+    return all(x is None for x in (batch.completion_routing, batch.pixel_values,
+                                   batch.positions))
 
 
 def row_lengths(completion_mask: np.ndarray) -> np.ndarray:
@@ -104,7 +110,6 @@ def plan(completion_mask: np.ndarray, micro_batches: int, group: int,
                   default=1) - 1).bit_length()
     slot = np.zeros((micro_batches, M, C), np.int32)
     segment = np.full((micro_batches, M, C), -1, np.int32)
-    index = np.zeros((micro_batches, M, C), np.int32)
     prompt = np.full((micro_batches, M, K), -1, np.int32)
     prompt[:, :, 0] = 0  # a row with no segment still attends to some prompt
     back = np.zeros((micro_batches, rows, C), np.int32)
@@ -118,8 +123,7 @@ def plan(completion_mask: np.ndarray, micro_batches: int, group: int,
                 t = np.arange(n)
                 slot[j, m, at:at + n] = r * C + t
                 segment[j, m, at:at + n] = r
-                index[j, m, at:at + n] = t
                 back[j, r, :n] = m * C + at + t
                 at += n
     flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
-    return Packing(flat(slot), flat(segment), flat(index), flat(prompt), flat(back))
+    return Packing(flat(slot), flat(segment), flat(prompt), flat(back))

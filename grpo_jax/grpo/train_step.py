@@ -21,6 +21,7 @@ from flax import nnx
 from grpo_jax import image_blocks
 from grpo_jax import mesh as mesh_lib
 from grpo_jax.grpo import loss as loss_lib
+from grpo_jax.grpo import packing
 from grpo_jax.grpo.batch import Batch
 from grpo_jax.grpo.logprobs import token_logprobs
 from grpo_jax.models import attention, decoder, lora, moe
@@ -165,9 +166,8 @@ def _packed_forward(model, batch: Batch, head, group: int):
     unpacked rows' (the prompt's length plus the completion mask's running count), so every
     token's values are the unpacked forward's up to rounding."""
     pk = batch.packing
-    if (batch.completion_routing is not None or batch.pixel_values is not None
-            or batch.positions is not None or model.sequence_order(batch.completion_ids.shape[1])
-            is not None):
+    if (not packing.packable(batch)
+            or model.sequence_order(batch.completion_ids.shape[1]) is not None):
         raise ValueError("padding_free packs text completions without a routing record or a "
                          "context axis only (grpo/packing.py plans no other)")
     N, C = batch.completion_ids.shape
