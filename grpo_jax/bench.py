@@ -430,6 +430,7 @@ def bench_partial(args, cfg, model, mesh, prompts):
         result.update({f"{name}_groups_per_s": args.rounds * k / sec,
                        f"{name}_round_s": sec / args.rounds,
                        f"{name}_completion_tokens_per_s": tokens / sec,
+                       f"{name}_completion_tokens": tokens,
                        f"{name}_slot_occupancy": float(np.mean(occupancy)),
                        f"{name}_staleness_mean": float(np.mean(stale)),
                        f"{name}_update_width_mean": float(np.mean(widths)),
@@ -439,6 +440,10 @@ def bench_partial(args, cfg, model, mesh, prompts):
     result["partial_speedup"] = result["partial_groups_per_s"] / result["refill_groups_per_s"]
     result["partial_warm_speedup"] = (result["partial_warm_groups_per_s"]
                                       / result["refill_warm_groups_per_s"])
+    # The two ways draw different completions: over a few rounds their rare long rows differ,
+    # and trained tokens per second compare them whatever lengths each drew.
+    result["partial_token_speedup"] = (result["partial_completion_tokens_per_s"]
+                                       / result["refill_completion_tokens_per_s"])
     result["decode_slots"] = rollout.slots.slots
     return result
 

@@ -176,8 +176,7 @@ def test_padding_free_packs_completions_with_the_padded_values():
     model = Decoder(cfg, rngs=nnx.Rngs(1))
     batch = grouped_batch(cfg.vocab_size, seed=3)
     N, C = batch.completion_mask.shape
-    # One long row, the rest short: a row per group would be 4 rows (6 rounded up to the
-    # quarters); across groups 3.
+    # One long row, the rest short: a row per group would be 4 rows; across groups 3.
     lengths = np.array([C, 1, 1, 1, 2, 2, 1, 1, 1, 1, 1, 1])
     c_mask = (np.arange(C)[None] < lengths[:, None]).astype(np.int32)
     batch = batch.replace(completion_ids=batch.completion_ids * c_mask, completion_mask=c_mask,

@@ -13,7 +13,7 @@ would see padded (verl's remove-padding, for the grouped layout).
 The plan is made on the host from the completion mask, per micro-batch (its rows stay its own:
 the loss's per-micro-batch terms are unchanged): first-fit decreasing with at most K groups a
 row, K the smallest of 1, 2, 4, 8 that reaches the fewest rows (each prompt slot adds its keys
-to every packed row's attention); the packed rows per micro-batch are rounded up to a quarter
+to every packed row's attention); the packed rows per micro-batch are rounded up to an eighth
 of its rows (and to the mesh's batch divisor), so a run compiles a handful of programs. None
 where packing saves no row.
 """
@@ -93,7 +93,7 @@ def plan(completion_mask: np.ndarray, micro_batches: int, group: int,
     if group < 2 or rows * micro_batches != N or rows % group:
         return None
     lengths = row_lengths(mask).reshape(micro_batches, rows)
-    step = math.lcm(divisor, max(1, rows // 4))
+    step = math.lcm(divisor, max(1, rows // 8))
     fewest = None  # (packed rows, K, bins per micro-batch)
     for most in (1, 2, 4, 8):
         per_micro = [_bins(lengths[j], C, group, most) for j in range(micro_batches)]
