@@ -94,15 +94,15 @@ def plan(completion_mask: np.ndarray, micro_batches: int, group: int,
         return None
     lengths = row_lengths(mask).reshape(micro_batches, rows)
     step = math.lcm(divisor, max(1, rows // 8))
-    fewest = None  # (packed rows, K, bins per micro-batch)
+    fewest = None  # (packed rows, bins per micro-batch)
     for most in (1, 2, 4, 8):
         per_micro = [_bins(lengths[j], C, group, most) for j in range(micro_batches)]
         M = max(step, -(-max(map(len, per_micro)) // step) * step)
         if fewest is None or M < fewest[0]:
-            fewest = (M, most, per_micro)
+            fewest = (M, per_micro)
         if most >= rows // group:
             break
-    M, _, per_micro = fewest
+    M, per_micro = fewest
     if M >= rows:
         return None
     # Slots a power of two (fewer programs), unused ones masked out.
